@@ -1,0 +1,44 @@
+"""Ack intents, seen from the acker: claim committed ones, mark them done.
+
+Both run inside the acker's transaction: the claim's row locks (``FOR UPDATE
+SKIP LOCKED``) are held while the broker ack is sent, so several ackers split
+the work, and a crash before the mark leaves the rows pending to be acked
+again (broker acks are idempotent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import psycopg
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from backhalf import sql
+from backhalf.db import driver_connection
+from backhalf.errors import AckStateError
+from backhalf.records import AckClaim
+
+
+async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> list[AckClaim]:
+    try:
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(sql.CLAIM_ACKS, {"adapters": list(adapters), "limit": limit})
+            rows = await cur.fetchall()
+    except (psycopg.Error, SQLAlchemyError) as exc:
+        raise AckStateError(f"claiming ack intents failed: {type(exc).__name__}: {exc}") from exc
+    return [AckClaim(*row) for row in rows]
+
+
+async def mark_acked(conn: AsyncConnection, inbox_ids: Sequence[int]) -> None:
+    if not inbox_ids:
+        return
+    try:
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(sql.MARK_ACKED, {"ids": list(inbox_ids)})
+    except (psycopg.Error, SQLAlchemyError) as exc:
+        raise AckStateError(
+            f"marking {len(inbox_ids)} ack intents failed: {type(exc).__name__}: {exc}"
+        ) from exc

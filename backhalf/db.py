@@ -1,0 +1,67 @@
+"""The database engine: SQLAlchemy's async engine over psycopg 3, with every
+wait bounded (pool checkout, connect, statement, lock, dead peer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import psycopg
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseSettings:
+    url: str
+    statement_timeout_ms: int = 10_000
+    lock_timeout_ms: int = 5_000
+    connect_timeout_s: int = 10
+    pool_checkout_timeout_s: float = 10.0
+    pool_size: int = 4
+    # A peer that vanished without a reset (blackhole) is noticed by TCP within
+    # this bound instead of hanging a commit forever.
+    tcp_user_timeout_ms: int = 30_000
+
+
+def normalize_url(url: str) -> str:
+    """Accept ``postgresql://`` and ``postgres://`` and pin the psycopg 3 driver."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def redact_url(url: str) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def create_engine(settings: DatabaseSettings) -> AsyncEngine:
+    options = (
+        f"-c statement_timeout={int(settings.statement_timeout_ms)}"
+        f" -c lock_timeout={int(settings.lock_timeout_ms)}"
+        " -c idle_in_transaction_session_timeout=60000"
+    )
+    return create_async_engine(
+        normalize_url(settings.url),
+        pool_size=settings.pool_size,
+        max_overflow=2,
+        pool_timeout=settings.pool_checkout_timeout_s,
+        pool_pre_ping=True,
+        connect_args={
+            "connect_timeout": settings.connect_timeout_s,
+            "options": options,
+            "application_name": "switchboard",
+            "keepalives": 1,
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 3,
+            "tcp_user_timeout": settings.tcp_user_timeout_ms,
+        },
+    )
+
+
+async def driver_connection(conn: AsyncConnection) -> psycopg.AsyncConnection[Any]:
+    """The psycopg connection under a SQLAlchemy connection, in its transaction."""
+    raw = await conn.get_raw_connection()
+    return cast("psycopg.AsyncConnection[Any]", raw.driver_connection)

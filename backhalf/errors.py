@@ -1,0 +1,42 @@
+"""Exceptions of the back half.
+
+::
+
+    BackhalfError
+     ├── PoisonMessage      control flow: this message can never become a todo
+     ├── StoreError         a store transaction failed (driver error attached as __cause__)
+     ├── AckStateError      reading or marking ack intents failed
+     └── InjectedFault      a failpoint configured to raise fired (tests only)
+
+Driver errors (psycopg, SQLAlchemy) are wrapped here with ``raise ... from exc``
+so callers log one type with context and the original stays in the chain.
+``PoisonMessage`` is an outcome, not a failure: it is stored as a rejected
+inbox row and is never logged as an error.
+"""
+
+from __future__ import annotations
+
+
+class BackhalfError(Exception):
+    """Root of every back-half error."""
+
+
+class PoisonMessage(BackhalfError):
+    """The message can never be normalized; it is stored as ``rejected``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class StoreError(BackhalfError):
+    """Storing a batch failed; nothing of it was committed."""
+
+
+class AckStateError(BackhalfError):
+    """Claiming or marking ack intents failed."""
+
+
+class InjectedFault(BackhalfError):
+    """A failpoint set to ``raise`` fired."""

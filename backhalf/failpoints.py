@@ -1,0 +1,74 @@
+"""Named failpoints, so fault tests can crash a real process at an exact step.
+
+Configured once per process from ``SWITCHBOARD_FAILPOINTS`` (read by the CLI at
+start-up, never at import): a comma-separated list of ``name=action`` where
+action is ``kill`` (SIGKILL this process: the crash a power cut or OOM kill
+gives) or ``raise`` (raise :class:`InjectedFault`), optionally ``@N`` to fire
+on the N-th hit only, e.g. ``after_read=kill@3,before_commit=raise``.
+
+Unset, every check is one dict lookup on an empty dict.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from backhalf.errors import InjectedFault
+
+NAMES = frozenset(
+    {
+        "after_read",
+        "after_inbox_insert",
+        "before_commit",
+        "after_commit",
+        "acker_after_select",
+        "acker_after_xack",
+    }
+)
+ACTIONS = frozenset({"kill", "raise"})
+
+
+@dataclass
+class _Point:
+    action: str
+    fire_on_hit: int | None
+    hits: int = 0
+
+
+_points: dict[str, _Point] = {}
+
+
+def parse(spec: str) -> dict[str, tuple[str, int | None]]:
+    """Parse a failpoint spec; raise ValueError naming the bad part."""
+    parsed: dict[str, tuple[str, int | None]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, action = part.partition("=")
+        if not sep or name not in NAMES:
+            raise ValueError(f"failpoint {part!r}: expected NAME=ACTION with NAME in {sorted(NAMES)}")
+        action, _, nth = action.partition("@")
+        if action not in ACTIONS:
+            raise ValueError(f"failpoint {part!r}: action must be one of {sorted(ACTIONS)}")
+        if nth and not nth.isdigit():
+            raise ValueError(f"failpoint {part!r}: @N must be a positive integer")
+        parsed[name] = (action, int(nth) if nth else None)
+    return parsed
+
+
+def configure(spec: str) -> None:
+    _points.clear()
+    for name, (action, nth) in parse(spec).items():
+        _points[name] = _Point(action, nth)
+
+
+def hit(name: str) -> None:
+    point = _points.get(name)
+    if point is None:
+        return
+    point.hits += 1
+    if point.fire_on_hit is not None and point.hits != point.fire_on_hit:
+        return
+    if point.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise InjectedFault(f"failpoint {name} fired (hit {point.hits})")

@@ -1,0 +1,149 @@
+"""Normalization: a broker message's bytes to the canonical todo payload.
+
+The payload is returned as JSON *text*; PostgreSQL parses it into jsonb, which
+normalizes whitespace and key order, so one logical event yields the same todo
+whichever mode or family carried it. The rules of DESIGN.md section 5 are
+checked here, per message, because one bad message must not fail the batch
+(jsonb would refuse ``\\u0000`` and lone surrogates for the whole statement).
+
+Per-message Python work is the throughput budget (issue 5), so each check has
+a fast path that proves the common case without walking the document.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+from backhalf.errors import PoisonMessage
+
+DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
+MAX_JSON_DEPTH = 64
+
+
+class BodyFormat(StrEnum):
+    JSON = "json"
+    TEXT = "text"
+    BYTES = "bytes"
+
+
+def _reject_constant(name: str) -> Any:
+    raise PoisonMessage("invalid_json", f"{name} is not valid JSON (RFC 8259)")
+
+
+def _check_size(body: bytes, max_message_bytes: int) -> None:
+    if len(body) > max_message_bytes:
+        raise PoisonMessage("too_large", f"{len(body)} bytes exceeds max_message_bytes={max_message_bytes}")
+
+
+def _decode_utf8(body: bytes) -> str:
+    try:
+        # Strict UTF-8 also refuses encoded surrogates (ED A0 80 ...).
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PoisonMessage("invalid_utf8", f"byte {exc.start}: {exc.reason}") from exc
+
+
+def _check_string(s: str) -> None:
+    if "\x00" in s:
+        raise PoisonMessage("nul_character", "NUL (\\u0000) cannot be stored in jsonb")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PoisonMessage("lone_surrogate", f"unpaired surrogate at {exc.start}") from exc
+
+
+def _walk(value: Any, check_strings: bool) -> None:
+    # Iterative, so a deep document cannot exhaust the interpreter's stack.
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            if depth > MAX_JSON_DEPTH:
+                raise PoisonMessage("too_deep", f"nesting exceeds {MAX_JSON_DEPTH}")
+            for k, v in item.items():
+                if check_strings:
+                    _check_string(k)
+                stack.append((v, depth + 1))
+        elif isinstance(item, list):
+            if depth > MAX_JSON_DEPTH:
+                raise PoisonMessage("too_deep", f"nesting exceeds {MAX_JSON_DEPTH}")
+            stack.extend((v, depth + 1) for v in item)
+        elif check_strings and isinstance(item, str):
+            _check_string(item)
+
+
+MAX_NUMBER_CHARS = 1000
+MAX_EXPONENT = 1000
+
+
+def _check_float(s: str) -> str:
+    # The value is not needed in Python, and float() would turn 1e400 into inf;
+    # PostgreSQL's numeric keeps it exactly, within limits an absurd exponent
+    # (1e1000000) would break for the whole batch.
+    if len(s) > MAX_NUMBER_CHARS:
+        raise PoisonMessage("absurd_number", f"number of {len(s)} characters")
+    _, e, exponent = s.lower().partition("e")
+    if e and abs(int(exponent)) > MAX_EXPONENT:
+        raise PoisonMessage("absurd_number", f"exponent {exponent} beyond +-{MAX_EXPONENT}")
+    return s
+
+
+def _json_payload(text: str) -> str:
+    try:
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_check_float)
+    except PoisonMessage:
+        raise
+    except RecursionError as exc:
+        raise PoisonMessage("too_deep", f"nesting exceeds {MAX_JSON_DEPTH}") from exc
+    except ValueError as exc:  # JSONDecodeError, and int() past 4300 digits
+        raise PoisonMessage("invalid_json", str(exc)) from exc
+    # Raw control characters are already refused by the strict parser and raw
+    # surrogates by the UTF-8 decode, so NUL and lone surrogates can only come
+    # from \u escapes; without any, the strings need no walk.
+    check_strings = "\\u" in text
+    deep_possible = text.count("[") + text.count("{") > MAX_JSON_DEPTH
+    if check_strings or deep_possible:
+        _walk(value, check_strings)
+    return text
+
+
+def body_payload(body: bytes, fmt: BodyFormat, max_message_bytes: int) -> str:
+    """Decode a whole-message body per the adapter's ``format``; return JSON text."""
+    _check_size(body, max_message_bytes)
+    if fmt is BodyFormat.BYTES:
+        return json.dumps(base64.b64encode(body).decode("ascii"))
+    text = _decode_utf8(body)
+    if fmt is BodyFormat.TEXT:
+        if "\x00" in text:
+            raise PoisonMessage("nul_character", "NUL cannot be stored in jsonb")
+        return json.dumps(text, ensure_ascii=False)
+    return _json_payload(text)
+
+
+def fields_payload(fields: Mapping[bytes, bytes], max_message_bytes: int) -> str:
+    """A stream entry without a body field: its field map as a JSON object of strings."""
+    size = sum(len(k) + len(v) for k, v in fields.items())
+    if size > max_message_bytes:
+        raise PoisonMessage("too_large", f"{size} bytes exceeds max_message_bytes={max_message_bytes}")
+    decoded: dict[str, str] = {}
+    for k, v in fields.items():
+        key, val = _decode_utf8(k), _decode_utf8(v)
+        if "\x00" in key or "\x00" in val:
+            raise PoisonMessage("nul_character", "NUL cannot be stored in jsonb")
+        decoded[key] = val
+    return json.dumps(decoded, ensure_ascii=False, separators=(",", ":"))
+
+
+def raw_fields(fields: Mapping[bytes, bytes]) -> bytes:
+    """The inbox's raw copy of a field map, kept even when it is not UTF-8."""
+    return json.dumps(
+        {
+            k.decode("utf-8", "backslashreplace"): v.decode("utf-8", "backslashreplace")
+            for k, v in fields.items()
+        },
+        separators=(",", ":"),
+    ).encode()

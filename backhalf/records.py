@@ -1,0 +1,72 @@
+"""The values the back half stores: what a consumed message became, plus the
+ack intent the acker will discharge once the row is committed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+AckKind = Literal["xack", "lrem", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class AckTarget:
+    """Where the acks of one batch go; the same for every message of a batch.
+
+    ``xack``: ``key`` is the stream, ``group`` the consumer group.
+    ``lrem``: ``key`` is the consumer's processing list.
+    ``none``: nothing to acknowledge (pub/sub).
+    """
+
+    kind: AckKind
+    key: str | None = None
+    group: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InboxRecord:
+    """One consumed message, normalized (``payload``) or rejected (``error``)."""
+
+    idempotency_key: str
+    source_message_id: str | None
+    body: bytes
+    payload: str | None  # JSON text; None when rejected
+    error: str | None = None
+    ack_entry_id: str | None = None
+    ack_copies: int = 1
+    deliveries: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBatch:
+    adapter: str
+    queue: str
+    consumer: str | None
+    ack_after: Literal["store", "complete"]
+    ack: AckTarget
+    verify_detail: str
+    records: Sequence[InboxRecord]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    new: int  # inbox rows inserted (stored or rejected)
+    rejected: int
+    redelivered: int  # already in the inbox: deliveries bumped, ack re-requested
+    todos_created: int
+    todos_deduped: int  # an active todo with the same (queue, key) already existed
+
+
+@dataclass(frozen=True, slots=True)
+class AckClaim:
+    """A committed ack intent, locked by the acker's transaction."""
+
+    inbox_id: int
+    adapter: str
+    kind: AckKind
+    key: str | None
+    group: str | None
+    entry_id: str | None
+    copies: int
+    body: bytes | None  # only for lrem

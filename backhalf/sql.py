@@ -1,0 +1,96 @@
+"""All SQL of the hot paths, in one place, as static text with bound parameters.
+
+These run on the psycopg connection under SQLAlchemy's transaction, because
+set-based ``unnest`` inserts with binary array parameters (``%b``) are several
+times cheaper than SQLAlchemy ``executemany`` (issue 5's measurements). Table
+definitions, migrations and the cooler queries stay in SQLAlchemy Core.
+
+No statement here is ever built from runtime values.
+"""
+
+from __future__ import annotations
+
+from typing import LiteralString
+
+# Channel the acker LISTENs on; NOTIFY is delivered only when the store commits.
+ACK_CHANNEL = "switchboard_ack"
+
+# Stream entries (native ids): stored once per adapter. A redelivery of a
+# stored entry bumps ``deliveries`` and asks the acker again (XACK is
+# idempotent; the entry may be pending again after a group was recreated).
+# ``xmax = 0`` is true exactly for rows this statement inserted.
+INSERT_INBOX_NATIVE: LiteralString = """
+INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+                   ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
+                   ack_state, deliveries, status, error)
+SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+       %(ack_kind)s, %(ack_key)s, %(ack_group)s, u.e, u.c, %(ack_after)s,
+       %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err
+FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(entry_ids)b::text[],
+            %(copies)b::int4[], %(deliveries)b::int4[], %(errors)b::text[])
+     AS u(k, m, b, e, c, d, err)
+ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
+DO UPDATE SET deliveries = inbox.deliveries + excluded.deliveries,
+              consumer = excluded.consumer,
+              ack_key = excluded.ack_key,
+              ack_group = excluded.ack_group,
+              ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
+              acked_at = NULL
+RETURNING id, idempotency_key, (xmax = 0) AS inserted
+"""
+
+# The conflict target's WHERE must be the partial index's predicate exactly
+# (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer it.
+# The no-op DO UPDATE makes RETURNING yield the existing todo on a dedup.
+UPSERT_TODOS: LiteralString = """
+WITH t AS (
+    INSERT INTO todos (queue, idempotency_key, payload)
+    SELECT %(queue)s, u.k, u.p::jsonb
+    FROM unnest(%(keys)b::text[], %(payloads)b::text[]) AS u(k, p)
+    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
+    DO UPDATE SET updated_at = todos.updated_at
+    RETURNING id, idempotency_key, (xmax = 0) AS created
+), logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, NULL, 'pending', 'created' FROM t WHERE created
+)
+SELECT id, idempotency_key, created FROM t
+"""
+
+# History events for the new, accepted inbox rows, then the inbox rows point at
+# their event and todo.
+INSERT_EVENTS_AND_LINK: LiteralString = """
+WITH src AS (
+    SELECT * FROM unnest(%(inbox_ids)b::int8[], %(keys)b::text[], %(ids)b::text[],
+                         %(payloads)b::text[], %(todo_ids)b::int8[])
+                  AS s(inbox_id, k, m, p, todo_id)
+), e AS (
+    INSERT INTO events (family, adapter, trust_mode, verified, verify_detail,
+                        idempotency_key, source_message_id, payload, todo_id)
+    SELECT 'queue', %(adapter)s, 'queue', false, %(verify_detail)s, k, m, p::jsonb, todo_id
+    FROM src
+    RETURNING id, idempotency_key
+)
+UPDATE inbox SET event_id = e.id, todo_id = src.todo_id
+FROM src JOIN e ON e.idempotency_key = src.k
+WHERE inbox.id = src.inbox_id
+"""
+
+NOTIFY_ACKER: LiteralString = "SELECT pg_notify(%(channel)s, %(adapter)s)"
+
+# The acker's claim: committed intents only (uncommitted rows are invisible),
+# locked so concurrent ackers split the work instead of sharing a cursor.
+CLAIM_ACKS: LiteralString = """
+SELECT id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
+       CASE WHEN ack_kind = 'lrem' THEN body END AS body
+FROM inbox
+WHERE ack_state = 'pending' AND ack_after = 'store' AND adapter = ANY(%(adapters)s::text[])
+ORDER BY id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""
+
+MARK_ACKED: LiteralString = """
+UPDATE inbox SET ack_state = 'acked', acked_at = now()
+WHERE id = ANY(%(ids)b::int8[])
+"""

@@ -1,0 +1,1 @@
+"""Pull ingestion: broker adapters, the poll loop, the acker and the CLI."""

@@ -1,0 +1,83 @@
+"""What a pull adapter is: the types every transport mode shares.
+
+One module per mode implements :class:`PullAdapter` (``redis_stream`` now;
+``redis_list`` and ``redis_pubsub`` later) plus an ``ack`` function for its ack
+kind; the poll loop and the acker never branch on the mode. A capability a
+mode lacks is a documented no-op (pub/sub has nothing to ack), not an
+``isinstance`` check at the call site. ``memory`` is the in-memory fake for
+unit tests of the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from backhalf.records import AckClaim, AckTarget
+
+__all__ = ["AckTarget", "Acknowledger", "Delivery", "PullAdapter"]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One message as the broker handed it over, not yet normalized.
+
+    Exactly one of ``body`` (the whole message, or a stream entry's body field)
+    and ``fields`` (a stream entry without that field) is set, unless ``lost``:
+    the broker still had the id pending but the message itself was deleted or
+    trimmed, which the back half records instead of acking silently.
+    """
+
+    idempotency_key: str
+    message_id: str | None
+    body: bytes | None = None
+    fields: Mapping[bytes, bytes] | None = None
+    ack_entry_id: str | None = None
+    lost: bool = False
+    deliveries: int = 1
+
+
+class PullAdapter(Protocol):
+    name: str
+
+    @property
+    def ack_target(self) -> AckTarget: ...
+
+    @property
+    def identity(self) -> str:
+        """The broker identity the events' ``verify_detail`` names, e.g. ``redis acl: bot``."""
+        ...
+
+    @property
+    def broker(self) -> str:
+        """host:port for log fields; never credentials."""
+        ...
+
+    async def start(self) -> None:
+        """Connect and prepare (create the group, learn the identity). Idempotent."""
+
+    async def read(self, max_count: int) -> list[Delivery]:
+        """Up to ``max_count`` messages; waits at most the adapter's block time."""
+        ...
+
+    def rewind(self) -> None:
+        """The last batch was not stored: deliver it again (from the broker's
+        own record of what is un-acked, not from memory)."""
+
+    async def describe(self) -> Mapping[str, object]:
+        """Broker-side figures for ``switchboard status`` (backlog, pending)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections. Un-acked messages stay with the broker."""
+
+
+class Acknowledger(Protocol):
+    """Discharges committed ack intents of one ack kind against one broker."""
+
+    async def ack(self, claims: Sequence[AckClaim]) -> None:
+        """Acknowledge every claim or raise :class:`ingest.errors.AckError`.
+        Must be idempotent: a claim may be acked again after a crash."""
+
+    async def close(self) -> None: ...

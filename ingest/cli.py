@@ -1,0 +1,156 @@
+"""The ``switchboard`` command (DESIGN.md section 7, a contract)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+
+from backhalf import failpoints, migrate, registry
+from backhalf.db import create_engine, redact_url
+from ingest import logs, status
+from ingest.acker import run_acker
+from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
+from ingest.errors import ConfigError
+from ingest.ingester import run_ingester
+from ingest.lifecycle import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, leftover_tasks, stop_on_signals
+
+log = structlog.get_logger("switchboard")
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        help=f"TOML config (default: $SWITCHBOARD_CONFIG or {DEFAULT_CONFIG_PATH})",
+    )
+    parser = argparse.ArgumentParser(prog="switchboard", parents=[common], description=__doc__)
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
+    verbs.add_parser("migrate", parents=[common], help="upgrade the database to the newest migration")
+    ingest = verbs.add_parser("ingest", parents=[common], help="run the ingester (a poll loop per adapter)")
+    ingest.add_argument(
+        "--consumer", help="consumer name for every adapter (default: config, else host name)"
+    )
+    verbs.add_parser("ack", parents=[common], help="run the acker (committed ack intents -> broker)")
+    adapters = verbs.add_parser("adapters", parents=[common], help="list, enable or disable adapters")
+    adapter_verbs = adapters.add_subparsers(dest="adapters_verb", required=True, metavar="ACTION")
+    adapter_verbs.add_parser("list", parents=[common], help="registered adapters and their flag")
+    for action in ("enable", "disable"):
+        p = adapter_verbs.add_parser(action, parents=[common], help=f"{action} an adapter at runtime")
+        p.add_argument("name")
+    st = verbs.add_parser("status", parents=[common], help="backlog, pending acks and todos per adapter")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    demo = verbs.add_parser("demo", help="the whole pipeline on embedded PostgreSQL and Redis")
+    demo.add_argument("--messages", type=int, default=5000, help="how many messages to produce")
+    return parser
+
+
+def _settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
+    explicit = getattr(args, "config", None) or env.get("SWITCHBOARD_CONFIG")
+    path = Path(explicit or DEFAULT_CONFIG_PATH)
+    if not explicit and not path.exists() and env.get("SWITCHBOARD_DATABASE_URL"):
+        # No file and no adapters: enough for migrate, adapters and status.
+        settings = from_mapping({}, env)
+    else:
+        settings = load(path, env)
+    if args.verb == "ingest":
+        if not settings.adapters:
+            raise ConfigError("[[adapters]]: `switchboard ingest` needs at least one adapter")
+        if args.consumer:
+            consumer = args.consumer
+            settings = replace(
+                settings, adapters=tuple(replace(a, consumer=consumer) for a in settings.adapters)
+            )
+    return settings
+
+
+def _run(coro_fn: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    """Run a long-lived process body until SIGTERM/SIGINT; check nothing leaks."""
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        with stop_on_signals(stop):
+            await coro_fn(stop)
+        leaked = leftover_tasks()
+        if leaked:
+            log.error("tasks_leaked", tasks=leaked)
+            return EXIT_FAILURE
+        return EXIT_OK
+
+    code = asyncio.run(main())
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if threads:
+        log.error("threads_leaked", threads=threads)
+        return EXIT_FAILURE
+    return code
+
+
+async def _adapters_command(settings: Settings, args: argparse.Namespace) -> int:
+    engine = create_engine(settings.database)
+    try:
+        async with engine.begin() as conn:
+            if args.adapters_verb == "list":
+                rows = await registry.list_adapters(conn)
+                if not rows:
+                    print("no adapters registered (start `switchboard ingest` once)")
+                for r in rows:
+                    state = "enabled" if r.enabled else "disabled"
+                    kind = f"{r.family}/{r.transport}/{r.mode}"
+                    print(f"{r.name:<24} {state:<9} {kind:<18} {r.settings.get('source')}")
+                return EXIT_OK
+            enabled = args.adapters_verb == "enable"
+            if not await registry.set_enabled(conn, args.name, enabled):
+                print(f"switchboard: no adapter named {args.name!r} is registered", file=sys.stderr)
+                return EXIT_FAILURE
+            print(f"{args.name}: {'enabled' if enabled else 'disabled'}")
+            return EXIT_OK
+    finally:
+        await engine.dispose()
+
+
+async def _status_command(settings: Settings, as_json: bool) -> int:
+    print(status.render(await status.collect(settings), as_json))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = os.environ
+    logs.configure()
+    if args.verb == "demo":
+        from ingest import demo  # the embedded servers are an optional extra
+
+        return demo.run(messages=args.messages)
+    try:
+        failpoints.configure(env.get("SWITCHBOARD_FAILPOINTS", ""))
+        settings = _settings(args, env)
+    except (ConfigError, ValueError) as exc:
+        print(f"switchboard: config error: {exc}", file=sys.stderr)
+        log.error("config_error", error=str(exc))  # noqa: TRY400 - the message is the whole story
+        return EXIT_CONFIG
+    log.info("starting", verb=args.verb, database=redact_url(settings.database.url))
+    if args.verb == "migrate":
+        migrate.upgrade(settings.database.url)
+        log.info("migrated")
+        return EXIT_OK
+    if args.verb == "ingest":
+        return _run(lambda stop: run_ingester(settings, stop))
+    if args.verb == "ack":
+        return _run(lambda stop: run_acker(settings, stop))
+    if args.verb == "adapters":
+        return asyncio.run(_adapters_command(settings, args))
+    if args.verb == "status":
+        return asyncio.run(_status_command(settings, args.json))
+    raise AssertionError(f"unhandled verb {args.verb}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Settings: one frozen object built at process start from the TOML file and
+the environment (DESIGN.md section 7), validated with messages that name the
+adapter and the key. Nothing here runs at import time."""
+
+from __future__ import annotations
+
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from backhalf.db import DatabaseSettings, normalize_url
+from backhalf.keys import DEFAULT_PREFIX
+from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
+from ingest.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = "switchboard.toml"
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+MODES = ("stream", "list", "pubsub")
+IMPLEMENTED_MODES = ("stream",)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    name: str
+    mode: str
+    source: str
+    queue: str
+    redis_url: str
+    transport: str = "redis"
+    group: str = "switchboard"
+    consumer: str = field(default_factory=socket.gethostname)
+    ack_after: Literal["store", "complete"] = "store"
+    batch_size: int = 500
+    block_ms: int = 1000
+    claim_idle_ms: int = 60_000
+    claim_interval_ms: int = 5_000
+    start_id: str = "0"
+    key_prefix: str = DEFAULT_PREFIX
+    body_field: str = "body"
+    format: BodyFormat = BodyFormat.JSON
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    delivery: str | None = None
+
+    def public_settings(self) -> dict[str, Any]:
+        """What goes into ``adapters.settings``: everything but the broker URL."""
+        return {
+            "source": self.source,
+            "queue": self.queue,
+            "group": self.group,
+            "consumer": self.consumer,
+            "ack_after": self.ack_after,
+            "batch_size": self.batch_size,
+            "block_ms": self.block_ms,
+            "claim_idle_ms": self.claim_idle_ms,
+            "start_id": self.start_id,
+            "key_prefix": self.key_prefix,
+            "body_field": self.body_field,
+            "format": str(self.format),
+            "max_message_bytes": self.max_message_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class IngestSettings:
+    shutdown_timeout_s: float = 10.0
+    enabled_refresh_ms: int = 1000
+    backoff_initial_ms: int = 100
+    backoff_max_ms: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class AckerSettings:
+    batch_size: int = 1000
+    poll_interval_ms: int = 1000
+    shutdown_timeout_s: float = 10.0
+    backoff_initial_ms: int = 100
+    backoff_max_ms: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    database: DatabaseSettings
+    adapters: tuple[AdapterConfig, ...]
+    ingest: IngestSettings = IngestSettings()
+    acker: AckerSettings = AckerSettings()
+    queues: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    metrics_port: int = 0
+
+    def adapter(self, name: str) -> AdapterConfig:
+        for a in self.adapters:
+            if a.name == name:
+                return a
+        raise ConfigError(f"no adapter named {name!r} in the config")
+
+
+_ADAPTER_KEYS = {
+    "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after",
+    "batch_size", "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id",
+    "key_prefix", "body_field", "format", "max_message_bytes", "url", "delivery",
+}  # fmt: skip
+_TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics"}
+
+
+def _positive_int(where: str, value: Any, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}: must be an integer >= {minimum} (got {value!r})")
+    return value
+
+
+def _string(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: must be a non-empty string (got {value!r})")
+    return value
+
+
+def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = raw.get(name, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"[{name}]: must be a table")
+    return value
+
+
+def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"adapters[{index}]: must be a table")
+    name = raw.get("name")
+    label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{index}]"
+    _check_keys(label, raw, _ADAPTER_KEYS)
+    name = _string(f"{label}: key 'name'", name)
+    mode = raw.get("mode", "stream")
+    if mode not in MODES:
+        raise ConfigError(f"{label}: key 'mode' must be one of {', '.join(MODES)} (got {mode!r})")
+    if mode == "pubsub" and raw.get("delivery") != "at-most-once":
+        raise ConfigError(
+            f'{label}: key \'delivery\' must be "at-most-once" for mode = "pubsub": pub/sub has no '
+            "redelivery and loses messages published while the ingester is down"
+        )
+    if mode not in IMPLEMENTED_MODES:
+        raise ConfigError(f"{label}: key 'mode' = {mode!r} is not implemented yet (only: stream)")
+    transport = raw.get("transport", "redis")
+    if transport != "redis":
+        raise ConfigError(f"{label}: key 'transport' must be \"redis\" (got {transport!r})")
+    ack_after = raw.get("ack_after", "store")
+    if ack_after not in ("store", "complete"):
+        raise ConfigError(f'{label}: key \'ack_after\' must be "store" or "complete" (got {ack_after!r})')
+    if ack_after == "complete":
+        raise ConfigError(
+            f"{label}: key 'ack_after' = \"complete\" needs the todo workers, which are not built yet"
+        )
+    fmt = raw.get("format", "json")
+    try:
+        body_format = BodyFormat(fmt)
+    except ValueError as exc:
+        raise ConfigError(f"{label}: key 'format' must be json, text or bytes (got {fmt!r})") from exc
+    start_id = raw.get("start_id", "0")
+    if not isinstance(start_id, str) or not (start_id == "$" or start_id.replace("-", "").isdigit()):
+        raise ConfigError(f"{label}: key 'start_id' must be '0', '$' or a stream id (got {start_id!r})")
+    options: dict[str, Any] = {}
+    for key in ("group", "consumer", "key_prefix", "body_field"):
+        if key in raw:
+            options[key] = _string(f"{label}: key {key!r}", raw[key])
+    for key, minimum in (
+        ("batch_size", 1),
+        ("block_ms", 1),
+        ("claim_idle_ms", 1),
+        ("claim_interval_ms", 1),
+        ("max_message_bytes", 1),
+    ):
+        if key in raw:
+            options[key] = _positive_int(f"{label}: key {key!r}", raw[key], minimum=minimum)
+    if options.get("batch_size", 1) > 10_000:
+        raise ConfigError(f"{label}: key 'batch_size' must be at most 10000")
+    source = _string(f"{label}: key 'source'", raw.get("source"))
+    return AdapterConfig(
+        name=name,
+        mode=mode,
+        source=source,
+        queue=_string(f"{label}: key 'queue'", raw.get("queue", name)),
+        redis_url=_string(f"{label}: key 'url'", raw.get("url", default_redis_url)),
+        transport=transport,
+        ack_after=ack_after,
+        start_id=start_id,
+        format=body_format,
+        delivery=raw.get("delivery"),
+        **options,
+    )
+
+
+def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
+    _check_keys("config", raw, _TOP_KEYS)
+    db = _section(raw, "database")
+    _check_keys("[database]", db, {"url", "statement_timeout_ms", "lock_timeout_ms", "pool_size"})
+    db_url = env.get("SWITCHBOARD_DATABASE_URL") or db.get("url")
+    if not db_url:
+        raise ConfigError("[database]: key 'url' is required (or set SWITCHBOARD_DATABASE_URL)")
+    try:
+        db_url = normalize_url(_string("[database]: key 'url'", db_url))
+    except ConfigError:
+        raise
+    except Exception as exc:  # SQLAlchemy's URL parser raises several types
+        raise ConfigError(f"[database]: key 'url' is not a database URL ({type(exc).__name__})") from exc
+    database = DatabaseSettings(
+        url=db_url,
+        **{
+            k: _positive_int(f"[database]: key {k!r}", db[k])
+            for k in ("statement_timeout_ms", "lock_timeout_ms", "pool_size")
+            if k in db
+        },
+    )
+    redis_section = _section(raw, "redis")
+    _check_keys("[redis]", redis_section, {"url"})
+    default_redis = env.get("SWITCHBOARD_REDIS_URL") or redis_section.get("url") or DEFAULT_REDIS_URL
+    raw_adapters = raw.get("adapters", [])
+    if not isinstance(raw_adapters, list):
+        raise ConfigError("[[adapters]]: must be an array of tables")
+    adapters = tuple(_adapter(i, a, default_redis) for i, a in enumerate(raw_adapters))
+    names = [a.name for a in adapters]
+    for n in names:
+        if names.count(n) > 1:
+            raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
+    ingest_raw = _section(raw, "ingest")
+    _check_keys("[ingest]", ingest_raw, set(IngestSettings.__dataclass_fields__))
+    acker_raw = _section(raw, "acker")
+    _check_keys("[acker]", acker_raw, set(AckerSettings.__dataclass_fields__))
+    queues = _section(raw, "queues")
+    for qname, q in queues.items():
+        if not isinstance(q, Mapping):
+            raise ConfigError(f"[queues.{qname}]: must be a table")
+        _check_keys(f"[queues.{qname}]", q, {"handler", "max_attempts"})
+    metrics = _section(raw, "metrics")
+    _check_keys("[metrics]", metrics, {"port"})
+    port = metrics.get("port", 0)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"[metrics]: key 'port' must be 0..65535 (got {port!r})")
+    return Settings(
+        database=database,
+        adapters=adapters,
+        ingest=IngestSettings(**{k: _number(f"[ingest]: key {k!r}", v) for k, v in ingest_raw.items()}),
+        acker=AckerSettings(**{k: _number(f"[acker]: key {k!r}", v) for k, v in acker_raw.items()}),
+        queues=dict(queues),
+        metrics_port=port,
+    )
+
+
+def _number(where: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{where}: must be a positive number (got {value!r})")
+    return value
+
+
+def load(path: str | Path, env: Mapping[str, str]) -> Settings:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} not found (use --config or SWITCHBOARD_CONFIG)"
+        ) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc}") from exc
+    return from_mapping(raw, env)

@@ -1,0 +1,35 @@
+"""Exceptions of the ingest side.
+
+::
+
+    IngestError
+     ├── ConfigError            bad config: names the adapter and the key
+     ├── BrokerError            a broker call failed (redis error attached as __cause__)
+     │    └── GroupMissing      NOGROUP: the consumer group vanished; recreate it
+     └── AckError               sending acks to the broker failed; rows stay pending
+
+Redis errors are classified in one place (:func:`ingest.redis_common.classify`)
+and mapped to these at the adapter boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class IngestError(Exception):
+    """Root of every ingest-side error."""
+
+
+class ConfigError(IngestError):
+    """The configuration is invalid; the process must not start."""
+
+
+class BrokerError(IngestError):
+    """A broker operation failed; the loop backs off and retries."""
+
+
+class GroupMissing(BrokerError):
+    """The stream's consumer group no longer exists (NOGROUP)."""
+
+
+class AckError(IngestError):
+    """The broker refused or did not answer an ack; the intents stay pending."""

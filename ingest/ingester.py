@@ -1,0 +1,77 @@
+"""``switchboard ingest``: one poll loop per enabled adapter in a TaskGroup.
+
+Shutdown order, under one deadline (``shutdown_timeout_s``): stop is set, each
+loop abandons its read and finishes the store it is in, the loops return,
+adapters close their connections, the engine is disposed. Loops still running
+at the deadline are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import registry
+from backhalf.db import create_engine
+from ingest.adapter import PullAdapter
+from ingest.config import AdapterConfig, Settings
+from ingest.lifecycle import Backoff, wait_stop
+from ingest.modes import make_adapter
+from ingest.poll import PollLoop
+
+log = structlog.get_logger(__name__)
+
+
+async def register_adapters(engine: AsyncEngine, settings: Settings, stop: asyncio.Event) -> bool:
+    """Upsert every configured adapter, retrying while the database is away.
+    Return False if stop was requested first."""
+    backoff = Backoff(settings.ingest.backoff_initial_ms, settings.ingest.backoff_max_ms)
+    while not stop.is_set():
+        try:
+            async with engine.begin() as conn:
+                for a in settings.adapters:
+                    await registry.register(
+                        conn, name=a.name, transport=a.transport, mode=a.mode, settings=a.public_settings()
+                    )
+        except SQLAlchemyError as exc:
+            delay_s = backoff.next_delay_s()
+            log.warning("register_failed", error=exc, attempt=backoff.attempt, retry_in_s=round(delay_s, 3))
+            await wait_stop(stop, delay_s)
+        else:
+            log.info("adapters_registered", adapters=[a.name for a in settings.adapters])
+            return True
+    return False
+
+
+async def run_ingester(
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    adapter_factory: Callable[[AdapterConfig], PullAdapter] = make_adapter,
+) -> None:
+    engine = create_engine(settings.database)
+    adapters: list[PullAdapter] = []
+    try:
+        if not await register_adapters(engine, settings, stop):
+            return
+        adapters = [adapter_factory(cfg) for cfg in settings.adapters]
+        async with asyncio.TaskGroup() as tg:
+            loops = [
+                tg.create_task(PollLoop(a, cfg, engine, settings.ingest, stop).run(), name=f"poll:{cfg.name}")
+                for a, cfg in zip(adapters, settings.adapters, strict=True)
+            ]
+            await stop.wait()
+            _done, running = await asyncio.wait(loops, timeout=settings.ingest.shutdown_timeout_s)
+            if running:
+                log.error("shutdown_deadline_exceeded", loops=sorted(t.get_name() for t in running))
+                for task in running:
+                    task.cancel()
+    finally:
+        for a in adapters:
+            await a.close()
+        await engine.dispose()
+        log.info("ingester_stopped")

@@ -1,0 +1,76 @@
+"""structlog, configured once per process.
+
+JSON lines when stderr is not a terminal (what operators ship), readable
+console output on one. The stdlib loggers of dramatiq, psycopg, redis and
+alembic go through the same processors. A processor removes credentials from
+anything that looks like a URL, so a password cannot reach a log line even if
+an exception message carries a connection string.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+
+# scheme://user:password@host -> scheme://user:***@host ; also ?password=... in DSNs
+_URL_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*@")
+_DSN_PASSWORD = re.compile(r"(?P<head>password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    text = _URL_CREDENTIALS.sub(r"\g<head>***@", text)
+    return _DSN_PASSWORD.sub(r"\g<head>***", text)
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, BaseException):
+        return redact(f"{type(value).__name__}: {value}")
+    return value
+
+
+def redact_credentials(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    for key, value in event_dict.items():
+        event_dict[key] = _redact_value(value)
+    return event_dict
+
+
+def configure(*, json_output: bool | None = None, level: int = logging.INFO) -> None:
+    if json_output is None:
+        json_output = not sys.stderr.isatty()
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        redact_credentials,
+    ]
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if json_output else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("asyncio",):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

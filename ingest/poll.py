@@ -1,0 +1,186 @@
+"""The poll loop of one adapter: read a batch, store it in one transaction, repeat.
+
+It never talks to the broker's ack API (the acker does, for committed rows
+only), so whatever happens here the worst outcome is a redelivery. Broker and
+database errors are logged, backed off and retried; the loop ends only when
+``stop`` is set. On stop it abandons a read in progress (those entries stay
+pending at the broker) but lets a store already under way commit or fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import failpoints, registry
+from backhalf.errors import BackhalfError, PoisonMessage, StoreError
+from backhalf.normalize import body_payload, fields_payload, raw_fields
+from backhalf.records import InboxRecord, StoreBatch, StoreResult
+from backhalf.store import store
+from ingest.adapter import Delivery, PullAdapter
+from ingest.config import AdapterConfig, IngestSettings
+from ingest.errors import BrokerError, IngestError
+from ingest.lifecycle import Backoff, wait_stop
+
+log = structlog.get_logger(__name__)
+
+LOST_BEFORE_INGEST = "lost_before_ingest: the entry was deleted or trimmed while still pending"
+
+
+def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
+    """Normalize one delivery; a poison message becomes a rejected record."""
+    error: str | None = None
+    payload: str | None = None
+    if delivery.lost:
+        raw, error = b"", LOST_BEFORE_INGEST
+    elif delivery.body is not None:
+        raw = delivery.body
+    else:
+        raw = raw_fields(delivery.fields or {})
+    if error is None:
+        try:
+            if delivery.body is not None:
+                payload = body_payload(delivery.body, config.format, config.max_message_bytes)
+            else:
+                payload = fields_payload(delivery.fields or {}, config.max_message_bytes)
+        except PoisonMessage as exc:
+            error = str(exc)
+    return InboxRecord(
+        idempotency_key=delivery.idempotency_key,
+        source_message_id=delivery.message_id,
+        body=raw,
+        payload=payload,
+        error=error,
+        ack_entry_id=delivery.ack_entry_id,
+        deliveries=delivery.deliveries,
+    )
+
+
+class PollLoop:
+    def __init__(
+        self,
+        adapter: PullAdapter,
+        config: AdapterConfig,
+        engine: AsyncEngine,
+        settings: IngestSettings,
+        stop: asyncio.Event,
+    ) -> None:
+        self._adapter = adapter
+        self._cfg = config
+        self._engine = engine
+        self._settings = settings
+        self._stop = stop
+        self._enabled = True
+        self._enabled_checked_at = float("-inf")
+        self._log = log.bind(adapter=config.name, stream=config.source, consumer=config.consumer)
+
+    async def run(self) -> None:
+        backoff = Backoff(self._settings.backoff_initial_ms, self._settings.backoff_max_ms)
+        self._log.info("poll_loop_started", broker=self._adapter.broker)
+        while not self._stop.is_set():
+            try:
+                await self._step()
+                backoff.reset()
+            except (IngestError, BackhalfError, SQLAlchemyError) as exc:
+                await self._after_failure(exc, backoff)
+            except Exception as exc:  # noqa: BLE001 - a bug must not end ingestion; it is logged in full
+                self._log.exception("poll_step_crashed", error=exc)
+                await self._after_failure(exc, backoff)
+        self._log.info("poll_loop_stopped")
+
+    async def _after_failure(self, exc: Exception, backoff: Backoff) -> None:
+        # Whatever was read and not stored is redelivered from the broker's
+        # record of un-acked messages, never from memory.
+        self._adapter.rewind()
+        delay_s = backoff.next_delay_s()
+        event = "broker_error" if isinstance(exc, BrokerError) else "store_failed"
+        self._log.warning(
+            event,
+            error=exc,
+            error_type=type(exc).__name__,
+            cause=type(exc.__cause__).__name__ if exc.__cause__ else None,
+            attempt=backoff.attempt,
+            retry_in_s=round(delay_s, 3),
+            broker=self._adapter.broker,
+        )
+        await wait_stop(self._stop, delay_s)
+
+    async def _step(self) -> None:
+        if not await self._is_enabled():
+            await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
+            return
+        deliveries = await self._read_unless_stopped()
+        if not deliveries:
+            return
+        failpoints.hit("after_read")
+        started = time.perf_counter()
+        result = await self._store(deliveries)
+        self._log.info(
+            "batch_stored",
+            messages=len(deliveries),
+            new=result.new,
+            redelivered=result.redelivered,
+            rejected=result.rejected,
+            todos_created=result.todos_created,
+            todos_deduped=result.todos_deduped,
+            first_id=deliveries[0].message_id,
+            last_id=deliveries[-1].message_id,
+            store_ms=round((time.perf_counter() - started) * 1000, 2),
+        )
+        for d in deliveries:
+            if d.lost:
+                self._log.error("lost_before_ingest", message_id=d.message_id, key=d.idempotency_key)
+
+    async def _is_enabled(self) -> bool:
+        now = time.monotonic()
+        if now - self._enabled_checked_at >= self._settings.enabled_refresh_ms / 1000:
+            async with self._engine.connect() as conn:
+                enabled = await registry.is_enabled(conn, self._cfg.name)
+            if enabled != self._enabled:
+                self._log.info("adapter_enabled" if enabled else "adapter_disabled")
+            self._enabled = enabled
+            self._enabled_checked_at = now
+        return self._enabled
+
+    async def _read_unless_stopped(self) -> list[Delivery]:
+        """Read a batch, or nothing if stop is requested first; a read cut
+        short leaves its entries pending at the broker for redelivery."""
+        read = asyncio.create_task(self._adapter.read(self._cfg.batch_size), name=f"read:{self._cfg.name}")
+        stopped = asyncio.create_task(self._stop.wait(), name=f"stop-wait:{self._cfg.name}")
+        try:
+            await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (read, stopped):
+                task.cancel()
+            await asyncio.gather(read, stopped, return_exceptions=True)
+        if self._stop.is_set() or read.cancelled():
+            return []
+        return read.result()
+
+    async def _store(self, deliveries: list[Delivery]) -> StoreResult:
+        adapter = self._adapter
+        batch = StoreBatch(
+            adapter=self._cfg.name,
+            queue=self._cfg.queue,
+            consumer=self._cfg.consumer,
+            ack_after=self._cfg.ack_after,
+            ack=adapter.ack_target,
+            verify_detail=adapter.identity,
+            records=[to_record(d, self._cfg) for d in deliveries],
+        )
+        try:
+            # The transaction boundary: inbox, events, todos and the NOTIFY
+            # commit together or not at all.
+            async with self._engine.begin() as conn:
+                result = await store(conn, batch)
+                failpoints.hit("before_commit")
+        except SQLAlchemyError as exc:  # connect, checkout or COMMIT itself
+            raise StoreError(
+                f"adapter {self._cfg.name}: transaction for {len(deliveries)} messages failed: {exc}"
+            ) from exc
+        failpoints.hit("after_commit")
+        return result

@@ -1,0 +1,229 @@
+"""Redis streams with a consumer group: the recommended, durable mode.
+
+Key layout (the broker side of DESIGN.md section 6)::
+
+    {source}                      the stream (XADD by producers); group created with MKSTREAM
+    {source} group {group}        the consumer group, created at ``start_id`` (default 0,
+                                  so a backlog written before the first start is consumed)
+    PEL of {consumer}             entries delivered to this consumer and not yet XACKed:
+                                  they stay there until the acker has seen the todo committed
+
+Reading order on each call: first this consumer's own PEL (``XREADGROUP ... 0``,
+walked with a cursor) after a start or a rewind, then every ``claim_interval_ms``
+an XAUTOCLAIM sweep of entries idle longer than ``claim_idle_ms`` (a dead
+consumer's, or our own stuck ones), then new entries (``>``, blocking up to
+``block_ms``). Everything redelivered flows through the same idempotent store.
+
+Idempotency key: ``{key_prefix}:{source}:{entry-id}``. Ack: XACK, batched per
+stream and group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+from redis.exceptions import RedisError, ResponseError
+
+from backhalf.keys import native_key
+from backhalf.records import AckClaim, AckTarget
+from ingest.adapter import Delivery
+from ingest.config import AdapterConfig
+from ingest.errors import AckError, BrokerError, GroupMissing
+from ingest.redis_common import RedisErrorKind, broker_label, classify, connect
+
+log = structlog.get_logger(__name__)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+Entry = tuple[bytes, Mapping[bytes, bytes] | None]
+
+
+def _entries(resp: Any) -> list[Entry]:
+    """XREADGROUP's reply for our one stream (RESP2: ``[[stream, entries]]``)."""
+    return list(resp[0][1]) if resp else []
+
+
+class StreamAdapter:
+    """A :class:`ingest.adapter.PullAdapter` over one stream and consumer group."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self.name = config.name
+        self._cfg = config
+        self._client = connect(config.redis_url, block_ms=config.block_ms)
+        self._body_field = config.body_field.encode()
+        self._identity = "redis acl: unknown"
+        self._started = False
+        self._history_cursor: str | None = "0"  # None: own PEL fully re-read
+        self._claim_cursor = "0-0"
+        self._next_claim_at = 0.0
+
+    @property
+    def ack_target(self) -> AckTarget:
+        return AckTarget("xack", self._cfg.source, self._cfg.group)
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    @property
+    def broker(self) -> str:
+        return broker_label(self._client)
+
+    async def start(self) -> None:
+        await self._ensure_group()
+        try:
+            user = await self._client.acl_whoami()
+            self._identity = f"redis acl: {_text(user)}"
+        except ResponseError as exc:
+            # An ACL that forbids WHOAMI still lets us consume; say so in the event.
+            log.warning("acl_whoami_failed", adapter=self.name, error_kind=classify(exc).value)
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: ACL WHOAMI failed: {exc}") from exc
+        self._started = True
+
+    async def _ensure_group(self) -> None:
+        cfg = self._cfg
+        try:
+            await self._client.xgroup_create(cfg.source, cfg.group, id=cfg.start_id, mkstream=True)
+            log.info("group_created", adapter=self.name, stream=cfg.source, group=cfg.group)
+        except ResponseError as exc:
+            if classify(exc) is not RedisErrorKind.BUSYGROUP:
+                raise BrokerError(
+                    f"adapter {self.name}: XGROUP CREATE {cfg.source} {cfg.group}: {exc}"
+                ) from exc
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: XGROUP CREATE {cfg.source} {cfg.group}: {exc}") from exc
+
+    async def read(self, max_count: int) -> list[Delivery]:
+        try:
+            if not self._started:
+                await self.start()
+            if self._history_cursor is not None:
+                history = await self._read_history(max_count)
+                if history:
+                    return history
+            if time.monotonic() >= self._next_claim_at:
+                claimed = await self._claim(max_count)
+                if claimed:
+                    return claimed
+            return await self._read_new(max_count)
+        except RedisError as exc:
+            if classify(exc) is RedisErrorKind.NOGROUP:
+                # Stream or group deleted under us: recreate on the next read
+                # and re-read our PEL, rather than loop on the error.
+                self._started = False
+                self.rewind()
+                raise GroupMissing(f"adapter {self.name}: {exc}") from exc
+            raise BrokerError(f"adapter {self.name}: reading {self._cfg.source}: {exc}") from exc
+
+    async def _read_history(self, count: int) -> list[Delivery]:
+        cfg = self._cfg
+        assert self._history_cursor is not None
+        resp = await self._client.xreadgroup(
+            cfg.group, cfg.consumer, {cfg.source: self._history_cursor}, count=count
+        )
+        entries = _entries(resp)
+        if not entries:
+            self._history_cursor = None
+            return []
+        self._history_cursor = _text(entries[-1][0])
+        return [self._delivery(entry_id, fields) for entry_id, fields in entries]
+
+    async def _claim(self, count: int) -> list[Delivery]:
+        cfg = self._cfg
+        resp: Any = await self._client.xautoclaim(
+            cfg.source, cfg.group, cfg.consumer, cfg.claim_idle_ms, self._claim_cursor, count=count
+        )
+        cursor, entries = _text(resp[0]), list[Entry](resp[1])
+        deleted: Sequence[Any] = resp[2] if len(resp) > 2 else ()
+        self._claim_cursor = cursor
+        if cursor == "0-0":  # a full sweep is done; rest until the next interval
+            self._next_claim_at = time.monotonic() + cfg.claim_interval_ms / 1000
+        deliveries = [self._delivery(entry_id, fields) for entry_id, fields in entries]
+        # Redis 7 drops deleted-but-pending entries from the PEL as it reports
+        # them: record each as lost (never a silent ack).
+        deliveries += [self._delivery(entry_id, None) for entry_id in deleted]
+        if deliveries:
+            log.info(
+                "entries_claimed",
+                adapter=self.name,
+                stream=cfg.source,
+                claimed=len(entries),
+                deleted=len(deleted),
+            )
+        return deliveries
+
+    async def _read_new(self, count: int) -> list[Delivery]:
+        cfg = self._cfg
+        resp = await self._client.xreadgroup(
+            cfg.group, cfg.consumer, {cfg.source: ">"}, count=count, block=cfg.block_ms
+        )
+        entries = _entries(resp)
+        return [self._delivery(entry_id, fields) for entry_id, fields in entries]
+
+    def _delivery(self, raw_id: bytes | str, fields: Mapping[bytes, bytes] | None) -> Delivery:
+        entry_id = _text(raw_id)
+        key = native_key(self._cfg.key_prefix, self._cfg.source, entry_id)
+        if not fields:  # XADD needs a field, so an empty entry was deleted or trimmed
+            return Delivery(key, entry_id, ack_entry_id=entry_id, lost=True)
+        body = fields.get(self._body_field)
+        if body is not None:
+            return Delivery(key, entry_id, body=body, ack_entry_id=entry_id)
+        return Delivery(key, entry_id, fields=fields, ack_entry_id=entry_id)
+
+    def rewind(self) -> None:
+        self._history_cursor = "0"
+
+    async def describe(self) -> Mapping[str, object]:
+        cfg = self._cfg
+        try:
+            groups = await self._client.xinfo_groups(cfg.source)
+            length = await self._client.xlen(cfg.source)
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: XINFO GROUPS {cfg.source}: {exc}") from exc
+        for g in groups:
+            if _text(g["name"]) == cfg.group:
+                return {"stream_length": length, "lag": g.get("lag"), "broker_pending": g.get("pending")}
+        return {"stream_length": length, "lag": None, "broker_pending": None}
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class StreamAcknowledger:
+    """XACK for committed intents: one call per stream and group per batch."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self._name = config.name
+        self._client = connect(config.redis_url)
+
+    async def ack(self, claims: Sequence[AckClaim]) -> None:
+        targets: dict[tuple[str, str], list[str]] = {}
+        for c in claims:
+            if c.key is None or c.group is None or c.entry_id is None:
+                raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete xack intent")
+            targets.setdefault((c.key, c.group), []).append(c.entry_id)
+        for (stream, group), ids in targets.items():
+            try:
+                await self._client.xack(stream, group, *ids)
+            except ResponseError as exc:
+                if classify(exc) is not RedisErrorKind.NOGROUP:
+                    raise AckError(
+                        f"adapter {self._name}: XACK {stream} {group} ({len(ids)} ids): {exc}"
+                    ) from exc
+                # No group, no PEL: nothing is left to acknowledge. If the group
+                # is recreated, the entries are redelivered and re-requested.
+                log.warning("ack_group_missing", adapter=self._name, stream=stream, group=group, ids=len(ids))
+            except RedisError as exc:
+                raise AckError(
+                    f"adapter {self._name}: XACK {stream} {group} ({len(ids)} ids): {exc}"
+                ) from exc
+
+    async def close(self) -> None:
+        await self._client.aclose()

