@@ -1,0 +1,62 @@
+"""Fixtures: real PostgreSQL and Redis for every test (see tests/support/servers.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from ingest.servers import RedisServer
+from tests.support import db
+from tests.support.config import stream_adapter, write_config
+from tests.support.servers import ServerUrls, shared_servers, temp_base
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[ServerUrls]:
+    with shared_servers() as urls:
+        db.create_template(urls.database)
+        yield urls
+
+
+@pytest.fixture
+def db_url(servers: ServerUrls) -> Iterator[str]:
+    """A fresh, migrated database of this test's own."""
+    url = db.create_test_database(servers.database)
+    yield url
+    db.drop_test_database(servers.database, url)
+
+
+@pytest.fixture
+def redis_url(servers: ServerUrls) -> str:
+    with redis.Redis.from_url(servers.redis, socket_timeout=10) as r:
+        r.flushall()
+    return servers.redis
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis process this test owns, so it may kill and restart it."""
+    server = RedisServer.create(temp_base("switchboard-redis-"), appendfsync="always")
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, db_url: str, redis_url: str) -> Callable[..., Path]:
+    def make(
+        *adapters: dict[str, Any], redis: str | None = None, name: str = "switchboard.toml", **kw: Any
+    ) -> Path:
+        return write_config(
+            tmp_path / name,
+            database_url=db_url,
+            redis_url=redis or redis_url,
+            adapters=list(adapters) or [stream_adapter()],
+            **kw,
+        )
+
+    return make

