@@ -126,9 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = os.environ
     logs.configure()
     if args.verb == "demo":
-        from ingest import demo  # the embedded servers are an optional extra
+        from ingest.demo import run as run_demo  # embedded servers are an optional extra
 
-        return demo.run(messages=args.messages)
+        return run_demo(messages=args.messages)
     try:
         failpoints.configure(env.get("SWITCHBOARD_FAILPOINTS", ""))
         settings = _settings(args, env)

@@ -53,7 +53,7 @@ def _libpq(url: str) -> str:
 
 
 def _scalar(db: psycopg.Connection[Any], query: str) -> int:
-    row = db.execute(query).fetchone()  # type: ignore[call-overload]
+    row = db.execute(query).fetchone()
     return int(row[0]) if row else 0
 
 

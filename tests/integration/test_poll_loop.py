@@ -36,7 +36,7 @@ def config(db_url: str):  # type: ignore[no-untyped-def]
 
 async def wait_until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     async with asyncio.timeout(timeout_s):
-        while not predicate():
+        while not predicate():  # noqa: ASYNC110 - polling the database, not an event
             await asyncio.sleep(0.02)
 
 

@@ -115,18 +115,24 @@ async def test_poison_is_stored_rejected_without_todo_and_does_not_block_others(
 
 
 async def test_nothing_survives_a_rolled_back_transaction(engine: AsyncEngine, db_url: str) -> None:
-    with pytest.raises(RuntimeError):
+    async def store_then_crash() -> None:
         async with engine.begin() as conn:
             await store(conn, batch(rec("1-0")))
             raise RuntimeError("crash before commit")
+
+    with pytest.raises(RuntimeError, match="crash before commit"):
+        await store_then_crash()
     for table in ("inbox", "events", "todos", "todo_events"):
-        assert scalar(db_url, f"SELECT count(*) FROM {table}") == 0  # noqa: S608 - constant names
+        assert scalar(db_url, f"SELECT count(*) FROM {table}") == 0
 
 
 async def test_database_errors_are_wrapped_with_context(engine: AsyncEngine) -> None:
-    with pytest.raises(StoreError, match="adapter unknown-adapter: storing 1 messages failed") as info:
+    async def store_unregistered() -> None:
         async with engine.begin() as conn:
             await store(conn, batch(rec("1-0"), adapter="unknown-adapter"))  # FK: not registered
+
+    with pytest.raises(StoreError, match="adapter unknown-adapter: storing 1 messages failed") as info:
+        await store_unregistered()
     assert isinstance(info.value.__cause__, psycopg.errors.ForeignKeyViolation)
 
 

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis
 
+from backhalf.records import AckClaim
 from ingest.config import AdapterConfig, from_mapping
 from ingest.errors import BrokerError, GroupMissing
 from ingest.redis_stream import StreamAcknowledger, StreamAdapter
-from backhalf.records import AckClaim
 
 STREAM, GROUP = "orders", "switchboard"
 

@@ -50,7 +50,7 @@ class SwitchboardProcess:
         if failpoints:
             full_env["SWITCHBOARD_FAILPOINTS"] = failpoints
         self._log_file = log_path.open("ab")
-        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env)  # noqa: S603
+        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env)
 
     @property
     def pid(self) -> int:

@@ -39,7 +39,7 @@ def _docker_answers() -> bool:
     if not os.environ.get("DOCKER_HOST") and not Path("/var/run/docker.sock").exists():
         return False
     try:
-        import docker  # type: ignore[import-untyped]  # noqa: PLC0415 - only when needed
+        import docker  # type: ignore[import-untyped]
 
         client = docker.from_env(timeout=3)
         try:
@@ -58,8 +58,8 @@ def shared_servers() -> Iterator[ServerUrls]:
         yield ServerUrls(db_url, redis_url, "environment")
         return
     if _docker_answers():
-        from testcontainers.postgres import PostgresContainer  # noqa: PLC0415
-        from testcontainers.redis import RedisContainer  # noqa: PLC0415
+        from testcontainers.postgres import PostgresContainer
+        from testcontainers.redis import RedisContainer
 
         with PostgresContainer("postgres:16", driver="psycopg") as pgc, RedisContainer("redis:7.2") as rc:
             redis_host = f"redis://{rc.get_container_host_ip()}:{rc.get_exposed_port(6379)}/0"

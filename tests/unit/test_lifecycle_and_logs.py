@@ -11,8 +11,8 @@ import structlog
 
 from backhalf import failpoints
 from backhalf.errors import InjectedFault
-from ingest.lifecycle import Backoff
 from ingest import logs
+from ingest.lifecycle import Backoff
 from ingest.logs import redact
 
 
