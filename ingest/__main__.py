@@ -1,5 +1,5 @@
 import sys
 
-from ingest.cli import main
+from ingest.entry import main
 
 sys.exit(main())

@@ -15,7 +15,7 @@ import structlog
 
 from backhalf import failpoints, migrate, registry
 from backhalf.db import create_engine, redact_url
-from ingest import logs, status
+from ingest import entry, logs, status
 from ingest.acker import run_acker
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
 from ingest.errors import ConfigError
@@ -123,6 +123,11 @@ async def _status_command(settings: Settings, as_json: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.verb not in ("ingest", "ack"):
+        # Short commands: Ctrl-C and SIGTERM act at once, as usual.
+        if entry.stop_requested_early():
+            return EXIT_OK
+        entry.restore_default_handlers()
     env = os.environ
     logs.configure()
     if args.verb == "demo":

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 
 import structlog
 
+from ingest import entry
+
 log = structlog.get_logger(__name__)
 
 EXIT_OK = 0
@@ -37,6 +39,9 @@ def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    if entry.stop_requested_early():  # signalled while still importing
+        log.info("stop_requested", signal="before start-up finished")
+        stop.set()
     try:
         yield
     finally:

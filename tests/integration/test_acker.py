@@ -1,0 +1,129 @@
+"""The acker against real PostgreSQL and Redis: only committed intents are
+acked, concurrent ackers split the work, broker failures leave rows pending."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import registry
+from backhalf.db import DatabaseSettings, create_engine
+from backhalf.records import StoreBatch
+from backhalf.store import store
+from ingest.acker import drain_once
+from ingest.config import Settings, from_mapping
+from ingest.errors import AckError
+from ingest.poll import to_record
+from ingest.redis_stream import StreamAcknowledger, StreamAdapter
+from tests.support.db import query, scalar
+
+STREAM, GROUP = "orders", "switchboard"
+
+
+def settings(db_url: str, redis_url: str) -> Settings:
+    raw = {
+        "database": {"url": db_url},
+        "redis": {"url": redis_url},
+        "adapters": [{"name": "orders", "source": STREAM, "group": GROUP, "consumer": "c1", "block_ms": 50}],
+    }
+    return from_mapping(raw, {})
+
+
+@pytest.fixture
+async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
+    eng = create_engine(DatabaseSettings(url=db_url))
+    async with eng.begin() as conn:
+        await registry.register(conn, name="orders", transport="redis", mode="stream", settings={})
+    yield eng
+    await eng.dispose()
+
+
+async def consume_into_open_transaction(engine: AsyncEngine, s: Settings, n: int):  # type: ignore[no-untyped-def]
+    """Read n entries and store them, returning the still-open transaction."""
+    cfg = s.adapters[0]
+    adapter = StreamAdapter(cfg)
+    try:
+        deliveries = await adapter.read(n)
+        b = StoreBatch("orders", cfg.queue, cfg.consumer, "store", adapter.ack_target, adapter.identity,
+                       [to_record(d, cfg) for d in deliveries])  # fmt: skip
+    finally:
+        await adapter.close()
+    conn = await engine.connect()
+    tx = await conn.begin()
+    await store(conn, b)
+    return conn, tx
+
+
+async def test_xack_only_after_the_todo_is_committed(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    for i in range(3):
+        r.xadd(STREAM, {"body": f'{{"n": {i}}}'})
+    acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
+    try:
+        conn, tx = await consume_into_open_transaction(engine, s, 10)
+        # Stored but not committed: the acker sees nothing, the PEL keeps all three.
+        assert await drain_once(engine, acknowledgers, 100) == 0
+        assert r.xpending(STREAM, GROUP)["pending"] == 3
+        await tx.commit()
+        await conn.close()
+        assert await drain_once(engine, acknowledgers, 100) == 3
+    finally:
+        for a in acknowledgers.values():
+            await a.close()
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+    assert query(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked' AND acked_at IS NOT NULL") == [
+        (3,)
+    ]
+
+
+async def test_concurrent_ackers_split_the_work_without_overlap(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    for i in range(300):
+        r.xadd(STREAM, {"body": f'{{"n": {i}}}'})
+    conn, tx = await consume_into_open_transaction(engine, s, 300)
+    await tx.commit()
+    await conn.close()
+    ackers = [{"orders": StreamAcknowledger(s.adapters[0])} for _ in range(3)]
+    try:
+        counts = await asyncio.gather(*(drain_once(engine, a, 100) for a in ackers))
+        while sum(counts) < 300:
+            counts.append(await drain_once(engine, ackers[0], 100))
+    finally:
+        for a in ackers:
+            await a["orders"].close()
+    assert sum(counts) == 300  # every intent claimed exactly once
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+
+
+async def test_broker_down_leaves_intents_pending(engine: AsyncEngine, db_url: str, redis_url: str) -> None:
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    r.xadd(STREAM, {"body": "{}"})
+    conn, tx = await consume_into_open_transaction(engine, s, 10)
+    await tx.commit()
+    await conn.close()
+    dead = from_mapping(
+        {
+            "database": {"url": db_url},
+            "adapters": [{"name": "orders", "source": STREAM, "url": "redis://127.0.0.1:1/0"}],
+        },
+        {},
+    ).adapters[0]
+    acknowledgers = {"orders": StreamAcknowledger(dead)}
+    try:
+        with pytest.raises(AckError, match="XACK orders switchboard"):
+            await drain_once(engine, acknowledgers, 100)
+    finally:
+        await acknowledgers["orders"].close()
+    assert scalar(db_url, "SELECT ack_state FROM inbox") == "pending"
+    assert r.xpending(STREAM, GROUP)["pending"] == 1

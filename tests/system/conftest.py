@@ -1,0 +1,109 @@
+"""System-test fixtures: real ``switchboard ingest`` / ``ack`` processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.support.config import stream_adapter, write_config
+from tests.support.procs import SwitchboardProcess, wait_for
+
+# Planted in every URL the processes get; it must never reach a log line.
+SECRET = "planted-s3cret-7731"
+
+
+def with_secret_db(url: str) -> str:
+    # PostgreSQL here uses trust auth, so the password is carried but unused.
+    return url.replace("postgres@", f"postgres:{SECRET}@", 1)
+
+
+def with_secret_redis(url: str) -> str:
+    # Valkey's default user is nopass: any password authenticates.
+    return url.replace("redis://", f"redis://default:{SECRET}@", 1)
+
+
+class Processes:
+    """Starts switchboard processes for a test and reaps every one of them."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self._tmp = tmp_path
+        self.all: list[SwitchboardProcess] = []
+
+    def start(
+        self, verb: str, config: Path, *, name: str, failpoints: str | None = None
+    ) -> SwitchboardProcess:
+        incarnation = sum(1 for p in self.all if p.log_path.name.startswith(f"{name}."))
+        proc = SwitchboardProcess(
+            verb,
+            config,
+            self._tmp / f"{name}.{incarnation}.log",
+            consumer=name if verb == "ingest" else None,
+            failpoints=failpoints,
+        )
+        self.all.append(proc)
+        return proc
+
+    def logs_text(self) -> str:
+        return "".join(p.raw_log() for p in self.all)
+
+    def assert_no_secret_logged(self) -> None:
+        assert SECRET not in self.logs_text()
+
+
+def wait_ready(proc: SwitchboardProcess, timeout_s: float = 30) -> None:
+    """Until the process has installed its signal handlers and is working: a
+    SIGTERM before the interpreter has even started our code kills it outright."""
+    event = "poll_loop_started" if proc.verb == "ingest" else "listening"
+    wait_for(lambda: proc.events(event), timeout_s=timeout_s, what=f"{proc.log_path.name}: {event}")
+
+
+def assert_clean_exit(proc: SwitchboardProcess, code: int) -> None:
+    """Exit 0 means no task or thread outlived the run (the CLI checks both);
+    -X dev and -W error make unclosed resources loud."""
+    text = proc.raw_log()
+    assert code == 0, f"exit {code}\n{text[-3000:]}"
+    for bad in ("Traceback", "Exception ignored", "ResourceWarning", "tasks_leaked", "threads_leaked"):
+        assert bad not in text, f"{bad!r} in {proc.log_path}:\n{text[-3000:]}"
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Processes]:
+    p = Processes(tmp_path)
+    yield p
+    for proc in p.all:
+        proc.ensure_dead()
+
+
+def produce(redis_url: str, stream: str, n: int, start: int = 0) -> list[str]:
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        pipe = r.pipeline(transaction=False)
+        for i in range(start, start + n):
+            pipe.xadd(stream, {"body": f'{{"n": {i}}}'})
+        return [i.decode() for i in pipe.execute()]
+
+
+def xpending(redis_url: str, stream: str, group: str = "switchboard") -> int:
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        return int(r.xpending(stream, group)["pending"])
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, db_url: str, redis_url: str) -> Callable[..., Path]:
+    """Like the suite's, but every URL carries the planted secret."""
+
+    def make(
+        *adapters: dict[str, Any], redis: str | None = None, name: str = "switchboard.toml", **kw: Any
+    ) -> Path:
+        return write_config(
+            tmp_path / name,
+            database_url=with_secret_db(db_url),
+            redis_url=with_secret_redis(redis or redis_url),
+            adapters=list(adapters) or [stream_adapter()],
+            **kw,
+        )
+
+    return make
