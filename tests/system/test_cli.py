@@ -1,0 +1,111 @@
+"""The CLI contract: migrate, adapters, status, config errors and the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support import db
+from tests.support.config import stream_adapter
+from tests.support.procs import wait_for
+from tests.support.servers import ServerUrls
+from tests.system.conftest import Processes, assert_clean_exit, produce
+
+pytestmark = pytest.mark.system
+
+
+def switchboard(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+    return subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error", "-m", "ingest", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**base_env, **(env or {})},
+    )
+
+
+def test_migrate_from_the_environment_alone(servers: ServerUrls, tmp_path: Path) -> None:
+    url = db.create_test_database(servers.database, migrated=False)
+    try:
+        env = {"SWITCHBOARD_DATABASE_URL": url}
+        first = switchboard("migrate", env=env)
+        assert first.returncode == 0, first.stderr
+        assert switchboard("migrate", env=env).returncode == 0  # idempotent
+        assert db.scalar(url, "SELECT version_num FROM alembic_version") == "0001"
+    finally:
+        db.drop_test_database(servers.database, url)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "needles"),
+    [
+        ({"name": "orders", "mode": "carrier-pigeon", "source": "o"}, ["'orders'", "'mode'"]),
+        ({"name": "events", "mode": "pubsub", "source": "ch"}, ["'events'", "'delivery'", "at-most-once"]),
+        ({"name": "orders", "source": "o", "batchsize": 5}, ["'orders'", "'batchsize'"]),
+    ],
+)
+def test_config_errors_stop_the_process_naming_adapter_and_key(
+    make_config: Callable[..., Path], adapter: dict[str, object], needles: list[str]
+) -> None:
+    config = make_config(adapter)
+    for verb in ("ingest", "ack"):
+        result = switchboard("--config", str(config), verb)
+        assert result.returncode == 2
+        for needle in needles:
+            assert needle in result.stderr
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    result = switchboard("--config", str(tmp_path / "nope.toml"), "ingest")
+    assert result.returncode == 2
+    assert "nope.toml" in result.stderr
+    assert "not found" in result.stderr
+
+
+def test_status_reports_backlog_pending_acks_and_todos(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
+) -> None:
+    config = make_config(stream_adapter("orders"))
+    produce(redis_url, "orders", 30)
+    ingester = procs.start("ingest", config, name="ingester-1")
+    wait_for(lambda: db.scalar(db_url, "SELECT count(*) FROM todos") == 30, timeout_s=30, what="todos")
+    assert_clean_exit(ingester, ingester.terminate())
+    produce(redis_url, "orders", 5, start=30)  # a backlog nobody has read
+    result = switchboard("--config", str(config), "status", "--json")
+    assert result.returncode == 0, result.stderr
+    (report,) = json.loads(result.stdout)
+    assert report["adapter"] == "orders"
+    assert report["enabled"] is True
+    assert report["lag"] == 5
+    assert report["broker_pending"] == 30  # stored, but no acker ran
+    assert report["pending_acks"] == 30
+    assert report["oldest_unacked_age_s"] > 0
+    assert report["todos"] == {"pending": 30}
+    text = switchboard("--config", str(config), "status")
+    assert "pending_acks" in text.stdout
+
+
+def test_unknown_adapter_enable_fails(make_config: Callable[..., Path]) -> None:
+    result = switchboard(
+        "--config", str(make_config(stream_adapter("orders"))), "adapters", "enable", "ghost"
+    )
+    assert result.returncode == 1
+    assert "ghost" in result.stderr
+
+
+def test_demo_runs_the_whole_pipeline_on_embedded_servers() -> None:
+    result = switchboard("demo", "--messages", "600", timeout_s=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "duplicates              0" in result.stdout
+    assert "messages produced       600" in result.stdout
+    assert "todos created           600" in result.stdout
+    assert "OK: no loss, no duplicate" in result.stdout
