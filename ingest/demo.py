@@ -9,6 +9,7 @@ until everything is acked, and prints what happened, straight from SQL and Redis
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -119,6 +120,7 @@ block_ms = 200
 
 
 def run(messages: int = 5000) -> int:
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # the demo prints its own story
     base = Path(tempfile.mkdtemp(prefix="switchboard-demo-"))
     base.chmod(0o755)  # PostgreSQL runs as an unprivileged user when we are root
     print(f"demo: working in {base}")

@@ -1,0 +1,76 @@
+"""Ingester and acker in one event loop against real servers: the stream end to
+end, the events' trust metadata under a real ACL user, and nothing left running."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import redis
+
+from backhalf.db import DatabaseSettings, create_engine
+from ingest.acker import run_acker
+from ingest.config import from_mapping
+from ingest.ingester import run_ingester
+from ingest.lifecycle import leftover_tasks
+from tests.support.db import query, scalar
+
+STREAM = "orders"  # the key ops/redis-acl.example grants
+ACL_EXAMPLE = Path(__file__).parents[2] / "ops" / "redis-acl.example"
+
+
+async def test_stream_to_acked_todos_with_acl_identity_and_no_leaks(db_url: str, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    # The least-privilege user of ops/redis-acl.example, renamed: proof it suffices.
+    (rule,) = [line for line in ACL_EXAMPLE.read_text().splitlines() if line.startswith("user ")]
+    rules = rule.split()[2:]
+    rules = [">bot-pw" if x.startswith(">") else x for x in rules]
+    r.execute_command("ACL", "SETUSER", "deploy-bot", *rules)
+    try:
+        bot_url = redis_url.replace("redis://", "redis://deploy-bot:bot-pw@", 1)
+        ids = [r.xadd(STREAM, {"body": f'{{"n": {i}}}'}).decode() for i in range(250)]
+        settings = from_mapping(
+            {
+                "database": {"url": db_url},
+                "adapters": [
+                    {"name": "orders", "source": STREAM, "url": bot_url, "batch_size": 40, "block_ms": 100}
+                ],
+                "acker": {"poll_interval_ms": 100},
+            },
+            {},
+        )
+        threads_before = set(threading.enumerate())
+        stop = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(run_ingester(settings, stop))
+            tg.create_task(run_acker(settings, stop))
+            async with asyncio.timeout(30):
+                while scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") < 250:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            stop.set()
+        assert leftover_tasks() == []
+        assert set(threading.enumerate()) <= threads_before
+    finally:
+        r.acl_deluser("deploy-bot")
+    assert r.xpending(STREAM, "switchboard")["pending"] == 0
+    assert query(db_url, "SELECT DISTINCT family, trust_mode, verified, verify_detail FROM events") == [
+        ("queue", "queue", False, "redis acl: deploy-bot")
+    ]
+    keys = {k for (k,) in query(db_url, "SELECT idempotency_key FROM todos")}
+    assert keys == {f"redis:{STREAM}:{i}" for i in ids}
+    (row,) = query(db_url, "SELECT family, transport, mode, enabled, settings FROM adapters")
+    assert row[:4] == ("queue", "redis", "stream", True)
+    assert "bot-pw" not in str(row[4])  # no secrets in adapters.settings
+
+
+async def test_engine_sessions_carry_statement_and_lock_timeouts(db_url: str) -> None:
+    engine = create_engine(DatabaseSettings(url=db_url, statement_timeout_ms=1234, lock_timeout_ms=567))
+    try:
+        async with engine.connect() as conn:
+            pg = await conn.exec_driver_sql("SHOW statement_timeout")
+            assert pg.scalar() == "1234ms"
+            lock = await conn.exec_driver_sql("SHOW lock_timeout")
+            assert lock.scalar() == "567ms"
+    finally:
+        await engine.dispose()
