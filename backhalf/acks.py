@@ -42,3 +42,16 @@ async def mark_acked(conn: AsyncConnection, inbox_ids: Sequence[int]) -> None:
         raise AckStateError(
             f"marking {len(inbox_ids)} ack intents failed: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str) -> dict[str, int]:
+    """Lock the pending LREM intents on one processing list until the caller's
+    transaction ends; return the copies they will remove, per idempotency key."""
+    try:
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(sql.LOCK_PENDING_COPIES, {"adapter": adapter, "ack_key": ack_key})
+            rows = await cur.fetchall()
+    except (psycopg.Error, SQLAlchemyError) as exc:
+        raise AckStateError(f"adapter {adapter}: locking pending copies on {ack_key}: {exc}") from exc
+    return {str(key): int(copies) for key, copies in rows}

@@ -36,6 +36,7 @@ class InboxRecord:
     ack_entry_id: str | None = None
     ack_copies: int = 1
     deliveries: int = 1
+    ack_key: str | None = None  # None: the batch's AckTarget.key
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,25 +19,45 @@ ACK_CHANNEL = "switchboard_ack"
 # stored entry bumps ``deliveries`` and asks the acker again (XACK is
 # idempotent; the entry may be pending again after a group was recreated).
 # ``xmax = 0`` is true exactly for rows this statement inserted.
-INSERT_INBOX_NATIVE: LiteralString = """
+_INSERT_INBOX: LiteralString = """
 INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
                    ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
                    ack_state, deliveries, status, error)
 SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
-       %(ack_kind)s, %(ack_key)s, %(ack_group)s, u.e, u.c, %(ack_after)s,
+       %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
        %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err
-FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(entry_ids)b::text[],
-            %(copies)b::int4[], %(deliveries)b::int4[], %(errors)b::text[])
-     AS u(k, m, b, e, c, d, err)
-ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
+FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(ack_keys)b::text[],
+            %(entry_ids)b::text[], %(copies)b::int4[], %(deliveries)b::int4[], %(errors)b::text[])
+     AS u(k, m, b, ak, e, c, d, err)
+"""
+
+INSERT_INBOX_NATIVE: LiteralString = (
+    _INSERT_INBOX
+    + """ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
 DO UPDATE SET deliveries = inbox.deliveries + excluded.deliveries,
               consumer = excluded.consumer,
               ack_key = excluded.ack_key,
               ack_group = excluded.ack_group,
               ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
               acked_at = NULL
-RETURNING id, idempotency_key, (xmax = 0) AS inserted
+RETURNING id, idempotency_key, ack_key, (xmax = 0) AS inserted
 """
+)
+
+# List items and pub/sub messages (no native id). A copy of a body already
+# pending on the same processing list merges into that row: ``ack_copies``
+# counts the copies the acker must LREM. Pub/sub rows (ack_state 'none') never
+# match the index predicate, so each is inserted; the todo index dedups them.
+INSERT_INBOX_BODY: LiteralString = (
+    _INSERT_INBOX
+    + """ON CONFLICT (adapter, idempotency_key, ack_key)
+   WHERE source_message_id IS NULL AND ack_state = 'pending'
+DO UPDATE SET ack_copies = inbox.ack_copies + excluded.ack_copies,
+              deliveries = inbox.deliveries + excluded.deliveries,
+              consumer = excluded.consumer
+RETURNING id, idempotency_key, ack_key, (xmax = 0) AS inserted
+"""
+)
 
 # The conflict target's WHERE must be the partial index's predicate exactly
 # (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer it.
@@ -88,6 +108,16 @@ WHERE ack_state = 'pending' AND ack_after = 'store' AND adapter = ANY(%(adapters
 ORDER BY id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
+"""
+
+# List recovery: the pending copies on one processing list, locked with the
+# same row locks the acker takes, so LRANGE and these counts agree.
+LOCK_PENDING_COPIES: LiteralString = """
+SELECT idempotency_key, sum(ack_copies)::int
+FROM (SELECT idempotency_key, ack_copies FROM inbox
+      WHERE adapter = %(adapter)s AND ack_key = %(ack_key)s AND ack_kind = 'lrem' AND ack_state = 'pending'
+      FOR UPDATE) AS locked
+GROUP BY idempotency_key
 """
 
 MARK_ACKED: LiteralString = """

@@ -24,15 +24,20 @@ from backhalf.errors import StoreError
 from backhalf.records import InboxRecord, StoreBatch, StoreResult
 
 
-def _merge_duplicates(records: Sequence[InboxRecord]) -> list[InboxRecord]:
+def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | None) -> list[InboxRecord]:
     # One statement may not touch a row twice (ON CONFLICT DO UPDATE), and a
     # batch can hold the same message twice: a PEL re-read overlapping a
     # claim, or several copies of one list body. Merge them, counting both.
     merged: dict[str, InboxRecord] = {}
     for rec in records:
+        if rec.ack_key is None:
+            rec = replace(rec, ack_key=default_ack_key)
         seen = merged.get(rec.idempotency_key)
         if seen is None:
             merged[rec.idempotency_key] = rec
+        elif seen.ack_key != rec.ack_key:
+            # Adapters deliver one ack target per batch; events link by key.
+            raise StoreError(f"key {rec.idempotency_key} appears with two ack keys in one batch")
         else:
             merged[rec.idempotency_key] = replace(
                 seen,
@@ -44,17 +49,15 @@ def _merge_duplicates(records: Sequence[InboxRecord]) -> list[InboxRecord]:
 
 async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:
     """Store ``batch`` in the caller's transaction; raise :class:`StoreError`."""
-    records = _merge_duplicates(batch.records)
+    records = _merge_duplicates(batch.records, batch.ack.key)
     if not records:
         return StoreResult(0, 0, 0, 0, 0)
-    if any(r.source_message_id is None for r in records):
-        # Lists and pub/sub (issue 3) dedup on uq_inbox_body_pending instead.
-        raise StoreError(f"adapter {batch.adapter}: messages without a native id are not supported yet")
+    native = {r.source_message_id is not None for r in records}
+    if len(native) != 1:
+        raise StoreError(f"adapter {batch.adapter}: a batch mixes messages with and without native ids")
     try:
         pg = await driver_connection(conn)
-        return await _store(pg, batch, records)
-    except StoreError:
-        raise
+        return await _store(pg, batch, records, native=native.pop())
     except (psycopg.Error, SQLAlchemyError) as exc:
         raise StoreError(
             f"adapter {batch.adapter}: storing {len(records)} messages failed: {type(exc).__name__}: {exc}"
@@ -62,23 +65,23 @@ async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:
 
 
 async def _store(
-    pg: psycopg.AsyncConnection[Any], batch: StoreBatch, records: list[InboxRecord]
+    pg: psycopg.AsyncConnection[Any], batch: StoreBatch, records: list[InboxRecord], *, native: bool
 ) -> StoreResult:
     ack_state = "none" if batch.ack.kind == "none" else "pending"
     async with pg.cursor() as cur:
         await cur.execute(
-            sql.INSERT_INBOX_NATIVE,
+            sql.INSERT_INBOX_NATIVE if native else sql.INSERT_INBOX_BODY,
             {
                 "adapter": batch.adapter,
                 "consumer": batch.consumer,
                 "ack_kind": batch.ack.kind,
-                "ack_key": batch.ack.key,
                 "ack_group": batch.ack.group,
                 "ack_after": batch.ack_after,
                 "ack_state": ack_state,
                 "keys": [r.idempotency_key for r in records],
                 "ids": [r.source_message_id for r in records],
                 "bodies": [r.body for r in records],
+                "ack_keys": [r.ack_key for r in records],
                 "entry_ids": [r.ack_entry_id for r in records],
                 "copies": [r.ack_copies for r in records],
                 "deliveries": [r.deliveries for r in records],
@@ -87,7 +90,7 @@ async def _store(
         )
         inserted_ids: dict[str, int] = {}
         redelivered = 0
-        for inbox_id, key, inserted in await cur.fetchall():
+        for inbox_id, key, _ack_key, inserted in await cur.fetchall():
             if inserted:
                 inserted_ids[key] = inbox_id
             else:

@@ -1,7 +1,7 @@
 """What a pull adapter is: the types every transport mode shares.
 
-One module per mode implements :class:`PullAdapter` (``redis_stream`` now;
-``redis_list`` and ``redis_pubsub`` later) plus an ``ack`` function for its ack
+One module per mode implements :class:`PullAdapter` (``redis_stream``,
+``redis_list``, ``redis_pubsub``) plus an :class:`Acknowledger` for its ack
 kind; the poll loop and the acker never branch on the mode. A capability a
 mode lacks is a documented no-op (pub/sub has nothing to ack), not an
 ``isinstance`` check at the call site. ``memory`` is the in-memory fake for
@@ -10,13 +10,15 @@ unit tests of the loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 from backhalf.records import AckClaim, AckTarget
 
-__all__ = ["AckTarget", "Acknowledger", "Delivery", "PullAdapter"]
+__all__ = ["AckTarget", "Acknowledger", "Delivery", "OpenLedger", "PendingCopies", "PullAdapter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +36,20 @@ class Delivery:
     body: bytes | None = None
     fields: Mapping[bytes, bytes] | None = None
     ack_entry_id: str | None = None
+    ack_key: str | None = None  # overrides the adapter's ack target (a recovered list)
+    ack_copies: int = 1
     lost: bool = False
     deliveries: int = 1
+
+
+class PendingCopies(Protocol):
+    """Lock the pending ack intents on one ack key; return copies per idempotency key."""
+
+    async def __call__(self, ack_key: str) -> Mapping[str, int]: ...
+
+
+# Opens a database transaction whose row locks last for the ``async with``.
+OpenLedger = Callable[[], AbstractAsyncContextManager[PendingCopies]]
 
 
 class PullAdapter(Protocol):
@@ -56,6 +70,17 @@ class PullAdapter(Protocol):
 
     async def start(self) -> None:
         """Connect and prepare (create the group, learn the identity). Idempotent."""
+
+    async def run_background(self, stop: asyncio.Event) -> None:
+        """Work that must go on beside the poll loop until ``stop`` (a list
+        consumer's heartbeat). Returns at once where a mode has none."""
+
+    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
+        """Messages owed from broker-side holding areas (a processing list),
+        reconciled against the database; [] where the broker redelivers by
+        itself (streams) or keeps nothing (pub/sub). Called before every read;
+        the adapter decides when recovery is due."""
+        ...
 
     async def read(self, max_count: int) -> list[Delivery]:
         """Up to ``max_count`` messages; waits at most the adapter's block time."""

@@ -19,7 +19,6 @@ from ingest.errors import ConfigError
 DEFAULT_CONFIG_PATH = "switchboard.toml"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 MODES = ("stream", "list", "pubsub")
-IMPLEMENTED_MODES = ("stream",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +42,8 @@ class AdapterConfig:
     format: BodyFormat = BodyFormat.JSON
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     delivery: str | None = None
+    heartbeat_ttl_ms: int = 30_000  # list mode: a consumer silent this long is dead
+    reap_interval_ms: int = 5_000  # list mode: how often dead consumers' lists are checked
 
     def public_settings(self) -> dict[str, Any]:
         """What goes into ``adapters.settings``: everything but the broker URL."""
@@ -60,6 +61,8 @@ class AdapterConfig:
             "body_field": self.body_field,
             "format": str(self.format),
             "max_message_bytes": self.max_message_bytes,
+            **({"heartbeat_ttl_ms": self.heartbeat_ttl_ms} if self.mode == "list" else {}),
+            **({"delivery": self.delivery} if self.mode == "pubsub" else {}),
         }
 
 
@@ -100,6 +103,7 @@ _ADAPTER_KEYS = {
     "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after",
     "batch_size", "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id",
     "key_prefix", "body_field", "format", "max_message_bytes", "url", "delivery",
+    "heartbeat_ttl_ms", "reap_interval_ms",
 }  # fmt: skip
 _TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics"}
 
@@ -139,13 +143,15 @@ def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
     mode = raw.get("mode", "stream")
     if mode not in MODES:
         raise ConfigError(f"{label}: key 'mode' must be one of {', '.join(MODES)} (got {mode!r})")
+    if raw.get("delivery", "at-least-once") not in ("at-least-once", "at-most-once"):
+        raise ConfigError(
+            f'{label}: key \'delivery\' must be "at-least-once" or "at-most-once" (got {raw["delivery"]!r})'
+        )
     if mode == "pubsub" and raw.get("delivery") != "at-most-once":
         raise ConfigError(
             f'{label}: key \'delivery\' must be "at-most-once" for mode = "pubsub": pub/sub has no '
             "redelivery and loses messages published while the ingester is down"
         )
-    if mode not in IMPLEMENTED_MODES:
-        raise ConfigError(f"{label}: key 'mode' = {mode!r} is not implemented yet (only: stream)")
     transport = raw.get("transport", "redis")
     if transport != "redis":
         raise ConfigError(f"{label}: key 'transport' must be \"redis\" (got {transport!r})")
@@ -174,6 +180,8 @@ def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
         ("claim_idle_ms", 1),
         ("claim_interval_ms", 1),
         ("max_message_bytes", 1),
+        ("heartbeat_ttl_ms", 1000),
+        ("reap_interval_ms", 1),
     ):
         if key in raw:
             options[key] = _positive_int(f"{label}: key {key!r}", raw[key], minimum=minimum)

@@ -60,10 +60,14 @@ async def run_ingester(
             return
         adapters = [adapter_factory(cfg) for cfg in settings.adapters]
         async with asyncio.TaskGroup() as tg:
+            pairs = list(zip(adapters, settings.adapters, strict=True))
             loops = [
                 tg.create_task(PollLoop(a, cfg, engine, settings.ingest, stop).run(), name=f"poll:{cfg.name}")
-                for a, cfg in zip(adapters, settings.adapters, strict=True)
+                for a, cfg in pairs
             ]
+            # Heartbeats and the like: they end on stop by themselves.
+            for a, cfg in pairs:
+                tg.create_task(a.run_background(stop), name=f"background:{cfg.name}")
             await stop.wait()
             _done, running = await asyncio.wait(loops, timeout=settings.ingest.shutdown_timeout_s)
             if running:

@@ -70,6 +70,23 @@ async def wait_either(first: asyncio.Event, second: asyncio.Event, timeout_s: fl
         await asyncio.gather(*waiters, return_exceptions=True)
 
 
+async def cancel_and_wait(task: asyncio.Task[object], timeout_s: float) -> bool:
+    """Cancel ``task`` and wait for it to end, at most ``timeout_s``.
+
+    Cancels again while it runs: redis-py (8.1) can swallow a cancellation
+    that lands while a command is being set up, and the task then goes on to
+    its next await, a blocking read of up to ``block_ms``. Return whether the
+    task ended in time."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not task.done():
+        task.cancel()
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return False
+        await asyncio.wait({task}, timeout=min(0.1, remaining))
+    return True
+
+
 class Backoff:
     """Exponential backoff with full jitter, capped; reset after a success."""
 

@@ -7,11 +7,12 @@ any broker contract; the Redis modes are tested against real Redis.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapter import Delivery
+from ingest.adapter import Delivery, OpenLedger
 
 
 class MemoryAdapter:
@@ -61,6 +62,12 @@ class MemoryAdapter:
 
     def rewind(self) -> None:
         self._replay = True
+
+    async def run_background(self, stop: asyncio.Event) -> None:
+        return None
+
+    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
+        return []
 
     async def describe(self) -> Mapping[str, object]:
         return {"queued": len(self._queue), "pending": len(self.pending)}

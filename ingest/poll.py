@@ -10,24 +10,27 @@ pending at the broker) but lets a store already under way commit or fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Mapping
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import failpoints, registry
+from backhalf import acks, failpoints, registry
 from backhalf.errors import BackhalfError, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
 from backhalf.records import InboxRecord, StoreBatch, StoreResult
 from backhalf.store import store
-from ingest.adapter import Delivery, PullAdapter
+from ingest.adapter import Delivery, PendingCopies, PullAdapter
 from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import BrokerError, IngestError
-from ingest.lifecycle import Backoff, wait_stop
+from ingest.lifecycle import Backoff, cancel_and_wait, wait_stop
 
 log = structlog.get_logger(__name__)
 
+READ_CANCEL_TIMEOUT_S = 5.0
 LOST_BEFORE_INGEST = "lost_before_ingest: the entry was deleted or trimmed while still pending"
 
 
@@ -56,6 +59,8 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
         payload=payload,
         error=error,
         ack_entry_id=delivery.ack_entry_id,
+        ack_key=delivery.ack_key,
+        ack_copies=delivery.ack_copies,
         deliveries=delivery.deliveries,
     )
 
@@ -113,7 +118,9 @@ class PollLoop:
         if not await self._is_enabled():
             await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
             return
-        deliveries = await self._read_unless_stopped()
+        deliveries = await self._adapter.recover(self._open_ledger)
+        if not deliveries:
+            deliveries = await self._read_unless_stopped()
         if not deliveries:
             return
         failpoints.hit("after_read")
@@ -135,6 +142,17 @@ class PollLoop:
             if d.lost:
                 self._log.error("lost_before_ingest", message_id=d.message_id, key=d.idempotency_key)
 
+    @contextlib.asynccontextmanager
+    async def _open_ledger(self) -> AsyncIterator[PendingCopies]:
+        """A transaction for an adapter's recovery: the row locks it takes on
+        pending ack intents hold until the ``async with`` ends."""
+        async with self._engine.begin() as conn:
+
+            async def pending_copies(ack_key: str) -> Mapping[str, int]:
+                return await acks.lock_pending_copies(conn, self._cfg.name, ack_key)
+
+            yield pending_copies
+
     async def _is_enabled(self) -> bool:
         now = time.monotonic()
         if now - self._enabled_checked_at >= self._settings.enabled_refresh_ms / 1000:
@@ -149,14 +167,16 @@ class PollLoop:
     async def _read_unless_stopped(self) -> list[Delivery]:
         """Read a batch, or nothing if stop is requested first; a read cut
         short leaves its entries pending at the broker for redelivery."""
+        if self._stop.is_set():
+            return []
         read = asyncio.create_task(self._adapter.read(self._cfg.batch_size), name=f"read:{self._cfg.name}")
         stopped = asyncio.create_task(self._stop.wait(), name=f"stop-wait:{self._cfg.name}")
         try:
             await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in (read, stopped):
-                task.cancel()
-            await asyncio.gather(read, stopped, return_exceptions=True)
+                if not await cancel_and_wait(task, READ_CANCEL_TIMEOUT_S):
+                    self._log.error("read_not_cancellable", task=task.get_name())
         if self._stop.is_set() or read.cancelled():
             return []
         return read.result()

@@ -20,6 +20,7 @@ stream and group.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapter import Delivery
+from ingest.adapter import Delivery, OpenLedger
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError, GroupMissing
 from ingest.redis_common import RedisErrorKind, broker_label, classify, connect
@@ -179,6 +180,13 @@ class StreamAdapter:
 
     def rewind(self) -> None:
         self._history_cursor = "0"
+
+    async def run_background(self, stop: asyncio.Event) -> None:
+        """Nothing: the PEL needs no heartbeat; XAUTOCLAIM judges idleness."""
+
+    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
+        """Nothing: Redis redelivers from the PEL (history re-read, XAUTOCLAIM)."""
+        return []
 
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg

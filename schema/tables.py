@@ -5,8 +5,10 @@ Two dedup layers live here as unique indexes:
 * ``uq_inbox_native_key``: a message with a native id (a stream entry) is
   stored once per adapter for as long as inbox rows are retained, so a late
   redelivery (after the todo finished) creates nothing new.
-* ``uq_inbox_body_pending``: a message without a native id (list item, pub/sub
-  message) is deduped only while an earlier copy still awaits its ack.
+* ``uq_inbox_body_pending``: a message without a native id (list item) is
+  deduped only while an earlier copy on the same processing list still awaits
+  its ack; the copies merge into one row. Pub/sub rows never await an ack,
+  so only the todo index dedups them.
 * ``uq_todos_queue_key_active``: pending work is unique on
   ``(queue, idempotency_key)`` among non-terminal todos. ``ON CONFLICT``
   only infers a partial index when its ``WHERE`` matches the predicate, so the
@@ -160,13 +162,18 @@ sa.Index(
     unique=True,
     postgresql_where=INBOX_NATIVE_PREDICATE,
 )
+# One pending row per body *and processing list*: copies consumed onto one
+# list merge into its row (ack_copies), so LREM removes exactly them.
 sa.Index(
     "uq_inbox_body_pending",
     inbox.c.adapter,
     inbox.c.idempotency_key,
+    inbox.c.ack_key,
     unique=True,
     postgresql_where=INBOX_BODY_PENDING_PREDICATE,
 )
+# List recovery locks a processing list's pending intents by ack_key.
+sa.Index("ix_inbox_pending_ack_key", inbox.c.ack_key, postgresql_where=inbox.c.ack_state == "pending")
 # The acker's work queue: small, because acked rows leave it.
 sa.Index("ix_inbox_ack_pending", inbox.c.id, postgresql_where=inbox.c.ack_state == "pending")
 sa.Index("ix_inbox_todo_id", inbox.c.todo_id)

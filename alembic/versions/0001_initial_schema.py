@@ -117,7 +117,8 @@ def upgrade() -> None:
     op.create_index('ix_inbox_ack_pending', 'inbox', ['id'], unique=False, postgresql_where=sa.text("ack_state = 'pending'"))
     op.create_index('ix_inbox_rejected', 'inbox', ['adapter', 'id'], unique=False, postgresql_where=sa.text("status = 'rejected'"))
     op.create_index('ix_inbox_todo_id', 'inbox', ['todo_id'], unique=False)
-    op.create_index('uq_inbox_body_pending', 'inbox', ['adapter', 'idempotency_key'], unique=True, postgresql_where=sa.text("source_message_id IS NULL AND ack_state = 'pending'"))
+    op.create_index('uq_inbox_body_pending', 'inbox', ['adapter', 'idempotency_key', 'ack_key'], unique=True, postgresql_where=sa.text("source_message_id IS NULL AND ack_state = 'pending'"))
+    op.create_index('ix_inbox_pending_ack_key', 'inbox', ['ack_key'], unique=False, postgresql_where=sa.text("ack_state = 'pending'"))
     op.create_index('uq_inbox_native_key', 'inbox', ['adapter', 'idempotency_key'], unique=True, postgresql_where=sa.text('source_message_id IS NOT NULL'))
     for ddl in VIEWS.values():
         op.execute(ddl)
@@ -131,6 +132,7 @@ def downgrade() -> None:
     op.execute('DROP VIEW IF EXISTS audit_unacked')
     op.execute('DROP VIEW IF EXISTS audit_message_trail')
     op.drop_index('uq_inbox_native_key', table_name='inbox', postgresql_where=sa.text('source_message_id IS NOT NULL'))
+    op.drop_index('ix_inbox_pending_ack_key', table_name='inbox', postgresql_where=sa.text("ack_state = 'pending'"))
     op.drop_index('uq_inbox_body_pending', table_name='inbox', postgresql_where=sa.text("source_message_id IS NULL AND ack_state = 'pending'"))
     op.drop_index('ix_inbox_todo_id', table_name='inbox')
     op.drop_index('ix_inbox_rejected', table_name='inbox', postgresql_where=sa.text("status = 'rejected'"))

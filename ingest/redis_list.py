@@ -1,0 +1,254 @@
+"""Redis reliable lists: BLMOVE onto a per-consumer processing list, LREM to ack.
+
+Key layout::
+
+    {source}                              the source list (producers LPUSH)
+    {source}:processing:{consumer}        items this consumer moved and has not removed yet
+    {source}:consumers                    set of consumer names that ever owned a processing list
+    {source}:heartbeat:{consumer}         present while the consumer lives (PX heartbeat_ttl_ms)
+    {source}:recovering:{processing}      recovery lock (SET NX PX), one recoverer per list
+
+Items are moved from the tail (RIGHT) of the source to the head (LEFT) of the
+processing list, so LPUSH producers get FIFO order. The ack intent is
+``LREM processing <copies> <body>`` of exactly the copies this consumer
+stored; the idempotency key is ``{key_prefix}:{source}:{sha256(body)}``.
+
+Recovery (``recover``) reconciles a processing list with the database: under
+the row locks of the list's pending ack intents (the same locks the acker
+holds while it removes), copies on the list minus copies pending = copies
+consumed but never stored, and those are delivered again with their ack on
+that list. It runs for the consumer's own list at start-up and after a failed
+store, and, every ``reap_interval_ms``, for the lists of consumers whose
+heartbeat has expired. A live consumer's list is never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+from redis.exceptions import RedisError
+
+from backhalf.keys import body_key
+from backhalf.records import AckClaim, AckTarget
+from ingest.adapter import Delivery, OpenLedger
+from ingest.config import AdapterConfig
+from ingest.errors import AckError, BrokerError
+from ingest.lifecycle import wait_stop
+from ingest.redis_common import broker_label, connect
+
+log = structlog.get_logger(__name__)
+
+# Held for as long as a recovery's store may take to commit, so two recoverers
+# never count the same list at once; never released early on purpose.
+RECOVERY_LOCK_TTL_MS = 60_000
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def processing_key(source: str, consumer: str) -> str:
+    return f"{source}:processing:{consumer}"
+
+
+class ListAdapter:
+    """A :class:`ingest.adapter.PullAdapter` over one source list."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self.name = config.name
+        self._cfg = config
+        self._client = connect(config.redis_url, block_ms=config.block_ms)
+        self._processing = processing_key(config.source, config.consumer)
+        self._consumers_key = f"{config.source}:consumers"
+        self._token = secrets.token_hex(8)
+        self._identity = "redis acl: unknown"
+        self._started = False
+        self._own_recovery_due = True
+        self._next_reap_at = 0.0
+
+    def _heartbeat_key(self, consumer: str) -> str:
+        return f"{self._cfg.source}:heartbeat:{consumer}"
+
+    @property
+    def ack_target(self) -> AckTarget:
+        return AckTarget("lrem", self._processing)
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    @property
+    def broker(self) -> str:
+        return broker_label(self._client)
+
+    async def start(self) -> None:
+        try:
+            await self._beat()
+            user = await self._client.acl_whoami()
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: start-up on {self._cfg.source}: {exc}") from exc
+        self._identity = f"redis acl: {_text(user)}"
+        self._started = True
+
+    async def _beat(self) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self._heartbeat_key(self._cfg.consumer), self._token, px=self._cfg.heartbeat_ttl_ms)
+        pipe.sadd(self._consumers_key, self._cfg.consumer)
+        await pipe.execute()
+
+    async def run_background(self, stop: asyncio.Event) -> None:
+        """The heartbeat, in its own task, so a slow commit or a long backoff in
+        the poll loop never lets it lapse while this consumer is alive."""
+        interval_s = self._cfg.heartbeat_ttl_ms / 3000
+        while not await wait_stop(stop, interval_s):
+            try:
+                await self._beat()
+            except RedisError as exc:
+                log.warning("heartbeat_failed", adapter=self.name, error=exc, broker=self.broker)
+
+    async def read(self, max_count: int) -> list[Delivery]:
+        cfg = self._cfg
+        try:
+            if not self._started:
+                await self.start()
+            first = await self._client.blmove(
+                cfg.source,
+                self._processing,
+                cfg.block_ms / 1000,  # type: ignore[arg-type]  # BLMOVE takes fractional seconds
+                src="RIGHT",
+                dest="LEFT",
+            )
+            if first is None:
+                return []
+            bodies: list[bytes] = [_bytes(first)]
+            if max_count > 1:
+                # BLMOVE takes one item; the rest of the batch in one round trip.
+                pipe = self._client.pipeline(transaction=False)
+                for _ in range(max_count - 1):
+                    pipe.lmove(cfg.source, self._processing, src="RIGHT", dest="LEFT")
+                bodies += [_bytes(b) for b in await pipe.execute() if b is not None]
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: moving from {cfg.source}: {exc}") from exc
+        return [self._delivery(body, self._processing, 1) for body in bodies]
+
+    def _delivery(self, body: bytes, processing: str, copies: int) -> Delivery:
+        key = body_key(self._cfg.key_prefix, self._cfg.source, body)
+        return Delivery(key, None, body=body, ack_key=processing, ack_copies=copies)
+
+    def rewind(self) -> None:
+        # What was moved but not stored is on the processing list: recover it.
+        self._own_recovery_due = True
+
+    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
+        try:
+            lists: list[tuple[str, str | None]] = []
+            if self._own_recovery_due:
+                lists.append((self._processing, None))
+            now = time.monotonic()
+            if now >= self._next_reap_at:
+                self._next_reap_at = now + self._cfg.reap_interval_ms / 1000
+                lists += await self._dead_consumers()
+            for processing, dead_owner in lists:
+                deliveries = await self._recover_list(open_ledger, processing, dead_owner)
+                if processing == self._processing and deliveries is not None:
+                    self._own_recovery_due = False
+                if deliveries:
+                    return deliveries
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: recovering processing lists: {exc}") from exc
+        return []
+
+    async def _dead_consumers(self) -> list[tuple[str, str | None]]:
+        members = await self._client.smembers(self._consumers_key)
+        dead: list[tuple[str, str | None]] = []
+        for raw in sorted(members):
+            consumer = _text(raw)
+            if consumer != self._cfg.consumer and not await self._client.exists(
+                self._heartbeat_key(consumer)
+            ):
+                dead.append((processing_key(self._cfg.source, consumer), consumer))
+        return dead
+
+    async def _recover_list(
+        self, open_ledger: OpenLedger, processing: str, dead_owner: str | None
+    ) -> list[Delivery] | None:
+        """Deliveries for the unstored copies on ``processing``; None if another
+        recoverer holds the list (try again later)."""
+        lock = f"{self._cfg.source}:recovering:{processing}"
+        if not await self._client.set(lock, self._token, nx=True, px=RECOVERY_LOCK_TTL_MS):
+            holder = await self._client.get(lock)
+            if holder is None or _text(holder) != self._token:
+                return None
+        if dead_owner is not None and await self._client.exists(self._heartbeat_key(dead_owner)):
+            return None  # it came back: a live consumer's list is never taken
+        async with open_ledger() as pending_copies:
+            pending = await pending_copies(processing)
+            on_list = Counter(_bytes(b) for b in await self._client.lrange(processing, 0, -1))
+        deliveries = []
+        for body, copies in on_list.items():
+            unstored = copies - pending.get(body_key(self._cfg.key_prefix, self._cfg.source, body), 0)
+            if unstored > 0:
+                deliveries.append(self._delivery(body, processing, unstored))
+        if dead_owner is not None and not on_list:
+            await self._client.srem(self._consumers_key, dead_owner)  # nothing left to reap
+        if deliveries or on_list:
+            log.info(
+                "processing_list_recovered",
+                adapter=self.name,
+                processing=processing,
+                dead_consumer=dead_owner,
+                on_list=sum(on_list.values()),
+                redelivered=sum(d.ack_copies for d in deliveries),
+            )
+        return deliveries
+
+    async def describe(self) -> Mapping[str, object]:
+        cfg = self._cfg
+        try:
+            members = sorted(_text(m) for m in await self._client.smembers(self._consumers_key))
+            consumers: dict[str, Any] = {}
+            for name in members:
+                ttl_ms = await self._client.pttl(self._heartbeat_key(name))
+                consumers[name] = {
+                    "processing_length": await self._client.llen(processing_key(cfg.source, name)),
+                    "heartbeat_ttl_ms": ttl_ms if ttl_ms >= 0 else None,
+                }
+            length = await self._client.llen(cfg.source)
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: describing {cfg.source}: {exc}") from exc
+        return {"list_length": length, "consumers": consumers}
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class ListAcknowledger:
+    """LREM of exactly the stored copies, one pipeline per batch."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self._name = config.name
+        self._client = connect(config.redis_url)
+
+    async def ack(self, claims: Sequence[AckClaim]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for c in claims:
+            if c.key is None or c.body is None:
+                raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete lrem intent")
+            pipe.lrem(c.key, c.copies, c.body)  # type: ignore[arg-type]  # bytes values are fine
+        try:
+            await pipe.execute()
+        except RedisError as exc:
+            raise AckError(f"adapter {self._name}: LREM of {len(claims)} intents: {exc}") from exc
+
+    async def close(self) -> None:
+        await self._client.aclose()

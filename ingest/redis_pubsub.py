@@ -1,0 +1,116 @@
+"""Redis pub/sub: loss-tolerant only.
+
+Key layout: the channel ``{source}``, nothing else. Pub/sub keeps no copy of a
+message: whatever is published while no ingester is subscribed is gone, and
+there is nothing to acknowledge (``ack_kind = 'none'``). The config refuses
+this mode unless the adapter says ``delivery = "at-most-once"``.
+
+The idempotency key is ``{key_prefix}:{source}:{sha256(body)}``, so a message
+published twice while its todo is still active yields one todo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from backhalf.keys import body_key
+from backhalf.records import AckTarget
+from ingest.adapter import Delivery, OpenLedger
+from ingest.config import AdapterConfig
+from ingest.errors import BrokerError
+from ingest.redis_common import broker_label, connect
+
+
+class PubSubAdapter:
+    """A :class:`ingest.adapter.PullAdapter` over one channel."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self.name = config.name
+        self._cfg = config
+        self._client = connect(config.redis_url, block_ms=config.block_ms)
+        self._pubsub: Any = None
+        self._identity = "redis acl: unknown"
+        self._last: list[Delivery] = []
+        self._replay: list[Delivery] = []
+
+    @property
+    def ack_target(self) -> AckTarget:
+        return AckTarget("none")
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    @property
+    def broker(self) -> str:
+        return broker_label(self._client)
+
+    async def start(self) -> None:
+        try:
+            user = await self._client.acl_whoami()
+            self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            await self._pubsub.subscribe(self._cfg.source)
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: SUBSCRIBE {self._cfg.source}: {exc}") from exc
+        self._identity = f"redis acl: {user.decode() if isinstance(user, bytes) else user}"
+
+    async def run_background(self, stop: asyncio.Event) -> None:
+        """Nothing runs in the background for pub/sub."""
+
+    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
+        """No broker-side record exists to recover from."""
+        return []
+
+    async def read(self, max_count: int) -> list[Delivery]:
+        if self._replay:
+            batch, self._replay = self._replay, []
+            return batch
+        try:
+            if self._pubsub is None:
+                await self.start()
+            bodies: list[bytes] = []
+            # Wait up to block_ms for the first message, then take what is buffered.
+            message = await self._pubsub.get_message(timeout=self._cfg.block_ms / 1000)
+            while message is not None:
+                if message.get("type") == "message":
+                    bodies.append(message["data"])
+                if len(bodies) >= max_count:
+                    break
+                message = await self._pubsub.get_message(timeout=0)
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: reading channel {self._cfg.source}: {exc}") from exc
+        self._last = [
+            Delivery(body_key(self._cfg.key_prefix, self._cfg.source, b), None, body=b) for b in bodies
+        ]
+        return self._last
+
+    def rewind(self) -> None:
+        # The broker cannot redeliver: retry the unstored batch from memory. A
+        # crash loses it, which is what at-most-once means.
+        self._replay = self._last
+
+    async def describe(self) -> Mapping[str, object]:
+        try:
+            numsub = await self._client.pubsub_numsub(self._cfg.source)
+        except RedisError as exc:
+            raise BrokerError(f"adapter {self.name}: PUBSUB NUMSUB {self._cfg.source}: {exc}") from exc
+        return {"subscribers": int(numsub[0][1]) if numsub else 0}
+
+    async def close(self) -> None:
+        if self._pubsub is not None:
+            await self._pubsub.aclose()
+        await self._client.aclose()
+
+
+class NoAcknowledger:
+    """Pub/sub has nothing to acknowledge; its inbox rows never wait for an ack."""
+
+    async def ack(self, claims: object) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
