@@ -44,7 +44,9 @@ def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | Non
                 ack_copies=seen.ack_copies + rec.ack_copies,
                 deliveries=seen.deliveries + rec.deliveries,
             )
-    return list(merged.values())
+    # A fixed lock order: two ingesters storing overlapping entries (a claim
+    # racing a slow consumer) queue behind each other instead of deadlocking.
+    return sorted(merged.values(), key=lambda r: r.idempotency_key)
 
 
 async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:

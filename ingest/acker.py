@@ -24,7 +24,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import acks, failpoints
 from backhalf.db import DatabaseSettings, create_engine
 from backhalf.errors import BackhalfError
-from backhalf.records import AckClaim
 from backhalf.sql import ACK_CHANNEL
 from ingest.adapter import Acknowledger
 from ingest.config import AckerSettings, Settings
@@ -43,50 +42,69 @@ def _libpq_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-async def drain_once(engine: AsyncEngine, acknowledgers: Mapping[str, Acknowledger], limit: int) -> int:
-    """One claim-ack-mark transaction; return how many intents were discharged."""
+async def drain_adapter(engine: AsyncEngine, adapter: str, acknowledger: Acknowledger, limit: int) -> int:
+    """One claim-ack-mark transaction for one adapter; return how many intents
+    were discharged. Per adapter, so one broker being down stalls no other."""
     async with engine.begin() as conn:
-        claims = await acks.claim(conn, list(acknowledgers), limit)
+        claims = await acks.claim(conn, [adapter], limit)
         if not claims:
             return 0
         failpoints.hit("acker_after_select")
-        by_adapter: dict[str, list[AckClaim]] = {}
-        for c in claims:
-            by_adapter.setdefault(c.adapter, []).append(c)
-        for adapter, adapter_claims in by_adapter.items():
-            await acknowledgers[adapter].ack(adapter_claims)
+        await acknowledger.ack(claims)
         failpoints.hit("acker_after_xack")
         await acks.mark_acked(conn, [c.inbox_id for c in claims])
-    log.info("acks_sent", acked=len(claims), adapters=sorted(by_adapter))
+    log.info("acks_sent", adapter=adapter, acked=len(claims))
     return len(claims)
 
 
-async def _drain_loop(
+async def drain_once(engine: AsyncEngine, acknowledgers: Mapping[str, Acknowledger], limit: int) -> int:
+    """One drain of every adapter; errors propagate (the loop handles them per adapter)."""
+    total = 0
+    for adapter, acknowledger in acknowledgers.items():
+        total += await drain_adapter(engine, adapter, acknowledger, limit)
+    return total
+
+
+async def drain_loop(
     engine: AsyncEngine,
     acknowledgers: Mapping[str, Acknowledger],
     settings: AckerSettings,
     wake: asyncio.Event,
     stop: asyncio.Event,
 ) -> None:
-    backoff = Backoff(settings.backoff_initial_ms, settings.backoff_max_ms)
+    loop = asyncio.get_running_loop()
+    backoffs = {name: Backoff(settings.backoff_initial_ms, settings.backoff_max_ms) for name in acknowledgers}
+    retry_at = dict.fromkeys(acknowledgers, 0.0)
     while not stop.is_set():
         wake.clear()  # set again by any NOTIFY that arrives while we drain
-        try:
-            drained = await drain_once(engine, acknowledgers, settings.batch_size)
-        except (IngestError, BackhalfError, SQLAlchemyError) as exc:
-            delay_s = backoff.next_delay_s()
-            log.warning(
-                "ack_failed",
-                error=exc,
-                error_type=type(exc).__name__,
-                attempt=backoff.attempt,
-                retry_in_s=round(delay_s, 3),
-            )
-            await wait_stop(stop, delay_s)
-            continue
-        backoff.reset()
-        if drained < settings.batch_size:
-            await wait_either(wake, stop, settings.poll_interval_ms / 1000)
+        more_waiting = False
+        for adapter, acknowledger in acknowledgers.items():
+            if loop.time() < retry_at[adapter] or stop.is_set():
+                continue
+            try:
+                drained = await drain_adapter(engine, adapter, acknowledger, settings.batch_size)
+            except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
+                delay_s = backoffs[adapter].next_delay_s()
+                retry_at[adapter] = loop.time() + delay_s
+                expected = isinstance(exc, IngestError | BackhalfError | SQLAlchemyError)
+                (log.warning if expected else log.exception)(
+                    "ack_failed",
+                    adapter=adapter,
+                    error=exc,
+                    error_type=type(exc).__name__,
+                    cause=type(exc.__cause__).__name__ if exc.__cause__ else None,
+                    attempt=backoffs[adapter].attempt,
+                    retry_in_s=round(delay_s, 3),
+                )
+                continue
+            backoffs[adapter].reset()
+            more_waiting |= drained >= settings.batch_size
+        if not more_waiting:
+            timeout_s = settings.poll_interval_ms / 1000
+            upcoming = [t - loop.time() for t in retry_at.values() if t > loop.time()]
+            if upcoming:
+                timeout_s = min(timeout_s, *upcoming)
+            await wait_either(wake, stop, timeout_s)
 
 
 async def _listen_loop(
@@ -97,9 +115,18 @@ async def _listen_loop(
     while not stop.is_set():
         try:
             async with await psycopg.AsyncConnection.connect(
-                _libpq_url(database.url), autocommit=True, connect_timeout=database.connect_timeout_s
+                _libpq_url(database.url),
+                autocommit=True,
+                connect_timeout=database.connect_timeout_s,
+                keepalives=1,
+                keepalives_idle=10,
+                keepalives_interval=5,
+                keepalives_count=3,
+                tcp_user_timeout=database.tcp_user_timeout_ms,
+                application_name="switchboard-acker-listen",
             ) as conn:
-                await conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(ACK_CHANNEL)))
+                async with asyncio.timeout(LISTEN_PROBE_TIMEOUT_S):
+                    await conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(ACK_CHANNEL)))
                 log.info("listening", channel=ACK_CHANNEL)
                 backoff.reset()
                 wake.set()  # anything committed before LISTEN took effect
@@ -108,9 +135,12 @@ async def _listen_loop(
                         wake.set()
                     async with asyncio.timeout(LISTEN_PROBE_TIMEOUT_S):
                         await conn.execute("SELECT 1")
-        except (psycopg.Error, TimeoutError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - LISTEN is an optimisation; polling goes on
             delay_s = backoff.next_delay_s()
-            log.warning("listen_failed", error=exc, attempt=backoff.attempt, retry_in_s=round(delay_s, 3))
+            expected = isinstance(exc, psycopg.Error | TimeoutError | OSError)
+            (log.warning if expected else log.exception)(
+                "listen_failed", error=exc, attempt=backoff.attempt, retry_in_s=round(delay_s, 3)
+            )
             wake.set()  # notifications may have been lost: poll now
             await wait_stop(stop, delay_s)
 
@@ -133,7 +163,7 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
             # it holds no state worth finishing, so stop cancels it.
             tg.create_task(_stop_listener(listener, stop), name="listen-stopper")
             drain = tg.create_task(
-                _drain_loop(engine, acknowledgers, settings.acker, wake, stop), name="drain"
+                drain_loop(engine, acknowledgers, settings.acker, wake, stop), name="drain"
             )
             await stop.wait()
             _done, running = await asyncio.wait([drain], timeout=settings.acker.shutdown_timeout_s)

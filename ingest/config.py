@@ -4,12 +4,14 @@ adapter and the key. Nothing here runs at import time."""
 
 from __future__ import annotations
 
+import re
 import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from backhalf.db import DatabaseSettings, normalize_url
 from backhalf.keys import DEFAULT_PREFIX
@@ -105,6 +107,7 @@ _ADAPTER_KEYS = {
     "key_prefix", "body_field", "format", "max_message_bytes", "url", "delivery",
     "heartbeat_ttl_ms", "reap_interval_ms",
 }  # fmt: skip
+_START_ID = re.compile(r"\$|\d+(-\d+)?")
 _TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics"}
 
 
@@ -168,7 +171,7 @@ def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
     except ValueError as exc:
         raise ConfigError(f"{label}: key 'format' must be json, text or bytes (got {fmt!r})") from exc
     start_id = raw.get("start_id", "0")
-    if not isinstance(start_id, str) or not (start_id == "$" or start_id.replace("-", "").isdigit()):
+    if not isinstance(start_id, str) or not _START_ID.fullmatch(start_id):
         raise ConfigError(f"{label}: key 'start_id' must be '0', '$' or a stream id (got {start_id!r})")
     options: dict[str, Any] = {}
     for key in ("group", "consumer", "key_prefix", "body_field"):
@@ -188,12 +191,15 @@ def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
     if options.get("batch_size", 1) > 10_000:
         raise ConfigError(f"{label}: key 'batch_size' must be at most 10000")
     source = _string(f"{label}: key 'source'", raw.get("source"))
+    redis_url = _string(f"{label}: key 'url'", raw.get("url", default_redis_url))
+    if urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{label}: key 'url' must be a redis://, rediss:// or unix:// URL")
     return AdapterConfig(
         name=name,
         mode=mode,
         source=source,
         queue=_string(f"{label}: key 'queue'", raw.get("queue", name)),
-        redis_url=_string(f"{label}: key 'url'", raw.get("url", default_redis_url)),
+        redis_url=redis_url,
         transport=transport,
         ack_after=ack_after,
         start_id=start_id,
@@ -260,8 +266,11 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
 
 
 def _number(where: str, value: Any) -> Any:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(f"{where}: must be a positive number (got {value!r})")
+    # Durations in seconds (``_s``) may be fractional; counts and ``_ms`` may not.
+    allowed = int | float if where.endswith("_s'") else int
+    if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
+        kind = "number" if allowed is not int else "integer"
+        raise ConfigError(f"{where}: must be a positive {kind} (got {value!r})")
     return value
 
 

@@ -166,7 +166,9 @@ class PollLoop:
 
     async def _read_unless_stopped(self) -> list[Delivery]:
         """Read a batch, or nothing if stop is requested first; a read cut
-        short leaves its entries pending at the broker for redelivery."""
+        short leaves its entries pending at the broker for redelivery. A read
+        that completed is stored even if stop came meanwhile: it may carry
+        reports (deleted entries) that exist nowhere else."""
         if self._stop.is_set():
             return []
         read = asyncio.create_task(self._adapter.read(self._cfg.batch_size), name=f"read:{self._cfg.name}")
@@ -177,7 +179,7 @@ class PollLoop:
             for task in (read, stopped):
                 if not await cancel_and_wait(task, READ_CANCEL_TIMEOUT_S):
                     self._log.error("read_not_cancellable", task=task.get_name())
-        if self._stop.is_set() or read.cancelled():
+        if read.cancelled():
             return []
         return read.result()
 

@@ -63,6 +63,11 @@ class StreamAdapter:
         self._history_cursor: str | None = "0"  # None: own PEL fully re-read
         self._claim_cursor = "0-0"
         self._next_claim_at = 0.0
+        self._recreate_from_zero = False
+        # XAUTOCLAIM drops deleted entries from the PEL as it reports them, so
+        # the report exists only in memory until a store commits it.
+        self._lost_in_last_batch: list[Delivery] = []
+        self._lost_to_replay: list[Delivery] = []
 
     @property
     def ack_target(self) -> AckTarget:
@@ -90,8 +95,11 @@ class StreamAdapter:
 
     async def _ensure_group(self) -> None:
         cfg = self._cfg
+        # After NOGROUP, start from 0 whatever start_id says: entries added
+        # since the group vanished must not be skipped; the inbox dedups.
+        start_id = "0" if self._recreate_from_zero else cfg.start_id
         try:
-            await self._client.xgroup_create(cfg.source, cfg.group, id=cfg.start_id, mkstream=True)
+            await self._client.xgroup_create(cfg.source, cfg.group, id=start_id, mkstream=True)
             log.info("group_created", adapter=self.name, stream=cfg.source, group=cfg.group)
         except ResponseError as exc:
             if classify(exc) is not RedisErrorKind.BUSYGROUP:
@@ -102,6 +110,12 @@ class StreamAdapter:
             raise BrokerError(f"adapter {self.name}: XGROUP CREATE {cfg.source} {cfg.group}: {exc}") from exc
 
     async def read(self, max_count: int) -> list[Delivery]:
+        # Called again only after the previous batch committed, or after rewind().
+        self._lost_in_last_batch = []
+        if self._lost_to_replay:
+            batch, self._lost_to_replay = self._lost_to_replay, []
+            self._lost_in_last_batch = batch
+            return batch
         try:
             if not self._started:
                 await self.start()
@@ -119,6 +133,7 @@ class StreamAdapter:
                 # Stream or group deleted under us: recreate on the next read
                 # and re-read our PEL, rather than loop on the error.
                 self._started = False
+                self._recreate_from_zero = True
                 self.rewind()
                 raise GroupMissing(f"adapter {self.name}: {exc}") from exc
             raise BrokerError(f"adapter {self.name}: reading {self._cfg.source}: {exc}") from exc
@@ -149,7 +164,9 @@ class StreamAdapter:
         deliveries = [self._delivery(entry_id, fields) for entry_id, fields in entries]
         # Redis 7 drops deleted-but-pending entries from the PEL as it reports
         # them: record each as lost (never a silent ack).
-        deliveries += [self._delivery(entry_id, None) for entry_id in deleted]
+        lost = [self._delivery(entry_id, None) for entry_id in deleted]
+        self._lost_in_last_batch = lost
+        deliveries += lost
         if deliveries:
             log.info(
                 "entries_claimed",
@@ -180,6 +197,8 @@ class StreamAdapter:
 
     def rewind(self) -> None:
         self._history_cursor = "0"
+        self._lost_to_replay += self._lost_in_last_batch
+        self._lost_in_last_batch = []
 
     async def run_background(self, stop: asyncio.Event) -> None:
         """Nothing: the PEL needs no heartbeat; XAUTOCLAIM judges idleness."""

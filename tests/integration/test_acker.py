@@ -14,7 +14,7 @@ from backhalf import registry
 from backhalf.db import DatabaseSettings, create_engine
 from backhalf.records import StoreBatch
 from backhalf.store import store
-from ingest.acker import drain_once
+from ingest.acker import drain_loop, drain_once
 from ingest.config import Settings, from_mapping
 from ingest.errors import AckError
 from ingest.poll import to_record
@@ -127,3 +127,51 @@ async def test_broker_down_leaves_intents_pending(engine: AsyncEngine, db_url: s
         await acknowledgers["orders"].close()
     assert scalar(db_url, "SELECT ack_state FROM inbox") == "pending"
     assert r.xpending(STREAM, GROUP)["pending"] == 1
+
+
+async def test_one_broker_down_does_not_stall_another_adapter(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    r.xadd(STREAM, {"body": "{}"})
+    conn, tx = await consume_into_open_transaction(engine, s, 10)
+    await tx.commit()
+    await conn.close()
+    async with engine.begin() as c:
+        await registry.register(c, name="broken", transport="redis", mode="stream", settings={})
+    query(
+        db_url,
+        """INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key,
+                              ack_group, ack_entry_id, ack_state, status)
+           VALUES ('broken', 'redis:x:1-0', '1-0', '', 'xack', 'x', 'g', '1-0', 'pending', 'stored')""",
+    )
+    dead = StreamAcknowledger(
+        from_mapping(
+            {
+                "database": {"url": db_url},
+                "adapters": [{"name": "broken", "source": "x", "url": "redis://127.0.0.1:1/0"}],
+            },
+            {},
+        ).adapters[0]
+    )
+    live = StreamAcknowledger(s.adapters[0])
+    stop = asyncio.Event()
+    acker_settings = s.acker.__class__(poll_interval_ms=50, backoff_initial_ms=10, backoff_max_ms=100)
+    wake = asyncio.Event()
+    task = asyncio.create_task(
+        drain_loop(engine, {"broken": dead, "orders": live}, acker_settings, wake, stop)
+    )
+    try:
+        async with asyncio.timeout(10):
+            while r.xpending(STREAM, GROUP)["pending"]:  # noqa: ASYNC110 - polling Redis
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await task
+        await dead.close()
+        await live.close()
+    assert query(db_url, "SELECT adapter, ack_state FROM inbox ORDER BY adapter") == [
+        ("broken", "pending"),
+        ("orders", "acked"),
+    ]

@@ -154,3 +154,29 @@ async def test_acknowledger_xacks_per_stream_and_group(cfg, r, adapters) -> None
     finally:
         await acker.close()
     assert r.xpending(STREAM, GROUP)["pending"] == 1
+
+
+async def test_lost_report_survives_a_failed_store(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
+    gone = r.xadd(STREAM, {"body": b"{}"}).decode()
+    first = StreamAdapter(cfg(consumer="first"))
+    adapters.append(first)
+    await first.read(10)
+    r.xdel(STREAM, gone)
+    claimer = StreamAdapter(cfg(consumer="claimer", claim_idle_ms=1))
+    adapters.append(claimer)
+    assert [(d.message_id, d.lost) for d in await claimer.read(10)] == [(gone, True)]
+    assert r.xpending(STREAM, GROUP)["pending"] == 0  # Redis forgot it as it reported it
+    claimer.rewind()  # the store of that batch failed
+    assert [(d.message_id, d.lost) for d in await claimer.read(10)] == [(gone, True)]
+    assert await claimer.read(10) == []  # stored this time: not reported again
+
+
+async def test_group_recreated_after_nogroup_starts_from_zero(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
+    a = StreamAdapter(cfg(start_id="$"))
+    adapters.append(a)
+    await a.read(10)
+    r.delete(STREAM)
+    added_meanwhile = r.xadd(STREAM, {"body": b"{}"}).decode()
+    with pytest.raises(GroupMissing):
+        await a.read(10)
+    assert [d.message_id for d in await a.read(10)] == [added_meanwhile]

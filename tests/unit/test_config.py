@@ -88,3 +88,41 @@ def test_queues_and_metrics_sections_are_accepted() -> None:
         {},
     )
     assert s.metrics_port == 9464
+
+
+@pytest.mark.parametrize(
+    ("raw", "needles"),
+    [
+        (adapter(url="htp://cache:6379"), ["'orders'", "'url'"]),
+        (adapter(start_id="--"), ["'orders'", "'start_id'"]),
+        (adapter(start_id="0-0-0"), ["'orders'", "'start_id'"]),
+        (adapter(delivery="sometimes"), ["'orders'", "'delivery'"]),
+    ],
+)
+def test_more_adapter_errors(raw: dict[str, Any], needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "adapters": [raw]}, {})
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_counts_must_be_integers_but_seconds_may_be_fractional() -> None:
+    with pytest.raises(ConfigError, match=r"\[acker\]: key 'batch_size'.*integer"):
+        from_mapping({"database": DB, "acker": {"batch_size": 2.5}}, {})
+    s = from_mapping({"database": DB, "ingest": {"shutdown_timeout_s": 2.5}}, {})
+    assert s.ingest.shutdown_timeout_s == 2.5
+
+
+def test_list_and_pubsub_modes_are_accepted() -> None:
+    s = from_mapping(
+        {
+            "database": DB,
+            "adapters": [
+                adapter(name="jobs", mode="list", source="jobs", heartbeat_ttl_ms=5000),
+                adapter(name="events", mode="pubsub", source="ch", delivery="at-most-once"),
+            ],
+        },
+        {},
+    )
+    assert [a.mode for a in s.adapters] == ["list", "pubsub"]
+    assert s.adapters[0].heartbeat_ttl_ms == 5000
