@@ -25,7 +25,6 @@ heartbeat has expired. A live consumer's list is never touched.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -44,9 +43,14 @@ from ingest.redis_common import broker_label, connect
 
 log = structlog.get_logger(__name__)
 
-# Held for as long as a recovery's store may take to commit, so two recoverers
-# never count the same list at once; never released early on purpose.
-RECOVERY_LOCK_TTL_MS = 60_000
+# A recovery lock is held from counting a list until the store of what the
+# count found has committed (released on the next recover() call, which comes
+# only after that), so two recoverers never count the same list at once. Its
+# value is the recoverer's consumer name, so a restart of that consumer can
+# take it back at once. The TTL bounds how long a crash mid-recovery blocks
+# others; it must exceed a store's duration (a few statements under
+# statement_timeout).
+RECOVERY_LOCK_TTL_MS = 30_000
 
 
 def _bytes(value: bytes | str) -> bytes:
@@ -70,11 +74,11 @@ class ListAdapter:
         self._client = connect(config.redis_url, block_ms=config.block_ms)
         self._processing = processing_key(config.source, config.consumer)
         self._consumers_key = f"{config.source}:consumers"
-        self._token = secrets.token_hex(8)
         self._identity = "redis acl: unknown"
         self._started = False
         self._own_recovery_due = True
         self._next_reap_at = 0.0
+        self._held_locks: set[str] = set()
 
     def _heartbeat_key(self, consumer: str) -> str:
         return f"{self._cfg.source}:heartbeat:{consumer}"
@@ -102,7 +106,7 @@ class ListAdapter:
 
     async def _beat(self) -> None:
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(self._heartbeat_key(self._cfg.consumer), self._token, px=self._cfg.heartbeat_ttl_ms)
+        pipe.set(self._heartbeat_key(self._cfg.consumer), "alive", px=self._cfg.heartbeat_ttl_ms)
         pipe.sadd(self._consumers_key, self._cfg.consumer)
         await pipe.execute()
 
@@ -149,8 +153,20 @@ class ListAdapter:
         # What was moved but not stored is on the processing list: recover it.
         self._own_recovery_due = True
 
+    async def _release_locks(self) -> None:
+        # GET then DEL, not atomic: a lock could expire and be taken between
+        # the two only if this consumer stalled for the whole TTL in between.
+        for lock in list(self._held_locks):
+            holder = await self._client.get(lock)
+            if holder is not None and _text(holder) == self._cfg.consumer:
+                await self._client.delete(lock)
+            self._held_locks.discard(lock)
+
     async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
         try:
+            # Called again: whatever the last recovery delivered is committed
+            # (or was rewound and will be counted afresh).
+            await self._release_locks()
             lists: list[tuple[str, str | None]] = []
             if self._own_recovery_due:
                 lists.append((self._processing, None))
@@ -185,10 +201,13 @@ class ListAdapter:
         """Deliveries for the unstored copies on ``processing``; None if another
         recoverer holds the list (try again later)."""
         lock = f"{self._cfg.source}:recovering:{processing}"
-        if not await self._client.set(lock, self._token, nx=True, px=RECOVERY_LOCK_TTL_MS):
+        me = self._cfg.consumer
+        if not await self._client.set(lock, me, nx=True, px=RECOVERY_LOCK_TTL_MS):
             holder = await self._client.get(lock)
-            if holder is None or _text(holder) != self._token:
+            if holder is None or _text(holder) != me:
                 return None
+            await self._client.pexpire(lock, RECOVERY_LOCK_TTL_MS)
+        self._held_locks.add(lock)
         if dead_owner is not None and await self._client.exists(self._heartbeat_key(dead_owner)):
             return None  # it came back: a live consumer's list is never taken
         async with open_ledger() as pending_copies:
@@ -229,6 +248,8 @@ class ListAdapter:
         return {"list_length": length, "consumers": consumers}
 
     async def close(self) -> None:
+        # Locks of a recovery whose store may not have committed are left to
+        # expire; there is no way to know here.
         await self._client.aclose()
 
 

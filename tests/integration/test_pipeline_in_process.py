@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 
 import redis
 
@@ -14,19 +13,16 @@ from ingest.acker import run_acker
 from ingest.config import from_mapping
 from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
+from tests.support.acl import acl_rules
 from tests.support.db import query, scalar
 
 STREAM = "orders"  # the key ops/redis-acl.example grants
-ACL_EXAMPLE = Path(__file__).parents[2] / "ops" / "redis-acl.example"
 
 
 async def test_stream_to_acked_todos_with_acl_identity_and_no_leaks(db_url: str, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     # The least-privilege user of ops/redis-acl.example, renamed: proof it suffices.
-    (rule,) = [line for line in ACL_EXAMPLE.read_text().splitlines() if line.startswith("user ")]
-    rules = rule.split()[2:]
-    rules = [">bot-pw" if x.startswith(">") else x for x in rules]
-    r.execute_command("ACL", "SETUSER", "deploy-bot", *rules)
+    r.execute_command("ACL", "SETUSER", "deploy-bot", *acl_rules("switchboard-stream", "bot-pw"))
     try:
         bot_url = redis_url.replace("redis://", "redis://deploy-bot:bot-pw@", 1)
         ids = [r.xadd(STREAM, {"body": f'{{"n": {i}}}'}).decode() for i in range(250)]

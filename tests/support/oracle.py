@@ -3,6 +3,8 @@ run, whatever was killed along the way."""
 
 from __future__ import annotations
 
+import hashlib
+
 import redis
 
 from tests.support.db import query
@@ -37,3 +39,18 @@ def assert_exactly_once(
     with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
         pending = r.xpending(stream, group)["pending"]
     assert pending == 0, f"{pending} entries still pending in the PEL"
+
+
+def assert_list_exactly_once(db_url: str, redis_url: str, *, source: str, bodies: list[bytes]) -> None:
+    """Every pushed (distinct) body is one todo; nothing is left on the source
+    or on any processing list; every ack intent is discharged."""
+    expected = sorted({f"redis:{source}:{hashlib.sha256(b).hexdigest()}" for b in bodies})
+    keys = [k for (k,) in query(db_url, "SELECT idempotency_key FROM todos")]
+    assert len(keys) == len(set(keys)), f"{len(keys) - len(set(keys))} duplicate todos"
+    assert sorted(keys) == expected, f"todos {len(keys)}, expected {len(expected)}"
+    unacked = query(db_url, "SELECT count(*) FROM inbox WHERE ack_state <> 'acked'")[0][0]
+    assert unacked == 0, f"{unacked} ack intents not discharged"
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        assert r.llen(source) == 0, "items left on the source list"
+        leftovers = {k.decode(): r.llen(k) for k in r.scan_iter(match=f"{source}:processing:*")}
+    assert all(n == 0 for n in leftovers.values()), f"items left on processing lists: {leftovers}"
