@@ -81,7 +81,9 @@ class PollLoop:
         self._stop = stop
         self._enabled = True
         self._enabled_checked_at = float("-inf")
-        self._log = log.bind(adapter=config.name, stream=config.source, consumer=config.consumer)
+        self._log = log.bind(
+            adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
+        )
 
     async def run(self) -> None:
         backoff = Backoff(self._settings.backoff_initial_ms, self._settings.backoff_max_ms)

@@ -126,3 +126,12 @@ def test_list_and_pubsub_modes_are_accepted() -> None:
     )
     assert [a.mode for a in s.adapters] == ["list", "pubsub"]
     assert s.adapters[0].heartbeat_ttl_ms == 5000
+
+
+def test_the_shipped_example_config_loads() -> None:
+    s = load(Path(__file__).parents[2] / "ops" / "switchboard.example.toml", {})
+    assert [(a.name, a.mode) for a in s.adapters] == [
+        ("orders", "stream"),
+        ("jobs", "list"),
+        ("notifications", "pubsub"),
+    ]
