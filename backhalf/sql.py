@@ -15,49 +15,24 @@ from typing import LiteralString
 # Channel the acker LISTENs on; NOTIFY is delivered only when the store commits.
 ACK_CHANNEL = "switchboard_ack"
 
-# Stream entries (native ids): stored once per adapter. A redelivery of a
-# stored entry bumps ``deliveries`` and asks the acker again (XACK is
-# idempotent; the entry may be pending again after a group was recreated).
-# ``xmax = 0`` is true exactly for rows this statement inserted.
-_INSERT_INBOX: LiteralString = """
-INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
-                   ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
-                   ack_state, deliveries, status, error)
-SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
-       %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
-       %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err
-FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(ack_keys)b::text[],
-            %(entry_ids)b::text[], %(copies)b::int4[], %(deliveries)b::int4[], %(errors)b::text[])
-     AS u(k, m, b, ak, e, c, d, err)
+# The store runs in this order so every row is written once, already linked:
+# which messages the inbox already holds, then todos, then events, then the
+# inbox rows carrying their todo and event ids. (Writing the inbox first and
+# linking it afterwards cost a second, non-HOT write of every inbox row.)
+
+# Stream entries (native ids) are stored once per adapter while inbox rows are
+# kept; list copies merge while a copy on the same processing list is pending.
+EXISTING_NATIVE: LiteralString = """
+SELECT idempotency_key FROM inbox
+WHERE adapter = %(adapter)s AND idempotency_key = ANY(%(keys)b::text[]) AND source_message_id IS NOT NULL
 """
 
-INSERT_INBOX_NATIVE: LiteralString = (
-    _INSERT_INBOX
-    + """ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
-DO UPDATE SET deliveries = inbox.deliveries + excluded.deliveries,
-              consumer = excluded.consumer,
-              ack_key = excluded.ack_key,
-              ack_group = excluded.ack_group,
-              ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
-              acked_at = NULL
-RETURNING id, idempotency_key, ack_key, (xmax = 0) AS inserted
+EXISTING_BODY_PENDING: LiteralString = """
+SELECT idempotency_key FROM inbox
+WHERE adapter = %(adapter)s AND idempotency_key = ANY(%(keys)b::text[])
+  AND ack_key = ANY(%(ack_keys)b::text[])
+  AND source_message_id IS NULL AND ack_state = 'pending'
 """
-)
-
-# List items and pub/sub messages (no native id). A copy of a body already
-# pending on the same processing list merges into that row: ``ack_copies``
-# counts the copies the acker must LREM. Pub/sub rows (ack_state 'none') never
-# match the index predicate, so each is inserted; the todo index dedups them.
-INSERT_INBOX_BODY: LiteralString = (
-    _INSERT_INBOX
-    + """ON CONFLICT (adapter, idempotency_key, ack_key)
-   WHERE source_message_id IS NULL AND ack_state = 'pending'
-DO UPDATE SET ack_copies = inbox.ack_copies + excluded.ack_copies,
-              deliveries = inbox.deliveries + excluded.deliveries,
-              consumer = excluded.consumer
-RETURNING id, idempotency_key, ack_key, (xmax = 0) AS inserted
-"""
-)
 
 # The conflict target's WHERE must be the partial index's predicate exactly
 # (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer it.
@@ -77,24 +52,61 @@ WITH t AS (
 SELECT id, idempotency_key, created FROM t
 """
 
-# History events for the new, accepted inbox rows, then the inbox rows point at
-# their event and todo.
-INSERT_EVENTS_AND_LINK: LiteralString = """
-WITH src AS (
-    SELECT * FROM unnest(%(inbox_ids)b::int8[], %(keys)b::text[], %(ids)b::text[],
-                         %(payloads)b::text[], %(todo_ids)b::int8[])
-                  AS s(inbox_id, k, m, p, todo_id)
-), e AS (
-    INSERT INTO events (family, adapter, trust_mode, verified, verify_detail,
-                        idempotency_key, source_message_id, payload, todo_id)
-    SELECT 'queue', %(adapter)s, 'queue', false, %(verify_detail)s, k, m, p::jsonb, todo_id
-    FROM src
-    RETURNING id, idempotency_key
-)
-UPDATE inbox SET event_id = e.id, todo_id = src.todo_id
-FROM src JOIN e ON e.idempotency_key = src.k
-WHERE inbox.id = src.inbox_id
+INSERT_EVENTS: LiteralString = """
+INSERT INTO events (family, adapter, trust_mode, verified, verify_detail,
+                    idempotency_key, source_message_id, payload, todo_id)
+SELECT 'queue', %(adapter)s, 'queue', false, %(verify_detail)s, u.k, u.m, u.p::jsonb, u.t
+FROM unnest(%(keys)b::text[], %(ids)b::text[], %(payloads)b::text[], %(todo_ids)b::int8[]) AS u(k, m, p, t)
+RETURNING id, idempotency_key
 """
+
+# Events of messages that a concurrent store won (our inbox insert conflicted):
+# the winner recorded the message; ours would be a second history row.
+DELETE_EVENTS: LiteralString = "DELETE FROM events WHERE id = ANY(%(ids)b::int8[])"
+
+_INSERT_INBOX: LiteralString = """
+INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+                   ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
+                   ack_state, deliveries, status, error, todo_id, event_id)
+SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+       %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
+       %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err, u.t, u.ev
+FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(ack_keys)b::text[],
+            %(entry_ids)b::text[], %(copies)b::int4[], %(deliveries)b::int4[], %(errors)b::text[],
+            %(todo_ids)b::int8[], %(event_ids)b::int8[])
+     AS u(k, m, b, ak, e, c, d, err, t, ev)
+"""
+
+# A redelivery of a stored entry bumps ``deliveries`` and asks the acker
+# again (XACK is idempotent; the entry may be pending again after its group
+# was recreated). ``xmax = 0`` is true exactly for rows this statement inserted.
+INSERT_INBOX_NATIVE: LiteralString = (
+    _INSERT_INBOX
+    + """ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
+DO UPDATE SET deliveries = inbox.deliveries + excluded.deliveries,
+              consumer = excluded.consumer,
+              ack_key = excluded.ack_key,
+              ack_group = excluded.ack_group,
+              ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
+              acked_at = NULL
+RETURNING idempotency_key, (xmax = 0) AS inserted
+"""
+)
+
+# List items and pub/sub messages (no native id). A copy of a body already
+# pending on the same processing list merges into that row: ``ack_copies``
+# counts the copies the acker must LREM. Pub/sub rows (ack_state 'none') never
+# match the index predicate, so each is inserted; the todo index dedups them.
+INSERT_INBOX_BODY: LiteralString = (
+    _INSERT_INBOX
+    + """ON CONFLICT (adapter, idempotency_key, ack_key)
+   WHERE source_message_id IS NULL AND ack_state = 'pending'
+DO UPDATE SET ack_copies = inbox.ack_copies + excluded.ack_copies,
+              deliveries = inbox.deliveries + excluded.deliveries,
+              consumer = excluded.consumer
+RETURNING idempotency_key, (xmax = 0) AS inserted
+"""
+)
 
 NOTIFY_ACKER: LiteralString = "SELECT pg_notify(%(channel)s, %(adapter)s)"
 

@@ -4,8 +4,9 @@ Runs inside the caller's transaction (``async with engine.begin() as conn``)
 and never commits on its own; the NOTIFY it sends reaches the acker only if
 that transaction commits, which is the whole of store-then-ack.
 
-Statements are set-based (``unnest`` of arrays): three round trips per batch
-whatever its size, never one statement per message.
+Statements are set-based (``unnest`` of arrays): five round trips per batch
+whatever its size (known keys, todos, events, inbox, NOTIFY), never one
+statement per message, and every row is written once.
 """
 
 from __future__ import annotations
@@ -69,39 +70,21 @@ async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:
 async def _store(
     pg: psycopg.AsyncConnection[Any], batch: StoreBatch, records: list[InboxRecord], *, native: bool
 ) -> StoreResult:
-    ack_state = "none" if batch.ack.kind == "none" else "pending"
     async with pg.cursor() as cur:
-        await cur.execute(
-            sql.INSERT_INBOX_NATIVE if native else sql.INSERT_INBOX_BODY,
-            {
-                "adapter": batch.adapter,
-                "consumer": batch.consumer,
-                "ack_kind": batch.ack.kind,
-                "ack_group": batch.ack.group,
-                "ack_after": batch.ack_after,
-                "ack_state": ack_state,
-                "keys": [r.idempotency_key for r in records],
-                "ids": [r.source_message_id for r in records],
-                "bodies": [r.body for r in records],
-                "ack_keys": [r.ack_key for r in records],
-                "entry_ids": [r.ack_entry_id for r in records],
-                "copies": [r.ack_copies for r in records],
-                "deliveries": [r.deliveries for r in records],
-                "errors": [r.error for r in records],
-            },
-        )
-        inserted_ids: dict[str, int] = {}
-        redelivered = 0
-        for inbox_id, key, _ack_key, inserted in await cur.fetchall():
-            if inserted:
-                inserted_ids[key] = inbox_id
-            else:
-                redelivered += 1
-        failpoints.hit("after_inbox_insert")
+        keys = [r.idempotency_key for r in records]
+        if native:
+            await cur.execute(sql.EXISTING_NATIVE, {"adapter": batch.adapter, "keys": keys})
+        else:
+            ack_keys = sorted({r.ack_key for r in records if r.ack_key is not None})
+            await cur.execute(
+                sql.EXISTING_BODY_PENDING, {"adapter": batch.adapter, "keys": keys, "ack_keys": ack_keys}
+            )
+        known = {key for (key,) in await cur.fetchall()}
+        accepted = [r for r in records if r.error is None and r.idempotency_key not in known]
 
-        accepted = [r for r in records if r.error is None and r.idempotency_key in inserted_ids]
-        rejected = sum(1 for r in records if r.error is not None and r.idempotency_key in inserted_ids)
-        created = deduped = 0
+        todo_ids: dict[str, int] = {}
+        event_ids: dict[str, int] = {}
+        created = 0
         if accepted:
             await cur.execute(
                 sql.UPSERT_TODOS,
@@ -111,31 +94,57 @@ async def _store(
                     "payloads": [r.payload for r in accepted],
                 },
             )
-            todo_ids: dict[str, int] = {}
             for todo_id, key, was_created in await cur.fetchall():
                 todo_ids[key] = todo_id
-                if was_created:
-                    created += 1
-                else:
-                    deduped += 1
+                created += bool(was_created)
             await cur.execute(
-                sql.INSERT_EVENTS_AND_LINK,
+                sql.INSERT_EVENTS,
                 {
                     "adapter": batch.adapter,
                     "verify_detail": batch.verify_detail,
-                    "inbox_ids": [inserted_ids[r.idempotency_key] for r in accepted],
                     "keys": [r.idempotency_key for r in accepted],
                     "ids": [r.source_message_id for r in accepted],
                     "payloads": [r.payload for r in accepted],
                     "todo_ids": [todo_ids[r.idempotency_key] for r in accepted],
                 },
             )
+            event_ids = {key: event_id for event_id, key in await cur.fetchall()}
+
+        ack_state = "none" if batch.ack.kind == "none" else "pending"
+        await cur.execute(
+            sql.INSERT_INBOX_NATIVE if native else sql.INSERT_INBOX_BODY,
+            {
+                "adapter": batch.adapter,
+                "consumer": batch.consumer,
+                "ack_kind": batch.ack.kind,
+                "ack_group": batch.ack.group,
+                "ack_after": batch.ack_after,
+                "ack_state": ack_state,
+                "keys": keys,
+                "ids": [r.source_message_id for r in records],
+                "bodies": [r.body for r in records],
+                "ack_keys": [r.ack_key for r in records],
+                "entry_ids": [r.ack_entry_id for r in records],
+                "copies": [r.ack_copies for r in records],
+                "deliveries": [r.deliveries for r in records],
+                "errors": [r.error for r in records],
+                "todo_ids": [todo_ids.get(k) for k in keys],
+                "event_ids": [event_ids.get(k) for k in keys],
+            },
+        )
+        inserted = {key for key, was_inserted in await cur.fetchall() if was_inserted}
+        failpoints.hit("after_inbox_insert")
+        # A concurrent store (a claim racing a slow consumer) won these: its
+        # event is the record; our todo upsert already deduped to its todo.
+        lost_race = [event_ids[k] for k in event_ids if k not in inserted]
+        if lost_race:
+            await cur.execute(sql.DELETE_EVENTS, {"ids": lost_race})
         if ack_state == "pending":
             await cur.execute(sql.NOTIFY_ACKER, {"channel": sql.ACK_CHANNEL, "adapter": batch.adapter})
     return StoreResult(
-        new=len(inserted_ids),
-        rejected=rejected,
-        redelivered=redelivered,
+        new=len(inserted),
+        rejected=sum(1 for r in records if r.error is not None and r.idempotency_key in inserted),
+        redelivered=len(records) - len(inserted),
         todos_created=created,
-        todos_deduped=deduped,
+        todos_deduped=len(todo_ids) - created,
     )

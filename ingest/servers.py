@@ -164,6 +164,13 @@ class PostgresServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The server process's pid (the postmaster, or the Redis server)."""
+        if self._proc is None:
+            raise RuntimeError("server not started")
+        return self._proc.pid
+
     def url(self, dbname: str = "postgres") -> str:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{dbname}"
 
@@ -329,6 +336,13 @@ class RedisServer:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        """The server process's pid (the postmaster, or the Redis server)."""
+        if self._proc is None:
+            raise RuntimeError("server not started")
+        return self._proc.pid
 
     @property
     def url(self) -> str:

@@ -67,7 +67,6 @@ def upgrade() -> None:
     sa.Column('todo_id', sa.BigInteger(), nullable=True),
     sa.Column('received_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
     sa.CheckConstraint("family IN ('queue', 'push')", name=op.f('ck_events_family')),
-    sa.ForeignKeyConstraint(['todo_id'], ['todos.id'], name=op.f('fk_events_todo_id_todos')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_events'))
     )
     op.create_index('ix_events_adapter_idempotency_key', 'events', ['adapter', 'idempotency_key'], unique=False)
@@ -79,7 +78,6 @@ def upgrade() -> None:
     sa.Column('to_status', sa.Text(), nullable=False),
     sa.Column('detail', sa.Text(), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
-    sa.ForeignKeyConstraint(['todo_id'], ['todos.id'], name=op.f('fk_todo_events_todo_id_todos')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_todo_events'))
     )
     op.create_index('ix_todo_events_todo_id', 'todo_events', ['todo_id'], unique=False)
@@ -110,8 +108,6 @@ def upgrade() -> None:
     sa.CheckConstraint("status IN ('stored', 'rejected')", name=op.f('ck_inbox_status')),
     sa.CheckConstraint('ack_copies >= 0', name=op.f('ck_inbox_ack_copies')),
     sa.ForeignKeyConstraint(['adapter'], ['adapters.name'], name=op.f('fk_inbox_adapter_adapters')),
-    sa.ForeignKeyConstraint(['event_id'], ['events.id'], name=op.f('fk_inbox_event_id_events')),
-    sa.ForeignKeyConstraint(['todo_id'], ['todos.id'], name=op.f('fk_inbox_todo_id_todos')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_inbox'))
     )
     op.create_index('ix_inbox_ack_pending', 'inbox', ['id'], unique=False, postgresql_where=sa.text("ack_state = 'pending'"))

@@ -1,0 +1,367 @@
+"""``make bench``: Switchboard's throughput and latency beside two baselines,
+all measured in one run on the same machine, so noise cancels in the ratios.
+
+1. raw: the database's limit for the same three rows per message (inbox,
+   event, todo), 1000 messages per transaction, psycopg ``unnest`` with
+   binary parameters, no Redis, no Python per-message work beyond building
+   the arrays.
+2. naive: a one-message-per-transaction consumer (XREADGROUP COUNT 1, three
+   INSERTs, COMMIT, XACK), the loop most people write first.
+3. switchboard: the real ``switchboard ingest`` and ``switchboard ack``
+   processes draining a pre-loaded stream; the clock starts when the adapter
+   is enabled and stops when the last entry is XACKed and marked.
+4. latency: the same processes at a fixed offered load; XADD -> todo
+   committed and XADD -> XACK, from ``track_commit_timestamp``.
+
+Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
+ratios, latency percentiles and the processes' peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from backhalf import migrate  # noqa: E402
+from ingest.servers import PostgresServer, RedisServer  # noqa: E402
+
+STREAM = "bench"
+GROUP = "switchboard"
+
+
+def libpq(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def body(i: int) -> bytes:
+    return json.dumps({"order_id": i, "sku": f"SKU-{i % 97}", "qty": 1 + i % 7, "note": "bench"}).encode()
+
+
+def fresh_db(pg: PostgresServer, name: str) -> str:
+    url = pg.create_database(name)
+    migrate.upgrade(url)
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO adapters (name, transport, mode, enabled) VALUES ('bench', 'redis', 'stream', false)"
+        )
+    return url
+
+
+def wait_until(what: str, predicate: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench: timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+# --- 1. the database's limit -------------------------------------------------------------
+
+RAW_SQL = [
+    """INSERT INTO todos (queue, idempotency_key, payload)
+       SELECT 'bench', k, p::jsonb FROM unnest(%(keys)b::text[], %(payloads)b::text[]) AS u(k, p)""",
+    """INSERT INTO events (family, adapter, trust_mode, verified, verify_detail, idempotency_key,
+                          source_message_id, payload)
+       SELECT 'queue', 'bench', 'queue', false, 'redis acl: default', k, k, p::jsonb
+       FROM unnest(%(keys)b::text[], %(payloads)b::text[]) AS u(k, p)""",
+    """INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key, ack_group,
+                         ack_entry_id, ack_state, status)
+       SELECT 'bench', k, k, b, 'xack', 'bench', 'switchboard', k, 'pending', 'stored'
+       FROM unnest(%(keys)b::text[], %(bodies)b::bytea[]) AS u(k, b)""",
+]
+
+
+def bench_raw(url: str, n: int, per_tx: int = 1000) -> float:
+    bodies = [body(i) for i in range(n)]
+    started = time.perf_counter()
+    with psycopg.connect(libpq(url)) as conn:
+        for start in range(0, n, per_tx):
+            chunk = bodies[start : start + per_tx]
+            keys = [f"raw:{i}" for i in range(start, start + len(chunk))]
+            params = {"keys": keys, "payloads": [b.decode() for b in chunk], "bodies": chunk}
+            with conn.transaction(), conn.cursor() as cur:
+                for statement in RAW_SQL:
+                    cur.execute(statement, params)
+    return n / (time.perf_counter() - started)
+
+
+# --- 2. the naive consumer ---------------------------------------------------------------
+
+
+def preload(r: redis.Redis, n: int) -> None:
+    r.delete(STREAM)
+    for start in range(0, n, 5000):
+        pipe = r.pipeline(transaction=False)
+        for i in range(start, min(n, start + 5000)):
+            pipe.xadd(STREAM, {"body": body(i)})
+        pipe.execute()
+    r.xgroup_create(STREAM, GROUP, id="0")
+
+
+def bench_naive(url: str, r: redis.Redis, n: int) -> float:
+    preload(r, n)
+    started = time.perf_counter()
+    done = 0
+    with psycopg.connect(libpq(url)) as conn:
+        while done < n:
+            resp = r.xreadgroup(GROUP, "naive", {STREAM: ">"}, count=1, block=1000)
+            if not resp:
+                continue
+            entry_id, fields = resp[0][1][0]
+            key = f"redis:{STREAM}:{entry_id.decode()}"
+            with conn.transaction():
+                todo_id = conn.execute(
+                    "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('bench', %s, %s::jsonb)"
+                    " RETURNING id",
+                    (key, fields[b"body"].decode()),
+                ).fetchone()[0]  # type: ignore[index]
+                conn.execute(
+                    "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload,"
+                    " todo_id)"
+                    " VALUES ('queue', 'bench', 'queue', false, %s, %s::jsonb, %s)",
+                    (key, fields[b"body"].decode(), todo_id),
+                )
+                conn.execute(
+                    "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key,"
+                    " ack_group, ack_entry_id, ack_state, status, todo_id)"
+                    " VALUES ('bench', %s, %s, %s, 'xack', %s, %s, %s, 'acked', 'stored', %s)",
+                    (key, entry_id.decode(), fields[b"body"], STREAM, GROUP, entry_id.decode(), todo_id),
+                )
+            r.xack(STREAM, GROUP, entry_id)
+            done += 1
+    return n / (time.perf_counter() - started)
+
+
+# --- 3 and 4. switchboard ----------------------------------------------------------------
+
+
+def write_config(path: Path, db_url: str, redis_url: str, batch_size: int) -> Path:
+    path.write_text(
+        f"""[database]
+url = "{db_url}"
+[[adapters]]
+name = "bench"
+mode = "stream"
+source = "{STREAM}"
+group = "{GROUP}"
+queue = "bench"
+batch_size = {batch_size}
+block_ms = 100
+url = "{redis_url}"
+[ingest]
+enabled_refresh_ms = 50
+[acker]
+batch_size = {batch_size * 2}
+poll_interval_ms = 100
+"""
+    )
+    return path
+
+
+class Proc:
+    def __init__(self, verb: str, config: Path, log: Path) -> None:
+        self.log = log
+        self._log_file = log.open("w")
+        argv = [sys.executable, "-m", "ingest", "--config", str(config), verb]
+        if verb == "ingest":
+            argv += ["--consumer", "bench-1"]
+        env = dict(os.environ)
+        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)  # noqa: S603
+
+    def ready(self, event: str) -> bool:
+        return event in self.log.read_text()
+
+    def peak_rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self._log_file.close()
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its children that were waited for."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / CLK_TCK  # utime stime cutime cstime
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU of ``root`` and of every live descendant (PostgreSQL's backends)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, stack = 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        total += cpu_seconds(pid)
+        stack.extend(children.get(pid, []))
+    return total
+
+
+def acked_count(url: str) -> int:
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        return int(conn.execute("SELECT count(*) FROM inbox WHERE ack_state = 'acked'").fetchone()[0])  # type: ignore[index]
+
+
+def set_enabled(url: str, enabled: bool) -> None:
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        conn.execute("UPDATE adapters SET enabled = %s WHERE name = 'bench'", (enabled,))
+
+
+def start_pipeline(workdir: Path, url: str, redis_url: str, batch_size: int, run: str) -> tuple[Proc, Proc]:
+    config = write_config(workdir / f"{run}.toml", url, redis_url, batch_size)
+    acker = Proc("ack", config, workdir / f"{run}-acker.log")
+    ingester = Proc("ingest", config, workdir / f"{run}-ingester.log")
+    wait_until("the acker", lambda: acker.ready('"listening"'), 30)
+    wait_until("the ingester", lambda: ingester.ready('"poll_loop_started"'), 30)
+    return ingester, acker
+
+
+def bench_switchboard(
+    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, batch_size: int, servers: dict[str, int]
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    preload(r, n)
+    ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, "throughput")
+    try:
+        pids = {"ingester": ingester.proc.pid, "acker": acker.proc.pid, **servers}
+        cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
+        started = time.perf_counter()
+        set_enabled(url, True)
+        wait_until("every entry acked", lambda: acked_count(url) >= n, 600)
+        elapsed = time.perf_counter() - started
+        cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
+        assert r.xpending(STREAM, GROUP)["pending"] == 0
+        rss = {"ingester": ingester.peak_rss_mb(), "acker": acker.peak_rss_mb()}
+    finally:
+        ingester.stop()
+        acker.stop()
+    return n / elapsed, rss, cpu_us
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def bench_latency(
+    workdir: Path, url: str, r: redis.Redis, redis_url: str, rate: int, seconds: float, batch_size: int
+) -> dict[str, list[float]]:
+    r.delete(STREAM)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    set_enabled(url, True)
+    ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, "latency")
+    sent = 0
+    try:
+        started = time.perf_counter()
+        tick_s = 0.005  # send in 5 ms slices at the offered rate
+        while (now := time.perf_counter() - started) < seconds:
+            due = int(now * rate) - sent
+            if due > 0:
+                pipe = r.pipeline(transaction=False)
+                for _ in range(due):
+                    pipe.xadd(STREAM, {"body": json.dumps({"t": time.time(), "i": sent})})
+                    sent += 1
+                pipe.execute()
+            time.sleep(tick_s)
+        wait_until("the latency run acked", lambda: acked_count(url) >= sent, 120)
+    finally:
+        ingester.stop()
+        acker.stop()
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        rows = conn.execute(
+            """SELECT extract(epoch FROM pg_xact_commit_timestamp(t.xmin)) - (t.payload->>'t')::float8,
+                      extract(epoch FROM pg_xact_commit_timestamp(i.xmin)) - (t.payload->>'t')::float8
+               FROM todos t JOIN inbox i ON i.todo_id = t.id"""
+        ).fetchall()
+    return {
+        "XADD -> todo committed": [float(a) * 1000 for a, _ in rows],
+        "XADD -> XACK": [float(b) * 1000 for _, b in rows],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a short run (about a minute)")
+    parser.add_argument("--messages", type=int, help="messages for the throughput runs")
+    parser.add_argument("--rate", type=int, default=2000, help="offered load for the latency run, msg/s")
+    parser.add_argument("--batch-size", type=int, default=1000)
+    parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
+    args = parser.parse_args(argv)
+    n = args.messages or (20_000 if args.quick else 100_000)
+    naive_n = max(1000, n // 20)
+    latency_s = 3.0 if args.quick else 10.0
+
+    base = Path(tempfile.mkdtemp(prefix="switchboard-bench-"))
+    base.chmod(0o755)
+    pg = PostgresServer.create(base / "pg")
+    with (pg.pgdata / "postgresql.conf").open("a") as conf:
+        conf.write("track_commit_timestamp = on\n")
+    rs = RedisServer.create(base / "redis", appendfsync="everysec")
+    try:
+        pg.start()
+        rs.start()
+        r = redis.Redis.from_url(rs.url)
+        print(f"bench: {os.cpu_count()} CPUs, {n} messages (naive: {naive_n}), batch {args.batch_size}")
+        raw = bench_raw(fresh_db(pg, "raw"), n)
+        print(f"  raw psycopg unnest, 1000/tx     {raw:>10,.0f} msg/s")
+        naive = bench_naive(fresh_db(pg, "naive"), r, naive_n)
+        print(f"  naive 1 msg/tx consumer         {naive:>10,.0f} msg/s")
+        servers = {"postgres": pg.pid, "redis": rs.pid}
+        sb, rss, cpu_us = bench_switchboard(base, fresh_db(pg, "sb"), r, rs.url, n, args.batch_size, servers)
+        print(f"  switchboard ingest + ack        {sb:>10,.0f} msg/s")
+        print(f"  ratio to raw                    {sb / raw:>10.2f}x")
+        print(f"  ratio to naive                  {sb / naive:>10.1f}x")
+        print(
+            f"  peak RSS                        ingester {rss['ingester']:.0f} MB,"
+            f" acker {rss['acker']:.0f} MB"
+        )
+        print("  CPU per message                 " + ", ".join(f"{k} {v:.0f} us" for k, v in cpu_us.items()))
+        latencies = bench_latency(base, fresh_db(pg, "lat"), r, rs.url, args.rate, latency_s, args.batch_size)
+        for name, values in latencies.items():
+            print(
+                f"  {name:<24} at {args.rate}/s  p50 {percentile(values, 50):6.1f} ms  "
+                f"p99 {percentile(values, 99):6.1f} ms  max {max(values):6.1f} ms  (n={len(values)})"
+            )
+    finally:
+        pg.cleanup()
+        rs.cleanup()
+        if args.keep_logs:
+            print(f"bench: logs kept in {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
