@@ -1,9 +1,10 @@
-"""Ack intents, seen from the acker: claim committed ones, mark them done.
+"""Ack intents, seen from the acker and from list recovery.
 
-Both run inside the acker's transaction: the claim's row locks (``FOR UPDATE
-SKIP LOCKED``) are held while the broker ack is sent, so several ackers split
-the work, and a crash before the mark leaves the rows pending to be acked
-again (broker acks are idempotent).
+``claim`` runs inside the acker's transaction and marks the rows acked in the
+same statement; the row locks are held while the broker ack is sent, so
+several ackers split the work, and the mark becomes visible only if the
+acker commits after the broker ack succeeded. A failure or a crash before the
+commit leaves the rows pending, to be acked again (broker acks are idempotent).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from backhalf.records import AckClaim
 
 
 async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> list[AckClaim]:
+    """Claim up to ``limit`` committed intents and mark them acked, uncommitted."""
     try:
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
@@ -29,19 +31,6 @@ async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> l
     except (psycopg.Error, SQLAlchemyError) as exc:
         raise AckStateError(f"claiming ack intents failed: {type(exc).__name__}: {exc}") from exc
     return [AckClaim(*row) for row in rows]
-
-
-async def mark_acked(conn: AsyncConnection, inbox_ids: Sequence[int]) -> None:
-    if not inbox_ids:
-        return
-    try:
-        pg = await driver_connection(conn)
-        async with pg.cursor() as cur:
-            await cur.execute(sql.MARK_ACKED, {"ids": list(inbox_ids)})
-    except (psycopg.Error, SQLAlchemyError) as exc:
-        raise AckStateError(
-            f"marking {len(inbox_ids)} ack intents failed: {type(exc).__name__}: {exc}"
-        ) from exc
 
 
 async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str) -> dict[str, int]:

@@ -110,16 +110,22 @@ RETURNING idempotency_key, (xmax = 0) AS inserted
 
 NOTIFY_ACKER: LiteralString = "SELECT pg_notify(%(channel)s, %(adapter)s)"
 
-# The acker's claim: committed intents only (uncommitted rows are invisible),
-# locked so concurrent ackers split the work instead of sharing a cursor.
+# The acker's claim, which is also its mark: committed intents only
+# (uncommitted rows are invisible), locked (SKIP LOCKED) so concurrent ackers
+# split the work instead of sharing a cursor, and set to 'acked' in the same
+# statement, so each row is written once. The acker commits only after the
+# broker ack succeeded; a failure or a crash rolls the rows back to pending.
 CLAIM_ACKS: LiteralString = """
-SELECT id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
-       CASE WHEN ack_kind = 'lrem' THEN body END AS body
-FROM inbox
-WHERE ack_state = 'pending' AND ack_after = 'store' AND adapter = ANY(%(adapters)s::text[])
-ORDER BY id
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED
+UPDATE inbox SET ack_state = 'acked', acked_at = now()
+WHERE id IN (
+    SELECT id FROM inbox
+    WHERE ack_state = 'pending' AND ack_after = 'store' AND adapter = ANY(%(adapters)s::text[])
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
+          CASE WHEN ack_kind = 'lrem' THEN body END AS body
 """
 
 # List recovery: the pending copies on one processing list, locked with the
@@ -130,9 +136,4 @@ FROM (SELECT idempotency_key, ack_copies FROM inbox
       WHERE adapter = %(adapter)s AND ack_key = %(ack_key)s AND ack_kind = 'lrem' AND ack_state = 'pending'
       FOR UPDATE) AS locked
 GROUP BY idempotency_key
-"""
-
-MARK_ACKED: LiteralString = """
-UPDATE inbox SET ack_state = 'acked', acked_at = now()
-WHERE id = ANY(%(ids)b::int8[])
 """

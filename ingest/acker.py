@@ -2,11 +2,11 @@
 
 Woken by NOTIFY (sent by the store, delivered only on commit) with a polling
 fallback, so a lost notification or a dropped LISTEN connection delays acks by
-at most ``poll_interval_ms``. Each drain is one transaction: claim pending
-intents with ``FOR UPDATE SKIP LOCKED`` (several ackers split the work), send
-one broker ack per target per batch, mark the rows acked, commit. A crash
-between the broker ack and the commit leaves the rows pending; they are acked
-again, which brokers treat as a no-op.
+at most ``poll_interval_ms``. Each drain is one transaction per adapter:
+claim pending intents and mark them acked in one statement (``FOR UPDATE SKIP
+LOCKED``: several ackers split the work), send one broker ack per target per
+batch, commit. A crash or a broker error before the commit leaves the rows
+pending; they are acked again, which brokers treat as a no-op.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ async def drain_adapter(engine: AsyncEngine, adapter: str, acknowledger: Acknowl
         failpoints.hit("acker_after_select")
         await acknowledger.ack(claims)
         failpoints.hit("acker_after_xack")
-        await acks.mark_acked(conn, [c.inbox_id for c in claims])
     log.info("acks_sent", adapter=adapter, acked=len(claims))
     return len(claims)
 
