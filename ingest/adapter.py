@@ -86,9 +86,14 @@ class PullAdapter(Protocol):
         """Up to ``max_count`` messages; waits at most the adapter's block time."""
         ...
 
+    def stored(self) -> None:
+        """The oldest batch returned (by ``read`` or ``recover``, non-empty)
+        and not yet confirmed has committed. The poll loop reads the next
+        batch while one commits, so up to two batches are unconfirmed."""
+
     def rewind(self) -> None:
-        """The last batch was not stored: deliver it again (from the broker's
-        own record of what is un-acked, not from memory)."""
+        """No unconfirmed batch will be stored: deliver them all again, from
+        the broker's own record of what is un-acked wherever one exists."""
 
     async def describe(self) -> Mapping[str, object]:
         """Broker-side figures for ``switchboard status`` (backlog, pending)."""

@@ -60,6 +60,9 @@ class MemoryAdapter:
             for mid, body in batch
         ]
 
+    def stored(self) -> None:
+        return None
+
     def rewind(self) -> None:
         self._replay = True
 

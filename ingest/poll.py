@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -31,6 +32,7 @@ from ingest.lifecycle import Backoff, cancel_and_wait, wait_stop
 log = structlog.get_logger(__name__)
 
 READ_CANCEL_TIMEOUT_S = 5.0
+NORMALIZE_SLICE = 100
 LOST_BEFORE_INGEST = "lost_before_ingest: the entry was deleted or trimmed while still pending"
 
 
@@ -65,6 +67,14 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A batch as read, and normalized for the store."""
+
+    deliveries: list[Delivery]
+    records: list[InboxRecord]
+
+
 class PollLoop:
     def __init__(
         self,
@@ -88,16 +98,57 @@ class PollLoop:
     async def run(self) -> None:
         backoff = Backoff(self._settings.backoff_initial_ms, self._settings.backoff_max_ms)
         self._log.info("poll_loop_started", broker=self._adapter.broker)
+        # The next batch is read and normalized while the current one commits:
+        # Python, Redis and PostgreSQL work overlap instead of taking turns.
+        prefetch: asyncio.Task[Fetched] | None = None
         while not self._stop.is_set():
             try:
-                await self._step()
+                if prefetch is None:
+                    if not await self._is_enabled():
+                        await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
+                        continue
+                    prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
+                fetched = await prefetch
+                prefetch = None
+                if not fetched.deliveries:
+                    backoff.reset()
+                    continue
+                failpoints.hit("after_read")
+                if not self._stop.is_set() and await self._is_enabled():
+                    prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
+                await self._commit(fetched)
                 backoff.reset()
-            except (IngestError, BackhalfError, SQLAlchemyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a bug must not end ingestion either; see below
+                if prefetch is not None:
+                    await self._abandon(prefetch)
+                    prefetch = None
+                if not isinstance(exc, IngestError | BackhalfError | SQLAlchemyError):
+                    self._log.exception("poll_step_crashed", error=exc)
                 await self._after_failure(exc, backoff)
-            except Exception as exc:  # noqa: BLE001 - a bug must not end ingestion; it is logged in full
-                self._log.exception("poll_step_crashed", error=exc)
-                await self._after_failure(exc, backoff)
+        if prefetch is not None:
+            await self._finish_on_stop(prefetch)
         self._log.info("poll_loop_stopped")
+
+    async def _abandon(self, prefetch: asyncio.Task[Fetched]) -> None:
+        """Drop a prefetch: its batch is redelivered after the rewind that follows."""
+        if not await cancel_and_wait(prefetch, READ_CANCEL_TIMEOUT_S):
+            self._log.error("read_not_cancellable", task=prefetch.get_name())
+        if not prefetch.cancelled():
+            prefetch.exception()  # retrieved: its error, if any, is the rewind's business
+
+    async def _finish_on_stop(self, prefetch: asyncio.Task[Fetched]) -> None:
+        """On stop, a prefetch that already completed is stored (it may carry
+        reports of deleted entries that exist nowhere else); one still
+        reading is abandoned, its messages pending at the broker."""
+        if not prefetch.done():
+            await self._abandon(prefetch)
+            return
+        if prefetch.cancelled() or prefetch.exception() is not None or not prefetch.result().deliveries:
+            return
+        try:
+            await self._commit(prefetch.result())
+        except (IngestError, BackhalfError, SQLAlchemyError) as exc:
+            self._log.warning("final_store_failed", error=exc, error_type=type(exc).__name__)
 
     async def _after_failure(self, exc: Exception, backoff: Backoff) -> None:
         # Whatever was read and not stored is redelivered from the broker's
@@ -116,18 +167,23 @@ class PollLoop:
         )
         await wait_stop(self._stop, delay_s)
 
-    async def _step(self) -> None:
-        if not await self._is_enabled():
-            await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
-            return
+    async def _fetch(self) -> Fetched:
         deliveries = await self._adapter.recover(self._open_ledger)
         if not deliveries:
             deliveries = await self._read_unless_stopped()
-        if not deliveries:
-            return
-        failpoints.hit("after_read")
+        records = []
+        for start in range(0, len(deliveries), NORMALIZE_SLICE):
+            records += [to_record(d, self._cfg) for d in deliveries[start : start + NORMALIZE_SLICE]]
+            # Yield between slices: the store of the previous batch waits on
+            # its statements' replies in this same event loop.
+            await asyncio.sleep(0)
+        return Fetched(deliveries, records)
+
+    async def _commit(self, fetched: Fetched) -> None:
+        deliveries = fetched.deliveries
         started = time.perf_counter()
-        result = await self._store(deliveries)
+        result = await self._store(fetched.records)
+        self._adapter.stored()
         self._log.info(
             "batch_stored",
             messages=len(deliveries),
@@ -185,7 +241,7 @@ class PollLoop:
             return []
         return read.result()
 
-    async def _store(self, deliveries: list[Delivery]) -> StoreResult:
+    async def _store(self, records: list[InboxRecord]) -> StoreResult:
         adapter = self._adapter
         batch = StoreBatch(
             adapter=self._cfg.name,
@@ -194,7 +250,7 @@ class PollLoop:
             ack_after=self._cfg.ack_after,
             ack=adapter.ack_target,
             verify_detail=adapter.identity,
-            records=[to_record(d, self._cfg) for d in deliveries],
+            records=records,
         )
         try:
             # The transaction boundary: inbox, events, todos and the NOTIFY
@@ -204,7 +260,7 @@ class PollLoop:
                 failpoints.hit("before_commit")
         except SQLAlchemyError as exc:  # connect, checkout or COMMIT itself
             raise StoreError(
-                f"adapter {self._cfg.name}: transaction for {len(deliveries)} messages failed: {exc}"
+                f"adapter {self._cfg.name}: transaction for {len(records)} messages failed: {exc}"
             ) from exc
         failpoints.hit("after_commit")
         return result

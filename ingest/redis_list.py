@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,8 +44,8 @@ from ingest.redis_common import broker_label, connect
 log = structlog.get_logger(__name__)
 
 # A recovery lock is held from counting a list until the store of what the
-# count found has committed (released on the next recover() call, which comes
-# only after that), so two recoverers never count the same list at once. Its
+# count found has committed (``stored()`` of that batch), so two recoverers
+# never count the same list at once. Its
 # value is the recoverer's consumer name, so a restart of that consumer can
 # take it back at once. The TTL bounds how long a crash mid-recovery blocks
 # others; it must exceed a store's duration (a few statements under
@@ -78,7 +78,10 @@ class ListAdapter:
         self._started = False
         self._own_recovery_due = True
         self._next_reap_at = 0.0
-        self._held_locks: set[str] = set()
+        # Locks protecting each unconfirmed batch (empty for plain reads), and
+        # locks whose batch is confirmed or abandoned, released on the next call.
+        self._batch_locks: deque[set[str]] = deque()
+        self._to_release: set[str] = set()
 
     def _heartbeat_key(self, consumer: str) -> str:
         return f"{self._cfg.source}:heartbeat:{consumer}"
@@ -143,29 +146,36 @@ class ListAdapter:
                 bodies += [_bytes(b) for b in await pipe.execute() if b is not None]
         except RedisError as exc:
             raise BrokerError(f"adapter {self.name}: moving from {cfg.source}: {exc}") from exc
+        self._batch_locks.append(set())
         return [self._delivery(body, self._processing, 1) for body in bodies]
 
     def _delivery(self, body: bytes, processing: str, copies: int) -> Delivery:
         key = body_key(self._cfg.key_prefix, self._cfg.source, body)
         return Delivery(key, None, body=body, ack_key=processing, ack_copies=copies)
 
+    def stored(self) -> None:
+        if self._batch_locks:
+            self._to_release |= self._batch_locks.popleft()
+
     def rewind(self) -> None:
         # What was moved but not stored is on the processing list: recover it.
         self._own_recovery_due = True
+        for locks in self._batch_locks:
+            self._to_release |= locks
+        self._batch_locks.clear()
 
     async def _release_locks(self) -> None:
         # GET then DEL, not atomic: a lock could expire and be taken between
         # the two only if this consumer stalled for the whole TTL in between.
-        for lock in list(self._held_locks):
+        still_protecting = set().union(*self._batch_locks)
+        for lock in sorted(self._to_release - still_protecting):
             holder = await self._client.get(lock)
             if holder is not None and _text(holder) == self._cfg.consumer:
                 await self._client.delete(lock)
-            self._held_locks.discard(lock)
+        self._to_release.clear()
 
     async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
         try:
-            # Called again: whatever the last recovery delivered is committed
-            # (or was rewound and will be counted afresh).
             await self._release_locks()
             lists: list[tuple[str, str | None]] = []
             if self._own_recovery_due:
@@ -175,11 +185,15 @@ class ListAdapter:
                 self._next_reap_at = now + self._cfg.reap_interval_ms / 1000
                 lists += await self._dead_consumers()
             for processing, dead_owner in lists:
-                deliveries = await self._recover_list(open_ledger, processing, dead_owner)
+                lock = f"{self._cfg.source}:recovering:{processing}"
+                deliveries = await self._recover_list(open_ledger, processing, dead_owner, lock)
                 if processing == self._processing and deliveries is not None:
                     self._own_recovery_due = False
                 if deliveries:
+                    self._batch_locks.append({lock})  # held until this batch is stored
                     return deliveries
+                if deliveries is not None:
+                    self._to_release.add(lock)  # nothing to store: nothing to protect
         except RedisError as exc:
             raise BrokerError(f"adapter {self.name}: recovering processing lists: {exc}") from exc
         return []
@@ -196,19 +210,18 @@ class ListAdapter:
         return dead
 
     async def _recover_list(
-        self, open_ledger: OpenLedger, processing: str, dead_owner: str | None
+        self, open_ledger: OpenLedger, processing: str, dead_owner: str | None, lock: str
     ) -> list[Delivery] | None:
         """Deliveries for the unstored copies on ``processing``; None if another
         recoverer holds the list (try again later)."""
-        lock = f"{self._cfg.source}:recovering:{processing}"
         me = self._cfg.consumer
         if not await self._client.set(lock, me, nx=True, px=RECOVERY_LOCK_TTL_MS):
             holder = await self._client.get(lock)
             if holder is None or _text(holder) != me:
                 return None
             await self._client.pexpire(lock, RECOVERY_LOCK_TTL_MS)
-        self._held_locks.add(lock)
         if dead_owner is not None and await self._client.exists(self._heartbeat_key(dead_owner)):
+            self._to_release.add(lock)
             return None  # it came back: a live consumer's list is never taken
         async with open_ledger() as pending_copies:
             pending = await pending_copies(processing)

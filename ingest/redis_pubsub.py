@@ -12,6 +12,7 @@ published twice while its todo is still active yields one todo.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +35,7 @@ class PubSubAdapter:
         self._client = connect(config.redis_url, block_ms=config.block_ms)
         self._pubsub: Any = None
         self._identity = "redis acl: unknown"
-        self._last: list[Delivery] = []
+        self._unconfirmed: deque[list[Delivery]] = deque()
         self._replay: list[Delivery] = []
 
     @property
@@ -68,6 +69,7 @@ class PubSubAdapter:
     async def read(self, max_count: int) -> list[Delivery]:
         if self._replay:
             batch, self._replay = self._replay, []
+            self._unconfirmed.append(batch)
             return batch
         try:
             if self._pubsub is None:
@@ -83,15 +85,20 @@ class PubSubAdapter:
                 message = await self._pubsub.get_message(timeout=0)
         except RedisError as exc:
             raise BrokerError(f"adapter {self.name}: reading channel {self._cfg.source}: {exc}") from exc
-        self._last = [
-            Delivery(body_key(self._cfg.key_prefix, self._cfg.source, b), None, body=b) for b in bodies
-        ]
-        return self._last
+        batch = [Delivery(body_key(self._cfg.key_prefix, self._cfg.source, b), None, body=b) for b in bodies]
+        if batch:
+            self._unconfirmed.append(batch)
+        return batch
+
+    def stored(self) -> None:
+        if self._unconfirmed:
+            self._unconfirmed.popleft()
 
     def rewind(self) -> None:
-        # The broker cannot redeliver: retry the unstored batch from memory. A
-        # crash loses it, which is what at-most-once means.
-        self._replay = self._last
+        # The broker cannot redeliver: retry the unstored batches from memory.
+        # A crash loses them, which is what at-most-once means.
+        self._replay = [d for batch in self._unconfirmed for d in batch] + self._replay
+        self._unconfirmed.clear()
 
     async def describe(self) -> Mapping[str, object]:
         try:

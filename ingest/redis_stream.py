@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,8 +66,10 @@ class StreamAdapter:
         self._next_claim_at = 0.0
         self._recreate_from_zero = False
         # XAUTOCLAIM drops deleted entries from the PEL as it reports them, so
-        # the report exists only in memory until a store commits it.
-        self._lost_in_last_batch: list[Delivery] = []
+        # the report exists only in memory until a store commits it: kept per
+        # unconfirmed batch, replayed on rewind.
+        self._reported_lost: list[Delivery] = []
+        self._unconfirmed_lost: deque[list[Delivery]] = deque()
         self._lost_to_replay: list[Delivery] = []
 
     @property
@@ -110,12 +113,17 @@ class StreamAdapter:
             raise BrokerError(f"adapter {self.name}: XGROUP CREATE {cfg.source} {cfg.group}: {exc}") from exc
 
     async def read(self, max_count: int) -> list[Delivery]:
-        # Called again only after the previous batch committed, or after rewind().
-        self._lost_in_last_batch = []
         if self._lost_to_replay:
             batch, self._lost_to_replay = self._lost_to_replay, []
-            self._lost_in_last_batch = batch
+            self._unconfirmed_lost.append(batch)
             return batch
+        batch = await self._read(max_count)
+        if batch:
+            self._unconfirmed_lost.append(self._reported_lost)
+        self._reported_lost = []
+        return batch
+
+    async def _read(self, max_count: int) -> list[Delivery]:
         try:
             if not self._started:
                 await self.start()
@@ -165,7 +173,7 @@ class StreamAdapter:
         # Redis 7 drops deleted-but-pending entries from the PEL as it reports
         # them: record each as lost (never a silent ack).
         lost = [self._delivery(entry_id, None) for entry_id in deleted]
-        self._lost_in_last_batch = lost
+        self._reported_lost = lost
         deliveries += lost
         if deliveries:
             log.info(
@@ -195,10 +203,14 @@ class StreamAdapter:
             return Delivery(key, entry_id, body=body, ack_entry_id=entry_id)
         return Delivery(key, entry_id, fields=fields, ack_entry_id=entry_id)
 
+    def stored(self) -> None:
+        if self._unconfirmed_lost:
+            self._unconfirmed_lost.popleft()
+
     def rewind(self) -> None:
         self._history_cursor = "0"
-        self._lost_to_replay += self._lost_in_last_batch
-        self._lost_in_last_batch = []
+        self._lost_to_replay = [d for batch in self._unconfirmed_lost for d in batch] + self._lost_to_replay
+        self._unconfirmed_lost.clear()
 
     async def run_background(self, stop: asyncio.Event) -> None:
         """Nothing: the PEL needs no heartbeat; XAUTOCLAIM judges idleness."""

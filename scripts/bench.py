@@ -52,12 +52,15 @@ def body(i: int) -> bytes:
 
 
 def fresh_db(pg: PostgresServer, name: str) -> str:
+    """A migrated database for one run, after a CHECKPOINT: each run starts with
+    no dirty buffers left over from the one before it to be flushed meanwhile."""
     url = pg.create_database(name)
     migrate.upgrade(url)
     with psycopg.connect(libpq(url), autocommit=True) as conn:
         conn.execute(
             "INSERT INTO adapters (name, transport, mode, enabled) VALUES ('bench', 'redis', 'stream', false)"
         )
+        conn.execute("CHECKPOINT")
     return url
 
 

@@ -107,3 +107,10 @@ def make_config(tmp_path: Path, db_url: str, redis_url: str) -> Callable[..., Pa
         )
 
     return make
+
+
+def entries_read(redis_url: str, stream: str, group: str = "switchboard") -> int:
+    """How many entries the group has delivered (XINFO GROUPS entries-read)."""
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        (info,) = [g for g in r.xinfo_groups(stream) if g["name"].decode() == group]
+        return int(info["entries-read"])

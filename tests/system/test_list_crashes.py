@@ -54,7 +54,8 @@ def test_killed_with_items_on_processing_list_then_restarted(
     assert ingester.wait(30) == -9
     # Two batches stored, none acked (no acker yet); the third moved, not stored.
     assert scalar(db_url, "SELECT count(*) FROM inbox") == 2 * BATCH
-    assert processing_len(redis_url, "ingester-1") == 3 * BATCH
+    # The third batch moved and not stored, and the fourth if it was prefetched.
+    assert processing_len(redis_url, "ingester-1") in (3 * BATCH, 4 * BATCH)
     acker = procs.start("ack", config, name="acker-1")
     restarted = procs.start("ingest", config, name="ingester-1")
     wait_for(lambda: acked(db_url) == N, timeout_s=60, what="every item stored and removed")
@@ -74,7 +75,7 @@ def test_dead_consumer_not_restarted_is_reaped_by_another(
     doomed = procs.start("ingest", config, name="ingester-1", failpoints="after_read=kill@3")
     assert doomed.wait(30) == -9
     stranded = processing_len(redis_url, "ingester-1")
-    assert stranded == 3 * BATCH
+    assert stranded in (3 * BATCH, 4 * BATCH)
     acker = procs.start("ack", config, name="acker-1")
     survivor = procs.start("ingest", config, name="ingester-2")
     wait_for(lambda: acked(db_url) == N, timeout_s=60, what="every item stored and removed")
