@@ -75,6 +75,14 @@ class SwitchboardProcess:
         return code
 
     def terminate(self, timeout_s: float = PROCESS_TIMEOUT_S) -> int:
+        """SIGTERM once the process can take it gracefully: its first log line
+        ("starting") comes after its signal handlers are in place. Before the
+        interpreter reaches our code, SIGTERM kills with the default action."""
+        wait_for(
+            lambda: not self.alive() or '"starting"' in self.raw_log(),
+            timeout_s=timeout_s,
+            what=f"{self.log_path.name} to start",
+        )
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
         return self.wait(timeout_s)
