@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck format clean
+.PHONY: install demo test lint typecheck format bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is required (PYTHON=$(PYTHON))"; exit 1; }
@@ -32,6 +32,11 @@ typecheck: install
 # every switchboard process the system tests start.
 test: lint typecheck
 	$(BIN)/python -X dev -W error -m pytest --durations=15
+
+# Throughput and latency beside a raw-insert and a naive-consumer baseline, on
+# servers of its own; BENCH_ARGS=--quick for a short run.
+bench: install
+	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
 
 format: install
 	$(BIN)/ruff format .

@@ -71,6 +71,10 @@ class AdapterConfig:
 @dataclass(frozen=True, slots=True)
 class IngestSettings:
     shutdown_timeout_s: float = 10.0
+    # A batch whose bodies add up to more is stored in several transactions,
+    # each under this size, so one statement never nears PostgreSQL's 1 GB
+    # message limit or its statement_timeout.
+    max_batch_bytes: int = 32 * 1024 * 1024
     enabled_refresh_ms: int = 1000
     backoff_initial_ms: int = 100
     backoff_max_ms: int = 10_000

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -182,8 +182,11 @@ class PollLoop:
     async def _commit(self, fetched: Fetched) -> None:
         deliveries = fetched.deliveries
         started = time.perf_counter()
-        result = await self._store(fetched.records)
+        results = [await self._store(chunk) for chunk in self._chunks(fetched.records)]
+        # Confirmed only once every chunk committed; a failure in between
+        # redelivers the whole batch and the committed chunks dedup.
         self._adapter.stored()
+        result = StoreResult(*(sum(values) for values in zip(*(astuple(r) for r in results), strict=True)))
         self._log.info(
             "batch_stored",
             messages=len(deliveries),
@@ -199,6 +202,19 @@ class PollLoop:
         for d in deliveries:
             if d.lost:
                 self._log.error("lost_before_ingest", message_id=d.message_id, key=d.idempotency_key)
+
+    def _chunks(self, records: list[InboxRecord]) -> list[list[InboxRecord]]:
+        limit = self._settings.max_batch_bytes
+        chunks: list[list[InboxRecord]] = [[]]
+        size = 0
+        for rec in records:
+            rec_size = len(rec.body) + 2 * len(rec.payload or "")  # body, plus event and todo payloads
+            if chunks[-1] and size + rec_size > limit:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(rec)
+            size += rec_size
+        return chunks
 
     @contextlib.asynccontextmanager
     async def _open_ledger(self) -> AsyncIterator[PendingCopies]:

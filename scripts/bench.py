@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short run (about a minute)")
     parser.add_argument("--messages", type=int, help="messages for the throughput runs")
     parser.add_argument("--rate", type=int, default=2000, help="offered load for the latency run, msg/s")
-    parser.add_argument("--batch-size", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=2000, help="the adapter's batch_size")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
     args = parser.parse_args(argv)
     n = args.messages or (20_000 if args.quick else 100_000)

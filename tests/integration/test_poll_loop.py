@@ -4,7 +4,9 @@ flag, failure handling and a clean stop."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -101,3 +103,22 @@ async def test_store_failure_backs_off_and_redelivers_from_pending(engine: Async
         stop.set()
         await task
     assert query(db_url, "SELECT count(*), count(DISTINCT idempotency_key) FROM todos") == [(2, 2)]
+
+
+async def test_a_batch_over_max_batch_bytes_is_stored_in_several_transactions(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    bodies = [json.dumps({"n": i, "pad": "x" * 100}).encode() for i in range(10)]
+    adapter = MemoryAdapter("mem", bodies)
+    settings = replace(FAST, max_batch_bytes=1000)  # about three messages per transaction
+    stop = asyncio.Event()
+    task = asyncio.create_task(PollLoop(adapter, config(db_url), engine, settings, stop).run())
+    try:
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM todos") == 10)
+    finally:
+        stop.set()
+        await task
+    # One batch of ten (batch_size 10), committed in chunks: several transactions.
+    assert adapter.reads >= 1
+    assert scalar(db_url, "SELECT count(DISTINCT xmin::text) FROM todos") >= 3
+    assert query(db_url, "SELECT count(DISTINCT idempotency_key) FROM inbox") == [(10,)]
