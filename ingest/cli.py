@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import os
 import sys
 import threading
@@ -13,8 +15,9 @@ from pathlib import Path
 
 import structlog
 
-from backhalf import failpoints, migrate, registry
+from backhalf import failpoints, migrate, registry, replay
 from backhalf.db import create_engine, redact_url
+from backhalf.normalize import body_payload
 from ingest import entry, logs, status
 from ingest.acker import run_acker
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
@@ -46,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     for action in ("enable", "disable"):
         p = adapter_verbs.add_parser(action, parents=[common], help=f"{action} an adapter at runtime")
         p.add_argument("name")
+    inbox_cmd = verbs.add_parser("inbox", parents=[common], help="list inbox rows; replay rejected ones")
+    inbox_verbs = inbox_cmd.add_subparsers(dest="inbox_verb", required=True, metavar="ACTION")
+    listing = inbox_verbs.add_parser("list", parents=[common], help="recent inbox rows, newest first")
+    listing.add_argument("--rejected", action="store_true", help="only rejected (poison, lost) messages")
+    listing.add_argument("--unacked", action="store_true", help="only rows whose ack is still pending")
+    listing.add_argument("--adapter", help="only this adapter")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    rerun = inbox_verbs.add_parser("replay", parents=[common], help="re-run rejected messages")
+    rerun.add_argument("ids", nargs="+", type=int, metavar="ID", help="inbox row id")
     st = verbs.add_parser("status", parents=[common], help="backlog, pending acks and todos per adapter")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     demo = verbs.add_parser("demo", help="the whole pipeline on embedded PostgreSQL and Redis")
@@ -116,6 +129,47 @@ async def _adapters_command(settings: Settings, args: argparse.Namespace) -> int
         await engine.dispose()
 
 
+async def _inbox_command(settings: Settings, args: argparse.Namespace) -> int:
+    engine = create_engine(settings.database)
+    try:
+        if args.inbox_verb == "list":
+            async with engine.connect() as conn:
+                rows = await replay.list_rows(
+                    conn, rejected=args.rejected, unacked=args.unacked, adapter=args.adapter, limit=args.limit
+                )
+            if args.json:
+                print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=str))
+            for r in [] if args.json else rows:
+                print(
+                    f"{r.id:>10} {r.adapter:<16} {r.status:<9} ack={r.ack_state:<8} "
+                    f"deliveries={r.deliveries:<3} {r.idempotency_key}  {r.error or ''}"
+                )
+            return EXIT_OK
+        failed = 0
+        for inbox_id in args.ids:
+            try:
+                async with engine.begin() as conn:
+                    todo_id = await replay.replay(
+                        conn,
+                        inbox_id,
+                        queue_for=lambda name: settings.adapter(name).queue,
+                        normalize_for=lambda name: _normalizer(settings, name),
+                    )
+            except (replay.ReplayError, ConfigError) as exc:
+                failed += 1
+                print(f"switchboard: inbox row {inbox_id}: {exc}", file=sys.stderr)
+            else:
+                print(f"inbox row {inbox_id}: stored, todo {todo_id}")
+        return EXIT_FAILURE if failed else EXIT_OK
+    finally:
+        await engine.dispose()
+
+
+def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
+    cfg = settings.adapter(adapter)
+    return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes)
+
+
 async def _status_command(settings: Settings, as_json: bool) -> int:
     print(status.render(await status.collect(settings), as_json))
     return EXIT_OK
@@ -154,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_adapters_command(settings, args))
     if args.verb == "status":
         return asyncio.run(_status_command(settings, args.json))
+    if args.verb == "inbox":
+        return asyncio.run(_inbox_command(settings, args))
     raise AssertionError(f"unhandled verb {args.verb}")
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.support import db
 from tests.support.config import stream_adapter
@@ -109,3 +110,47 @@ def test_demo_runs_the_whole_pipeline_on_embedded_servers() -> None:
     assert "messages produced       600" in result.stdout
     assert "todos created           600" in result.stdout
     assert "OK: no loss, no duplicate" in result.stdout
+
+
+def test_rejected_messages_are_listed_and_replayed_once_fixed(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
+) -> None:
+    # format = "json": a text body is poison; the operator then switches the
+    # adapter to format = "text" (the fix) and replays.
+    strict = make_config(stream_adapter("orders"))
+    ids = produce(redis_url, "orders", 3)
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        bad = r.xadd("orders", {"body": b"plain words, not JSON"}).decode()
+    ingester = procs.start("ingest", strict, name="ingester-1")
+    acker = procs.start("ack", strict, name="acker-1")
+    wait_for(
+        lambda: db.scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 4,
+        timeout_s=30,
+        what="all four stored and acked, the poison one included",
+    )
+    assert_clean_exit(ingester, ingester.terminate())
+    assert_clean_exit(acker, acker.terminate())
+    assert db.scalar(db_url, "SELECT count(*) FROM todos") == 3
+    listed = switchboard("--config", str(strict), "inbox", "list", "--rejected", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (row,) = json.loads(listed.stdout)
+    assert row["source_message_id"] == bad
+    assert row["error"].startswith("invalid_json")
+    assert row["ack_state"] == "acked"  # acked so it stopped looping
+    still_bad = switchboard("--config", str(strict), "inbox", "replay", str(row["id"]))
+    assert still_bad.returncode == 1
+    assert "still rejected" in still_bad.stderr
+    fixed = make_config(stream_adapter("orders", format="text"), name="fixed.toml")
+    replayed = switchboard("--config", str(fixed), "inbox", "replay", str(row["id"]))
+    assert replayed.returncode == 0, replayed.stderr
+    assert db.query(
+        db_url,
+        "SELECT i.status, i.error, t.payload FROM inbox i JOIN todos t ON t.id = i.todo_id"
+        " WHERE i.id = %(id)s",
+        {"id": row["id"]},
+    ) == [("stored", None, "plain words, not JSON")]
+    assert db.scalar(db_url, "SELECT count(*) FROM events") == 4
+    again = switchboard("--config", str(fixed), "inbox", "replay", str(row["id"]))
+    assert again.returncode == 1
+    assert "not rejected" in again.stderr
+    assert len(ids) == 3
