@@ -3,7 +3,8 @@
 Configured once per process from ``SWITCHBOARD_FAILPOINTS`` (read by the CLI at
 start-up, never at import): a comma-separated list of ``name=action`` where
 action is ``kill`` (SIGKILL this process: the crash a power cut or OOM kill
-gives) or ``raise`` (raise :class:`InjectedFault`), optionally ``@N`` to fire
+gives), ``stop`` (SIGSTOP this process: a stalled consumer, until someone
+sends SIGCONT) or ``raise`` (raise :class:`InjectedFault`), optionally ``@N`` to fire
 on the N-th hit only, e.g. ``after_read=kill@3,before_commit=raise``.
 
 Unset, every check is one dict lookup on an empty dict.
@@ -27,7 +28,7 @@ NAMES = frozenset(
         "acker_after_xack",
     }
 )
-ACTIONS = frozenset({"kill", "raise"})
+ACTIONS = frozenset({"kill", "stop", "raise"})
 
 
 @dataclass
@@ -71,4 +72,7 @@ def hit(name: str) -> None:
         return
     if point.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if point.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # resumes here on SIGCONT
+        return
     raise InjectedFault(f"failpoint {name} fired (hit {point.hits})")

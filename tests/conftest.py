@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import redis
 
-from ingest.servers import RedisServer
+from backhalf import migrate
+from ingest.servers import PostgresServer, RedisServer
 from tests.support import db
 from tests.support.config import stream_adapter, write_config
 from tests.support.servers import ServerUrls, shared_servers, temp_base
@@ -44,6 +45,20 @@ def own_redis() -> Iterator[RedisServer]:
     server.start()
     yield server
     server.cleanup()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[tuple[PostgresServer, str]]:
+    """A PostgreSQL this test owns (to terminate backends and restart it), with
+    a migrated database; yields the server and the database URL."""
+    server = PostgresServer.create(temp_base("switchboard-pg-") / "pg")
+    server.start()
+    try:
+        url = server.create_database("switchboard")
+        migrate.upgrade(url)
+        yield server, url
+    finally:
+        server.cleanup()
 
 
 @pytest.fixture
