@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from backhalf import sql
 from backhalf.db import driver_connection
 from backhalf.errors import AckStateError
-from backhalf.records import AckClaim
+from backhalf.records import AckClaim, PendingIntent
 
 
 async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> list[AckClaim]:
@@ -33,9 +33,9 @@ async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> l
     return [AckClaim(*row) for row in rows]
 
 
-async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str) -> dict[str, int]:
+async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str) -> list[PendingIntent]:
     """Lock the pending LREM intents on one processing list until the caller's
-    transaction ends; return the copies they will remove, per idempotency key."""
+    transaction ends, and return them."""
     try:
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
@@ -43,4 +43,4 @@ async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str)
             rows = await cur.fetchall()
     except (psycopg.Error, SQLAlchemyError) as exc:
         raise AckStateError(f"adapter {adapter}: locking pending copies on {ack_key}: {exc}") from exc
-    return {str(key): int(copies) for key, copies in rows}
+    return [PendingIntent(int(inbox_id), str(key), int(copies)) for inbox_id, key, copies in rows]

@@ -60,6 +60,15 @@ class StoreResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingIntent:
+    """A pending LREM intent on a processing list, locked by list recovery."""
+
+    inbox_id: int
+    idempotency_key: str
+    copies: int
+
+
+@dataclass(frozen=True, slots=True)
 class AckClaim:
     """A committed ack intent, locked by the acker's transaction."""
 

@@ -27,11 +27,17 @@ SELECT idempotency_key FROM inbox
 WHERE adapter = %(adapter)s AND idempotency_key = ANY(%(keys)b::text[]) AND source_message_id IS NOT NULL
 """
 
+# Locked, not just read: a pending row the acker is marking acked right now
+# must be waited for (and then no longer counts), or the new copy would be
+# taken as merged into a row that is about to stop being pending, and be
+# stored without its todo.
 EXISTING_BODY_PENDING: LiteralString = """
 SELECT idempotency_key FROM inbox
 WHERE adapter = %(adapter)s AND idempotency_key = ANY(%(keys)b::text[])
   AND ack_key = ANY(%(ack_keys)b::text[])
   AND source_message_id IS NULL AND ack_state = 'pending'
+ORDER BY idempotency_key
+FOR UPDATE
 """
 
 # The conflict target's WHERE must be the partial index's predicate exactly
@@ -63,6 +69,13 @@ RETURNING id, idempotency_key
 # Events of messages that a concurrent store won (our inbox insert conflicted):
 # the winner recorded the message; ours would be a second history row.
 DELETE_EVENTS: LiteralString = "DELETE FROM events WHERE id = ANY(%(ids)b::int8[])"
+
+# Todos this store created for such messages: possible only if the winner's
+# todo left the active states between our known-keys read and our upsert.
+DELETE_TODOS: LiteralString = """
+WITH gone AS (DELETE FROM todo_events WHERE todo_id = ANY(%(ids)b::int8[]))
+DELETE FROM todos WHERE id = ANY(%(ids)b::int8[])
+"""
 
 _INSERT_INBOX: LiteralString = """
 INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
@@ -131,9 +144,8 @@ RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
 # List recovery: the pending copies on one processing list, locked with the
 # same row locks the acker takes, so LRANGE and these counts agree.
 LOCK_PENDING_COPIES: LiteralString = """
-SELECT idempotency_key, sum(ack_copies)::int
-FROM (SELECT idempotency_key, ack_copies FROM inbox
-      WHERE adapter = %(adapter)s AND ack_key = %(ack_key)s AND ack_kind = 'lrem' AND ack_state = 'pending'
-      FOR UPDATE) AS locked
-GROUP BY idempotency_key
+SELECT id, idempotency_key, ack_copies FROM inbox
+WHERE adapter = %(adapter)s AND ack_key = %(ack_key)s AND ack_kind = 'lrem' AND ack_state = 'pending'
+ORDER BY id
+FOR UPDATE
 """

@@ -84,7 +84,7 @@ async def _store(
 
         todo_ids: dict[str, int] = {}
         event_ids: dict[str, int] = {}
-        created = 0
+        created_keys: set[str] = set()
         if accepted:
             await cur.execute(
                 sql.UPSERT_TODOS,
@@ -96,7 +96,8 @@ async def _store(
             )
             for todo_id, key, was_created in await cur.fetchall():
                 todo_ids[key] = todo_id
-                created += bool(was_created)
+                if was_created:
+                    created_keys.add(key)
             await cur.execute(
                 sql.INSERT_EVENTS,
                 {
@@ -136,15 +137,19 @@ async def _store(
         failpoints.hit("after_inbox_insert")
         # A concurrent store (a claim racing a slow consumer) won these: its
         # event is the record; our todo upsert already deduped to its todo.
-        lost_race = [event_ids[k] for k in event_ids if k not in inserted]
+        lost_race = [k for k in event_ids if k not in inserted]
         if lost_race:
-            await cur.execute(sql.DELETE_EVENTS, {"ids": lost_race})
+            await cur.execute(sql.DELETE_EVENTS, {"ids": [event_ids[k] for k in lost_race]})
+            ours = [todo_ids[k] for k in lost_race if k in created_keys]
+            if ours:
+                await cur.execute(sql.DELETE_TODOS, {"ids": ours})
+            created_keys -= set(lost_race)
         if ack_state == "pending":
             await cur.execute(sql.NOTIFY_ACKER, {"channel": sql.ACK_CHANNEL, "adapter": batch.adapter})
     return StoreResult(
         new=len(inserted),
         rejected=sum(1 for r in records if r.error is not None and r.idempotency_key in inserted),
         redelivered=len(records) - len(inserted),
-        todos_created=created,
-        todos_deduped=len(todo_ids) - created,
+        todos_created=len(created_keys),
+        todos_deduped=len(todo_ids) - len(created_keys),
     )

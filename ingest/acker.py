@@ -52,6 +52,7 @@ async def drain_adapter(engine: AsyncEngine, adapter: str, acknowledger: Acknowl
         failpoints.hit("acker_after_select")
         await acknowledger.ack(claims)
         failpoints.hit("acker_after_xack")
+    await acknowledger.acked(claims)
     log.info("acks_sent", adapter=adapter, acked=len(claims))
     return len(claims)
 

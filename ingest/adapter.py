@@ -16,7 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from backhalf.records import AckClaim, AckTarget
+from backhalf.records import AckClaim, AckTarget, PendingIntent
 
 __all__ = ["AckTarget", "Acknowledger", "Delivery", "OpenLedger", "PendingCopies", "PullAdapter"]
 
@@ -43,9 +43,9 @@ class Delivery:
 
 
 class PendingCopies(Protocol):
-    """Lock the pending ack intents on one ack key; return copies per idempotency key."""
+    """Lock the pending ack intents on one ack key and return them."""
 
-    async def __call__(self, ack_key: str) -> Mapping[str, int]: ...
+    async def __call__(self, ack_key: str) -> Sequence[PendingIntent]: ...
 
 
 # Opens a database transaction whose row locks last for the ``async with``.
@@ -109,5 +109,8 @@ class Acknowledger(Protocol):
     async def ack(self, claims: Sequence[AckClaim]) -> None:
         """Acknowledge every claim or raise :class:`ingest.errors.AckError`.
         Must be idempotent: a claim may be acked again after a crash."""
+
+    async def acked(self, claims: Sequence[AckClaim]) -> None:
+        """The marks of these claims committed: clean up (best effort, never raises)."""
 
     async def close(self) -> None: ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import astuple, dataclass
 
 import structlog
@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import acks, failpoints, registry
 from backhalf.errors import BackhalfError, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
-from backhalf.records import InboxRecord, StoreBatch, StoreResult
+from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapter import Delivery, PendingCopies, PullAdapter
 from ingest.config import AdapterConfig, IngestSettings
@@ -222,7 +222,7 @@ class PollLoop:
         pending ack intents hold until the ``async with`` ends."""
         async with self._engine.begin() as conn:
 
-            async def pending_copies(ack_key: str) -> Mapping[str, int]:
+            async def pending_copies(ack_key: str) -> Sequence[PendingIntent]:
                 return await acks.lock_pending_copies(conn, self._cfg.name, ack_key)
 
             yield pending_copies

@@ -65,6 +65,25 @@ def processing_key(source: str, consumer: str) -> str:
     return f"{source}:processing:{consumer}"
 
 
+def removed_marker(processing: str, inbox_id: int) -> str:
+    return f"{processing}:removed:{inbox_id}"
+
+
+# LREM is not idempotent: run twice (an acker that died between LREM and its
+# commit, then a retry) it would remove a later copy that is not stored yet.
+# So each intent's LREM runs once, guarded by a marker named after its inbox
+# row, and recovery ignores intents whose marker exists.
+GUARDED_LREM = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[3]) then
+  return redis.call('LREM', KEYS[1], ARGV[1], ARGV[2])
+end
+return -1
+"""
+# Long enough for any acker to commit or retry; markers are deleted after the
+# commit, so this only bounds what a crash leaves behind.
+REMOVED_MARKER_TTL_MS = 24 * 3600 * 1000
+
+
 class ListAdapter:
     """A :class:`ingest.adapter.PullAdapter` over one source list."""
 
@@ -109,9 +128,21 @@ class ListAdapter:
 
     async def _beat(self) -> None:
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(self._heartbeat_key(self._cfg.consumer), "alive", px=self._cfg.heartbeat_ttl_ms)
+        pipe.set(self._heartbeat_key(self._cfg.consumer), "alive", px=self._cfg.heartbeat_ttl_ms, xx=True)
         pipe.sadd(self._consumers_key, self._cfg.consumer)
-        await pipe.execute()
+        # Recovery locks we hold must outlive the stores they protect.
+        for lock in set().union(*self._batch_locks):
+            pipe.pexpire(lock, RECOVERY_LOCK_TTL_MS)
+        refreshed, *_ = await pipe.execute()
+        if not refreshed:
+            if self._started:
+                # Our heartbeat lapsed: we may have been taken for dead and our
+                # list reaped. Count it again before consuming more.
+                log.warning("heartbeat_lapsed", adapter=self.name, consumer=self._cfg.consumer)
+                self._own_recovery_due = True
+            await self._client.set(
+                self._heartbeat_key(self._cfg.consumer), "alive", px=self._cfg.heartbeat_ttl_ms
+            )
 
     async def run_background(self, stop: asyncio.Event) -> None:
         """The heartbeat, in its own task, so a slow commit or a long backoff in
@@ -125,6 +156,11 @@ class ListAdapter:
 
     async def read(self, max_count: int) -> list[Delivery]:
         cfg = self._cfg
+        if self._own_recovery_due:
+            # Nothing more goes onto our processing list until recovery has
+            # counted it, or the count would include copies being stored.
+            await asyncio.sleep(cfg.block_ms / 1000)
+            return []
         try:
             if not self._started:
                 await self.start()
@@ -176,16 +212,25 @@ class ListAdapter:
 
     async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
         try:
+            if not self._started:
+                await self.start()  # heartbeat first: a reaper must see us alive
             await self._release_locks()
             lists: list[tuple[str, str | None]] = []
-            if self._own_recovery_due:
+            # A count is only right while none of our own batches from that
+            # list is between read and commit: own recovery waits for an
+            # empty pipeline, and a list whose recovered batch is still in
+            # flight is not counted again.
+            if self._own_recovery_due and not self._batch_locks:
                 lists.append((self._processing, None))
             now = time.monotonic()
             if now >= self._next_reap_at:
                 self._next_reap_at = now + self._cfg.reap_interval_ms / 1000
                 lists += await self._dead_consumers()
+            in_flight = set().union(*self._batch_locks)
             for processing, dead_owner in lists:
                 lock = f"{self._cfg.source}:recovering:{processing}"
+                if lock in in_flight:
+                    continue
                 deliveries = await self._recover_list(open_ledger, processing, dead_owner, lock)
                 if processing == self._processing and deliveries is not None:
                     self._own_recovery_due = False
@@ -224,11 +269,22 @@ class ListAdapter:
             self._to_release.add(lock)
             return None  # it came back: a live consumer's list is never taken
         async with open_ledger() as pending_copies:
-            pending = await pending_copies(processing)
+            intents = await pending_copies(processing)
+            # An intent whose LREM already ran (its acker died before the
+            # commit) no longer has copies on the list: do not count it.
+            done = (
+                await self._client.mget([removed_marker(processing, i.inbox_id) for i in intents])
+                if intents
+                else []
+            )
+            pending: Counter[str] = Counter()
+            for intent, marker in zip(intents, done, strict=True):
+                if marker is None:
+                    pending[intent.idempotency_key] += intent.copies
             on_list = Counter(_bytes(b) for b in await self._client.lrange(processing, 0, -1))
         deliveries = []
         for body, copies in on_list.items():
-            unstored = copies - pending.get(body_key(self._cfg.key_prefix, self._cfg.source, body), 0)
+            unstored = copies - pending[body_key(self._cfg.key_prefix, self._cfg.source, body)]
             if unstored > 0:
                 deliveries.append(self._delivery(body, processing, unstored))
         if dead_owner is not None and not on_list:
@@ -278,11 +334,21 @@ class ListAcknowledger:
         for c in claims:
             if c.key is None or c.body is None:
                 raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete lrem intent")
-            pipe.lrem(c.key, c.copies, c.body)  # type: ignore[arg-type]  # bytes values are fine
+            marker = removed_marker(c.key, c.inbox_id)
+            pipe.eval(GUARDED_LREM, 2, c.key, marker, c.copies, c.body, REMOVED_MARKER_TTL_MS)
         try:
             await pipe.execute()
         except RedisError as exc:
             raise AckError(f"adapter {self._name}: LREM of {len(claims)} intents: {exc}") from exc
+
+    async def acked(self, claims: Sequence[AckClaim]) -> None:
+        """After the acker's commit: the markers have done their job."""
+        markers = [removed_marker(c.key, c.inbox_id) for c in claims if c.key is not None]
+        try:
+            if markers:
+                await self._client.delete(*markers)
+        except RedisError as exc:  # they expire on their own
+            log.warning("removed_markers_not_deleted", adapter=self._name, markers=len(markers), error=exc)
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -119,5 +119,8 @@ class NoAcknowledger:
     async def ack(self, claims: object) -> None:
         return None
 
+    async def acked(self, claims: object) -> None:
+        return None
+
     async def close(self) -> None:
         return None

@@ -264,5 +264,8 @@ class StreamAcknowledger:
                     f"adapter {self._name}: XACK {stream} {group} ({len(ids)} ids): {exc}"
                 ) from exc
 
+    async def acked(self, claims: Sequence[AckClaim]) -> None:
+        """Nothing to clean up: XACK is idempotent by itself."""
+
     async def close(self) -> None:
         await self._client.aclose()

@@ -1,0 +1,36 @@
+"""LREM runs once per intent: an acker that died between its LREM and its
+commit must not, on retry, remove a later copy that is not stored yet."""
+
+from __future__ import annotations
+
+import redis
+
+from backhalf.records import AckClaim
+from ingest.config import from_mapping
+from ingest.redis_list import ListAcknowledger, processing_key, removed_marker
+
+P = processing_key("jobs", "c1")
+
+
+async def test_a_retried_lrem_removes_nothing_more(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    body = b'{"job": 1}'
+    r.lpush(P, body)
+    cfg = from_mapping(
+        {"database": {"url": "postgresql://x@y/z"}, "redis": {"url": redis_url},
+         "adapters": [{"name": "jobs", "mode": "list", "source": "jobs"}]},
+        {},
+    ).adapters[0]  # fmt: skip
+    claim = AckClaim(7, "jobs", "lrem", P, None, None, 1, body)
+    acker = ListAcknowledger(cfg)
+    try:
+        await acker.ack([claim])  # removed; then the acker dies before its commit
+        assert r.llen(P) == 0
+        assert r.exists(removed_marker(P, 7))
+        r.lpush(P, body)  # the same body consumed again, not stored yet
+        await acker.ack([claim])  # the retry of the same intent
+        assert r.lrange(P, 0, -1) == [body]  # the new copy survives
+        await acker.acked([claim])  # after a commit, the marker is cleaned up
+        assert not r.exists(removed_marker(P, 7))
+    finally:
+        await acker.close()
