@@ -10,7 +10,7 @@ Key layout (the broker side of DESIGN.md section 6)::
 
 Reading order on each call: first this consumer's own PEL (``XREADGROUP ... 0``,
 walked with a cursor) after a start or a rewind, then every ``claim_interval_ms``
-an XAUTOCLAIM sweep of entries idle longer than ``claim_idle_ms`` (a dead
+a claim sweep (XPENDING, XRANGE, XCLAIM) of entries idle longer than ``claim_idle_ms`` (a dead
 consumer's, or our own stuck ones), then new entries (``>``, blocking up to
 ``block_ms``). Everything redelivered flows through the same idempotent store.
 
@@ -62,12 +62,12 @@ class StreamAdapter:
         self._identity = "redis acl: unknown"
         self._started = False
         self._history_cursor: str | None = "0"  # None: own PEL fully re-read
-        self._claim_cursor = "0-0"
+        self._claim_cursor = "-"
         self._next_claim_at = 0.0
         self._recreate_from_zero = False
-        # XAUTOCLAIM drops deleted entries from the PEL as it reports them, so
-        # the report exists only in memory until a store commits it: kept per
-        # unconfirmed batch, replayed on rewind.
+        # An entry deleted in the instant between XRANGE and XCLAIM leaves the
+        # PEL as XCLAIM drops it, so that report exists only in memory until a
+        # store commits it: kept per unconfirmed batch, replayed on rewind.
         self._reported_lost: list[Delivery] = []
         self._unconfirmed_lost: deque[list[Delivery]] = deque()
         self._lost_to_replay: list[Delivery] = []
@@ -160,28 +160,66 @@ class StreamAdapter:
         return [self._delivery(entry_id, fields) for entry_id, fields in entries]
 
     async def _claim(self, count: int) -> list[Delivery]:
+        """Sweep the group's PEL for entries idle past ``claim_idle_ms``.
+
+        XPENDING lists them, XRANGE tells which were deleted or trimmed, and
+        only the live ones are XCLAIMed. A deleted entry is delivered as lost
+        while it is still in the PEL, so the report survives any crash; the
+        XACK after its commit is what removes it. (XAUTOCLAIM would drop it
+        from the PEL at the moment it reports it, leaving the report only in
+        this process's memory.)
+        """
         cfg = self._cfg
-        resp: Any = await self._client.xautoclaim(
-            cfg.source, cfg.group, cfg.consumer, cfg.claim_idle_ms, self._claim_cursor, count=count
+        idle: list[Any] = await self._client.xpending_range(
+            cfg.source, cfg.group, min=self._claim_cursor, max="+", count=count, idle=cfg.claim_idle_ms
         )
-        cursor, entries = _text(resp[0]), list[Entry](resp[1])
-        deleted: Sequence[Any] = resp[2] if len(resp) > 2 else ()
-        self._claim_cursor = cursor
-        if cursor == "0-0":  # a full sweep is done; rest until the next interval
+        if len(idle) < count:  # a full sweep is done; rest until the next interval
+            self._claim_cursor = "-"
             self._next_claim_at = time.monotonic() + cfg.claim_interval_ms / 1000
-        deliveries = [self._delivery(entry_id, fields) for entry_id, fields in entries]
-        # Redis 7 drops deleted-but-pending entries from the PEL as it reports
-        # them: record each as lost (never a silent ack).
-        lost = [self._delivery(entry_id, None) for entry_id in deleted]
-        self._reported_lost = lost
-        deliveries += lost
+        else:
+            self._claim_cursor = "(" + _text(idle[-1]["message_id"])
+        if not idle:
+            return []
+        ids = [_text(p["message_id"]) for p in idle]
+        pipe = self._client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(cfg.source, entry_id, entry_id, count=1)
+        exists = [bool(found) for found in await pipe.execute()]
+        live = [i for i, present in zip(ids, exists, strict=True) if present]
+        claimed: list[Entry] = []
+        if live:
+            reply: Any = await self._client.xclaim(
+                cfg.source, cfg.group, cfg.consumer, cfg.claim_idle_ms, list(live)
+            )
+            claimed = list(reply)
+        got = {_text(entry_id) for entry_id, _ in claimed}
+        deliveries = [self._delivery(entry_id, fields) for entry_id, fields in claimed]
+        # Deleted before we looked: still in the PEL, reported here.
+        gone = [i for i, present in zip(ids, exists, strict=True) if not present]
+        deliveries += [self._delivery(entry_id, None) for entry_id in gone]
+        # Deleted between XRANGE and XCLAIM (which drops such entries from the
+        # PEL without a word) or claimed by another consumer meanwhile: only
+        # an entry still in the PEL without an owner change is really lost.
+        vanished = [i for i in live if i not in got]
+        if vanished:
+            pipe = self._client.pipeline(transaction=False)
+            for entry_id in vanished:
+                pipe.xrange(cfg.source, entry_id, entry_id, count=1)
+            still_there = [bool(found) for found in await pipe.execute()]
+            # Still in the stream: acked or claimed by another meanwhile. Gone:
+            # deleted in between, and XCLAIM dropped it from the PEL.
+            lost = [
+                self._delivery(i, None) for i, there in zip(vanished, still_there, strict=True) if not there
+            ]
+            self._reported_lost = lost
+            deliveries += lost
         if deliveries:
             log.info(
                 "entries_claimed",
                 adapter=self.name,
                 stream=cfg.source,
-                claimed=len(entries),
-                deleted=len(deleted),
+                claimed=len(claimed),
+                deleted=len(deliveries) - len(claimed),
             )
         return deliveries
 
@@ -209,14 +247,18 @@ class StreamAdapter:
 
     def rewind(self) -> None:
         self._history_cursor = "0"
+        # Sweep again at once: entries claimed or found deleted in an
+        # unstored batch are still in the PEL, under their old owner.
+        self._claim_cursor = "-"
+        self._next_claim_at = 0.0
         self._lost_to_replay = [d for batch in self._unconfirmed_lost for d in batch] + self._lost_to_replay
         self._unconfirmed_lost.clear()
 
     async def run_background(self, stop: asyncio.Event) -> None:
-        """Nothing: the PEL needs no heartbeat; XAUTOCLAIM judges idleness."""
+        """Nothing: the PEL needs no heartbeat; the claim sweep judges idleness."""
 
     async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
-        """Nothing: Redis redelivers from the PEL (history re-read, XAUTOCLAIM)."""
+        """Nothing: Redis redelivers from the PEL (history re-read, claim sweep)."""
         return []
 
     async def describe(self) -> Mapping[str, object]:
