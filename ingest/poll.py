@@ -208,7 +208,7 @@ class PollLoop:
         chunks: list[list[InboxRecord]] = [[]]
         size = 0
         for rec in records:
-            rec_size = len(rec.body) + 2 * len(rec.payload or "")  # body, plus event and todo payloads
+            rec_size = 3 * len(rec.body)  # the raw body, and its payload twice (event and todo)
             if chunks[-1] and size + rec_size > limit:
                 chunks.append([])
                 size = 0

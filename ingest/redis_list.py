@@ -317,8 +317,12 @@ class ListAdapter:
         return {"list_length": length, "consumers": consumers}
 
     async def close(self) -> None:
-        # Locks of a recovery whose store may not have committed are left to
-        # expire; there is no way to know here.
+        # Locks of confirmed batches go; locks of a recovery whose store may
+        # not have committed are left to expire: there is no way to know here.
+        try:
+            await self._release_locks()
+        except RedisError as exc:
+            log.warning("recovery_locks_not_released", adapter=self.name, error=exc)
         await self._client.aclose()
 
 
