@@ -6,9 +6,12 @@ from __future__ import annotations
 from enum import Enum
 
 import redis.asyncio as aioredis
+import structlog
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
+
+log = structlog.get_logger(__name__)
 
 SOCKET_CONNECT_TIMEOUT_S = 5.0
 # Headroom above a blocking command's own timeout before the socket gives up.
@@ -54,3 +57,37 @@ def broker_label(client: aioredis.Redis) -> str:
     """host:port/db of a client, for log fields: never the credentials."""
     kw = client.connection_pool.connection_kwargs
     return f"{kw.get('host', kw.get('path', '?'))}:{kw.get('port', '')}/{kw.get('db', 0)}"
+
+
+def as_text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+class RedisEndpoint:
+    """What every Redis adapter shares: its bounded client and who it is to
+    the broker (the events' ``verify_detail``)."""
+
+    def __init__(self, name: str, url: str, *, block_ms: int) -> None:
+        self.name = name
+        self._client = connect(url, block_ms=block_ms)
+        self._identity = "redis acl: unknown"
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    @property
+    def broker(self) -> str:
+        return broker_label(self._client)
+
+    async def _learn_identity(self) -> None:
+        """ACL WHOAMI; an ACL that forbids it still lets us consume, and the
+        events say the identity is unknown. Other errors propagate."""
+        try:
+            self._identity = f"redis acl: {as_text(await self._client.acl_whoami())}"
+        except ResponseError as exc:
+            log.warning("acl_whoami_failed", adapter=self.name, error_kind=classify(exc).value)

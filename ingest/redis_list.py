@@ -39,7 +39,7 @@ from ingest.adapter import Delivery, OpenLedger
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError
 from ingest.lifecycle import wait_stop
-from ingest.redis_common import broker_label, connect
+from ingest.redis_common import RedisEndpoint, as_bytes, as_text, connect
 
 log = structlog.get_logger(__name__)
 
@@ -51,14 +51,6 @@ log = structlog.get_logger(__name__)
 # others; it must exceed a store's duration (a few statements under
 # statement_timeout).
 RECOVERY_LOCK_TTL_MS = 30_000
-
-
-def _bytes(value: bytes | str) -> bytes:
-    return value if isinstance(value, bytes) else value.encode()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def processing_key(source: str, consumer: str) -> str:
@@ -84,16 +76,14 @@ return -1
 REMOVED_MARKER_TTL_MS = 24 * 3600 * 1000
 
 
-class ListAdapter:
+class ListAdapter(RedisEndpoint):
     """A :class:`ingest.adapter.PullAdapter` over one source list."""
 
     def __init__(self, config: AdapterConfig) -> None:
-        self.name = config.name
+        super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
         self._cfg = config
-        self._client = connect(config.redis_url, block_ms=config.block_ms)
         self._processing = processing_key(config.source, config.consumer)
         self._consumers_key = f"{config.source}:consumers"
-        self._identity = "redis acl: unknown"
         self._started = False
         self._own_recovery_due = True
         self._next_reap_at = 0.0
@@ -109,21 +99,12 @@ class ListAdapter:
     def ack_target(self) -> AckTarget:
         return AckTarget("lrem", self._processing)
 
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def broker(self) -> str:
-        return broker_label(self._client)
-
     async def start(self) -> None:
         try:
             await self._beat()
-            user = await self._client.acl_whoami()
+            await self._learn_identity()
         except RedisError as exc:
             raise BrokerError(f"adapter {self.name}: start-up on {self._cfg.source}: {exc}") from exc
-        self._identity = f"redis acl: {_text(user)}"
         self._started = True
 
     async def _beat(self) -> None:
@@ -173,13 +154,13 @@ class ListAdapter:
             )
             if first is None:
                 return []
-            bodies: list[bytes] = [_bytes(first)]
+            bodies: list[bytes] = [as_bytes(first)]
             if max_count > 1:
                 # BLMOVE takes one item; the rest of the batch in one round trip.
                 pipe = self._client.pipeline(transaction=False)
                 for _ in range(max_count - 1):
                     pipe.lmove(cfg.source, self._processing, src="RIGHT", dest="LEFT")
-                bodies += [_bytes(b) for b in await pipe.execute() if b is not None]
+                bodies += [as_bytes(b) for b in await pipe.execute() if b is not None]
         except RedisError as exc:
             raise BrokerError(f"adapter {self.name}: moving from {cfg.source}: {exc}") from exc
         self._batch_locks.append(set())
@@ -206,7 +187,7 @@ class ListAdapter:
         still_protecting = set().union(*self._batch_locks)
         for lock in sorted(self._to_release - still_protecting):
             holder = await self._client.get(lock)
-            if holder is not None and _text(holder) == self._cfg.consumer:
+            if holder is not None and as_text(holder) == self._cfg.consumer:
                 await self._client.delete(lock)
         self._to_release.clear()
 
@@ -247,7 +228,7 @@ class ListAdapter:
         members = await self._client.smembers(self._consumers_key)
         dead: list[tuple[str, str | None]] = []
         for raw in sorted(members):
-            consumer = _text(raw)
+            consumer = as_text(raw)
             if consumer != self._cfg.consumer and not await self._client.exists(
                 self._heartbeat_key(consumer)
             ):
@@ -262,7 +243,7 @@ class ListAdapter:
         me = self._cfg.consumer
         if not await self._client.set(lock, me, nx=True, px=RECOVERY_LOCK_TTL_MS):
             holder = await self._client.get(lock)
-            if holder is None or _text(holder) != me:
+            if holder is None or as_text(holder) != me:
                 return None
             await self._client.pexpire(lock, RECOVERY_LOCK_TTL_MS)
         if dead_owner is not None and await self._client.exists(self._heartbeat_key(dead_owner)):
@@ -281,7 +262,7 @@ class ListAdapter:
             for intent, marker in zip(intents, done, strict=True):
                 if marker is None:
                     pending[intent.idempotency_key] += intent.copies
-            on_list = Counter(_bytes(b) for b in await self._client.lrange(processing, 0, -1))
+            on_list = Counter(as_bytes(b) for b in await self._client.lrange(processing, 0, -1))
         deliveries = []
         for body, copies in on_list.items():
             unstored = copies - pending[body_key(self._cfg.key_prefix, self._cfg.source, body)]
@@ -303,7 +284,7 @@ class ListAdapter:
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg
         try:
-            members = sorted(_text(m) for m in await self._client.smembers(self._consumers_key))
+            members = sorted(as_text(m) for m in await self._client.smembers(self._consumers_key))
             consumers: dict[str, Any] = {}
             for name in members:
                 ttl_ms = await self._client.pttl(self._heartbeat_key(name))

@@ -23,18 +23,16 @@ from backhalf.records import AckTarget
 from ingest.adapter import Delivery, OpenLedger
 from ingest.config import AdapterConfig
 from ingest.errors import BrokerError
-from ingest.redis_common import broker_label, connect
+from ingest.redis_common import RedisEndpoint
 
 
-class PubSubAdapter:
+class PubSubAdapter(RedisEndpoint):
     """A :class:`ingest.adapter.PullAdapter` over one channel."""
 
     def __init__(self, config: AdapterConfig) -> None:
-        self.name = config.name
+        super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
         self._cfg = config
-        self._client = connect(config.redis_url, block_ms=config.block_ms)
         self._pubsub: Any = None
-        self._identity = "redis acl: unknown"
         self._unconfirmed: deque[list[Delivery]] = deque()
         self._replay: list[Delivery] = []
 
@@ -42,22 +40,13 @@ class PubSubAdapter:
     def ack_target(self) -> AckTarget:
         return AckTarget("none")
 
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def broker(self) -> str:
-        return broker_label(self._client)
-
     async def start(self) -> None:
         try:
-            user = await self._client.acl_whoami()
+            await self._learn_identity()
             self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             await self._pubsub.subscribe(self._cfg.source)
         except RedisError as exc:
             raise BrokerError(f"adapter {self.name}: SUBSCRIBE {self._cfg.source}: {exc}") from exc
-        self._identity = f"redis acl: {user.decode() if isinstance(user, bytes) else user}"
 
     async def run_background(self, stop: asyncio.Event) -> None:
         """Nothing runs in the background for pub/sub."""

@@ -34,13 +34,9 @@ from backhalf.records import AckClaim, AckTarget
 from ingest.adapter import Delivery, OpenLedger
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError, GroupMissing
-from ingest.redis_common import RedisErrorKind, broker_label, classify, connect
+from ingest.redis_common import RedisEndpoint, RedisErrorKind, as_text, classify, connect
 
 log = structlog.get_logger(__name__)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 Entry = tuple[bytes, Mapping[bytes, bytes] | None]
@@ -51,15 +47,13 @@ def _entries(resp: Any) -> list[Entry]:
     return list(resp[0][1]) if resp else []
 
 
-class StreamAdapter:
+class StreamAdapter(RedisEndpoint):
     """A :class:`ingest.adapter.PullAdapter` over one stream and consumer group."""
 
     def __init__(self, config: AdapterConfig) -> None:
-        self.name = config.name
+        super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
         self._cfg = config
-        self._client = connect(config.redis_url, block_ms=config.block_ms)
         self._body_field = config.body_field.encode()
-        self._identity = "redis acl: unknown"
         self._started = False
         self._history_cursor: str | None = "0"  # None: own PEL fully re-read
         self._claim_cursor = "-"
@@ -76,22 +70,10 @@ class StreamAdapter:
     def ack_target(self) -> AckTarget:
         return AckTarget("xack", self._cfg.source, self._cfg.group)
 
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def broker(self) -> str:
-        return broker_label(self._client)
-
     async def start(self) -> None:
         await self._ensure_group()
         try:
-            user = await self._client.acl_whoami()
-            self._identity = f"redis acl: {_text(user)}"
-        except ResponseError as exc:
-            # An ACL that forbids WHOAMI still lets us consume; say so in the event.
-            log.warning("acl_whoami_failed", adapter=self.name, error_kind=classify(exc).value)
+            await self._learn_identity()
         except RedisError as exc:
             raise BrokerError(f"adapter {self.name}: ACL WHOAMI failed: {exc}") from exc
         self._started = True
@@ -156,7 +138,7 @@ class StreamAdapter:
         if not entries:
             self._history_cursor = None
             return []
-        self._history_cursor = _text(entries[-1][0])
+        self._history_cursor = as_text(entries[-1][0])
         return [self._delivery(entry_id, fields) for entry_id, fields in entries]
 
     async def _claim(self, count: int) -> list[Delivery]:
@@ -177,10 +159,10 @@ class StreamAdapter:
             self._claim_cursor = "-"
             self._next_claim_at = time.monotonic() + cfg.claim_interval_ms / 1000
         else:
-            self._claim_cursor = "(" + _text(idle[-1]["message_id"])
+            self._claim_cursor = "(" + as_text(idle[-1]["message_id"])
         if not idle:
             return []
-        ids = [_text(p["message_id"]) for p in idle]
+        ids = [as_text(p["message_id"]) for p in idle]
         pipe = self._client.pipeline(transaction=False)
         for entry_id in ids:
             pipe.xrange(cfg.source, entry_id, entry_id, count=1)
@@ -192,7 +174,7 @@ class StreamAdapter:
                 cfg.source, cfg.group, cfg.consumer, cfg.claim_idle_ms, list(live)
             )
             claimed = list(reply)
-        got = {_text(entry_id) for entry_id, _ in claimed}
+        got = {as_text(entry_id) for entry_id, _ in claimed}
         deliveries = [self._delivery(entry_id, fields) for entry_id, fields in claimed]
         # Deleted before we looked: still in the PEL, reported here.
         gone = [i for i, present in zip(ids, exists, strict=True) if not present]
@@ -232,7 +214,7 @@ class StreamAdapter:
         return [self._delivery(entry_id, fields) for entry_id, fields in entries]
 
     def _delivery(self, raw_id: bytes | str, fields: Mapping[bytes, bytes] | None) -> Delivery:
-        entry_id = _text(raw_id)
+        entry_id = as_text(raw_id)
         key = native_key(self._cfg.key_prefix, self._cfg.source, entry_id)
         if not fields:  # XADD needs a field, so an empty entry was deleted or trimmed
             return Delivery(key, entry_id, ack_entry_id=entry_id, lost=True)
@@ -269,7 +251,7 @@ class StreamAdapter:
         except RedisError as exc:
             raise BrokerError(f"adapter {self.name}: XINFO GROUPS {cfg.source}: {exc}") from exc
         for g in groups:
-            if _text(g["name"]) == cfg.group:
+            if as_text(g["name"]) == cfg.group:
                 return {"stream_length": length, "lag": g.get("lag"), "broker_pending": g.get("pending")}
         return {"stream_length": length, "lag": None, "broker_pending": None}
 
