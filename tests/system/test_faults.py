@@ -9,11 +9,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from ingest.servers import RedisServer
 from tests.support.config import stream_adapter
-from tests.support.db import query, scalar
+from tests.support.db import libpq, query, scalar
 from tests.support.oracle import assert_exactly_once
 from tests.support.procs import wait_for
 from tests.system.conftest import Processes, assert_clean_exit, produce, xpending
@@ -168,5 +169,47 @@ def test_disabled_adapter_does_not_consume_until_enabled(
     )
     assert ingester.events("adapter_enabled")
     assert_clean_exit(ingester, ingester.terminate())
+    assert_clean_exit(acker, acker.terminate())
+    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+
+
+def test_sigterm_while_a_store_transaction_is_open_exits_0_with_nothing_half_done(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
+) -> None:
+    config = make_config(stream_adapter(STREAM, batch_size=20), ingest={"shutdown_timeout_s": 2})
+    ids = produce(redis_url, STREAM, 100)
+    with psycopg.connect(libpq(db_url)) as blocker:
+        # Another session holds the todos table: the ingester's store starts,
+        # writes what it can, and waits inside its open transaction.
+        blocker.execute("LOCK TABLE todos IN ACCESS EXCLUSIVE MODE")
+        ingester = procs.start("ingest", config, name="ingester-1")
+        wait_for(
+            lambda: scalar(
+                db_url,
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'switchboard'"
+                " AND wait_event_type = 'Lock'",
+            ),
+            timeout_s=30,
+            what="the store to block inside its transaction",
+        )
+        ingester.signal(signal.SIGTERM)
+        code = ingester.wait(timeout_s=15)  # the shutdown deadline cancels the blocked store
+        blocker.rollback()
+    assert_clean_exit(ingester, code)
+    assert ingester.events("shutdown_deadline_exceeded")
+    for table in ("inbox", "events", "todos"):
+        assert scalar(db_url, f"SELECT count(*) FROM {table}") == 0
+    assert xpending(redis_url, STREAM) > 0  # read, not stored, not acked: pending for redelivery
+    acker = procs.start("ack", config, name="acker-1")
+    restarted = procs.start("ingest", config, name="ingester-1")
+    wait_for(
+        lambda: (
+            scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 100
+            and xpending(redis_url, STREAM) == 0
+        ),
+        timeout_s=60,
+        what="redelivery after the restart",
+    )
+    assert_clean_exit(restarted, restarted.terminate())
     assert_clean_exit(acker, acker.terminate())
     assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
