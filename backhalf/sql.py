@@ -96,7 +96,7 @@ FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(ack_keys)b
 INSERT_INBOX_NATIVE: LiteralString = (
     _INSERT_INBOX
     + """ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
-DO UPDATE SET deliveries = inbox.deliveries + excluded.deliveries,
+DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
               consumer = excluded.consumer,
               ack_key = excluded.ack_key,
               ack_group = excluded.ack_group,
@@ -120,6 +120,24 @@ DO UPDATE SET ack_copies = inbox.ack_copies + excluded.ack_copies,
 RETURNING idempotency_key, (xmax = 0) AS inserted
 """
 )
+
+# Attempts at messages not stored yet, each committed before the attempt.
+RECORD_ATTEMPTS: LiteralString = """
+INSERT INTO delivery_attempts (adapter, idempotency_key, attempts)
+SELECT %(adapter)s, u.k, 1 FROM unnest(%(keys)b::text[]) AS u(k)
+ON CONFLICT (adapter, idempotency_key)
+DO UPDATE SET attempts = delivery_attempts.attempts + 1, last_attempt_at = now()
+RETURNING idempotency_key, attempts
+"""
+
+KNOWN_ATTEMPTS: LiteralString = """
+SELECT idempotency_key FROM delivery_attempts
+WHERE adapter = %(adapter)s AND idempotency_key = ANY(%(keys)b::text[])
+"""
+
+CLEAR_ATTEMPTS: LiteralString = """
+DELETE FROM delivery_attempts WHERE adapter = %(adapter)s AND idempotency_key = ANY(%(keys)b::text[])
+"""
 
 NOTIFY_ACKER: LiteralString = "SELECT pg_notify(%(channel)s, %(adapter)s)"
 

@@ -44,6 +44,7 @@ class AdapterConfig:
     format: BodyFormat = BodyFormat.JSON
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     delivery: str | None = None
+    max_deliveries: int = 10  # delivered this often and never stored: rejected as poison
     heartbeat_ttl_ms: int = 30_000  # list mode: a consumer silent this long is dead
     reap_interval_ms: int = 5_000  # list mode: how often dead consumers' lists are checked
 
@@ -63,6 +64,7 @@ class AdapterConfig:
             "body_field": self.body_field,
             "format": str(self.format),
             "max_message_bytes": self.max_message_bytes,
+            "max_deliveries": self.max_deliveries,
             **({"heartbeat_ttl_ms": self.heartbeat_ttl_ms} if self.mode == "list" else {}),
             **({"delivery": self.delivery} if self.mode == "pubsub" else {}),
         }
@@ -109,7 +111,7 @@ _ADAPTER_KEYS = {
     "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after",
     "batch_size", "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id",
     "key_prefix", "body_field", "format", "max_message_bytes", "url", "delivery",
-    "heartbeat_ttl_ms", "reap_interval_ms",
+    "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
 }  # fmt: skip
 _START_ID = re.compile(r"\$|\d+(-\d+)?")
 _TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics"}
@@ -188,6 +190,7 @@ def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
         ("claim_interval_ms", 1),
         ("max_message_bytes", 1),
         ("heartbeat_ttl_ms", 1000),
+        ("max_deliveries", 3),
         ("reap_interval_ms", 1),
     ):
         if key in raw:

@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks, failpoints, registry
+from backhalf import attempts as delivery_attempts
 from backhalf.errors import BackhalfError, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
@@ -32,6 +33,12 @@ from ingest.lifecycle import Backoff, cancel_and_wait, wait_stop
 log = structlog.get_logger(__name__)
 
 READ_CANCEL_TIMEOUT_S = 5.0
+REDELIVERY = 2  # a delivery count from which a message is a redelivery
+# The first redelivery is usually an ordinary crash or restart: batched as
+# usual. From the second on, the message is a suspect and is stored alone.
+# (The broker's count alone cannot name the culprit: a re-read batch raises
+# the count of every message in it. Lone attempts, counted in PostgreSQL, can.)
+ISOLATE_AFTER = 3
 NORMALIZE_SLICE = 100
 LOST_BEFORE_INGEST = "lost_before_ingest: the entry was deleted or trimmed while still pending"
 
@@ -182,7 +189,12 @@ class PollLoop:
     async def _commit(self, fetched: Fetched) -> None:
         deliveries = fetched.deliveries
         started = time.perf_counter()
-        results = [await self._store(chunk) for chunk in self._chunks(fetched.records)]
+        batched, suspects = await self._split_suspects(fetched.records)
+        results = [await self._store(chunk) for chunk in (self._chunks(batched) if batched else [])]
+        # Suspects go one by one, each lone attempt counted and committed first:
+        # if one of them crashes us every time, it alone is counted and, past
+        # max_deliveries, rejected; the messages around it are stored.
+        results += [await self._store([await self._count_lone_attempt(rec)]) for rec in suspects]
         # Confirmed only once every chunk committed; a failure in between
         # redelivers the whole batch and the committed chunks dedup.
         self._adapter.stored()
@@ -202,6 +214,46 @@ class PollLoop:
         for d in deliveries:
             if d.lost:
                 self._log.error("lost_before_ingest", message_id=d.message_id, key=d.idempotency_key)
+
+    async def _split_suspects(
+        self, records: list[InboxRecord]
+    ) -> tuple[list[InboxRecord], list[InboxRecord]]:
+        """Messages redelivered more than once (by the broker's count, or with
+        lone attempts on record in PostgreSQL, whose count does not roll back)
+        are suspects; the rest is stored in batches as usual."""
+        again = [r.idempotency_key for r in records if r.deliveries >= REDELIVERY]
+        if not again:
+            return records, []
+        async with self._engine.connect() as conn:
+            on_record = await delivery_attempts.known(conn, self._cfg.name, again)
+        batched: list[InboxRecord] = []
+        suspects: list[InboxRecord] = []
+        for rec in records:
+            suspect = rec.error is None and (
+                rec.deliveries >= ISOLATE_AFTER or rec.idempotency_key in on_record
+            )
+            (suspects if suspect else batched).append(rec)
+        return batched, suspects
+
+    async def _count_lone_attempt(self, rec: InboxRecord) -> InboxRecord:
+        async with self._engine.begin() as conn:
+            attempts = (await delivery_attempts.record(conn, self._cfg.name, [rec.idempotency_key]))[
+                rec.idempotency_key
+            ]
+        # Two batched deliveries came before the lone attempts began.
+        delivered = ISOLATE_AFTER - 1 + attempts
+        if delivered <= self._cfg.max_deliveries:
+            return rec
+        self._log.warning(
+            "message_rejected_after_max_deliveries", key=rec.idempotency_key, deliveries=delivered
+        )
+        return replace(
+            rec,
+            payload=None,
+            error=f"max_deliveries_exceeded: delivered {delivered} times, never stored "
+            f"(limit {self._cfg.max_deliveries})",
+            deliveries=max(rec.deliveries, delivered),
+        )
 
     def _chunks(self, records: list[InboxRecord]) -> list[list[InboxRecord]]:
         limit = self._settings.max_batch_bytes
@@ -271,8 +323,12 @@ class PollLoop:
         try:
             # The transaction boundary: inbox, events, todos and the NOTIFY
             # commit together or not at all.
+            # Test hook: a crash while processing these (rejected ones are not processed).
+            failpoints.hit("before_store", (r.body for r in records if r.error is None))
             async with self._engine.begin() as conn:
                 result = await store(conn, batch)
+                redelivered = [r.idempotency_key for r in records if r.deliveries >= REDELIVERY]
+                await delivery_attempts.clear(conn, self._cfg.name, redelivered)
                 failpoints.hit("before_commit")
         except SQLAlchemyError as exc:  # connect, checkout or COMMIT itself
             raise StoreError(

@@ -166,9 +166,13 @@ class ListAdapter(RedisEndpoint):
         self._batch_locks.append(set())
         return [self._delivery(body, self._processing, 1) for body in bodies]
 
-    def _delivery(self, body: bytes, processing: str, copies: int) -> Delivery:
+    def _delivery(self, body: bytes, processing: str, copies: int, *, redelivered: bool = False) -> Delivery:
         key = body_key(self._cfg.key_prefix, self._cfg.source, body)
-        return Delivery(key, None, body=body, ack_key=processing, ack_copies=copies)
+        # Redis keeps no delivery count for list items: a recovered copy is
+        # counted as a redelivery and PostgreSQL's attempts tell the rest.
+        return Delivery(
+            key, None, body=body, ack_key=processing, ack_copies=copies, deliveries=2 if redelivered else 1
+        )
 
     def stored(self) -> None:
         if self._batch_locks:
@@ -267,7 +271,7 @@ class ListAdapter(RedisEndpoint):
         for body, copies in on_list.items():
             unstored = copies - pending[body_key(self._cfg.key_prefix, self._cfg.source, body)]
             if unstored > 0:
-                deliveries.append(self._delivery(body, processing, unstored))
+                deliveries.append(self._delivery(body, processing, unstored, redelivered=True))
         if dead_owner is not None and not on_list:
             await self._client.srem(self._consumers_key, dead_owner)  # nothing left to reap
         if deliveries or on_list:

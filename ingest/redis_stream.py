@@ -139,7 +139,20 @@ class StreamAdapter(RedisEndpoint):
             self._history_cursor = None
             return []
         self._history_cursor = as_text(entries[-1][0])
-        return [self._delivery(entry_id, fields) for entry_id, fields in entries]
+        # Re-reading history counts as a delivery in Redis: ask how many so far.
+        counts: list[Any] = await self._client.xpending_range(
+            cfg.source,
+            cfg.group,
+            min=as_text(entries[0][0]),
+            max=as_text(entries[-1][0]),
+            count=len(entries),
+            consumername=cfg.consumer,
+        )
+        delivered = {as_text(p["message_id"]): int(p["times_delivered"]) for p in counts}
+        return [
+            self._delivery(entry_id, fields, delivered.get(as_text(entry_id), 1))
+            for entry_id, fields in entries
+        ]
 
     async def _claim(self, count: int) -> list[Delivery]:
         """Sweep the group's PEL for entries idle past ``claim_idle_ms``.
@@ -163,6 +176,7 @@ class StreamAdapter(RedisEndpoint):
         if not idle:
             return []
         ids = [as_text(p["message_id"]) for p in idle]
+        delivered = {as_text(p["message_id"]): int(p["times_delivered"]) + 1 for p in idle}  # XCLAIM adds one
         pipe = self._client.pipeline(transaction=False)
         for entry_id in ids:
             pipe.xrange(cfg.source, entry_id, entry_id, count=1)
@@ -175,7 +189,10 @@ class StreamAdapter(RedisEndpoint):
             )
             claimed = list(reply)
         got = {as_text(entry_id) for entry_id, _ in claimed}
-        deliveries = [self._delivery(entry_id, fields) for entry_id, fields in claimed]
+        deliveries = [
+            self._delivery(entry_id, fields, delivered.get(as_text(entry_id), 2))
+            for entry_id, fields in claimed
+        ]
         # Deleted before we looked: still in the PEL, reported here.
         gone = [i for i, present in zip(ids, exists, strict=True) if not present]
         deliveries += [self._delivery(entry_id, None) for entry_id in gone]
@@ -213,15 +230,17 @@ class StreamAdapter(RedisEndpoint):
         entries = _entries(resp)
         return [self._delivery(entry_id, fields) for entry_id, fields in entries]
 
-    def _delivery(self, raw_id: bytes | str, fields: Mapping[bytes, bytes] | None) -> Delivery:
+    def _delivery(
+        self, raw_id: bytes | str, fields: Mapping[bytes, bytes] | None, deliveries: int = 1
+    ) -> Delivery:
         entry_id = as_text(raw_id)
         key = native_key(self._cfg.key_prefix, self._cfg.source, entry_id)
         if not fields:  # XADD needs a field, so an empty entry was deleted or trimmed
             return Delivery(key, entry_id, ack_entry_id=entry_id, lost=True)
         body = fields.get(self._body_field)
         if body is not None:
-            return Delivery(key, entry_id, body=body, ack_entry_id=entry_id)
-        return Delivery(key, entry_id, fields=fields, ack_entry_id=entry_id)
+            return Delivery(key, entry_id, body=body, ack_entry_id=entry_id, deliveries=deliveries)
+        return Delivery(key, entry_id, fields=fields, ack_entry_id=entry_id, deliveries=deliveries)
 
     def stored(self) -> None:
         if self._unconfirmed_lost:

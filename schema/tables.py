@@ -125,6 +125,19 @@ events = sa.Table(
 sa.Index("ix_events_adapter_idempotency_key", events.c.adapter, events.c.idempotency_key)
 sa.Index("ix_events_todo_id", events.c.todo_id)
 
+# Deliveries of messages that have not been stored yet, counted in their own
+# committed transactions before each attempt: a message that crashes the
+# ingester every time is rejected after ``max_deliveries`` even if the
+# broker's own counter was reset (DESIGN.md section 8).
+delivery_attempts = sa.Table(
+    "delivery_attempts",
+    metadata,
+    sa.Column("adapter", sa.Text, primary_key=True),
+    sa.Column("idempotency_key", sa.Text, primary_key=True),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("last_attempt_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+)
+
 inbox = sa.Table(
     "inbox",
     metadata,

@@ -81,6 +81,13 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id', name=op.f('pk_todo_events'))
     )
     op.create_index('ix_todo_events_todo_id', 'todo_events', ['todo_id'], unique=False)
+    op.create_table('delivery_attempts',
+    sa.Column('adapter', sa.Text(), nullable=False),
+    sa.Column('idempotency_key', sa.Text(), nullable=False),
+    sa.Column('attempts', sa.Integer(), nullable=False),
+    sa.Column('last_attempt_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.PrimaryKeyConstraint('adapter', 'idempotency_key', name=op.f('pk_delivery_attempts'))
+    )
     op.create_table('inbox',
     sa.Column('id', sa.BigInteger(), sa.Identity(always=False), nullable=False),
     sa.Column('adapter', sa.Text(), nullable=False),
@@ -132,6 +139,7 @@ def downgrade() -> None:
     op.drop_index('ix_inbox_rejected', table_name='inbox', postgresql_where=sa.text("status = 'rejected'"))
     op.drop_index('ix_inbox_ack_pending', table_name='inbox', postgresql_where=sa.text("ack_state = 'pending'"))
     op.drop_table('inbox')
+    op.drop_table('delivery_attempts')
     op.drop_index('ix_todo_events_todo_id', table_name='todo_events')
     op.drop_table('todo_events')
     op.drop_index('ix_events_todo_id', table_name='events')

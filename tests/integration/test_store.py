@@ -84,8 +84,9 @@ async def test_redelivery_returns_the_existing_todo_and_counts_the_delivery(
     assert (result.new, result.redelivered, result.todos_created) == (0, 1, 0)
     assert query(db_url, "SELECT count(*) FROM todos") == [(1,)]
     assert query(db_url, "SELECT count(*) FROM events") == [(1,)]
-    # deliveries: 1 + 2; the ack is requested again (the entry is pending again).
-    assert query(db_url, "SELECT deliveries, ack_state, acked_at FROM inbox") == [(3, "pending", None)]
+    # deliveries: one more, or the broker's count if that is larger (here the
+    # merged batch says 2); the ack is requested again (the entry is pending again).
+    assert query(db_url, "SELECT deliveries, ack_state, acked_at FROM inbox") == [(2, "pending", None)]
 
 
 async def test_same_key_on_another_adapter_dedups_to_the_active_todo(
@@ -156,4 +157,4 @@ async def test_concurrent_stores_of_one_entry_make_one_todo(engine: AsyncEngine,
 
     await asyncio.gather(*(one() for _ in range(4)))
     assert query(db_url, "SELECT count(*) FROM todos") == [(1,)]
-    assert query(db_url, "SELECT deliveries FROM inbox") == [(4,)]
+    assert query(db_url, "SELECT deliveries FROM inbox") == [(4,)]  # one, then three more

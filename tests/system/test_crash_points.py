@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.config import stream_adapter
-from tests.support.db import scalar
+from tests.support.db import query, scalar
 from tests.support.oracle import assert_exactly_once
 from tests.support.procs import SwitchboardProcess, wait_for
 from tests.system.conftest import Processes, assert_clean_exit, entries_read, produce, xpending
@@ -83,9 +83,17 @@ def test_ingester_killed_after_commit_before_ack(
     assert xpending(redis_url, STREAM) == entries_read(redis_url, STREAM) >= 3 * BATCH
     # The restart (no acker yet) re-reads its PEL first: the stored ones are
     # redelivered and deduped.
+    stored_before = [i for (i,) in query(db_url, "SELECT id FROM inbox")]
     restarted = procs.start("ingest", config, name="ingester-1")
     wait_for(
-        lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE deliveries = 2") == 3 * BATCH,
+        lambda: (
+            scalar(
+                db_url,
+                "SELECT count(*) FROM inbox WHERE id = ANY(%(ids)s) AND deliveries = 2",
+                {"ids": stored_before},
+            )
+            == 3 * BATCH
+        ),
         timeout_s=30,
         what="the PEL re-read",
     )

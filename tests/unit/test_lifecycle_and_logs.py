@@ -29,9 +29,10 @@ def test_backoff_is_exponential_jittered_and_capped() -> None:
 
 
 def test_failpoint_spec_parsing_and_firing() -> None:
-    assert failpoints.parse("after_read=kill@3, before_commit=raise") == {
-        "after_read": ("kill", 3),
-        "before_commit": ("raise", None),
+    assert failpoints.parse("after_read=kill@3, before_commit=raise, before_store=stop~CRASH") == {
+        "after_read": ("kill", 3, None),
+        "before_commit": ("raise", None, None),
+        "before_store": ("stop", None, b"CRASH"),
     }
     for bad in ("nowhere=kill", "after_read=explode", "after_read=raise@x", "after_read"):
         with pytest.raises(ValueError, match="failpoint"):

@@ -1,0 +1,56 @@
+"""Delivery attempts counted in PostgreSQL, for ``max_deliveries``.
+
+A message that crashes the ingester each time it is processed never commits,
+so nothing in the store's transaction can count it. A suspect (redelivered
+more than once) is processed alone, and before each lone attempt the attempt
+is recorded and committed on its own. This count, unlike the broker's, names
+the culprit (a re-read batch raises the broker's count of every message in
+it) and does not roll back with a Redis restore or failover; a row on record
+also keeps a message a suspect when the broker's counter was reset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import psycopg
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from backhalf import sql
+from backhalf.db import driver_connection
+from backhalf.errors import StoreError
+
+
+async def record(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> dict[str, int]:
+    """Count one more attempt for each key; return the counts. Commit before the attempt."""
+    try:
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(sql.RECORD_ATTEMPTS, {"adapter": adapter, "keys": sorted(set(keys))})
+            return {str(key): int(n) for key, n in await cur.fetchall()}
+    except (psycopg.Error, SQLAlchemyError) as exc:
+        raise StoreError(f"adapter {adapter}: recording delivery attempts: {exc}") from exc
+
+
+async def known(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> set[str]:
+    """Which of these keys have attempts on record."""
+    try:
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(sql.KNOWN_ATTEMPTS, {"adapter": adapter, "keys": sorted(set(keys))})
+            return {str(key) for (key,) in await cur.fetchall()}
+    except (psycopg.Error, SQLAlchemyError) as exc:
+        raise StoreError(f"adapter {adapter}: reading delivery attempts: {exc}") from exc
+
+
+async def clear(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> None:
+    """Forget the attempts of stored messages, in the store's transaction."""
+    if not keys:
+        return
+    try:
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(sql.CLEAR_ATTEMPTS, {"adapter": adapter, "keys": list(keys)})
+    except (psycopg.Error, SQLAlchemyError) as exc:
+        raise StoreError(f"adapter {adapter}: clearing delivery attempts: {exc}") from exc
