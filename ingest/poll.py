@@ -159,7 +159,8 @@ class PollLoop:
 
     async def _after_failure(self, exc: Exception, backoff: Backoff) -> None:
         # Whatever was read and not stored is redelivered from the broker's
-        # record of un-acked messages, never from memory.
+        # record of un-acked messages (from memory only for pub/sub, which
+        # keeps none).
         self._adapter.rewind()
         delay_s = backoff.next_delay_s()
         event = "broker_error" if isinstance(exc, BrokerError) else "store_failed"
