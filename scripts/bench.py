@@ -188,6 +188,12 @@ class Proc:
     def ready(self, event: str) -> bool:
         return event in self.log.read_text()
 
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
     def peak_rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -280,6 +286,32 @@ def bench_switchboard(
     return n / elapsed, rss, cpu_us
 
 
+def bench_backlog(
+    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, batch_size: int
+) -> tuple[float, list[tuple[int, float, float, float]]]:
+    """Drain a backlog of ``n``; return msg/s and (drained, ingester MB, acker MB, time) samples."""
+    preload(r, n)
+    ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, f"backlog-{n}")
+    samples: list[tuple[int, float, float, float]] = []
+    try:
+        started = time.perf_counter()
+        set_enabled(url, True)
+        deadline = started + 3600
+        while not stream_drained(r):
+            if time.perf_counter() > deadline:
+                raise TimeoutError("bench: backlog not drained within an hour")
+            (group,) = r.xinfo_groups(STREAM)
+            drained = n - int(group["lag"] or 0)
+            samples.append((drained, ingester.rss_mb(), acker.rss_mb(), time.perf_counter()))
+            time.sleep(0.5)
+        elapsed = time.perf_counter() - started
+        wait_until("every inbox row marked acked", lambda: acked_count(url) == n, 60)
+    finally:
+        ingester.stop()
+        acker.stop()
+    return n / elapsed, samples
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
@@ -331,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=2000, help="offered load for the latency run, msg/s")
     parser.add_argument("--batch-size", type=int, default=2000, help="the adapter's batch_size")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        metavar="N",
+        help="instead: drain a backlog of 10,000 and one of N, compare msg/s, and sample RSS over N",
+    )
     args = parser.parse_args(argv)
     n = args.messages or (20_000 if args.quick else 100_000)
     naive_n = max(1000, n // 20)
@@ -340,12 +378,33 @@ def main(argv: list[str] | None = None) -> int:
     base.chmod(0o755)
     pg = PostgresServer.create(base / "pg")
     with (pg.pgdata / "postgresql.conf").open("a") as conf:
-        conf.write("track_commit_timestamp = on\n")
+        # Sized like a small production server rather than the test suite's
+        # 16 MB: a million-message run must not measure cache thrashing.
+        conf.write("track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n")
     rs = RedisServer.create(base / "redis", appendfsync="everysec")
     try:
         pg.start()
         rs.start()
         r = redis.Redis.from_url(rs.url)
+        if args.backlog:
+            small, _ = bench_backlog(base, fresh_db(pg, "small"), r, rs.url, 10_000, args.batch_size)
+            large, samples = bench_backlog(
+                base, fresh_db(pg, "large"), r, rs.url, args.backlog, args.batch_size
+            )
+            print(f"bench: backlog of 10,000: {small:,.0f} msg/s; of {args.backlog:,}: {large:,.0f} msg/s")
+            print(f"  ratio large/small backlog       {large / small:>10.2f}x")
+            warm = [s for s in samples if s[0] >= args.backlog // 10] or samples
+            tenth = max(1, len(samples) // 10)
+            for label, part in (("first", samples[:tenth]), ("last", samples[-tenth:])):
+                rate = (part[-1][0] - part[0][0]) / max(part[-1][3] - part[0][3], 1e-9)
+                print(f"  drain rate over the {label} tenth of the run  {rate:>10,.0f} msg/s")
+            for name, col in (("ingester", 1), ("acker", 2)):
+                first, last, top = warm[0][col], warm[-1][col], max(s[col] for s in warm)
+                print(
+                    f"  {name} RSS after 10%: {first:.0f} MB, at the end: {last:.0f} MB,"
+                    f" max {top:.0f} MB ({(top / first - 1) * 100:+.1f}%)"
+                )
+            return 0
         print(f"bench: {os.cpu_count()} CPUs, {n} messages (naive: {naive_n}), batch {args.batch_size}")
         raw = bench_raw(fresh_db(pg, "raw"), n)
         print(f"  raw psycopg unnest, 1000/tx     {raw:>10,.0f} msg/s")
