@@ -219,7 +219,8 @@ def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
     _check_keys("config", raw, _TOP_KEYS)
     db = _section(raw, "database")
-    _check_keys("[database]", db, {"url", "statement_timeout_ms", "lock_timeout_ms", "pool_size"})
+    db_numbers = ("statement_timeout_ms", "lock_timeout_ms", "pool_size", "tcp_user_timeout_ms")
+    _check_keys("[database]", db, {"url", *db_numbers})
     db_url = env.get("SWITCHBOARD_DATABASE_URL") or db.get("url")
     if not db_url:
         raise ConfigError("[database]: key 'url' is required (or set SWITCHBOARD_DATABASE_URL)")
@@ -233,7 +234,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
         url=db_url,
         **{
             k: _positive_int(f"[database]: key {k!r}", db[k])
-            for k in ("statement_timeout_ms", "lock_timeout_ms", "pool_size")
+            for k in db_numbers
             if k in db
         },
     )

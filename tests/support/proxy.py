@@ -1,0 +1,105 @@
+"""A small TCP proxy on loopback, in a thread of the test process, for
+network faults between a real switchboard process and a real server:
+added latency, a blackhole (bytes swallowed, no reset), and cutting a
+connection right after a given client message has been forwarded (a COMMIT
+sent whose reply never comes back)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from ingest.servers import free_port
+
+CHUNK = 65536
+
+
+class Proxy:
+    def __init__(self, target_port: int) -> None:
+        self.port = free_port()
+        self._target = target_port
+        self.latency_s = 0.0
+        self.blackhole = False
+        self.cut_after: bytes | None = None  # close once a client chunk containing this was sent
+        self.cuts = 0
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"proxy:{self.port}", daemon=True)
+
+    def url_for(self, url: str) -> str:
+        return url.replace(f":{self._target}/", f":{self.port}/", 1)
+
+    def start(self) -> None:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=10)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            client_w.close()
+            return
+        self._writers |= {client_w, server_w}
+        pair = (client_w, server_w)
+        for task in (
+            asyncio.create_task(self._pump(client_r, server_w, pair, upstream=True)),
+            asyncio.create_task(self._pump(server_r, client_w, pair, upstream=False)),
+        ):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter],
+        *,
+        upstream: bool,
+    ) -> None:
+        with contextlib.suppress(OSError, asyncio.CancelledError):
+            while data := await reader.read(CHUNK):
+                if self.blackhole:
+                    continue  # swallowed: no reset, no reply
+                if self.latency_s:
+                    await asyncio.sleep(self.latency_s)
+                writer.write(data)
+                await writer.drain()
+                if upstream and self.cut_after is not None and self.cut_after in data:
+                    self.cut_after = None
+                    self.cuts += 1
+                    for w in pair:  # the reply to what was just sent never arrives
+                        w.transport.abort()
+                    return
+        writer.close()
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            for w in list(self._writers):
+                w.transport.abort()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+@contextlib.contextmanager
+def proxy_to(port: int) -> Iterator[Proxy]:
+    proxy = Proxy(port)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

@@ -1,0 +1,119 @@
+"""Network faults through an in-repo TCP proxy between real switchboard
+processes and real servers: latency, a Redis blackhole (no reset: only
+timeouts can tell), and a PostgreSQL connection cut right after COMMIT was
+sent, before its reply (the outcome is unknown to the ingester)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ingest.servers import RedisServer
+from tests.support.config import stream_adapter, write_config
+from tests.support.db import scalar
+from tests.support.oracle import assert_exactly_once
+from tests.support.procs import wait_for
+from tests.support.proxy import proxy_to
+from tests.system.conftest import Processes, assert_clean_exit, produce, with_secret_db, xpending
+
+pytestmark = pytest.mark.system
+STREAM = "orders"
+
+
+def acked(db_url: str) -> int:
+    return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"))
+
+
+def db_port(db_url: str) -> int:
+    return int(db_url.rsplit(":", 1)[1].split("/", 1)[0])
+
+
+def test_commit_reply_lost_outcome_unknown_redelivery_resolves_it(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str
+) -> None:
+    with proxy_to(db_port(db_url)) as proxy:
+        ingest_config = write_config(
+            tmp_path / "ingest.toml",
+            database_url=with_secret_db(proxy.url_for(db_url)),
+            redis_url=redis_url,
+            adapters=[stream_adapter(STREAM, batch_size=100)],
+        )
+        ack_config = write_config(
+            tmp_path / "ack.toml",
+            database_url=with_secret_db(db_url),
+            redis_url=redis_url,
+            adapters=[stream_adapter(STREAM, batch_size=100)],
+        )
+        acker = procs.start("ack", ack_config, name="acker-1")
+        ingester = procs.start("ingest", ingest_config, name="ingester-1")
+        wait_for(lambda: ingester.events("poll_loop_started"), timeout_s=30, what="the poll loop")
+        proxy.cut_after = b"COMMIT"  # the next COMMIT through the proxy is a store's
+        ids = produce(redis_url, STREAM, 300)
+        wait_for(
+            lambda: acked(db_url) == 300 and xpending(redis_url, STREAM) == 0, timeout_s=60, what="all acked"
+        )
+        assert proxy.cuts == 1
+        failures = ingester.events("store_failed")
+        assert failures, "the lost COMMIT reply must surface as a failed store"
+        assert failures[0]["cause"] == "OperationalError"
+        # The batch committed on the server; its redelivery was deduplicated.
+        assert scalar(db_url, "SELECT count(*) FROM inbox WHERE deliveries > 1") > 0
+        assert_clean_exit(ingester, ingester.terminate())
+        assert_clean_exit(acker, acker.terminate())
+    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    procs.assert_no_secret_logged()
+
+
+def test_redis_blackhole_detected_by_timeouts_then_recovered(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, own_redis: RedisServer
+) -> None:
+    with proxy_to(own_redis.port) as proxy:
+        config = make_config(
+            stream_adapter(STREAM, batch_size=50, block_ms=200), redis=proxy.url_for(own_redis.url)
+        )
+        ids = produce(own_redis.url, STREAM, 500)
+        ingester = procs.start("ingest", config, name="ingester-1")
+        acker = procs.start("ack", config, name="acker-1")
+        wait_for(lambda: acked(db_url) > 0, timeout_s=30, what="first acks")
+        proxy.blackhole = True
+        ids += produce(own_redis.url, STREAM, 200, start=500)
+        # Nothing answers and nothing resets: only the socket timeouts notice.
+        wait_for(lambda: ingester.events("broker_error"), timeout_s=30, what="the ingester to notice")
+        assert ingester.alive()
+        proxy.blackhole = False
+        wait_for(
+            lambda: acked(db_url) == 700 and xpending(own_redis.url, STREAM) == 0,
+            timeout_s=90,
+            what="recovery after the blackhole",
+        )
+        assert any(
+            "Timeout" in (e.get("cause") or "") or "Timeout" in e["error"]
+            for e in ingester.events("broker_error")
+        )
+        assert_clean_exit(ingester, ingester.terminate())
+        assert_clean_exit(acker, acker.terminate())
+    assert_exactly_once(db_url, own_redis.url, stream=STREAM, group="switchboard", produced_ids=ids)
+
+
+def test_added_latency_changes_nothing_but_speed(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str
+) -> None:
+    ids = produce(redis_url, STREAM, 300)
+    with proxy_to(db_port(db_url)) as proxy:
+        proxy.latency_s = 0.02
+        config = write_config(
+            tmp_path / "switchboard.toml",
+            database_url=proxy.url_for(db_url),
+            redis_url=redis_url,
+            adapters=[stream_adapter(STREAM, batch_size=50)],
+        )
+        ingester = procs.start("ingest", config, name="ingester-1")
+        acker = procs.start("ack", config, name="acker-1")
+        wait_for(
+            lambda: acked(db_url) == 300 and xpending(redis_url, STREAM) == 0, timeout_s=60, what="all acked"
+        )
+        assert_clean_exit(ingester, ingester.terminate())
+        assert_clean_exit(acker, acker.terminate())
+    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
