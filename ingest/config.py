@@ -232,11 +232,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
         raise ConfigError(f"[database]: key 'url' is not a database URL ({type(exc).__name__})") from exc
     database = DatabaseSettings(
         url=db_url,
-        **{
-            k: _positive_int(f"[database]: key {k!r}", db[k])
-            for k in db_numbers
-            if k in db
-        },
+        **{k: _positive_int(f"[database]: key {k!r}", db[k]) for k in db_numbers if k in db},
     )
     redis_section = _section(raw, "redis")
     _check_keys("[redis]", redis_section, {"url"})
