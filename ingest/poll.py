@@ -25,7 +25,7 @@ from backhalf.errors import BackhalfError, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
-from ingest.adapter import Delivery, PendingCopies, PullAdapter
+from ingest.adapter import Delivery, OpenLedger, PendingCopies, PullAdapter
 from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import BrokerError, IngestError
 from ingest.lifecycle import Backoff, cancel_and_wait, wait_stop
@@ -74,6 +74,22 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
     )
 
 
+def ledger_for(engine: AsyncEngine, adapter: str) -> OpenLedger:
+    """Transactions for an adapter's recovery: the row locks taken on pending
+    ack intents hold until the ``async with`` ends."""
+
+    @contextlib.asynccontextmanager
+    async def open_ledger() -> AsyncIterator[PendingCopies]:
+        async with engine.begin() as conn:
+
+            async def pending_copies(ack_key: str) -> Sequence[PendingIntent]:
+                return await acks.lock_pending_copies(conn, adapter, ack_key)
+
+            yield pending_copies
+
+    return open_ledger
+
+
 @dataclass(frozen=True, slots=True)
 class Fetched:
     """A batch as read, and normalized for the store."""
@@ -98,6 +114,7 @@ class PollLoop:
         self._stop = stop
         self._enabled = True
         self._enabled_checked_at = float("-inf")
+        self._open_ledger = ledger_for(engine, config.name)
         self._log = log.bind(
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
@@ -268,17 +285,6 @@ class PollLoop:
             chunks[-1].append(rec)
             size += rec_size
         return chunks
-
-    @contextlib.asynccontextmanager
-    async def _open_ledger(self) -> AsyncIterator[PendingCopies]:
-        """A transaction for an adapter's recovery: the row locks it takes on
-        pending ack intents hold until the ``async with`` ends."""
-        async with self._engine.begin() as conn:
-
-            async def pending_copies(ack_key: str) -> Sequence[PendingIntent]:
-                return await acks.lock_pending_copies(conn, self._cfg.name, ack_key)
-
-            yield pending_copies
 
     async def _is_enabled(self) -> bool:
         now = time.monotonic()

@@ -4,14 +4,12 @@ acked, concurrent ackers split the work, broker failures leave rows pending."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import registry
-from backhalf.db import DatabaseSettings, create_engine
 from backhalf.records import StoreBatch
 from backhalf.store import store
 from ingest.acker import drain_loop, drain_once
@@ -33,15 +31,6 @@ def settings(db_url: str, redis_url: str) -> Settings:
     return from_mapping(raw, {})
 
 
-@pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    eng = create_engine(DatabaseSettings(url=db_url))
-    async with eng.begin() as conn:
-        await registry.register(conn, name="orders", transport="redis", mode="stream", settings={})
-    yield eng
-    await eng.dispose()
-
-
 async def consume_into_open_transaction(engine: AsyncEngine, s: Settings, n: int):  # type: ignore[no-untyped-def]
     """Read n entries and store them, returning the still-open transaction."""
     cfg = s.adapters[0]
@@ -56,6 +45,12 @@ async def consume_into_open_transaction(engine: AsyncEngine, s: Settings, n: int
     tx = await conn.begin()
     await store(conn, b)
     return conn, tx
+
+
+async def consume_and_commit(engine: AsyncEngine, s: Settings, n: int) -> None:
+    conn, tx = await consume_into_open_transaction(engine, s, n)
+    await tx.commit()
+    await conn.close()
 
 
 async def test_xack_only_after_the_todo_is_committed(
@@ -90,9 +85,7 @@ async def test_concurrent_ackers_split_the_work_without_overlap(
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     for i in range(300):
         r.xadd(STREAM, {"body": f'{{"n": {i}}}'})
-    conn, tx = await consume_into_open_transaction(engine, s, 300)
-    await tx.commit()
-    await conn.close()
+    await consume_and_commit(engine, s, 300)
     ackers = [{"orders": StreamAcknowledger(s.adapters[0])} for _ in range(3)]
     try:
         counts = await asyncio.gather(*(drain_once(engine, a, 100) for a in ackers))
@@ -109,9 +102,7 @@ async def test_broker_down_leaves_intents_pending(engine: AsyncEngine, db_url: s
     s = settings(db_url, redis_url)
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     r.xadd(STREAM, {"body": "{}"})
-    conn, tx = await consume_into_open_transaction(engine, s, 10)
-    await tx.commit()
-    await conn.close()
+    await consume_and_commit(engine, s, 10)
     dead = from_mapping(
         {
             "database": {"url": db_url},
@@ -135,9 +126,7 @@ async def test_one_broker_down_does_not_stall_another_adapter(
     s = settings(db_url, redis_url)
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     r.xadd(STREAM, {"body": "{}"})
-    conn, tx = await consume_into_open_transaction(engine, s, 10)
-    await tx.commit()
-    await conn.close()
+    await consume_and_commit(engine, s, 10)
     async with engine.begin() as c:
         await registry.register(c, name="broken", transport="redis", mode="stream", settings={})
     query(

@@ -17,6 +17,7 @@ from ingest.acker import run_acker
 from ingest.config import AdapterConfig, Settings, from_mapping
 from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
+from ingest.poll import ledger_for
 from ingest.redis_list import ListAdapter, processing_key
 from ingest.redis_pubsub import PubSubAdapter
 from tests.support.acl import acl_rules
@@ -114,19 +115,7 @@ async def test_own_recovery_redelivers_only_unstored_copies(
     engine = create_engine(DatabaseSettings(url=db_url))
     adapter = ListAdapter(s.adapters[0])
     try:
-
-        @contextlib.asynccontextmanager
-        async def ledger() -> AsyncIterator[Any]:
-            from backhalf import acks
-
-            async with engine.begin() as conn:
-
-                async def pending(ack_key: str) -> Any:
-                    return await acks.lock_pending_copies(conn, JOBS, ack_key)
-
-                yield pending
-
-        recovered = await adapter.recover(ledger)
+        recovered = await adapter.recover(ledger_for(engine, JOBS))
         assert [(d.body, d.ack_copies, d.ack_key) for d in recovered] == [
             (unstored, 1, processing_key(JOBS, "c1"))
         ]

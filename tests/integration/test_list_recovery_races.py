@@ -4,22 +4,19 @@ servers (found in review): copies must never be counted twice or dropped."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import acks, registry
-from backhalf.db import DatabaseSettings, create_engine
+from backhalf import acks
 from backhalf.records import AckClaim, AckTarget, InboxRecord, StoreBatch
 from backhalf.store import store
-from ingest.adapter import Delivery, PendingCopies
+from ingest.adapter import Delivery, OpenLedger
 from ingest.config import AdapterConfig, from_mapping
-from ingest.poll import to_record
+from ingest.poll import ledger_for, to_record
 from ingest.redis_list import ListAcknowledger, ListAdapter, processing_key
 from tests.support.db import query, scalar
 
@@ -44,26 +41,13 @@ def batch(records: list[InboxRecord], ack_key: str) -> StoreBatch:
 
 
 @pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    eng = create_engine(DatabaseSettings(url=db_url))
-    async with eng.begin() as conn:
-        await registry.register(conn, name=JOBS, transport="redis", mode="list", settings={})
-    yield eng
-    await eng.dispose()
+def registered() -> tuple[tuple[str, str], ...]:
+    return (("jobs", "list"),)
 
 
 @pytest.fixture
-def ledger(engine: AsyncEngine) -> Callable[[], contextlib.AbstractAsyncContextManager[PendingCopies]]:
-    @contextlib.asynccontextmanager
-    async def open_ledger() -> AsyncIterator[PendingCopies]:
-        async with engine.begin() as conn:
-
-            async def pending(ack_key: str) -> Any:
-                return await acks.lock_pending_copies(conn, JOBS, ack_key)
-
-            yield pending
-
-    return open_ledger
+def ledger(engine: AsyncEngine) -> OpenLedger:
+    return ledger_for(engine, JOBS)
 
 
 async def store_deliveries(

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import registry
-from backhalf.db import DatabaseSettings, create_engine
 from ingest.config import IngestSettings, from_mapping
 from ingest.lifecycle import leftover_tasks
 from ingest.memory import MemoryAdapter
@@ -23,12 +21,8 @@ FAST = IngestSettings(enabled_refresh_ms=50, backoff_initial_ms=10, backoff_max_
 
 
 @pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    eng = create_engine(DatabaseSettings(url=db_url))
-    async with eng.begin() as conn:
-        await registry.register(conn, name="mem", transport="redis", mode="stream", settings={})
-    yield eng
-    await eng.dispose()
+def registered() -> tuple[tuple[str, str], ...]:
+    return (("mem", "stream"),)
 
 
 def config(db_url: str):  # type: ignore[no-untyped-def]

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry
-from backhalf.db import DatabaseSettings, create_engine
 from backhalf.errors import StoreError
 from backhalf.records import AckTarget, InboxRecord, StoreBatch
 from backhalf.sql import ACK_CHANNEL
@@ -19,13 +16,8 @@ from tests.support.db import libpq, query, scalar
 
 
 @pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    eng = create_engine(DatabaseSettings(url=db_url))
-    async with eng.begin() as conn:
-        for name in ("orders", "orders-mirror"):
-            await registry.register(conn, name=name, transport="redis", mode="stream", settings={})
-    yield eng
-    await eng.dispose()
+def registered() -> tuple[tuple[str, str], ...]:
+    return (("orders", "stream"), ("orders-mirror", "stream"))
 
 
 def rec(entry_id: str, payload: str | None = '{"n": 1}', error: str | None = None) -> InboxRecord:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
-from tests.support.config import stream_adapter, write_config
+from tests.support.db import scalar
 from tests.support.procs import SwitchboardProcess, wait_for
 
 # Planted in every URL the processes get; it must never reach a log line.
@@ -92,21 +91,23 @@ def xpending(redis_url: str, stream: str, group: str = "switchboard") -> int:
 
 
 @pytest.fixture
-def make_config(tmp_path: Path, db_url: str, redis_url: str) -> Callable[..., Path]:
-    """Like the suite's, but every URL carries the planted secret."""
+def config_urls() -> tuple[Callable[[str], str], Callable[[str], str]]:
+    """Every URL the processes get carries the planted secret."""
+    return with_secret_db, with_secret_redis
 
-    def make(
-        *adapters: dict[str, Any], redis: str | None = None, name: str = "switchboard.toml", **kw: Any
-    ) -> Path:
-        return write_config(
-            tmp_path / name,
-            database_url=with_secret_db(db_url),
-            redis_url=with_secret_redis(redis or redis_url),
-            adapters=list(adapters) or [stream_adapter()],
-            **kw,
-        )
 
-    return make
+def acked(db_url: str) -> int:
+    """Inbox rows whose ack has been discharged."""
+    return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"))
+
+
+def wait_all_acked(
+    db_url: str, redis_url: str, expected: int, *, timeout_s: float, what: str, stream: str = "orders"
+) -> None:
+    """Until ``expected`` inbox rows are acked and the stream's PEL is empty."""
+    wait_for(
+        lambda: acked(db_url) == expected and xpending(redis_url, stream) == 0, timeout_s=timeout_s, what=what
+    )
 
 
 def entries_read(redis_url: str, stream: str, group: str = "switchboard") -> int:

@@ -12,7 +12,14 @@ from tests.support.config import stream_adapter
 from tests.support.db import query, scalar
 from tests.support.oracle import assert_exactly_once
 from tests.support.procs import SwitchboardProcess, wait_for
-from tests.system.conftest import Processes, assert_clean_exit, entries_read, produce, xpending
+from tests.system.conftest import (
+    Processes,
+    assert_clean_exit,
+    entries_read,
+    produce,
+    wait_all_acked,
+    xpending,
+)
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
@@ -33,14 +40,7 @@ def _finish(
     acker = next((p for p in procs.all if p.verb == "ack" and p.alive()), None) or procs.start(
         "ack", config, name="acker-2"
     )
-    wait_for(
-        lambda: (
-            scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == N
-            and xpending(redis_url, STREAM) == 0
-        ),
-        timeout_s=60,
-        what="every entry stored and acked",
-    )
+    wait_all_acked(db_url, redis_url, N, timeout_s=60, what="every entry stored and acked")
     assert_clean_exit(ingester, ingester.terminate())
     assert_clean_exit(acker, acker.terminate())
     assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)

@@ -17,7 +17,7 @@ from tests.support.config import stream_adapter
 from tests.support.db import libpq, query, scalar
 from tests.support.oracle import assert_exactly_once
 from tests.support.procs import wait_for
-from tests.system.conftest import Processes, assert_clean_exit, produce, xpending
+from tests.system.conftest import Processes, assert_clean_exit, produce, wait_all_acked, xpending
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
@@ -39,13 +39,8 @@ def test_sigterm_mid_stream_exits_0_and_leaves_in_flight_for_redelivery(
     assert ingester.events("ingester_stopped")
     acker = procs.start("ack", config, name="acker-1")
     restarted = procs.start("ingest", config, name="ingester-1")
-    wait_for(
-        lambda: (
-            scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 2000
-            and xpending(redis_url, STREAM) == 0
-        ),
-        timeout_s=60,
-        what="everything stored and acked after the restart",
+    wait_all_acked(
+        db_url, redis_url, 2000, timeout_s=60, what="everything stored and acked after the restart"
     )
     assert_clean_exit(restarted, restarted.terminate())
     assert_clean_exit(acker, acker.terminate())
@@ -81,14 +76,7 @@ def test_redis_killed_and_restarted_ingester_backs_off_and_resumes(
     assert acker.alive()
     own_redis.start()  # appendfsync always: every acknowledged XADD survived
     ids += produce(own_redis.url, STREAM, 500, start=1000)
-    wait_for(
-        lambda: (
-            scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 1500
-            and xpending(own_redis.url, STREAM) == 0
-        ),
-        timeout_s=90,
-        what="recovery after the Redis restart",
-    )
+    wait_all_acked(db_url, own_redis.url, 1500, timeout_s=90, what="recovery after the Redis restart")
     errors = ingester.events("broker_error")
     assert all(e["adapter"] == "orders" and e["retry_in_s"] > 0 and "broker" in e for e in errors)
     # Backed off, not a tight loop: capped at 1 s in this config, so few attempts.
@@ -122,14 +110,7 @@ def test_todo_creation_failure_is_logged_not_acked_and_redelivered(
     assert scalar(db_url, "SELECT count(*) FROM inbox") == 0
     assert xpending(redis_url, STREAM) == 5  # delivered, never acked
     query(db_url, "DROP TRIGGER fail_todo ON todos")
-    wait_for(
-        lambda: (
-            scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 5
-            and xpending(redis_url, STREAM) == 0
-        ),
-        timeout_s=30,
-        what="redelivery after the fault is fixed",
-    )
+    wait_all_acked(db_url, redis_url, 5, timeout_s=30, what="redelivery after the fault is fixed")
     assert_clean_exit(ingester, ingester.terminate())
     assert_clean_exit(acker, acker.terminate())
     assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
@@ -202,14 +183,7 @@ def test_sigterm_while_a_store_transaction_is_open_exits_0_with_nothing_half_don
     assert xpending(redis_url, STREAM) > 0  # read, not stored, not acked: pending for redelivery
     acker = procs.start("ack", config, name="acker-1")
     restarted = procs.start("ingest", config, name="ingester-1")
-    wait_for(
-        lambda: (
-            scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 100
-            and xpending(redis_url, STREAM) == 0
-        ),
-        timeout_s=60,
-        what="redelivery after the restart",
-    )
+    wait_all_acked(db_url, redis_url, 100, timeout_s=60, what="redelivery after the restart")
     assert_clean_exit(restarted, restarted.terminate())
     assert_clean_exit(acker, acker.terminate())
     assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)

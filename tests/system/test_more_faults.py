@@ -24,8 +24,10 @@ from tests.support.oracle import assert_exactly_once
 from tests.support.procs import wait_for
 from tests.system.conftest import (
     Processes,
+    acked,
     assert_clean_exit,
     produce,
+    wait_all_acked,
     wait_ready,
     with_secret_db,
     with_secret_redis,
@@ -34,10 +36,6 @@ from tests.system.conftest import (
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
-
-
-def acked(db_url: str) -> int:
-    return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"))
 
 
 def test_postgres_backends_terminated_and_server_restarted(
@@ -66,8 +64,10 @@ def test_postgres_backends_terminated_and_server_restarted(
     pg.stop(mode="immediate")  # no shutdown checkpoint: crash recovery on start
     time.sleep(0.5)  # the database stays down a moment, long enough to be noticed
     pg.start()
-    wait_for(
-        lambda: acked(db_url) == 2000 and xpending(redis_url, STREAM) == 0,
+    wait_all_acked(
+        db_url,
+        redis_url,
+        2000,
         timeout_s=90,
         what="recovery after terminated backends and an immediate restart",
     )
@@ -91,10 +91,8 @@ def test_frozen_consumer_entries_claimed_then_its_stale_batch_changes_nothing(
     )
     acker = procs.start("ack", config, name="acker-1")
     other = procs.start("ingest", config, name="ingester-2")
-    wait_for(
-        lambda: acked(db_url) == 300 and xpending(redis_url, STREAM) == 0,
-        timeout_s=60,
-        what="the other consumer to claim and store everything",
+    wait_all_acked(
+        db_url, redis_url, 300, timeout_s=60, what="the other consumer to claim and store everything"
     )
     todos_before = query(db_url, "SELECT id, idempotency_key, status FROM todos ORDER BY id")
     events_before = scalar(db_url, "SELECT count(*) FROM events")
@@ -167,11 +165,7 @@ def test_three_ingesters_two_ackers_with_poison_under_a_duplicate_watcher(
                     poison.add(entry_id.decode())
             time.sleep(rng.uniform(0.05, 0.3))  # producers arrive in waves, not all at once
         workers[rng.randrange(3)].kill()  # one ingester dies mid-run for good; others claim its PEL
-    wait_for(
-        lambda: acked(db_url) == len(ledger) and xpending(redis_url, STREAM) == 0,
-        timeout_s=120,
-        what=f"convergence (seed {seed})",
-    )
+    wait_all_acked(db_url, redis_url, len(ledger), timeout_s=120, what=f"convergence (seed {seed})")
     watcher.stop()
     assert watcher.polls > 10
     assert watcher.duplicates == []

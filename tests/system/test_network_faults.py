@@ -16,14 +16,17 @@ from tests.support.db import scalar
 from tests.support.oracle import assert_exactly_once
 from tests.support.procs import wait_for
 from tests.support.proxy import proxy_to
-from tests.system.conftest import Processes, assert_clean_exit, produce, with_secret_db, xpending
+from tests.system.conftest import (
+    Processes,
+    acked,
+    assert_clean_exit,
+    produce,
+    wait_all_acked,
+    with_secret_db,
+)
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
-
-
-def acked(db_url: str) -> int:
-    return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"))
 
 
 def db_port(db_url: str) -> int:
@@ -51,9 +54,7 @@ def test_commit_reply_lost_outcome_unknown_redelivery_resolves_it(
         wait_for(lambda: ingester.events("poll_loop_started"), timeout_s=30, what="the poll loop")
         proxy.cut_after = b"COMMIT"  # the next COMMIT through the proxy is a store's
         ids = produce(redis_url, STREAM, 300)
-        wait_for(
-            lambda: acked(db_url) == 300 and xpending(redis_url, STREAM) == 0, timeout_s=60, what="all acked"
-        )
+        wait_all_acked(db_url, redis_url, 300, timeout_s=60, what="all acked")
         assert proxy.cuts == 1
         failures = ingester.events("store_failed")
         assert failures, "the lost COMMIT reply must surface as a failed store"
@@ -83,11 +84,7 @@ def test_redis_blackhole_detected_by_timeouts_then_recovered(
         wait_for(lambda: ingester.events("broker_error"), timeout_s=30, what="the ingester to notice")
         assert ingester.alive()
         proxy.blackhole = False
-        wait_for(
-            lambda: acked(db_url) == 700 and xpending(own_redis.url, STREAM) == 0,
-            timeout_s=90,
-            what="recovery after the blackhole",
-        )
+        wait_all_acked(db_url, own_redis.url, 700, timeout_s=90, what="recovery after the blackhole")
         assert any(
             "Timeout" in (e.get("cause") or "") or "Timeout" in e["error"]
             for e in ingester.events("broker_error")
@@ -111,9 +108,7 @@ def test_added_latency_changes_nothing_but_speed(
         )
         ingester = procs.start("ingest", config, name="ingester-1")
         acker = procs.start("ack", config, name="acker-1")
-        wait_for(
-            lambda: acked(db_url) == 300 and xpending(redis_url, STREAM) == 0, timeout_s=60, what="all acked"
-        )
+        wait_all_acked(db_url, redis_url, 300, timeout_s=60, what="all acked")
         assert_clean_exit(ingester, ingester.terminate())
         assert_clean_exit(acker, acker.terminate())
     assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)

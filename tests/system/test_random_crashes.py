@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.config import stream_adapter
-from tests.support.db import scalar
 from tests.support.oracle import assert_exactly_once
-from tests.support.procs import SwitchboardProcess, wait_for
-from tests.system.conftest import Processes, assert_clean_exit, produce, wait_ready, xpending
+from tests.support.procs import SwitchboardProcess
+from tests.system.conftest import Processes, assert_clean_exit, produce, wait_all_acked, wait_ready
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
@@ -55,13 +54,8 @@ def test_random_kill9_of_ingesters_and_acker(
     for proc in slots.values():
         wait_ready(proc)
     total = len(ids)
-    wait_for(
-        lambda: (
-            scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == total
-            and xpending(redis_url, STREAM) == 0
-        ),
-        timeout_s=120,
-        what=f"convergence after {kills} kills (seed {seed})",
+    wait_all_acked(
+        db_url, redis_url, total, timeout_s=120, what=f"convergence after {kills} kills (seed {seed})"
     )
     for proc in slots.values():
         assert_clean_exit(proc, proc.terminate())
