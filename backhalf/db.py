@@ -3,12 +3,19 @@ wait bounded (pool checkout, connect, statement, lock, dead peer)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import psycopg
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from backhalf.errors import DeadlineExceeded
+
+DEFAULT_TRANSACTION_DEADLINE_MS = 30_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +29,10 @@ class DatabaseSettings:
     # A peer that vanished without a reset (blackhole) is noticed by TCP within
     # this bound instead of hanging a commit forever.
     tcp_user_timeout_ms: int = 30_000
+    # The client-side bound on a whole transaction, checkout to COMMIT reply.
+    # TCP timeouts cannot see a peer that still ACKs but never answers (a
+    # proxy or load balancer whose backend vanished); this can.
+    transaction_deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS
 
 
 def normalize_url(url: str) -> str:
@@ -65,3 +76,23 @@ async def driver_connection(conn: AsyncConnection) -> psycopg.AsyncConnection[An
     """The psycopg connection under a SQLAlchemy connection, in its transaction."""
     raw = await conn.get_raw_connection()
     return cast("psycopg.AsyncConnection[Any]", raw.driver_connection)
+
+
+@asynccontextmanager
+async def within_deadline(
+    opening: AbstractAsyncContextManager[AsyncConnection], deadline_ms: int, what: str
+) -> AsyncIterator[AsyncConnection]:
+    """``engine.begin()`` or ``engine.connect()`` bounded by a client-side
+    deadline. On expiry psycopg cancels the statement in flight, or closes the
+    connection when the cancel gets no answer (at most 10 s more), and the
+    pool discards it; the caller gets ``DeadlineExceeded``. A COMMIT cut off
+    this way may have committed: callers treat the outcome as unknown (the
+    ingester does not confirm the batch; redelivery dedups it)."""
+    deadline = asyncio.timeout(deadline_ms / 1000)
+    try:
+        async with deadline, opening as conn:
+            yield conn
+    except TimeoutError as exc:
+        if not deadline.expired():
+            raise  # a timeout of something else inside the block
+        raise DeadlineExceeded(f"{what}: no reply from the database within {deadline_ms} ms") from exc

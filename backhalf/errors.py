@@ -6,6 +6,7 @@
      ├── PoisonMessage      control flow: this message can never become a todo
      ├── StoreError         a store transaction failed (driver error attached as __cause__)
      ├── AckStateError      reading or marking ack intents failed
+     ├── DeadlineExceeded   a transaction got no reply within its client-side deadline
      └── InjectedFault      a failpoint configured to raise fired (tests only)
 
 Driver errors (psycopg, SQLAlchemy) are wrapped here with ``raise ... from exc``
@@ -36,6 +37,11 @@ class StoreError(BackhalfError):
 
 class AckStateError(BackhalfError):
     """Claiming or marking ack intents failed."""
+
+
+class DeadlineExceeded(BackhalfError):
+    """A transaction did not finish within ``transaction_deadline_ms``; its
+    connection was cancelled or closed and its outcome is unknown."""
 
 
 class InjectedFault(BackhalfError):

@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks, failpoints
-from backhalf.db import DatabaseSettings, create_engine
+from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, DatabaseSettings, create_engine, within_deadline
 from backhalf.errors import BackhalfError
 from backhalf.sql import ACK_CHANNEL
 from ingest.adapter import Acknowledger
@@ -42,10 +42,18 @@ def _libpq_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-async def drain_adapter(engine: AsyncEngine, adapter: str, acknowledger: Acknowledger, limit: int) -> int:
+async def drain_adapter(
+    engine: AsyncEngine,
+    adapter: str,
+    acknowledger: Acknowledger,
+    limit: int,
+    deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
+) -> int:
     """One claim-ack-mark transaction for one adapter; return how many intents
-    were discharged. Per adapter, so one broker being down stalls no other."""
-    async with engine.begin() as conn:
+    were discharged. Per adapter, so one broker being down stalls no other.
+    Past the deadline the marks are lost with the connection and the rows
+    stay pending: they are acked again, a no-op at the broker."""
+    async with within_deadline(engine.begin(), deadline_ms, f"adapter {adapter}: ack drain") as conn:
         claims = await acks.claim(conn, [adapter], limit)
         if not claims:
             return 0
@@ -57,11 +65,16 @@ async def drain_adapter(engine: AsyncEngine, adapter: str, acknowledger: Acknowl
     return len(claims)
 
 
-async def drain_once(engine: AsyncEngine, acknowledgers: Mapping[str, Acknowledger], limit: int) -> int:
+async def drain_once(
+    engine: AsyncEngine,
+    acknowledgers: Mapping[str, Acknowledger],
+    limit: int,
+    deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
+) -> int:
     """One drain of every adapter; errors propagate (the loop handles them per adapter)."""
     total = 0
     for adapter, acknowledger in acknowledgers.items():
-        total += await drain_adapter(engine, adapter, acknowledger, limit)
+        total += await drain_adapter(engine, adapter, acknowledger, limit, deadline_ms)
     return total
 
 
@@ -71,6 +84,7 @@ async def drain_loop(
     settings: AckerSettings,
     wake: asyncio.Event,
     stop: asyncio.Event,
+    deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
 ) -> None:
     loop = asyncio.get_running_loop()
     backoffs = {name: Backoff(settings.backoff_initial_ms, settings.backoff_max_ms) for name in acknowledgers}
@@ -82,7 +96,7 @@ async def drain_loop(
             if loop.time() < retry_at[adapter] or stop.is_set():
                 continue
             try:
-                drained = await drain_adapter(engine, adapter, acknowledger, settings.batch_size)
+                drained = await drain_adapter(engine, adapter, acknowledger, settings.batch_size, deadline_ms)
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
                 delay_s = backoffs[adapter].next_delay_s()
                 retry_at[adapter] = loop.time() + delay_s
@@ -163,7 +177,15 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
             # it holds no state worth finishing, so stop cancels it.
             tg.create_task(_stop_listener(listener, stop), name="listen-stopper")
             drain = tg.create_task(
-                drain_loop(engine, acknowledgers, settings.acker, wake, stop), name="drain"
+                drain_loop(
+                    engine,
+                    acknowledgers,
+                    settings.acker,
+                    wake,
+                    stop,
+                    settings.database.transaction_deadline_ms,
+                ),
+                name="drain",
             )
             await stop.wait()
             _done, running = await asyncio.wait([drain], timeout=settings.acker.shutdown_timeout_s)

@@ -219,7 +219,13 @@ def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
     _check_keys("config", raw, _TOP_KEYS)
     db = _section(raw, "database")
-    db_numbers = ("statement_timeout_ms", "lock_timeout_ms", "pool_size", "tcp_user_timeout_ms")
+    db_numbers = (
+        "statement_timeout_ms",
+        "lock_timeout_ms",
+        "pool_size",
+        "tcp_user_timeout_ms",
+        "transaction_deadline_ms",
+    )
     _check_keys("[database]", db, {"url", *db_numbers})
     db_url = env.get("SWITCHBOARD_DATABASE_URL") or db.get("url")
     if not db_url:
@@ -234,6 +240,13 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
         url=db_url,
         **{k: _positive_int(f"[database]: key {k!r}", db[k]) for k in db_numbers if k in db},
     )
+    if database.transaction_deadline_ms <= database.statement_timeout_ms:
+        # Else a statement the server would let finish is cut off client-side,
+        # and its connection thrown away, every time.
+        raise ConfigError(
+            "[database]: key 'transaction_deadline_ms' must be greater than statement_timeout_ms"
+            f" ({database.transaction_deadline_ms} <= {database.statement_timeout_ms})"
+        )
     redis_section = _section(raw, "redis")
     _check_keys("[redis]", redis_section, {"url"})
     default_redis = env.get("SWITCHBOARD_REDIS_URL") or redis_section.get("url") or DEFAULT_REDIS_URL

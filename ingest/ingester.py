@@ -16,7 +16,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import registry
-from backhalf.db import create_engine
+from backhalf.db import create_engine, within_deadline
+from backhalf.errors import DeadlineExceeded
 from ingest.adapter import PullAdapter
 from ingest.config import AdapterConfig, Settings
 from ingest.lifecycle import Backoff, wait_stop
@@ -32,12 +33,13 @@ async def register_adapters(engine: AsyncEngine, settings: Settings, stop: async
     backoff = Backoff(settings.ingest.backoff_initial_ms, settings.ingest.backoff_max_ms)
     while not stop.is_set():
         try:
-            async with engine.begin() as conn:
+            deadline_ms = settings.database.transaction_deadline_ms
+            async with within_deadline(engine.begin(), deadline_ms, "registering adapters") as conn:
                 for a in settings.adapters:
                     await registry.register(
                         conn, name=a.name, transport=a.transport, mode=a.mode, settings=a.public_settings()
                     )
-        except SQLAlchemyError as exc:
+        except (SQLAlchemyError, DeadlineExceeded) as exc:
             delay_s = backoff.next_delay_s()
             log.warning("register_failed", error=exc, attempt=backoff.attempt, retry_in_s=round(delay_s, 3))
             await wait_stop(stop, delay_s)
@@ -62,7 +64,17 @@ async def run_ingester(
         async with asyncio.TaskGroup() as tg:
             pairs = list(zip(adapters, settings.adapters, strict=True))
             loops = [
-                tg.create_task(PollLoop(a, cfg, engine, settings.ingest, stop).run(), name=f"poll:{cfg.name}")
+                tg.create_task(
+                    PollLoop(
+                        a,
+                        cfg,
+                        engine,
+                        settings.ingest,
+                        stop,
+                        deadline_ms=settings.database.transaction_deadline_ms,
+                    ).run(),
+                    name=f"poll:{cfg.name}",
+                )
                 for a, cfg in pairs
             ]
             # Heartbeats and the like: they end on stop by themselves.

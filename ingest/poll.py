@@ -17,11 +17,12 @@ from dataclasses import astuple, dataclass, replace
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from backhalf import acks, failpoints, registry
 from backhalf import attempts as delivery_attempts
-from backhalf.errors import BackhalfError, PoisonMessage, StoreError
+from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
+from backhalf.errors import BackhalfError, DeadlineExceeded, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
@@ -74,13 +75,15 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
     )
 
 
-def ledger_for(engine: AsyncEngine, adapter: str) -> OpenLedger:
+def ledger_for(
+    engine: AsyncEngine, adapter: str, deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS
+) -> OpenLedger:
     """Transactions for an adapter's recovery: the row locks taken on pending
     ack intents hold until the ``async with`` ends."""
 
     @contextlib.asynccontextmanager
     async def open_ledger() -> AsyncIterator[PendingCopies]:
-        async with engine.begin() as conn:
+        async with within_deadline(engine.begin(), deadline_ms, f"adapter {adapter}: recovery") as conn:
 
             async def pending_copies(ack_key: str) -> Sequence[PendingIntent]:
                 return await acks.lock_pending_copies(conn, adapter, ack_key)
@@ -106,15 +109,18 @@ class PollLoop:
         engine: AsyncEngine,
         settings: IngestSettings,
         stop: asyncio.Event,
+        *,
+        deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
     ) -> None:
         self._adapter = adapter
         self._cfg = config
         self._engine = engine
+        self._deadline_ms = deadline_ms
         self._settings = settings
         self._stop = stop
         self._enabled = True
         self._enabled_checked_at = float("-inf")
-        self._open_ledger = ledger_for(engine, config.name)
+        self._open_ledger = ledger_for(engine, config.name, deadline_ms)
         self._log = log.bind(
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
@@ -242,7 +248,7 @@ class PollLoop:
         again = [r.idempotency_key for r in records if r.deliveries >= REDELIVERY]
         if not again:
             return records, []
-        async with self._engine.connect() as conn:
+        async with self._within_deadline(self._engine.connect(), "reading delivery attempts") as conn:
             on_record = await delivery_attempts.known(conn, self._cfg.name, again)
         batched: list[InboxRecord] = []
         suspects: list[InboxRecord] = []
@@ -254,7 +260,7 @@ class PollLoop:
         return batched, suspects
 
     async def _count_lone_attempt(self, rec: InboxRecord) -> InboxRecord:
-        async with self._engine.begin() as conn:
+        async with self._within_deadline(self._engine.begin(), "counting a lone attempt") as conn:
             attempts = (await delivery_attempts.record(conn, self._cfg.name, [rec.idempotency_key]))[
                 rec.idempotency_key
             ]
@@ -273,6 +279,11 @@ class PollLoop:
             deliveries=max(rec.deliveries, delivered),
         )
 
+    def _within_deadline(
+        self, opening: contextlib.AbstractAsyncContextManager[AsyncConnection], what: str
+    ) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        return within_deadline(opening, self._deadline_ms, f"adapter {self._cfg.name}: {what}")
+
     def _chunks(self, records: list[InboxRecord]) -> list[list[InboxRecord]]:
         limit = self._settings.max_batch_bytes
         chunks: list[list[InboxRecord]] = [[]]
@@ -289,7 +300,7 @@ class PollLoop:
     async def _is_enabled(self) -> bool:
         now = time.monotonic()
         if now - self._enabled_checked_at >= self._settings.enabled_refresh_ms / 1000:
-            async with self._engine.connect() as conn:
+            async with self._within_deadline(self._engine.connect(), "reading the enabled flag") as conn:
                 enabled = await registry.is_enabled(conn, self._cfg.name)
             if enabled != self._enabled:
                 self._log.info("adapter_enabled" if enabled else "adapter_disabled")
@@ -332,12 +343,15 @@ class PollLoop:
             # commit together or not at all.
             # Test hook: a crash while processing these (rejected ones are not processed).
             failpoints.hit("before_store", (r.body for r in records if r.error is None))
-            async with self._engine.begin() as conn:
+            what = f"storing {len(records)} messages"
+            async with self._within_deadline(self._engine.begin(), what) as conn:
                 result = await store(conn, batch)
                 redelivered = [r.idempotency_key for r in records if r.deliveries >= REDELIVERY]
                 await delivery_attempts.clear(conn, self._cfg.name, redelivered)
                 failpoints.hit("before_commit")
-        except SQLAlchemyError as exc:  # connect, checkout or COMMIT itself
+        except (SQLAlchemyError, DeadlineExceeded) as exc:  # connect, checkout, a statement or COMMIT
+            # The outcome may be unknown (a COMMIT without its reply): the
+            # batch is not confirmed, so it is redelivered and deduplicated.
             raise StoreError(
                 f"adapter {self._cfg.name}: transaction for {len(records)} messages failed: {exc}"
             ) from exc

@@ -45,8 +45,10 @@ def write_config(
     adapters: list[Mapping[str, Any]],
     ingest: Mapping[str, Any] | None = None,
     acker: Mapping[str, Any] | None = None,
+    database: Mapping[str, Any] | None = None,
 ) -> Path:
-    text = f"[database]\n{_table({'url': database_url})}\n[redis]\n{_table({'url': redis_url})}"
+    text = f"[database]\n{_table({'url': database_url, **(database or {})})}"
+    text += f"\n[redis]\n{_table({'url': redis_url})}"
     for a in adapters:
         text += f"\n[[adapters]]\n{_table(a)}"
     fast = {"backoff_initial_ms": 50, "backoff_max_ms": 1000}

@@ -67,6 +67,49 @@ def test_commit_reply_lost_outcome_unknown_redelivery_resolves_it(
     procs.assert_no_secret_logged()
 
 
+def test_postgres_blackhole_cut_off_by_the_transaction_deadline(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str
+) -> None:
+    """The proxy keeps ACKing at the TCP level and never answers, so no TCP
+    timeout fires: only the client-side transaction deadline can end the
+    store. Without it the ingester hangs in COMMIT forever."""
+    gave_up = "no reply from the database within 2000 ms"
+    with proxy_to(db_port(db_url)) as proxy:
+        ingest_config = write_config(
+            tmp_path / "ingest.toml",
+            database_url=with_secret_db(proxy.url_for(db_url)),
+            redis_url=redis_url,
+            adapters=[stream_adapter(STREAM, batch_size=50)],
+            database={"statement_timeout_ms": 1000, "transaction_deadline_ms": 2000},
+        )
+        ack_config = write_config(
+            tmp_path / "ack.toml",
+            database_url=with_secret_db(db_url),
+            redis_url=redis_url,
+            adapters=[stream_adapter(STREAM, batch_size=50)],
+        )
+        ids = produce(redis_url, STREAM, 300)
+        acker = procs.start("ack", ack_config, name="acker-1")
+        ingester = procs.start("ingest", ingest_config, name="ingester-1")
+        wait_all_acked(db_url, redis_url, 300, timeout_s=60, what="the first entries")
+        proxy.blackhole = True
+        ids += produce(redis_url, STREAM, 200, start=300)
+        wait_for(
+            # The store, or the enabled-flag read between batches: whichever
+            # transaction the blackhole caught gives up at the deadline.
+            lambda: any(gave_up in e["error"] for e in ingester.events("store_failed")),
+            timeout_s=40,
+            what="a transaction to give up at its deadline",
+        )
+        assert ingester.alive()
+        proxy.blackhole = False
+        wait_all_acked(db_url, redis_url, 500, timeout_s=90, what="recovery after the blackhole")
+        assert_clean_exit(ingester, ingester.terminate())
+        assert_clean_exit(acker, acker.terminate())
+    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    procs.assert_no_secret_logged()
+
+
 def test_redis_blackhole_detected_by_timeouts_then_recovered(
     procs: Processes, make_config: Callable[..., Path], db_url: str, own_redis: RedisServer
 ) -> None:

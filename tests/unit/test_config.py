@@ -66,6 +66,14 @@ def test_missing_database_url() -> None:
         from_mapping({"adapters": [adapter()]}, {})
 
 
+def test_transaction_deadline_must_exceed_the_statement_timeout() -> None:
+    db = {**DB, "statement_timeout_ms": 5000}
+    s = from_mapping({"database": {**db, "transaction_deadline_ms": 6000}, "adapters": [adapter()]}, {})
+    assert s.database.transaction_deadline_ms == 6000
+    with pytest.raises(ConfigError, match=r"'transaction_deadline_ms'.*5000 <= 5000"):
+        from_mapping({"database": {**db, "transaction_deadline_ms": 5000}, "adapters": [adapter()]}, {})
+
+
 def test_unknown_top_level_key_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'colour'"):
         from_mapping({"database": DB, "colour": 1}, {})
