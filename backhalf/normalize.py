@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Mapping
+from decimal import Decimal
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backhalf.errors import PoisonMessage
+
+if TYPE_CHECKING:
+    from backhalf.body_schema import BodySchema
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 MAX_JSON_DEPTH = 64
@@ -92,9 +97,17 @@ def _check_float(s: str) -> str:
     return s
 
 
-def _json_payload(text: str) -> str:
+def _checked_number(s: str) -> float | Decimal:
+    # For a schema, numbers must be numbers: floats as json.loads would give
+    # them, and Decimal where a float would overflow to inf (1e400).
+    value = float(_check_float(s))
+    return value if math.isfinite(value) else Decimal(s)
+
+
+def _json_payload(text: str, schema: BodySchema | None) -> str:
+    parse_float = _check_float if schema is None else _checked_number
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_check_float)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=parse_float)
     except PoisonMessage:
         raise
     except RecursionError as exc:
@@ -108,11 +121,17 @@ def _json_payload(text: str) -> str:
     deep_possible = text.count("[") + text.count("{") > MAX_JSON_DEPTH
     if check_strings or deep_possible:
         _walk(value, check_strings)
+    if schema is not None:
+        schema.check(value)
     return text
 
 
-def body_payload(body: bytes, fmt: BodyFormat, max_message_bytes: int) -> str:
-    """Decode a whole-message body per the adapter's ``format``; return JSON text."""
+def body_payload(
+    body: bytes, fmt: BodyFormat, max_message_bytes: int, schema: BodySchema | None = None
+) -> str:
+    """Decode a whole-message body per the adapter's ``format``; return JSON
+    text. A ``schema`` is checked against the decoded value (a ``text`` body
+    is a string; config refuses a schema for ``bytes``)."""
     _check_size(body, max_message_bytes)
     if fmt is BodyFormat.BYTES:
         return json.dumps(base64.b64encode(body).decode("ascii"))
@@ -120,11 +139,15 @@ def body_payload(body: bytes, fmt: BodyFormat, max_message_bytes: int) -> str:
     if fmt is BodyFormat.TEXT:
         if "\x00" in text:
             raise PoisonMessage("nul_character", "NUL cannot be stored in jsonb")
+        if schema is not None:
+            schema.check(text)
         return json.dumps(text, ensure_ascii=False)
-    return _json_payload(text)
+    return _json_payload(text, schema)
 
 
-def fields_payload(fields: Mapping[bytes, bytes], max_message_bytes: int) -> str:
+def fields_payload(
+    fields: Mapping[bytes, bytes], max_message_bytes: int, schema: BodySchema | None = None
+) -> str:
     """A stream entry without a body field: its field map as a JSON object of strings."""
     size = sum(len(k) + len(v) for k, v in fields.items())
     if size > max_message_bytes:
@@ -135,6 +158,8 @@ def fields_payload(fields: Mapping[bytes, bytes], max_message_bytes: int) -> str
         if "\x00" in key or "\x00" in val:
             raise PoisonMessage("nul_character", "NUL cannot be stored in jsonb")
         decoded[key] = val
+    if schema is not None:
+        schema.check(decoded)
     return json.dumps(decoded, ensure_ascii=False, separators=(",", ":"))
 
 

@@ -167,7 +167,9 @@ async def _inbox_command(settings: Settings, args: argparse.Namespace) -> int:
 
 def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
     cfg = settings.adapter(adapter)
-    return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes)
+    # The adapter's current rules, schema included: a replay after the schema
+    # was fixed checks against the fixed one.
+    return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes, cfg.body_schema)
 
 
 async def _status_command(settings: Settings, as_json: bool) -> int:

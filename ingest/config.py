@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from backhalf.body_schema import BodySchema, SchemaFileError
 from backhalf.db import DatabaseSettings, normalize_url
 from backhalf.keys import DEFAULT_PREFIX
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
@@ -47,6 +48,9 @@ class AdapterConfig:
     max_deliveries: int = 10  # delivered this often and never stored: rejected as poison
     heartbeat_ttl_ms: int = 30_000  # list mode: a consumer silent this long is dead
     reap_interval_ms: int = 5_000  # list mode: how often dead consumers' lists are checked
+    # A JSON Schema file the decoded body must satisfy, else it is poison.
+    schema: str | None = None
+    body_schema: BodySchema | None = field(default=None, compare=False, repr=False)
 
     def public_settings(self) -> dict[str, Any]:
         """What goes into ``adapters.settings``: everything but the broker URL."""
@@ -65,6 +69,7 @@ class AdapterConfig:
             "format": str(self.format),
             "max_message_bytes": self.max_message_bytes,
             "max_deliveries": self.max_deliveries,
+            **({"schema": self.schema} if self.schema else {}),
             **({"heartbeat_ttl_ms": self.heartbeat_ttl_ms} if self.mode == "list" else {}),
             **({"delivery": self.delivery} if self.mode == "pubsub" else {}),
         }
@@ -111,7 +116,7 @@ _ADAPTER_KEYS = {
     "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after",
     "batch_size", "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id",
     "key_prefix", "body_field", "format", "max_message_bytes", "url", "delivery",
-    "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
+    "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries", "schema",
 }  # fmt: skip
 _START_ID = re.compile(r"\$|\d+(-\d+)?")
 _TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics"}
@@ -142,7 +147,23 @@ def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return value
 
 
-def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
+def _body_schema(
+    label: str, raw: Mapping[str, Any], body_format: BodyFormat, base_dir: Path
+) -> dict[str, Any]:
+    """``schema``: a JSON Schema file, relative to the config file's directory."""
+    if "schema" not in raw:
+        return {}
+    path = Path(_string(f"{label}: key 'schema'", raw["schema"]))
+    if body_format is BodyFormat.BYTES:
+        raise ConfigError(f"{label}: key 'schema' cannot apply to format = \"bytes\" (nothing is decoded)")
+    path = path if path.is_absolute() else base_dir / path
+    try:
+        return {"schema": str(path), "body_schema": BodySchema.load(path)}
+    except SchemaFileError as exc:
+        raise ConfigError(f"{label}: key 'schema': {exc}") from exc
+
+
+def _adapter(index: int, raw: Any, default_redis_url: str, base_dir: Path) -> AdapterConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"adapters[{index}]: must be a table")
     name = raw.get("name")
@@ -212,11 +233,13 @@ def _adapter(index: int, raw: Any, default_redis_url: str) -> AdapterConfig:
         start_id=start_id,
         format=body_format,
         delivery=raw.get("delivery"),
+        **_body_schema(label, raw, body_format, base_dir),
         **options,
     )
 
 
-def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
+def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None = None) -> Settings:
+    """``base_dir`` anchors relative paths (the config file's directory)."""
     _check_keys("config", raw, _TOP_KEYS)
     db = _section(raw, "database")
     db_numbers = (
@@ -253,7 +276,8 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
     raw_adapters = raw.get("adapters", [])
     if not isinstance(raw_adapters, list):
         raise ConfigError("[[adapters]]: must be an array of tables")
-    adapters = tuple(_adapter(i, a, default_redis) for i, a in enumerate(raw_adapters))
+    anchor = base_dir if base_dir is not None else Path.cwd()
+    adapters = tuple(_adapter(i, a, default_redis, anchor) for i, a in enumerate(raw_adapters))
     names = [a.name for a in adapters]
     for n in names:
         if names.count(n) > 1:
@@ -302,4 +326,4 @@ def load(path: str | Path, env: Mapping[str, str]) -> Settings:
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc}") from exc
-    return from_mapping(raw, env)
+    return from_mapping(raw, env, path.resolve().parent)

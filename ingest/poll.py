@@ -57,9 +57,11 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
     if error is None:
         try:
             if delivery.body is not None:
-                payload = body_payload(delivery.body, config.format, config.max_message_bytes)
+                payload = body_payload(
+                    delivery.body, config.format, config.max_message_bytes, config.body_schema
+                )
             else:
-                payload = fields_payload(delivery.fields or {}, config.max_message_bytes)
+                payload = fields_payload(delivery.fields or {}, config.max_message_bytes, config.body_schema)
         except PoisonMessage as exc:
             error = str(exc)
     return InboxRecord(

@@ -56,3 +56,40 @@ def test_crashing_message_is_rejected_after_max_deliveries(
     keys = sorted(k for (k,) in query(db_url, "SELECT idempotency_key FROM todos"))
     assert keys == sorted(f"redis:{STREAM}:{i}" for i in good)
     assert scalar(db_url, "SELECT count(*) FROM delivery_attempts") == 0  # cleared once stored
+
+
+def test_body_failing_the_adapter_schema_is_rejected_and_acked(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    schema = tmp_path / "order.schema.json"
+    schema.write_text(
+        json.dumps({"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}})
+    )
+    config = make_config(stream_adapter(STREAM, batch_size=50, schema=str(schema)))
+    good: list[str] = []
+    bad: dict[str, str] = {}
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        for i in range(200):
+            if i % 20 == 7:
+                bad[r.xadd(STREAM, {"body": json.dumps({"n": str(i)})}).decode()] = "/n"
+            elif i % 20 == 13:
+                bad[r.xadd(STREAM, {"body": json.dumps({"m": i})}).decode()] = "/"
+            else:
+                good.append(r.xadd(STREAM, {"body": json.dumps({"n": i})}).decode())
+    ingester = procs.start("ingest", config, name="ingester-1")
+    acker = procs.start("ack", config, name="acker-1")
+    acked = "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"
+    wait_for(
+        lambda: scalar(db_url, acked) == 200 and xpending(redis_url, STREAM) == 0,
+        timeout_s=60,
+        what="all acked",
+    )
+    assert_clean_exit(ingester, ingester.terminate())
+    assert_clean_exit(acker, acker.terminate())
+    rejected = dict(query(db_url, "SELECT source_message_id, error FROM inbox WHERE status = 'rejected'"))
+    assert set(rejected) == set(bad)
+    for entry_id, where in bad.items():
+        assert rejected[entry_id].startswith(f"schema_mismatch: at {where}: ")
+    keys = sorted(k for (k,) in query(db_url, "SELECT idempotency_key FROM todos"))
+    assert keys == sorted(f"redis:{STREAM}:{i}" for i in good)
+    assert scalar(db_url, "SELECT count(*) FROM audit_rejected") == len(bad)
