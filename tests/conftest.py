@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,8 @@ def own_redis() -> Iterator[RedisServer]:
 def own_postgres() -> Iterator[tuple[PostgresServer, str]]:
     """A PostgreSQL this test owns (to terminate backends and restart it), with
     a migrated database; yields the server and the database URL."""
-    server = PostgresServer.create(temp_base("switchboard-pg-") / "pg")
+    base = temp_base("switchboard-pg-")
+    server = PostgresServer.create(base / "pg")
     server.start()
     try:
         url = server.create_database("switchboard")
@@ -59,6 +61,7 @@ def own_postgres() -> Iterator[tuple[PostgresServer, str]]:
         yield server, url
     finally:
         server.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,3 +76,4 @@ def shared_servers() -> Iterator[ServerUrls]:
     finally:
         pg.cleanup()
         rs.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
