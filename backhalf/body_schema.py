@@ -13,9 +13,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jsonschema import Draft202012Validator, SchemaError, validators
-from jsonschema.exceptions import best_match
-
 from backhalf.errors import PoisonMessage
 
 # An error message quotes the failing value, which may be most of the body.
@@ -28,6 +25,9 @@ class SchemaFileError(Exception):
 
 class BodySchema:
     def __init__(self, schema: dict[str, Any], source: str) -> None:
+        # Imported here: only adapters with a schema pay its ~0.1 s import.
+        from jsonschema import Draft202012Validator, SchemaError, validators
+
         cls = validators.validator_for(schema, default=Draft202012Validator)
         try:
             cls.check_schema(schema)
@@ -35,6 +35,9 @@ class BodySchema:
             raise SchemaFileError(f"{source}: not a valid JSON Schema: {exc.message}") from exc
         self._validator = cls(schema)
         self.source = source
+        from jsonschema.exceptions import best_match
+
+        self._best_match = best_match
 
     @classmethod
     def load(cls, path: Path) -> BodySchema:
@@ -50,7 +53,7 @@ class BodySchema:
 
     def check(self, value: Any) -> None:
         """Raise ``PoisonMessage('schema_mismatch', ...)`` unless ``value`` conforms."""
-        error = best_match(self._validator.iter_errors(value))
+        error = self._best_match(self._validator.iter_errors(value))
         if error is None:
             return
         where = "/" + "/".join(str(p) for p in error.absolute_path)
