@@ -65,7 +65,8 @@ def snapshot(conn: psycopg.Connection[Any]) -> dict[str, Any]:
             " WHERE n.nspname = 'public' AND c.relkind IN ('r', 'i') ORDER BY 1"
         ).fetchall()
     )
-    snap["db_mb"] = conn.execute("SELECT pg_database_size(current_database()) / 1048576").fetchone()[0]  # type: ignore[index]
+    db = conn.execute("SELECT pg_database_size(current_database()) / 1048576").fetchone()
+    snap["db_mb"] = db[0] if db else None
     io = conn.execute(
         "SELECT coalesce(sum(writes), 0), coalesce(sum(extends), 0), coalesce(sum(evictions), 0)"
         " FROM pg_stat_io WHERE backend_type = 'client backend' AND object = 'relation'"
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             acker.stop()
 
         print(
-            f"probe: {n:,} messages in {elapsed:.1f} s = {n / elapsed:,.0f} msg/s (acker: {not args.no_acker})"
+            f"probe: {n:,} messages in {elapsed:.1f} s = {n / elapsed:,.0f} msg/s"
+            f" (acker: {not args.no_acker})"
         )
         # Drain rate per tenth (by messages read).
         t0 = samples[0][0]
@@ -275,9 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 per: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
                 for ts, cls, ms in run:
                     per[cls][min(9, int((ts - first) / max(last - first, 1e-9) * 10))].append(ms)
-                print(
-                    "statement durations by tenth of the run (wall clock): mean ms [calls]  first / middle / last"
-                )
+                header = "statement durations by tenth of the run (wall clock): mean ms [calls]"
+                print(header + "  first / middle / last")
                 for cls, by in sorted(per.items()):
                     cells = []
                     for k in (0, 4, 9):
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             sizes = s["sizes"]
             idx = {k: v for k, v in sizes.items() if k.startswith(("pk_inbox", "uq_inbox", "ix_inbox"))}
             print(
-                f"  [{i}] upd {ib.get('upd')} hot {ib.get('hot')} dead {ib.get('dead')} av {ib.get('autovac')}"
+                f"  [{i}] upd {ib.get('upd')} hot {ib.get('hot')} dead {ib.get('dead')}"
+                f" av {ib.get('autovac')}"
                 f" | inbox {sizes.get('inbox', 0) / 2**20:.1f} "
                 + " ".join(f"{k}={v / 2**20:.1f}" for k, v in sorted(idx.items()))
                 + f" | db {s['db_mb']} MB, backend io {s['io']}"
@@ -302,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- EXPLAIN claim SELECT at {drained:,} drained\n{text}")
         if args.json:
             args.json.write_text(json.dumps({"snaps": snaps, "samples": samples}, default=str))
-        (base / "pg_log_tail.txt").write_text("")
         shutil.copy(pg.log_path, Path(tempfile.gettempdir()) / "probe-postgres.log")
     finally:
         pg.cleanup()
