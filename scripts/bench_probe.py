@@ -48,6 +48,20 @@ ORDER BY id LIMIT 4000
 """
 
 
+HOT_EXPERIMENT_DDL = [
+    "DROP INDEX ix_inbox_ack_pending, uq_inbox_body_pending, ix_inbox_pending_ack_key",
+    "ALTER TABLE inbox SET (fillfactor = FILLFACTOR)",
+    "CREATE TABLE ack_queue (inbox_id bigint PRIMARY KEY, adapter text NOT NULL)",
+    """CREATE FUNCTION enqueue_acks() RETURNS trigger LANGUAGE plpgsql AS $$
+       BEGIN
+           INSERT INTO ack_queue SELECT id, adapter FROM new_rows WHERE ack_state = 'pending';
+           RETURN NULL;
+       END $$""",
+    "CREATE TRIGGER inbox_enqueue AFTER INSERT ON inbox REFERENCING NEW TABLE AS new_rows"
+    " FOR EACH STATEMENT EXECUTE FUNCTION enqueue_acks()",
+]
+
+
 def snapshot(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     snap: dict[str, Any] = {"t": time.perf_counter()}
     for row in conn.execute(
@@ -58,6 +72,9 @@ def snapshot(conn: psycopg.Connection[Any]) -> dict[str, Any]:
         snap[row[0]] = dict(
             zip(("ins", "upd", "hot", "del", "live", "dead", "autovac", "autoanalyze"), row[1:], strict=True)
         )
+    snap["queue"] = conn.execute(
+        "SELECT n_tup_ins, n_tup_del, n_dead_tup FROM pg_stat_user_tables WHERE relname = 'ack_queue'"
+    ).fetchone()
     snap["sizes"] = dict(
         conn.execute(
             "SELECT c.relname, pg_relation_size(c.oid) FROM pg_class c"
@@ -107,6 +124,7 @@ def classify(sql_text: str) -> str:
     s = " ".join(sql_text.split())[:60]
     for prefix, name in (
         ("UPDATE inbox SET ack_state", "acker CLAIM_ACKS"),
+        ("WITH q AS (", "acker CLAIM_ACKS"),
         ("SELECT idempotency_key FROM inbox", "store EXISTING_NATIVE"),
         ("SELECT u.k FROM unnest", "store EXISTING_NATIVE"),
         ("WITH t AS ( INSERT INTO todos", "store UPSERT_TODOS"),
@@ -164,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-acker", action="store_true", help="ingester only (acks left pending)")
     parser.add_argument("--no-statement-log", action="store_true")
     parser.add_argument("--json", type=Path, help="write the raw samples here")
+    parser.add_argument(
+        "--hot-experiment",
+        type=int,
+        metavar="FILLFACTOR",
+        help="experiment: no index refers to ack_state; pending acks in an ack_queue table filled by a"
+        " statement trigger (the acker's CLAIM_ACKS must be edited to match); inbox at this fillfactor",
+    )
     parser.add_argument("--pg-conf", action="append", default=[], help="extra postgresql.conf line")
     args = parser.parse_args(argv)
     n = args.messages
@@ -185,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         rs.start()
         r = redis.Redis.from_url(rs.url)
         url = bench.fresh_db(pg, "probe")
+        if args.hot_experiment:
+            with psycopg.connect(bench.libpq(url), autocommit=True) as conn:
+                for ddl in HOT_EXPERIMENT_DDL:
+                    conn.execute(ddl.replace("FILLFACTOR", str(args.hot_experiment)))  # type: ignore[arg-type]
         bench.preload(r, n)
         config = bench.write_config(base / "probe.toml", url, rs.url, args.batch_size)
         acker = None if args.no_acker else bench.Proc("ack", config, base / "acker.log")
@@ -291,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         for i, s in enumerate(snaps):
             ib = s.get("inbox", {})
             sizes = s["sizes"]
-            idx = {k: v for k, v in sizes.items() if k.startswith(("pk_inbox", "uq_inbox", "ix_inbox"))}
+            idx = {
+                k: v
+                for k, v in sizes.items()
+                if k.startswith(("pk_inbox", "uq_inbox", "ix_inbox", "ack_queue"))
+            }
             print(
                 f"  [{i}] upd {ib.get('upd')} hot {ib.get('hot')} dead {ib.get('dead')}"
                 f" av {ib.get('autovac')}"
