@@ -61,6 +61,25 @@ HOT_EXPERIMENT_DDL = [
     " FOR EACH STATEMENT EXECUTE FUNCTION enqueue_acks()",
 ]
 
+# The acker's claim for --hot-experiment: put this in backhalf.sql.CLAIM_ACKS
+# for the run (the processes import it), and restore it afterwards.
+HOT_EXPERIMENT_CLAIM = """
+WITH q AS (
+    DELETE FROM ack_queue WHERE inbox_id IN (
+        SELECT inbox_id FROM ack_queue
+        WHERE adapter = ANY(%(adapters)s::text[])
+        ORDER BY inbox_id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING inbox_id
+)
+UPDATE inbox SET ack_state = 'acked', acked_at = now()
+WHERE id = ANY(ARRAY(SELECT inbox_id FROM q))
+RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
+          CASE WHEN ack_kind = 'lrem' THEN body END AS body
+"""
+
 
 def snapshot(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     snap: dict[str, Any] = {"t": time.perf_counter()}
