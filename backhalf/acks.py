@@ -26,6 +26,7 @@ async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> l
     try:
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
+            await cur.execute(sql.CLAIM_PLAN)
             await cur.execute(sql.CLAIM_ACKS, {"adapters": list(adapters), "limit": limit})
             rows = await cur.fetchall()
     except (psycopg.Error, SQLAlchemyError) as exc:

@@ -117,7 +117,7 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['adapter'], ['adapters.name'], name=op.f('fk_inbox_adapter_adapters')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_inbox'))
     )
-    op.create_index('ix_inbox_ack_pending', 'inbox', ['id'], unique=False, postgresql_where=sa.text("ack_state = 'pending'"))
+    op.create_index('ix_inbox_ack_pending', 'inbox', ['id'], unique=False, postgresql_where=sa.text("ack_state = 'pending' AND ack_after = 'store'"))
     op.create_index('ix_inbox_rejected', 'inbox', ['adapter', 'id'], unique=False, postgresql_where=sa.text("status = 'rejected'"))
     op.create_index('uq_inbox_body_pending', 'inbox', ['adapter', 'idempotency_key', 'ack_key'], unique=True, postgresql_where=sa.text("source_message_id IS NULL AND ack_state = 'pending'"))
     op.create_index('ix_inbox_pending_ack_key', 'inbox', ['ack_key'], unique=False, postgresql_where=sa.text("ack_kind = 'lrem' AND ack_state = 'pending'"))
@@ -137,7 +137,7 @@ def downgrade() -> None:
     op.drop_index('ix_inbox_pending_ack_key', table_name='inbox', postgresql_where=sa.text("ack_kind = 'lrem' AND ack_state = 'pending'"))
     op.drop_index('uq_inbox_body_pending', table_name='inbox', postgresql_where=sa.text("source_message_id IS NULL AND ack_state = 'pending'"))
     op.drop_index('ix_inbox_rejected', table_name='inbox', postgresql_where=sa.text("status = 'rejected'"))
-    op.drop_index('ix_inbox_ack_pending', table_name='inbox', postgresql_where=sa.text("ack_state = 'pending'"))
+    op.drop_index('ix_inbox_ack_pending', table_name='inbox', postgresql_where=sa.text("ack_state = 'pending' AND ack_after = 'store'"))
     op.drop_table('inbox')
     op.drop_table('delivery_attempts')
     op.drop_index('ix_todo_events_todo_id', table_name='todo_events')

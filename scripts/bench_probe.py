@@ -1,0 +1,368 @@
+"""Issue 5 probe: drain one pre-loaded stream with the real ``switchboard
+ingest`` + ``switchboard ack`` processes (as ``make bench --backlog`` does)
+and record, while it runs, what grows with the database:
+
+* drain rate and the ingester's ``store_ms`` per batch, per tenth of the run;
+* every statement's server-side duration (``log_min_duration_statement = 0``,
+  parameters not logged), grouped by statement and by tenth of the run;
+* ``pg_stat_user_tables`` (inserts, updates, HOT updates, dead tuples,
+  autovacuums), relation and index sizes, WAL bytes and full-page images,
+  checkpoints, at the start, at each tenth and at the end;
+* ``EXPLAIN (ANALYZE, BUFFERS)`` of the acker's claim (its read-only SELECT)
+  at a few points of the run.
+
+Diagnostic only; ``scripts/bench.py`` stays the reference benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench  # noqa: E402
+
+from backhalf import sql  # noqa: E402
+from ingest.servers import PostgresServer, RedisServer  # noqa: E402
+
+TABLES = ("inbox", "events", "todos", "todo_events")
+
+CLAIM_SELECT = """
+SELECT id FROM inbox
+WHERE ack_state = 'pending' AND ack_after = 'store' AND adapter = ANY(ARRAY['bench'])
+ORDER BY id LIMIT 4000
+"""
+
+
+HOT_EXPERIMENT_DDL = [
+    "DROP INDEX ix_inbox_ack_pending, uq_inbox_body_pending, ix_inbox_pending_ack_key",
+    "ALTER TABLE inbox SET (fillfactor = FILLFACTOR)",
+    "CREATE TABLE ack_queue (inbox_id bigint PRIMARY KEY, adapter text NOT NULL)",
+    """CREATE FUNCTION enqueue_acks() RETURNS trigger LANGUAGE plpgsql AS $$
+       BEGIN
+           INSERT INTO ack_queue SELECT id, adapter FROM new_rows WHERE ack_state = 'pending';
+           RETURN NULL;
+       END $$""",
+    "CREATE TRIGGER inbox_enqueue AFTER INSERT ON inbox REFERENCING NEW TABLE AS new_rows"
+    " FOR EACH STATEMENT EXECUTE FUNCTION enqueue_acks()",
+]
+
+# The acker's claim for --hot-experiment: put this in backhalf.sql.CLAIM_ACKS
+# for the run (the processes import it), and restore it afterwards.
+HOT_EXPERIMENT_CLAIM = """
+WITH q AS (
+    DELETE FROM ack_queue WHERE inbox_id IN (
+        SELECT inbox_id FROM ack_queue
+        WHERE adapter = ANY(%(adapters)s::text[])
+        ORDER BY inbox_id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING inbox_id
+)
+UPDATE inbox SET ack_state = 'acked', acked_at = now()
+WHERE id = ANY(ARRAY(SELECT inbox_id FROM q))
+RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
+          CASE WHEN ack_kind = 'lrem' THEN body END AS body
+"""
+
+
+def snapshot(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    snap: dict[str, Any] = {"t": time.perf_counter()}
+    for row in conn.execute(
+        "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del, n_live_tup, n_dead_tup,"
+        " autovacuum_count, autoanalyze_count FROM pg_stat_user_tables WHERE relname = ANY(%s)",
+        (list(TABLES),),
+    ):
+        snap[row[0]] = dict(
+            zip(("ins", "upd", "hot", "del", "live", "dead", "autovac", "autoanalyze"), row[1:], strict=True)
+        )
+    snap["queue"] = conn.execute(
+        "SELECT n_tup_ins, n_tup_del, n_dead_tup FROM pg_stat_user_tables WHERE relname = 'ack_queue'"
+    ).fetchone()
+    snap["sizes"] = dict(
+        conn.execute(
+            "SELECT c.relname, pg_relation_size(c.oid) FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = 'public' AND c.relkind IN ('r', 'i') ORDER BY 1"
+        ).fetchall()
+    )
+    db = conn.execute("SELECT pg_database_size(current_database()) / 1048576").fetchone()
+    snap["db_mb"] = db[0] if db else None
+    io = conn.execute(
+        "SELECT coalesce(sum(writes), 0), coalesce(sum(extends), 0), coalesce(sum(evictions), 0)"
+        " FROM pg_stat_io WHERE backend_type = 'client backend' AND object = 'relation'"
+    ).fetchone()
+    snap["io"] = dict(zip(("writes", "extends", "evictions"), io, strict=True)) if io else {}
+    wal = conn.execute("SELECT wal_records, wal_fpi, wal_bytes FROM pg_stat_wal").fetchone()
+    snap["wal"] = {"records": wal[0], "fpi": wal[1], "bytes": int(wal[2])} if wal else {}
+    cp = conn.execute(
+        "SELECT checkpoints_timed, checkpoints_req, buffers_checkpoint, buffers_backend FROM pg_stat_bgwriter"
+    ).fetchone()
+    snap["ckpt"] = dict(zip(("timed", "req", "buf_ckpt", "buf_backend"), cp, strict=True)) if cp else {}
+    return snap
+
+
+def explain_claim(conn: psycopg.Connection[Any]) -> str:
+    with conn.transaction():
+        conn.execute(sql.CLAIM_PLAN)
+        rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) " + CLAIM_SELECT).fetchall()
+    out = "\n".join(r[0] for r in rows)
+    # The store's known-keys read, for 2000 keys that are not stored yet
+    # (the common case) next to the newest stored ones.
+    keys = [k for (k,) in conn.execute("SELECT idempotency_key FROM inbox ORDER BY id DESC LIMIT 2000")]
+    rows = conn.execute(
+        "EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) " + sql.EXISTING_NATIVE,
+        {"adapter": "bench", "keys": [k + "x" for k in keys]},
+    ).fetchall()
+    plan = [r[0] for r in rows if "::text[]" not in r[0]]  # leave out the 2000 keys
+    return out + "\n--- EXPLAIN EXISTING_NATIVE (2000 absent keys)\n" + "\n".join(plan)
+
+
+STATEMENT_RE = re.compile(
+    r"^(?P<ts>\S+ \S+) \S+ \[(?P<pid>\d+)\] (?P<app>\S*) LOG:  duration: (?P<ms>[\d.]+) ms  "
+    r"(?:execute \S+|statement): (?P<sql>.*)$"
+)
+
+
+def classify(sql_text: str) -> str:
+    s = " ".join(sql_text.split())[:60]
+    for prefix, name in (
+        ("UPDATE inbox SET ack_state", "acker CLAIM_ACKS"),
+        ("WITH q AS (", "acker CLAIM_ACKS"),
+        ("SELECT idempotency_key FROM inbox", "store EXISTING_NATIVE"),
+        ("SELECT u.k FROM unnest", "store EXISTING_NATIVE"),
+        ("WITH t AS ( INSERT INTO todos", "store UPSERT_TODOS"),
+        ("INSERT INTO events", "store INSERT_EVENTS"),
+        ("INSERT INTO inbox", "store INSERT_INBOX"),
+        ("SELECT pg_notify", "store NOTIFY"),
+        ("COMMIT", "COMMIT"),
+    ):
+        if s.startswith(prefix):
+            return name
+    return "other"
+
+
+def parse_pg_log(path: Path) -> list[tuple[float, str, float]]:
+    """(epoch seconds, statement class, ms) for every logged execution; a
+    statement of no known class is named by its backend's role (the acker's
+    backend runs the claim, the store's the inbox insert) and its first words."""
+    from datetime import datetime
+
+    raw = []
+    role: dict[str, str] = {}
+    lines = path.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines):
+        m = STATEMENT_RE.match(line)
+        if not m:
+            continue
+        text = m["sql"]
+        j = i + 1
+        while not text.strip() and j < len(lines):  # the statement starts on the next line
+            text = lines[j]
+            j += 1
+        ts = datetime.strptime(m["ts"][:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+        cls = classify(text)
+        if m["app"] == "probe":
+            continue
+        if cls.startswith(("acker", "store")):
+            role[m["pid"]] = cls.split()[0]
+        raw.append((ts, m["pid"], cls, " ".join(text.split()[:3]), float(m["ms"])))
+    out = []
+    for ts, pid, cls, words, ms in raw:
+        if cls in ("COMMIT", "other") and pid in role:
+            cls = f"{role[pid]} {words[:40]}"
+        elif cls == "other":
+            cls = f"other {words[:40]}"
+        out.append((ts, cls, ms))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--messages", type=int, default=300_000)
+    parser.add_argument("--batch-size", type=int, default=2000)
+    parser.add_argument("--no-acker", action="store_true", help="ingester only (acks left pending)")
+    parser.add_argument("--no-statement-log", action="store_true")
+    parser.add_argument("--json", type=Path, help="write the raw samples here")
+    parser.add_argument(
+        "--hot-experiment",
+        type=int,
+        metavar="FILLFACTOR",
+        help="experiment: no index refers to ack_state; pending acks in an ack_queue table filled by a"
+        " statement trigger (the acker's CLAIM_ACKS must be edited to match); inbox at this fillfactor",
+    )
+    parser.add_argument("--pg-conf", action="append", default=[], help="extra postgresql.conf line")
+    args = parser.parse_args(argv)
+    n = args.messages
+
+    base = Path(tempfile.mkdtemp(prefix="switchboard-probe-"))
+    base.chmod(0o755)
+    pg = PostgresServer.create(base / "pg")
+    with (pg.pgdata / "postgresql.conf").open("a") as conf:
+        conf.write("track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n")
+        conf.write("log_checkpoints = on\nlog_autovacuum_min_duration = 0\n")
+        conf.write("log_line_prefix = '%m [%p] %a '\n")
+        if not args.no_statement_log:
+            conf.write("log_min_duration_statement = 0\nlog_parameter_max_length = 0\n")
+        for line in args.pg_conf:
+            conf.write(line + "\n")
+    rs = RedisServer.create(base / "redis", appendfsync="everysec")
+    try:
+        pg.start()
+        rs.start()
+        r = redis.Redis.from_url(rs.url)
+        url = bench.fresh_db(pg, "probe")
+        if args.hot_experiment:
+            with psycopg.connect(bench.libpq(url), autocommit=True) as conn:
+                for ddl in HOT_EXPERIMENT_DDL:
+                    conn.execute(ddl.replace("FILLFACTOR", str(args.hot_experiment)))  # type: ignore[arg-type]
+        bench.preload(r, n)
+        config = bench.write_config(base / "probe.toml", url, rs.url, args.batch_size)
+        acker = None if args.no_acker else bench.Proc("ack", config, base / "acker.log")
+        ingester = bench.Proc("ingest", config, base / "ingester.log")
+        if acker:
+            bench.wait_until("the acker", lambda: acker.ready('"listening"'), 30)
+        bench.wait_until("the ingester", lambda: ingester.ready('"poll_loop_started"'), 30)
+
+        mon = psycopg.connect(bench.libpq(url), autocommit=True)
+        mon.execute("SET application_name = 'probe'")
+        snaps = [snapshot(mon)]
+        explains: list[tuple[int, str]] = []
+        samples: list[tuple[float, int]] = []
+        started = time.perf_counter()
+        started_epoch = time.time()
+        bench.set_enabled(url, True)
+        next_tenth = 1
+        explain_at = {n // 10, n // 2, (9 * n) // 10}
+
+        def done() -> bool:
+            (group,) = r.xinfo_groups(bench.STREAM)
+            if args.no_acker:
+                return group["lag"] == 0 and ingester.ready("batch_stored") and _stored_all()
+            return group["lag"] == 0 and group["pending"] == 0
+
+        def _stored_all() -> bool:
+            lines = [ln for ln in ingester.log.read_text().splitlines() if "batch_stored" in ln]
+            return sum(json.loads(ln)["messages"] for ln in lines) >= n
+
+        while not done():
+            (group,) = r.xinfo_groups(bench.STREAM)
+            drained = n - int(group["lag"] or 0)
+            now = time.perf_counter()
+            samples.append((now, drained))
+            while next_tenth < 10 and drained >= next_tenth * n // 10:
+                snaps.append(snapshot(mon))
+                next_tenth += 1
+            for mark in sorted(explain_at):
+                if drained >= mark:
+                    explain_at.discard(mark)
+                    explains.append((drained, explain_claim(mon)))
+            time.sleep(0.25)
+        elapsed = time.perf_counter() - started
+        finished_epoch = time.time()
+        samples.append((time.perf_counter(), n))
+        snaps.append(snapshot(mon))
+        if not args.no_acker:
+            bench.wait_until("every inbox row marked acked", lambda: bench.acked_count(url) == n, 60)
+        explains.append((n, explain_claim(mon)))
+        mon.execute("ANALYZE inbox")
+        explains.append((-n, explain_claim(mon)))  # negative: after ANALYZE
+        ingester.stop()
+        if acker:
+            acker.stop()
+
+        print(
+            f"probe: {n:,} messages in {elapsed:.1f} s = {n / elapsed:,.0f} msg/s"
+            f" (acker: {not args.no_acker})"
+        )
+        # Drain rate per tenth (by messages read).
+        t0 = samples[0][0]
+        print("tenth  drain msg/s   store_ms mean (ingester batch_stored)")
+        stores = []
+        for ln in ingester.log.read_text().splitlines():
+            if "batch_stored" in ln:
+                d = json.loads(ln)
+                stores.append((d["timestamp"], d["messages"], d["store_ms"]))
+        cum = 0
+        store_by_tenth: dict[int, list[float]] = defaultdict(list)
+        for _ts, msgs, ms in stores:
+            store_by_tenth[min(9, cum * 10 // n)].append(ms / msgs * 2000)
+            cum += msgs
+        for k in range(10):
+            lo, hi = k * n // 10, (k + 1) * n // 10
+            part = [s for s in samples if lo <= s[1] <= hi]
+            rate = (
+                (part[-1][1] - part[0][1]) / max(part[-1][0] - part[0][0], 1e-9)
+                if len(part) > 1
+                else float("nan")
+            )
+            st = store_by_tenth.get(k, [])
+            print(f"{k + 1:>5}  {rate:>11,.0f}   {sum(st) / max(len(st), 1):8.1f} ms/2000 (n={len(st)})")
+        del t0
+
+        if not args.no_statement_log:
+            execs = parse_pg_log(pg.log_path)
+            run = [e for e in execs if started_epoch - 0.5 <= e[0] <= finished_epoch]
+            if run:
+                first, last = run[0][0], run[-1][0]
+                per: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+                for ts, cls, ms in run:
+                    per[cls][min(9, int((ts - first) / max(last - first, 1e-9) * 10))].append(ms)
+                header = "statement durations by tenth of the run (wall clock): mean ms [calls]"
+                print(header + "  first / middle / last")
+                for cls, by in sorted(per.items()):
+                    cells = []
+                    for k in (0, 4, 9):
+                        v = by.get(k, [])
+                        cells.append(f"{sum(v) / max(len(v), 1):8.2f} [{len(v)}]")
+                    total = sum(sum(v) for v in by.values())
+                    print(f"  {cls:<22} {' / '.join(cells)}  total {total / 1000:.1f} s")
+
+        print("snapshots (inbox): upd  hot  dead  autovac | sizes MB: inbox, indexes | WAL MB, FPI")
+        for i, s in enumerate(snaps):
+            ib = s.get("inbox", {})
+            sizes = s["sizes"]
+            idx = {
+                k: v
+                for k, v in sizes.items()
+                if k.startswith(("pk_inbox", "uq_inbox", "ix_inbox", "ack_queue"))
+            }
+            print(
+                f"  [{i}] upd {ib.get('upd')} hot {ib.get('hot')} dead {ib.get('dead')}"
+                f" av {ib.get('autovac')}"
+                f" | inbox {sizes.get('inbox', 0) / 2**20:.1f} "
+                + " ".join(f"{k}={v / 2**20:.1f}" for k, v in sorted(idx.items()))
+                + f" | db {s['db_mb']} MB, backend io {s['io']}"
+                + f" | wal {s['wal'].get('bytes', 0) / 2**20:.0f} fpi {s['wal'].get('fpi')} ckpt {s['ckpt']}"
+            )
+        for drained, text in explains:
+            print(f"--- EXPLAIN claim SELECT at {drained:,} drained\n{text}")
+        if args.json:
+            args.json.write_text(json.dumps({"snaps": snaps, "samples": samples}, default=str))
+        shutil.copy(pg.log_path, Path(tempfile.gettempdir()) / "probe-postgres.log")
+    finally:
+        pg.cleanup()
+        rs.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
