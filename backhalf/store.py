@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from operator import attrgetter
 from typing import Any
 
 import psycopg
@@ -29,14 +30,13 @@ def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | Non
     # One statement may not touch a row twice (ON CONFLICT DO UPDATE), and a
     # batch can hold the same message twice: a PEL re-read overlapping a
     # claim, or several copies of one list body. Merge them, counting both.
+    # (Records are left as they are otherwise: this runs per message.)
     merged: dict[str, InboxRecord] = {}
     for rec in records:
-        if rec.ack_key is None:
-            rec = replace(rec, ack_key=default_ack_key)
         seen = merged.get(rec.idempotency_key)
         if seen is None:
             merged[rec.idempotency_key] = rec
-        elif seen.ack_key != rec.ack_key:
+        elif _ack_key(seen, default_ack_key) != _ack_key(rec, default_ack_key):
             # Adapters deliver one ack target per batch; events link by key.
             raise StoreError(f"key {rec.idempotency_key} appears with two ack keys in one batch")
         else:
@@ -47,7 +47,11 @@ def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | Non
             )
     # A fixed lock order: two ingesters storing overlapping entries (a claim
     # racing a slow consumer) queue behind each other instead of deadlocking.
-    return sorted(merged.values(), key=lambda r: r.idempotency_key)
+    return sorted(merged.values(), key=attrgetter("idempotency_key"))
+
+
+def _ack_key(rec: InboxRecord, default: str | None) -> str | None:
+    return default if rec.ack_key is None else rec.ack_key
 
 
 async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:
@@ -75,7 +79,7 @@ async def _store(
         if native:
             await cur.execute(sql.EXISTING_NATIVE, {"adapter": batch.adapter, "keys": keys})
         else:
-            ack_keys = sorted({r.ack_key for r in records if r.ack_key is not None})
+            ack_keys = sorted({k for r in records if (k := _ack_key(r, batch.ack.key)) is not None})
             await cur.execute(
                 sql.EXISTING_BODY_PENDING, {"adapter": batch.adapter, "keys": keys, "ack_keys": ack_keys}
             )
@@ -124,7 +128,7 @@ async def _store(
                 "keys": keys,
                 "ids": [r.source_message_id for r in records],
                 "bodies": [r.body for r in records],
-                "ack_keys": [r.ack_key for r in records],
+                "ack_keys": [_ack_key(r, batch.ack.key) for r in records],
                 "entry_ids": [r.ack_entry_id for r in records],
                 "copies": [r.ack_copies for r in records],
                 "deliveries": [r.deliveries for r in records],

@@ -54,6 +54,11 @@ OpenLedger = Callable[[], AbstractAsyncContextManager[PendingCopies]]
 
 class PullAdapter(Protocol):
     name: str
+    # May a batch commit while the one before it is still committing? Only
+    # where redelivery rests on the broker's own record (a stream's PEL), not
+    # on counts reconciled against committed rows (a processing list) or on
+    # memory (pub/sub).
+    overlapping_commits: bool
 
     @property
     def ack_target(self) -> AckTarget: ...
@@ -89,7 +94,8 @@ class PullAdapter(Protocol):
     def stored(self) -> None:
         """The oldest batch returned (by ``read`` or ``recover``, non-empty)
         and not yet confirmed has committed. The poll loop reads the next
-        batch while one commits, so up to two batches are unconfirmed."""
+        batch while others commit, so several batches may be unconfirmed;
+        they are confirmed in the order they were returned."""
 
     def rewind(self) -> None:
         """No unconfirmed batch will be stored: deliver them all again, from

@@ -85,6 +85,10 @@ class IngestSettings:
     enabled_refresh_ms: int = 1000
     backoff_initial_ms: int = 100
     backoff_max_ms: int = 10_000
+    # Store transactions of one stream adapter that may run at once (each on
+    # its own connection, each one core of PostgreSQL); 1 turns overlap off.
+    # List and pub/sub adapters always commit one batch at a time.
+    commits_in_flight: int = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,8 @@ from ingest.adapter import Delivery, OpenLedger
 
 
 class MemoryAdapter:
+    overlapping_commits = False
+
     def __init__(self, name: str, messages: list[bytes] | None = None) -> None:
         self.name = name
         self._queue: list[tuple[str, bytes]] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import astuple, dataclass, replace
 
@@ -128,13 +129,35 @@ class PollLoop:
         )
 
     async def run(self) -> None:
+        committing: deque[asyncio.Task[None]] = deque()
+        try:
+            await self._run(committing)
+        except asyncio.CancelledError:
+            # Past the shutdown deadline: commits under way are cancelled too
+            # (rolled back, redelivered later), and waited for, so none
+            # outlives the loop.
+            for task in committing:
+                if not await cancel_and_wait(task, READ_CANCEL_TIMEOUT_S):
+                    self._log.error("commit_not_cancellable", task=task.get_name())
+                elif not task.cancelled():
+                    task.exception()  # retrieved: the batch is redelivered either way
+            raise
+
+    async def _run(self, committing: deque[asyncio.Task[None]]) -> None:
         backoff = Backoff(self._settings.backoff_initial_ms, self._settings.backoff_max_ms)
         self._log.info("poll_loop_started", broker=self._adapter.broker)
         # The next batch is read and normalized while the current one commits:
         # Python, Redis and PostgreSQL work overlap instead of taking turns.
+        # Stream adapters also overlap commits (``commits_in_flight``): one
+        # store transaction keeps one PostgreSQL backend, one core, busy.
+        # ``committing`` holds the commits under way, oldest first; a task
+        # leaves it only once it has ended.
+        depth = self._settings.commits_in_flight if self._adapter.overlapping_commits else 1
         prefetch: asyncio.Task[Fetched] | None = None
         while not self._stop.is_set():
             try:
+                while committing and committing[0].done():
+                    committing.popleft().result()
                 if prefetch is None:
                     if not await self._is_enabled():
                         await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
@@ -148,18 +171,51 @@ class PollLoop:
                 failpoints.hit("after_read")
                 if not self._stop.is_set() and await self._is_enabled():
                     prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
-                await self._commit(fetched)
+                after = committing[-1] if committing else None
+                committing.append(
+                    asyncio.create_task(self._commit(fetched, after), name=f"commit:{self._cfg.name}")
+                )
+                while len(committing) >= depth:
+                    await committing[0]
+                    committing.popleft()
                 backoff.reset()
             except Exception as exc:  # noqa: BLE001 - a bug must not end ingestion either; see below
                 if prefetch is not None:
                     await self._abandon(prefetch)
                     prefetch = None
+                # Rewind only once no commit is under way: a batch still
+                # committing would be confirmed after the rewind forgot it.
+                await self._settle(committing, exc)
                 if not isinstance(exc, IngestError | BackhalfError | SQLAlchemyError):
                     self._log.exception("poll_step_crashed", error=exc)
                 await self._after_failure(exc, backoff)
+        # On stop, commits under way finish (or fail: redelivered later).
+        await self._settle(committing, None)
         if prefetch is not None:
             await self._finish_on_stop(prefetch)
         self._log.info("poll_loop_stopped")
+
+    async def _settle(self, committing: deque[asyncio.Task[None]], reported: BaseException | None) -> None:
+        """Wait for every commit under way (each is bounded by the transaction
+        deadline). A failure is logged here unless it is ``reported`` (the
+        one the caller logs), which a later commit re-raises when it waited
+        for its predecessor."""
+        logged = {id(reported)}
+        while committing:
+            try:
+                await committing[0]
+            except Exception as exc:  # noqa: BLE001 - logged, then the rewind covers it
+                if id(exc) not in logged:
+                    logged.add(id(exc))
+                    expected = isinstance(exc, IngestError | BackhalfError | SQLAlchemyError)
+                    (self._log.warning if expected else self._log.exception)(
+                        "store_failed",
+                        error=exc,
+                        error_type=type(exc).__name__,
+                        cause=type(exc.__cause__).__name__ if exc.__cause__ else None,
+                        overlapping=True,
+                    )
+            committing.popleft()
 
     async def _abandon(self, prefetch: asyncio.Task[Fetched]) -> None:
         """Drop a prefetch: its batch is redelivered after the rewind that follows."""
@@ -212,7 +268,11 @@ class PollLoop:
             await asyncio.sleep(0)
         return Fetched(deliveries, records)
 
-    async def _commit(self, fetched: Fetched) -> None:
+    async def _commit(self, fetched: Fetched, after: asyncio.Task[None] | None = None) -> None:
+        """Store a batch; confirm it to the adapter once ``after`` (the commit
+        of the batch before it, which may still be running) has been: batches
+        are confirmed in the order they were read, and a failure of the one
+        before fails this one too, so the rewind that follows covers both."""
         deliveries = fetched.deliveries
         started = time.perf_counter()
         batched, suspects = await self._split_suspects(fetched.records)
@@ -221,6 +281,8 @@ class PollLoop:
         # if one of them crashes us every time, it alone is counted and, past
         # max_deliveries, rejected; the messages around it are stored.
         results += [await self._store([await self._count_lone_attempt(rec)]) for rec in suspects]
+        if after is not None:
+            await after
         # Confirmed only once every chunk committed; a failure in between
         # redelivers the whole batch and the committed chunks dedup.
         self._adapter.stored()

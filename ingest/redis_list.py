@@ -79,6 +79,8 @@ REMOVED_MARKER_TTL_MS = 24 * 3600 * 1000
 class ListAdapter(RedisEndpoint):
     """A :class:`ingest.adapter.PullAdapter` over one source list."""
 
+    overlapping_commits = False
+
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
         self._cfg = config

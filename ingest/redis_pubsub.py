@@ -29,6 +29,8 @@ from ingest.redis_common import RedisEndpoint
 class PubSubAdapter(RedisEndpoint):
     """A :class:`ingest.adapter.PullAdapter` over one channel."""
 
+    overlapping_commits = False
+
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
         self._cfg = config

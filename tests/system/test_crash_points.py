@@ -51,7 +51,9 @@ def _finish(
 def test_ingester_killed_before_commit_redelivers_and_dedups(
     point: str, procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
 ) -> None:
-    config = make_config(stream_adapter(STREAM, batch_size=BATCH))
+    # One commit at a time, so "two batches committed" is exact; kills with
+    # commits overlapping are test_overlapping_commits_killed_mid_flight's.
+    config = make_config(stream_adapter(STREAM, batch_size=BATCH), ingest={"commits_in_flight": 1})
     ids = produce(redis_url, STREAM, N)
     procs.start("ack", config, name="acker-1")
     # Fire on the 3rd batch: two batches committed, the third read and lost.

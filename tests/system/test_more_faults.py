@@ -81,7 +81,13 @@ def test_postgres_backends_terminated_and_server_restarted(
 def test_frozen_consumer_entries_claimed_then_its_stale_batch_changes_nothing(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
 ) -> None:
-    config = make_config(stream_adapter(STREAM, batch_size=50, claim_idle_ms=1000, claim_interval_ms=200))
+    # One commit at a time: the freeze must find the first batch committed, not
+    # its transaction open (which would hold the other consumer's inserts of
+    # the same keys until idle_in_transaction_session_timeout).
+    config = make_config(
+        stream_adapter(STREAM, batch_size=50, claim_idle_ms=1000, claim_interval_ms=200),
+        ingest={"commits_in_flight": 1},
+    )
     ids = produce(redis_url, STREAM, 300)
     # Frozen after reading its second batch, before storing it.
     frozen = procs.start("ingest", config, name="ingester-1", failpoints="after_read=stop@2")

@@ -54,7 +54,8 @@ def assert_retried_not_poison(db_url: str, *procs: SwitchboardProcess) -> None:
         assert not proc.events("poll_step_crashed"), proc.raw_log()[-3000:]
         retried = proc.events("broker_error") + proc.events("store_failed") + proc.events("ack_failed")
         assert len(retried) < MAX_FAILURES_LOGGED, f"{proc.log_path.name}: {len(retried)} retries logged"
-        assert all(e["retry_in_s"] <= 1.0 for e in retried), "backoff must stay capped"
+        # (A commit that failed beside the one that set off the backoff has none of its own.)
+        assert all(e.get("retry_in_s", 0) <= 1.0 for e in retried), "backoff must stay capped"
 
 
 def finish(
