@@ -124,87 +124,116 @@ class PollLoop:
         self._enabled = True
         self._enabled_checked_at = float("-inf")
         self._open_ledger = ledger_for(engine, config.name, deadline_ms)
+        self._prefetch: asyncio.Task[Fetched] | None = None
+        self._committing: deque[asyncio.Task[None]] = deque()
         self._log = log.bind(
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
 
     async def run(self) -> None:
-        committing: deque[asyncio.Task[None]] = deque()
         try:
-            await self._run(committing)
+            await self._run()
         except asyncio.CancelledError:
-            # Past the shutdown deadline: commits under way are cancelled too
-            # (rolled back, redelivered later), and waited for, so none
-            # outlives the loop.
-            for task in committing:
-                if not await cancel_and_wait(task, READ_CANCEL_TIMEOUT_S):
-                    self._log.error("commit_not_cancellable", task=task.get_name())
-                elif not task.cancelled():
-                    task.exception()  # retrieved: the batch is redelivered either way
+            await self._cancel_in_flight()
             raise
 
-    async def _run(self, committing: deque[asyncio.Task[None]]) -> None:
+    async def _cancel_in_flight(self) -> None:
+        """Past the shutdown deadline: the read and the commits under way are
+        cancelled too (rolled back, redelivered later) and waited for, so
+        none outlives the loop."""
+        if self._prefetch is not None:
+            await self._abandon(self._prefetch)
+            self._prefetch = None
+        for task in self._committing:
+            task.cancel()
+        if self._committing:
+            await asyncio.wait(self._committing, timeout=READ_CANCEL_TIMEOUT_S)
+        for task in self._committing:
+            if not task.done():
+                self._log.error("commit_not_cancellable", task=task.get_name())
+            # Retrieved (now or when it ends): the batch is redelivered either way.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._committing.clear()
+
+    async def _run(self) -> None:
         backoff = Backoff(self._settings.backoff_initial_ms, self._settings.backoff_max_ms)
         self._log.info("poll_loop_started", broker=self._adapter.broker)
         # The next batch is read and normalized while the current one commits:
         # Python, Redis and PostgreSQL work overlap instead of taking turns.
         # Stream adapters also overlap commits (``commits_in_flight``): one
         # store transaction keeps one PostgreSQL backend, one core, busy.
-        # ``committing`` holds the commits under way, oldest first; a task
-        # leaves it only once it has ended.
+        # ``self._committing`` holds the commits under way, oldest first; a
+        # task leaves it only once it has ended.
         depth = self._settings.commits_in_flight if self._adapter.overlapping_commits else 1
-        prefetch: asyncio.Task[Fetched] | None = None
+        committing = self._committing
         while not self._stop.is_set():
             try:
                 while committing and committing[0].done():
                     committing.popleft().result()
-                if prefetch is None:
+                if self._prefetch is None:
                     if not await self._is_enabled():
                         await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
                         continue
-                    prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
-                fetched = await prefetch
-                prefetch = None
+                    self._prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
+                fetched = await self._prefetch
+                self._prefetch = None
                 if not fetched.deliveries:
                     backoff.reset()
                     continue
                 failpoints.hit("after_read")
                 if not self._stop.is_set() and await self._is_enabled():
-                    prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
+                    self._prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
+                # A batch holding a redelivery follows a crash or a stall: it is
+                # committed with nothing beside it, before or after. Otherwise a
+                # message that crashes the ingester would take the overlapping
+                # batch down too, every time, and the lone attempts of the
+                # suspects in it would be counted against them (max_deliveries
+                # would reject innocents).
+                alone = any(r.deliveries >= REDELIVERY for r in fetched.records)
+                while alone and committing:
+                    await committing[0]
+                    committing.popleft()
                 after = committing[-1] if committing else None
                 committing.append(
                     asyncio.create_task(self._commit(fetched, after), name=f"commit:{self._cfg.name}")
                 )
-                while len(committing) >= depth:
+                while len(committing) >= (1 if alone else depth):
                     await committing[0]
                     committing.popleft()
                 backoff.reset()
             except Exception as exc:  # noqa: BLE001 - a bug must not end ingestion either; see below
-                if prefetch is not None:
-                    await self._abandon(prefetch)
-                    prefetch = None
+                if self._prefetch is not None:
+                    await self._abandon(self._prefetch)
+                    self._prefetch = None
                 # Rewind only once no commit is under way: a batch still
                 # committing would be confirmed after the rewind forgot it.
-                await self._settle(committing, exc)
+                await self._settle(exc)
                 if not isinstance(exc, IngestError | BackhalfError | SQLAlchemyError):
                     self._log.exception("poll_step_crashed", error=exc)
                 await self._after_failure(exc, backoff)
-        # On stop, commits under way finish (or fail: redelivered later).
-        await self._settle(committing, None)
-        if prefetch is not None:
-            await self._finish_on_stop(prefetch)
+        # On stop, commits under way finish (or fail: redelivered later). After
+        # a failure no rewind follows, so nothing more is stored either.
+        failed = await self._settle(None)
+        if self._prefetch is not None:
+            if failed:
+                await self._abandon(self._prefetch)
+            else:
+                await self._finish_on_stop(self._prefetch)
+            self._prefetch = None
         self._log.info("poll_loop_stopped")
 
-    async def _settle(self, committing: deque[asyncio.Task[None]], reported: BaseException | None) -> None:
+    async def _settle(self, reported: BaseException | None) -> bool:
         """Wait for every commit under way (each is bounded by the transaction
-        deadline). A failure is logged here unless it is ``reported`` (the
-        one the caller logs), which a later commit re-raises when it waited
-        for its predecessor."""
+        deadline); return whether any failed. A failure is logged here unless
+        it is ``reported`` (the one the caller logs), which a later commit
+        re-raises when it waited for its predecessor."""
         logged = {id(reported)}
-        while committing:
+        failed = False
+        while self._committing:
             try:
-                await committing[0]
+                await self._committing[0]
             except Exception as exc:  # noqa: BLE001 - logged, then the rewind covers it
+                failed = True
                 if id(exc) not in logged:
                     logged.add(id(exc))
                     expected = isinstance(exc, IngestError | BackhalfError | SQLAlchemyError)
@@ -215,7 +244,8 @@ class PollLoop:
                         cause=type(exc.__cause__).__name__ if exc.__cause__ else None,
                         overlapping=True,
                     )
-            committing.popleft()
+            self._committing.popleft()
+        return failed
 
     async def _abandon(self, prefetch: asyncio.Task[Fetched]) -> None:
         """Drop a prefetch: its batch is redelivered after the rewind that follows."""

@@ -75,7 +75,8 @@ def test_ingester_killed_before_commit_redelivers_and_dedups(
 def test_ingester_killed_after_commit_before_ack(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
 ) -> None:
-    config = make_config(stream_adapter(STREAM, batch_size=BATCH))
+    # One commit at a time, so "three batches committed" is exact.
+    config = make_config(stream_adapter(STREAM, batch_size=BATCH), ingest={"commits_in_flight": 1})
     ids = produce(redis_url, STREAM, N)
     ingester = procs.start("ingest", config, name="ingester-1", failpoints="after_commit=kill@3")
     assert ingester.wait(30) == -9
