@@ -45,19 +45,21 @@ CROSS JOIN LATERAL (
 # taken as merged into a row that is about to stop being pending, and be
 # stored without its todo.
 #
-# One probe per key on ``uq_inbox_body_pending``, as above: a subquery with
-# FOR UPDATE is never flattened, so it runs once per key. The plain form was
-# planned, without statistics, as a scan of every entry of the adapter in that
+# Pending means queued (``ack_queue``); both rows are locked, so a queue row
+# the acker deletes meanwhile drops out of the result once it commits.
+#
+# One probe per key on ``uq_ack_queue_body``, as above: a subquery with FOR
+# UPDATE is never flattened, so it runs once per key. The plain form was
+# planned, without statistics, as a scan of every entry of the adapter in the
 # index, where acked rows leave theirs until VACUUM (400 ms per 2000 keys with
 # 300k acked list rows). Rows are locked in the order of ``keys``, which the
-# store sorts, the order its inbox insert then takes them in.
+# store sorts, the order its inbox writes then take them in.
 EXISTING_BODY_PENDING: LiteralString = """
-SELECT p.idempotency_key FROM unnest(%(keys)b::text[]) AS u(k)
+SELECT p.idempotency_key, p.ack_key, p.id FROM unnest(%(keys)b::text[]) AS u(k)
 CROSS JOIN LATERAL (
-    SELECT idempotency_key FROM inbox
-    WHERE adapter = %(adapter)s AND idempotency_key = u.k
-      AND ack_key = ANY(%(ack_keys)b::text[])
-      AND source_message_id IS NULL AND ack_state = 'pending'
+    SELECT i.idempotency_key, i.ack_key, i.id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
+    WHERE q.adapter = %(adapter)s AND q.idempotency_key = u.k AND q.ack_kind = 'lrem'
+      AND q.ack_key = ANY(%(ack_keys)b::text[])
     FOR UPDATE
 ) AS p
 """
@@ -112,11 +114,21 @@ FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(ack_keys)b
      AS u(k, m, b, ak, e, c, d, err, t, ev)
 """
 
+# Every row left pending (and to be acked on store) is queued for the acker
+# in the same statement.
+_QUEUE_PENDING: LiteralString = """
+), queued AS (
+    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)
+    SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM written
+    WHERE ack_state = 'pending' AND ack_after = 'store'
+"""
+
 # A redelivery of a stored entry bumps ``deliveries`` and asks the acker
 # again (XACK is idempotent; the entry may be pending again after its group
 # was recreated). ``xmax = 0`` is true exactly for rows this statement inserted.
 INSERT_INBOX_NATIVE: LiteralString = (
-    _INSERT_INBOX
+    "WITH written AS (\n"
+    + _INSERT_INBOX
     + """ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
 DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
               consumer = excluded.consumer,
@@ -124,24 +136,41 @@ DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
               ack_group = excluded.ack_group,
               ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
               acked_at = NULL
-RETURNING idempotency_key, (xmax = 0) AS inserted
+RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, (xmax = 0) AS inserted
+"""
+    + _QUEUE_PENDING
+    + """    ON CONFLICT (inbox_id) DO NOTHING
+)
+SELECT idempotency_key, inserted FROM written
 """
 )
 
-# List items and pub/sub messages (no native id). A copy of a body already
-# pending on the same processing list merges into that row: ``ack_copies``
-# counts the copies the acker must LREM. Pub/sub rows (ack_state 'none') never
-# match the index predicate, so each is inserted; the todo index dedups them.
+# List items and pub/sub messages (no native id) with no pending row to merge
+# into. Two stores racing to queue the same body on the same processing list
+# (which only its owner and, once it is dead, one recoverer write to) meet on
+# ``uq_ack_queue_body``: the loser fails and is redelivered, and then merges.
+# Pub/sub rows (ack_state 'none') are not queued; the todo index dedups them.
 INSERT_INBOX_BODY: LiteralString = (
-    _INSERT_INBOX
-    + """ON CONFLICT (adapter, idempotency_key, ack_key)
-   WHERE source_message_id IS NULL AND ack_state = 'pending'
-DO UPDATE SET ack_copies = inbox.ack_copies + excluded.ack_copies,
-              deliveries = inbox.deliveries + excluded.deliveries,
-              consumer = excluded.consumer
-RETURNING idempotency_key, (xmax = 0) AS inserted
+    "WITH written AS (\n"
+    + _INSERT_INBOX
+    + """RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after
+"""
+    + _QUEUE_PENDING
+    + """)
+SELECT idempotency_key, true FROM written
 """
 )
+
+# A copy of a body already pending on the same processing list merges into
+# that row (locked by EXISTING_BODY_PENDING): ``ack_copies`` counts the copies
+# the acker must LREM.
+MERGE_INBOX_BODY: LiteralString = """
+UPDATE inbox SET ack_copies = inbox.ack_copies + u.c,
+                 deliveries = inbox.deliveries + u.d,
+                 consumer = %(consumer)s
+FROM unnest(%(ids)b::int8[], %(copies)b::int4[], %(deliveries)b::int4[]) AS u(id, c, d)
+WHERE inbox.id = u.id
+"""
 
 # Attempts at messages not stored yet, each committed before the attempt.
 RECORD_ATTEMPTS: LiteralString = """
@@ -169,24 +198,31 @@ NOTIFY_ACKER: LiteralString = "SELECT pg_notify(%(channel)s, %(adapter)s)"
 # statement, so each row is written once. The acker commits only after the
 # broker ack succeeded; a failure or a crash rolls the rows back to pending.
 #
-# Planned on ``ix_inbox_ack_pending`` in id order, whatever the statistics:
+# Planned on the queue's primary key in id order, whatever the statistics:
 # without them (a new database draining a backlog) PostgreSQL chose a bitmap
-# scan of that index plus a sort. Acked rows leave their entries behind until
+# scan plus a sort. Deleted rows leave their index entries behind until
 # VACUUM, and a bitmap scan re-reads every one of them, with its heap tuple,
 # on every claim (2 ms at 30k rows, 22 ms at 300k for an empty claim); an
 # ordinary index scan marks them dead in the index the first time (LP_DEAD)
 # and skips them after that. Set in the claim's own transaction only.
 CLAIM_PLAN: LiteralString = "SET LOCAL enable_bitmapscan = off"
 
+# The queue rows are deleted and the inbox rows marked acked in one
+# statement; no index covers ack_state or acked_at, so the mark is a HOT
+# update (inbox leaves room on each page for it).
 CLAIM_ACKS: LiteralString = """
-UPDATE inbox SET ack_state = 'acked', acked_at = now()
-WHERE id IN (
-    SELECT id FROM inbox
-    WHERE ack_state = 'pending' AND ack_after = 'store' AND adapter = ANY(%(adapters)s::text[])
-    ORDER BY id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+WITH claimed AS (
+    DELETE FROM ack_queue WHERE inbox_id IN (
+        SELECT inbox_id FROM ack_queue
+        WHERE adapter = ANY(%(adapters)s::text[])
+        ORDER BY inbox_id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING inbox_id
 )
+UPDATE inbox SET ack_state = 'acked', acked_at = now()
+FROM claimed WHERE inbox.id = claimed.inbox_id
 RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
           CASE WHEN ack_kind = 'lrem' THEN body END AS body
 """
@@ -194,8 +230,8 @@ RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
 # List recovery: the pending copies on one processing list, locked with the
 # same row locks the acker takes, so LRANGE and these counts agree.
 LOCK_PENDING_COPIES: LiteralString = """
-SELECT id, idempotency_key, ack_copies FROM inbox
-WHERE adapter = %(adapter)s AND ack_key = %(ack_key)s AND ack_kind = 'lrem' AND ack_state = 'pending'
-ORDER BY id
+SELECT i.id, i.idempotency_key, i.ack_copies FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
+WHERE q.adapter = %(adapter)s AND q.ack_key = %(ack_key)s AND q.ack_kind = 'lrem'
+ORDER BY i.id
 FOR UPDATE
 """

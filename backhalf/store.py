@@ -83,7 +83,13 @@ async def _store(
             await cur.execute(
                 sql.EXISTING_BODY_PENDING, {"adapter": batch.adapter, "keys": keys, "ack_keys": ack_keys}
             )
-        known = {key for (key,) in await cur.fetchall()}
+        # List copies: the pending row of each (key, processing list), to merge into.
+        pending: dict[tuple[str, str | None], int] = {}
+        if native:
+            known = {key for (key,) in await cur.fetchall()}
+        else:
+            pending = {(key, ack_key): inbox_id for key, ack_key, inbox_id in await cur.fetchall()}
+            known = {key for key, _ in pending}
         accepted = [r for r in records if r.error is None and r.idempotency_key not in known]
 
         todo_ids: dict[str, int] = {}
@@ -116,28 +122,42 @@ async def _store(
             event_ids = {key: event_id for event_id, key in await cur.fetchall()}
 
         ack_state = "none" if batch.ack.kind == "none" else "pending"
-        await cur.execute(
-            sql.INSERT_INBOX_NATIVE if native else sql.INSERT_INBOX_BODY,
-            {
-                "adapter": batch.adapter,
-                "consumer": batch.consumer,
-                "ack_kind": batch.ack.kind,
-                "ack_group": batch.ack.group,
-                "ack_after": batch.ack_after,
-                "ack_state": ack_state,
-                "keys": keys,
-                "ids": [r.source_message_id for r in records],
-                "bodies": [r.body for r in records],
-                "ack_keys": [_ack_key(r, batch.ack.key) for r in records],
-                "entry_ids": [r.ack_entry_id for r in records],
-                "copies": [r.ack_copies for r in records],
-                "deliveries": [r.deliveries for r in records],
-                "errors": [r.error for r in records],
-                "todo_ids": [todo_ids.get(k) for k in keys],
-                "event_ids": [event_ids.get(k) for k in keys],
-            },
-        )
-        inserted = {key for key, was_inserted in await cur.fetchall() if was_inserted}
+        merging = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) in pending]
+        if merging:
+            await cur.execute(
+                sql.MERGE_INBOX_BODY,
+                {
+                    "consumer": batch.consumer,
+                    "ids": [pending[r.idempotency_key, _ack_key(r, batch.ack.key)] for r in merging],
+                    "copies": [r.ack_copies for r in merging],
+                    "deliveries": [r.deliveries for r in merging],
+                },
+            )
+        writing = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) not in pending]
+        inserted: set[str] = set()
+        if writing:
+            await cur.execute(
+                sql.INSERT_INBOX_NATIVE if native else sql.INSERT_INBOX_BODY,
+                {
+                    "adapter": batch.adapter,
+                    "consumer": batch.consumer,
+                    "ack_kind": batch.ack.kind,
+                    "ack_group": batch.ack.group,
+                    "ack_after": batch.ack_after,
+                    "ack_state": ack_state,
+                    "keys": [r.idempotency_key for r in writing],
+                    "ids": [r.source_message_id for r in writing],
+                    "bodies": [r.body for r in writing],
+                    "ack_keys": [_ack_key(r, batch.ack.key) for r in writing],
+                    "entry_ids": [r.ack_entry_id for r in writing],
+                    "copies": [r.ack_copies for r in writing],
+                    "deliveries": [r.deliveries for r in writing],
+                    "errors": [r.error for r in writing],
+                    "todo_ids": [todo_ids.get(r.idempotency_key) for r in writing],
+                    "event_ids": [event_ids.get(r.idempotency_key) for r in writing],
+                },
+            )
+            inserted = {key for key, was_inserted in await cur.fetchall() if was_inserted}
         failpoints.hit("after_inbox_insert")
         # A concurrent store (a claim racing a slow consumer) won these: its
         # event is the record; our todo upsert already deduped to its todo.

@@ -138,6 +138,8 @@ delivery_attempts = sa.Table(
     sa.Column("last_attempt_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
 )
 
+INBOX_FILLFACTOR = 50
+
 inbox = sa.Table(
     "inbox",
     metadata,
@@ -169,10 +171,14 @@ inbox = sa.Table(
     sa.CheckConstraint(_one_of("ack_state", ACK_STATES), name="ack_state"),
     sa.CheckConstraint(_one_of("status", INBOX_STATUSES), name="status"),
     sa.CheckConstraint("ack_copies >= 0", name="ack_copies"),
+    # Room on each page for the acker's update of every row: with no index
+    # on ack_state or acked_at (pending intents are found through ack_queue),
+    # that update is HOT, a new row version on the same page and no index
+    # entry anywhere (issue 5).
+    postgresql_with={"fillfactor": INBOX_FILLFACTOR},
 )
 
 INBOX_NATIVE_PREDICATE = inbox.c.source_message_id.isnot(None)
-INBOX_BODY_PENDING_PREDICATE = sa.and_(inbox.c.source_message_id.is_(None), inbox.c.ack_state == "pending")
 
 sa.Index(
     "uq_inbox_native_key",
@@ -181,33 +187,35 @@ sa.Index(
     unique=True,
     postgresql_where=INBOX_NATIVE_PREDICATE,
 )
-# One pending row per body *and processing list*: copies consumed onto one
-# list merge into its row (ack_copies), so LREM removes exactly them.
-sa.Index(
-    "uq_inbox_body_pending",
-    inbox.c.adapter,
-    inbox.c.idempotency_key,
-    inbox.c.ack_key,
-    unique=True,
-    postgresql_where=INBOX_BODY_PENDING_PREDICATE,
-)
-# List recovery locks a processing list's pending intents by ack_key; stream
-# rows stay out of it (every index entry costs on the hot insert). There is no
-# index on inbox.todo_id for the same reason: the audit views join the other
-# way, through the todos primary key.
-sa.Index(
-    "ix_inbox_pending_ack_key",
-    inbox.c.ack_key,
-    postgresql_where=sa.and_(inbox.c.ack_kind == "lrem", inbox.c.ack_state == "pending"),
-)
-# The acker's work queue: small, because acked rows leave it (their entries
-# stay until VACUUM). Its predicate names ack_after, which only the claim
-# states: a read of pending list rows cannot use this index, which, planned
-# from statistics that count almost no pending rows, it otherwise did, once
-# per key, through every entry acked rows left behind (issue 5).
-sa.Index(
-    "ix_inbox_ack_pending",
-    inbox.c.id,
-    postgresql_where=sa.and_(inbox.c.ack_state == "pending", inbox.c.ack_after == "store"),
-)
+# There is no index on inbox.todo_id: the audit views join the other way,
+# through the todos primary key, and every index entry costs on the hot insert.
 sa.Index("ix_inbox_rejected", inbox.c.adapter, inbox.c.id, postgresql_where=inbox.c.status == "rejected")
+
+# The pending ack intents: one row per inbox row whose broker ack is owed,
+# written by the store in the same transaction as the row, deleted by the
+# acker in the transaction that marks the row acked. The acker's work queue
+# and list mode's pending-copy bookkeeping live here, not in indexes on
+# inbox.ack_state, so that the acker's update of inbox stays HOT. Small:
+# rows leave it as fast as the acker runs.
+ack_queue = sa.Table(
+    "ack_queue",
+    metadata,
+    sa.Column("inbox_id", sa.BigInteger, primary_key=True),
+    sa.Column("adapter", sa.Text, nullable=False),
+    sa.Column("ack_kind", sa.Text, nullable=False),
+    sa.Column("ack_key", sa.Text),
+    sa.Column("idempotency_key", sa.Text, nullable=False),
+    sa.CheckConstraint(_one_of("ack_kind", ("xack", "lrem")), name="ack_kind"),
+)
+# One pending row per body *and processing list*: copies consumed onto one
+# list merge into its inbox row (ack_copies), so LREM removes exactly them.
+sa.Index(
+    "uq_ack_queue_body",
+    ack_queue.c.adapter,
+    ack_queue.c.idempotency_key,
+    ack_queue.c.ack_key,
+    unique=True,
+    postgresql_where=ack_queue.c.ack_kind == "lrem",
+)
+# List recovery locks a processing list's pending intents by ack_key.
+sa.Index("ix_ack_queue_lrem_ack_key", ack_queue.c.ack_key, postgresql_where=ack_queue.c.ack_kind == "lrem")

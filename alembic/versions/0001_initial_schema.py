@@ -115,13 +115,22 @@ def upgrade() -> None:
     sa.CheckConstraint("status IN ('stored', 'rejected')", name=op.f('ck_inbox_status')),
     sa.CheckConstraint('ack_copies >= 0', name=op.f('ck_inbox_ack_copies')),
     sa.ForeignKeyConstraint(['adapter'], ['adapters.name'], name=op.f('fk_inbox_adapter_adapters')),
-    sa.PrimaryKeyConstraint('id', name=op.f('pk_inbox'))
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_inbox')),
+    postgresql_with={'fillfactor': 50}
     )
-    op.create_index('ix_inbox_ack_pending', 'inbox', ['id'], unique=False, postgresql_where=sa.text("ack_state = 'pending' AND ack_after = 'store'"))
     op.create_index('ix_inbox_rejected', 'inbox', ['adapter', 'id'], unique=False, postgresql_where=sa.text("status = 'rejected'"))
-    op.create_index('uq_inbox_body_pending', 'inbox', ['adapter', 'idempotency_key', 'ack_key'], unique=True, postgresql_where=sa.text("source_message_id IS NULL AND ack_state = 'pending'"))
-    op.create_index('ix_inbox_pending_ack_key', 'inbox', ['ack_key'], unique=False, postgresql_where=sa.text("ack_kind = 'lrem' AND ack_state = 'pending'"))
     op.create_index('uq_inbox_native_key', 'inbox', ['adapter', 'idempotency_key'], unique=True, postgresql_where=sa.text('source_message_id IS NOT NULL'))
+    op.create_table('ack_queue',
+    sa.Column('inbox_id', sa.BigInteger(), nullable=False),
+    sa.Column('adapter', sa.Text(), nullable=False),
+    sa.Column('ack_kind', sa.Text(), nullable=False),
+    sa.Column('ack_key', sa.Text(), nullable=True),
+    sa.Column('idempotency_key', sa.Text(), nullable=False),
+    sa.CheckConstraint("ack_kind IN ('xack', 'lrem')", name=op.f('ck_ack_queue_ack_kind')),
+    sa.PrimaryKeyConstraint('inbox_id', name=op.f('pk_ack_queue'))
+    )
+    op.create_index('uq_ack_queue_body', 'ack_queue', ['adapter', 'idempotency_key', 'ack_key'], unique=True, postgresql_where=sa.text("ack_kind = 'lrem'"))
+    op.create_index('ix_ack_queue_lrem_ack_key', 'ack_queue', ['ack_key'], unique=False, postgresql_where=sa.text("ack_kind = 'lrem'"))
     for ddl in VIEWS.values():
         op.execute(ddl)
     # ### end Alembic commands ###
@@ -133,11 +142,11 @@ def downgrade() -> None:
     op.execute('DROP VIEW IF EXISTS audit_rejected')
     op.execute('DROP VIEW IF EXISTS audit_unacked')
     op.execute('DROP VIEW IF EXISTS audit_message_trail')
+    op.drop_index('ix_ack_queue_lrem_ack_key', table_name='ack_queue', postgresql_where=sa.text("ack_kind = 'lrem'"))
+    op.drop_index('uq_ack_queue_body', table_name='ack_queue', postgresql_where=sa.text("ack_kind = 'lrem'"))
+    op.drop_table('ack_queue')
     op.drop_index('uq_inbox_native_key', table_name='inbox', postgresql_where=sa.text('source_message_id IS NOT NULL'))
-    op.drop_index('ix_inbox_pending_ack_key', table_name='inbox', postgresql_where=sa.text("ack_kind = 'lrem' AND ack_state = 'pending'"))
-    op.drop_index('uq_inbox_body_pending', table_name='inbox', postgresql_where=sa.text("source_message_id IS NULL AND ack_state = 'pending'"))
     op.drop_index('ix_inbox_rejected', table_name='inbox', postgresql_where=sa.text("status = 'rejected'"))
-    op.drop_index('ix_inbox_ack_pending', table_name='inbox', postgresql_where=sa.text("ack_state = 'pending' AND ack_after = 'store'"))
     op.drop_table('inbox')
     op.drop_table('delivery_attempts')
     op.drop_index('ix_todo_events_todo_id', table_name='todo_events')
