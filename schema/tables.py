@@ -5,10 +5,10 @@ Two dedup layers live here as unique indexes:
 * ``uq_inbox_native_key``: a message with a native id (a stream entry) is
   stored once per adapter for as long as inbox rows are retained, so a late
   redelivery (after the todo finished) creates nothing new.
-* ``uq_inbox_body_pending``: a message without a native id (list item) is
+* ``uq_ack_queue_body``: a message without a native id (list item) is
   deduped only while an earlier copy on the same processing list still awaits
-  its ack; the copies merge into one row. Pub/sub rows never await an ack,
-  so only the todo index dedups them.
+  its ack (is queued in ``ack_queue``); the copies merge into one inbox row.
+  Pub/sub rows never await an ack, so only the todo index dedups them.
 * ``uq_todos_queue_key_active``: pending work is unique on
   ``(queue, idempotency_key)`` among non-terminal todos. ``ON CONFLICT``
   only infers a partial index when its ``WHERE`` matches the predicate, so the

@@ -39,45 +39,13 @@ import bench  # noqa: E402
 from backhalf import sql  # noqa: E402
 from ingest.servers import PostgresServer, RedisServer  # noqa: E402
 
-TABLES = ("inbox", "events", "todos", "todo_events")
+TABLES = ("inbox", "events", "todos", "todo_events", "ack_queue")
 
+# The read-only part of the acker's claim (backhalf.sql.CLAIM_ACKS).
 CLAIM_SELECT = """
-SELECT id FROM inbox
-WHERE ack_state = 'pending' AND ack_after = 'store' AND adapter = ANY(ARRAY['bench'])
-ORDER BY id LIMIT 4000
-"""
-
-
-HOT_EXPERIMENT_DDL = [
-    "DROP INDEX ix_inbox_ack_pending, uq_inbox_body_pending, ix_inbox_pending_ack_key",
-    "ALTER TABLE inbox SET (fillfactor = FILLFACTOR)",
-    "CREATE TABLE ack_queue (inbox_id bigint PRIMARY KEY, adapter text NOT NULL)",
-    """CREATE FUNCTION enqueue_acks() RETURNS trigger LANGUAGE plpgsql AS $$
-       BEGIN
-           INSERT INTO ack_queue SELECT id, adapter FROM new_rows WHERE ack_state = 'pending';
-           RETURN NULL;
-       END $$""",
-    "CREATE TRIGGER inbox_enqueue AFTER INSERT ON inbox REFERENCING NEW TABLE AS new_rows"
-    " FOR EACH STATEMENT EXECUTE FUNCTION enqueue_acks()",
-]
-
-# The acker's claim for --hot-experiment: put this in backhalf.sql.CLAIM_ACKS
-# for the run (the processes import it), and restore it afterwards.
-HOT_EXPERIMENT_CLAIM = """
-WITH q AS (
-    DELETE FROM ack_queue WHERE inbox_id IN (
-        SELECT inbox_id FROM ack_queue
-        WHERE adapter = ANY(%(adapters)s::text[])
-        ORDER BY inbox_id
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
-    )
-    RETURNING inbox_id
-)
-UPDATE inbox SET ack_state = 'acked', acked_at = now()
-WHERE id = ANY(ARRAY(SELECT inbox_id FROM q))
-RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
-          CASE WHEN ack_kind = 'lrem' THEN body END AS body
+SELECT inbox_id FROM ack_queue
+WHERE adapter = ANY(ARRAY['bench'])
+ORDER BY inbox_id LIMIT 4000
 """
 
 
@@ -201,13 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-acker", action="store_true", help="ingester only (acks left pending)")
     parser.add_argument("--no-statement-log", action="store_true")
     parser.add_argument("--json", type=Path, help="write the raw samples here")
-    parser.add_argument(
-        "--hot-experiment",
-        type=int,
-        metavar="FILLFACTOR",
-        help="experiment: no index refers to ack_state; pending acks in an ack_queue table filled by a"
-        " statement trigger (the acker's CLAIM_ACKS must be edited to match); inbox at this fillfactor",
-    )
     parser.add_argument("--pg-conf", action="append", default=[], help="extra postgresql.conf line")
     args = parser.parse_args(argv)
     n = args.messages
@@ -229,10 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         rs.start()
         r = redis.Redis.from_url(rs.url)
         url = bench.fresh_db(pg, "probe")
-        if args.hot_experiment:
-            with psycopg.connect(bench.libpq(url), autocommit=True) as conn:
-                for ddl in HOT_EXPERIMENT_DDL:
-                    conn.execute(ddl.replace("FILLFACTOR", str(args.hot_experiment)))  # type: ignore[arg-type]
         bench.preload(r, n)
         config = bench.write_config(base / "probe.toml", url, rs.url, args.batch_size)
         acker = None if args.no_acker else bench.Proc("ack", config, base / "acker.log")
