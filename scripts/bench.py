@@ -152,7 +152,12 @@ def bench_naive(url: str, r: redis.Redis, n: int) -> float:
 # --- 3 and 4. switchboard ----------------------------------------------------------------
 
 
+# [ingest] settings from the command line (--commits-in-flight), for every run.
+INGEST_OVERRIDES: dict[str, int] = {}
+
+
 def write_config(path: Path, db_url: str, redis_url: str, batch_size: int) -> Path:
+    overrides = "".join(f"{k} = {v}\n" for k, v in INGEST_OVERRIDES.items())
     path.write_text(
         f"""[database]
 url = "{db_url}"
@@ -167,7 +172,7 @@ block_ms = 100
 url = "{redis_url}"
 [ingest]
 enabled_refresh_ms = 50
-[acker]
+{overrides}[acker]
 batch_size = {batch_size * 2}
 poll_interval_ms = 100
 """
@@ -369,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=2000, help="offered load for the latency run, msg/s")
     parser.add_argument("--batch-size", type=int, default=2000, help="the adapter's batch_size")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
+    parser.add_argument("--commits-in-flight", type=int, help="the ingester's commits_in_flight")
     parser.add_argument(
         "--backlog",
         type=int,
@@ -376,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: drain a backlog of 10,000 and one of N, compare msg/s, and sample RSS over N",
     )
     args = parser.parse_args(argv)
+    if args.commits_in_flight:
+        INGEST_OVERRIDES["commits_in_flight"] = args.commits_in_flight
     n = args.messages or (20_000 if args.quick else 100_000)
     naive_n = max(1000, n // 20)
     latency_s = 3.0 if args.quick else 10.0
