@@ -209,16 +209,20 @@ CLAIM_PLAN: LiteralString = "SET LOCAL enable_bitmapscan = off"
 
 # The queue rows are deleted and the inbox rows marked acked in one
 # statement; no index covers ack_state or acked_at, so the mark is a HOT
-# update (inbox leaves room on each page for it).
+# update (inbox leaves room on each page for it). Both rows are locked up
+# front, queue row first as everywhere else, and skipped if either is taken:
+# a store re-requesting the ack of a redelivered entry holds the inbox row
+# while it queues it again, and waiting for it here while it waits for our
+# queue row would be a deadlock.
 CLAIM_ACKS: LiteralString = """
-WITH claimed AS (
-    DELETE FROM ack_queue WHERE inbox_id IN (
-        SELECT inbox_id FROM ack_queue
-        WHERE adapter = ANY(%(adapters)s::text[])
-        ORDER BY inbox_id
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
-    )
+WITH picked AS (
+    SELECT q.inbox_id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
+    WHERE q.adapter = ANY(%(adapters)s::text[])
+    ORDER BY q.inbox_id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    DELETE FROM ack_queue WHERE inbox_id IN (SELECT inbox_id FROM picked)
     RETURNING inbox_id
 )
 UPDATE inbox SET ack_state = 'acked', acked_at = now()

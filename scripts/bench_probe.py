@@ -43,9 +43,9 @@ TABLES = ("inbox", "events", "todos", "todo_events", "ack_queue")
 
 # The read-only part of the acker's claim (backhalf.sql.CLAIM_ACKS).
 CLAIM_SELECT = """
-SELECT inbox_id FROM ack_queue
-WHERE adapter = ANY(ARRAY['bench'])
-ORDER BY inbox_id LIMIT 4000
+SELECT q.inbox_id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
+WHERE q.adapter = ANY(ARRAY['bench'])
+ORDER BY q.inbox_id LIMIT 4000
 """
 
 
