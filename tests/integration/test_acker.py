@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import asyncio
 
+import psycopg
 import pytest
 import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry
-from backhalf.records import StoreBatch
+from backhalf import registry, sql
+from backhalf.records import AckTarget, InboxRecord, StoreBatch
 from backhalf.store import store
 from ingest.acker import drain_loop, drain_once
 from ingest.config import Settings, from_mapping
 from ingest.errors import AckError
 from ingest.poll import to_record
 from ingest.redis_stream import StreamAcknowledger, StreamAdapter
-from tests.support.db import query, scalar
+from tests.support.db import libpq, query, scalar
 
 STREAM, GROUP = "orders", "switchboard"
 
@@ -164,3 +165,44 @@ async def test_one_broker_down_does_not_stall_another_adapter(
         ("broken", "pending"),
         ("orders", "acked"),
     ]
+
+
+async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocking(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    """A store re-requesting the ack of a redelivered entry first updates its
+    inbox row, then queues it again. A claim arriving in between must skip
+    the row (it is taken), not lock the queue row and then wait for the inbox
+    row while the store waits for that queue row: a deadlock. The store's two
+    steps run here as two statements of one transaction, so the claim lands
+    between them every time."""
+    record = InboxRecord("redis:orders:1-0", "1-0", b"{}", "{}", ack_entry_id="1-0")
+    async with engine.begin() as conn:
+        await store(
+            conn,
+            StoreBatch("orders", "orders", "c1", "store", AckTarget("xack", STREAM, GROUP), "x", [record]),
+        )
+    url = libpq(db_url)
+    async with (
+        await psycopg.AsyncConnection.connect(url, connect_timeout=10) as storer,
+        await psycopg.AsyncConnection.connect(url, connect_timeout=10) as acker,
+    ):
+        for conn in (storer, acker):
+            await conn.execute("SET statement_timeout = '10s'")
+        await storer.execute("UPDATE inbox SET deliveries = deliveries + 1, ack_state = 'pending'")
+        async with acker.cursor() as cur:
+            await cur.execute(sql.CLAIM_ACKS, {"adapters": ["orders"], "limit": 10})
+            assert await cur.fetchall() == []  # taken by the store: skipped
+        await storer.execute(
+            "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)"
+            " SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM inbox"
+            " ON CONFLICT (inbox_id) DO NOTHING"
+        )
+        await storer.commit()
+        await acker.commit()
+        async with acker.cursor() as cur:
+            await cur.execute(sql.CLAIM_ACKS, {"adapters": ["orders"], "limit": 10})
+            assert [row[5] for row in await cur.fetchall()] == ["1-0"]
+        await acker.commit()
+    assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 0
+    assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
