@@ -63,13 +63,20 @@ def removed_marker(processing: str, inbox_id: int) -> str:
 
 # LREM is not idempotent: run twice (an acker that died between LREM and its
 # commit, then a retry) it would remove a later copy that is not stored yet.
-# So each intent's LREM runs once, guarded by a marker named after its inbox
-# row, and recovery ignores intents whose marker exists.
+# So each intent's copies are removed once, guarded by a marker named after
+# its inbox row that records how many copies are already removed. A retry
+# removes only what was added since: a store may merge more copies into the
+# row (ack_copies grows) between the failed attempt and the retry, and those
+# must go too, or recovery would deliver them again. Recovery counts an
+# intent's copies minus its marker.
 GUARDED_LREM = """
-if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[3]) then
-  return redis.call('LREM', KEYS[1], ARGV[1], ARGV[2])
+local removed = tonumber(redis.call('GET', KEYS[2]) or '0')
+local copies = tonumber(ARGV[1])
+if copies <= removed then
+  return -1
 end
-return -1
+redis.call('SET', KEYS[2], copies, 'PX', ARGV[3])
+return redis.call('LREM', KEYS[1], copies - removed, ARGV[2])
 """
 # Long enough for any acker to commit or retry; markers are deleted after the
 # commit, so this only bounds what a crash leaves behind.
@@ -257,8 +264,8 @@ class ListAdapter(RedisEndpoint):
             return None  # it came back: a live consumer's list is never taken
         async with open_ledger() as pending_copies:
             intents = await pending_copies(processing)
-            # An intent whose LREM already ran (its acker died before the
-            # commit) no longer has copies on the list: do not count it.
+            # Copies of an intent already removed (its acker died before the
+            # commit) are no longer on the list: count only the rest.
             done = (
                 await self._client.mget([removed_marker(processing, i.inbox_id) for i in intents])
                 if intents
@@ -266,8 +273,8 @@ class ListAdapter(RedisEndpoint):
             )
             pending: Counter[str] = Counter()
             for intent, marker in zip(intents, done, strict=True):
-                if marker is None:
-                    pending[intent.idempotency_key] += intent.copies
+                removed = 0 if marker is None else int(marker)
+                pending[intent.idempotency_key] += max(intent.copies - removed, 0)
             on_list = Counter(as_bytes(b) for b in await self._client.lrange(processing, 0, -1))
         deliveries = []
         for body, copies in on_list.items():

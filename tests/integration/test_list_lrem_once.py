@@ -34,3 +34,27 @@ async def test_a_retried_lrem_removes_nothing_more(redis_url: str) -> None:
         assert not r.exists(removed_marker(P, 7))
     finally:
         await acker.close()
+
+
+async def test_a_retry_after_a_merge_removes_only_the_merged_copies(redis_url: str) -> None:
+    """The acker removed the row's copies and died before its commit; a store
+    then merged another stored copy into the row (ack_copies 1 -> 2). The
+    retry must remove that copy too, and only it."""
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    body = b'{"job": 2}'
+    r.lpush(P, body)
+    cfg = from_mapping(
+        {"database": {"url": "postgresql://x@y/z"}, "redis": {"url": redis_url},
+         "adapters": [{"name": "jobs", "mode": "list", "source": "jobs"}]},
+        {},
+    ).adapters[0]  # fmt: skip
+    acker = ListAcknowledger(cfg)
+    try:
+        await acker.ack([AckClaim(8, "jobs", "lrem", P, None, None, 1, body)])
+        assert r.llen(P) == 0
+        r.lpush(P, body, body)  # one copy stored (merged into row 8), one consumed and not stored
+        await acker.ack([AckClaim(8, "jobs", "lrem", P, None, None, 2, body)])  # the retry, after the merge
+        assert r.lrange(P, 0, -1) == [body]  # the merged copy went; the unstored one stays
+        assert r.get(removed_marker(P, 8)) == b"2"
+    finally:
+        await acker.close()
