@@ -122,7 +122,11 @@ async def _store(
             event_ids = {key: event_id for event_id, key in await cur.fetchall()}
 
         ack_state = "none" if batch.ack.kind == "none" else "pending"
-        merging = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) in pending]
+        merging: list[InboxRecord] = []
+        writing = records
+        if pending:  # list copies with a pending row on their list merge into it
+            merging = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) in pending]
+            writing = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) not in pending]
         if merging:
             await cur.execute(
                 sql.MERGE_INBOX_BODY,
@@ -133,7 +137,6 @@ async def _store(
                     "deliveries": [r.deliveries for r in merging],
                 },
             )
-        writing = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) not in pending]
         inserted: set[str] = set()
         if writing:
             await cur.execute(
