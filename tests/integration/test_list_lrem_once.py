@@ -6,21 +6,26 @@ from __future__ import annotations
 import redis
 
 from backhalf.records import AckClaim
-from ingest.config import from_mapping
+from ingest.config import AdapterConfig, from_mapping
 from ingest.redis_list import ListAcknowledger, processing_key, removed_marker
 
 P = processing_key("jobs", "c1")
+
+
+def list_adapter(redis_url: str) -> AdapterConfig:
+    raw = {
+        "database": {"url": "postgresql://x@y/z"},
+        "redis": {"url": redis_url},
+        "adapters": [{"name": "jobs", "mode": "list", "source": "jobs"}],
+    }
+    return from_mapping(raw, {}).adapters[0]
 
 
 async def test_a_retried_lrem_removes_nothing_more(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     body = b'{"job": 1}'
     r.lpush(P, body)
-    cfg = from_mapping(
-        {"database": {"url": "postgresql://x@y/z"}, "redis": {"url": redis_url},
-         "adapters": [{"name": "jobs", "mode": "list", "source": "jobs"}]},
-        {},
-    ).adapters[0]  # fmt: skip
+    cfg = list_adapter(redis_url)
     claim = AckClaim(7, "jobs", "lrem", P, None, None, 1, body)
     acker = ListAcknowledger(cfg)
     try:
@@ -43,11 +48,7 @@ async def test_a_retry_after_a_merge_removes_only_the_merged_copies(redis_url: s
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     body = b'{"job": 2}'
     r.lpush(P, body)
-    cfg = from_mapping(
-        {"database": {"url": "postgresql://x@y/z"}, "redis": {"url": redis_url},
-         "adapters": [{"name": "jobs", "mode": "list", "source": "jobs"}]},
-        {},
-    ).adapters[0]  # fmt: skip
+    cfg = list_adapter(redis_url)
     acker = ListAcknowledger(cfg)
     try:
         await acker.ack([AckClaim(8, "jobs", "lrem", P, None, None, 1, body)])

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from tests.support.config import stream_adapter
 from tests.support.db import libpq, scalar
 from tests.support.oracle import assert_exactly_once
-from tests.support.procs import wait_for
+from tests.support.procs import SwitchboardProcess, wait_for
 from tests.system.conftest import Processes, assert_clean_exit, produce, wait_all_acked
 
 pytestmark = pytest.mark.system
@@ -29,11 +28,17 @@ WAITING_STORES = (
 
 
 @contextmanager
-def todos_locked(db_url: str) -> Iterator[psycopg.Connection[Any]]:
-    """Every todo INSERT waits until the block ends."""
+def two_stores_open(
+    procs: Processes, make_config: Callable[..., Path], db_url: str
+) -> Iterator[tuple[Path, SwitchboardProcess]]:
+    """An ingester whose first two store transactions are both open, waiting
+    on a lock on ``todos`` that this block holds (every todo INSERT waits)."""
+    config = make_config(stream_adapter(STREAM, batch_size=50), database={"lock_timeout_ms": 20_000})
     with psycopg.connect(libpq(db_url), connect_timeout=10) as conn:
         conn.execute("LOCK TABLE todos IN SHARE ROW EXCLUSIVE MODE")
-        yield conn
+        ingester = procs.start("ingest", config, name="ingester-1")
+        wait_for(lambda: scalar(db_url, WAITING_STORES) == 2, timeout_s=30, what="two stores open")
+        yield config, ingester
         conn.commit()
 
 
@@ -45,13 +50,8 @@ def entry_order(entry_id: str) -> tuple[int, int]:
 def test_two_commits_in_flight_are_confirmed_in_read_order(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
 ) -> None:
-    config = make_config(stream_adapter(STREAM, batch_size=50), database={"lock_timeout_ms": 20_000})
     ids = produce(redis_url, STREAM, 400)
-    with todos_locked(db_url):
-        ingester = procs.start("ingest", config, name="ingester-1")
-        wait_for(
-            lambda: scalar(db_url, WAITING_STORES) == 2, timeout_s=30, what="two store transactions open"
-        )
+    with two_stores_open(procs, make_config, db_url) as (config, ingester):
         assert scalar(db_url, "SELECT count(*) FROM inbox") == 0
     acker = procs.start("ack", config, name="acker-1")
     wait_all_acked(db_url, redis_url, 400, timeout_s=60, what="all acked")
@@ -66,13 +66,8 @@ def test_two_commits_in_flight_are_confirmed_in_read_order(
 def test_overlapping_commits_killed_mid_flight(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
 ) -> None:
-    config = make_config(stream_adapter(STREAM, batch_size=50), database={"lock_timeout_ms": 20_000})
     ids = produce(redis_url, STREAM, 400)
-    with todos_locked(db_url):
-        ingester = procs.start("ingest", config, name="ingester-1")
-        wait_for(
-            lambda: scalar(db_url, WAITING_STORES) == 2, timeout_s=30, what="two store transactions open"
-        )
+    with two_stores_open(procs, make_config, db_url) as (config, ingester):
         ingester.kill()
         assert ingester.wait(30) == -9
     # Both transactions died with their connections: nothing of them is left.
