@@ -14,8 +14,8 @@ from ingest.servers import RedisServer
 from tests.support.config import stream_adapter, write_config
 from tests.support.db import scalar
 from tests.support.oracle import assert_exactly_once
-from tests.support.procs import wait_for
-from tests.support.proxy import proxy_to
+from tests.support.procs import SwitchboardProcess, wait_for
+from tests.support.proxy import Proxy, proxy_to
 from tests.system.conftest import (
     Processes,
     acked,
@@ -33,24 +33,31 @@ def db_port(db_url: str) -> int:
     return int(db_url.rsplit(":", 1)[1].split("/", 1)[0])
 
 
+def ingester_through_proxy(
+    procs: Processes, tmp_path: Path, proxy: Proxy, db_url: str, redis_url: str, **database: int
+) -> tuple[SwitchboardProcess, SwitchboardProcess]:
+    """An acker on PostgreSQL directly and an ingester through the proxy,
+    started in that order."""
+    adapters = [stream_adapter(STREAM, batch_size=50)]
+    ingest_config = write_config(
+        tmp_path / "ingest.toml",
+        database_url=with_secret_db(proxy.url_for(db_url)),
+        redis_url=redis_url,
+        adapters=adapters,
+        database=database,
+    )
+    ack_config = write_config(
+        tmp_path / "ack.toml", database_url=with_secret_db(db_url), redis_url=redis_url, adapters=adapters
+    )
+    acker = procs.start("ack", ack_config, name="acker-1")
+    return acker, procs.start("ingest", ingest_config, name="ingester-1")
+
+
 def test_commit_reply_lost_outcome_unknown_redelivery_resolves_it(
     procs: Processes, tmp_path: Path, db_url: str, redis_url: str
 ) -> None:
     with proxy_to(db_port(db_url)) as proxy:
-        ingest_config = write_config(
-            tmp_path / "ingest.toml",
-            database_url=with_secret_db(proxy.url_for(db_url)),
-            redis_url=redis_url,
-            adapters=[stream_adapter(STREAM, batch_size=100)],
-        )
-        ack_config = write_config(
-            tmp_path / "ack.toml",
-            database_url=with_secret_db(db_url),
-            redis_url=redis_url,
-            adapters=[stream_adapter(STREAM, batch_size=100)],
-        )
-        acker = procs.start("ack", ack_config, name="acker-1")
-        ingester = procs.start("ingest", ingest_config, name="ingester-1")
+        acker, ingester = ingester_through_proxy(procs, tmp_path, proxy, db_url, redis_url)
         wait_for(lambda: ingester.events("poll_loop_started"), timeout_s=30, what="the poll loop")
         proxy.cut_after = b"COMMIT"  # the next COMMIT through the proxy is a store's
         ids = produce(redis_url, STREAM, 300)
@@ -75,22 +82,10 @@ def test_postgres_blackhole_cut_off_by_the_transaction_deadline(
     store. Without it the ingester hangs in COMMIT forever."""
     gave_up = "no reply from the database within 2000 ms"
     with proxy_to(db_port(db_url)) as proxy:
-        ingest_config = write_config(
-            tmp_path / "ingest.toml",
-            database_url=with_secret_db(proxy.url_for(db_url)),
-            redis_url=redis_url,
-            adapters=[stream_adapter(STREAM, batch_size=50)],
-            database={"statement_timeout_ms": 1000, "transaction_deadline_ms": 2000},
-        )
-        ack_config = write_config(
-            tmp_path / "ack.toml",
-            database_url=with_secret_db(db_url),
-            redis_url=redis_url,
-            adapters=[stream_adapter(STREAM, batch_size=50)],
-        )
         ids = produce(redis_url, STREAM, 300)
-        acker = procs.start("ack", ack_config, name="acker-1")
-        ingester = procs.start("ingest", ingest_config, name="ingester-1")
+        acker, ingester = ingester_through_proxy(
+            procs, tmp_path, proxy, db_url, redis_url, statement_timeout_ms=1000, transaction_deadline_ms=2000
+        )
         wait_all_acked(db_url, redis_url, 300, timeout_s=60, what="the first entries")
         proxy.blackhole = True
         ids += produce(redis_url, STREAM, 200, start=300)
