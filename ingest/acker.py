@@ -18,16 +18,14 @@ import psycopg
 import structlog
 from psycopg import sql as pgsql
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks, failpoints
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, DatabaseSettings, create_engine, within_deadline
-from backhalf.errors import BackhalfError
 from backhalf.sql import ACK_CHANNEL
 from ingest.adapter import Acknowledger
 from ingest.config import AckerSettings, Settings
-from ingest.errors import IngestError
+from ingest.errors import EXPECTED_FAILURES, failure_fields
 from ingest.lifecycle import Backoff, wait_either, wait_stop
 from ingest.modes import make_acknowledger
 
@@ -100,13 +98,10 @@ async def drain_loop(
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
                 delay_s = backoffs[adapter].next_delay_s()
                 retry_at[adapter] = loop.time() + delay_s
-                expected = isinstance(exc, IngestError | BackhalfError | SQLAlchemyError)
-                (log.warning if expected else log.exception)(
+                (log.warning if isinstance(exc, EXPECTED_FAILURES) else log.exception)(
                     "ack_failed",
                     adapter=adapter,
-                    error=exc,
-                    error_type=type(exc).__name__,
-                    cause=type(exc.__cause__).__name__ if exc.__cause__ else None,
+                    **failure_fields(exc),
                     attempt=backoffs[adapter].attempt,
                     retry_in_s=round(delay_s, 3),
                 )

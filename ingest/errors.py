@@ -14,6 +14,12 @@ and mapped to these at the adapter boundary with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from backhalf.errors import BackhalfError
+
 
 class IngestError(Exception):
     """Root of every ingest-side error."""
@@ -33,3 +39,18 @@ class GroupMissing(BrokerError):
 
 class AckError(IngestError):
     """The broker refused or did not answer an ack; the intents stay pending."""
+
+
+# What the loops expect to meet (the broker, the database, the errors we wrap
+# them in): logged as warnings and retried. Anything else is a bug, logged
+# with its traceback, and retried too.
+EXPECTED_FAILURES = (IngestError, BackhalfError, SQLAlchemyError)
+
+
+def failure_fields(exc: BaseException) -> dict[str, Any]:
+    """The structured log fields every logged failure carries."""
+    return {
+        "error": exc,
+        "error_type": type(exc).__name__,
+        "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
+    }

@@ -23,13 +23,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from backhalf import acks, failpoints, registry
 from backhalf import attempts as delivery_attempts
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
-from backhalf.errors import BackhalfError, DeadlineExceeded, PoisonMessage, StoreError
+from backhalf.errors import DeadlineExceeded, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapter import Delivery, OpenLedger, PendingCopies, PullAdapter
 from ingest.config import AdapterConfig, IngestSettings
-from ingest.errors import BrokerError, IngestError
+from ingest.errors import EXPECTED_FAILURES, BrokerError, failure_fields
 from ingest.lifecycle import Backoff, cancel_and_wait, wait_stop
 
 log = structlog.get_logger(__name__)
@@ -208,7 +208,7 @@ class PollLoop:
                 # Rewind only once no commit is under way: a batch still
                 # committing would be confirmed after the rewind forgot it.
                 await self._settle(exc)
-                if not isinstance(exc, IngestError | BackhalfError | SQLAlchemyError):
+                if not isinstance(exc, EXPECTED_FAILURES):
                     self._log.exception("poll_step_crashed", error=exc)
                 await self._after_failure(exc, backoff)
         # On stop, commits under way finish (or fail: redelivered later). After
@@ -236,13 +236,8 @@ class PollLoop:
                 failed = True
                 if id(exc) not in logged:
                     logged.add(id(exc))
-                    expected = isinstance(exc, IngestError | BackhalfError | SQLAlchemyError)
-                    (self._log.warning if expected else self._log.exception)(
-                        "store_failed",
-                        error=exc,
-                        error_type=type(exc).__name__,
-                        cause=type(exc.__cause__).__name__ if exc.__cause__ else None,
-                        overlapping=True,
+                    (self._log.warning if isinstance(exc, EXPECTED_FAILURES) else self._log.exception)(
+                        "store_failed", **failure_fields(exc), overlapping=True
                     )
             self._committing.popleft()
         return failed
@@ -265,7 +260,7 @@ class PollLoop:
             return
         try:
             await self._commit(prefetch.result())
-        except (IngestError, BackhalfError, SQLAlchemyError) as exc:
+        except EXPECTED_FAILURES as exc:
             self._log.warning("final_store_failed", error=exc, error_type=type(exc).__name__)
 
     async def _after_failure(self, exc: Exception, backoff: Backoff) -> None:
@@ -277,9 +272,7 @@ class PollLoop:
         event = "broker_error" if isinstance(exc, BrokerError) else "store_failed"
         self._log.warning(
             event,
-            error=exc,
-            error_type=type(exc).__name__,
-            cause=type(exc.__cause__).__name__ if exc.__cause__ else None,
+            **failure_fields(exc),
             attempt=backoff.attempt,
             retry_in_s=round(delay_s, 3),
             broker=self._adapter.broker,
