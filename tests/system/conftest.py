@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from tests.support.db import scalar
+from tests.support.oracle import assert_exactly_once
 from tests.support.procs import SwitchboardProcess, wait_for
 
 # Planted in every URL the processes get; it must never reach a log line.
@@ -67,6 +68,14 @@ def assert_clean_exit(proc: SwitchboardProcess, code: int) -> None:
     assert code == 0, f"exit {code}\n{text[-3000:]}"
     for bad in ("Traceback", "Exception ignored", "ResourceWarning", "tasks_leaked", "threads_leaked"):
         assert bad not in text, f"{bad!r} in {proc.log_path}:\n{text[-3000:]}"
+
+
+def assert_clean_end(db_url: str, redis_url: str, ids: list[str], *running: SwitchboardProcess) -> None:
+    """SIGTERM each process (it must exit 0, clean), then the exactly-once
+    oracle over the ``orders`` stream for the produced entry ids."""
+    for proc in running:
+        assert_clean_exit(proc, proc.terminate())
+    assert_exactly_once(db_url, redis_url, stream="orders", group="switchboard", produced_ids=ids)
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ import pytest
 
 from tests.support.config import stream_adapter
 from tests.support.db import query, scalar
-from tests.support.oracle import assert_exactly_once
 from tests.support.procs import SwitchboardProcess, wait_for
 from tests.system.conftest import (
     Processes,
+    assert_clean_end,
     assert_clean_exit,
     entries_read,
     produce,
@@ -41,9 +41,7 @@ def _finish(
         "ack", config, name="acker-2"
     )
     wait_all_acked(db_url, redis_url, N, timeout_s=60, what="every entry stored and acked")
-    assert_clean_exit(ingester, ingester.terminate())
-    assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, ingester, acker)
     procs.assert_no_secret_logged()
 
 

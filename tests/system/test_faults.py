@@ -17,7 +17,14 @@ from tests.support.config import stream_adapter
 from tests.support.db import libpq, query, scalar
 from tests.support.oracle import assert_exactly_once
 from tests.support.procs import wait_for
-from tests.system.conftest import Processes, assert_clean_exit, produce, wait_all_acked, xpending
+from tests.system.conftest import (
+    Processes,
+    assert_clean_end,
+    assert_clean_exit,
+    produce,
+    wait_all_acked,
+    xpending,
+)
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
@@ -42,9 +49,7 @@ def test_sigterm_mid_stream_exits_0_and_leaves_in_flight_for_redelivery(
     wait_all_acked(
         db_url, redis_url, 2000, timeout_s=60, what="everything stored and acked after the restart"
     )
-    assert_clean_exit(restarted, restarted.terminate())
-    assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, restarted, acker)
 
 
 def test_sigterm_while_blocked_in_xreadgroup_exits_promptly(
@@ -111,9 +116,7 @@ def test_todo_creation_failure_is_logged_not_acked_and_redelivered(
     assert xpending(redis_url, STREAM) == 5  # delivered, never acked
     query(db_url, "DROP TRIGGER fail_todo ON todos")
     wait_all_acked(db_url, redis_url, 5, timeout_s=30, what="redelivery after the fault is fixed")
-    assert_clean_exit(ingester, ingester.terminate())
-    assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, ingester, acker)
 
 
 def _cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -149,9 +152,7 @@ def test_disabled_adapter_does_not_consume_until_enabled(
         what="consumption after enable",
     )
     assert ingester.events("adapter_enabled")
-    assert_clean_exit(ingester, ingester.terminate())
-    assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, ingester, acker)
 
 
 def test_sigterm_while_a_store_transaction_is_open_exits_0_with_nothing_half_done(
@@ -184,6 +185,4 @@ def test_sigterm_while_a_store_transaction_is_open_exits_0_with_nothing_half_don
     acker = procs.start("ack", config, name="acker-1")
     restarted = procs.start("ingest", config, name="ingester-1")
     wait_all_acked(db_url, redis_url, 100, timeout_s=60, what="redelivery after the restart")
-    assert_clean_exit(restarted, restarted.terminate())
-    assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, restarted, acker)

@@ -25,6 +25,7 @@ from tests.support.procs import wait_for
 from tests.system.conftest import (
     Processes,
     acked,
+    assert_clean_end,
     assert_clean_exit,
     produce,
     wait_all_acked,
@@ -72,9 +73,7 @@ def test_postgres_backends_terminated_and_server_restarted(
         what="recovery after terminated backends and an immediate restart",
     )
     assert ingester.events("store_failed") or acker.events("ack_failed")
-    assert_clean_exit(ingester, ingester.terminate())
-    assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, ingester, acker)
     procs.assert_no_secret_logged()
 
 

@@ -19,6 +19,7 @@ from tests.support.proxy import Proxy, proxy_to
 from tests.system.conftest import (
     Processes,
     acked,
+    assert_clean_end,
     assert_clean_exit,
     produce,
     wait_all_acked,
@@ -68,9 +69,7 @@ def test_commit_reply_lost_outcome_unknown_redelivery_resolves_it(
         assert failures[0]["cause"] == "OperationalError"
         # The batch committed on the server; its redelivery was deduplicated.
         assert scalar(db_url, "SELECT count(*) FROM inbox WHERE deliveries > 1") > 0
-        assert_clean_exit(ingester, ingester.terminate())
-        assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+        assert_clean_end(db_url, redis_url, ids, ingester, acker)
     procs.assert_no_secret_logged()
 
 
@@ -99,9 +98,7 @@ def test_postgres_blackhole_cut_off_by_the_transaction_deadline(
         assert ingester.alive()
         proxy.blackhole = False
         wait_all_acked(db_url, redis_url, 500, timeout_s=90, what="recovery after the blackhole")
-        assert_clean_exit(ingester, ingester.terminate())
-        assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+        assert_clean_end(db_url, redis_url, ids, ingester, acker)
     procs.assert_no_secret_logged()
 
 
@@ -147,6 +144,4 @@ def test_added_latency_changes_nothing_but_speed(
         ingester = procs.start("ingest", config, name="ingester-1")
         acker = procs.start("ack", config, name="acker-1")
         wait_all_acked(db_url, redis_url, 300, timeout_s=60, what="all acked")
-        assert_clean_exit(ingester, ingester.terminate())
-        assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+        assert_clean_end(db_url, redis_url, ids, ingester, acker)

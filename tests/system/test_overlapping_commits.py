@@ -15,9 +15,8 @@ import pytest
 
 from tests.support.config import stream_adapter
 from tests.support.db import libpq, scalar
-from tests.support.oracle import assert_exactly_once
 from tests.support.procs import SwitchboardProcess, wait_for
-from tests.system.conftest import Processes, assert_clean_exit, produce, wait_all_acked
+from tests.system.conftest import Processes, assert_clean_end, produce, wait_all_acked
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
@@ -58,9 +57,7 @@ def test_two_commits_in_flight_are_confirmed_in_read_order(
     firsts = [entry_order(e["first_id"]) for e in ingester.events("batch_stored")]
     assert len(firsts) == 8
     assert firsts == sorted(firsts)
-    assert_clean_exit(ingester, ingester.terminate())
-    assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, ingester, acker)
 
 
 def test_overlapping_commits_killed_mid_flight(
@@ -77,7 +74,5 @@ def test_overlapping_commits_killed_mid_flight(
     ingester = procs.start("ingest", config, name="ingester-1")
     acker = procs.start("ack", config, name="acker-1")
     wait_all_acked(db_url, redis_url, 400, timeout_s=60, what="all acked after the restart")
-    assert_clean_exit(ingester, ingester.terminate())
-    assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, ingester, acker)
     procs.assert_no_secret_logged()

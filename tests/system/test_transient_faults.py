@@ -25,12 +25,11 @@ import redis
 from ingest.servers import RedisServer
 from tests.support.config import stream_adapter
 from tests.support.db import libpq, query, scalar
-from tests.support.oracle import assert_exactly_once
 from tests.support.procs import SwitchboardProcess, wait_for
 from tests.system.conftest import (
     Processes,
     acked,
-    assert_clean_exit,
+    assert_clean_end,
     produce,
     wait_all_acked,
 )
@@ -63,9 +62,7 @@ def finish(
 ) -> None:
     wait_all_acked(db_url, redis_url, len(ids), timeout_s=90, what="all acked after the fault")
     assert_retried_not_poison(db_url, *running)
-    for proc in running:
-        assert_clean_exit(proc, proc.terminate())
-    assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)
+    assert_clean_end(db_url, redis_url, ids, *running)
     procs.assert_no_secret_logged()
 
 
