@@ -27,6 +27,7 @@ class BodySchema:
     def __init__(self, schema: dict[str, Any], source: str) -> None:
         # Imported here: only adapters with a schema pay its ~0.1 s import.
         from jsonschema import Draft202012Validator, SchemaError, validators
+        from jsonschema.exceptions import best_match
 
         cls = validators.validator_for(schema, default=Draft202012Validator)
         try:
@@ -35,8 +36,6 @@ class BodySchema:
             raise SchemaFileError(f"{source}: not a valid JSON Schema: {exc.message}") from exc
         self._validator = cls(schema)
         self.source = source
-        from jsonschema.exceptions import best_match
-
         self._best_match = best_match
 
     @classmethod
