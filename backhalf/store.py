@@ -12,7 +12,6 @@ statement per message, and every row is written once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from operator import attrgetter
 from typing import Any
 
@@ -40,8 +39,7 @@ def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | Non
             # Adapters deliver one ack target per batch; events link by key.
             raise StoreError(f"key {rec.idempotency_key} appears with two ack keys in one batch")
         else:
-            merged[rec.idempotency_key] = replace(
-                seen,
+            merged[rec.idempotency_key] = seen._replace(
                 ack_copies=seen.ack_copies + rec.ack_copies,
                 deliveries=seen.deliveries + rec.deliveries,
             )

@@ -13,22 +13,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from backhalf.records import AckClaim, AckTarget, PendingIntent
 
 __all__ = ["AckTarget", "Acknowledger", "Delivery", "OpenLedger", "PendingCopies", "PullAdapter"]
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
+class Delivery(NamedTuple):
     """One message as the broker handed it over, not yet normalized.
 
     Exactly one of ``body`` (the whole message, or a stream entry's body field)
     and ``fields`` (a stream entry without that field) is set, unless ``lost``:
     the broker still had the id pending but the message itself was deleted or
     trimmed, which the back half records instead of acking silently.
+
+    A NamedTuple, built per message: see ``backhalf.records.InboxRecord``.
     """
 
     idempotency_key: str

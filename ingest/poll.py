@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -358,8 +358,7 @@ class PollLoop:
         self._log.warning(
             "message_rejected_after_max_deliveries", key=rec.idempotency_key, deliveries=delivered
         )
-        return replace(
-            rec,
+        return rec._replace(
             payload=None,
             error=f"max_deliveries_exceeded: delivered {delivered} times, never stored "
             f"(limit {self._cfg.max_deliveries})",
