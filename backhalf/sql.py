@@ -15,13 +15,14 @@ from typing import LiteralString
 # Channel the acker LISTENs on; NOTIFY is delivered only when the store commits.
 ACK_CHANNEL = "switchboard_ack"
 
-# The store runs in this order so every row is written once, already linked:
-# which messages the inbox already holds, then todos, then events, then the
-# inbox rows carrying their todo and event ids. (Writing the inbox first and
-# linking it afterwards cost a second, non-HOT write of every inbox row.)
+# The store asks which messages the inbox already holds, then writes todos,
+# events and inbox rows in one statement (STORE_NATIVE, STORE_BODY). Writing
+# the inbox first and linking it afterwards cost a second, non-HOT write of
+# every inbox row.
 
 # Stream entries (native ids) are stored once per adapter while inbox rows are
 # kept; list copies merge while a copy on the same processing list is pending.
+# A batch of first deliveries skips this read (see ``backhalf.store``).
 #
 # One index probe per key, whatever the statistics say: the LATERAL subquery
 # (LIMIT keeps it from being flattened into a join) can only run as a nested
@@ -64,85 +65,91 @@ CROSS JOIN LATERAL (
 ) AS p
 """
 
-# The conflict target's WHERE must be the partial index's predicate exactly
-# (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer it.
-# The no-op DO UPDATE makes RETURNING yield the existing todo on a dedup.
-UPSERT_TODOS: LiteralString = """
-WITH t AS (
+# The store's write: todos, their 'created' log rows, events, inbox rows and
+# the acker's queue, in one statement, so each array (keys, ids, payloads) is
+# sent and dumped once and the batch costs one round trip, not three (issue 5:
+# the ingester's array dumping was a tenth of its CPU). Every row is written
+# once, already linked: todos first, events carrying their todo, inbox rows
+# carrying both.
+#
+# ``u`` holds the rows to write, in the order of ``keys`` (sorted by the
+# store, so concurrent stores take row locks in one order); ``payload`` is
+# NULL for a message that gets no todo and no event (rejected, or already
+# in the inbox). Keys are unique within a batch, so every join is one to one.
+#
+# The todo conflict target's WHERE must be the partial index's predicate
+# exactly (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer
+# it. The no-op DO UPDATE makes RETURNING yield the existing todo on a dedup.
+_STORE_HEAD: LiteralString = """
+WITH u AS (
+    SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
+                         %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
+                         %(deliveries)b::int4[], %(errors)b::text[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, n)
+), t AS (
     INSERT INTO todos (queue, idempotency_key, payload)
-    SELECT %(queue)s, u.k, u.p::jsonb
-    FROM unnest(%(keys)b::text[], %(payloads)b::text[]) AS u(k, p)
+    SELECT %(queue)s, u.k, u.p::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
     DO UPDATE SET updated_at = todos.updated_at
     RETURNING id, idempotency_key, (xmax = 0) AS created
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
     SELECT id, NULL, 'pending', 'created' FROM t WHERE created
-)
-SELECT id, idempotency_key, created FROM t
-"""
-
-INSERT_EVENTS: LiteralString = """
-INSERT INTO events (family, adapter, trust_mode, verified, verify_detail,
-                    idempotency_key, source_message_id, payload, todo_id)
-SELECT 'queue', %(adapter)s, 'queue', false, %(verify_detail)s, u.k, u.m, u.p::jsonb, u.t
-FROM unnest(%(keys)b::text[], %(ids)b::text[], %(payloads)b::text[], %(todo_ids)b::int8[]) AS u(k, m, p, t)
-RETURNING id, idempotency_key
-"""
-
-# Events of messages that a concurrent store won (our inbox insert conflicted):
-# the winner recorded the message; ours would be a second history row.
-DELETE_EVENTS: LiteralString = "DELETE FROM events WHERE id = ANY(%(ids)b::int8[])"
-
-# Todos this store created for such messages: possible only if the winner's
-# todo left the active states between our known-keys read and our upsert.
-DELETE_TODOS: LiteralString = """
-WITH gone AS (DELETE FROM todo_events WHERE todo_id = ANY(%(ids)b::int8[]))
-DELETE FROM todos WHERE id = ANY(%(ids)b::int8[])
-"""
-
-_INSERT_INBOX: LiteralString = """
-INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
-                   ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
-                   ack_state, deliveries, status, error, todo_id, event_id)
-SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
-       %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
-       %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err, u.t, u.ev
-FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(ack_keys)b::text[],
-            %(entry_ids)b::text[], %(copies)b::int4[], %(deliveries)b::int4[], %(errors)b::text[],
-            %(todo_ids)b::int8[], %(event_ids)b::int8[])
-     AS u(k, m, b, ak, e, c, d, err, t, ev)
+), ev AS (
+    INSERT INTO events (family, adapter, trust_mode, verified, verify_detail,
+                        idempotency_key, source_message_id, payload, todo_id)
+    SELECT 'queue', %(adapter)s, 'queue', false, %(verify_detail)s, u.k, u.m, u.p::jsonb, t.id
+    FROM u JOIN t ON t.idempotency_key = u.k
+    RETURNING id, idempotency_key, todo_id
+), written AS (
+    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+                       ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
+                       ack_state, deliveries, status, error, todo_id, event_id)
+    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+           %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
+           %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
+           ev.todo_id, ev.id
+    FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
+    ORDER BY u.n
 """
 
 # Every row left pending (and to be acked on store) is queued for the acker
-# in the same statement.
-_QUEUE_PENDING: LiteralString = """
+# in the same statement. The result has one row per message written: whether
+# its inbox row was inserted, and the event and todo this statement wrote
+# for it, which the store deletes again if a concurrent store won the row.
+_STORE_TAIL: LiteralString = """
 ), queued AS (
     INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)
     SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM written
     WHERE ack_state = 'pending' AND ack_after = 'store'
+    ON CONFLICT (inbox_id) DO NOTHING
+)
+SELECT w.idempotency_key, w.inserted, ev.id, ev.todo_id, t.created
+FROM written w
+LEFT JOIN ev ON ev.idempotency_key = w.idempotency_key
+LEFT JOIN t ON t.idempotency_key = w.idempotency_key
 """
 
-# A redelivery of a stored entry bumps ``deliveries`` and asks the acker
+_WRITTEN: LiteralString = """RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
+              (xmax = 0) AS inserted
+"""
+
+# Stream entries (native ids) are stored once per adapter while inbox rows are
+# kept. A redelivery of a stored entry bumps ``deliveries`` and asks the acker
 # again (XACK is idempotent; the entry may be pending again after its group
 # was recreated). ``xmax = 0`` is true exactly for rows this statement inserted.
-INSERT_INBOX_NATIVE: LiteralString = (
-    "WITH written AS (\n"
-    + _INSERT_INBOX
-    + """ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
-DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
-              consumer = excluded.consumer,
-              ack_key = excluded.ack_key,
-              ack_group = excluded.ack_group,
-              ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
-              acked_at = NULL
-RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, (xmax = 0) AS inserted
-"""
-    + _QUEUE_PENDING
-    + """    ON CONFLICT (inbox_id) DO NOTHING
-)
-SELECT idempotency_key, inserted FROM written
-"""
+STORE_NATIVE: LiteralString = (
+    _STORE_HEAD
+    + """    ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
+    DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
+                  consumer = excluded.consumer,
+                  ack_key = excluded.ack_key,
+                  ack_group = excluded.ack_group,
+                  ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
+                  acked_at = NULL
+    """
+    + _WRITTEN
+    + _STORE_TAIL
 )
 
 # List items and pub/sub messages (no native id) with no pending row to merge
@@ -150,16 +157,18 @@ SELECT idempotency_key, inserted FROM written
 # (which only its owner and, once it is dead, one recoverer write to) meet on
 # ``uq_ack_queue_body``: the loser fails and is redelivered, and then merges.
 # Pub/sub rows (ack_state 'none') are not queued; the todo index dedups them.
-INSERT_INBOX_BODY: LiteralString = (
-    "WITH written AS (\n"
-    + _INSERT_INBOX
-    + """RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after
+STORE_BODY: LiteralString = _STORE_HEAD + "    " + _WRITTEN + _STORE_TAIL
+
+# Events of messages that a concurrent store won (our inbox insert conflicted):
+# the winner recorded the message; ours would be a second history row.
+DELETE_EVENTS: LiteralString = "DELETE FROM events WHERE id = ANY(%(ids)b::int8[])"
+
+# Todos this store created for such messages: possible only if the winner's
+# todo left the active states between its store and ours.
+DELETE_TODOS: LiteralString = """
+WITH gone AS (DELETE FROM todo_events WHERE todo_id = ANY(%(ids)b::int8[]))
+DELETE FROM todos WHERE id = ANY(%(ids)b::int8[])
 """
-    + _QUEUE_PENDING
-    + """)
-SELECT idempotency_key, true FROM written
-"""
-)
 
 # A copy of a body already pending on the same processing list merges into
 # that row (locked by EXISTING_BODY_PENDING): ``ack_copies`` counts the copies

@@ -4,8 +4,9 @@ Runs inside the caller's transaction (``async with engine.begin() as conn``)
 and never commits on its own; the NOTIFY it sends reaches the acker only if
 that transaction commits, which is the whole of store-then-ack.
 
-Statements are set-based (``unnest`` of arrays): five round trips per batch
-whatever its size (known keys, todos, events, inbox, NOTIFY), never one
+Statements are set-based (``unnest`` of arrays): two round trips for a
+batch of new stream entries whatever its size (the write, NOTIFY), one more
+to ask what is already stored when the batch holds a redelivery, never one
 statement per message, and every row is written once.
 """
 
@@ -74,58 +75,30 @@ async def _store(
 ) -> StoreResult:
     async with pg.cursor() as cur:
         keys = [r.idempotency_key for r in records]
-        if native:
-            await cur.execute(sql.EXISTING_NATIVE, {"adapter": batch.adapter, "keys": keys})
-        else:
+        # List copies: the pending row of each (key, processing list), to merge into.
+        pending: dict[tuple[str, str | None], int] = {}
+        known: set[str] = set()
+        if not native:
             ack_keys = sorted({k for r in records if (k := _ack_key(r, batch.ack.key)) is not None})
             await cur.execute(
                 sql.EXISTING_BODY_PENDING, {"adapter": batch.adapter, "keys": keys, "ack_keys": ack_keys}
             )
-        # List copies: the pending row of each (key, processing list), to merge into.
-        pending: dict[tuple[str, str | None], int] = {}
-        if native:
-            known = {key for (key,) in await cur.fetchall()}
-        else:
             pending = {(key, ack_key): inbox_id for key, ack_key, inbox_id in await cur.fetchall()}
             known = {key for key, _ in pending}
-        accepted = [r for r in records if r.error is None and r.idempotency_key not in known]
-
-        todo_ids: dict[str, int] = {}
-        event_ids: dict[str, int] = {}
-        created_keys: set[str] = set()
-        if accepted:
-            await cur.execute(
-                sql.UPSERT_TODOS,
-                {
-                    "queue": batch.queue,
-                    "keys": [r.idempotency_key for r in accepted],
-                    "payloads": [r.payload for r in accepted],
-                },
-            )
-            for todo_id, key, was_created in await cur.fetchall():
-                todo_ids[key] = todo_id
-                if was_created:
-                    created_keys.add(key)
-            await cur.execute(
-                sql.INSERT_EVENTS,
-                {
-                    "adapter": batch.adapter,
-                    "verify_detail": batch.verify_detail,
-                    "keys": [r.idempotency_key for r in accepted],
-                    "ids": [r.source_message_id for r in accepted],
-                    "payloads": [r.payload for r in accepted],
-                    "todo_ids": [todo_ids[r.idempotency_key] for r in accepted],
-                },
-            )
-            event_ids = {key: event_id for event_id, key in await cur.fetchall()}
+        elif any(r.deliveries > 1 for r in records):
+            # Entries read for the first time (XREADGROUP ">") are almost never
+            # in the inbox yet, so only a batch holding a redelivery asks, to
+            # write no todo and no event for what is already stored. The rare
+            # first delivery that is (its group was recreated) is written and
+            # then undone below, like a store that lost a race.
+            await cur.execute(sql.EXISTING_NATIVE, {"adapter": batch.adapter, "keys": keys})
+            known = {key for (key,) in await cur.fetchall()}
 
         ack_state = "none" if batch.ack.kind == "none" else "pending"
-        merging: list[InboxRecord] = []
         writing = records
         if pending:  # list copies with a pending row on their list merge into it
             merging = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) in pending]
             writing = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) not in pending]
-        if merging:
             await cur.execute(
                 sql.MERGE_INBOX_BODY,
                 {
@@ -135,13 +108,15 @@ async def _store(
                     "deliveries": [r.deliveries for r in merging],
                 },
             )
-        inserted: set[str] = set()
+        rows: list[tuple[str, bool, int | None, int | None, bool | None]] = []
         if writing:
             await cur.execute(
-                sql.INSERT_INBOX_NATIVE if native else sql.INSERT_INBOX_BODY,
+                sql.STORE_NATIVE if native else sql.STORE_BODY,
                 {
                     "adapter": batch.adapter,
+                    "queue": batch.queue,
                     "consumer": batch.consumer,
+                    "verify_detail": batch.verify_detail,
                     "ack_kind": batch.ack.kind,
                     "ack_group": batch.ack.group,
                     "ack_after": batch.ack_after,
@@ -149,32 +124,42 @@ async def _store(
                     "keys": [r.idempotency_key for r in writing],
                     "ids": [r.source_message_id for r in writing],
                     "bodies": [r.body for r in writing],
+                    # No todo and no event for a rejected or an already stored message.
+                    "payloads": [None if r.idempotency_key in known else r.payload for r in writing],
                     "ack_keys": [_ack_key(r, batch.ack.key) for r in writing],
                     "entry_ids": [r.ack_entry_id for r in writing],
                     "copies": [r.ack_copies for r in writing],
                     "deliveries": [r.deliveries for r in writing],
                     "errors": [r.error for r in writing],
-                    "todo_ids": [todo_ids.get(r.idempotency_key) for r in writing],
-                    "event_ids": [event_ids.get(r.idempotency_key) for r in writing],
                 },
             )
-            inserted = {key for key, was_inserted in await cur.fetchall() if was_inserted}
+            rows = await cur.fetchall()
         failpoints.hit("after_inbox_insert")
-        # A concurrent store (a claim racing a slow consumer) won these: its
-        # event is the record; our todo upsert already deduped to its todo.
-        lost_race = [k for k in event_ids if k not in inserted]
-        if lost_race:
-            await cur.execute(sql.DELETE_EVENTS, {"ids": [event_ids[k] for k in lost_race]})
-            ours = [todo_ids[k] for k in lost_race if k in created_keys]
+        inserted = {key for key, was_inserted, _, _, _ in rows if was_inserted}
+        todos = sum(1 for _, _, _, todo_id, _ in rows if todo_id is not None)
+        created = sum(1 for _, _, _, _, was_created in rows if was_created)
+        # A concurrent store (a claim racing a slow consumer) won these, or
+        # they were stored before (a recreated group): that store's event is
+        # the record, and our todo upsert already deduped to its todo, or
+        # created one only if that todo has finished since.
+        lost = [
+            (event_id, todo_id, was_created)
+            for _, was_inserted, event_id, todo_id, was_created in rows
+            if not was_inserted and event_id is not None
+        ]
+        if lost:
+            await cur.execute(sql.DELETE_EVENTS, {"ids": [event_id for event_id, _, _ in lost]})
+            ours = [todo_id for _, todo_id, was_created in lost if was_created]
             if ours:
                 await cur.execute(sql.DELETE_TODOS, {"ids": ours})
-            created_keys -= set(lost_race)
+            created -= len(ours)
+            todos -= len(lost)
         if ack_state == "pending":
             await cur.execute(sql.NOTIFY_ACKER, {"channel": sql.ACK_CHANNEL, "adapter": batch.adapter})
     return StoreResult(
         new=len(inserted),
         rejected=sum(1 for r in records if r.error is not None and r.idempotency_key in inserted),
         redelivered=len(records) - len(inserted),
-        todos_created=len(created_keys),
-        todos_deduped=len(todo_ids) - len(created_keys),
+        todos_created=created,
+        todos_deduped=todos - created,
     )

@@ -110,13 +110,9 @@ STATEMENT_RE = re.compile(
 def classify(sql_text: str) -> str:
     s = " ".join(sql_text.split())[:60]
     for prefix, name in (
-        ("UPDATE inbox SET ack_state", "acker CLAIM_ACKS"),
-        ("WITH q AS (", "acker CLAIM_ACKS"),
-        ("SELECT idempotency_key FROM inbox", "store EXISTING_NATIVE"),
+        ("WITH picked AS (", "acker CLAIM_ACKS"),
         ("SELECT u.k FROM unnest", "store EXISTING_NATIVE"),
-        ("WITH t AS ( INSERT INTO todos", "store UPSERT_TODOS"),
-        ("INSERT INTO events", "store INSERT_EVENTS"),
-        ("INSERT INTO inbox", "store INSERT_INBOX"),
+        ("WITH u AS ( SELECT * FROM unnest", "store STORE_NATIVE"),
         ("SELECT pg_notify", "store NOTIFY"),
         ("COMMIT", "COMMIT"),
     ):

@@ -81,6 +81,42 @@ async def test_redelivery_returns_the_existing_todo_and_counts_the_delivery(
     assert query(db_url, "SELECT deliveries, ack_state, acked_at FROM inbox") == [(2, "pending", None)]
 
 
+@pytest.mark.parametrize("todo_status", ["pending", "done"])
+async def test_a_first_delivery_of_a_stored_entry_is_undone_to_one_todo_and_one_event(
+    engine: AsyncEngine, db_url: str, todo_status: str
+) -> None:
+    # A recreated group delivers stored entries again with a delivery count
+    # of 1: the store writes them without asking first, then undoes its event
+    # (and the todo it created if the first one had finished).
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("1-0"), rec("2-0")))
+    query(db_url, "UPDATE inbox SET ack_state = 'acked', acked_at = now()")
+    query(db_url, "DELETE FROM ack_queue")  # as the acker would
+    query(db_url, "UPDATE todos SET status = %(s)s", {"s": todo_status})
+    before = query(db_url, "SELECT id, status FROM todos ORDER BY id")
+    async with engine.begin() as conn:
+        result = await store(conn, batch(rec("1-0"), rec("3-0")))
+    assert (result.new, result.redelivered, result.todos_created, result.todos_deduped) == (1, 1, 1, 0)
+    assert query(db_url, "SELECT id, status FROM todos ORDER BY id")[:2] == before
+    assert query(db_url, "SELECT idempotency_key FROM todos ORDER BY id") == [
+        ("redis:orders:1-0",),
+        ("redis:orders:2-0",),
+        ("redis:orders:3-0",),
+    ]
+    assert query(db_url, "SELECT idempotency_key FROM events ORDER BY id") == [
+        ("redis:orders:1-0",),
+        ("redis:orders:2-0",),
+        ("redis:orders:3-0",),
+    ]
+    assert scalar(db_url, "SELECT count(*) FROM todo_events") == 3
+    assert query(db_url, "SELECT idempotency_key, deliveries, ack_state FROM inbox ORDER BY id") == [
+        ("redis:orders:1-0", 2, "pending"),
+        ("redis:orders:2-0", 1, "acked"),
+        ("redis:orders:3-0", 1, "pending"),
+    ]
+    assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 2
+
+
 async def test_same_key_on_another_adapter_dedups_to_the_active_todo(
     engine: AsyncEngine, db_url: str
 ) -> None:
