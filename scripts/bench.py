@@ -402,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         r = redis.Redis.from_url(rs.url)
         if args.backlog:
             small, _ = bench_backlog(base, fresh_db(pg, "small"), r, rs.url, 10_000, args.batch_size)
+            pg.drop_database("small")
             large, samples = bench_backlog(
                 base, fresh_db(pg, "large"), r, rs.url, args.backlog, args.batch_size
             )
@@ -421,11 +422,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"bench: {os.cpu_count()} CPUs, {n} messages (naive: {naive_n}), batch {args.batch_size}")
         raw = bench_raw(fresh_db(pg, "raw"), n)
+        # Each baseline's database goes once measured: left behind, its
+        # autovacuum (100k+ inserted rows) ran during the next measurement and
+        # was billed to it (PostgreSQL 30 -> 40 us per message at 300k).
+        pg.drop_database("raw")
         print(f"  raw psycopg unnest, 1000/tx     {raw:>10,.0f} msg/s")
         naive = bench_naive(fresh_db(pg, "naive"), r, naive_n)
+        pg.drop_database("naive")
         print(f"  naive 1 msg/tx consumer         {naive:>10,.0f} msg/s")
         servers = {"postgres": pg.pid, "redis": rs.pid}
         sb, rss, cpu_us = bench_switchboard(base, fresh_db(pg, "sb"), r, rs.url, n, args.batch_size, servers)
+        pg.drop_database("sb")
         print(f"  switchboard ingest + ack        {sb:>10,.0f} msg/s")
         print(f"  ratio to raw                    {sb / raw:>10.2f}x")
         print(f"  ratio to naive                  {sb / naive:>10.1f}x")
