@@ -31,7 +31,7 @@ async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> l
             rows = await cur.fetchall()
     except (psycopg.Error, SQLAlchemyError) as exc:
         raise AckStateError(f"claiming ack intents failed: {type(exc).__name__}: {exc}") from exc
-    return [AckClaim(*row) for row in rows]
+    return list(map(AckClaim._make, rows))
 
 
 async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str) -> list[PendingIntent]:

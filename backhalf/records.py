@@ -73,9 +73,11 @@ class PendingIntent:
     copies: int
 
 
-@dataclass(frozen=True, slots=True)
-class AckClaim:
-    """A committed ack intent, locked by the acker's transaction."""
+class AckClaim(NamedTuple):
+    """A committed ack intent, locked by the acker's transaction.
+
+    A NamedTuple, built per message from the claim's rows: see ``InboxRecord``.
+    """
 
     inbox_id: int
     adapter: str
