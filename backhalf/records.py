@@ -53,6 +53,10 @@ class StoreBatch:
     ack: AckTarget
     verify_detail: str
     records: Sequence[InboxRecord]
+    # Ask which messages are stored already even if none is a redelivery:
+    # the adapter's last batch held stored entries read for the first time
+    # (a group recreated from 0 re-reads a whole stream that way).
+    check_stored: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,12 +85,13 @@ async def _store(
             )
             pending = {(key, ack_key): inbox_id for key, ack_key, inbox_id in await cur.fetchall()}
             known = {key for key, _ in pending}
-        elif any(r.deliveries > 1 for r in records):
+        elif batch.check_stored or any(r.deliveries > 1 for r in records):
             # Entries read for the first time (XREADGROUP ">") are almost never
             # in the inbox yet, so only a batch holding a redelivery asks, to
             # write no todo and no event for what is already stored. The rare
             # first delivery that is (its group was recreated) is written and
-            # then undone below, like a store that lost a race.
+            # then undone below, like a store that lost a race; the batches
+            # after it ask (``check_stored``).
             await cur.execute(sql.EXISTING_NATIVE, {"adapter": batch.adapter, "keys": keys})
             known = {key for (key,) in await cur.fetchall()}
 

@@ -126,6 +126,9 @@ class PollLoop:
         self._open_ledger = ledger_for(engine, config.name, deadline_ms)
         self._prefetch: asyncio.Task[Fetched] | None = None
         self._committing: deque[asyncio.Task[None]] = deque()
+        # The last store found messages already stored: the next one asks
+        # before writing (StoreBatch.check_stored).
+        self._found_stored = False
         self._log = log.bind(
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
@@ -423,6 +426,7 @@ class PollLoop:
             ack=adapter.ack_target,
             verify_detail=adapter.identity,
             records=records,
+            check_stored=self._found_stored,
         )
         try:
             # The transaction boundary: inbox, events, todos and the NOTIFY
@@ -442,4 +446,5 @@ class PollLoop:
                 f"adapter {self._cfg.name}: transaction for {len(records)} messages failed: {exc}"
             ) from exc
         failpoints.hit("after_commit")
+        self._found_stored = result.redelivered > 0
         return result
