@@ -145,11 +145,11 @@ class StreamAdapter(RedisEndpoint):
             return await self._read_new(max_count)
         except RedisError as exc:
             if classify(exc) is RedisErrorKind.NOGROUP:
-                # Stream or group deleted under us: recreate on the next read
-                # and re-read our PEL, rather than loop on the error.
+                # Stream or group deleted under us: recreate it on the next
+                # read, rather than loop on the error. No rewind here: the
+                # poll loop rewinds once the commits under way have ended.
                 self._started = False
                 self._recreate_from_zero = True
-                self.rewind()
                 raise GroupMissing(f"adapter {self.name}: {exc}") from exc
             raise BrokerError(f"adapter {self.name}: reading {self._cfg.source}: {exc}") from exc
 
