@@ -159,12 +159,13 @@ STORE_NATIVE: LiteralString = (
 # Pub/sub rows (ack_state 'none') are not queued; the todo index dedups them.
 STORE_BODY: LiteralString = _STORE_HEAD + "    " + _WRITTEN + _STORE_TAIL
 
-# Events of messages that a concurrent store won (our inbox insert conflicted):
-# the winner recorded the message; ours would be a second history row.
+# Events of messages already stored (our inbox insert conflicted: a concurrent
+# store won, or a recreated group delivered them again): the stored row's event
+# is the record; ours would be a second history row.
 DELETE_EVENTS: LiteralString = "DELETE FROM events WHERE id = ANY(%(ids)b::int8[])"
 
-# Todos this store created for such messages: possible only if the winner's
-# todo left the active states between its store and ours.
+# Todos this store created for such messages: the stored message's todo had
+# finished (or it never had one: a rejected row), so the upsert made a new one.
 DELETE_TODOS: LiteralString = """
 WITH gone AS (DELETE FROM todo_events WHERE todo_id = ANY(%(ids)b::int8[]))
 DELETE FROM todos WHERE id = ANY(%(ids)b::int8[])

@@ -91,7 +91,11 @@ async def _store(
             # write no todo and no event for what is already stored. The rare
             # first delivery that is (its group was recreated) is written and
             # then undone below, like a store that lost a race; the batches
-            # after it ask (``check_stored``).
+            # after it ask (``check_stored``). Written that way, its todo is
+            # locked before its inbox row, the reverse of ``inbox replay``:
+            # a replay of that very row at that moment is a deadlock, which
+            # PostgreSQL breaks by failing one side: the replay reports an
+            # error, or the store is redelivered (count 2) and reads first.
             await cur.execute(sql.EXISTING_NATIVE, {"adapter": batch.adapter, "keys": keys})
             known = {key for (key,) in await cur.fetchall()}
 
@@ -126,7 +130,10 @@ async def _store(
                     "ids": [r.source_message_id for r in writing],
                     "bodies": [r.body for r in writing],
                     # No todo and no event for a rejected or an already stored message.
-                    "payloads": [None if r.idempotency_key in known else r.payload for r in writing],
+                    "payloads": [
+                        None if r.error is not None or r.idempotency_key in known else r.payload
+                        for r in writing
+                    ],
                     "ack_keys": [_ack_key(r, batch.ack.key) for r in writing],
                     "entry_ids": [r.ack_entry_id for r in writing],
                     "copies": [r.ack_copies for r in writing],
