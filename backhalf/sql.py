@@ -116,7 +116,7 @@ WITH u AS (
 # Every row left pending (and to be acked on store) is queued for the acker
 # in the same statement. The result has one row per message written: whether
 # its inbox row was inserted, and the event and todo this statement wrote
-# for it, which the store deletes again if a concurrent store won the row.
+# for it, which the store deletes again if the row was stored already.
 _STORE_TAIL: LiteralString = """
 ), queued AS (
     INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)
