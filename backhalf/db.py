@@ -35,6 +35,10 @@ class DatabaseSettings:
     transaction_deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS
 
 
+# Connections opened past ``pool_size`` when every pooled one is checked out.
+MAX_OVERFLOW = 2
+
+
 def normalize_url(url: str) -> str:
     """Accept ``postgresql://`` and ``postgres://`` and pin the psycopg 3 driver."""
     parsed = make_url(url)
@@ -56,7 +60,7 @@ def create_engine(settings: DatabaseSettings) -> AsyncEngine:
     return create_async_engine(
         normalize_url(settings.url),
         pool_size=settings.pool_size,
-        max_overflow=2,
+        max_overflow=MAX_OVERFLOW,
         pool_timeout=settings.pool_checkout_timeout_s,
         pool_pre_ping=True,
         connect_args={

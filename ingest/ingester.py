@@ -9,14 +9,14 @@ at the deadline are cancelled.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import registry
-from backhalf.db import create_engine, within_deadline
+from backhalf.db import MAX_OVERFLOW, create_engine, within_deadline
 from backhalf.errors import DeadlineExceeded
 from ingest.adapter import PullAdapter
 from ingest.config import AdapterConfig, Settings
@@ -49,6 +49,27 @@ async def register_adapters(engine: AsyncEngine, settings: Settings, stop: async
     return False
 
 
+def connections_needed(adapters: Sequence[PullAdapter], commits_in_flight: int) -> int:
+    """Connections the poll loops may hold at once: each commit under way,
+    plus one for a loop's own short transactions (the enabled flag, delivery
+    attempts) while its commits run."""
+    return sum((commits_in_flight if a.overlapping_commits else 1) + 1 for a in adapters)
+
+
+def warn_if_pool_small(adapters: Sequence[PullAdapter], settings: Settings) -> None:
+    # Not an error: a commit waiting for a connection is only slower, and
+    # the wait counts against the transaction deadline. Said once, at start.
+    needed = connections_needed(adapters, settings.ingest.commits_in_flight)
+    if needed > settings.database.pool_size + MAX_OVERFLOW:
+        log.warning(
+            "pool_smaller_than_needed",
+            pool_size=settings.database.pool_size,
+            max_overflow=MAX_OVERFLOW,
+            needed=needed,
+            hint=f"set [database] pool_size to at least {needed - MAX_OVERFLOW}",
+        )
+
+
 async def run_ingester(
     settings: Settings,
     stop: asyncio.Event,
@@ -61,6 +82,7 @@ async def run_ingester(
         if not await register_adapters(engine, settings, stop):
             return
         adapters = [adapter_factory(cfg) for cfg in settings.adapters]
+        warn_if_pool_small(adapters, settings)
         async with asyncio.TaskGroup() as tg:
             pairs = list(zip(adapters, settings.adapters, strict=True))
             loops = [
