@@ -206,3 +206,46 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
         await acker.commit()
     assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 0
     assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
+
+
+def _scans_of(plan: dict[str, object], relation: str) -> list[dict[str, object]]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan that reads ``relation``."""
+    found = [plan] if plan.get("Relation Name") == relation and "Scan" in str(plan["Node Type"]) else []
+    for child in plan.get("Plans", []):  # type: ignore[attr-defined]
+        found += _scans_of(child, relation)
+    return found
+
+
+async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    # A new database, never analyzed, 3,000 intents queued and 1,000 more
+    # already claimed (deleted, still in heap and index until VACUUM): the
+    # claim must read about ``limit`` queue rows, not all of them. Planned
+    # from default estimates, it used to scan every row, deleted ones too,
+    # join each to inbox and sort them all, on every claim.
+    records = [
+        InboxRecord(f"redis:orders:{i}-0", f"{i}-0", b"{}", "{}", ack_entry_id=f"{i}-0") for i in range(4000)
+    ]
+    async with engine.begin() as conn:
+        await store(conn, StoreBatch("orders", "orders", "c1", "store", AckTarget("xack", STREAM, GROUP),
+                                     "redis acl: default", records))  # fmt: skip
+    with psycopg.connect(libpq(db_url)) as conn:
+        with conn.transaction():
+            conn.execute(sql.CLAIM_PLAN)
+            claimed = conn.execute(sql.CLAIM_ACKS, {"adapters": ["orders"], "limit": 1000}).fetchall()
+        assert len(claimed) == 1000
+        assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 3000
+        with conn.transaction():
+            conn.execute(sql.CLAIM_PLAN)
+            (plan,) = conn.execute(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.CLAIM_ACKS, {"adapters": ["orders"], "limit": 100}
+            ).fetchone()  # type: ignore[misc]
+            raise psycopg.Rollback()
+    scans = _scans_of(plan[0]["Plan"], "ack_queue")
+    assert scans, plan
+    assert {s["Node Type"] for s in scans} <= {"Index Scan", "Index Only Scan"}, scans
+    rows_read = sum(int(s["Actual Rows"]) * int(s["Actual Loops"]) for s in scans)  # type: ignore[call-overload]
+    # The walk (100) plus the DELETE's probe of each picked row (100).
+    assert rows_read <= 2 * 100, scans
+    assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 3000  # the EXPLAIN's claim rolled back
