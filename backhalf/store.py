@@ -143,18 +143,21 @@ async def _store(
             )
             rows = await cur.fetchall()
         failpoints.hit("after_inbox_insert")
-        inserted = {key for key, was_inserted, _, _, _ in rows if was_inserted}
-        todos = sum(1 for _, _, _, todo_id, _ in rows if todo_id is not None)
-        created = sum(1 for _, _, _, _, was_created in rows if was_created)
-        # A concurrent store (a claim racing a slow consumer) won these, or
-        # they were stored before (a recreated group): that store's event is
-        # the record, and our todo upsert already deduped to its todo, or
-        # created one only if that todo has finished since.
-        lost = [
-            (event_id, todo_id, was_created)
-            for _, was_inserted, event_id, todo_id, was_created in rows
-            if not was_inserted and event_id is not None
-        ]
+        inserted: set[str] = set()
+        # Rows whose inbox row existed, with an event (and maybe a todo) of
+        # ours: a concurrent store (a claim racing a slow consumer) won them,
+        # or they were stored before (a recreated group). That store's event
+        # is the record, and our todo upsert deduped to its todo, or created
+        # one only if that todo has finished since.
+        lost: list[tuple[int, int | None, bool | None]] = []
+        todos = created = 0
+        for key, was_inserted, event_id, todo_id, was_created in rows:
+            if was_inserted:
+                inserted.add(key)
+            elif event_id is not None:
+                lost.append((event_id, todo_id, was_created))
+            todos += todo_id is not None
+            created += bool(was_created)
         if lost:
             await cur.execute(sql.DELETE_EVENTS, {"ids": [event_id for event_id, _, _ in lost]})
             ours = [todo_id for _, todo_id, was_created in lost if was_created]
