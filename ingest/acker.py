@@ -23,11 +23,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import acks, failpoints
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, DatabaseSettings, create_engine, within_deadline
 from backhalf.sql import ACK_CHANNEL
-from ingest.adapter import Acknowledger
+from ingest.adapters.base import Acknowledger
+from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.errors import EXPECTED_FAILURES, failure_fields
 from ingest.lifecycle import Backoff, wait_either, wait_stop
-from ingest.modes import make_acknowledger
 
 log = structlog.get_logger(__name__)
 

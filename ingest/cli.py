@@ -18,12 +18,14 @@ import structlog
 from backhalf import failpoints, migrate, registry, replay
 from backhalf.db import create_engine, redact_url
 from backhalf.normalize import body_payload
-from ingest import entry, logs, status
+from ingest import logs, signals, status
 from ingest.acker import run_acker
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
 from ingest.errors import ConfigError
+from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from ingest.ingester import run_ingester
-from ingest.lifecycle import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, leftover_tasks, stop_on_signals
+from ingest.lifecycle import leftover_tasks
+from ingest.signals import stop_on_signals
 
 log = structlog.get_logger("switchboard")
 
@@ -181,13 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.verb not in ("ingest", "ack"):
         # Short commands: Ctrl-C and SIGTERM act at once, as usual.
-        if entry.stop_requested_early():
+        if signals.stop_requested_early():
             return EXIT_OK
-        entry.restore_default_handlers()
+        signals.restore_default_handlers()
     env = os.environ
     logs.configure()
     if args.verb == "demo":
-        from ingest.demo import run as run_demo  # embedded servers are an optional extra
+        from ingest.embedded.demo import run as run_demo  # embedded servers are an optional extra
 
         return run_demo(messages=args.messages)
     try:
@@ -213,7 +215,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verb == "inbox":
         return asyncio.run(_inbox_command(settings, args))
     raise AssertionError(f"unhandled verb {args.verb}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

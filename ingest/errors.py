@@ -8,7 +8,7 @@
      │    └── GroupMissing      NOGROUP: the consumer group vanished; recreate it
      └── AckError               sending acks to the broker failed; rows stay pending
 
-Redis errors are classified in one place (:func:`ingest.redis_common.classify`)
+Redis errors are classified in one place (:func:`ingest.adapters.redis.common.classify`)
 and mapped to these at the adapter boundary with ``raise ... from exc``.
 """
 

@@ -18,10 +18,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import registry
 from backhalf.db import MAX_OVERFLOW, create_engine, within_deadline
 from backhalf.errors import DeadlineExceeded
-from ingest.adapter import PullAdapter
+from ingest.adapters.base import PullAdapter
+from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
 from ingest.lifecycle import Backoff, wait_stop
-from ingest.modes import make_adapter
 from ingest.poll import PollLoop
 
 log = structlog.get_logger(__name__)

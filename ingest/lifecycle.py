@@ -1,52 +1,12 @@
-"""Process lifecycle in one place: signals become a stop request, waits are
-bounded, backoff is exponential with jitter and a cap, exit codes are named."""
+"""Bounded waits and backoff for the long-running loops: every wait has a
+timeout, backoff is exponential with jitter and a cap. (Stop signals are
+turned into a stop request in ``ingest.signals``; exit codes are named in
+``ingest.exit_codes``.)"""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import structlog
-
-from ingest import entry
-
-log = structlog.get_logger(__name__)
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_CONFIG = 2
-EXIT_FORCED = 130  # a second signal: the operator insisted
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-@contextmanager
-def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    """First SIGTERM/SIGINT sets ``stop``; a second one exits at once.
-    Handlers are removed on exit, so nothing outlives the run."""
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        if stop.is_set():
-            log.warning("forced_exit", signal=signal.Signals(signum).name)
-            os._exit(EXIT_FORCED)
-        log.info("stop_requested", signal=signal.Signals(signum).name)
-        stop.set()
-
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig)
-    if entry.stop_requested_early():  # signalled while still importing
-        log.info("stop_requested", signal="before start-up finished")
-        stop.set()
-    try:
-        yield
-    finally:
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
 
 
 async def wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:

@@ -27,7 +27,7 @@ from backhalf.errors import DeadlineExceeded, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
-from ingest.adapter import Delivery, OpenLedger, PendingCopies, PullAdapter
+from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter
 from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import EXPECTED_FAILURES, BrokerError, failure_fields
 from ingest.lifecycle import Backoff, cancel_and_wait, wait_stop

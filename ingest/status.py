@@ -8,9 +8,9 @@ from typing import Any
 
 from backhalf import audit
 from backhalf.db import create_engine
+from ingest.adapters.factory import make_adapter
 from ingest.config import Settings
 from ingest.errors import BrokerError
-from ingest.modes import make_adapter
 
 
 async def collect(settings: Settings) -> list[dict[str, Any]]:

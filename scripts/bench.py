@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backhalf import migrate  # noqa: E402
-from ingest.servers import PostgresServer, RedisServer  # noqa: E402
+from ingest.embedded.servers import PostgresServer, RedisServer  # noqa: E402
 
 STREAM = "bench"
 GROUP = "switchboard"

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402
 
 from backhalf import sql  # noqa: E402
-from ingest.servers import PostgresServer, RedisServer  # noqa: E402
+from ingest.embedded.servers import PostgresServer, RedisServer  # noqa: E402
 
 TABLES = ("inbox", "events", "todos", "todo_events", "ack_queue")
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from backhalf import migrate
-from ingest.servers import PostgresServer, RedisServer
+from ingest.embedded.servers import PostgresServer, RedisServer
 from tests.support import db
 from tests.support.config import stream_adapter, write_config
 from tests.support.servers import ServerUrls, shared_servers, temp_base

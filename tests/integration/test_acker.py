@@ -14,10 +14,10 @@ from backhalf import registry, sql
 from backhalf.records import AckTarget, InboxRecord, StoreBatch
 from backhalf.store import store
 from ingest.acker import drain_loop, drain_once
+from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import Settings, from_mapping
 from ingest.errors import AckError
 from ingest.poll import to_record
-from ingest.redis_stream import StreamAcknowledger, StreamAdapter
 from tests.support.db import libpq, query, scalar
 
 STREAM, GROUP = "orders", "switchboard"

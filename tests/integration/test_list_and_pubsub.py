@@ -14,12 +14,12 @@ import redis
 
 from backhalf.db import DatabaseSettings, create_engine
 from ingest.acker import run_acker
+from ingest.adapters.redis.lists import ListAdapter, processing_key
+from ingest.adapters.redis.pubsub import PubSubAdapter
 from ingest.config import AdapterConfig, Settings, from_mapping
 from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
 from ingest.poll import ledger_for
-from ingest.redis_list import ListAdapter, processing_key
-from ingest.redis_pubsub import PubSubAdapter
 from tests.support.acl import acl_rules
 from tests.support.db import query, scalar
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import redis
 
 from backhalf.records import AckClaim
+from ingest.adapters.redis.lists import ListAcknowledger, processing_key, removed_marker
 from ingest.config import AdapterConfig, from_mapping
-from ingest.redis_list import ListAcknowledger, processing_key, removed_marker
 
 P = processing_key("jobs", "c1")
 

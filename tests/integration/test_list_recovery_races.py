@@ -14,10 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import acks
 from backhalf.records import AckClaim, AckTarget, InboxRecord, StoreBatch
 from backhalf.store import store
-from ingest.adapter import Delivery, OpenLedger
+from ingest.adapters.base import Delivery, OpenLedger
+from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter, processing_key
 from ingest.config import AdapterConfig, from_mapping
 from ingest.poll import ledger_for, to_record
-from ingest.redis_list import ListAcknowledger, ListAdapter, processing_key
 from tests.support.db import query, scalar
 
 JOBS = "jobs"

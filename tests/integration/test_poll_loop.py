@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import registry
+from ingest.adapters.memory import MemoryAdapter
 from ingest.config import IngestSettings, from_mapping
 from ingest.lifecycle import leftover_tasks
-from ingest.memory import MemoryAdapter
 from ingest.poll import PollLoop
 from tests.support.db import query, scalar
 

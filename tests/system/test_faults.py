@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from ingest.servers import RedisServer
+from ingest.embedded.servers import RedisServer
 from tests.support.config import stream_adapter
 from tests.support.db import libpq, query, scalar
 from tests.support.oracle import assert_exactly_once

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from ingest.redis_list import processing_key
+from ingest.adapters.redis.lists import processing_key
 from tests.support.db import scalar
 from tests.support.oracle import assert_list_exactly_once
 from tests.support.procs import wait_for

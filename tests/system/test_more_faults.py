@@ -17,7 +17,7 @@ import psycopg
 import pytest
 import redis
 
-from ingest.servers import PostgresServer
+from ingest.embedded.servers import PostgresServer
 from tests.support.config import stream_adapter, write_config
 from tests.support.db import libpq, query, scalar
 from tests.support.oracle import assert_exactly_once

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.servers import RedisServer
+from ingest.embedded.servers import RedisServer
 from tests.support.config import stream_adapter, write_config
 from tests.support.db import scalar
 from tests.support.oracle import assert_exactly_once

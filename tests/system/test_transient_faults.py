@@ -22,7 +22,7 @@ import psycopg
 import pytest
 import redis
 
-from ingest.servers import RedisServer
+from ingest.embedded.servers import RedisServer
 from tests.support.config import stream_adapter
 from tests.support.db import libpq, query, scalar
 from tests.support.procs import SwitchboardProcess, wait_for

@@ -3,7 +3,7 @@ protocols' shapes (the live protocol is covered by the integration tests)."""
 
 from __future__ import annotations
 
-from ingest.redis_stream import _entries, _field_map
+from ingest.adapters.redis.streams import _entries, _field_map
 
 ENTRIES = [[b"1-0", [b"body", b"{}"]], [b"2-0", None], [b"3-0", [b"a", b"1", b"b", b"2"]]]
 

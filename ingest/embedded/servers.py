@@ -155,7 +155,7 @@ class PostgresServer:
             raise RuntimeError(f"initdb timed out in {server.pgdata}") from exc
         with (server.pgdata / "postgresql.conf").open("a") as conf:
             conf.write(
-                f"\n# ingest.servers\nlisten_addresses = '127.0.0.1'\nport = {server.port}\n"
+                f"\n# ingest.embedded.servers\nlisten_addresses = '127.0.0.1'\nport = {server.port}\n"
                 "unix_socket_directories = ''\nmax_connections = 200\nshared_buffers = 16MB\n"
             )
         return server

@@ -20,14 +20,14 @@ from redis.exceptions import RedisError
 
 from backhalf.keys import body_key
 from backhalf.records import AckTarget
-from ingest.adapter import Delivery, OpenLedger
+from ingest.adapters.base import Delivery, OpenLedger
+from ingest.adapters.redis.common import RedisEndpoint
 from ingest.config import AdapterConfig
 from ingest.errors import BrokerError
-from ingest.redis_common import RedisEndpoint
 
 
 class PubSubAdapter(RedisEndpoint):
-    """A :class:`ingest.adapter.PullAdapter` over one channel."""
+    """A :class:`ingest.adapters.base.PullAdapter` over one channel."""
 
     overlapping_commits = False
 
@@ -106,6 +106,9 @@ class PubSubAdapter(RedisEndpoint):
 
 class NoAcknowledger:
     """Pub/sub has nothing to acknowledge; its inbox rows never wait for an ack."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self._name = config.name
 
     async def ack(self, claims: object) -> None:
         return None

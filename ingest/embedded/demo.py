@@ -1,6 +1,6 @@
 """``switchboard demo``: the whole pipeline on embedded servers, no set-up.
 
-Starts PostgreSQL and Valkey from the wheels (``ingest.servers``), migrates,
+Starts PostgreSQL and Valkey from the wheels (``ingest.embedded.servers``), migrates,
 produces sample orders into a stream while a real ingester and acker run as
 separate processes, SIGKILLs the ingester once mid-stream, restarts it, waits
 until everything is acked, and prints what happened, straight from SQL and Redis.
@@ -23,8 +23,8 @@ import psycopg
 import redis
 
 from backhalf import migrate
-from ingest.lifecycle import EXIT_FAILURE, EXIT_OK
-from ingest.servers import PostgresServer, RedisServer
+from ingest.embedded.servers import PostgresServer, RedisServer
+from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 
 STREAM = "orders"
 WAIT_TIMEOUT_S = 120.0

@@ -28,6 +28,7 @@ import asyncio
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
+from importlib import resources
 from typing import Any
 
 import structlog
@@ -35,11 +36,11 @@ from redis.exceptions import RedisError
 
 from backhalf.keys import body_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapter import Delivery, OpenLedger
+from ingest.adapters.base import Delivery, OpenLedger
+from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError
 from ingest.lifecycle import wait_stop
-from ingest.redis_common import RedisEndpoint, as_bytes, as_text, connect
 
 log = structlog.get_logger(__name__)
 
@@ -61,30 +62,16 @@ def removed_marker(processing: str, inbox_id: int) -> str:
     return f"{processing}:removed:{inbox_id}"
 
 
-# LREM is not idempotent: run twice (an acker that died between LREM and its
-# commit, then a retry) it would remove a later copy that is not stored yet.
-# So each intent's copies are removed once, guarded by a marker named after
-# its inbox row that records how many copies are already removed. A retry
-# removes only what was added since: a store may merge more copies into the
-# row (ack_copies grows) between the failed attempt and the retry, and those
-# must go too, or recovery would deliver them again. Recovery counts an
-# intent's copies minus its marker.
-GUARDED_LREM = """
-local removed = tonumber(redis.call('GET', KEYS[2]) or '0')
-local copies = tonumber(ARGV[1])
-if copies <= removed then
-  return -1
-end
-redis.call('SET', KEYS[2], copies, 'PX', ARGV[3])
-return redis.call('LREM', KEYS[1], copies - removed, ARGV[2])
-"""
+# LREM of exactly one intent's copies, guarded by a marker per inbox row so
+# a retry never removes a copy twice; the script's header says why and how.
+GUARDED_LREM = (resources.files("ingest.adapters.redis") / "guarded_lrem.lua").read_text(encoding="utf-8")
 # Long enough for any acker to commit or retry; markers are deleted after the
 # commit, so this only bounds what a crash leaves behind.
 REMOVED_MARKER_TTL_MS = 24 * 3600 * 1000
 
 
 class ListAdapter(RedisEndpoint):
-    """A :class:`ingest.adapter.PullAdapter` over one source list."""
+    """A :class:`ingest.adapters.base.PullAdapter` over one source list."""
 
     overlapping_commits = False
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapter import Delivery, OpenLedger
+from ingest.adapters.base import Delivery, OpenLedger
 
 
 class MemoryAdapter:

@@ -1,8 +1,10 @@
 """What a pull adapter is: the types every transport mode shares.
 
-One module per mode implements :class:`PullAdapter` (``redis_stream``,
-``redis_list``, ``redis_pubsub``) plus an :class:`Acknowledger` for its ack
-kind; the poll loop and the acker never branch on the mode. A capability a
+One module per mode implements :class:`PullAdapter` (``redis/streams``,
+``redis/lists``, ``redis/pubsub``) plus an :class:`Acknowledger` for its ack
+kind, and its transport registers the pair once as a
+:class:`ModeImplementation` (``ingest.adapters.factory``); the poll loop and
+the acker never branch on the mode. A capability a
 mode lacks is a documented no-op (pub/sub has nothing to ack), not an
 ``isinstance`` check at the call site. ``memory`` is the in-memory fake for
 unit tests of the loop.
@@ -13,11 +15,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from backhalf.records import AckClaim, AckTarget, PendingIntent
 
-__all__ = ["AckTarget", "Acknowledger", "Delivery", "OpenLedger", "PendingCopies", "PullAdapter"]
+if TYPE_CHECKING:
+    from ingest.config import AdapterConfig
+
+__all__ = [
+    "AckTarget",
+    "Acknowledger",
+    "Delivery",
+    "ModeImplementation",
+    "OpenLedger",
+    "PendingCopies",
+    "PullAdapter",
+]
 
 
 class Delivery(NamedTuple):
@@ -120,3 +133,10 @@ class Acknowledger(Protocol):
         """The marks of these claims committed: clean up (best effort, never raises)."""
 
     async def close(self) -> None: ...
+
+
+class ModeImplementation(NamedTuple):
+    """What a transport registers for one mode: how to build each side."""
+
+    adapter: Callable[[AdapterConfig], PullAdapter]
+    acknowledger: Callable[[AdapterConfig], Acknowledger]

@@ -31,10 +31,10 @@ from redis.exceptions import RedisError, ResponseError
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapter import Delivery, OpenLedger
+from ingest.adapters.base import Delivery, OpenLedger
+from ingest.adapters.redis.common import RedisEndpoint, RedisErrorKind, as_text, classify, connect
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError, GroupMissing
-from ingest.redis_common import RedisEndpoint, RedisErrorKind, as_text, classify, connect
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +70,7 @@ def _field_map(flat: Sequence[bytes] | None) -> dict[bytes, bytes] | None:
 
 
 class StreamAdapter(RedisEndpoint):
-    """A :class:`ingest.adapter.PullAdapter` over one stream and consumer group."""
+    """A :class:`ingest.adapters.base.PullAdapter` over one stream and consumer group."""
 
     overlapping_commits = True
 

@@ -1,0 +1,34 @@
+"""The one place a transport and mode are chosen: adapter and acknowledger per config.
+
+Each transport registers its modes once (``ingest.adapters.redis.MODES``);
+the poll loop, the acker and ``status`` never branch on either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ingest.adapters import redis
+from ingest.adapters.base import Acknowledger, ModeImplementation, PullAdapter
+from ingest.config import AdapterConfig
+from ingest.errors import ConfigError
+
+TRANSPORTS: Mapping[str, Mapping[str, ModeImplementation]] = {"redis": redis.MODES}
+
+
+def _implementation(config: AdapterConfig) -> ModeImplementation:
+    implementation = TRANSPORTS.get(config.transport, {}).get(config.mode)
+    if implementation is None:
+        raise ConfigError(
+            f"adapter {config.name!r}: key 'mode' = {config.mode!r} is not implemented"
+            f" for transport {config.transport!r}"
+        )
+    return implementation
+
+
+def make_adapter(config: AdapterConfig) -> PullAdapter:
+    return _implementation(config).adapter(config)
+
+
+def make_acknowledger(config: AdapterConfig) -> Acknowledger:
+    return _implementation(config).acknowledger(config)

@@ -1,0 +1,8 @@
+"""The process exit codes, named once (README: "Exit codes")."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # any other failure, including a task or thread left alive
+EXIT_CONFIG = 2  # the config is invalid: a supervisor should not restart on it
+EXIT_FORCED = 130  # a second stop signal: the operator insisted
