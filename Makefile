@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck format bench clean
+.PHONY: install demo test lint typecheck wheel-check format bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is required (PYTHON=$(PYTHON))"; exit 1; }
@@ -29,9 +29,21 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# The wheel, not the source tree: built, installed into a fresh virtual
+# environment with the pinned dependencies, and run from outside the clone, so
+# a module or data file left out of the wheel fails here.
+WHEEL_DIR := build/wheel-check
+wheel-check: install
+	rm -rf $(WHEEL_DIR)
+	$(BIN)/python -m pip wheel --quiet --no-deps . -w $(WHEEL_DIR)/dist
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet -c constraints.txt $(WHEEL_DIR)/dist/*.whl
+	cd / && $(abspath $(WHEEL_DIR))/venv/bin/switchboard --help >/dev/null
+	@echo "wheel-check: $$(ls $(WHEEL_DIR)/dist) installs and runs"
+
 # asyncio debug mode comes with -X dev; warnings are errors in the runner and in
 # every switchboard process the system tests start.
-test: lint typecheck
+test: lint typecheck wheel-check
 	$(BIN)/python -X dev -W error -m pytest --durations=15
 
 # Throughput and latency beside a raw-insert and a naive-consumer baseline, on
