@@ -8,14 +8,23 @@ the acker never branch on the mode. A capability a
 mode lacks is a documented no-op (pub/sub has nothing to ack), not an
 ``isinstance`` check at the call site. ``memory`` is the in-memory fake for
 unit tests of the loop.
+
+Confirm in order: every non-empty batch ``read`` or ``recover`` returns is
+unconfirmed until ``stored()`` says the oldest one committed, and
+``rewind()`` gives up on all of them at once. What a mode must remember per
+batch to honour that (a stream's lost-entry reports, a list's recovery
+locks, pub/sub's messages themselves) it keeps in an :class:`Unconfirmed`:
+``returned`` per batch, ``confirmed`` on ``stored()``, ``rewound`` on
+``rewind()``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from backhalf.records import AckClaim, AckTarget, PendingIntent
 
@@ -30,7 +39,10 @@ __all__ = [
     "OpenLedger",
     "PendingCopies",
     "PullAdapter",
+    "Unconfirmed",
 ]
+
+T = TypeVar("T")
 
 
 class Delivery(NamedTuple):
@@ -133,6 +145,35 @@ class Acknowledger(Protocol):
         """The marks of these claims committed: clean up (best effort, never raises)."""
 
     async def close(self) -> None: ...
+
+
+class Unconfirmed(Generic[T]):
+    """What an adapter keeps per batch returned and not yet confirmed, oldest
+    first: the bookkeeping behind :meth:`PullAdapter.stored` and
+    :meth:`PullAdapter.rewind`. Iterating it walks what is still held."""
+
+    def __init__(self) -> None:
+        self._held: deque[T] = deque()
+
+    def returned(self, item: T) -> None:
+        """A batch went out (``read`` or ``recover``, non-empty) with ``item``."""
+        self._held.append(item)
+
+    def confirmed(self) -> T | None:
+        """``stored()``: the oldest batch committed; its item, None if none is held."""
+        return self._held.popleft() if self._held else None
+
+    def rewound(self) -> list[T]:
+        """``rewind()``: none of them will be stored; every item, oldest first."""
+        items = list(self._held)
+        self._held.clear()
+        return items
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 class ModeImplementation(NamedTuple):

@@ -1,15 +1,26 @@
-"""What every Redis mode shares: the client with bounded waits, and the one
-place Redis error replies are classified (never ``"..." in str(e)`` at call sites)."""
+"""What every Redis mode shares: the client with bounded waits, the one
+place Redis error replies are classified (never ``"..." in str(e)`` at call
+sites), and the one map from redis-py's errors to ours at the boundary:
+every Redis call whose failure an adapter or acknowledger raises runs under
+``with redis_errors(adapter, what):`` (or ``tolerating(kind, ...)`` where one
+reply code is no failure), so each raises ``adapter X: what: <reply>`` of the
+caller's :class:`ingest.errors.IngestError` type, the Redis error as its cause.
+Best-effort calls that only log a failure (a list's heartbeat, lock release,
+marker cleanup) catch ``RedisError`` themselves.
+"""
 
 from __future__ import annotations
 
 from enum import Enum
+from types import TracebackType
 
 import redis.asyncio as aioredis
 import structlog
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
+
+from ingest.errors import BrokerError, IngestError
 
 log = structlog.get_logger(__name__)
 
@@ -36,6 +47,77 @@ def classify(exc: RedisError) -> RedisErrorKind:
         except ValueError:
             return RedisErrorKind.OTHER
     return RedisErrorKind.OTHER
+
+
+def _mapped(
+    exc: RedisError,
+    adapter: str,
+    what: str,
+    *,
+    error: type[IngestError] = BrokerError,
+    nogroup: type[IngestError] | None = None,
+) -> IngestError:
+    """Our error for a Redis error: ``error("adapter X: what: <reply>")``, or,
+    where the caller asks for ``nogroup``, a NOGROUP reply (which names its
+    command, stream and group itself) as ``nogroup("adapter X: <reply>")``."""
+    if nogroup is not None and classify(exc) is RedisErrorKind.NOGROUP:
+        return nogroup(f"adapter {adapter}: {exc}")
+    return error(f"adapter {adapter}: {what}: {exc}")
+
+
+class redis_errors:  # a context manager, named like contextlib's
+    """``with redis_errors(adapter, what, error=..., nogroup=...):`` a Redis
+    error raised in the block is raised again as :func:`_mapped` says, ``from``
+    it. Anything else passes through untouched (our own errors, the
+    database's), and nothing is swallowed."""
+
+    __slots__ = ("_adapter", "_error", "_nogroup", "_what")
+
+    def __init__(
+        self,
+        adapter: str,
+        what: str,
+        *,
+        error: type[IngestError] = BrokerError,
+        nogroup: type[IngestError] | None = None,
+    ) -> None:
+        self._adapter, self._what, self._error, self._nogroup = adapter, what, error, nogroup
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, RedisError):
+            raise _mapped(exc, self._adapter, self._what, error=self._error, nogroup=self._nogroup) from exc
+
+
+class tolerating:  # a context manager, named like contextlib's
+    """``with tolerating(kind, adapter, what, error=...) as reply:`` as
+    :class:`redis_errors`, except that an error reply of ``kind`` (by
+    :func:`classify`) ends the block quietly and sets ``reply.tolerated``."""
+
+    __slots__ = ("_adapter", "_error", "_kind", "_what", "tolerated")
+
+    def __init__(
+        self, kind: RedisErrorKind, adapter: str, what: str, *, error: type[IngestError] = BrokerError
+    ) -> None:
+        self._kind, self._adapter, self._what, self._error = kind, adapter, what, error
+        self.tolerated = False
+
+    def __enter__(self) -> tolerating:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if not isinstance(exc, RedisError):
+            return False
+        if classify(exc) is self._kind:
+            self.tolerated = True
+            return True
+        raise _mapped(exc, self._adapter, self._what, error=self._error) from exc
 
 
 def connect(url: str, *, block_ms: int = 0) -> aioredis.Redis:

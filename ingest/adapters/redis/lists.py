@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -36,10 +36,10 @@ from redis.exceptions import RedisError
 
 from backhalf.keys import body_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import Delivery, OpenLedger
-from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect
+from ingest.adapters.base import Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect, redis_errors
 from ingest.config import AdapterConfig
-from ingest.errors import AckError, BrokerError
+from ingest.errors import AckError
 from ingest.lifecycle import wait_stop
 
 log = structlog.get_logger(__name__)
@@ -85,8 +85,12 @@ class ListAdapter(RedisEndpoint):
         self._next_reap_at = 0.0
         # Locks protecting each unconfirmed batch (empty for plain reads), and
         # locks whose batch is confirmed or abandoned, released on the next call.
-        self._batch_locks: deque[set[str]] = deque()
+        self._batch_locks: Unconfirmed[set[str]] = Unconfirmed()
         self._to_release: set[str] = set()
+
+    def _locks_in_flight(self) -> set[str]:
+        """The recovery locks some unconfirmed batch still needs."""
+        return set().union(*self._batch_locks)
 
     def _heartbeat_key(self, consumer: str) -> str:
         return f"{self._cfg.source}:heartbeat:{consumer}"
@@ -96,11 +100,9 @@ class ListAdapter(RedisEndpoint):
         return AckTarget("lrem", self._processing)
 
     async def start(self) -> None:
-        try:
+        with redis_errors(self.name, f"start-up on {self._cfg.source}"):
             await self._beat()
             await self._learn_identity()
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: start-up on {self._cfg.source}: {exc}") from exc
         self._started = True
 
     async def _beat(self) -> None:
@@ -108,7 +110,7 @@ class ListAdapter(RedisEndpoint):
         pipe.set(self._heartbeat_key(self._cfg.consumer), "alive", px=self._cfg.heartbeat_ttl_ms, xx=True)
         pipe.sadd(self._consumers_key, self._cfg.consumer)
         # Recovery locks we hold must outlive the stores they protect.
-        for lock in set().union(*self._batch_locks):
+        for lock in self._locks_in_flight():
             pipe.pexpire(lock, RECOVERY_LOCK_TTL_MS)
         refreshed, *_ = await pipe.execute()
         if not refreshed:
@@ -138,7 +140,7 @@ class ListAdapter(RedisEndpoint):
             # counted it, or the count would include copies being stored.
             await asyncio.sleep(cfg.block_ms / 1000)
             return []
-        try:
+        with redis_errors(self.name, f"moving from {cfg.source}"):
             if not self._started:
                 await self.start()
             first = await self._client.blmove(
@@ -157,9 +159,7 @@ class ListAdapter(RedisEndpoint):
                 for _ in range(max_count - 1):
                     pipe.lmove(cfg.source, self._processing, src="RIGHT", dest="LEFT")
                 bodies += [as_bytes(b) for b in await pipe.execute() if b is not None]
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: moving from {cfg.source}: {exc}") from exc
-        self._batch_locks.append(set())
+        self._batch_locks.returned(set())
         return [self._delivery(body, self._processing, 1) for body in bodies]
 
     def _delivery(self, body: bytes, processing: str, copies: int, *, redelivered: bool = False) -> Delivery:
@@ -171,28 +171,24 @@ class ListAdapter(RedisEndpoint):
         )
 
     def stored(self) -> None:
-        if self._batch_locks:
-            self._to_release |= self._batch_locks.popleft()
+        self._to_release |= self._batch_locks.confirmed() or set()
 
     def rewind(self) -> None:
         # What was moved but not stored is on the processing list: recover it.
         self._own_recovery_due = True
-        for locks in self._batch_locks:
-            self._to_release |= locks
-        self._batch_locks.clear()
+        self._to_release.update(*self._batch_locks.rewound())
 
     async def _release_locks(self) -> None:
         # GET then DEL, not atomic: a lock could expire and be taken between
         # the two only if this consumer stalled for the whole TTL in between.
-        still_protecting = set().union(*self._batch_locks)
-        for lock in sorted(self._to_release - still_protecting):
+        for lock in sorted(self._to_release - self._locks_in_flight()):
             holder = await self._client.get(lock)
             if holder is not None and as_text(holder) == self._cfg.consumer:
                 await self._client.delete(lock)
         self._to_release.clear()
 
     async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
-        try:
+        with redis_errors(self.name, "recovering processing lists"):
             if not self._started:
                 await self.start()  # heartbeat first: a reaper must see us alive
             await self._release_locks()
@@ -207,7 +203,7 @@ class ListAdapter(RedisEndpoint):
             if now >= self._next_reap_at:
                 self._next_reap_at = now + self._cfg.reap_interval_ms / 1000
                 lists += await self._dead_consumers()
-            in_flight = set().union(*self._batch_locks)
+            in_flight = self._locks_in_flight()
             for processing, dead_owner in lists:
                 lock = f"{self._cfg.source}:recovering:{processing}"
                 if lock in in_flight:
@@ -216,12 +212,10 @@ class ListAdapter(RedisEndpoint):
                 if processing == self._processing and deliveries is not None:
                     self._own_recovery_due = False
                 if deliveries:
-                    self._batch_locks.append({lock})  # held until this batch is stored
+                    self._batch_locks.returned({lock})  # held until this batch is stored
                     return deliveries
                 if deliveries is not None:
                     self._to_release.add(lock)  # nothing to store: nothing to protect
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: recovering processing lists: {exc}") from exc
         return []
 
     async def _dead_consumers(self) -> list[tuple[str, str | None]]:
@@ -283,7 +277,7 @@ class ListAdapter(RedisEndpoint):
 
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg
-        try:
+        with redis_errors(self.name, f"describing {cfg.source}"):
             members = sorted(as_text(m) for m in await self._client.smembers(self._consumers_key))
             consumers: dict[str, Any] = {}
             for name in members:
@@ -293,8 +287,6 @@ class ListAdapter(RedisEndpoint):
                     "heartbeat_ttl_ms": ttl_ms if ttl_ms >= 0 else None,
                 }
             length = await self._client.llen(cfg.source)
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: describing {cfg.source}: {exc}") from exc
         return {"list_length": length, "consumers": consumers}
 
     async def close(self) -> None:
@@ -321,10 +313,8 @@ class ListAcknowledger:
                 raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete lrem intent")
             marker = removed_marker(c.key, c.inbox_id)
             pipe.eval(GUARDED_LREM, 2, c.key, marker, c.copies, c.body, REMOVED_MARKER_TTL_MS)
-        try:
+        with redis_errors(self._name, f"LREM of {len(claims)} intents", error=AckError):
             await pipe.execute()
-        except RedisError as exc:
-            raise AckError(f"adapter {self._name}: LREM of {len(claims)} intents: {exc}") from exc
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:
         """After the acker's commit: the markers have done their job."""

@@ -12,18 +12,14 @@ published twice while its todo is still active yields one todo.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from backhalf.keys import body_key
 from backhalf.records import AckTarget
-from ingest.adapters.base import Delivery, OpenLedger
-from ingest.adapters.redis.common import RedisEndpoint
+from ingest.adapters.base import Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.redis.common import RedisEndpoint, redis_errors
 from ingest.config import AdapterConfig
-from ingest.errors import BrokerError
 
 
 class PubSubAdapter(RedisEndpoint):
@@ -35,7 +31,7 @@ class PubSubAdapter(RedisEndpoint):
         super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
         self._cfg = config
         self._pubsub: Any = None
-        self._unconfirmed: deque[list[Delivery]] = deque()
+        self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
         self._replay: list[Delivery] = []
 
     @property
@@ -43,12 +39,10 @@ class PubSubAdapter(RedisEndpoint):
         return AckTarget("none")
 
     async def start(self) -> None:
-        try:
+        with redis_errors(self.name, f"SUBSCRIBE {self._cfg.source}"):
             await self._learn_identity()
             self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             await self._pubsub.subscribe(self._cfg.source)
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: SUBSCRIBE {self._cfg.source}: {exc}") from exc
 
     async def run_background(self, stop: asyncio.Event) -> None:
         """Nothing runs in the background for pub/sub."""
@@ -60,9 +54,9 @@ class PubSubAdapter(RedisEndpoint):
     async def read(self, max_count: int) -> list[Delivery]:
         if self._replay:
             batch, self._replay = self._replay, []
-            self._unconfirmed.append(batch)
+            self._unconfirmed.returned(batch)
             return batch
-        try:
+        with redis_errors(self.name, f"reading channel {self._cfg.source}"):
             if self._pubsub is None:
                 await self.start()
             bodies: list[bytes] = []
@@ -74,28 +68,22 @@ class PubSubAdapter(RedisEndpoint):
                 if len(bodies) >= max_count:
                     break
                 message = await self._pubsub.get_message(timeout=0)
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: reading channel {self._cfg.source}: {exc}") from exc
         batch = [Delivery(body_key(self._cfg.key_prefix, self._cfg.source, b), None, body=b) for b in bodies]
         if batch:
-            self._unconfirmed.append(batch)
+            self._unconfirmed.returned(batch)
         return batch
 
     def stored(self) -> None:
-        if self._unconfirmed:
-            self._unconfirmed.popleft()
+        self._unconfirmed.confirmed()
 
     def rewind(self) -> None:
         # The broker cannot redeliver: retry the unstored batches from memory.
         # A crash loses them, which is what at-most-once means.
-        self._replay = [d for batch in self._unconfirmed for d in batch] + self._replay
-        self._unconfirmed.clear()
+        self._replay = [d for batch in self._unconfirmed.rewound() for d in batch] + self._replay
 
     async def describe(self) -> Mapping[str, object]:
-        try:
+        with redis_errors(self.name, f"PUBSUB NUMSUB {self._cfg.source}"):
             numsub = await self._client.pubsub_numsub(self._cfg.source)
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: PUBSUB NUMSUB {self._cfg.source}: {exc}") from exc
         return {"subscribers": int(numsub[0][1]) if numsub else 0}
 
     async def close(self) -> None:

@@ -22,19 +22,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
-from redis.exceptions import RedisError, ResponseError
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import Delivery, OpenLedger
-from ingest.adapters.redis.common import RedisEndpoint, RedisErrorKind, as_text, classify, connect
+from ingest.adapters.base import Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.redis.common import (
+    RedisEndpoint,
+    RedisErrorKind,
+    as_text,
+    connect,
+    redis_errors,
+    tolerating,
+)
 from ingest.config import AdapterConfig
-from ingest.errors import AckError, BrokerError, GroupMissing
+from ingest.errors import AckError, GroupMissing
 
 log = structlog.get_logger(__name__)
 
@@ -88,7 +93,7 @@ class StreamAdapter(RedisEndpoint):
         # PEL as XCLAIM drops it, so that report exists only in memory until a
         # store commits it: kept per unconfirmed batch, replayed on rewind.
         self._reported_lost: list[Delivery] = []
-        self._unconfirmed_lost: deque[list[Delivery]] = deque()
+        self._unconfirmed_lost: Unconfirmed[list[Delivery]] = Unconfirmed()
         self._lost_to_replay: list[Delivery] = []
 
     @property
@@ -97,10 +102,8 @@ class StreamAdapter(RedisEndpoint):
 
     async def start(self) -> None:
         await self._ensure_group()
-        try:
+        with redis_errors(self.name, "ACL WHOAMI failed"):
             await self._learn_identity()
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: ACL WHOAMI failed: {exc}") from exc
         self._started = True
 
     async def _ensure_group(self) -> None:
@@ -108,50 +111,43 @@ class StreamAdapter(RedisEndpoint):
         # After NOGROUP, start from 0 whatever start_id says: entries added
         # since the group vanished must not be skipped; the inbox dedups.
         start_id = "0" if self._recreate_from_zero else cfg.start_id
-        try:
+        # BUSYGROUP: the group exists already, which is all we wanted.
+        with tolerating(RedisErrorKind.BUSYGROUP, self.name, f"XGROUP CREATE {cfg.source} {cfg.group}"):
             await self._client.xgroup_create(cfg.source, cfg.group, id=start_id, mkstream=True)
             log.info("group_created", adapter=self.name, stream=cfg.source, group=cfg.group)
-        except ResponseError as exc:
-            if classify(exc) is not RedisErrorKind.BUSYGROUP:
-                raise BrokerError(
-                    f"adapter {self.name}: XGROUP CREATE {cfg.source} {cfg.group}: {exc}"
-                ) from exc
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: XGROUP CREATE {cfg.source} {cfg.group}: {exc}") from exc
 
     async def read(self, max_count: int) -> list[Delivery]:
         if self._lost_to_replay:
             batch, self._lost_to_replay = self._lost_to_replay, []
-            self._unconfirmed_lost.append(batch)
+            self._unconfirmed_lost.returned(batch)
             return batch
-        batch = await self._read(max_count)
+        try:
+            with redis_errors(self.name, f"reading {self._cfg.source}", nogroup=GroupMissing):
+                batch = await self._read(max_count)
+        except GroupMissing:
+            # Stream or group deleted under us: recreate it on the next
+            # read, rather than loop on the error. No rewind here: the
+            # poll loop rewinds once the commits under way have ended.
+            self._started = False
+            self._recreate_from_zero = True
+            raise
         if batch:
-            self._unconfirmed_lost.append(self._reported_lost)
+            self._unconfirmed_lost.returned(self._reported_lost)
         self._reported_lost = []
         return batch
 
     async def _read(self, max_count: int) -> list[Delivery]:
-        try:
-            if not self._started:
-                await self.start()
-            if self._history_cursor is not None:
-                history = await self._read_history(max_count)
-                if history:
-                    return history
-            if time.monotonic() >= self._next_claim_at:
-                claimed = await self._claim(max_count)
-                if claimed:
-                    return claimed
-            return await self._read_new(max_count)
-        except RedisError as exc:
-            if classify(exc) is RedisErrorKind.NOGROUP:
-                # Stream or group deleted under us: recreate it on the next
-                # read, rather than loop on the error. No rewind here: the
-                # poll loop rewinds once the commits under way have ended.
-                self._started = False
-                self._recreate_from_zero = True
-                raise GroupMissing(f"adapter {self.name}: {exc}") from exc
-            raise BrokerError(f"adapter {self.name}: reading {self._cfg.source}: {exc}") from exc
+        if not self._started:
+            await self.start()
+        if self._history_cursor is not None:
+            history = await self._read_history(max_count)
+            if history:
+                return history
+        if time.monotonic() >= self._next_claim_at:
+            claimed = await self._claim(max_count)
+            if claimed:
+                return claimed
+        return await self._read_new(max_count)
 
     async def _read_history(self, count: int) -> list[Delivery]:
         cfg = self._cfg
@@ -274,8 +270,7 @@ class StreamAdapter(RedisEndpoint):
         return Delivery(key, entry_id, fields=fields, ack_entry_id=entry_id, deliveries=deliveries)
 
     def stored(self) -> None:
-        if self._unconfirmed_lost:
-            self._unconfirmed_lost.popleft()
+        self._unconfirmed_lost.confirmed()
 
     def rewind(self) -> None:
         self._history_cursor = "0"
@@ -283,8 +278,8 @@ class StreamAdapter(RedisEndpoint):
         # unstored batch are still in the PEL, under their old owner.
         self._claim_cursor = "-"
         self._next_claim_at = 0.0
-        self._lost_to_replay = [d for batch in self._unconfirmed_lost for d in batch] + self._lost_to_replay
-        self._unconfirmed_lost.clear()
+        unstored = [d for lost in self._unconfirmed_lost.rewound() for d in lost]
+        self._lost_to_replay = unstored + self._lost_to_replay
 
     async def run_background(self, stop: asyncio.Event) -> None:
         """Nothing: the PEL needs no heartbeat; the claim sweep judges idleness."""
@@ -295,11 +290,9 @@ class StreamAdapter(RedisEndpoint):
 
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg
-        try:
+        with redis_errors(self.name, f"XINFO GROUPS {cfg.source}"):
             groups = await self._client.xinfo_groups(cfg.source)
             length = await self._client.xlen(cfg.source)
-        except RedisError as exc:
-            raise BrokerError(f"adapter {self.name}: XINFO GROUPS {cfg.source}: {exc}") from exc
         for g in groups:
             if as_text(g["name"]) == cfg.group:
                 return {"stream_length": length, "lag": g.get("lag"), "broker_pending": g.get("pending")}
@@ -323,20 +316,13 @@ class StreamAcknowledger:
                 raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete xack intent")
             targets.setdefault((c.key, c.group), []).append(c.entry_id)
         for (stream, group), ids in targets.items():
-            try:
+            what = f"XACK {stream} {group} ({len(ids)} ids)"
+            with tolerating(RedisErrorKind.NOGROUP, self._name, what, error=AckError) as reply:
                 await self._client.xack(stream, group, *ids)
-            except ResponseError as exc:
-                if classify(exc) is not RedisErrorKind.NOGROUP:
-                    raise AckError(
-                        f"adapter {self._name}: XACK {stream} {group} ({len(ids)} ids): {exc}"
-                    ) from exc
+            if reply.tolerated:
                 # No group, no PEL: nothing is left to acknowledge. If the group
                 # is recreated, the entries are redelivered and re-requested.
                 log.warning("ack_group_missing", adapter=self._name, stream=stream, group=group, ids=len(ids))
-            except RedisError as exc:
-                raise AckError(
-                    f"adapter {self._name}: XACK {stream} {group} ({len(ids)} ids): {exc}"
-                ) from exc
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:
         """Nothing to clean up: XACK is idempotent by itself."""
