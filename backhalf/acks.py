@@ -11,37 +11,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import psycopg
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import sql
-from backhalf.db import driver_connection
+from backhalf import queries
+from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import AckStateError
 from backhalf.records import AckClaim, PendingIntent
 
 
 async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> list[AckClaim]:
     """Claim up to ``limit`` committed intents and mark them acked, uncommitted."""
-    try:
+    with wrap_driver_errors(AckStateError, "claiming ack intents failed"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
-            await cur.execute(sql.CLAIM_PLAN)
-            await cur.execute(sql.CLAIM_ACKS, {"adapters": list(adapters), "limit": limit})
+            await cur.execute(queries.CLAIM_PLAN)
+            await cur.execute(queries.CLAIM_ACKS, {"adapters": list(adapters), "limit": limit})
             rows = await cur.fetchall()
-    except (psycopg.Error, SQLAlchemyError) as exc:
-        raise AckStateError(f"claiming ack intents failed: {type(exc).__name__}: {exc}") from exc
     return list(map(AckClaim._make, rows))
 
 
 async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str) -> list[PendingIntent]:
     """Lock the pending LREM intents on one processing list until the caller's
     transaction ends, and return them."""
-    try:
+    with wrap_driver_errors(AckStateError, f"adapter {adapter}: locking pending copies on {ack_key}"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
-            await cur.execute(sql.LOCK_PENDING_COPIES, {"adapter": adapter, "ack_key": ack_key})
+            await cur.execute(queries.LOCK_PENDING_COPIES, {"adapter": adapter, "ack_key": ack_key})
             rows = await cur.fetchall()
-    except (psycopg.Error, SQLAlchemyError) as exc:
-        raise AckStateError(f"adapter {adapter}: locking pending copies on {ack_key}: {exc}") from exc
     return [PendingIntent(int(inbox_id), str(key), int(copies)) for inbox_id, key, copies in rows]

@@ -13,44 +13,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import psycopg
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import sql
-from backhalf.db import driver_connection
+from backhalf import queries
+from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import StoreError
 
 
 async def record(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> dict[str, int]:
     """Count one more attempt for each key; return the counts. Commit before the attempt."""
-    try:
+    with wrap_driver_errors(StoreError, f"adapter {adapter}: recording delivery attempts"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
-            await cur.execute(sql.RECORD_ATTEMPTS, {"adapter": adapter, "keys": sorted(set(keys))})
+            await cur.execute(queries.RECORD_ATTEMPTS, {"adapter": adapter, "keys": sorted(set(keys))})
             return {str(key): int(n) for key, n in await cur.fetchall()}
-    except (psycopg.Error, SQLAlchemyError) as exc:
-        raise StoreError(f"adapter {adapter}: recording delivery attempts: {exc}") from exc
 
 
 async def known(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> set[str]:
     """Which of these keys have attempts on record."""
-    try:
+    with wrap_driver_errors(StoreError, f"adapter {adapter}: reading delivery attempts"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
-            await cur.execute(sql.KNOWN_ATTEMPTS, {"adapter": adapter, "keys": sorted(set(keys))})
+            await cur.execute(queries.KNOWN_ATTEMPTS, {"adapter": adapter, "keys": sorted(set(keys))})
             return {str(key) for (key,) in await cur.fetchall()}
-    except (psycopg.Error, SQLAlchemyError) as exc:
-        raise StoreError(f"adapter {adapter}: reading delivery attempts: {exc}") from exc
 
 
 async def clear(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> None:
     """Forget the attempts of stored messages, in the store's transaction."""
     if not keys:
         return
-    try:
+    with wrap_driver_errors(StoreError, f"adapter {adapter}: clearing delivery attempts"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
-            await cur.execute(sql.CLEAR_ATTEMPTS, {"adapter": adapter, "keys": list(keys)})
-    except (psycopg.Error, SQLAlchemyError) as exc:
-        raise StoreError(f"adapter {adapter}: clearing delivery attempts: {exc}") from exc
+            await cur.execute(queries.CLEAR_ATTEMPTS, {"adapter": adapter, "keys": list(keys)})

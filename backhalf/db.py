@@ -4,16 +4,17 @@ wait bounded (pool checkout, connect, statement, lock, dead peer)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import psycopg
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from backhalf.errors import DeadlineExceeded
+from backhalf.errors import BackhalfError, DeadlineExceeded
 
 DEFAULT_TRANSACTION_DEADLINE_MS = 30_000
 
@@ -47,6 +48,12 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+def libpq_url(url: str) -> str:
+    """The libpq form of a SQLAlchemy URL (``postgresql+psycopg://`` ->
+    ``postgresql://``), password kept: for psycopg connections of our own."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 def redact_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
@@ -74,6 +81,17 @@ def create_engine(settings: DatabaseSettings) -> AsyncEngine:
             "tcp_user_timeout": settings.tcp_user_timeout_ms,
         },
     )
+
+
+@contextmanager
+def wrap_driver_errors(error: type[BackhalfError], what: str) -> Iterator[None]:
+    """The database boundary: a driver error (psycopg, SQLAlchemy) raised in
+    the block becomes ``error("<what>: <type>: <message>")``, the original
+    kept as its ``__cause__``, so callers handle one type and log context."""
+    try:
+        yield
+    except (psycopg.Error, SQLAlchemyError) as exc:
+        raise error(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 async def driver_connection(conn: AsyncConnection) -> psycopg.AsyncConnection[Any]:

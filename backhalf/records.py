@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 AckKind = Literal["xack", "lrem", "none"]
+# Who delivered a message: pulled from a broker, or pushed to us (a webhook).
+Family = Literal["queue", "push"]  # schema.tables.EVENT_FAMILIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +47,29 @@ class InboxRecord(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where a batch's messages came from and how far they are trusted: the
+    family and trust columns of their events, bound as parameters, so one
+    store serves every family (DESIGN.md section 4).
+
+    A pull adapter's events are ``Provenance("queue", "queue", False,
+    "redis acl: deploy-bot")``: the broker identity is named, not verified.
+    """
+
+    family: Family
+    trust_mode: str
+    verified: bool
+    verify_detail: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class StoreBatch:
     adapter: str
     queue: str
     consumer: str | None
     ack_after: Literal["store", "complete"]
     ack: AckTarget
-    verify_detail: str
+    provenance: Provenance
     records: Sequence[InboxRecord]
     # Ask which messages are stored already even if none is a redelivery:
     # the adapter's last batch held stored entries read for the first time

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from backhalf.records import Family
 from schema import adapters
 
 
@@ -24,12 +25,19 @@ class AdapterRow:
 
 
 async def register(
-    conn: AsyncConnection, *, name: str, transport: str, mode: str, settings: Mapping[str, Any]
+    conn: AsyncConnection,
+    *,
+    name: str,
+    family: Family,
+    transport: str,
+    mode: str,
+    settings: Mapping[str, Any],
 ) -> None:
     """Upsert one adapter. ``enabled`` is left alone on an existing row: it is
-    the operator's runtime flag and survives restarts."""
+    the operator's runtime flag and survives restarts; so is ``family``, set
+    when the adapter is first registered."""
     stmt = insert(adapters).values(
-        name=name, family="queue", transport=transport, mode=mode, settings=dict(settings)
+        name=name, family=family, transport=transport, mode=mode, settings=dict(settings)
     )
     stmt = stmt.on_conflict_do_update(
         index_elements=[adapters.c.name],

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import JSONB, insert
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from backhalf import todos
 from backhalf.errors import BackhalfError, PoisonMessage
-from backhalf.records import InboxRecord
-from schema import events, inbox, todo_events, todos
-from schema.tables import TODO_ACTIVE_PREDICATE
+from backhalf.records import Family, Provenance
+from schema import events, inbox
 
 
 class ReplayError(BackhalfError):
@@ -78,8 +78,14 @@ async def replay(
     *,
     queue_for: Callable[[str], str],
     normalize_for: Callable[[str], Normalizer],
+    family: Family,
+    trust_mode: str,
 ) -> int:
-    """Replay one rejected row in the caller's transaction; return the todo id."""
+    """Replay one rejected row in the caller's transaction; return the todo id.
+
+    The event gets the adapter's ``family`` and ``trust_mode``; it is not
+    verified, and its ``verify_detail`` names the operator's replay.
+    """
     row = (
         await conn.execute(
             sa.select(
@@ -105,19 +111,23 @@ async def replay(
         payload = normalize_for(adapter)(bytes(body))
     except PoisonMessage as exc:
         raise ReplayError(f"inbox row {inbox_id} is still rejected: {exc}") from exc
-    record = InboxRecord(key, message_id, bytes(body), payload)
-    todo_id = await _upsert_todo(conn, queue_for(adapter), record)
+    # The inbox row is locked (above) before the todo: the reverse of a
+    # store's order, see ``backhalf.store``.
+    todo_id = await todos.create(
+        conn, queue=queue_for(adapter), key=key, payload=payload, detail=todos.CREATED_BY_REPLAY
+    )
+    provenance = Provenance(family, trust_mode, False, f"replayed by operator from inbox row {inbox_id}")
     event_id = await conn.scalar(
         sa.insert(events)
         .values(
-            family="queue",
+            family=provenance.family,
             adapter=adapter,
-            trust_mode="queue",
-            verified=False,
-            verify_detail=f"replayed by operator from inbox row {inbox_id}",
+            trust_mode=provenance.trust_mode,
+            verified=provenance.verified,
+            verify_detail=provenance.verify_detail,
             idempotency_key=key,
             source_message_id=message_id,
-            payload=_jsonb(record),
+            payload=_jsonb(payload),
             todo_id=todo_id,
         )
         .returning(events.c.id)
@@ -130,22 +140,6 @@ async def replay(
     return todo_id
 
 
-async def _upsert_todo(conn: AsyncConnection, queue: str, record: InboxRecord) -> int:
-    """Create the todo, or return the active one with the same key."""
-    stmt = insert(todos).values(queue=queue, idempotency_key=record.idempotency_key, payload=_jsonb(record))
-    upsert = stmt.on_conflict_do_update(
-        index_elements=[todos.c.queue, todos.c.idempotency_key],
-        index_where=TODO_ACTIVE_PREDICATE,
-        set_={"updated_at": todos.c.updated_at},
-    ).returning(todos.c.id, sa.literal_column("xmax = 0"))
-    todo_id, created = (await conn.execute(upsert)).one()
-    if created:
-        await conn.execute(
-            sa.insert(todo_events).values(todo_id=todo_id, to_status="pending", detail="created by replay")
-        )
-    return int(todo_id)
-
-
-def _jsonb(record: InboxRecord) -> sa.ColumnElement[object]:
+def _jsonb(payload: str) -> sa.ColumnElement[object]:
     # The payload is JSON text already: cast it in SQL, do not re-encode it.
-    return sa.cast(sa.literal(record.payload, sa.Text()), JSONB)
+    return sa.cast(sa.literal(payload, sa.Text()), JSONB)

@@ -7,23 +7,30 @@ that transaction commits, which is the whole of store-then-ack.
 Statements are set-based (``unnest`` of arrays): two round trips for a
 batch of new stream entries whatever its size (the write, NOTIFY), one more
 to ask what is already stored when the batch holds a redelivery, never one
-statement per message, and every row is written once.
+statement per message, and every row is written once. The steps, in order,
+are the functions below ``_store``; the statements are in ``queries.sql``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
 import psycopg
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import failpoints, sql
-from backhalf.db import driver_connection
+from backhalf import failpoints, queries, todos
+from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import StoreError
 from backhalf.records import InboxRecord, StoreBatch, StoreResult
+
+Cursor = psycopg.AsyncCursor[Any]
+# A (key, processing list) pair of a list copy, and the pending inbox row it merges into.
+PendingCopies = dict[tuple[str, str | None], int]
+# A row of the write's result: key, inserted, our event id, its todo id, whether we created that todo.
+Written = tuple[str, bool, int | None, int | None, bool | None]
 
 
 def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | None) -> list[InboxRecord]:
@@ -61,116 +68,168 @@ async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:
     native = {r.source_message_id is not None for r in records}
     if len(native) != 1:
         raise StoreError(f"adapter {batch.adapter}: a batch mixes messages with and without native ids")
-    try:
+    with wrap_driver_errors(StoreError, f"adapter {batch.adapter}: storing {len(records)} messages failed"):
         pg = await driver_connection(conn)
-        return await _store(pg, batch, records, native=native.pop())
-    except (psycopg.Error, SQLAlchemyError) as exc:
-        raise StoreError(
-            f"adapter {batch.adapter}: storing {len(records)} messages failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        async with pg.cursor() as cur:
+            return await _store(cur, batch, records, native=native.pop())
 
 
-async def _store(
-    pg: psycopg.AsyncConnection[Any], batch: StoreBatch, records: list[InboxRecord], *, native: bool
-) -> StoreResult:
-    async with pg.cursor() as cur:
-        keys = [r.idempotency_key for r in records]
-        # List copies: the pending row of each (key, processing list), to merge into.
-        pending: dict[tuple[str, str | None], int] = {}
-        known: set[str] = set()
-        if not native:
-            ack_keys = sorted({k for r in records if (k := _ack_key(r, batch.ack.key)) is not None})
-            await cur.execute(
-                sql.EXISTING_BODY_PENDING, {"adapter": batch.adapter, "keys": keys, "ack_keys": ack_keys}
-            )
-            pending = {(key, ack_key): inbox_id for key, ack_key, inbox_id in await cur.fetchall()}
-            known = {key for key, _ in pending}
-        elif batch.check_stored or any(r.deliveries > 1 for r in records):
-            # Entries read for the first time (XREADGROUP ">") are almost never
-            # in the inbox yet, so only a batch holding a redelivery asks, to
-            # write no todo and no event for what is already stored. The rare
-            # first delivery that is (its group was recreated) is written and
-            # then undone below, like a store that lost a race; the batches
-            # after it ask (``check_stored``). Written that way, its todo is
-            # locked before its inbox row, the reverse of ``inbox replay``:
-            # a replay of that very row at that moment is a deadlock, which
-            # PostgreSQL breaks by failing one side: the replay reports an
-            # error, or the store is redelivered (count 2) and reads first.
-            await cur.execute(sql.EXISTING_NATIVE, {"adapter": batch.adapter, "keys": keys})
-            known = {key for (key,) in await cur.fetchall()}
+async def _store(cur: Cursor, batch: StoreBatch, records: list[InboxRecord], *, native: bool) -> StoreResult:
+    # 1. What the inbox holds already: no todo and no event for those.
+    pending: PendingCopies = {}
+    known: set[str] = set()
+    if not native:
+        pending = await _pending_copies(cur, batch, records)
+        known = {key for key, _ in pending}
+    elif _asks_first(batch, records):
+        known = await _stored_entries(cur, batch, records)
+    # 2. List copies with a pending row on their list merge into it; the rest are written.
+    writing = await _merge_copies(cur, batch, records, pending) if pending else records
+    # 3. The write: todos, events, inbox rows and the acker's queue, one statement.
+    rows = await _write(cur, batch, writing, known, native=native) if writing else []
+    failpoints.hit("after_inbox_insert")
+    # 4. Undo our events (and todos) of rows whose inbox row existed.
+    outcome = _Outcome.of(rows)
+    if outcome.lost:
+        await _undo_lost(cur, outcome)
+    # 5. Wake the acker, on commit.
+    if _ack_state(batch) == "pending":
+        await cur.execute(queries.NOTIFY_ACKER, {"channel": queries.ACK_CHANNEL, "adapter": batch.adapter})
+    return outcome.result(records)
 
-        ack_state = "none" if batch.ack.kind == "none" else "pending"
-        writing = records
-        if pending:  # list copies with a pending row on their list merge into it
-            merging = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) in pending]
-            writing = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) not in pending]
-            await cur.execute(
-                sql.MERGE_INBOX_BODY,
-                {
-                    "consumer": batch.consumer,
-                    "ids": [pending[r.idempotency_key, _ack_key(r, batch.ack.key)] for r in merging],
-                    "copies": [r.ack_copies for r in merging],
-                    "deliveries": [r.deliveries for r in merging],
-                },
-            )
-        rows: list[tuple[str, bool, int | None, int | None, bool | None]] = []
-        if writing:
-            await cur.execute(
-                sql.STORE_NATIVE if native else sql.STORE_BODY,
-                {
-                    "adapter": batch.adapter,
-                    "queue": batch.queue,
-                    "consumer": batch.consumer,
-                    "verify_detail": batch.verify_detail,
-                    "ack_kind": batch.ack.kind,
-                    "ack_group": batch.ack.group,
-                    "ack_after": batch.ack_after,
-                    "ack_state": ack_state,
-                    "keys": [r.idempotency_key for r in writing],
-                    "ids": [r.source_message_id for r in writing],
-                    "bodies": [r.body for r in writing],
-                    # No todo and no event for a rejected or an already stored message.
-                    "payloads": [
-                        None if r.error is not None or r.idempotency_key in known else r.payload
-                        for r in writing
-                    ],
-                    "ack_keys": [_ack_key(r, batch.ack.key) for r in writing],
-                    "entry_ids": [r.ack_entry_id for r in writing],
-                    "copies": [r.ack_copies for r in writing],
-                    "deliveries": [r.deliveries for r in writing],
-                    "errors": [r.error for r in writing],
-                },
-            )
-            rows = await cur.fetchall()
-        failpoints.hit("after_inbox_insert")
-        inserted: set[str] = set()
-        # Rows whose inbox row existed, with an event (and maybe a todo) of
-        # ours: a concurrent store (a claim racing a slow consumer) won them,
-        # or they were stored before (a recreated group). That store's event
-        # is the record, and our todo upsert deduped to its todo, or created
-        # one only if that todo has finished since.
-        lost: list[tuple[int, int | None, bool | None]] = []
-        todos = created = 0
+
+def _ack_state(batch: StoreBatch) -> str:
+    return "none" if batch.ack.kind == "none" else "pending"
+
+
+async def _pending_copies(cur: Cursor, batch: StoreBatch, records: list[InboxRecord]) -> PendingCopies:
+    """List copies: the pending row of each (key, processing list), locked, to merge into."""
+    ack_keys = sorted({k for r in records if (k := _ack_key(r, batch.ack.key)) is not None})
+    keys = [r.idempotency_key for r in records]
+    await cur.execute(
+        queries.EXISTING_BODY_PENDING, {"adapter": batch.adapter, "keys": keys, "ack_keys": ack_keys}
+    )
+    return {(key, ack_key): inbox_id for key, ack_key, inbox_id in await cur.fetchall()}
+
+
+def _asks_first(batch: StoreBatch, records: list[InboxRecord]) -> bool:
+    # Entries read for the first time (XREADGROUP ">") are almost never in
+    # the inbox yet, so only a batch holding a redelivery asks, to write no
+    # todo and no event for what is already stored. The rare first delivery
+    # that is (its group was recreated) is written and then undone (step 4),
+    # like a store that lost a race; the batches after it ask
+    # (``check_stored``). Written that way, its todo is locked before its
+    # inbox row, the reverse of ``inbox replay``: a replay of that very row
+    # at that moment is a deadlock, which PostgreSQL breaks by failing one
+    # side: the replay reports an error, or the store is redelivered (count
+    # 2) and reads first.
+    return batch.check_stored or any(r.deliveries > 1 for r in records)
+
+
+async def _stored_entries(cur: Cursor, batch: StoreBatch, records: list[InboxRecord]) -> set[str]:
+    """Stream entries: the keys the inbox holds already."""
+    keys = [r.idempotency_key for r in records]
+    await cur.execute(queries.EXISTING_NATIVE, {"adapter": batch.adapter, "keys": keys})
+    return {key for (key,) in await cur.fetchall()}
+
+
+async def _merge_copies(
+    cur: Cursor, batch: StoreBatch, records: list[InboxRecord], pending: PendingCopies
+) -> list[InboxRecord]:
+    """Add the copies with a pending row on their list to that row; return the others."""
+    merging = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) in pending]
+    writing = [r for r in records if (r.idempotency_key, _ack_key(r, batch.ack.key)) not in pending]
+    await cur.execute(
+        queries.MERGE_INBOX_BODY,
+        {
+            "consumer": batch.consumer,
+            "ids": [pending[r.idempotency_key, _ack_key(r, batch.ack.key)] for r in merging],
+            "copies": [r.ack_copies for r in merging],
+            "deliveries": [r.deliveries for r in merging],
+        },
+    )
+    return writing
+
+
+async def _write(
+    cur: Cursor, batch: StoreBatch, writing: list[InboxRecord], known: set[str], *, native: bool
+) -> list[Written]:
+    """Todos, their log rows, events, inbox rows and ack queue rows, in one
+    statement; one result row per message written."""
+    provenance = batch.provenance
+    await cur.execute(
+        queries.STORE_NATIVE if native else queries.STORE_BODY,
+        {
+            "adapter": batch.adapter,
+            **todos.creating(batch.queue, todos.CREATED_BY_STORE),
+            "consumer": batch.consumer,
+            "family": provenance.family,
+            "trust_mode": provenance.trust_mode,
+            "verified": provenance.verified,
+            "verify_detail": provenance.verify_detail,
+            "ack_kind": batch.ack.kind,
+            "ack_group": batch.ack.group,
+            "ack_after": batch.ack_after,
+            "ack_state": _ack_state(batch),
+            "keys": [r.idempotency_key for r in writing],
+            "ids": [r.source_message_id for r in writing],
+            "bodies": [r.body for r in writing],
+            # No todo and no event for a rejected or an already stored message.
+            "payloads": [
+                None if r.error is not None or r.idempotency_key in known else r.payload for r in writing
+            ],
+            "ack_keys": [_ack_key(r, batch.ack.key) for r in writing],
+            "entry_ids": [r.ack_entry_id for r in writing],
+            "copies": [r.ack_copies for r in writing],
+            "deliveries": [r.deliveries for r in writing],
+            "errors": [r.error for r in writing],
+        },
+    )
+    return await cur.fetchall()
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """The write's result rows, counted."""
+
+    inserted: set[str] = field(default_factory=set)
+    # Rows whose inbox row existed, with an event (and maybe a todo) of ours:
+    # a concurrent store (a claim racing a slow consumer) won them, or they
+    # were stored before (a recreated group). That store's event is the
+    # record, and our todo upsert deduped to its todo, or created one only if
+    # that todo has finished since. (event id, todo id, whether we created it)
+    lost: list[tuple[int, int | None, bool | None]] = field(default_factory=list)
+    todos: int = 0
+    created: int = 0
+
+    @classmethod
+    def of(cls, rows: list[Written]) -> _Outcome:
+        outcome = cls()
         for key, was_inserted, event_id, todo_id, was_created in rows:
             if was_inserted:
-                inserted.add(key)
+                outcome.inserted.add(key)
             elif event_id is not None:
-                lost.append((event_id, todo_id, was_created))
-            todos += todo_id is not None
-            created += bool(was_created)
-        if lost:
-            await cur.execute(sql.DELETE_EVENTS, {"ids": [event_id for event_id, _, _ in lost]})
-            ours = [todo_id for _, todo_id, was_created in lost if was_created]
-            if ours:
-                await cur.execute(sql.DELETE_TODOS, {"ids": ours})
-            created -= len(ours)
-            todos -= len(lost)
-        if ack_state == "pending":
-            await cur.execute(sql.NOTIFY_ACKER, {"channel": sql.ACK_CHANNEL, "adapter": batch.adapter})
-    return StoreResult(
-        new=len(inserted),
-        rejected=sum(1 for r in records if r.error is not None and r.idempotency_key in inserted),
-        redelivered=len(records) - len(inserted),
-        todos_created=created,
-        todos_deduped=todos - created,
-    )
+                outcome.lost.append((event_id, todo_id, was_created))
+            outcome.todos += todo_id is not None
+            outcome.created += bool(was_created)
+        return outcome
+
+    def result(self, records: list[InboxRecord]) -> StoreResult:
+        return StoreResult(
+            new=len(self.inserted),
+            rejected=sum(1 for r in records if r.error is not None and r.idempotency_key in self.inserted),
+            redelivered=len(records) - len(self.inserted),
+            todos_created=self.created,
+            todos_deduped=self.todos - self.created,
+        )
+
+
+async def _undo_lost(cur: Cursor, outcome: _Outcome) -> None:
+    """Delete our events of the lost rows and the todos we created for them,
+    and count those todos neither created nor deduped."""
+    await cur.execute(queries.DELETE_EVENTS, {"ids": [event_id for event_id, _, _ in outcome.lost]})
+    ours = [todo_id for _, todo_id, was_created in outcome.lost if was_created and todo_id is not None]
+    if ours:
+        await todos.delete_created(cur, ours)
+    outcome.created -= len(ours)
+    outcome.todos -= len(outcome.lost)

@@ -156,6 +156,8 @@ async def _inbox_command(settings: Settings, args: argparse.Namespace) -> int:
                         inbox_id,
                         queue_for=lambda name: settings.adapter(name).queue,
                         normalize_for=lambda name: _normalizer(settings, name),
+                        family="queue",  # every configured adapter is a pull adapter
+                        trust_mode="queue",
                     )
             except (replay.ReplayError, ConfigError) as exc:
                 failed += 1

@@ -22,6 +22,8 @@ async def engine(db_url: str, registered: tuple[tuple[str, str], ...]) -> AsyncI
     eng = create_engine(DatabaseSettings(url=db_url))
     async with eng.begin() as conn:
         for name, mode in registered:
-            await registry.register(conn, name=name, transport="redis", mode=mode, settings={})
+            await registry.register(
+                conn, name=name, family="queue", transport="redis", mode=mode, settings={}
+            )
     yield eng
     await eng.dispose()

@@ -10,8 +10,8 @@ import pytest
 import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry, sql
-from backhalf.records import AckTarget, InboxRecord, StoreBatch
+from backhalf import queries, registry
+from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
 from ingest.acker import drain_loop, drain_once
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
@@ -38,7 +38,8 @@ async def consume_into_open_transaction(engine: AsyncEngine, s: Settings, n: int
     adapter = StreamAdapter(cfg)
     try:
         deliveries = await adapter.read(n)
-        b = StoreBatch("orders", cfg.queue, cfg.consumer, "store", adapter.ack_target, adapter.identity,
+        b = StoreBatch("orders", cfg.queue, cfg.consumer, "store", adapter.ack_target,
+                       Provenance("queue", "queue", False, adapter.identity),
                        [to_record(d, cfg) for d in deliveries])  # fmt: skip
     finally:
         await adapter.close()
@@ -129,7 +130,9 @@ async def test_one_broker_down_does_not_stall_another_adapter(
     r.xadd(STREAM, {"body": "{}"})
     await consume_and_commit(engine, s, 10)
     async with engine.begin() as c:
-        await registry.register(c, name="broken", transport="redis", mode="stream", settings={})
+        await registry.register(
+            c, name="broken", family="queue", transport="redis", mode="stream", settings={}
+        )
     query(
         db_url,
         """INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key,
@@ -180,7 +183,15 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
     async with engine.begin() as conn:
         await store(
             conn,
-            StoreBatch("orders", "orders", "c1", "store", AckTarget("xack", STREAM, GROUP), "x", [record]),
+            StoreBatch(
+                "orders",
+                "orders",
+                "c1",
+                "store",
+                AckTarget("xack", STREAM, GROUP),
+                Provenance("queue", "queue", False, "x"),
+                [record],
+            ),
         )
     url = libpq(db_url)
     async with (
@@ -191,7 +202,7 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
             await conn.execute("SET statement_timeout = '10s'")
         await storer.execute("UPDATE inbox SET deliveries = deliveries + 1, ack_state = 'pending'")
         async with acker.cursor() as cur:
-            await cur.execute(sql.CLAIM_ACKS, {"adapters": ["orders"], "limit": 10})
+            await cur.execute(queries.CLAIM_ACKS, {"adapters": ["orders"], "limit": 10})
             assert await cur.fetchall() == []  # taken by the store: skipped
         await storer.execute(
             "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)"
@@ -201,7 +212,7 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
         await storer.commit()
         await acker.commit()
         async with acker.cursor() as cur:
-            await cur.execute(sql.CLAIM_ACKS, {"adapters": ["orders"], "limit": 10})
+            await cur.execute(queries.CLAIM_ACKS, {"adapters": ["orders"], "limit": 10})
             assert [row[5] for row in await cur.fetchall()] == ["1-0"]
         await acker.commit()
     assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 0
@@ -229,17 +240,18 @@ async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
     ]
     async with engine.begin() as conn:
         await store(conn, StoreBatch("orders", "orders", "c1", "store", AckTarget("xack", STREAM, GROUP),
-                                     "redis acl: default", records))  # fmt: skip
+                                     Provenance("queue", "queue", False, "redis acl: default"),
+                                     records))  # fmt: skip
     with psycopg.connect(libpq(db_url)) as conn:
         with conn.transaction():
-            conn.execute(sql.CLAIM_PLAN)
-            claimed = conn.execute(sql.CLAIM_ACKS, {"adapters": ["orders"], "limit": 1000}).fetchall()
+            conn.execute(queries.CLAIM_PLAN)
+            claimed = conn.execute(queries.CLAIM_ACKS, {"adapters": ["orders"], "limit": 1000}).fetchall()
         assert len(claimed) == 1000
         assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 3000
         with conn.transaction():
-            conn.execute(sql.CLAIM_PLAN)
+            conn.execute(queries.CLAIM_PLAN)
             (plan,) = conn.execute(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.CLAIM_ACKS, {"adapters": ["orders"], "limit": 100}
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + queries.CLAIM_ACKS, {"adapters": ["orders"], "limit": 100}
             ).fetchone()  # type: ignore[misc]
             raise psycopg.Rollback()
     scans = _scans_of(plan[0]["Plan"], "ack_queue")

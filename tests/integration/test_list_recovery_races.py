@@ -12,7 +12,7 @@ import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks
-from backhalf.records import AckClaim, AckTarget, InboxRecord, StoreBatch
+from backhalf.records import AckClaim, AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger
 from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter, processing_key
@@ -37,7 +37,15 @@ def record(body: bytes, ack_key: str) -> InboxRecord:
 
 
 def batch(records: list[InboxRecord], ack_key: str) -> StoreBatch:
-    return StoreBatch(JOBS, JOBS, "c1", "store", AckTarget("lrem", ack_key), "redis acl: x", records)
+    return StoreBatch(
+        JOBS,
+        JOBS,
+        "c1",
+        "store",
+        AckTarget("lrem", ack_key),
+        Provenance("queue", "queue", False, "redis acl: x"),
+        records,
+    )
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.errors import StoreError
-from backhalf.records import AckTarget, InboxRecord, StoreBatch
-from backhalf.sql import ACK_CHANNEL
+from backhalf.queries import ACK_CHANNEL
+from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
 from tests.support.db import libpq, query, scalar
 
@@ -31,14 +31,17 @@ def rec(entry_id: str, payload: str | None = '{"n": 1}', error: str | None = Non
     )
 
 
-def batch(*records: InboxRecord, adapter: str = "orders") -> StoreBatch:
+PULLED = Provenance(family="queue", trust_mode="queue", verified=False, verify_detail="redis acl: deploy-bot")
+
+
+def batch(*records: InboxRecord, adapter: str = "orders", provenance: Provenance = PULLED) -> StoreBatch:
     return StoreBatch(
         adapter=adapter,
         queue="orders",
         consumer="c1",
         ack_after="store",
         ack=AckTarget("xack", "orders", "switchboard"),
-        verify_detail="redis acl: deploy-bot",
+        provenance=provenance,
         records=records,
     )
 
@@ -62,6 +65,26 @@ async def test_new_messages_become_inbox_event_and_todo_rows(engine: AsyncEngine
          "pending", "queue", "queue", False, "redis acl: deploy-bot", True),
     ]  # fmt: skip
     assert scalar(db_url, "SELECT count(*) FROM todo_events WHERE to_status = 'pending'") == 2
+
+
+async def test_events_carry_the_batchs_family_and_trust_metadata(engine: AsyncEngine, db_url: str) -> None:
+    # Bound from the batch, not written into the SQL: a push delivery stored
+    # through the same statement says so.
+    pushed = Provenance(family="push", trust_mode="hmac", verified=True, verify_detail="key k1")
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("1-0"), provenance=pushed))
+        await store(conn, batch(rec("2-0")))
+    assert query(
+        db_url, "SELECT idempotency_key, family, trust_mode, verified, verify_detail FROM events ORDER BY id"
+    ) == [
+        ("redis:orders:1-0", "push", "hmac", True, "key k1"),
+        ("redis:orders:2-0", "queue", "queue", False, "redis acl: deploy-bot"),
+    ]
+    # Each created todo is logged once, by the store.
+    assert query(db_url, "SELECT from_status, to_status, detail FROM todo_events") == [
+        (None, "pending", "created"),
+        (None, "pending", "created"),
+    ]
 
 
 async def test_redelivery_returns_the_existing_todo_and_counts_the_delivery(

@@ -1,0 +1,117 @@
+"""The back half's SQL, loaded once at import from ``queries.sql`` beside this
+module (shipped as package data).
+
+``queries.sql`` is a sequence of named blocks (``-- name: <name>``), each with
+comment lines saying why it is shaped as it is; comment lines are not sent.
+Most blocks are whole statements. A few statements share parts, so those are
+written as complete CTEs (blocks named ``*_cte``) and composed here with
+:func:`_with`, at CTE boundaries only: the two store writes share all but the
+inbox insert, and every statement that creates todos embeds the one
+``todos_create_cte`` (``backhalf.todos`` owns it). The composed statements
+are rendered to ``tests/unit/snapshots/`` so that they can be read whole.
+
+Every block must be used exactly as named here: an unknown, missing or unused
+block fails the import.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib.resources import files
+from typing import LiteralString
+
+# Channel the acker LISTENs on; NOTIFY is delivered only when the store commits.
+ACK_CHANNEL = "switchboard_ack"
+
+_NAME = re.compile(r"-- name: (?P<name>[a-z][a-z0-9_]*)\s*")
+
+
+def parse(text: str) -> dict[str, str]:
+    """The blocks of a query file: name -> SQL text without its comment lines."""
+    blocks: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        if match := _NAME.fullmatch(line):
+            name = match["name"]
+            if name in blocks:
+                raise ValueError(f"queries.sql:{number}: block {name!r} named twice")
+            current = blocks[name] = []
+        elif line.lstrip().startswith("--") or not line.strip():
+            continue
+        elif current is None:
+            raise ValueError(f"queries.sql:{number}: SQL before the first '-- name:' line")
+        else:
+            current.append(line.rstrip())
+    empty = [name for name, lines in blocks.items() if not lines]
+    if empty:
+        raise ValueError(f"queries.sql: blocks without SQL: {', '.join(empty)}")
+    return {name: "\n".join(lines) + "\n" for name, lines in blocks.items()}
+
+
+# LiteralString: the text of the package's own file, never of a runtime value.
+_BLOCKS: dict[str, LiteralString] = parse(
+    files("backhalf").joinpath("queries.sql").read_text(encoding="utf-8")
+)
+_used: set[str] = set()
+
+
+def _block(name: str) -> LiteralString:
+    _used.add(name)
+    return _BLOCKS[name]
+
+
+def _with(*ctes: str, then: str) -> LiteralString:
+    """``WITH <cte>, <cte>, ... <then>``: a statement from complete CTE blocks."""
+    return "WITH " + ",\n".join(_block(c).rstrip("\n") for c in ctes) + "\n" + _block(then)
+
+
+# The store (backhalf.store). What the inbox holds already:
+EXISTING_NATIVE = _block("existing_native")
+EXISTING_BODY_PENDING = _block("existing_body_pending")
+MERGE_INBOX_BODY = _block("merge_inbox_body")
+# The write: todos, their log rows, events, inbox rows, the acker's queue, in
+# that order (the lock order), differing only in how the inbox insert dedups.
+STORE_NATIVE = _with(
+    "store_rows_cte",
+    "todos_create_cte",
+    "store_events_cte",
+    "store_inbox_native_cte",
+    "store_ack_queue_cte",
+    then="store_result",
+)
+STORE_BODY = _with(
+    "store_rows_cte",
+    "todos_create_cte",
+    "store_events_cte",
+    "store_inbox_body_cte",
+    "store_ack_queue_cte",
+    then="store_result",
+)
+DELETE_EVENTS = _block("delete_events")
+NOTIFY_ACKER = _block("notify_acker")
+
+# Todos (backhalf.todos): one todo created or deduped (inbox replay), and the
+# store's undo of the todos it created for messages stored already.
+CREATE_TODO = _with("replay_row_cte", "todos_create_cte", then="create_todo_result")
+DELETE_TODOS = _block("delete_todos")
+
+# Delivery attempts (backhalf.attempts).
+RECORD_ATTEMPTS = _block("record_attempts")
+KNOWN_ATTEMPTS = _block("known_attempts")
+CLEAR_ATTEMPTS = _block("clear_attempts")
+
+# The acker and list recovery (backhalf.acks).
+CLAIM_PLAN = _block("claim_plan")
+CLAIM_ACKS = _block("claim_acks")
+LOCK_PENDING_COPIES = _block("lock_pending_copies")
+
+# The statements composed from several blocks, by name, for the snapshot test.
+COMPOSED: dict[str, str] = {
+    "store_native": STORE_NATIVE,
+    "store_body": STORE_BODY,
+    "create_todo": CREATE_TODO,
+}
+
+if _unused := sorted(set(_BLOCKS) - _used):
+    raise ValueError(f"queries.sql: blocks not used by backhalf.queries: {', '.join(_unused)}")
+del _unused

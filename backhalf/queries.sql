@@ -1,0 +1,317 @@
+-- All SQL of the back half's hot paths, as static text with bound parameters.
+--
+-- These run on the psycopg connection under SQLAlchemy's transaction, because
+-- set-based ``unnest`` inserts with binary array parameters (``%(name)b``) are
+-- several times cheaper than SQLAlchemy ``executemany`` (issue 5). Table
+-- definitions, migrations and the cooler queries stay in SQLAlchemy Core.
+-- No statement here is ever built from runtime values.
+--
+-- Each block starts with ``-- name: <name>``; the comment lines under it say
+-- why the statement is shaped as it is. Comment lines are not sent to the
+-- server. A block whose name ends in ``_cte`` is one or more complete CTEs
+-- (``name AS (...)``), never a fragment of one; ``backhalf/queries.py``
+-- composes those, at CTE boundaries only, into the statements named there, and
+-- ``tests/unit/snapshots/`` holds each composed statement as the server gets
+-- it. Every other block is a whole statement or a composed statement's final
+-- part.
+
+
+-- name: existing_native
+-- Which stream entries (native ids) the inbox holds already: they are stored
+-- once per adapter while inbox rows are kept. A batch of first deliveries
+-- skips this read (see ``backhalf.store``).
+--
+-- One index probe per key, whatever the statistics say: the LATERAL subquery
+-- (LIMIT keeps it from being flattened into a join) can only run as a nested
+-- loop with the key as its index condition. The plain form, ``idempotency_key
+-- = ANY(...)``, was planned on a table not analyzed yet (a new database
+-- draining a backlog: autoanalyze waits at least ``autovacuum_naptime``) as a
+-- bitmap scan of every ``uq_inbox_native_key`` entry of the adapter plus a
+-- recheck of every heap page, a cost that grows with the table
+-- (docs/architecture.md, "Plans that do not depend on statistics").
+SELECT u.k FROM unnest(%(keys)b::text[]) AS u(k)
+CROSS JOIN LATERAL (
+    SELECT 1 FROM inbox
+    WHERE adapter = %(adapter)s AND idempotency_key = u.k AND source_message_id IS NOT NULL
+    LIMIT 1
+) AS found
+
+
+-- name: existing_body_pending
+-- List copies: the pending row of each (key, processing list), to merge into.
+--
+-- Locked, not just read: a pending row the acker is marking acked right now
+-- must be waited for (and then no longer counts), or the new copy would be
+-- taken as merged into a row that is about to stop being pending, and be
+-- stored without its todo.
+--
+-- Pending means queued (``ack_queue``); both rows are locked, so a queue row
+-- the acker deletes meanwhile drops out of the result once it commits.
+--
+-- One probe per key on ``uq_ack_queue_body``, as above: a subquery with FOR
+-- UPDATE is never flattened, so it runs once per key. The plain form was
+-- planned, without statistics, as a scan of every entry of the adapter in the
+-- index, where acked rows leave theirs until VACUUM. Rows are locked in the
+-- order of ``keys``, which the store sorts, the order its inbox writes then
+-- take them in.
+SELECT p.idempotency_key, p.ack_key, p.id FROM unnest(%(keys)b::text[]) AS u(k)
+CROSS JOIN LATERAL (
+    SELECT i.idempotency_key, i.ack_key, i.id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
+    WHERE q.adapter = %(adapter)s AND q.idempotency_key = u.k AND q.ack_kind = 'lrem'
+      AND q.ack_key = ANY(%(ack_keys)b::text[])
+    FOR UPDATE
+) AS p
+
+
+-- name: merge_inbox_body
+-- A copy of a body already pending on the same processing list merges into
+-- that row (locked by existing_body_pending): ``ack_copies`` counts the copies
+-- the acker must LREM.
+UPDATE inbox SET ack_copies = inbox.ack_copies + u.c,
+                 deliveries = inbox.deliveries + u.d,
+                 consumer = %(consumer)s
+FROM unnest(%(ids)b::int8[], %(copies)b::int4[], %(deliveries)b::int4[]) AS u(id, c, d)
+WHERE inbox.id = u.id
+
+
+-- The store's write (store_native, store_body): todos, their 'created' log
+-- rows, events, inbox rows and the acker's queue, in one statement, so each
+-- array (keys, ids, payloads) is sent and dumped once and the batch costs one
+-- round trip, not three (the ingester's array dumping was a tenth of its CPU).
+-- Every row is written once, already linked: todos first, events carrying
+-- their todo, inbox rows carrying both. Writing the inbox first and linking
+-- it afterwards cost a second, non-HOT write of every inbox row.
+--
+-- Lock order: both inserts that can wait on another transaction (todos,
+-- inbox) sort by the batch's key order (ORDER BY u.n), and the sort under the
+-- inbox insert reads all its input first, so every store locks all its todos
+-- in key order, then all its inbox rows in key order: two stores cannot
+-- deadlock. The CTEs below are composed in this order.
+
+-- name: store_rows_cte
+-- ``u`` holds the rows to write, in the order of ``keys`` (sorted by the
+-- store, so concurrent stores take row locks in one order); ``payload`` is
+-- NULL for a message that gets no todo and no event (rejected, or already in
+-- the inbox). Keys are unique within a batch, so every join is one to one.
+u AS (
+    SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
+                         %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
+                         %(deliveries)b::int4[], %(errors)b::text[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, n)
+)
+
+
+-- name: todos_create_cte
+-- Create or dedup a todo: the one definition, owned by ``backhalf.todos``
+-- (the store's write embeds it; so does create_todo, for inbox replay).
+-- Reads ``u(k, p, n)``: key, payload JSON text (NULL: no todo), order. Yields
+-- ``t(id, idempotency_key, created)``: the new todo, or on a dedup the active
+-- one with the same (queue, key). A created todo gets its 'pending' log row,
+-- with ``todo_detail`` saying who created it, in the same statement.
+--
+-- The conflict target's WHERE must be the partial index's predicate exactly
+-- (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer it. The
+-- no-op DO UPDATE makes RETURNING yield the existing todo on a dedup.
+t AS (
+    INSERT INTO todos (queue, idempotency_key, payload)
+    SELECT %(queue)s, u.k, u.p::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
+    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
+    DO UPDATE SET updated_at = todos.updated_at
+    RETURNING id, idempotency_key, (xmax = 0) AS created
+),
+logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, NULL, 'pending', %(todo_detail)s FROM t WHERE created
+)
+
+
+-- name: store_events_cte
+-- One event per todo written, linked to it. Family and trust metadata are
+-- the batch's (``backhalf.records.Provenance``), bound, so the same statement
+-- serves any family.
+ev AS (
+    INSERT INTO events (family, adapter, trust_mode, verified, verify_detail,
+                        idempotency_key, source_message_id, payload, todo_id)
+    SELECT %(family)s, %(adapter)s, %(trust_mode)s, %(verified)s, %(verify_detail)s,
+           u.k, u.m, u.p::jsonb, t.id
+    FROM u JOIN t ON t.idempotency_key = u.k
+    RETURNING id, idempotency_key, todo_id
+)
+
+
+-- name: store_inbox_native_cte
+-- Stream entries (native ids) are stored once per adapter while inbox rows
+-- are kept. A redelivery of a stored entry bumps ``deliveries`` and asks the
+-- acker again (XACK is idempotent; the entry may be pending again after its
+-- group was recreated). ``xmax = 0`` is true exactly for rows this statement
+-- inserted.
+--
+-- The same insert as store_inbox_body_cte plus the ON CONFLICT clause
+-- (tests/unit/test_queries.py holds them to that).
+written AS (
+    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+                       ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
+                       ack_state, deliveries, status, error, todo_id, event_id)
+    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+           %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
+           %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
+           ev.todo_id, ev.id
+    FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
+    ORDER BY u.n
+    ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
+    DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
+                  consumer = excluded.consumer,
+                  ack_key = excluded.ack_key,
+                  ack_group = excluded.ack_group,
+                  ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
+                  acked_at = NULL
+    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
+              (xmax = 0) AS inserted
+)
+
+
+-- name: store_inbox_body_cte
+-- List items and pub/sub messages (no native id) with no pending row to
+-- merge into. Two stores racing to queue the same body on the same
+-- processing list (which only its owner and, once it is dead, one recoverer
+-- write to) meet on ``uq_ack_queue_body``: the loser fails and is
+-- redelivered, and then merges. Pub/sub rows (ack_state 'none') are not
+-- queued; the todo index dedups them.
+written AS (
+    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+                       ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
+                       ack_state, deliveries, status, error, todo_id, event_id)
+    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+           %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
+           %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
+           ev.todo_id, ev.id
+    FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
+    ORDER BY u.n
+    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
+              (xmax = 0) AS inserted
+)
+
+
+-- name: store_ack_queue_cte
+-- Every row left pending (and to be acked on store) is queued for the acker
+-- in the same statement.
+queued AS (
+    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)
+    SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM written
+    WHERE ack_state = 'pending' AND ack_after = 'store'
+    ON CONFLICT (inbox_id) DO NOTHING
+)
+
+
+-- name: store_result
+-- The store's final SELECT, after its CTEs: one row per message written,
+-- whether its inbox row was inserted, and the event and todo this statement
+-- wrote for it, which the store deletes again if the row was stored already.
+SELECT w.idempotency_key, w.inserted, ev.id, ev.todo_id, t.created
+FROM written w
+LEFT JOIN ev ON ev.idempotency_key = w.idempotency_key
+LEFT JOIN t ON t.idempotency_key = w.idempotency_key
+
+
+-- name: delete_events
+-- Events of messages already stored (our inbox insert conflicted: a
+-- concurrent store won, or a recreated group delivered them again): the
+-- stored row's event is the record; ours would be a second history row.
+DELETE FROM events WHERE id = ANY(%(ids)b::int8[])
+
+
+-- name: delete_todos
+-- Todos this store created for such messages: the stored message's todo had
+-- finished (or it never had one: a rejected row), so the upsert made a new
+-- one. Its log rows go with it.
+WITH gone AS (DELETE FROM todo_events WHERE todo_id = ANY(%(ids)b::int8[]))
+DELETE FROM todos WHERE id = ANY(%(ids)b::int8[])
+
+
+-- name: notify_acker
+-- Delivered to the acker's LISTEN only when the store's transaction commits.
+SELECT pg_notify(%(channel)s, %(adapter)s)
+
+
+-- name: replay_row_cte
+-- Inbox replay's one row, shaped as the store's ``u`` for todos_create_cte.
+u AS (SELECT %(key)s::text AS k, %(payload)s::text AS p, 1 AS n)
+
+
+-- name: create_todo_result
+-- create_todo's final SELECT: the todo created, or deduped to.
+SELECT id FROM t
+
+
+-- name: record_attempts
+-- Attempts at messages not stored yet, each committed before the attempt.
+INSERT INTO delivery_attempts (adapter, idempotency_key, attempts)
+SELECT %(adapter)s, u.k, 1 FROM unnest(%(keys)b::text[]) AS u(k)
+ON CONFLICT (adapter, idempotency_key)
+DO UPDATE SET attempts = delivery_attempts.attempts + 1, last_attempt_at = now()
+RETURNING idempotency_key, attempts
+
+
+-- name: known_attempts
+SELECT idempotency_key FROM delivery_attempts
+WHERE adapter = %(adapter)s AND idempotency_key = ANY(%(keys)b::text[])
+
+
+-- name: clear_attempts
+DELETE FROM delivery_attempts WHERE adapter = %(adapter)s AND idempotency_key = ANY(%(keys)b::text[])
+
+
+-- name: claim_plan
+-- Run before claim_acks, in the claim's own transaction only (``true``: local
+-- to it), in one round trip: plan the claim on the queue's primary key in id
+-- order, whatever the statistics, so the scan stops after ``limit`` rows.
+-- Without statistics (a new database draining a backlog) PostgreSQL took the
+-- queue for a few hundred rows and chose a bitmap scan, or a sequential scan,
+-- joined every row to inbox and sorted them all. Deleted rows stay in the
+-- heap and the index until VACUUM, so either plan re-read every row deleted
+-- so far on every claim, and with a backlog queued every pending row too. An
+-- index scan marks deleted entries dead in the index the first time (LP_DEAD)
+-- and skips them after that.
+SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)
+
+
+-- name: claim_acks
+-- The acker's claim, which is also its mark: committed intents only
+-- (uncommitted rows are invisible), locked (SKIP LOCKED) so concurrent ackers
+-- split the work instead of sharing a cursor, and set to 'acked' in the same
+-- statement, so each row is written once. The acker commits only after the
+-- broker ack succeeded; a failure or a crash rolls the rows back to pending.
+--
+-- The queue rows are deleted and the inbox rows marked acked in one
+-- statement; no index covers ack_state or acked_at, so the mark is a HOT
+-- update (inbox leaves room on each page for it). Both rows are locked up
+-- front, queue row first as everywhere else, and skipped if either is taken:
+-- a store re-requesting the ack of a redelivered entry holds the inbox row
+-- while it queues it again, and waiting for it here while it waits for our
+-- queue row would be a deadlock; so would two redelivered rows the store and
+-- the acker lock in opposite orders (key order against id order). The join
+-- that takes the inbox lock costs a little per row claimed; it stays, since
+-- dropping it would turn those rare waits into deadlocks.
+WITH picked AS (
+    SELECT q.inbox_id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
+    WHERE q.adapter = ANY(%(adapters)s::text[])
+    ORDER BY q.inbox_id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    DELETE FROM ack_queue WHERE inbox_id IN (SELECT inbox_id FROM picked)
+    RETURNING inbox_id
+)
+UPDATE inbox SET ack_state = 'acked', acked_at = now()
+FROM claimed WHERE inbox.id = claimed.inbox_id
+RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
+          CASE WHEN ack_kind = 'lrem' THEN body END AS body
+
+
+-- name: lock_pending_copies
+-- List recovery: the pending copies on one processing list, locked with the
+-- same row locks the acker takes, so LRANGE and these counts agree.
+SELECT i.id, i.idempotency_key, i.ack_copies FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
+WHERE q.adapter = %(adapter)s AND q.ack_key = %(ack_key)s AND q.ack_kind = 'lrem'
+ORDER BY i.id
+FOR UPDATE

@@ -1,0 +1,13 @@
+WITH u AS (SELECT %(key)s::text AS k, %(payload)s::text AS p, 1 AS n),
+t AS (
+    INSERT INTO todos (queue, idempotency_key, payload)
+    SELECT %(queue)s, u.k, u.p::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
+    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
+    DO UPDATE SET updated_at = todos.updated_at
+    RETURNING id, idempotency_key, (xmax = 0) AS created
+),
+logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, NULL, 'pending', %(todo_detail)s FROM t WHERE created
+)
+SELECT id FROM t

@@ -1,0 +1,55 @@
+WITH u AS (
+    SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
+                         %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
+                         %(deliveries)b::int4[], %(errors)b::text[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, n)
+),
+t AS (
+    INSERT INTO todos (queue, idempotency_key, payload)
+    SELECT %(queue)s, u.k, u.p::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
+    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
+    DO UPDATE SET updated_at = todos.updated_at
+    RETURNING id, idempotency_key, (xmax = 0) AS created
+),
+logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, NULL, 'pending', %(todo_detail)s FROM t WHERE created
+),
+ev AS (
+    INSERT INTO events (family, adapter, trust_mode, verified, verify_detail,
+                        idempotency_key, source_message_id, payload, todo_id)
+    SELECT %(family)s, %(adapter)s, %(trust_mode)s, %(verified)s, %(verify_detail)s,
+           u.k, u.m, u.p::jsonb, t.id
+    FROM u JOIN t ON t.idempotency_key = u.k
+    RETURNING id, idempotency_key, todo_id
+),
+written AS (
+    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+                       ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
+                       ack_state, deliveries, status, error, todo_id, event_id)
+    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+           %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
+           %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
+           ev.todo_id, ev.id
+    FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
+    ORDER BY u.n
+    ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
+    DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
+                  consumer = excluded.consumer,
+                  ack_key = excluded.ack_key,
+                  ack_group = excluded.ack_group,
+                  ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
+                  acked_at = NULL
+    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
+              (xmax = 0) AS inserted
+),
+queued AS (
+    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)
+    SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM written
+    WHERE ack_state = 'pending' AND ack_after = 'store'
+    ON CONFLICT (inbox_id) DO NOTHING
+)
+SELECT w.idempotency_key, w.inserted, ev.id, ev.todo_id, t.created
+FROM written w
+LEFT JOIN ev ON ev.idempotency_key = w.idempotency_key
+LEFT JOIN t ON t.idempotency_key = w.idempotency_key

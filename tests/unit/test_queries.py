@@ -1,0 +1,98 @@
+"""backhalf/queries.sql and its composition: every composed statement can be
+read whole in tests/unit/snapshots/, and the shared blocks stay shared.
+
+After a deliberate change to queries.sql, rewrite the snapshots with
+``SWITCHBOARD_UPDATE_SNAPSHOTS=1 pytest tests/unit/test_queries.py`` and review
+their diff: it is the change PostgreSQL will see.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from importlib.resources import files
+from pathlib import Path
+from typing import get_args
+
+import pytest
+
+from backhalf import queries
+from backhalf.records import Family
+from schema.tables import EVENT_FAMILIES
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UPDATE = os.environ.get("SWITCHBOARD_UPDATE_SNAPSHOTS") == "1"
+BLOCKS = queries.parse(files("backhalf").joinpath("queries.sql").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("name", sorted(queries.COMPOSED))
+def test_composed_statements_match_their_snapshots(name: str) -> None:
+    snapshot = SNAPSHOTS / f"{name}.sql"
+    if UPDATE:
+        snapshot.write_text(queries.COMPOSED[name], encoding="utf-8")
+    assert snapshot.read_text(encoding="utf-8") == queries.COMPOSED[name], (
+        f"{snapshot} is stale: set SWITCHBOARD_UPDATE_SNAPSHOTS=1 to rewrite it, then review its diff"
+    )
+
+
+def test_every_snapshot_is_of_a_composed_statement() -> None:
+    assert sorted(p.stem for p in SNAPSHOTS.glob("*.sql")) == sorted(queries.COMPOSED)
+
+
+def test_every_statement_that_creates_todos_embeds_the_one_definition() -> None:
+    block = BLOCKS["todos_create_cte"]
+    for name in ("store_native", "store_body", "create_todo"):
+        assert block.rstrip("\n") in queries.COMPOSED[name], name
+    assert "INSERT INTO todos" not in BLOCKS["store_rows_cte"] + BLOCKS["store_events_cte"]
+
+
+def test_the_two_inbox_inserts_differ_only_in_the_native_conflict_clause() -> None:
+    native = BLOCKS["store_inbox_native_cte"]
+    conflict = re.search(r"\n    ON CONFLICT .*?(?=\n    RETURNING)", native, re.DOTALL)
+    assert conflict is not None
+    assert native.replace(conflict[0], "") == BLOCKS["store_inbox_body_cte"]
+
+
+def test_the_store_writes_in_lock_order() -> None:
+    # todos, then events, then inbox rows, then the queue: see queries.sql.
+    for name in ("store_native", "store_body"):
+        text = queries.COMPOSED[name]
+        order = [
+            text.index(f"INSERT INTO {t} ") for t in ("todos", "todo_events", "events", "inbox", "ack_queue")
+        ]
+        assert order == sorted(order), name
+
+
+def test_no_family_or_trust_literal_is_left_in_the_events_insert() -> None:
+    events = BLOCKS["store_events_cte"]
+    assert "'queue'" not in events
+    assert "false" not in events.lower()
+    assert {"%(family)s", "%(trust_mode)s", "%(verified)s", "%(verify_detail)s"} <= set(
+        re.findall(r"%\(\w+\)s", events)
+    )
+
+
+def test_the_family_type_names_the_schemas_families() -> None:
+    assert get_args(Family) == EVENT_FAMILIES
+
+
+def test_comment_lines_are_not_sent_and_blocks_keep_their_sql() -> None:
+    parsed = queries.parse(
+        "-- header\n\n-- name: one\n-- why\nSELECT 1\n  -- inside\nFROM t\n\n"
+        "-- name: two_cte\nx AS (SELECT 2)\n"
+    )
+    assert parsed == {"one": "SELECT 1\nFROM t\n", "two_cte": "x AS (SELECT 2)\n"}
+    assert not [name for name, text in BLOCKS.items() if "--" in text]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("SELECT 1\n-- name: one\nSELECT 1\n", "SQL before the first"),
+        ("-- name: one\nSELECT 1\n-- name: one\nSELECT 2\n", "named twice"),
+        ("-- name: one\n-- only a comment\n", "without SQL: one"),
+    ],
+)
+def test_a_malformed_query_file_is_refused(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        queries.parse(text)
