@@ -1,16 +1,24 @@
 """Settings: one frozen object built at process start from the TOML file and
 the environment (DESIGN.md section 7), validated with messages that name the
-adapter and the key. Nothing here runs at import time."""
+adapter and the key. Nothing here runs at import time.
+
+Each setting is defined once, as an attribute of its dataclass: the type, the
+default and, for an adapter, an ``Annotated`` :class:`Key` with its bounds and
+the modes it applies to. The allowed keys, the checks and an adapter's public
+settings are all read from those definitions (see :func:`_adapter_settings`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 import socket
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
 from backhalf.body_schema import BodySchema, SchemaFileError
@@ -22,57 +30,165 @@ from ingest.errors import ConfigError
 DEFAULT_CONFIG_PATH = "switchboard.toml"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 MODES = ("stream", "list", "pubsub")
+STREAM = ("stream",)
+LIST = ("list",)
+PUBSUB = ("pubsub",)
 
 
 @dataclass(frozen=True, slots=True)
+class Key:
+    """How an :class:`AdapterConfig` attribute is read from an ``[[adapters]]``
+    table; its type and default are the rest of its definition.
+
+    Every key is accepted in every mode; ``modes`` says where it applies, and
+    so where it is published. ``parse`` replaces the check that follows from
+    the type (``int``: an integer within ``minimum`` and ``maximum``; ``str``: a
+    non-empty string), for keys whose values are a choice. ``rule`` runs after
+    the key, given or not, with the values read so far: a rule across keys."""
+
+    modes: tuple[str, ...] = MODES
+    minimum: int = 1
+    maximum: int | None = None
+    public: bool = True  # published in ``adapters.settings``
+    toml: str | None = None  # the key in the table, if not the attribute's name
+    parse: Callable[[str, Any], Any] | None = None
+    rule: Callable[[str, Mapping[str, Any]], None] | None = None
+
+
+class Derived:
+    """Marks an attribute that is no key: it is computed from other keys."""
+
+
+def _string(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: must be a non-empty string (got {value!r})")
+    return value
+
+
+def _positive_int(where: str, value: Any, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}: must be an integer >= {minimum} (got {value!r})")
+    return value
+
+
+def _number(where: str, value: Any, kind: type) -> Any:
+    """A positive number of the field's declared type: a ``float`` field takes
+    an integer or a fraction, an ``int`` field only an integer."""
+    allowed = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
+        noun = "number" if kind is float else "integer"
+        raise ConfigError(f"{where}: must be a positive {noun} (got {value!r})")
+    return value
+
+
+def _database_number(where: str, value: Any, kind: type) -> Any:
+    # A [database] integer's message has always named its minimum.
+    return _positive_int(where, value) if kind is int else _number(where, value, kind)
+
+
+def _mode(where: str, value: Any) -> str:
+    if value not in MODES:
+        raise ConfigError(f"{where} must be one of {', '.join(MODES)} (got {value!r})")
+    return str(value)
+
+
+def _delivery(where: str, value: Any) -> str:
+    if value not in ("at-least-once", "at-most-once"):
+        raise ConfigError(f'{where} must be "at-least-once" or "at-most-once" (got {value!r})')
+    return str(value)
+
+
+def _pubsub_is_at_most_once(label: str, values: Mapping[str, Any]) -> None:
+    if values["mode"] == "pubsub" and values["delivery"] != "at-most-once":
+        raise ConfigError(
+            f'{label}: key \'delivery\' must be "at-most-once" for mode = "pubsub": pub/sub has no '
+            "redelivery and loses messages published while the ingester is down"
+        )
+
+
+def _transport(where: str, value: Any) -> str:
+    if value != "redis":
+        raise ConfigError(f'{where} must be "redis" (got {value!r})')
+    return "redis"
+
+
+def _ack_after(where: str, value: Any) -> str:
+    if value not in ("store", "complete"):
+        raise ConfigError(f'{where} must be "store" or "complete" (got {value!r})')
+    if value == "complete":
+        raise ConfigError(f'{where} = "complete" needs the todo workers, which are not built yet')
+    return "store"
+
+
+def _format(where: str, value: Any) -> BodyFormat:
+    try:
+        return BodyFormat(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where} must be json, text or bytes (got {value!r})") from exc
+
+
+_START_ID = re.compile(r"\$|\d+(-\d+)?")
+
+
+def _start_id(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not _START_ID.fullmatch(value):
+        raise ConfigError(f"{where} must be '0', '$' or a stream id (got {value!r})")
+    return value
+
+
+def _redis_url(where: str, value: Any) -> str:
+    url = _string(where, value)
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL")
+    return url
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AdapterConfig:
-    name: str
-    mode: str
-    source: str
-    queue: str
-    redis_url: str
-    transport: str = "redis"
-    group: str = "switchboard"
+    """One ``[[adapters]]`` table. The attributes are declared in the order
+    their keys are checked: of several errors in a table, the first declared
+    is reported."""
+
+    name: Annotated[str, Key(public=False)]
+    mode: Annotated[str, Key(public=False, parse=_mode)] = "stream"  # its own column
+    delivery: Annotated[str | None, Key(PUBSUB, parse=_delivery, rule=_pubsub_is_at_most_once)] = None
+    transport: Annotated[str, Key(public=False, parse=_transport)] = "redis"  # its own column
+    ack_after: Annotated[Literal["store", "complete"], Key(parse=_ack_after)] = "store"
+    format: Annotated[BodyFormat, Key(parse=_format)] = BodyFormat.JSON
+    start_id: Annotated[str, Key(STREAM, parse=_start_id)] = "0"
+    group: Annotated[str, Key(STREAM)] = "switchboard"
     consumer: str = field(default_factory=socket.gethostname)
-    ack_after: Literal["store", "complete"] = "store"
-    batch_size: int = 500
-    block_ms: int = 1000
-    claim_idle_ms: int = 60_000
-    claim_interval_ms: int = 5_000
-    start_id: str = "0"
     key_prefix: str = DEFAULT_PREFIX
-    body_field: str = "body"
-    format: BodyFormat = BodyFormat.JSON
+    body_field: Annotated[str, Key(STREAM)] = "body"
+    batch_size: Annotated[int, Key(maximum=10_000)] = 500
+    block_ms: int = 1000
+    claim_idle_ms: Annotated[int, Key(STREAM)] = 60_000
+    claim_interval_ms: Annotated[int, Key(STREAM)] = 5_000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    delivery: str | None = None
-    max_deliveries: int = 10  # delivered this often and never stored: rejected as poison
-    heartbeat_ttl_ms: int = 30_000  # list mode: a consumer silent this long is dead
-    reap_interval_ms: int = 5_000  # list mode: how often dead consumers' lists are checked
-    # A JSON Schema file the decoded body must satisfy, else it is poison.
-    schema: str | None = None
-    body_schema: BodySchema | None = field(default=None, compare=False, repr=False)
+    # A consumer silent this long is dead.
+    heartbeat_ttl_ms: Annotated[int, Key(LIST, minimum=1000)] = 30_000
+    # Delivered this often and never stored: rejected as poison.
+    max_deliveries: Annotated[int, Key(minimum=3)] = 10
+    # How often dead consumers' lists are checked.
+    reap_interval_ms: Annotated[int, Key(LIST)] = 5_000
+    source: str
+    redis_url: Annotated[str, Key(public=False, toml="url", parse=_redis_url)]  # default: [redis] url
+    queue: str  # default: the name
+    # A JSON Schema file the decoded body must satisfy, else it is poison;
+    # relative to the config file's directory.
+    schema: Annotated[str | None, Key(parse=_string)] = None
+    body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
 
     def public_settings(self) -> dict[str, Any]:
-        """What goes into ``adapters.settings``: everything but the broker URL."""
-        return {
-            "source": self.source,
-            "queue": self.queue,
-            "group": self.group,
-            "consumer": self.consumer,
-            "ack_after": self.ack_after,
-            "batch_size": self.batch_size,
-            "block_ms": self.block_ms,
-            "claim_idle_ms": self.claim_idle_ms,
-            "start_id": self.start_id,
-            "key_prefix": self.key_prefix,
-            "body_field": self.body_field,
-            "format": str(self.format),
-            "max_message_bytes": self.max_message_bytes,
-            "max_deliveries": self.max_deliveries,
-            **({"schema": self.schema} if self.schema else {}),
-            **({"heartbeat_ttl_ms": self.heartbeat_ttl_ms} if self.mode == "list" else {}),
-            **({"delivery": self.delivery} if self.mode == "pubsub" else {}),
-        }
+        """What goes into ``adapters.settings``: the settings that apply to
+        this adapter's mode, never the broker URL; an unset ``schema`` is left
+        out."""
+        public: dict[str, Any] = {}
+        for s in _adapter_settings():
+            value = getattr(self, s.attr)
+            if s.key.public and self.mode in s.key.modes and value is not None:
+                public[s.name] = value.value if isinstance(value, Enum) else value
+        return public
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,26 +232,68 @@ class Settings:
         raise ConfigError(f"no adapter named {name!r} in the config")
 
 
-_ADAPTER_KEYS = {
-    "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after",
-    "batch_size", "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id",
-    "key_prefix", "body_field", "format", "max_message_bytes", "url", "delivery",
-    "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries", "schema",
-}  # fmt: skip
-_START_ID = re.compile(r"\$|\d+(-\d+)?")
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    """One adapter key, as read from its attribute's definition."""
+
+    attr: str
+    name: str  # the key in the table
+    key: Key
+    default: Any  # dataclasses.MISSING: required, or made by a factory
+    required: bool
+    parse: Callable[[str, Any], Any]
+
+
+@functools.cache
+def _adapter_settings() -> tuple[_Setting, ...]:
+    hints = get_type_hints(AdapterConfig, include_extras=True)
+    settings = []
+    for f in dataclasses.fields(AdapterConfig):
+        hint = hints[f.name]
+        extras = get_args(hint)[1:] if get_origin(hint) is Annotated else ()
+        if any(isinstance(e, Derived) for e in extras):
+            continue
+        key = next((e for e in extras if isinstance(e, Key)), Key())
+        settings.append(
+            _Setting(
+                attr=f.name,
+                name=key.toml or f.name,
+                key=key,
+                default=f.default,
+                required=f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                parse=key.parse or _parser(f.name, get_args(hint)[0] if extras else hint, key),
+            )
+        )
+    return tuple(settings)
+
+
+def _parser(attr: str, kind: Any, key: Key) -> Callable[[str, Any], Any]:
+    """The check that follows from an adapter attribute's type."""
+    if kind is str:
+        return _string
+    if kind is int:
+
+        def integer(where: str, value: Any) -> int:
+            number = _positive_int(where, value, minimum=key.minimum)
+            if key.maximum is not None and number > key.maximum:
+                raise ConfigError(f"{where} must be at most {key.maximum}")
+            return number
+
+        return integer
+    raise TypeError(f"AdapterConfig.{attr}: no check for type {kind!r}: give its Key a parse")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """Each field of a settings dataclass, with its declared type."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
 _TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics"}
-
-
-def _positive_int(where: str, value: Any, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}: must be an integer >= {minimum} (got {value!r})")
-    return value
-
-
-def _string(where: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: must be a non-empty string (got {value!r})")
-    return value
+# DatabaseSettings fields that no [database] key sets: every other field is a
+# key. These two never were, and making them keys would change what loads.
+_DATABASE_FIXED = frozenset({"connect_timeout_s", "pool_checkout_timeout_s"})
 
 
 def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
@@ -151,14 +309,12 @@ def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return value
 
 
-def _body_schema(
-    label: str, raw: Mapping[str, Any], body_format: BodyFormat, base_dir: Path
-) -> dict[str, Any]:
+def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
     """``schema``: a JSON Schema file, relative to the config file's directory."""
-    if "schema" not in raw:
+    if values["schema"] is None:
         return {}
-    path = Path(_string(f"{label}: key 'schema'", raw["schema"]))
-    if body_format is BodyFormat.BYTES:
+    path = Path(values["schema"])
+    if values["format"] is BodyFormat.BYTES:
         raise ConfigError(f"{label}: key 'schema' cannot apply to format = \"bytes\" (nothing is decoded)")
     path = path if path.is_absolute() else base_dir / path
     try:
@@ -172,87 +328,28 @@ def _adapter(index: int, raw: Any, default_redis_url: str, base_dir: Path) -> Ad
         raise ConfigError(f"adapters[{index}]: must be a table")
     name = raw.get("name")
     label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{index}]"
-    _check_keys(label, raw, _ADAPTER_KEYS)
-    name = _string(f"{label}: key 'name'", name)
-    mode = raw.get("mode", "stream")
-    if mode not in MODES:
-        raise ConfigError(f"{label}: key 'mode' must be one of {', '.join(MODES)} (got {mode!r})")
-    if raw.get("delivery", "at-least-once") not in ("at-least-once", "at-most-once"):
-        raise ConfigError(
-            f'{label}: key \'delivery\' must be "at-least-once" or "at-most-once" (got {raw["delivery"]!r})'
-        )
-    if mode == "pubsub" and raw.get("delivery") != "at-most-once":
-        raise ConfigError(
-            f'{label}: key \'delivery\' must be "at-most-once" for mode = "pubsub": pub/sub has no '
-            "redelivery and loses messages published while the ingester is down"
-        )
-    transport = raw.get("transport", "redis")
-    if transport != "redis":
-        raise ConfigError(f"{label}: key 'transport' must be \"redis\" (got {transport!r})")
-    ack_after = raw.get("ack_after", "store")
-    if ack_after not in ("store", "complete"):
-        raise ConfigError(f'{label}: key \'ack_after\' must be "store" or "complete" (got {ack_after!r})')
-    if ack_after == "complete":
-        raise ConfigError(
-            f"{label}: key 'ack_after' = \"complete\" needs the todo workers, which are not built yet"
-        )
-    fmt = raw.get("format", "json")
-    try:
-        body_format = BodyFormat(fmt)
-    except ValueError as exc:
-        raise ConfigError(f"{label}: key 'format' must be json, text or bytes (got {fmt!r})") from exc
-    start_id = raw.get("start_id", "0")
-    if not isinstance(start_id, str) or not _START_ID.fullmatch(start_id):
-        raise ConfigError(f"{label}: key 'start_id' must be '0', '$' or a stream id (got {start_id!r})")
-    options: dict[str, Any] = {}
-    for key in ("group", "consumer", "key_prefix", "body_field"):
-        if key in raw:
-            options[key] = _string(f"{label}: key {key!r}", raw[key])
-    for key, minimum in (
-        ("batch_size", 1),
-        ("block_ms", 1),
-        ("claim_idle_ms", 1),
-        ("claim_interval_ms", 1),
-        ("max_message_bytes", 1),
-        ("heartbeat_ttl_ms", 1000),
-        ("max_deliveries", 3),
-        ("reap_interval_ms", 1),
-    ):
-        if key in raw:
-            options[key] = _positive_int(f"{label}: key {key!r}", raw[key], minimum=minimum)
-    if options.get("batch_size", 1) > 10_000:
-        raise ConfigError(f"{label}: key 'batch_size' must be at most 10000")
-    source = _string(f"{label}: key 'source'", raw.get("source"))
-    redis_url = _string(f"{label}: key 'url'", raw.get("url", default_redis_url))
-    if urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"{label}: key 'url' must be a redis://, rediss:// or unix:// URL")
-    return AdapterConfig(
-        name=name,
-        mode=mode,
-        source=source,
-        queue=_string(f"{label}: key 'queue'", raw.get("queue", name)),
-        redis_url=redis_url,
-        transport=transport,
-        ack_after=ack_after,
-        start_id=start_id,
-        format=body_format,
-        delivery=raw.get("delivery"),
-        **_body_schema(label, raw, body_format, base_dir),
-        **options,
-    )
+    settings = _adapter_settings()
+    _check_keys(label, raw, {s.name for s in settings})
+    table = {"url": default_redis_url, "queue": name, **raw}  # the defaults that depend on the rest
+    values: dict[str, Any] = {}
+    for s in settings:
+        if s.name in table:
+            values[s.attr] = s.parse(f"{label}: key {s.name!r}", table[s.name])
+        elif s.required:  # refused, with what was expected
+            values[s.attr] = s.parse(f"{label}: key {s.name!r}", None)
+        elif s.default is not dataclasses.MISSING:
+            values[s.attr] = s.default
+        if s.key.rule is not None:
+            s.key.rule(label, values)
+    return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
 
 
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None = None) -> Settings:
     """``base_dir`` anchors relative paths (the config file's directory)."""
     _check_keys("config", raw, _TOP_KEYS)
     db = _section(raw, "database")
-    db_numbers = (
-        "statement_timeout_ms",
-        "lock_timeout_ms",
-        "pool_size",
-        "tcp_user_timeout_ms",
-        "transaction_deadline_ms",
-    )
+    db_types = _field_types(DatabaseSettings)
+    db_numbers = [k for k in db_types if k != "url" and k not in _DATABASE_FIXED]
     _check_keys("[database]", db, {"url", *db_numbers})
     db_url = env.get("SWITCHBOARD_DATABASE_URL") or db.get("url")
     if not db_url:
@@ -265,7 +362,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         raise ConfigError(f"[database]: key 'url' is not a database URL ({type(exc).__name__})") from exc
     database = DatabaseSettings(
         url=db_url,
-        **{k: _positive_int(f"[database]: key {k!r}", db[k]) for k in db_numbers if k in db},
+        **{k: _database_number(f"[database]: key {k!r}", db[k], db_types[k]) for k in db_numbers if k in db},
     )
     if database.transaction_deadline_ms <= database.statement_timeout_ms:
         # Else a statement the server would let finish is cut off client-side,
@@ -287,9 +384,11 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         if names.count(n) > 1:
             raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
     ingest_raw = _section(raw, "ingest")
-    _check_keys("[ingest]", ingest_raw, set(IngestSettings.__dataclass_fields__))
+    ingest_types = _field_types(IngestSettings)
+    _check_keys("[ingest]", ingest_raw, set(ingest_types))
     acker_raw = _section(raw, "acker")
-    _check_keys("[acker]", acker_raw, set(AckerSettings.__dataclass_fields__))
+    acker_types = _field_types(AckerSettings)
+    _check_keys("[acker]", acker_raw, set(acker_types))
     queues = _section(raw, "queues")
     for qname, q in queues.items():
         if not isinstance(q, Mapping):
@@ -303,20 +402,15 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     return Settings(
         database=database,
         adapters=adapters,
-        ingest=IngestSettings(**{k: _number(f"[ingest]: key {k!r}", v) for k, v in ingest_raw.items()}),
-        acker=AckerSettings(**{k: _number(f"[acker]: key {k!r}", v) for k, v in acker_raw.items()}),
+        ingest=IngestSettings(
+            **{k: _number(f"[ingest]: key {k!r}", v, ingest_types[k]) for k, v in ingest_raw.items()}
+        ),
+        acker=AckerSettings(
+            **{k: _number(f"[acker]: key {k!r}", v, acker_types[k]) for k, v in acker_raw.items()}
+        ),
         queues=dict(queues),
         metrics_port=port,
     )
-
-
-def _number(where: str, value: Any) -> Any:
-    # Durations in seconds (``_s``) may be fractional; counts and ``_ms`` may not.
-    allowed = int | float if where.endswith("_s'") else int
-    if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
-        kind = "number" if allowed is not int else "integer"
-        raise ConfigError(f"{where}: must be a positive {kind} (got {value!r})")
-    return value
 
 
 def load(path: str | Path, env: Mapping[str, str]) -> Settings:

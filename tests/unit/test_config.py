@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ingest import config
 from ingest.config import from_mapping, load
 from ingest.errors import ConfigError
 
@@ -143,3 +146,112 @@ def test_the_shipped_example_config_loads() -> None:
         ("jobs", "list"),
         ("notifications", "pubsub"),
     ]
+
+
+COMMON_PUBLIC = {
+    "source", "queue", "consumer", "ack_after", "batch_size", "block_ms", "key_prefix", "format",
+    "max_message_bytes", "max_deliveries",
+}  # fmt: skip
+EVERY_KEY = {
+    "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after", "batch_size",
+    "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id", "key_prefix", "body_field", "format",
+    "max_message_bytes", "url", "delivery", "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
+    "schema",
+}  # fmt: skip
+
+
+def test_a_stream_adapter_publishes_its_claim_interval() -> None:
+    s = from_mapping({"database": DB, "adapters": [adapter(claim_interval_ms=750)]}, {})
+    public = s.adapters[0].public_settings()
+    assert public["claim_interval_ms"] == 750
+    stream_only = {"group", "claim_idle_ms", "claim_interval_ms", "start_id", "body_field"}
+    assert set(public) == COMMON_PUBLIC | stream_only
+
+
+def test_a_list_adapter_publishes_its_reap_interval_and_nothing_of_streams() -> None:
+    raw = adapter(mode="list", group="g", reap_interval_ms=250)
+    public = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters[0].public_settings()
+    assert (public["reap_interval_ms"], public["heartbeat_ttl_ms"]) == (250, 30_000)
+    assert set(public) == COMMON_PUBLIC | {"heartbeat_ttl_ms", "reap_interval_ms"}
+
+
+def test_a_pubsub_adapter_publishes_its_delivery_and_never_the_url() -> None:
+    raw = adapter(mode="pubsub", delivery="at-most-once", url="redis://:secret@cache:6379/0")
+    public = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters[0].public_settings()
+    assert public["delivery"] == "at-most-once"
+    assert set(public) == COMMON_PUBLIC | {"delivery"}
+    assert "secret" not in json.dumps(public)  # and it is plain JSON for adapters.settings
+    assert public["format"] == "json"
+
+
+@pytest.mark.parametrize("mode", ["stream", "list", "pubsub"])
+def test_every_key_is_accepted_in_every_mode(mode: str, tmp_path: Path) -> None:
+    (tmp_path / "s.json").write_text('{"type": "object"}')
+    raw = adapter(
+        mode=mode, transport="redis", group="g", consumer="c", ack_after="store", batch_size=10_000,
+        block_ms=1, claim_idle_ms=1, claim_interval_ms=1, start_id="$", key_prefix="p", body_field="b",
+        format="text", max_message_bytes=1, url="unix:///tmp/r.sock", delivery="at-most-once",
+        heartbeat_ttl_ms=1000, reap_interval_ms=1, max_deliveries=3, schema="s.json",
+    )  # fmt: skip
+    assert set(raw) == EVERY_KEY
+    a = from_mapping({"database": DB, "adapters": [raw]}, {}, tmp_path).adapters[0]
+    assert (a.mode, a.group, a.heartbeat_ttl_ms, a.delivery, a.redis_url) == (
+        mode, "g", 1000, "at-most-once", "unix:///tmp/r.sock",
+    )  # fmt: skip
+    assert a.body_schema is not None
+
+
+def test_the_unknown_key_message_lists_every_allowed_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "adapters": [adapter(bogus=1)]}, {})
+    allowed = ", ".join(sorted(EVERY_KEY))
+    assert str(info.value) == f"adapter 'orders': unknown key 'bogus' (allowed: {allowed})"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"adapters": [adapter(batch_size=0)]},
+         "adapter 'orders': key 'batch_size': must be an integer >= 1 (got 0)"),
+        ({"adapters": [adapter(batch_size=10_001)]},
+         "adapter 'orders': key 'batch_size' must be at most 10000"),
+        ({"adapters": [adapter(block_ms=2.5)]},
+         "adapter 'orders': key 'block_ms': must be an integer >= 1 (got 2.5)"),
+        ({"adapters": [adapter(heartbeat_ttl_ms=999)]},
+         "adapter 'orders': key 'heartbeat_ttl_ms': must be an integer >= 1000 (got 999)"),
+        ({"adapters": [adapter(max_deliveries=2)]},
+         "adapter 'orders': key 'max_deliveries': must be an integer >= 3 (got 2)"),
+        ({"adapters": [adapter(group="")]},
+         "adapter 'orders': key 'group': must be a non-empty string (got '')"),
+        ({"adapters": [adapter(transport="nats")]},
+         "adapter 'orders': key 'transport' must be \"redis\" (got 'nats')"),
+        ({"ingest": {"shutdown_timeout_s": 0}},
+         "[ingest]: key 'shutdown_timeout_s': must be a positive number (got 0)"),
+        ({"ingest": {"enabled_refresh_ms": 2.5}},
+         "[ingest]: key 'enabled_refresh_ms': must be a positive integer (got 2.5)"),
+        ({"acker": {"shutdown_timeout_s": True}},
+         "[acker]: key 'shutdown_timeout_s': must be a positive number (got True)"),
+        ({"database": {**DB, "pool_size": 2.5}},
+         "[database]: key 'pool_size': must be an integer >= 1 (got 2.5)"),
+    ],
+)  # fmt: skip
+def test_messages_are_word_for_word(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, **raw}, {})
+    assert str(info.value) == message
+
+
+@dataclass(frozen=True)
+class Section:
+    grace_s: int = 1  # named like seconds, declared whole
+    ratio: float = 0.5  # named like a count, declared fractional
+
+
+def test_whether_a_number_may_be_fractional_comes_from_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "IngestSettings", Section)
+    assert from_mapping({"database": DB, "ingest": {"ratio": 2.5}}, {}).ingest == Section(ratio=2.5)
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "ingest": {"grace_s": 2.5}}, {})
+    assert str(info.value) == "[ingest]: key 'grace_s': must be a positive integer (got 2.5)"
+    acker = from_mapping({"database": DB, "acker": {"shutdown_timeout_s": 2.5}}, {}).acker
+    assert acker.shutdown_timeout_s == 2.5
