@@ -22,13 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import redis
@@ -37,14 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backhalf import migrate  # noqa: E402
-from ingest.embedded.servers import PostgresServer, RedisServer  # noqa: E402
+from backhalf.db import libpq_url  # noqa: E402
+from ingest.embedded import config  # noqa: E402
+from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready  # noqa: E402
+from ingest.embedded.servers import PostgresServer, embedded_servers  # noqa: E402
 
 STREAM = "bench"
 GROUP = "switchboard"
-
-
-def libpq(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+POLL_S = 0.01  # how often a wait looks: the throughput clock stops when one returns
 
 
 def body(i: int) -> bytes:
@@ -56,20 +52,12 @@ def fresh_db(pg: PostgresServer, name: str) -> str:
     no dirty buffers left over from the one before it to be flushed meanwhile."""
     url = pg.create_database(name)
     migrate.upgrade(url)
-    with psycopg.connect(libpq(url), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         conn.execute(
             "INSERT INTO adapters (name, transport, mode, enabled) VALUES ('bench', 'redis', 'stream', false)"
         )
         conn.execute("CHECKPOINT")
     return url
-
-
-def wait_until(what: str, predicate: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench: timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 # --- 1. the database's limit -------------------------------------------------------------
@@ -91,7 +79,7 @@ RAW_SQL = [
 def bench_raw(url: str, n: int, per_tx: int = 1000) -> float:
     bodies = [body(i) for i in range(n)]
     started = time.perf_counter()
-    with psycopg.connect(libpq(url)) as conn:
+    with psycopg.connect(libpq_url(url)) as conn:
         for start in range(0, n, per_tx):
             chunk = bodies[start : start + per_tx]
             keys = [f"raw:{i}" for i in range(start, start + len(chunk))]
@@ -119,7 +107,7 @@ def bench_naive(url: str, r: redis.Redis, n: int) -> float:
     preload(r, n)
     started = time.perf_counter()
     done = 0
-    with psycopg.connect(libpq(url)) as conn:
+    with psycopg.connect(libpq_url(url)) as conn:
         while done < n:
             resp = r.xreadgroup(GROUP, "naive", {STREAM: ">"}, count=1, block=1000)
             if not resp:
@@ -157,58 +145,37 @@ INGEST_OVERRIDES: dict[str, int] = {}
 
 
 def write_config(path: Path, db_url: str, redis_url: str, batch_size: int) -> Path:
-    overrides = "".join(f"{k} = {v}\n" for k, v in INGEST_OVERRIDES.items())
-    path.write_text(
-        f"""[database]
-url = "{db_url}"
-[[adapters]]
-name = "bench"
-mode = "stream"
-source = "{STREAM}"
-group = "{GROUP}"
-queue = "bench"
-batch_size = {batch_size}
-block_ms = 100
-url = "{redis_url}"
-[ingest]
-enabled_refresh_ms = 50
-{overrides}[acker]
-batch_size = {batch_size * 2}
-poll_interval_ms = 100
-"""
+    adapter = {"name": "bench", "mode": "stream", "source": STREAM, "group": GROUP, "queue": "bench",
+               "batch_size": batch_size, "block_ms": 100, "url": redis_url}  # fmt: skip
+    return config.write_config(
+        path,
+        database_url=db_url,
+        adapters=[adapter],
+        ingest={"enabled_refresh_ms": 50, **INGEST_OVERRIDES},
+        acker={"batch_size": batch_size * 2, "poll_interval_ms": 100},
     )
-    return path
 
 
-class Proc:
-    def __init__(self, verb: str, config: Path, log: Path) -> None:
-        self.log = log
-        self._log_file = log.open("w")
-        argv = [sys.executable, "-m", "ingest", "--config", str(config), verb]
-        if verb == "ingest":
-            argv += ["--consumer", "bench-1"]
-        env = dict(os.environ)
-        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)  # noqa: S603
+def start(verb: str, config_path: Path, log: Path) -> SwitchboardProcess:
+    """A process as the bench has always run them: without -X dev, seeing the
+    caller's SWITCHBOARD_* variables."""
+    consumer = "bench-1" if verb == "ingest" else None
+    return SwitchboardProcess(verb, config_path, log, consumer=consumer, isolated=False)
 
-    def ready(self, event: str) -> bool:
-        return event in self.log.read_text()
 
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+def _status_mb(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
-    def peak_rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self._log_file.close()
+def rss_mb(proc: SwitchboardProcess) -> float:
+    return _status_mb(proc.pid, "VmRSS")
+
+
+def peak_rss_mb(proc: SwitchboardProcess) -> float:
+    return _status_mb(proc.pid, "VmHWM")
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -250,22 +217,24 @@ def stream_drained(r: redis.Redis) -> bool:
 
 
 def acked_count(url: str) -> int:
-    with psycopg.connect(libpq(url), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         row = conn.execute("SELECT count(*) FROM inbox WHERE ack_state = 'acked'").fetchone()
         return int(row[0]) if row else 0
 
 
 def set_enabled(url: str, enabled: bool) -> None:
-    with psycopg.connect(libpq(url), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         conn.execute("UPDATE adapters SET enabled = %s WHERE name = 'bench'", (enabled,))
 
 
-def start_pipeline(workdir: Path, url: str, redis_url: str, batch_size: int, run: str) -> tuple[Proc, Proc]:
-    config = write_config(workdir / f"{run}.toml", url, redis_url, batch_size)
-    acker = Proc("ack", config, workdir / f"{run}-acker.log")
-    ingester = Proc("ingest", config, workdir / f"{run}-ingester.log")
-    wait_until("the acker", lambda: acker.ready('"listening"'), 30)
-    wait_until("the ingester", lambda: ingester.ready('"poll_loop_started"'), 30)
+def start_pipeline(
+    workdir: Path, url: str, redis_url: str, batch_size: int, run: str
+) -> tuple[SwitchboardProcess, SwitchboardProcess]:
+    config_path = write_config(workdir / f"{run}.toml", url, redis_url, batch_size)
+    acker = start("ack", config_path, workdir / f"{run}-acker.log")
+    ingester = start("ingest", config_path, workdir / f"{run}-ingester.log")
+    wait_ready(acker)
+    wait_ready(ingester)
     return ingester, acker
 
 
@@ -275,19 +244,19 @@ def bench_switchboard(
     preload(r, n)
     ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, "throughput")
     try:
-        pids = {"ingester": ingester.proc.pid, "acker": acker.proc.pid, **servers}
+        pids = {"ingester": ingester.pid, "acker": acker.pid, **servers}
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
         set_enabled(url, True)
-        wait_until("every entry XACKed", lambda: stream_drained(r), 600)
+        wait_for(lambda: stream_drained(r), timeout_s=600, what="every entry XACKed", interval_s=POLL_S)
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
         # The marks commit just after their XACK; then everything must be there.
-        wait_until("every inbox row marked acked", lambda: acked_count(url) == n, 30)
-        rss = {"ingester": ingester.peak_rss_mb(), "acker": acker.peak_rss_mb()}
+        wait_for(lambda: acked_count(url) == n, timeout_s=30, what="every inbox row marked acked")
+        rss = {"ingester": peak_rss_mb(ingester), "acker": peak_rss_mb(acker)}
     finally:
-        ingester.stop()
-        acker.stop()
+        ingester.terminate()
+        acker.terminate()
     return n / elapsed, rss, cpu_us
 
 
@@ -312,14 +281,14 @@ def bench_backlog(
             if time.perf_counter() >= next_sample:
                 (group,) = r.xinfo_groups(STREAM)
                 drained = n - int(group["lag"] or 0)
-                samples.append((drained, ingester.rss_mb(), acker.rss_mb(), time.perf_counter()))
+                samples.append((drained, rss_mb(ingester), rss_mb(acker), time.perf_counter()))
                 next_sample += 0.5
             time.sleep(0.01)
         elapsed = time.perf_counter() - started
-        wait_until("every inbox row marked acked", lambda: acked_count(url) == n, 60)
+        wait_for(lambda: acked_count(url) == n, timeout_s=60, what="every inbox row marked acked")
     finally:
-        ingester.stop()
-        acker.stop()
+        ingester.terminate()
+        acker.terminate()
     return n / elapsed, samples
 
 
@@ -348,12 +317,12 @@ def bench_latency(
                     sent += 1
                 pipe.execute()
             time.sleep(tick_s)
-        wait_until("the latency run XACKed", lambda: stream_drained(r), 120)
-        wait_until("the latency run marked", lambda: acked_count(url) == sent, 30)
+        wait_for(lambda: stream_drained(r), timeout_s=120, what="the latency run XACKed", interval_s=POLL_S)
+        wait_for(lambda: acked_count(url) == sent, timeout_s=30, what="the latency run marked")
     finally:
-        ingester.stop()
-        acker.stop()
-    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        ingester.terminate()
+        acker.terminate()
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         rows = conn.execute(
             """SELECT extract(epoch FROM pg_xact_commit_timestamp(t.xmin)) - (t.payload->>'t')::float8,
                       extract(epoch FROM pg_xact_commit_timestamp(i.xmin)) - (t.payload->>'t')::float8
@@ -388,72 +357,73 @@ def main(argv: list[str] | None = None) -> int:
     naive_n = max(1000, n // 20)
     latency_s = 3.0 if args.quick else 10.0
 
-    base = Path(tempfile.mkdtemp(prefix="switchboard-bench-"))
-    base.chmod(0o755)
-    pg = PostgresServer.create(base / "pg")
-    with (pg.pgdata / "postgresql.conf").open("a") as conf:
-        # Sized like a small production server rather than the test suite's
-        # 16 MB: a million-message run must not measure cache thrashing.
-        conf.write("track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n")
-    rs = RedisServer.create(base / "redis", appendfsync="everysec")
-    try:
-        pg.start()
-        rs.start()
-        r = redis.Redis.from_url(rs.url)
-        if args.backlog:
-            small, _ = bench_backlog(base, fresh_db(pg, "small"), r, rs.url, 10_000, args.batch_size)
-            pg.drop_database("small")
-            large, samples = bench_backlog(
-                base, fresh_db(pg, "large"), r, rs.url, args.backlog, args.batch_size
-            )
-            print(f"bench: backlog of 10,000: {small:,.0f} msg/s; of {args.backlog:,}: {large:,.0f} msg/s")
-            print(f"  ratio large/small backlog       {large / small:>10.2f}x")
-            warm = [s for s in samples if s[0] >= args.backlog // 10] or samples
-            tenth = max(1, len(samples) // 10)
-            for label, part in (("first", samples[:tenth]), ("last", samples[-tenth:])):
-                rate = (part[-1][0] - part[0][0]) / max(part[-1][3] - part[0][3], 1e-9)
-                print(f"  drain rate over the {label} tenth of the run  {rate:>10,.0f} msg/s")
-            for name, col in (("ingester", 1), ("acker", 2)):
-                first, last, top = warm[0][col], warm[-1][col], max(s[col] for s in warm)
-                print(
-                    f"  {name} RSS after 10%: {first:.0f} MB, at the end: {last:.0f} MB,"
-                    f" max {top:.0f} MB ({(top / first - 1) * 100:+.1f}%)"
+    # Sized like a small production server rather than the test suite's
+    # 16 MB: a million-message run must not measure cache thrashing.
+    pg_conf = "track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n"
+    with embedded_servers(
+        "switchboard-bench-", appendfsync="everysec", postgres_conf=pg_conf, keep_base=args.keep_logs
+    ) as servers:
+        base, pg, rs = servers.base, servers.postgres, servers.redis
+        try:
+            r = redis.Redis.from_url(rs.url)
+            if args.backlog:
+                small, _ = bench_backlog(base, fresh_db(pg, "small"), r, rs.url, 10_000, args.batch_size)
+                pg.drop_database("small")
+                large, samples = bench_backlog(
+                    base, fresh_db(pg, "large"), r, rs.url, args.backlog, args.batch_size
                 )
-            return 0
-        print(f"bench: {os.cpu_count()} CPUs, {n} messages (naive: {naive_n}), batch {args.batch_size}")
-        raw = bench_raw(fresh_db(pg, "raw"), n)
-        # Each baseline's database goes once measured: left behind, its
-        # autovacuum (100k+ inserted rows) ran during the next measurement and
-        # was billed to it (PostgreSQL 30 -> 40 us per message at 300k).
-        pg.drop_database("raw")
-        print(f"  raw psycopg unnest, 1000/tx     {raw:>10,.0f} msg/s")
-        naive = bench_naive(fresh_db(pg, "naive"), r, naive_n)
-        pg.drop_database("naive")
-        print(f"  naive 1 msg/tx consumer         {naive:>10,.0f} msg/s")
-        servers = {"postgres": pg.pid, "redis": rs.pid}
-        sb, rss, cpu_us = bench_switchboard(base, fresh_db(pg, "sb"), r, rs.url, n, args.batch_size, servers)
-        pg.drop_database("sb")
-        print(f"  switchboard ingest + ack        {sb:>10,.0f} msg/s")
-        print(f"  ratio to raw                    {sb / raw:>10.2f}x")
-        print(f"  ratio to naive                  {sb / naive:>10.1f}x")
-        print(
-            f"  peak RSS                        ingester {rss['ingester']:.0f} MB,"
-            f" acker {rss['acker']:.0f} MB"
-        )
-        print("  CPU per message                 " + ", ".join(f"{k} {v:.0f} us" for k, v in cpu_us.items()))
-        latencies = bench_latency(base, fresh_db(pg, "lat"), r, rs.url, args.rate, latency_s, args.batch_size)
-        for name, values in latencies.items():
-            print(
-                f"  {name:<24} at {args.rate}/s  p50 {percentile(values, 50):6.1f} ms  "
-                f"p99 {percentile(values, 99):6.1f} ms  max {max(values):6.1f} ms  (n={len(values)})"
+                print(
+                    f"bench: backlog of 10,000: {small:,.0f} msg/s; of {args.backlog:,}: {large:,.0f} msg/s"
+                )
+                print(f"  ratio large/small backlog       {large / small:>10.2f}x")
+                warm = [s for s in samples if s[0] >= args.backlog // 10] or samples
+                tenth = max(1, len(samples) // 10)
+                for label, part in (("first", samples[:tenth]), ("last", samples[-tenth:])):
+                    rate = (part[-1][0] - part[0][0]) / max(part[-1][3] - part[0][3], 1e-9)
+                    print(f"  drain rate over the {label} tenth of the run  {rate:>10,.0f} msg/s")
+                for name, col in (("ingester", 1), ("acker", 2)):
+                    first, last, top = warm[0][col], warm[-1][col], max(s[col] for s in warm)
+                    print(
+                        f"  {name} RSS after 10%: {first:.0f} MB, at the end: {last:.0f} MB,"
+                        f" max {top:.0f} MB ({(top / first - 1) * 100:+.1f}%)"
+                    )
+                return 0
+            print(f"bench: {os.cpu_count()} CPUs, {n} messages (naive: {naive_n}), batch {args.batch_size}")
+            raw = bench_raw(fresh_db(pg, "raw"), n)
+            # Each baseline's database goes once measured: left behind, its
+            # autovacuum (100k+ inserted rows) ran during the next measurement and
+            # was billed to it (PostgreSQL 30 -> 40 us per message at 300k).
+            pg.drop_database("raw")
+            print(f"  raw psycopg unnest, 1000/tx     {raw:>10,.0f} msg/s")
+            naive = bench_naive(fresh_db(pg, "naive"), r, naive_n)
+            pg.drop_database("naive")
+            print(f"  naive 1 msg/tx consumer         {naive:>10,.0f} msg/s")
+            server_pids = {"postgres": pg.pid, "redis": rs.pid}
+            sb, rss, cpu_us = bench_switchboard(
+                base, fresh_db(pg, "sb"), r, rs.url, n, args.batch_size, server_pids
             )
-    finally:
-        pg.cleanup()
-        rs.cleanup()
-        if args.keep_logs:
-            print(f"bench: logs kept in {base}")
-        else:
-            shutil.rmtree(base, ignore_errors=True)
+            pg.drop_database("sb")
+            print(f"  switchboard ingest + ack        {sb:>10,.0f} msg/s")
+            print(f"  ratio to raw                    {sb / raw:>10.2f}x")
+            print(f"  ratio to naive                  {sb / naive:>10.1f}x")
+            print(
+                f"  peak RSS                        ingester {rss['ingester']:.0f} MB,"
+                f" acker {rss['acker']:.0f} MB"
+            )
+            print(
+                "  CPU per message                 " + ", ".join(f"{k} {v:.0f} us" for k, v in cpu_us.items())
+            )
+            latencies = bench_latency(
+                base, fresh_db(pg, "lat"), r, rs.url, args.rate, latency_s, args.batch_size
+            )
+            for name, values in latencies.items():
+                print(
+                    f"  {name:<24} at {args.rate}/s  p50 {percentile(values, 50):6.1f} ms  "
+                    f"p99 {percentile(values, 99):6.1f} ms  max {max(values):6.1f} ms  (n={len(values)})"
+                )
+        finally:
+            if args.keep_logs:
+                print(f"bench: logs kept in {base}")
     return 0
 
 

@@ -36,12 +36,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench  # noqa: E402
 
-from backhalf import sql  # noqa: E402
-from ingest.embedded.servers import PostgresServer, RedisServer  # noqa: E402
+from backhalf import queries  # noqa: E402
+from backhalf.db import libpq_url  # noqa: E402
+from ingest.embedded.processes import wait_for, wait_ready  # noqa: E402
+from ingest.embedded.servers import embedded_servers  # noqa: E402
 
 TABLES = ("inbox", "events", "todos", "todo_events", "ack_queue")
 
-# The read-only part of the acker's claim (backhalf.sql.CLAIM_ACKS).
+# The read-only part of the acker's claim (backhalf.queries.CLAIM_ACKS).
 CLAIM_SELECT = """
 SELECT q.inbox_id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
 WHERE q.adapter = ANY(ARRAY['bench'])
@@ -87,14 +89,14 @@ def snapshot(conn: psycopg.Connection[Any]) -> dict[str, Any]:
 
 def explain_claim(conn: psycopg.Connection[Any]) -> str:
     with conn.transaction():
-        conn.execute(sql.CLAIM_PLAN)
+        conn.execute(queries.CLAIM_PLAN)
         rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) " + CLAIM_SELECT).fetchall()
     out = "\n".join(r[0] for r in rows)
     # The store's known-keys read, for 2000 keys that are not stored yet
     # (the common case) next to the newest stored ones.
     keys = [k for (k,) in conn.execute("SELECT idempotency_key FROM inbox ORDER BY id DESC LIMIT 2000")]
     rows = conn.execute(
-        "EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) " + sql.EXISTING_NATIVE,
+        "EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) " + queries.EXISTING_NATIVE,
         {"adapter": "bench", "keys": [k + "x" for k in keys]},
     ).fetchall()
     plan = [r[0] for r in rows if "::text[]" not in r[0]]  # leave out the 2000 keys
@@ -169,32 +171,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     n = args.messages
 
-    base = Path(tempfile.mkdtemp(prefix="switchboard-probe-"))
-    base.chmod(0o755)
-    pg = PostgresServer.create(base / "pg")
-    with (pg.pgdata / "postgresql.conf").open("a") as conf:
-        conf.write("track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n")
-        conf.write("log_checkpoints = on\nlog_autovacuum_min_duration = 0\n")
-        conf.write("log_line_prefix = '%m [%p] %a '\n")
-        if not args.no_statement_log:
-            conf.write("log_min_duration_statement = 0\nlog_parameter_max_length = 0\n")
-        for line in args.pg_conf:
-            conf.write(line + "\n")
-    rs = RedisServer.create(base / "redis", appendfsync="everysec")
-    try:
-        pg.start()
-        rs.start()
+    pg_conf = "track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n"
+    pg_conf += "log_checkpoints = on\nlog_autovacuum_min_duration = 0\n"
+    pg_conf += "log_line_prefix = '%m [%p] %a '\n"
+    if not args.no_statement_log:
+        pg_conf += "log_min_duration_statement = 0\nlog_parameter_max_length = 0\n"
+    pg_conf += "".join(line + "\n" for line in args.pg_conf)
+    with embedded_servers("switchboard-probe-", appendfsync="everysec", postgres_conf=pg_conf) as servers:
+        base, pg, rs = servers.base, servers.postgres, servers.redis
         r = redis.Redis.from_url(rs.url)
         url = bench.fresh_db(pg, "probe")
         bench.preload(r, n)
         config = bench.write_config(base / "probe.toml", url, rs.url, args.batch_size)
-        acker = None if args.no_acker else bench.Proc("ack", config, base / "acker.log")
-        ingester = bench.Proc("ingest", config, base / "ingester.log")
+        acker = None if args.no_acker else bench.start("ack", config, base / "acker.log")
+        ingester = bench.start("ingest", config, base / "ingester.log")
         if acker:
-            bench.wait_until("the acker", lambda: acker.ready('"listening"'), 30)
-        bench.wait_until("the ingester", lambda: ingester.ready('"poll_loop_started"'), 30)
+            wait_ready(acker)
+        wait_ready(ingester)
 
-        mon = psycopg.connect(bench.libpq(url), autocommit=True)
+        mon = psycopg.connect(libpq_url(url), autocommit=True)
         mon.execute("SET application_name = 'probe'")
         snaps = [snapshot(mon)]
         explains: list[tuple[int, str]] = []
@@ -208,11 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         def done() -> bool:
             (group,) = r.xinfo_groups(bench.STREAM)
             if args.no_acker:
-                return group["lag"] == 0 and ingester.ready("batch_stored") and _stored_all()
+                return group["lag"] == 0 and "batch_stored" in ingester.raw_log() and _stored_all()
             return group["lag"] == 0 and group["pending"] == 0
 
         def _stored_all() -> bool:
-            lines = [ln for ln in ingester.log.read_text().splitlines() if "batch_stored" in ln]
+            lines = [ln for ln in ingester.raw_log().splitlines() if "batch_stored" in ln]
             return sum(json.loads(ln)["messages"] for ln in lines) >= n
 
         while not done():
@@ -233,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         samples.append((time.perf_counter(), n))
         snaps.append(snapshot(mon))
         if not args.no_acker:
-            bench.wait_until("every inbox row marked acked", lambda: bench.acked_count(url) == n, 60)
+            wait_for(lambda: bench.acked_count(url) == n, timeout_s=60, what="every inbox row marked acked")
         explains.append((n, explain_claim(mon)))
         mon.execute("ANALYZE inbox")
         explains.append((-n, explain_claim(mon)))  # negative: after ANALYZE
-        ingester.stop()
+        ingester.terminate()
         if acker:
-            acker.stop()
+            acker.terminate()
 
         print(
             f"probe: {n:,} messages in {elapsed:.1f} s = {n / elapsed:,.0f} msg/s"
@@ -249,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = samples[0][0]
         print("tenth  drain msg/s   store_ms mean (ingester batch_stored)")
         stores = []
-        for ln in ingester.log.read_text().splitlines():
+        for ln in ingester.raw_log().splitlines():
             if "batch_stored" in ln:
                 d = json.loads(ln)
                 stores.append((d["timestamp"], d["messages"], d["store_ms"]))
@@ -310,10 +305,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps({"snaps": snaps, "samples": samples}, default=str))
         shutil.copy(pg.log_path, Path(tempfile.gettempdir()) / "probe-postgres.log")
-    finally:
-        pg.cleanup()
-        rs.cleanup()
-        shutil.rmtree(base, ignore_errors=True)
     return 0
 
 

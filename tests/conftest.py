@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from backhalf import migrate
-from ingest.embedded.servers import PostgresServer, RedisServer
+from ingest.embedded.servers import PostgresServer, RedisServer, temp_base
 from tests.support import db
 from tests.support.config import stream_adapter, write_config
-from tests.support.servers import ServerUrls, shared_servers, temp_base
+from tests.support.servers import ServerUrls, shared_servers
 
 
 @pytest.fixture(scope="session")

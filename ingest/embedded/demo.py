@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import psycopg
 import redis
 
 from backhalf import migrate
-from ingest.embedded.servers import PostgresServer, RedisServer
+from backhalf.db import libpq_url
+from ingest.embedded.config import write_config
+from ingest.embedded.processes import Processes, wait_for
+from ingest.embedded.servers import embedded_servers
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 
 STREAM = "orders"
@@ -49,111 +47,50 @@ FROM audit_message_trail WHERE idempotency_key = %(key)s
 """
 
 
-def _libpq(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
 def _scalar(db: psycopg.Connection[Any], query: str) -> int:
     row = db.execute(query).fetchone()
     return int(row[0]) if row else 0
 
 
-class _Process:
-    """A switchboard subprocess with its log file, always waited for."""
-
-    def __init__(self, verb: str, config: Path, log_dir: Path, name: str) -> None:
-        self.name = name
-        self._log: TextIO = (log_dir / f"{name}.log").open("a")
-        self.proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            [sys.executable, "-m", "ingest", "--config", str(config), verb, "--consumer", name]
-            if verb == "ingest"
-            else [sys.executable, "-m", "ingest", "--config", str(config), verb],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=PROCESS_STOP_TIMEOUT_S)
-        self._log.close()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=PROCESS_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(timeout=PROCESS_STOP_TIMEOUT_S)
-        self._log.close()
-        return code
-
-
-def _wait_until(what: str, predicate: Any, timeout_s: float = WAIT_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"demo: timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
-
-
 def _write_config(path: Path, db_url: str, redis_url: str) -> None:
-    path.write_text(
-        f"""[database]
-url = "{db_url}"
-
-[redis]
-url = "{redis_url}"
-
-[[adapters]]
-name = "orders"
-transport = "redis"
-mode = "stream"
-source = "{STREAM}"
-group = "switchboard"
-queue = "orders"
-ack_after = "store"
-batch_size = 200
-block_ms = 200
-"""
-    )
+    adapter = {
+        "name": "orders",
+        "transport": "redis",
+        "mode": "stream",
+        "source": STREAM,
+        "group": "switchboard",
+        "queue": "orders",
+        "ack_after": "store",
+        "batch_size": 200,
+        "block_ms": 200,
+    }
+    write_config(path, database_url=db_url, redis_url=redis_url, adapters=[adapter])
 
 
 def run(messages: int = 5000) -> int:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the demo prints its own story
-    base = Path(tempfile.mkdtemp(prefix="switchboard-demo-"))
-    base.chmod(0o755)  # PostgreSQL runs as an unprivileged user when we are root
-    print(f"demo: working in {base}")
-    pg = PostgresServer.create(base / "pg")
-    rs = RedisServer.create(base / "redis")
-    processes: list[_Process] = []
-    try:
-        pg.start()
-        rs.start()
-        db_url = pg.create_database("switchboard")
-        print(f"demo: PostgreSQL on 127.0.0.1:{pg.port}, Valkey on 127.0.0.1:{rs.port}")
-        migrate.upgrade(db_url)
-        print("demo: migrated")
-        config = base / "switchboard.toml"
-        _write_config(config, db_url, rs.url)
-        return _drive(config, db_url, rs.url, base, messages, processes)
-    finally:
-        for p in processes:
-            if p.proc.poll() is None:
-                p.stop()
-        pg.cleanup()
-        rs.cleanup()
-        shutil.rmtree(base, ignore_errors=True)
+    with embedded_servers("switchboard-demo-") as servers:
+        base, pg, rs = servers.base, servers.postgres, servers.redis
+        print(f"demo: working in {base}")
+        # The demo's processes see the caller's SWITCHBOARD_* variables, as they always have.
+        processes = Processes(base, isolated=False)
+        try:
+            db_url = pg.create_database("switchboard")
+            print(f"demo: PostgreSQL on 127.0.0.1:{pg.port}, Valkey on 127.0.0.1:{rs.port}")
+            migrate.upgrade(db_url)
+            print("demo: migrated")
+            config = base / "switchboard.toml"
+            _write_config(config, db_url, rs.url)
+            return _drive(config, db_url, rs.url, messages, processes)
+        finally:
+            processes.stop_all(PROCESS_STOP_TIMEOUT_S)
 
 
-def _drive(
-    config: Path, db_url: str, redis_url: str, base: Path, messages: int, processes: list[_Process]
-) -> int:
+def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: Processes) -> int:
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
-    with psycopg.connect(_libpq(db_url), autocommit=True, connect_timeout=10) as db:
-        acker = _Process("ack", config, base, "acker")
-        ingester = _Process("ingest", config, base, "ingester-1")
-        processes += [acker, ingester]
+    with psycopg.connect(libpq_url(db_url), autocommit=True, connect_timeout=10) as db:
+        acker = processes.start("ack", config, name="acker")
+        ingester = processes.start("ingest", config, name="ingester-1")
         killed = False
         chunk = 100
         for start in range(0, messages, chunk):
@@ -164,7 +101,7 @@ def _drive(
             pipe.execute()
             time.sleep(0.02)
             if not killed and start >= messages // 3:
-                _wait_until("the first todos", lambda: _scalar(db, TODOS_SQL) > 0)
+                wait_for(lambda: _scalar(db, TODOS_SQL) > 0, timeout_s=WAIT_TIMEOUT_S, what="the first todos")
                 ingester.kill()
                 killed = True
                 pending = r.xpending(STREAM, "switchboard")["pending"]
@@ -172,13 +109,21 @@ def _drive(
                     f"demo: SIGKILLed the ingester mid-stream: {_scalar(db, TODOS_SQL)} todos committed, "
                     f"{pending} entries pending in Redis"
                 )
-                ingester = _Process("ingest", config, base, "ingester-1")
-                processes.append(ingester)
+                ingester = processes.start("ingest", config, name="ingester-1")
                 print("demo: restarted the ingester (same consumer name: it re-reads its own PEL)")
         print(f"demo: produced {messages} messages to stream {STREAM!r}")
-        _wait_until("every message acked", lambda: _scalar(db, ACKED_SQL) >= messages)
-        _wait_until("an empty PEL", lambda: r.xpending(STREAM, "switchboard")["pending"] == 0)
-        codes = {p.name: p.stop() for p in (ingester, acker)}
+        wait_for(
+            lambda: _scalar(db, ACKED_SQL) >= messages, timeout_s=WAIT_TIMEOUT_S, what="every message acked"
+        )
+        wait_for(
+            lambda: r.xpending(STREAM, "switchboard")["pending"] == 0,
+            timeout_s=WAIT_TIMEOUT_S,
+            what="an empty PEL",
+        )
+        codes = {
+            "ingester-1": ingester.stop(PROCESS_STOP_TIMEOUT_S),
+            "acker": acker.stop(PROCESS_STOP_TIMEOUT_S),
+        }
         row = db.execute(SUMMARY_SQL).fetchone()
         assert row is not None
         todos, distinct, inbox_rows, acked, redeliveries, events = row

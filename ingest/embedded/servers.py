@@ -14,7 +14,9 @@ run as the existing unprivileged user ``nobody`` (with no supplementary
 groups), the data directory is chowned to it, and the base directory we were
 handed is opened to 0o755 so ``nobody`` can reach the data directory. No
 other directory is widened, so the base directory must sit under a
-world-traversable path such as the one ``tempfile.mkdtemp()`` returns.
+world-traversable path such as the one ``tempfile.mkdtemp()`` returns
+(``temp_base``). ``embedded_servers`` is the one set-up of both servers for
+the demo, the test suite and the benchmarks.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -425,3 +430,43 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def temp_base(prefix: str) -> Path:
+    """A new temporary directory, open to 'nobody' (PostgreSQL's user under root)."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    base.chmod(0o755)
+    return base
+
+
+@dataclass(frozen=True)
+class EmbeddedServers:
+    base: Path  # the temporary directory; each server has its own folder in it
+    postgres: PostgresServer
+    redis: RedisServer
+
+
+@contextlib.contextmanager
+def embedded_servers(
+    prefix: str, *, appendfsync: str = "always", postgres_conf: str = "", keep_base: bool = False
+) -> Iterator[EmbeddedServers]:
+    """PostgreSQL (``base/pg``) and Valkey (``base/redis``) in a new ``temp_base``,
+    started; on exit both are stopped and their folders deleted, and the base
+    too unless ``keep_base``. ``postgres_conf`` is appended to postgresql.conf."""
+    base = temp_base(prefix)
+    try:
+        pg = PostgresServer.create(base / "pg")
+        if postgres_conf:
+            with (pg.pgdata / "postgresql.conf").open("a") as conf:
+                conf.write(postgres_conf)
+        rs = RedisServer.create(base / "redis", appendfsync=appendfsync)
+        try:
+            pg.start()
+            rs.start()
+            yield EmbeddedServers(base, pg, rs)
+        finally:
+            pg.cleanup()
+            rs.cleanup()
+    finally:
+        if not keep_base:
+            shutil.rmtree(base, ignore_errors=True)

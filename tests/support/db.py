@@ -11,12 +11,9 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from backhalf import migrate
+from backhalf.db import libpq_url as libpq  # the tests' short name for it
 
 TEMPLATE = "switchboard_template"
-
-
-def libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def with_database(url: str, name: str) -> str:
@@ -59,3 +56,8 @@ def query(url: str, statement: str, params: dict[str, Any] | None = None) -> lis
 def scalar(url: str, statement: str, params: dict[str, Any] | None = None) -> Any:
     rows = query(url, statement, params)
     return rows[0][0] if rows else None
+
+
+def acked(db_url: str) -> int:
+    """Inbox rows whose ack has been discharged."""
+    return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"))

@@ -7,7 +7,10 @@ import hashlib
 
 import redis
 
-from tests.support.db import query
+from ingest.embedded.processes import SwitchboardProcess, wait_for
+from tests.support.db import acked, query
+from tests.support.processes import assert_clean_exit
+from tests.support.streams import xpending
 
 
 def assert_exactly_once(
@@ -54,3 +57,20 @@ def assert_list_exactly_once(db_url: str, redis_url: str, *, source: str, bodies
         assert r.llen(source) == 0, "items left on the source list"
         leftovers = {k.decode(): r.llen(k) for k in r.scan_iter(match=f"{source}:processing:*")}
     assert all(n == 0 for n in leftovers.values()), f"items left on processing lists: {leftovers}"
+
+
+def wait_all_acked(
+    db_url: str, redis_url: str, expected: int, *, timeout_s: float, what: str, stream: str = "orders"
+) -> None:
+    """Until ``expected`` inbox rows are acked and the stream's PEL is empty."""
+    wait_for(
+        lambda: acked(db_url) == expected and xpending(redis_url, stream) == 0, timeout_s=timeout_s, what=what
+    )
+
+
+def assert_clean_end(db_url: str, redis_url: str, ids: list[str], *running: SwitchboardProcess) -> None:
+    """SIGTERM each process (it must exit 0, clean), then the exactly-once
+    oracle over the ``orders`` stream for the produced entry ids."""
+    for proc in running:
+        assert_clean_exit(proc, proc.terminate())
+    assert_exactly_once(db_url, redis_url, stream="orders", group="switchboard", produced_ids=ids)

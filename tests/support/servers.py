@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingest.embedded.servers import PostgresServer, RedisServer
+from ingest.embedded.servers import embedded_servers
 
 
 @dataclass(frozen=True)
@@ -28,12 +26,6 @@ class ServerUrls:
     database: str  # the maintenance database; tests get their own databases
     redis: str
     source: str
-
-
-def temp_base(prefix: str) -> Path:
-    base = Path(tempfile.mkdtemp(prefix=prefix))
-    base.chmod(0o755)  # PostgreSQL runs as 'nobody' when the suite runs as root
-    return base
 
 
 def _docker_answers() -> bool:
@@ -66,14 +58,5 @@ def shared_servers() -> Iterator[ServerUrls]:
             redis_host = f"redis://{rc.get_container_host_ip()}:{rc.get_exposed_port(6379)}/0"
             yield ServerUrls(pgc.get_connection_url(), redis_host, "testcontainers")
         return
-    base = temp_base("switchboard-test-")
-    pg = PostgresServer.create(base / "pg")
-    rs = RedisServer.create(base / "redis")
-    try:
-        pg.start()
-        rs.start()
-        yield ServerUrls(pg.url(), rs.url, "owned processes")
-    finally:
-        pg.cleanup()
-        rs.cleanup()
-        shutil.rmtree(base, ignore_errors=True)
+    with embedded_servers("switchboard-test-") as owned:
+        yield ServerUrls(owned.postgres.url(), owned.redis.url, "owned processes")

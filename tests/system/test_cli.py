@@ -3,35 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
+from ingest.embedded.processes import wait_for
 from tests.support import db
 from tests.support.config import stream_adapter
-from tests.support.procs import wait_for
+from tests.support.processes import Processes, assert_clean_exit, switchboard
 from tests.support.servers import ServerUrls
-from tests.system.conftest import Processes, assert_clean_exit, produce
+from tests.support.streams import produce
 
 pytestmark = pytest.mark.system
-
-
-def switchboard(
-    *args: str, env: dict[str, str] | None = None, timeout_s: float = 60
-) -> subprocess.CompletedProcess[str]:
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
-    return subprocess.run(
-        [sys.executable, "-X", "dev", "-W", "error", "-m", "ingest", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={**base_env, **(env or {})},
-    )
 
 
 def test_migrate_from_the_environment_alone(servers: ServerUrls, tmp_path: Path) -> None:

@@ -8,18 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from ingest.embedded.processes import SwitchboardProcess, wait_for
 from tests.support.config import stream_adapter
 from tests.support.db import query, scalar
-from tests.support.procs import SwitchboardProcess, wait_for
-from tests.system.conftest import (
-    Processes,
-    assert_clean_end,
-    assert_clean_exit,
-    entries_read,
-    produce,
-    wait_all_acked,
-    xpending,
-)
+from tests.support.oracle import assert_clean_end, wait_all_acked
+from tests.support.processes import Processes, assert_clean_exit
+from tests.support.streams import entries_read, produce, xpending
 
 pytestmark = pytest.mark.system
 STREAM = "orders"

@@ -12,19 +12,13 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from ingest.embedded.processes import wait_for
 from ingest.embedded.servers import RedisServer
 from tests.support.config import stream_adapter
 from tests.support.db import libpq, query, scalar
-from tests.support.oracle import assert_exactly_once
-from tests.support.procs import wait_for
-from tests.system.conftest import (
-    Processes,
-    assert_clean_end,
-    assert_clean_exit,
-    produce,
-    wait_all_acked,
-    xpending,
-)
+from tests.support.oracle import assert_clean_end, assert_exactly_once, wait_all_acked
+from tests.support.processes import Processes, assert_clean_exit
+from tests.support.streams import produce, xpending
 
 pytestmark = pytest.mark.system
 STREAM = "orders"

@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from ingest.adapters.redis.lists import processing_key
+from ingest.embedded.processes import wait_for
 from tests.support.db import scalar
 from tests.support.oracle import assert_list_exactly_once
-from tests.support.procs import wait_for
-from tests.system.conftest import Processes, assert_clean_exit
+from tests.support.processes import Processes, assert_clean_exit
 
 pytestmark = pytest.mark.system
 JOBS = "jobs"

@@ -17,23 +17,13 @@ import psycopg
 import pytest
 import redis
 
+from ingest.embedded.processes import wait_for, wait_ready
 from ingest.embedded.servers import PostgresServer
 from tests.support.config import stream_adapter, write_config
-from tests.support.db import libpq, query, scalar
-from tests.support.oracle import assert_exactly_once
-from tests.support.procs import wait_for
-from tests.system.conftest import (
-    Processes,
-    acked,
-    assert_clean_end,
-    assert_clean_exit,
-    produce,
-    wait_all_acked,
-    wait_ready,
-    with_secret_db,
-    with_secret_redis,
-    xpending,
-)
+from tests.support.db import acked, libpq, query, scalar
+from tests.support.oracle import assert_clean_end, assert_exactly_once, wait_all_acked
+from tests.support.processes import Processes, assert_clean_exit, with_secret_db, with_secret_redis
+from tests.support.streams import produce, xpending
 
 pytestmark = pytest.mark.system
 STREAM = "orders"

@@ -10,21 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from ingest.embedded.processes import SwitchboardProcess, wait_for
 from ingest.embedded.servers import RedisServer
 from tests.support.config import stream_adapter, write_config
-from tests.support.db import scalar
-from tests.support.oracle import assert_exactly_once
-from tests.support.procs import SwitchboardProcess, wait_for
+from tests.support.db import acked, scalar
+from tests.support.oracle import assert_clean_end, assert_exactly_once, wait_all_acked
+from tests.support.processes import Processes, assert_clean_exit, with_secret_db
 from tests.support.proxy import Proxy, proxy_to
-from tests.system.conftest import (
-    Processes,
-    acked,
-    assert_clean_end,
-    assert_clean_exit,
-    produce,
-    wait_all_acked,
-    with_secret_db,
-)
+from tests.support.streams import produce
 
 pytestmark = pytest.mark.system
 STREAM = "orders"

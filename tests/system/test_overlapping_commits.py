@@ -13,10 +13,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from ingest.embedded.processes import SwitchboardProcess, wait_for
 from tests.support.config import stream_adapter
 from tests.support.db import libpq, scalar
-from tests.support.procs import SwitchboardProcess, wait_for
-from tests.system.conftest import Processes, assert_clean_end, produce, wait_all_acked
+from tests.support.oracle import assert_clean_end, wait_all_acked
+from tests.support.processes import Processes
+from tests.support.streams import produce
 
 pytestmark = pytest.mark.system
 STREAM = "orders"

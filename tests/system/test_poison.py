@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from ingest.embedded.processes import SwitchboardProcess, wait_for
 from tests.support.config import stream_adapter
 from tests.support.db import query, scalar
-from tests.support.procs import SwitchboardProcess, wait_for
-from tests.system.conftest import Processes, assert_clean_exit, xpending
+from tests.support.processes import Processes, assert_clean_exit
+from tests.support.streams import xpending
 
 pytestmark = pytest.mark.system
 STREAM = "orders"

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from ingest.embedded.processes import SwitchboardProcess, wait_ready
 from tests.support.config import stream_adapter
-from tests.support.oracle import assert_exactly_once
-from tests.support.procs import SwitchboardProcess
-from tests.system.conftest import Processes, assert_clean_exit, produce, wait_all_acked, wait_ready
+from tests.support.oracle import assert_exactly_once, wait_all_acked
+from tests.support.processes import Processes, assert_clean_exit
+from tests.support.streams import produce
 
 pytestmark = pytest.mark.system
 STREAM = "orders"

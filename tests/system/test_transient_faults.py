@@ -22,17 +22,13 @@ import psycopg
 import pytest
 import redis
 
+from ingest.embedded.processes import SwitchboardProcess, wait_for
 from ingest.embedded.servers import RedisServer
 from tests.support.config import stream_adapter
-from tests.support.db import libpq, query, scalar
-from tests.support.procs import SwitchboardProcess, wait_for
-from tests.system.conftest import (
-    Processes,
-    acked,
-    assert_clean_end,
-    produce,
-    wait_all_acked,
-)
+from tests.support.db import acked, libpq, query, scalar
+from tests.support.oracle import assert_clean_end, wait_all_acked
+from tests.support.processes import Processes
+from tests.support.streams import produce
 
 pytestmark = pytest.mark.system
 STREAM = "orders"

@@ -1,0 +1,59 @@
+"""The suite's layer over the kit's process driver (``ingest.embedded.processes``):
+strict processes, the planted secret, and what a clean exit looks like."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ingest.embedded import processes
+from ingest.embedded.processes import SwitchboardProcess
+
+# Planted in every URL the processes get; it must never reach a log line.
+SECRET = "planted-s3cret-7731"
+
+
+def with_secret_db(url: str) -> str:
+    # PostgreSQL here uses trust auth, so the password is carried but unused.
+    return url.replace("postgres@", f"postgres:{SECRET}@", 1)
+
+
+def with_secret_redis(url: str) -> str:
+    # Valkey's default user is nopass: any password authenticates.
+    return url.replace("redis://", f"redis://default:{SECRET}@", 1)
+
+
+class Processes(processes.Processes):
+    """Starts switchboard processes for a test (with -X dev and warnings as
+    errors, no SWITCHBOARD_* variable of the caller's) and reaps every one."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path, strict=True)
+
+    def assert_no_secret_logged(self) -> None:
+        assert SECRET not in self.logs_text()
+
+
+def assert_clean_exit(proc: SwitchboardProcess, code: int) -> None:
+    """Exit 0 means no task or thread outlived the run (the CLI checks both);
+    -X dev and -W error make unclosed resources loud."""
+    text = proc.raw_log()
+    assert code == 0, f"exit {code}\n{text[-3000:]}"
+    for bad in ("Traceback", "Exception ignored", "ResourceWarning", "tasks_leaked", "threads_leaked"):
+        assert bad not in text, f"{bad!r} in {proc.log_path}:\n{text[-3000:]}"
+
+
+def switchboard(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """One CLI command, run to its end, strict, without the caller's SWITCHBOARD_* variables."""
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+    return subprocess.run(
+        [sys.executable, *processes.STRICT_FLAGS, "-m", "ingest", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**base_env, **(env or {})},
+    )
