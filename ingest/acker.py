@@ -17,27 +17,27 @@ from collections.abc import Mapping
 import psycopg
 import structlog
 from psycopg import sql as pgsql
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks, failpoints
-from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, DatabaseSettings, create_engine, within_deadline
-from backhalf.sql import ACK_CHANNEL
+from backhalf.db import (
+    DEFAULT_TRANSACTION_DEADLINE_MS,
+    DatabaseSettings,
+    create_engine,
+    libpq_url,
+    within_deadline,
+)
+from backhalf.queries import ACK_CHANNEL
 from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
-from ingest.errors import EXPECTED_FAILURES, failure_fields
-from ingest.lifecycle import Backoff, wait_either, wait_stop
+from ingest.lifecycle import Backoff, Retry, wait_either
 
 log = structlog.get_logger(__name__)
 
 # Without a notification for this long, prove the LISTEN connection is alive.
 LISTEN_PROBE_INTERVAL_S = 10.0
 LISTEN_PROBE_TIMEOUT_S = 5.0
-
-
-def _libpq_url(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 async def drain_adapter(
@@ -85,7 +85,10 @@ async def drain_loop(
     deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
 ) -> None:
     loop = asyncio.get_running_loop()
-    backoffs = {name: Backoff(settings.backoff_initial_ms, settings.backoff_max_ms) for name in acknowledgers}
+    retries = {
+        name: Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
+        for name in acknowledgers
+    }
     retry_at = dict.fromkeys(acknowledgers, 0.0)
     while not stop.is_set():
         wake.clear()  # set again by any NOTIFY that arrives while we drain
@@ -96,17 +99,9 @@ async def drain_loop(
             try:
                 drained = await drain_adapter(engine, adapter, acknowledger, settings.batch_size, deadline_ms)
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
-                delay_s = backoffs[adapter].next_delay_s()
-                retry_at[adapter] = loop.time() + delay_s
-                (log.warning if isinstance(exc, EXPECTED_FAILURES) else log.exception)(
-                    "ack_failed",
-                    adapter=adapter,
-                    **failure_fields(exc),
-                    attempt=backoffs[adapter].attempt,
-                    retry_in_s=round(delay_s, 3),
-                )
+                retry_at[adapter] = loop.time() + retries[adapter].failed("ack_failed", exc, adapter=adapter)
                 continue
-            backoffs[adapter].reset()
+            retries[adapter].succeeded()
             more_waiting |= drained >= settings.batch_size
         if not more_waiting:
             timeout_s = settings.poll_interval_ms / 1000
@@ -120,11 +115,17 @@ async def _listen_loop(
     database: DatabaseSettings, settings: AckerSettings, wake: asyncio.Event, stop: asyncio.Event
 ) -> None:
     """Turn NOTIFYs into ``wake``; reconnect with backoff; never the only path."""
-    backoff = Backoff(settings.backoff_initial_ms, settings.backoff_max_ms)
+    # LISTEN is an optimisation: whatever ends it is retried; the driver's and
+    # the network's errors are warnings, anything else a bug with its traceback.
+    retry = Retry(
+        Backoff(settings.backoff_initial_ms, settings.backoff_max_ms),
+        log,
+        expected=(psycopg.Error, TimeoutError, OSError),
+    )
     while not stop.is_set():
         try:
             async with await psycopg.AsyncConnection.connect(
-                _libpq_url(database.url),
+                libpq_url(database.url),
                 autocommit=True,
                 connect_timeout=database.connect_timeout_s,
                 keepalives=1,
@@ -137,7 +138,7 @@ async def _listen_loop(
                 async with asyncio.timeout(LISTEN_PROBE_TIMEOUT_S):
                     await conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(ACK_CHANNEL)))
                 log.info("listening", channel=ACK_CHANNEL)
-                backoff.reset()
+                retry.succeeded()
                 wake.set()  # anything committed before LISTEN took effect
                 while not stop.is_set():
                     async for _ in conn.notifies(timeout=LISTEN_PROBE_INTERVAL_S, stop_after=1):
@@ -145,13 +146,8 @@ async def _listen_loop(
                     async with asyncio.timeout(LISTEN_PROBE_TIMEOUT_S):
                         await conn.execute("SELECT 1")
         except Exception as exc:  # noqa: BLE001 - LISTEN is an optimisation; polling goes on
-            delay_s = backoff.next_delay_s()
-            expected = isinstance(exc, psycopg.Error | TimeoutError | OSError)
-            (log.warning if expected else log.exception)(
-                "listen_failed", error=exc, attempt=backoff.attempt, retry_in_s=round(delay_s, 3)
-            )
             wake.set()  # notifications may have been lost: poll now
-            await wait_stop(stop, delay_s)
+            await retry.back_off(stop, "listen_failed", exc)
 
 
 async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> None:

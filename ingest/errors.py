@@ -14,11 +14,14 @@ and mapped to these at the adapter boundary with ``raise ... from exc``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from backhalf.errors import BackhalfError
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
 
 
 class IngestError(Exception):
@@ -54,3 +57,19 @@ def failure_fields(exc: BaseException) -> dict[str, Any]:
         "error_type": type(exc).__name__,
         "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
     }
+
+
+def log_failure(
+    log: FilteringBoundLogger,
+    event: str,
+    exc: BaseException,
+    *,
+    expected: tuple[type[BaseException], ...] = EXPECTED_FAILURES,
+    **fields: Any,
+) -> None:
+    """Log a failure under ``event`` with :func:`failure_fields` and ``fields``:
+    a warning if it is ``expected``, else an error with its traceback (a bug)."""
+    if isinstance(exc, expected):
+        log.warning(event, **failure_fields(exc), **fields)
+    else:
+        log.exception(event, **failure_fields(exc), **fields, exc_info=exc)

@@ -21,7 +21,7 @@ from backhalf.errors import DeadlineExceeded
 from ingest.adapters.base import PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
-from ingest.lifecycle import Backoff, wait_stop
+from ingest.lifecycle import Backoff, Retry
 from ingest.poll import PollLoop
 
 log = structlog.get_logger(__name__)
@@ -30,19 +30,22 @@ log = structlog.get_logger(__name__)
 async def register_adapters(engine: AsyncEngine, settings: Settings, stop: asyncio.Event) -> bool:
     """Upsert every configured adapter, retrying while the database is away.
     Return False if stop was requested first."""
-    backoff = Backoff(settings.ingest.backoff_initial_ms, settings.ingest.backoff_max_ms)
+    retry = Retry(Backoff(settings.ingest.backoff_initial_ms, settings.ingest.backoff_max_ms), log)
     while not stop.is_set():
         try:
             deadline_ms = settings.database.transaction_deadline_ms
             async with within_deadline(engine.begin(), deadline_ms, "registering adapters") as conn:
                 for a in settings.adapters:
                     await registry.register(
-                        conn, name=a.name, transport=a.transport, mode=a.mode, settings=a.public_settings()
+                        conn,
+                        name=a.name,
+                        family="queue",
+                        transport=a.transport,
+                        mode=a.mode,
+                        settings=a.public_settings(),
                     )
         except (SQLAlchemyError, DeadlineExceeded) as exc:
-            delay_s = backoff.next_delay_s()
-            log.warning("register_failed", error=exc, attempt=backoff.attempt, retry_in_s=round(delay_s, 3))
-            await wait_stop(stop, delay_s)
+            await retry.back_off(stop, "register_failed", exc)
         else:
             log.info("adapters_registered", adapters=[a.name for a in settings.adapters])
             return True

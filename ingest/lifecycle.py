@@ -1,12 +1,19 @@
-"""Bounded waits and backoff for the long-running loops: every wait has a
-timeout, backoff is exponential with jitter and a cap. (Stop signals are
-turned into a stop request in ``ingest.signals``; exit codes are named in
+"""Bounded waits, backoff and retry for the long-running loops: every wait
+has a timeout, backoff is exponential with jitter and a cap, and every retried
+failure is logged the same way (:class:`Retry`). (Stop signals are turned into
+a stop request in ``ingest.signals``; exit codes are named in
 ``ingest.exit_codes``.)"""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from typing import TYPE_CHECKING, Any
+
+from ingest.errors import EXPECTED_FAILURES, log_failure
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
 
 
 async def wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:
@@ -68,6 +75,47 @@ class Backoff:
 
     def reset(self) -> None:
         self._attempt = 0
+
+
+class Retry:
+    """How a loop retries: each failure is logged (see
+    :func:`ingest.errors.log_failure`) with its ``attempt`` and ``retry_in_s``,
+    and answered with the backoff's next delay; a success resets the backoff.
+
+    ``expected`` names the failures logged as warnings; any other is logged
+    with its traceback."""
+
+    def __init__(
+        self,
+        backoff: Backoff,
+        log: FilteringBoundLogger,
+        *,
+        expected: tuple[type[BaseException], ...] = EXPECTED_FAILURES,
+    ) -> None:
+        self._backoff = backoff
+        self._log = log
+        self._expected = expected
+
+    def failed(self, event: str, exc: BaseException, **fields: Any) -> float:
+        """Log the failure; return how long to wait before the next attempt."""
+        delay_s = self._backoff.next_delay_s()
+        log_failure(
+            self._log,
+            event,
+            exc,
+            expected=self._expected,
+            attempt=self._backoff.attempt,
+            retry_in_s=round(delay_s, 3),
+            **fields,
+        )
+        return delay_s
+
+    async def back_off(self, stop: asyncio.Event, event: str, exc: BaseException, **fields: Any) -> None:
+        """Log the failure, then wait the delay out, or until ``stop``."""
+        await wait_stop(stop, self.failed(event, exc, **fields))
+
+    def succeeded(self) -> None:
+        self._backoff.reset()
 
 
 def leftover_tasks() -> list[str]:

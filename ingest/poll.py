@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import astuple, dataclass
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -25,12 +26,15 @@ from backhalf import attempts as delivery_attempts
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.errors import DeadlineExceeded, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
-from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
+from backhalf.records import InboxRecord, PendingIntent, Provenance, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter
 from ingest.config import AdapterConfig, IngestSettings
-from ingest.errors import EXPECTED_FAILURES, BrokerError, failure_fields
-from ingest.lifecycle import Backoff, cancel_and_wait, wait_stop
+from ingest.errors import EXPECTED_FAILURES, BrokerError, log_failure
+from ingest.lifecycle import Backoff, Retry, cancel_and_wait, wait_stop
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +108,85 @@ class Fetched:
     records: list[InboxRecord]
 
 
+# A commit, handed the commit before it (if any) to wait for.
+Commit = Callable[[asyncio.Task[None] | None], Coroutine[Any, Any, None]]
+
+
+class Commits:
+    """The commits of one poll loop still under way, oldest first.
+
+    Each commit waits for the one before it to be confirmed (see
+    :meth:`PollLoop._commit`), so they are confirmed in the order they were
+    read, and a failure of one fails every later one with the same exception.
+    A commit leaves only once it has ended: until then a rewind must wait for
+    it, or a batch still committing would be confirmed after the rewind forgot
+    it. A failure a method raises leaves the failed commit in place, for
+    :meth:`settle`, unless the method says otherwise.
+    """
+
+    def __init__(self, log: FilteringBoundLogger) -> None:
+        self._tasks: deque[asyncio.Task[None]] = deque()
+        self._log = log
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(self, commit: Commit, name: str) -> None:
+        """Start a commit, handed the commit before it (None if none is under
+        way) to wait for before it confirms."""
+        after = self._tasks[-1] if self._tasks else None
+        self._tasks.append(asyncio.create_task(commit(after), name=name))
+
+    def reap_ended(self) -> None:
+        """Let go of the oldest commits that already ended, without waiting;
+        the first failure met is raised (that commit is let go of too)."""
+        while self._tasks and self._tasks[0].done():
+            self._tasks.popleft().result()
+
+    async def wait_below(self, limit: int) -> None:
+        """Wait, oldest first, until fewer than ``limit`` commits are under way."""
+        while len(self._tasks) >= limit:
+            await self._tasks[0]
+            self._tasks.popleft()
+
+    async def wait_all(self) -> None:
+        """Wait, oldest first, until no commit is under way."""
+        await self.wait_below(1)
+
+    async def settle(self, reported: BaseException | None) -> bool:
+        """Wait for every commit under way (each is bounded by the transaction
+        deadline), failed or not; return whether any failed. A failure is
+        logged here unless it is ``reported`` (the one the caller logs), which
+        a later commit re-raises when it waited for its predecessor."""
+        logged = {id(reported)}
+        failed = False
+        while self._tasks:
+            try:
+                await self._tasks[0]
+            except Exception as exc:  # noqa: BLE001 - logged, then the rewind covers it
+                failed = True
+                if id(exc) not in logged:
+                    logged.add(id(exc))
+                    log_failure(self._log, "store_failed", exc, overlapping=True)
+            self._tasks.popleft()
+        return failed
+
+    async def cancel(self, timeout_s: float) -> None:
+        """Cancel every commit under way (each rolls back, its batch is
+        redelivered later), wait up to ``timeout_s`` for them to end, and let
+        go of them all, so none outlives the loop unnoticed."""
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout_s)
+        for task in self._tasks:
+            if not task.done():
+                self._log.error("commit_not_cancellable", task=task.get_name())
+            # Retrieved (now or when it ends): the batch is redelivered either way.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._tasks.clear()
+
+
 class PollLoop:
     def __init__(
         self,
@@ -125,13 +208,13 @@ class PollLoop:
         self._enabled_checked_at = float("-inf")
         self._open_ledger = ledger_for(engine, config.name, deadline_ms)
         self._prefetch: asyncio.Task[Fetched] | None = None
-        self._committing: deque[asyncio.Task[None]] = deque()
         # The last store found messages already stored: the next one asks
         # before writing (StoreBatch.check_stored).
         self._found_stored = False
         self._log = log.bind(
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
+        self._commits = Commits(self._log)
 
     async def run(self) -> None:
         try:
@@ -147,103 +230,92 @@ class PollLoop:
         if self._prefetch is not None:
             await self._abandon(self._prefetch)
             self._prefetch = None
-        for task in self._committing:
-            task.cancel()
-        if self._committing:
-            await asyncio.wait(self._committing, timeout=READ_CANCEL_TIMEOUT_S)
-        for task in self._committing:
-            if not task.done():
-                self._log.error("commit_not_cancellable", task=task.get_name())
-            # Retrieved (now or when it ends): the batch is redelivered either way.
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self._committing.clear()
+        await self._commits.cancel(READ_CANCEL_TIMEOUT_S)
 
     async def _run(self) -> None:
-        backoff = Backoff(self._settings.backoff_initial_ms, self._settings.backoff_max_ms)
-        self._log.info("poll_loop_started", broker=self._adapter.broker)
-        # The next batch is read and normalized while the current one commits:
-        # Python, Redis and PostgreSQL work overlap instead of taking turns.
-        # Stream adapters also overlap commits (``commits_in_flight``): one
-        # store transaction keeps one PostgreSQL backend, one core, busy.
-        # ``self._committing`` holds the commits under way, oldest first; a
-        # task leaves it only once it has ended.
+        # Stream adapters overlap commits (``commits_in_flight``): one store
+        # transaction keeps one PostgreSQL backend, one core, busy.
         depth = self._settings.commits_in_flight if self._adapter.overlapping_commits else 1
-        committing = self._committing
+        # Every failure that reaches the retry is logged as a warning: a bug
+        # was logged just before, with its traceback, as poll_step_crashed.
+        retry = Retry(
+            Backoff(self._settings.backoff_initial_ms, self._settings.backoff_max_ms),
+            self._log,
+            expected=(Exception,),
+        )
+        self._log.info("poll_loop_started", broker=self._adapter.broker)
         while not self._stop.is_set():
             try:
-                while committing and committing[0].done():
-                    committing.popleft().result()
-                if self._prefetch is None:
-                    if not await self._is_enabled():
-                        await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
-                        continue
-                    self._prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
-                fetched = await self._prefetch
-                self._prefetch = None
-                if not fetched.deliveries:
-                    backoff.reset()
-                    continue
-                failpoints.hit("after_read")
-                if not self._stop.is_set() and await self._is_enabled():
-                    self._prefetch = asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
-                # A batch holding a redelivery follows a crash or a stall: it is
-                # committed with nothing beside it, before or after. Otherwise a
-                # message that crashes the ingester would take the overlapping
-                # batch down too, every time, and the lone attempts of the
-                # suspects in it would be counted against them (max_deliveries
-                # would reject innocents).
-                alone = any(r.deliveries >= REDELIVERY for r in fetched.records)
-                while alone and committing:
-                    await committing[0]
-                    committing.popleft()
-                after = committing[-1] if committing else None
-                committing.append(
-                    asyncio.create_task(self._commit(fetched, after), name=f"commit:{self._cfg.name}")
-                )
-                while len(committing) >= (1 if alone else depth):
-                    await committing[0]
-                    committing.popleft()
-                backoff.reset()
-            except Exception as exc:  # noqa: BLE001 - a bug must not end ingestion either; see below
-                if self._prefetch is not None:
-                    await self._abandon(self._prefetch)
-                    self._prefetch = None
-                # Rewind only once no commit is under way: a batch still
-                # committing would be confirmed after the rewind forgot it.
-                await self._settle(exc)
-                if not isinstance(exc, EXPECTED_FAILURES):
-                    self._log.exception("poll_step_crashed", error=exc)
-                await self._after_failure(exc, backoff)
-        # On stop, commits under way finish (or fail: redelivered later). After
-        # a failure no rewind follows, so nothing more is stored either.
-        failed = await self._settle(None)
+                await self._step(depth, retry)
+            except Exception as exc:  # noqa: BLE001 - a bug must not end ingestion either; see _recover
+                await self._recover(exc, retry)
+        await self._wind_down()
+        self._log.info("poll_loop_stopped")
+
+    async def _step(self, depth: int, retry: Retry) -> None:
+        """Take the batch read meanwhile (or read one), start reading the next
+        one, start this one's commit, and return once fewer than ``depth``
+        commits are under way."""
+        self._commits.reap_ended()
+        if self._prefetch is None:
+            if not await self._is_enabled():
+                await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
+                return
+            self._prefetch = self._start_fetch()
+        fetched = await self._prefetch
+        self._prefetch = None
+        if not fetched.deliveries:
+            retry.succeeded()
+            return
+        failpoints.hit("after_read")
+        # The next batch is read and normalized while this one commits:
+        # Python, Redis and PostgreSQL work overlap instead of taking turns.
+        if not self._stop.is_set() and await self._is_enabled():
+            self._prefetch = self._start_fetch()
+        # A batch holding a redelivery follows a crash or a stall: it is
+        # committed with nothing beside it, before or after. Otherwise a
+        # message that crashes the ingester would take the overlapping
+        # batch down too, every time, and the lone attempts of the
+        # suspects in it would be counted against them (max_deliveries
+        # would reject innocents).
+        alone = any(r.deliveries >= REDELIVERY for r in fetched.records)
+        if alone:
+            await self._commits.wait_all()
+        self._commits.start(lambda after: self._commit(fetched, after), name=f"commit:{self._cfg.name}")
+        await self._commits.wait_below(1 if alone else depth)
+        retry.succeeded()
+
+    async def _recover(self, exc: Exception, retry: Retry) -> None:
+        """After a failed step: drop the batch read meanwhile, wait for the
+        commits under way, rewind, and back off."""
+        if self._prefetch is not None:
+            await self._abandon(self._prefetch)
+            self._prefetch = None
+        # Rewind only once no commit is under way: a batch still
+        # committing would be confirmed after the rewind forgot it.
+        await self._commits.settle(reported=exc)
+        if not isinstance(exc, EXPECTED_FAILURES):
+            self._log.exception("poll_step_crashed", error=exc, exc_info=exc)
+        # Whatever was read and not stored is redelivered from the broker's
+        # record of un-acked messages (from memory only for pub/sub, which
+        # keeps none).
+        self._adapter.rewind()
+        event = "broker_error" if isinstance(exc, BrokerError) else "store_failed"
+        await retry.back_off(self._stop, event, exc, broker=self._adapter.broker)
+
+    async def _wind_down(self) -> None:
+        """On stop, commits under way finish (or fail: redelivered later).
+        After a failure no rewind follows, so nothing more is stored either."""
+        failed = await self._commits.settle(reported=None)
         if self._prefetch is not None:
             if failed:
                 await self._abandon(self._prefetch)
             else:
                 await self._finish_on_stop(self._prefetch)
             self._prefetch = None
-        self._log.info("poll_loop_stopped")
 
-    async def _settle(self, reported: BaseException | None) -> bool:
-        """Wait for every commit under way (each is bounded by the transaction
-        deadline); return whether any failed. A failure is logged here unless
-        it is ``reported`` (the one the caller logs), which a later commit
-        re-raises when it waited for its predecessor."""
-        logged = {id(reported)}
-        failed = False
-        while self._committing:
-            try:
-                await self._committing[0]
-            except Exception as exc:  # noqa: BLE001 - logged, then the rewind covers it
-                failed = True
-                if id(exc) not in logged:
-                    logged.add(id(exc))
-                    (self._log.warning if isinstance(exc, EXPECTED_FAILURES) else self._log.exception)(
-                        "store_failed", **failure_fields(exc), overlapping=True
-                    )
-            self._committing.popleft()
-        return failed
+    def _start_fetch(self) -> asyncio.Task[Fetched]:
+        return asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
 
     async def _abandon(self, prefetch: asyncio.Task[Fetched]) -> None:
         """Drop a prefetch: its batch is redelivered after the rewind that follows."""
@@ -265,22 +337,6 @@ class PollLoop:
             await self._commit(prefetch.result())
         except EXPECTED_FAILURES as exc:
             self._log.warning("final_store_failed", error=exc, error_type=type(exc).__name__)
-
-    async def _after_failure(self, exc: Exception, backoff: Backoff) -> None:
-        # Whatever was read and not stored is redelivered from the broker's
-        # record of un-acked messages (from memory only for pub/sub, which
-        # keeps none).
-        self._adapter.rewind()
-        delay_s = backoff.next_delay_s()
-        event = "broker_error" if isinstance(exc, BrokerError) else "store_failed"
-        self._log.warning(
-            event,
-            **failure_fields(exc),
-            attempt=backoff.attempt,
-            retry_in_s=round(delay_s, 3),
-            broker=self._adapter.broker,
-        )
-        await wait_stop(self._stop, delay_s)
 
     async def _fetch(self) -> Fetched:
         deliveries = await self._adapter.recover(self._open_ledger)
@@ -424,7 +480,10 @@ class PollLoop:
             consumer=self._cfg.consumer,
             ack_after=self._cfg.ack_after,
             ack=adapter.ack_target,
-            verify_detail=adapter.identity,
+            # The pull family: the broker identity is named, not verified.
+            provenance=Provenance(
+                family="queue", trust_mode="queue", verified=False, verify_detail=adapter.identity
+            ),
             records=records,
             check_stored=self._found_stored,
         )
