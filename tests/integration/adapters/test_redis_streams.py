@@ -29,11 +29,6 @@ def cfg(redis_url: str) -> Callable[..., AdapterConfig]:
 
 
 @pytest.fixture
-def r(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url, socket_timeout=10)
-
-
-@pytest.fixture
 async def adapters() -> AsyncIterator[list[StreamAdapter]]:
     made: list[StreamAdapter] = []
     yield made

@@ -1,0 +1,39 @@
+"""The least-privilege ACL users of ops/redis-acl.example suffice for the list
+and pub/sub modes (the stream mode: tests/integration/test_pipeline_in_process.py)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from ingest.adapters.redis.lists import processing_key
+from tests.support.acl import acl_rules
+from tests.support.db import scalar
+from tests.support.in_process import pipeline, settings, wait_until
+
+
+@pytest.mark.parametrize("mode", ["list", "pubsub"])
+async def test_least_privilege_acl_users_suffice(
+    mode: str, db_url: str, redis_url: str, r: redis.Redis
+) -> None:
+    source = "jobs" if mode == "list" else "news"  # the names ops/redis-acl.example grants
+    r.execute_command("ACL", "SETUSER", "least", *acl_rules(f"switchboard-{mode}", "pw"))
+    try:
+        url = redis_url.replace("redis://", "redis://least:pw@", 1)
+        adapter = {"name": source, "mode": mode, "source": source, "url": url, "block_ms": 100,
+                   "consumer": "c1", "reap_interval_ms": 100}  # fmt: skip
+        if mode == "pubsub":
+            adapter["delivery"] = "at-most-once"
+            adapter.pop("reap_interval_ms")
+        else:
+            r.lpush(source, b'{"job": 1}')
+        async with pipeline(settings(db_url, redis_url, adapter)):
+            if mode == "pubsub":
+                await wait_until(lambda: r.pubsub_numsub(source)[0][1] == 1)
+                r.publish(source, b'{"job": 1}')
+            await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM todos") == 1)
+            if mode == "list":
+                await wait_until(lambda: r.llen(processing_key(source, "c1")) == 0)
+        assert scalar(db_url, "SELECT verify_detail FROM events") == "redis acl: least"
+    finally:
+        r.acl_deluser("least")

@@ -1,0 +1,54 @@
+"""The ingester and acker in the test's own event loop (integration tests):
+settings from plain adapter tables, the pipeline as a context that checks
+nothing is left running, and a bounded wait."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ingest.acker import run_acker
+from ingest.config import Settings, from_mapping
+from ingest.ingester import run_ingester
+from ingest.lifecycle import leftover_tasks
+
+JOBS = "jobs"
+
+
+def settings(db_url: str, redis_url: str, *adapters: dict[str, Any]) -> Settings:
+    return from_mapping(
+        {
+            "database": {"url": db_url},
+            "redis": {"url": redis_url},
+            "adapters": list(adapters),
+            "acker": {"poll_interval_ms": 100},
+            "ingest": {"backoff_initial_ms": 20, "backoff_max_ms": 200},
+        },
+        {},
+    )
+
+
+def list_adapter(**kw: Any) -> dict[str, Any]:
+    return {"name": JOBS, "mode": "list", "source": JOBS, "consumer": "c1", "block_ms": 100, **kw}
+
+
+@contextlib.asynccontextmanager
+async def pipeline(s: Settings, *, acker: bool = True) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_ingester(s, stop))
+        if acker:
+            tg.create_task(run_acker(s, stop))
+        try:
+            yield
+        finally:
+            stop.set()
+    assert leftover_tasks() == []
+
+
+async def wait_until(predicate: Callable[[], Any], timeout_s: float = 20) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # noqa: ASYNC110 - polling PostgreSQL and Redis
+            await asyncio.sleep(0.05)
