@@ -25,7 +25,7 @@ class SchemaFileError(Exception):
 
 class BodySchema:
     def __init__(self, schema: dict[str, Any], source: str) -> None:
-        # Imported here: only adapters with a schema pay its ~0.1 s import.
+        # Imported here: only adapters with a schema pay its slow import.
         from jsonschema import Draft202012Validator, SchemaError, validators
         from jsonschema.exceptions import best_match
 

@@ -10,8 +10,8 @@ inbox insert, and every statement that creates todos embeds the one
 ``todos_create_cte`` (``backhalf.todos`` owns it). The composed statements
 are rendered to ``tests/unit/snapshots/`` so that they can be read whole.
 
-Every block must be used exactly as named here: an unknown, missing or unused
-block fails the import.
+A block the file lacks, or one it has that nothing here uses, fails the
+import.
 """
 
 from __future__ import annotations

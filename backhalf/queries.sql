@@ -76,11 +76,11 @@ WHERE inbox.id = u.id
 
 -- The store's write (store_native, store_body): todos, their 'created' log
 -- rows, events, inbox rows and the acker's queue, in one statement, so each
--- array (keys, ids, payloads) is sent and dumped once and the batch costs one
--- round trip, not three (the ingester's array dumping was a tenth of its CPU).
--- Every row is written once, already linked: todos first, events carrying
--- their todo, inbox rows carrying both. Writing the inbox first and linking
--- it afterwards cost a second, non-HOT write of every inbox row.
+-- array (keys, ids, payloads) is sent and dumped once (dumping arrays is a
+-- large share of the ingester's CPU) and the batch costs one round trip, not
+-- three. Every row is written once, already linked: todos first, events
+-- carrying their todo, inbox rows carrying both. Writing the inbox first and
+-- linking it afterwards cost a second, non-HOT write of every inbox row.
 --
 -- Lock order: both inserts that can wait on another transaction (todos,
 -- inbox) sort by the batch's key order (ORDER BY u.n), and the sort under the

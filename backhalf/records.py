@@ -31,8 +31,8 @@ class InboxRecord(NamedTuple):
 
     A NamedTuple rather than a frozen dataclass, as ``Delivery`` is: one of
     each is built per message, and a frozen dataclass's ``__init__`` sets
-    every field through ``object.__setattr__`` (1 us against 0.45 us here,
-    about a tenth of the ingester's CPU per message). Still immutable.
+    every field through ``object.__setattr__``, costlier than a tuple's
+    (figures in docs/architecture.md). Still immutable.
     """
 
     idempotency_key: str
