@@ -20,6 +20,7 @@ from backhalf.db import create_engine, redact_url
 from backhalf.normalize import body_payload
 from ingest import logs, signals, status
 from ingest.acker import run_acker
+from ingest.adapters.base import FAMILY, TRUST_MODE
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
@@ -156,8 +157,8 @@ async def _inbox_command(settings: Settings, args: argparse.Namespace) -> int:
                         inbox_id,
                         queue_for=lambda name: settings.adapter(name).queue,
                         normalize_for=lambda name: _normalizer(settings, name),
-                        family="queue",  # every configured adapter is a pull adapter
-                        trust_mode="queue",
+                        family=FAMILY,  # every configured adapter is a pull adapter
+                        trust_mode=TRUST_MODE,
                     )
             except (replay.ReplayError, ConfigError) as exc:
                 failed += 1

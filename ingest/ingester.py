@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import registry
 from backhalf.db import MAX_OVERFLOW, create_engine, within_deadline
 from backhalf.errors import DeadlineExceeded
-from ingest.adapters.base import PullAdapter
+from ingest.adapters.base import FAMILY, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
 from ingest.lifecycle import Backoff, Retry
@@ -39,7 +39,7 @@ async def register_adapters(engine: AsyncEngine, settings: Settings, stop: async
                     await registry.register(
                         conn,
                         name=a.name,
-                        family="queue",
+                        family=FAMILY,
                         transport=a.transport,
                         mode=a.mode,
                         settings=a.public_settings(),

@@ -26,12 +26,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
-from backhalf.records import AckClaim, AckTarget, PendingIntent
+from backhalf.records import AckClaim, AckTarget, Family, PendingIntent, Provenance
 
 if TYPE_CHECKING:
     from ingest.config import AdapterConfig
 
 __all__ = [
+    "FAMILY",
+    "TRUST_MODE",
     "AckTarget",
     "Acknowledger",
     "Delivery",
@@ -41,6 +43,18 @@ __all__ = [
     "PullAdapter",
     "Unconfirmed",
 ]
+
+# Every adapter here belongs to the pull family (DESIGN.md section 4): its
+# events say so, and name the broker identity the adapter consumed as, which
+# nothing verifies (a push delivery's signature would be).
+FAMILY: Family = "queue"
+TRUST_MODE = "queue"
+
+
+def pull_provenance(identity: str) -> Provenance:
+    """The events' family and trust metadata for messages consumed as ``identity``."""
+    return Provenance(family=FAMILY, trust_mode=TRUST_MODE, verified=False, verify_detail=identity)
+
 
 T = TypeVar("T")
 
