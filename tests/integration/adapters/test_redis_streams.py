@@ -11,7 +11,7 @@ import redis
 from backhalf.records import AckClaim
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import AdapterConfig, from_mapping
-from ingest.errors import BrokerError, GroupMissing
+from ingest.errors import AckError, BrokerError, GroupMissing
 
 STREAM, GROUP = "orders", "switchboard"
 
@@ -149,6 +149,27 @@ async def test_acknowledger_xacks_per_stream_and_group(cfg, r, adapters) -> None
     finally:
         await acker.close()
     assert r.xpending(STREAM, GROUP)["pending"] == 1
+
+
+async def test_ack_on_a_vanished_group_passes_another_error_fails(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
+    """No group, no PEL: nothing is left to acknowledge, and the ack passes
+    (Valkey answers 0; a NOGROUP reply would be tolerated the same way). Any
+    other error reply fails the ack with AckError, the reply as its cause."""
+    entry = r.xadd(STREAM, {"body": b"{}"}).decode()
+    a = StreamAdapter(cfg())
+    adapters.append(a)
+    await a.read(10)
+    r.xgroup_destroy(STREAM, GROUP)
+    r.set("not-a-stream", "x")
+    acker = StreamAcknowledger(cfg())
+    try:
+        await acker.ack([AckClaim(1, "orders", "xack", STREAM, GROUP, entry, 1, None)])
+        with pytest.raises(AckError) as info:
+            await acker.ack([AckClaim(2, "orders", "xack", "not-a-stream", GROUP, entry, 1, None)])
+    finally:
+        await acker.close()
+    assert "XACK not-a-stream switchboard (1 ids)" in str(info.value)
+    assert isinstance(info.value.__cause__, redis.ResponseError)
 
 
 async def test_lost_report_survives_a_failed_store(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
