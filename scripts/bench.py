@@ -157,10 +157,10 @@ def write_config(path: Path, db_url: str, redis_url: str, batch_size: int) -> Pa
 
 
 def start(verb: str, config_path: Path, log: Path) -> SwitchboardProcess:
-    """A process as the bench has always run them: without -X dev, seeing the
-    caller's SWITCHBOARD_* variables."""
+    """A process as the bench has always run them: without -X dev, and (as
+    every kit process) without the caller's SWITCHBOARD_* variables."""
     consumer = "bench-1" if verb == "ingest" else None
-    return SwitchboardProcess(verb, config_path, log, consumer=consumer, isolated=False)
+    return SwitchboardProcess(verb, config_path, log, consumer=consumer)
 
 
 def _status_mb(pid: int, field: str) -> float:

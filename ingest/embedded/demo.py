@@ -72,8 +72,9 @@ def run(messages: int = 5000) -> int:
     with embedded_servers("switchboard-demo-") as servers:
         base, pg, rs = servers.base, servers.postgres, servers.redis
         print(f"demo: working in {base}")
-        # The demo's processes see the caller's SWITCHBOARD_* variables, as they always have.
-        processes = Processes(base, isolated=False)
+        # Without the caller's SWITCHBOARD_* variables: an exported production
+        # SWITCHBOARD_DATABASE_URL would override the demo's own config.
+        processes = Processes(base)
         try:
             db_url = pg.create_database("switchboard")
             print(f"demo: PostgreSQL on 127.0.0.1:{pg.port}, Valkey on 127.0.0.1:{rs.port}")

@@ -46,9 +46,10 @@ def wait_for(predicate: Callable[[], Any], *, timeout_s: float, what: str, inter
 class SwitchboardProcess:
     """One ``switchboard <verb>`` child process with its log file.
 
-    ``strict`` runs it with ``STRICT_FLAGS``; ``isolated`` leaves the caller's
-    ``SWITCHBOARD_*`` variables out of its environment, so only the config
-    file (and ``env``, ``failpoints``) configure it.
+    ``strict`` runs it with ``STRICT_FLAGS``. The caller's ``SWITCHBOARD_*``
+    variables are left out of its environment, so only the config file (and
+    ``env``, ``failpoints``) configure it: an exported production
+    ``SWITCHBOARD_DATABASE_URL`` would otherwise override the config's.
     """
 
     def __init__(
@@ -61,7 +62,6 @@ class SwitchboardProcess:
         failpoints: str | None = None,
         env: Mapping[str, str] | None = None,
         strict: bool = False,
-        isolated: bool = True,
     ) -> None:
         self.verb = verb
         self.log_path = log_path
@@ -69,7 +69,7 @@ class SwitchboardProcess:
         argv += ["--config", str(config), verb]
         if consumer:
             argv += ["--consumer", consumer]
-        full_env = {k: v for k, v in os.environ.items() if not (isolated and k.startswith("SWITCHBOARD_"))}
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
         full_env.update(env or {})
         if failpoints:
             full_env["SWITCHBOARD_FAILPOINTS"] = failpoints
@@ -154,9 +154,9 @@ class Processes:
     """Starts switchboard processes with their logs in ``log_dir`` (one file per
     name and incarnation, ``<name>.<n>.log``) and keeps every one, to reap."""
 
-    def __init__(self, log_dir: Path, *, strict: bool = False, isolated: bool = True) -> None:
+    def __init__(self, log_dir: Path, *, strict: bool = False) -> None:
         self._log_dir = log_dir
-        self._strict, self._isolated = strict, isolated
+        self._strict = strict
         self.all: list[SwitchboardProcess] = []
 
     def start(
@@ -171,7 +171,6 @@ class Processes:
             consumer=name if verb == "ingest" else None,
             failpoints=failpoints,
             strict=self._strict,
-            isolated=self._isolated,
         )
         self.all.append(proc)
         return proc
