@@ -17,8 +17,9 @@ Two dedup layers live here as unique indexes:
 The link columns (``inbox.todo_id``, ``inbox.event_id``, ``events.todo_id``,
 ``todo_events.todo_id``) carry no foreign keys on purpose: they are written
 only by the store's one transaction, which creates what they point at, and a
-foreign-key check per row cost about 15 us of PostgreSQL CPU per message
-(40% of the store). ``inbox.adapter`` keeps its foreign key.
+foreign-key check per row was a large share of the store's PostgreSQL CPU
+(docs/architecture.md, "Where the time goes"). ``inbox.adapter`` keeps its
+foreign key.
 """
 
 from __future__ import annotations
