@@ -14,7 +14,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import astuple, dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -32,9 +31,6 @@ from ingest.commits import Commits
 from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import EXPECTED_FAILURES, BrokerError
 from ingest.lifecycle import Backoff, Retry, cancel_and_wait, wait_stop
-
-if TYPE_CHECKING:
-    pass
 
 log = structlog.get_logger(__name__)
 

@@ -495,19 +495,18 @@ def embedded_servers(
     started; on exit both are stopped and their folders deleted, and the base
     too unless ``keep_base``. ``postgres_conf`` is appended to postgresql.conf."""
     base = temp_base(prefix)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        if not keep_base:
+            cleanup.callback(shutil.rmtree, base, ignore_errors=True)
+        # Each server is cleaned up (stopped, its folder deleted) even if the
+        # other's set-up or clean-up fails.
         pg = PostgresServer.create(base / "pg")
+        cleanup.callback(pg.cleanup)
         if postgres_conf:
             with (pg.pgdata / "postgresql.conf").open("a") as conf:
                 conf.write(postgres_conf)
         rs = RedisServer.create(base / "redis", appendfsync=appendfsync)
-        try:
-            pg.start()
-            rs.start()
-            yield EmbeddedServers(base, pg, rs)
-        finally:
-            pg.cleanup()
-            rs.cleanup()
-    finally:
-        if not keep_base:
-            shutil.rmtree(base, ignore_errors=True)
+        cleanup.callback(rs.cleanup)
+        pg.start()
+        rs.start()
+        yield EmbeddedServers(base, pg, rs)

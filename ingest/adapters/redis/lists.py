@@ -64,7 +64,9 @@ def removed_marker(processing: str, inbox_id: int) -> str:
 
 # LREM of exactly one intent's copies, guarded by a marker per inbox row so
 # a retry never removes a copy twice; the script's header says why and how.
-GUARDED_LREM = (resources.files("ingest.adapters.redis") / "guarded_lrem.lua").read_text(encoding="utf-8")
+# Its comment lines stay in the file: EVAL sends the script with every claim.
+_LUA = (resources.files("ingest.adapters.redis") / "guarded_lrem.lua").read_text("utf-8")
+GUARDED_LREM = "\n".join(line for line in _LUA.splitlines() if not line.startswith("--"))
 # Long enough for any acker to commit or retry; markers are deleted after the
 # commit, so this only bounds what a crash leaves behind.
 REMOVED_MARKER_TTL_MS = 24 * 3600 * 1000
