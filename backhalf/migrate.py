@@ -2,18 +2,41 @@
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 
 from alembic.config import Config
 
-import schema
 from alembic import command
+from backhalf.errors import BackhalfError
+
+# Where the migrations are found. The design card keeps them in the top-level
+# ``alembic/`` folder; a wheel ships that folder as this package
+# (pyproject.toml's ``package-dir``), never under the name ``alembic``, which
+# is the library's. It has no ``__init__.py`` so that ``alembic/`` in a source
+# tree on ``sys.path`` can never shadow the library.
+MIGRATIONS_PACKAGE = "backhalf._migrations"
+# An editable install (``make install``) runs from the source tree, and
+# setuptools' editable finder cannot resolve a namespace package mapped under a
+# regular one, so there the folder itself is used.
+SOURCE_TREE_MIGRATIONS = Path(__file__).resolve().parent.parent / "alembic"
+
+
+class MigrationsMissing(BackhalfError):
+    """Neither the installed migrations package nor a source tree's ``alembic/`` folder was found."""
 
 
 def script_location() -> Path:
-    # The migrations live beside the packages (DESIGN.md layout); the project
-    # is installed editable, so the source tree is where schema was imported.
-    return Path(schema.__file__).resolve().parent.parent / "alembic"
+    try:
+        env = importlib.resources.files(MIGRATIONS_PACKAGE) / "env.py"
+    except ModuleNotFoundError:
+        env = SOURCE_TREE_MIGRATIONS / "env.py"
+    if not env.is_file():
+        raise MigrationsMissing(
+            f"the migrations are missing: neither the package {MIGRATIONS_PACKAGE} nor "
+            f"{SOURCE_TREE_MIGRATIONS} holds env.py; reinstall switchboard-ingest"
+        )
+    return Path(str(env)).parent
 
 
 def alembic_config(database_url: str) -> Config:

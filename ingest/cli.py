@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import os
 import sys
@@ -39,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
         help=f"TOML config (default: $SWITCHBOARD_CONFIG or {DEFAULT_CONFIG_PATH})",
     )
     parser = argparse.ArgumentParser(prog="switchboard", parents=[common], description=__doc__)
+    version = importlib.metadata.version("switchboard-ingest")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
     verbs.add_parser("migrate", parents=[common], help="upgrade the database to the newest migration")
     ingest = verbs.add_parser("ingest", parents=[common], help="run the ingester (a poll loop per adapter)")
