@@ -41,8 +41,8 @@ WHEEL_DIR := build/wheel-check
 wheel-check: install
 	rm -rf $(WHEEL_DIR)
 	$(BIN)/python -m pip wheel --quiet --no-deps . -w $(WHEEL_DIR)/dist
-	$(PYTHON) -m venv $(WHEEL_DIR)/venv
-	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet -c constraints.txt $(WHEEL_DIR)/dist/*.whl
+	$(PYTHON) -m venv --without-pip $(WHEEL_DIR)/venv
+	$(BIN)/python -m pip --python $(WHEEL_DIR)/venv/bin/python install --quiet -c constraints.txt $(WHEEL_DIR)/dist/*.whl
 	timeout 120 $(BIN)/python scripts/wheel_check.py --wheel $(WHEEL_DIR)/dist/*.whl --venv $(WHEEL_DIR)/venv
 
 # asyncio debug mode comes with -X dev; warnings are errors in the runner and in

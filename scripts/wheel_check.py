@@ -135,6 +135,11 @@ class Wheel:
         self.running.append((name, proc, log_path))
         return proc
 
+    def check_alive(self) -> None:
+        for name, proc, _ in self.running:
+            if proc.poll() is not None:
+                raise CheckFailed(f"switchboard {name} exited {proc.returncode} while it should be running")
+
     def stop_all(self) -> dict[str, int]:
         """SIGTERM every process, then each one's exit code (SIGKILL if it outlives the wait)."""
         for _, proc, _ in self.running:
@@ -173,6 +178,12 @@ def _scalar(db: psycopg.Connection[Any], query: str) -> int:
     return int(row[0]) if row else 0
 
 
+def _all_acked(wheel: Wheel, db: psycopg.Connection[Any]) -> bool:
+    wheel.check_alive()
+    todos = _scalar(db, "SELECT count(*) FROM todos")
+    return todos == MESSAGES == _scalar(db, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'")
+
+
 def check_servers(wheel: Wheel, version: str) -> dict[str, float]:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
@@ -208,12 +219,8 @@ def check_servers(wheel: Wheel, version: str) -> dict[str, float]:
             for i in range(MESSAGES):
                 r.xadd(STREAM, {"body": json.dumps({"order_id": i})})
             with psycopg.connect(libpq_url(db_url), autocommit=True, connect_timeout=10) as db:
-                acked = "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"
                 wait_for(
-                    lambda: (
-                        _scalar(db, "SELECT count(*) FROM todos") == MESSAGES
-                        and _scalar(db, acked) == MESSAGES
-                    ),
+                    lambda: _all_acked(wheel, db),
                     timeout_s=PIPELINE_TIMEOUT_S,
                     what=f"{MESSAGES} todos, acked",
                 )
@@ -238,6 +245,9 @@ def main() -> int:
     parser.add_argument("--wheel", type=Path, required=True)
     parser.add_argument("--venv", type=Path, required=True, help="the virtual environment the wheel is in")
     args = parser.parse_args()
+    # A stop (make's timeout, Ctrl-C) unwinds through the clean-ups: the
+    # processes are stopped and the servers' folders deleted.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))
     started = time.monotonic()
     wheel = Wheel(args.venv.resolve(), args.venv.resolve().parent)
     try:
