@@ -7,19 +7,28 @@ claim pending intents and mark them acked in one statement (``FOR UPDATE SKIP
 LOCKED``: several ackers split the work), send one broker ack per target per
 batch, commit. A crash or a broker error before the commit leaves the rows
 pending; they are acked again, which brokers treat as a no-op.
+
+Which adapters: the config's; with none in the config (no config file), every
+adapter in the ``adapters`` table, its broker at ``SWITCHBOARD_REDIS_URL``
+(else the default), the table read again every ``REGISTRY_REFRESH_S`` so an
+adapter registered later (an ingester started after the acker) is acked too.
+At start-up the acker reads the table either way: a permanent database error
+there (schema missing, login refused, no such database) stops it with
+``DatabaseUnusable``; a transient one is retried with backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 
 import psycopg
 import structlog
 from psycopg import sql as pgsql
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import acks, failpoints
+from backhalf import acks, db_errors, failpoints, registry
 from backhalf.db import (
     DEFAULT_TRANSACTION_DEADLINE_MS,
     DatabaseSettings,
@@ -27,10 +36,14 @@ from backhalf.db import (
     libpq_url,
     within_deadline,
 )
+from backhalf.errors import DeadlineExceeded
 from backhalf.queries import ACK_CHANNEL
+from backhalf.registry import AdapterRow
+from ingest import registered
 from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
-from ingest.config import AckerSettings, Settings
+from ingest.config import DEFAULT_REDIS_URL, AckerSettings, Settings
+from ingest.errors import ConfigError, log_failure
 from ingest.lifecycle import Backoff, Retry, wait_either
 
 log = structlog.get_logger(__name__)
@@ -38,6 +51,8 @@ log = structlog.get_logger(__name__)
 # Without a notification for this long, prove the LISTEN connection is alive.
 LISTEN_PROBE_INTERVAL_S = 10.0
 LISTEN_PROBE_TIMEOUT_S = 5.0
+# Without adapters in the config: how often the adapters table is read again.
+REGISTRY_REFRESH_S = 5.0
 
 
 async def drain_adapter(
@@ -83,32 +98,97 @@ async def drain_loop(
     wake: asyncio.Event,
     stop: asyncio.Event,
     deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
+    *,
+    refresh: Callable[[], Awaitable[object]] | None = None,
+    refresh_interval_s: float = REGISTRY_REFRESH_S,
 ) -> None:
+    """Drain every adapter until stop. ``refresh``, if given, runs every
+    ``refresh_interval_s`` and may add acknowledgers to ``acknowledgers``."""
     loop = asyncio.get_running_loop()
-    retries = {
-        name: Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
-        for name in acknowledgers
-    }
-    retry_at = dict.fromkeys(acknowledgers, 0.0)
+    retries: dict[str, Retry] = {}
+    retry_at: dict[str, float] = {}
+    next_refresh = loop.time() + refresh_interval_s
     while not stop.is_set():
+        if refresh is not None and loop.time() >= next_refresh:
+            next_refresh = loop.time() + refresh_interval_s
+            try:
+                await refresh()
+            except Exception as exc:  # noqa: BLE001 - the acknowledgers we have go on; next time
+                log_failure(log, "adapters_refresh_failed", exc, retry_in_s=refresh_interval_s)
         wake.clear()  # set again by any NOTIFY that arrives while we drain
         more_waiting = False
-        for adapter, acknowledger in acknowledgers.items():
-            if loop.time() < retry_at[adapter] or stop.is_set():
+        for adapter, acknowledger in list(acknowledgers.items()):
+            if loop.time() < retry_at.get(adapter, 0.0) or stop.is_set():
                 continue
             try:
                 drained = await drain_adapter(engine, adapter, acknowledger, settings.batch_size, deadline_ms)
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
-                retry_at[adapter] = loop.time() + retries[adapter].failed("ack_failed", exc, adapter=adapter)
+                retry = retries.setdefault(
+                    adapter, Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
+                )
+                retry_at[adapter] = loop.time() + retry.failed("ack_failed", exc, adapter=adapter)
                 continue
-            retries[adapter].succeeded()
+            if adapter in retries:
+                retries[adapter].succeeded()
             more_waiting |= drained >= settings.batch_size
         if not more_waiting:
             timeout_s = settings.poll_interval_ms / 1000
             upcoming = [t - loop.time() for t in retry_at.values() if t > loop.time()]
+            if refresh is not None:
+                upcoming.append(max(0.0, next_refresh - loop.time()))
             if upcoming:
                 timeout_s = min(timeout_s, *upcoming)
             await wait_either(wake, stop, timeout_s)
+
+
+class RegisteredAcknowledgers:
+    """Acknowledgers for the adapters of the ``adapters`` table, their broker
+    at one URL: added to ``into`` as they appear. A row this version cannot
+    rebuild (unknown mode, ill-typed settings) is skipped with a warning, once
+    per version of its settings."""
+
+    def __init__(self, into: MutableMapping[str, Acknowledger], broker_url: str) -> None:
+        self._into = into
+        self._broker_url = broker_url
+        self._skipped: dict[str, Mapping[str, object]] = {}
+
+    def adopt(self, rows: Sequence[AdapterRow]) -> None:
+        for row in rows:
+            if row.name in self._into or self._skipped.get(row.name) == row.settings:
+                continue
+            try:
+                acknowledger = make_acknowledger(registered.adapter_config(row, self._broker_url))
+            except ConfigError as exc:
+                self._skipped[row.name] = row.settings
+                log.warning("registered_adapter_skipped", adapter=row.name, error=exc)
+                continue
+            self._into[row.name] = acknowledger
+            log.info("registered_adapter_acked", adapter=row.name, mode=row.mode)
+
+    async def refresh(self, engine: AsyncEngine, deadline_ms: int) -> None:
+        async with within_deadline(engine.connect(), deadline_ms, "reading the adapters table") as conn:
+            rows = await registry.list_adapters(conn)
+        self.adopt(rows)
+
+
+async def registered_at_start(
+    engine: AsyncEngine, settings: Settings, stop: asyncio.Event
+) -> list[AdapterRow] | None:
+    """The ``adapters`` table, read at start-up, retrying while the database
+    is away; None if stop was requested first. A permanent error raises
+    ``DatabaseUnusable``."""
+    retry = Retry(Backoff(settings.acker.backoff_initial_ms, settings.acker.backoff_max_ms), log)
+    while not stop.is_set():
+        try:
+            deadline_ms = settings.database.transaction_deadline_ms
+            async with within_deadline(engine.connect(), deadline_ms, "reading the adapters table") as conn:
+                return await registry.list_adapters(conn)
+        except (SQLAlchemyError, DeadlineExceeded) as exc:
+            problem = db_errors.classify(exc)
+            if problem is not None:
+                raise db_errors.DatabaseUnusable(problem) from exc
+            await retry.back_off(stop, "start_failed", exc)
+    return None
 
 
 async def _listen_loop(
@@ -155,11 +235,32 @@ async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> N
     listener.cancel()
 
 
-async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
+async def run_acker(settings: Settings, stop: asyncio.Event, *, broker_url: str = DEFAULT_REDIS_URL) -> None:
+    """``broker_url``: the broker of the adapters table's adapters, used only
+    when the config has no adapters."""
     engine = create_engine(settings.database)
-    acknowledgers = {cfg.name: make_acknowledger(cfg) for cfg in settings.adapters}
+    acknowledgers: dict[str, Acknowledger] = {cfg.name: make_acknowledger(cfg) for cfg in settings.adapters}
     wake = asyncio.Event()
     try:
+        rows = await registered_at_start(engine, settings, stop)
+        if rows is None:
+            return
+        refresh: Callable[[], Awaitable[object]] | None = None
+        if not settings.adapters:
+            table = RegisteredAcknowledgers(acknowledgers, broker_url)
+            table.adopt(rows)
+            if not rows:
+                log.warning(
+                    "no_adapters_registered",
+                    hint="each adapter `switchboard ingest` registers is acked"
+                    f" within {REGISTRY_REFRESH_S:g} s",
+                )
+            deadline_ms = settings.database.transaction_deadline_ms
+
+            def refresh_table() -> Awaitable[None]:
+                return table.refresh(engine, deadline_ms)
+
+            refresh = refresh_table
         async with asyncio.TaskGroup() as tg:
             listener = tg.create_task(
                 _listen_loop(settings.database, settings.acker, wake, stop), name="listen"
@@ -175,6 +276,7 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
                     wake,
                     stop,
                     settings.database.transaction_deadline_ms,
+                    refresh=refresh,
                 ),
                 name="drain",
             )

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import structlog
 
-from backhalf import failpoints, migrate, registry, replay
+from backhalf import db_errors, failpoints, migrate, registry, replay
 from backhalf.db import create_engine, redact_url
 from backhalf.normalize import body_payload
-from ingest import logs, signals, status
+from ingest import logs, registered, signals, status
 from ingest.acker import run_acker
 from ingest.adapters.base import FAMILY, TRUST_MODE
-from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
+from ingest.config import DEFAULT_CONFIG_PATH, DEFAULT_REDIS_URL, Settings, from_mapping, load
 from ingest.errors import ConfigError
-from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK
 from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
 from ingest.signals import stop_on_signals
@@ -180,9 +180,28 @@ def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
     return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes, cfg.body_schema)
 
 
-async def _status_command(settings: Settings, as_json: bool) -> int:
-    print(status.render(await status.collect(settings), as_json))
-    return EXIT_OK
+async def _status_command(settings: Settings, as_json: bool, broker_url: str) -> int:
+    report = await status.collect(settings, broker_url)
+    print(status.render(report, as_json))
+    return status.exit_code(report)
+
+
+def _until_stopped(verb: str, body: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    """``_run``; a permanent database error at start-up is one line and EXIT_DATABASE."""
+    try:
+        return _run(body)
+    except db_errors.DatabaseUnusable as exc:
+        print(f"switchboard {verb}: {exc.problem.message}", file=sys.stderr)
+        problem = exc.problem
+        # The message is the whole story: no traceback.
+        log.error("database_unusable", kind=problem.kind, sqlstate=problem.sqlstate, error=str(exc))  # noqa: TRY400
+        return EXIT_DATABASE
+
+
+def _registered_broker_url(settings: Settings, env: Mapping[str, str]) -> str:
+    """The broker of adapters known only from the adapters table (``ack`` and
+    ``status`` with no adapters configured); checked only then."""
+    return registered.broker_url(env) if not settings.adapters else DEFAULT_REDIS_URL
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -210,14 +229,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         migrate.upgrade(settings.database.url)
         log.info("migrated")
         return EXIT_OK
+    if args.verb in ("ack", "status"):
+        try:
+            broker_url = _registered_broker_url(settings, env)
+        except ConfigError as exc:
+            print(f"switchboard: config error: {exc}", file=sys.stderr)
+            log.error("config_error", error=str(exc))  # noqa: TRY400 - the message is the whole story
+            return EXIT_CONFIG
     if args.verb == "ingest":
-        return _run(lambda stop: run_ingester(settings, stop))
+        return _until_stopped("ingest", lambda stop: run_ingester(settings, stop))
     if args.verb == "ack":
-        return _run(lambda stop: run_acker(settings, stop))
+        return _until_stopped("ack", lambda stop: run_acker(settings, stop, broker_url=broker_url))
     if args.verb == "adapters":
         return asyncio.run(_adapters_command(settings, args))
     if args.verb == "status":
-        return asyncio.run(_status_command(settings, args.json))
+        return asyncio.run(_status_command(settings, args.json, broker_url))
     if args.verb == "inbox":
         return asyncio.run(_inbox_command(settings, args))
     raise AssertionError(f"unhandled verb {args.verb}")

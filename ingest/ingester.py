@@ -15,7 +15,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry
+from backhalf import db_errors, registry
 from backhalf.db import MAX_OVERFLOW, create_engine, within_deadline
 from backhalf.errors import DeadlineExceeded
 from ingest.adapters.base import FAMILY, PullAdapter
@@ -29,7 +29,9 @@ log = structlog.get_logger(__name__)
 
 async def register_adapters(engine: AsyncEngine, settings: Settings, stop: asyncio.Event) -> bool:
     """Upsert every configured adapter, retrying while the database is away.
-    Return False if stop was requested first."""
+    Return False if stop was requested first. A permanent error (the schema
+    missing, the login refused, no such database) raises DatabaseUnusable:
+    waiting would not fix it."""
     retry = Retry(Backoff(settings.ingest.backoff_initial_ms, settings.ingest.backoff_max_ms), log)
     while not stop.is_set():
         try:
@@ -45,6 +47,9 @@ async def register_adapters(engine: AsyncEngine, settings: Settings, stop: async
                         settings=a.public_settings(),
                     )
         except (SQLAlchemyError, DeadlineExceeded) as exc:
+            problem = db_errors.classify(exc)
+            if problem is not None:
+                raise db_errors.DatabaseUnusable(problem) from exc
             await retry.back_off(stop, "register_failed", exc)
         else:
             log.info("adapters_registered", adapters=[a.name for a in settings.adapters])

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
+from redis.exceptions import ResponseError
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
@@ -291,7 +292,12 @@ class StreamAdapter(RedisEndpoint):
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg
         with redis_errors(self.name, f"XINFO GROUPS {cfg.source}"):
-            groups = await self._client.xinfo_groups(cfg.source)
+            try:
+                groups = await self._client.xinfo_groups(cfg.source)
+            except ResponseError as exc:
+                if "no such key" not in str(exc).lower():
+                    raise
+                groups = []  # no stream yet: a state, not a broker failure (the ingester makes it)
             length = await self._client.xlen(cfg.source)
         for g in groups:
             if as_text(g["name"]) == cfg.group:

@@ -1,0 +1,101 @@
+"""The one classifier of database errors: permanent (stop, say what to do)
+versus transient (back off, retry)."""
+
+from __future__ import annotations
+
+import psycopg
+import psycopg.errors
+import pytest
+from sqlalchemy import exc as sa_exc
+
+from backhalf.db_errors import MIGRATE_HINT, DatabaseUnusable, classify
+from backhalf.errors import DeadlineExceeded, StoreError
+
+
+def wrapped(orig: Exception) -> sa_exc.DBAPIError:
+    """As SQLAlchemy raises it: the driver's error as ``orig``."""
+    return sa_exc.DBAPIError.instance("SELECT 1", {}, orig, psycopg.Error)
+
+
+def refused_at_connect(fatal: str) -> psycopg.OperationalError:
+    return psycopg.OperationalError(
+        f'connection failed: connection to server at "127.0.0.1", port 5432 failed: FATAL:  {fatal}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "sqlstate"),
+    [
+        (psycopg.errors.UndefinedTable('relation "adapters" does not exist'), "not_migrated", "42P01"),
+        (psycopg.errors.UndefinedColumn('column "x" does not exist'), "not_migrated", "42703"),
+        (psycopg.errors.InvalidPassword("password authentication failed"), "authentication_failed", "28P01"),
+        (psycopg.errors.InvalidCatalogName('database "x" does not exist'), "no_such_database", "3D000"),
+        (
+            psycopg.errors.InsufficientPrivilege("permission denied for table inbox"),
+            "permission_denied",
+            "42501",
+        ),
+        (refused_at_connect('password authentication failed for user "u"'), "authentication_failed", "28P01"),
+        (refused_at_connect('database "nosuch" does not exist'), "no_such_database", "3D000"),
+        (refused_at_connect('role "ghost" does not exist'), "authentication_failed", "28000"),
+        (
+            refused_at_connect('no pg_hba.conf entry for host "10.0.0.1", user "u"'),
+            "authentication_failed",
+            "28000",
+        ),
+        (
+            psycopg.OperationalError("connection failed: fe_sendauth: no password supplied"),
+            "authentication_failed",
+            "28P01",
+        ),
+    ],
+)
+def test_permanent_errors_are_named_with_what_to_do(error: Exception, kind: str, sqlstate: str) -> None:
+    for form in (error, wrapped(error)):
+        problem = classify(form)
+        assert problem is not None
+        assert (problem.kind, problem.sqlstate) == (kind, sqlstate)
+        assert "\n" not in problem.message
+    if kind in ("not_migrated", "no_such_database"):
+        assert MIGRATE_HINT in problem.message
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        psycopg.OperationalError(
+            'connection failed: connection to server at "127.0.0.1", port 1 failed: Connection refused'
+        ),
+        refused_at_connect("the database system is starting up"),
+        refused_at_connect("sorry, too many clients already"),
+        psycopg.errors.AdminShutdown("terminating connection due to administrator command"),
+        psycopg.errors.QueryCanceled("canceling statement due to statement timeout"),
+        psycopg.errors.SerializationFailure("could not serialize access"),
+        TimeoutError(),
+        DeadlineExceeded("no reply within 30000 ms"),
+    ],
+)
+def test_transient_and_unknown_errors_are_retried(error: Exception) -> None:
+    assert classify(error) is None
+    if isinstance(error, psycopg.Error):
+        assert classify(wrapped(error)) is None
+
+
+def test_an_error_anywhere_in_the_chain_is_found() -> None:
+    try:
+        try:
+            raise wrapped(psycopg.errors.UndefinedTable('relation "inbox" does not exist'))
+        except sa_exc.DBAPIError as exc:
+            raise StoreError("storing a batch failed") from exc
+    except StoreError as outer:
+        problem = classify(outer)
+    assert problem is not None
+    assert problem.kind == "not_migrated"
+    assert str(DatabaseUnusable(problem)) == problem.message
+
+
+def test_the_message_never_carries_the_url() -> None:
+    error = refused_at_connect('password authentication failed for user "u"')
+    problem = classify(wrapped(error))
+    assert problem is not None
+    assert "127.0.0.1" not in problem.message

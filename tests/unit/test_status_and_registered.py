@@ -1,0 +1,109 @@
+"""``status``'s text form and verdict, and adapters rebuilt from their
+``adapters`` row (what ``ack`` and ``status`` use without a config file)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backhalf.normalize import BodyFormat
+from backhalf.registry import AdapterRow
+from ingest import registered, status
+from ingest.config import DEFAULT_REDIS_URL, from_mapping
+from ingest.errors import ConfigError
+from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY
+
+
+def entry(name: str, **kw: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "adapter": name, "mode": "stream", "source": name, "defined_in": "config", "healthy": True,
+        "registered": True, "enabled": True, "stream_length": 3, "lag": None, "broker_pending": 0,
+        "pending_acks": 0, "oldest_unacked_age_s": None, "stored": 1, "rejected": 0, "acked": 1,
+        "todos": {"pending": 2},
+    }  # fmt: skip
+    return {**base, **kw}
+
+
+def test_the_text_form_shows_no_python_values() -> None:
+    report = [
+        entry("orders", oldest_unacked_age_s=1.5),
+        entry(
+            "jobs",
+            mode="list",
+            healthy=None,
+            enabled=False,
+            todos={},
+            consumers={"host-1": {"processing_length": 0, "heartbeat_ttl_ms": None}},
+        ),
+        entry("events", mode="pubsub", healthy=False, registered=False, enabled=None, broker_error="refused"),
+    ]
+    text = status.render(report, as_json=False)
+    for raw in ("True", "False", "None", "{", "}"):
+        assert raw not in text
+    assert "orders (stream orders): ok" in text
+    assert "jobs (list jobs): disabled" in text
+    assert "events (pubsub events): UNHEALTHY" in text
+    assert "1.5 s" in text
+    assert "host-1 (processing_length 0, heartbeat_ttl_ms -)" in text
+    assert text.endswith("unhealthy: events")
+    assert status.exit_code(report) == EXIT_UNHEALTHY
+    assert status.exit_code(report[:2]) == EXIT_OK
+    assert "no adapters" in status.render([], as_json=False)
+
+
+def row(mode: str, settings: dict[str, object], family: str = "queue") -> AdapterRow:
+    return AdapterRow(name="a", family=family, transport="redis", mode=mode, enabled=True, settings=settings)
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        {"name": "a", "source": "s", "batch_size": 7, "format": "text", "group": "g", "queue": "q"},
+        {"name": "a", "mode": "list", "source": "s", "heartbeat_ttl_ms": 5000},
+        {"name": "a", "mode": "pubsub", "source": "ch", "delivery": "at-most-once"},
+    ],
+)
+def test_a_registered_adapter_is_rebuilt_from_its_public_settings(table: dict[str, object]) -> None:
+    cfg = from_mapping({"database": {"url": "postgresql://db/x"}, "adapters": [table]}, {}).adapters[0]
+    rebuilt = registered.adapter_config(row(cfg.mode, cfg.public_settings()), "redis://elsewhere:6379/1")
+    assert rebuilt.redis_url == "redis://elsewhere:6379/1"
+    for attr in (
+        "name",
+        "mode",
+        "source",
+        "queue",
+        "group",
+        "batch_size",
+        "format",
+        "delivery",
+        "key_prefix",
+    ):
+        if attr in cfg.public_settings() or attr in ("name", "mode", "source", "queue"):
+            assert getattr(rebuilt, attr) == getattr(cfg, attr), attr
+    assert isinstance(rebuilt.format, BodyFormat)
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        (row("stream", {"group": "g"}), "'source'"),
+        (row("stream", {"source": "s", "batch_size": "many"}), "'batch_size'"),
+        (row("stream", {"source": "s", "format": "yaml"}), "'format'"),
+        (row("stream", {"source": "s"}, family="webhook"), "family"),
+    ],
+)
+def test_a_row_that_cannot_be_rebuilt_is_a_config_error_naming_it(bad: AdapterRow, needle: str) -> None:
+    with pytest.raises(ConfigError, match="registered adapter 'a'") as caught:
+        registered.adapter_config(bad, DEFAULT_REDIS_URL)
+    assert needle in str(caught.value)
+
+
+def test_settings_this_version_does_not_know_are_ignored() -> None:
+    assert registered.adapter_config(row("stream", {"source": "s", "shiny_new_key": 1}), DEFAULT_REDIS_URL)
+
+
+def test_the_broker_url_comes_from_the_environment_and_is_never_echoed() -> None:
+    assert registered.broker_url({}) == DEFAULT_REDIS_URL
+    assert registered.broker_url({"SWITCHBOARD_REDIS_URL": "rediss://h:6380/2"}) == "rediss://h:6380/2"
+    with pytest.raises(ConfigError, match="SWITCHBOARD_REDIS_URL") as caught:
+        registered.broker_url({"SWITCHBOARD_REDIS_URL": "mysql://u:secret@h/x"})
+    assert "secret" not in str(caught.value)
