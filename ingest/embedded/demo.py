@@ -4,14 +4,25 @@ Starts PostgreSQL and Valkey from the wheels (``ingest.embedded.servers``), migr
 produces sample orders into a stream while a real ingester and acker run as
 separate processes, SIGKILLs the ingester once mid-stream, restarts it, waits
 until everything is acked, and prints what happened, straight from SQL and Redis.
+
+Stopped by SIGTERM or SIGINT, it stops everything it started and removes its
+temporary directory, then exits 128 + the signal's number. Killed outright
+(SIGKILL), its servers and processes die with it (``ingest.embedded.children``);
+its directory stays until the next demo starts and removes it. A server that
+cannot start is one line on stderr and exit 1, with nothing left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import psycopg
@@ -20,10 +31,11 @@ import redis
 from backhalf import migrate
 from backhalf.db import libpq_url
 from ingest.embedded.config import write_config
-from ingest.embedded.processes import Processes, wait_for
-from ingest.embedded.servers import embedded_servers
+from ingest.embedded.processes import Processes, SwitchboardProcess, WaitTimedOut, wait_for
+from ingest.embedded.servers import embedded_servers, remove_abandoned
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 
+PREFIX = "switchboard-demo-"
 STREAM = "orders"
 WAIT_TIMEOUT_S = 120.0
 PROCESS_STOP_TIMEOUT_S = 20.0
@@ -67,29 +79,108 @@ def _write_config(path: Path, db_url: str, redis_url: str) -> None:
     write_config(path, database_url=db_url, redis_url=redis_url, adapters=[adapter])
 
 
+class Stopped(Exception):
+    """A stop signal arrived: raised where the demo was, so its clean-up runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _stop_signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGINT raise ``Stopped`` once; while the clean-up runs, a
+    second one is ignored (the clean-up is bounded: each wait has a deadline)."""
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
 def run(messages: int = 5000) -> int:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the demo prints its own story
-    with embedded_servers("switchboard-demo-") as servers:
-        base, pg, rs = servers.base, servers.postgres, servers.redis
-        print(f"demo: working in {base}")
+    try:
+        with _stop_signals_raise():
+            if removed := remove_abandoned(PREFIX):
+                _say(f"demo: removed {len(removed)} folder(s) left by demos killed before their clean-up")
+            return _run(messages)
+    except Stopped as stop:
+        done = "its servers and processes stopped, its folder removed"
+        print(f"demo: stopped by {stop}: {done}", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _run(messages: int) -> int:
+    with contextlib.ExitStack() as stack:
+        try:
+            servers = stack.enter_context(embedded_servers(PREFIX))
+            base, pg, rs = servers.base, servers.postgres, servers.redis
+            db_url = pg.create_database("switchboard")
+        except (RuntimeError, OSError) as exc:
+            # The kit's message: its first line says why; the log tail below it
+            # went with the folder, which is removed by now.
+            print(f"switchboard demo: {str(exc).splitlines()[0]}", file=sys.stderr)
+            return EXIT_FAILURE
+        _say(f"demo: working in {base}")
+        _say(
+            f"demo: PostgreSQL on 127.0.0.1:{pg.port} (pid {pg.pid}), "
+            f"Valkey on 127.0.0.1:{rs.port} (pid {rs.pid})"
+        )
         # Without the caller's SWITCHBOARD_* variables: an exported production
         # SWITCHBOARD_DATABASE_URL would override the demo's own config.
         processes = Processes(base)
+        stack.callback(processes.kill_all)  # last: every log file closed, even a dead process's
+        stack.callback(processes.stop_all, PROCESS_STOP_TIMEOUT_S)
+        migrate.upgrade(db_url)
+        _say("demo: migrated")
+        config = base / "switchboard.toml"
+        _write_config(config, db_url, rs.url)
         try:
-            db_url = pg.create_database("switchboard")
-            print(f"demo: PostgreSQL on 127.0.0.1:{pg.port}, Valkey on 127.0.0.1:{rs.port}")
-            migrate.upgrade(db_url)
-            print("demo: migrated")
-            config = base / "switchboard.toml"
-            _write_config(config, db_url, rs.url)
             return _drive(config, db_url, rs.url, messages, processes)
-        finally:
-            processes.stop_all(PROCESS_STOP_TIMEOUT_S)
+        except (WaitTimedOut, ProcessExited) as exc:
+            print(f"demo: FAILED: {exc}", file=sys.stderr)
+            for proc in processes.all:  # their logs go with the folder
+                tail = proc.raw_log().splitlines()[-3:]
+                print("\n".join(f"  {proc.log_path.name}: {line}" for line in tail), file=sys.stderr)
+            return EXIT_FAILURE
+    raise AssertionError("unreachable")  # pragma: no cover - for mypy: ExitStack may swallow
+
+
+class ProcessExited(RuntimeError):
+    """The ingester or the acker ended while the demo still needed it."""
+
+
+def _running(*procs: SwitchboardProcess) -> bool:
+    for proc in procs:
+        if not proc.alive():
+            said = proc.raw_log().strip().splitlines()[-1:] or ["nothing"]
+            name = proc.log_path.name.split(".")[0]
+            raise ProcessExited(f"the {name} exited with {proc.proc.returncode}; its last line: {said[0]}")
+    return True
 
 
 def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: Processes) -> int:
-    r = redis.Redis.from_url(redis_url, socket_timeout=10)
-    with psycopg.connect(libpq_url(db_url), autocommit=True, connect_timeout=10) as db:
+    with (
+        contextlib.closing(redis.Redis.from_url(redis_url, socket_timeout=10)) as r,
+        psycopg.connect(libpq_url(db_url), autocommit=True, connect_timeout=10) as db,
+    ):
         acker = processes.start("ack", config, name="acker")
         ingester = processes.start("ingest", config, name="ingester-1")
         killed = False
@@ -102,22 +193,28 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
             pipe.execute()
             time.sleep(0.02)
             if not killed and start >= messages // 3:
-                wait_for(lambda: _scalar(db, TODOS_SQL) > 0, timeout_s=WAIT_TIMEOUT_S, what="the first todos")
+                wait_for(
+                    lambda: _running(acker, ingester) and _scalar(db, TODOS_SQL) > 0,  # noqa: B023 - called here
+                    timeout_s=WAIT_TIMEOUT_S,
+                    what="the first todos",
+                )
                 ingester.kill()
                 killed = True
                 pending = r.xpending(STREAM, "switchboard")["pending"]
-                print(
+                _say(
                     f"demo: SIGKILLed the ingester mid-stream: {_scalar(db, TODOS_SQL)} todos committed, "
                     f"{pending} entries pending in Redis"
                 )
                 ingester = processes.start("ingest", config, name="ingester-1")
-                print("demo: restarted the ingester (same consumer name: it re-reads its own PEL)")
-        print(f"demo: produced {messages} messages to stream {STREAM!r}")
+                _say("demo: restarted the ingester (same consumer name: it re-reads its own PEL)")
+        _say(f"demo: produced {messages} messages to stream {STREAM!r}")
         wait_for(
-            lambda: _scalar(db, ACKED_SQL) >= messages, timeout_s=WAIT_TIMEOUT_S, what="every message acked"
+            lambda: _running(acker, ingester) and _scalar(db, ACKED_SQL) >= messages,
+            timeout_s=WAIT_TIMEOUT_S,
+            what="every message acked",
         )
         wait_for(
-            lambda: r.xpending(STREAM, "switchboard")["pending"] == 0,
+            lambda: _running(acker, ingester) and r.xpending(STREAM, "switchboard")["pending"] == 0,
             timeout_s=WAIT_TIMEOUT_S,
             what="an empty PEL",
         )
@@ -129,25 +226,25 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
         assert row is not None
         todos, distinct, inbox_rows, acked, redeliveries, events = row
         pending = r.xpending(STREAM, "switchboard")["pending"]
-        print()
-        print(f"  messages produced       {messages}")
-        print(f"  todos created           {todos}")
-        print(f"  duplicates              {todos - distinct}")
-        print(f"  events recorded         {events}")
-        print(f"  inbox rows              {inbox_rows}")
-        print(f"  acked (XACK)            {acked}")
-        print(f"  redeliveries deduped    {redeliveries}")
-        print(f"  pending in Redis (PEL)  {pending}")
-        print(f"  exit codes on SIGTERM   {codes}")
+        _say()
+        _say(f"  messages produced       {messages}")
+        _say(f"  todos created           {todos}")
+        _say(f"  duplicates              {todos - distinct}")
+        _say(f"  events recorded         {events}")
+        _say(f"  inbox rows              {inbox_rows}")
+        _say(f"  acked (XACK)            {acked}")
+        _say(f"  redeliveries deduped    {redeliveries}")
+        _say(f"  pending in Redis (PEL)  {pending}")
+        _say(f"  exit codes on SIGTERM   {codes}")
         key_row = db.execute(TRAIL_KEY_SQL).fetchone()
         if key_row:
-            print(f"\n  audit trail of {key_row[0]} (audit_message_trail):")
+            _say(f"\n  audit trail of {key_row[0]} (audit_message_trail):")
             cur = db.execute(TRAIL_SQL, {"key": key_row[0]})
             names = [c.name for c in cur.description or ()]
             for trail in cur.fetchall():
                 for name, value in zip(names, trail, strict=True):
-                    print(f"    {name:<18} {value}")
+                    _say(f"    {name:<18} {value}")
         ok = todos == messages == distinct and acked == inbox_rows and pending == 0
         ok = ok and all(c == 0 for c in codes.values())
-        print(f"\ndemo: {'OK: no loss, no duplicate' if ok else 'FAILED'}")
+        _say(f"\ndemo: {'OK: no loss, no duplicate' if ok else 'FAILED'}")
         return EXIT_OK if ok else EXIT_FAILURE

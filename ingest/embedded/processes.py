@@ -4,6 +4,8 @@ the demo, the system tests and the benchmarks.
 Each process is ``python -m ingest --config <file> <verb>``, its output (JSON
 log lines) kept in a file, and it is always waited for. Every wait is bounded:
 ``wait_for`` polls a condition until a deadline, never sleeping and hoping.
+A process started from the main thread is SIGKILLed if this one dies
+(``ingest.embedded.children``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from ingest.embedded.children import die_with_parent
 
 PROCESS_TIMEOUT_S = 30.0
 
@@ -75,7 +79,7 @@ class SwitchboardProcess:
             full_env["SWITCHBOARD_FAILPOINTS"] = failpoints
         self._log_file = log_path.open("ab")
         self.proc = subprocess.Popen(  # noqa: S603 - our own interpreter and package
-            argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env
+            argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env, **die_with_parent()
         )
 
     @property

@@ -20,8 +20,15 @@ clone in root's home directory, mode 0700, holds the virtual environment and
 so pgserver's), the installation is copied into the base directory first and
 run from there; it goes when the base directory does.
 
+Every server is started to die with us (``ingest.embedded.children``): a
+parent killed with SIGKILL leaves no server running. A server that cannot
+start raises ``RuntimeError`` whose first line says why (the server's own
+error lines), with the log tail below it.
+
 ``embedded_servers`` is the one set-up of both servers for the demo, the test
-suite and the benchmarks.
+suite and the benchmarks. Each ``temp_base`` records its owner's pid, so
+``remove_abandoned`` can delete the folders of owners killed before their
+clean-up ran.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import contextlib
 import importlib.util
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -48,6 +56,8 @@ import redis
 from psycopg import sql
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from ingest.embedded.children import die_with_parent
 
 # What ``pg_ctl stop -m <mode>`` sends to the postmaster.
 _PG_STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
@@ -74,6 +84,42 @@ def _log_tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
         return f"(no log at {path}: {exc})"
+
+
+# "2026-12-01 10:21:25.880 UTC [7425] FATAL:  could not ..." (PostgreSQL's
+# default log_line_prefix) and "7426:M 01 Dec 2026 10:21:27.959 # Failed ..." (Valkey).
+_PG_LINE = re.compile(r"^\S+ \S+ \S+ \[\d+\] (?P<level>[A-Z]+\d?):\s+(?P<text>.*)$")
+_REDIS_LINE = re.compile(r"^\d+:[A-Z] \d+ \w+ \d+ [\d:.]+ (?P<level>[#*.-]) (?P<text>.*)$")
+
+
+def _log_reason(path: Path, offset: int) -> str:
+    """The server's own error lines written since ``offset``, on one line:
+    PostgreSQL's ERROR/FATAL/PANIC lines and its "could not ..." ones, or
+    Valkey's warnings (``#``) but its advisory "WARNING ..." ones."""
+    try:
+        with path.open("rb") as log:
+            log.seek(offset)
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    reasons = []
+    for line in lines:
+        if pg := _PG_LINE.match(line):
+            text = pg["text"].strip()
+            if pg["level"] in ("ERROR", "FATAL", "PANIC") or text.startswith("could not"):
+                reasons.append(text)
+        elif (rs := _REDIS_LINE.match(line)) and rs["level"] == "#" and not rs["text"].startswith("WARNING"):
+            reasons.append(rs["text"].strip())
+    if not reasons:
+        reasons = [line.strip() for line in lines if line.strip()][-1:]
+    return "; ".join(dict.fromkeys(reasons[-3:])) or "nothing in its log"
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _reap(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -211,9 +257,15 @@ class PostgresServer(_ServerProcess):
                 timeout=120,
                 check=True,
                 **server._as_user,
+                **die_with_parent(),
             )
         except subprocess.CalledProcessError as exc:
-            raise RuntimeError(f"initdb failed:\n{exc.stdout}\n{exc.stderr}") from exc
+            said = [line.strip() for line in (exc.stderr or exc.stdout or "").splitlines() if line.strip()]
+            reason = said[-1] if said else "no output"
+            raise RuntimeError(
+                f"initdb failed (exit {exc.returncode}) in {server.pgdata}: {reason}\n"
+                f"{exc.stdout}\n{exc.stderr}"
+            ) from exc
         except subprocess.TimeoutExpired as exc:
             raise RuntimeError(f"initdb timed out in {server.pgdata}") from exc
         with (server.pgdata / "postgresql.conf").open("a") as conf:
@@ -241,6 +293,7 @@ class PostgresServer(_ServerProcess):
         """Start the postmaster (recovering after a crash) and wait for connections."""
         if self.running:
             return
+        offset = _log_size(self.log_path)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
                 [str(self.bindir / "postgres"), "-D", str(self.pgdata)],
@@ -250,17 +303,18 @@ class PostgresServer(_ServerProcess):
                 stderr=log,
                 start_new_session=True,
                 **self._as_user,
+                **die_with_parent(),
             )
-        self._wait_accepting(self._proc, timeout_s)
+        self._wait_accepting(self._proc, timeout_s, offset)
 
-    def _wait_accepting(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    def _wait_accepting(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
                 self._proc = None
                 raise RuntimeError(
-                    f"postgres exited with {proc.returncode} while starting; {self.log_path}:\n"
-                    + _log_tail(self.log_path)
+                    f"PostgreSQL could not start on 127.0.0.1:{self.port} (exit {proc.returncode}): "
+                    f"{_log_reason(self.log_path, offset)}\n{self.log_path}:\n{_log_tail(self.log_path)}"
                 )
             try:
                 self._connect().close()
@@ -268,7 +322,7 @@ class PostgresServer(_ServerProcess):
                 if time.monotonic() > deadline:
                     self.kill()
                     raise RuntimeError(
-                        f"postgres not accepting connections on port {self.port} after "
+                        f"PostgreSQL not accepting connections on 127.0.0.1:{self.port} after "
                         f"{timeout_s}s; {self.log_path}:\n{_log_tail(self.log_path)}"
                     ) from exc
             else:
@@ -371,18 +425,25 @@ class RedisServer(_ServerProcess):
         self._proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def create(cls, base_dir: Path, *, appendfsync: str = "always") -> RedisServer:
-        """Write a config for a free port; appendfsync="always" makes kill -9 lose nothing."""
+    def create(
+        cls, base_dir: Path, *, appendfsync: str = "always", aclfile: Path | None = None
+    ) -> RedisServer:
+        """Write a config for a free port; appendfsync="always" makes kill -9 lose
+        nothing. ``aclfile``: the users file the server loads at start (``ACL
+        LOAD`` re-reads it); the default user stays as the file leaves it."""
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
         base_dir = Path(base_dir).resolve()
         base_dir.mkdir(parents=True, exist_ok=True)
         server = cls(base_dir, free_port(), redis_binary())
-        server.config_path.write_text(
+        text = (
             f'bind 127.0.0.1\nport {server.port}\ndir "{base_dir}"\ndaemonize no\n'
             f'appendonly yes\nappendfsync {appendfsync}\nsave ""\nprotected-mode no\n'
             f'logfile "{server.log_path}"\n'
         )
+        if aclfile is not None:
+            text += f'aclfile "{Path(aclfile).resolve()}"\n'
+        server.config_path.write_text(text)
         return server
 
     @property
@@ -393,6 +454,7 @@ class RedisServer(_ServerProcess):
         """Start the server and wait until it answers PING (the AOF is loaded by then)."""
         if self.running:
             return
+        offset = _log_size(self.log_path)
         self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
             [str(self.binary), str(self.config_path)],
             cwd=self.base_dir,
@@ -400,10 +462,11 @@ class RedisServer(_ServerProcess):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            **die_with_parent(),
         )
-        self._wait_ping(self._proc, timeout_s)
+        self._wait_ping(self._proc, timeout_s, offset)
 
-    def _wait_ping(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    def _wait_ping(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
         deadline = time.monotonic() + timeout_s
         # No client retries: each PING is bounded by the socket timeouts alone.
         client = redis.Redis(
@@ -418,7 +481,8 @@ class RedisServer(_ServerProcess):
                 if proc.poll() is not None:
                     self._proc = None
                     raise RuntimeError(
-                        f"{self.binary.name} exited with {proc.returncode} while starting; "
+                        f"{self.binary.name} could not start on 127.0.0.1:{self.port} "
+                        f"(exit {proc.returncode}): {_log_reason(self.log_path, offset)}\n"
                         f"{self.log_path}:\n{_log_tail(self.log_path)}"
                     )
                 try:
@@ -468,11 +532,50 @@ class RedisServer(_ServerProcess):
         self.stop()
 
 
+OWNER_FILE = "owner.pid"
+
+
+def _started_at(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), None if it is gone or a zombie."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat_line.rpartition(")")[2].split()  # after "pid (comm)"
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _owner_tag(pid: int) -> str:
+    return f"{pid} {_started_at(pid) or '-'}"
+
+
 def temp_base(prefix: str) -> Path:
-    """A new temporary directory, open to 'nobody' (PostgreSQL's user under root)."""
+    """A new temporary directory, open to 'nobody' (PostgreSQL's user under root),
+    holding its owner's pid and start time (``OWNER_FILE``)."""
     base = Path(tempfile.mkdtemp(prefix=prefix))
+    (base / OWNER_FILE).write_text(_owner_tag(os.getpid()))
     base.chmod(0o755)
     return base
+
+
+def remove_abandoned(prefix: str) -> list[Path]:
+    """Delete this user's ``temp_base`` folders named ``prefix*`` whose owner is
+    gone (killed before its clean-up ran: its children died with it, its folder
+    did not); return them. A folder whose owner lives, or that names none, stays."""
+    removed = []
+    for base in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            if base.is_symlink() or base.stat().st_uid != os.geteuid():
+                continue
+            pid_text, _, started = (base / OWNER_FILE).read_text().partition(" ")
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if pid == os.getpid() or _owner_tag(pid) == f"{pid} {started}":
+            continue  # the owner (or a process with its pid and start time) still runs
+        shutil.rmtree(base, ignore_errors=True)
+        removed.append(base)
+    return removed
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,24 @@
 """``switchboard demo``: the whole pipeline on embedded servers prints its story
-and OK (ingest/embedded/demo.py)."""
+and OK; a stop signal or its death leaves nothing running, a server that
+cannot start is one line (ingest/embedded/demo.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 
+from ingest.embedded import demo, servers
+from ingest.embedded.processes import STRICT_FLAGS, wait_for
 from tests.support.processes import switchboard
 
 pytestmark = pytest.mark.system
@@ -31,3 +45,156 @@ def test_demo_ignores_the_callers_switchboard_environment() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "todos created           200" in result.stdout
     assert "OK: no loss, no duplicate" in result.stdout
+
+
+# The demo's own children: the servers, the ingester and the acker, and
+# PostgreSQL's backends below the postmaster (Linux /proc).
+PREFIX = demo.PREFIX
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields after "pid (comm)" of a live process; None if gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields
+
+
+def _tree(root: int) -> dict[int, list[str]]:
+    """Every live descendant of ``root``, with its command line's words."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        if (fields := _stat(int(entry.name))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: dict[int, list[str]] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        with contextlib.suppress(OSError):
+            # Valkey rewrites its title into argv[0] ("valkey-server 127.0.0.1:port").
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            found[pid] = cmdline.replace("\0", " ").split()
+        todo += children.get(pid, [])
+    return found
+
+
+def _running_in(folder: Path) -> list[int]:
+    """Live processes whose working directory is in ``folder`` (PostgreSQL's, by then re-parented)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if os.readlink(entry / "cwd").startswith(str(folder)) and _stat(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def _roles(tree: dict[int, list[str]], demo_pid: int) -> dict[str, int]:
+    roles = {}
+    for pid, argv in tree.items():
+        if _stat(pid) is None or int(_stat(pid)[1]) != demo_pid:  # type: ignore[index]
+            continue
+        name = Path(argv[0]).name
+        if name == "postgres":
+            roles["postmaster"] = pid
+        elif name in ("valkey-server", "redis-server"):
+            roles["valkey"] = pid
+        elif "--consumer" in argv:
+            roles["ingester"] = pid
+        elif argv[-1] == "ack":
+            roles["acker"] = pid
+    return roles
+
+
+def _start_demo(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, Path, dict[int, list[str]]]:
+    """A long demo, until its servers, ingester and acker run: the process, its
+    output file, its folder and its process tree then."""
+    out = tmp_path / "demo.out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, *STRICT_FLAGS, "-m", "ingest", "demo", "--messages", "10000000"],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        match = wait_for(
+            lambda: proc.poll() is None and re.search(r"demo: working in (\S+)", out.read_text()),
+            timeout_s=120,
+            what=f"the demo to report its folder; {out}",
+        )
+        wait_for(
+            lambda: proc.poll() is None and len(_roles(_tree(proc.pid), proc.pid)) == 4,
+            timeout_s=60,
+            what="the demo's postmaster, Valkey, ingester and acker",
+        )
+    except BaseException:
+        proc.kill()
+        proc.wait(30)
+        raise
+    tree = _tree(proc.pid)
+    assert "PostgreSQL on 127.0.0.1:" in out.read_text()
+    return proc, out, Path(match[1]), tree
+
+
+def _assert_all_gone(tree: dict[int, list[str]], base: Path) -> None:
+    wait_for(
+        lambda: not [p for p in tree if _stat(p)] and not _running_in(base),
+        timeout_s=30,
+        what=f"the demo's children to die: {[(p, tree[p][:1]) for p in tree if _stat(p)]}",
+    )
+
+
+def test_sigterm_stops_everything_the_demo_started_and_removes_its_folder(tmp_path: Path) -> None:
+    proc, out, base, tree = _start_demo(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=90)
+    text = out.read_text()
+    assert code == 128 + signal.SIGTERM, text
+    assert "demo: stopped by SIGTERM" in text
+    assert "Traceback" not in text, text
+    _assert_all_gone(tree, base)
+    assert not base.exists()
+
+
+def test_the_demos_children_die_with_it_and_the_next_demo_removes_its_folder(tmp_path: Path) -> None:
+    """kill -9: no clean-up of the demo's runs, yet its servers and processes
+    die with it (PR_SET_PDEATHSIG); its folder stays until a demo starts next."""
+    proc, _, base, tree = _start_demo(tmp_path)
+    proc.kill()
+    proc.wait(timeout=30)
+    _assert_all_gone(tree, base)
+    assert base.exists()
+    assert base in servers.remove_abandoned(PREFIX)  # what the next demo does first
+    assert not base.exists()
+
+
+@pytest.mark.parametrize("failing", ["PostgreSQL", "valkey-server"])
+def test_a_server_that_cannot_start_is_one_line_and_leaves_no_folder(
+    failing: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its port taken: one line on stderr naming the server and the cause, exit
+    1, nothing left in the temporary directory and nothing left running."""
+    tmp = Path(tempfile.mkdtemp(prefix="switchboard-test-tmp-"))
+    tmp.chmod(0o755)  # PostgreSQL runs as 'nobody' under root
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = [busy, servers.free_port()] if failing == "PostgreSQL" else [servers.free_port(), busy]
+        monkeypatch.setattr(servers, "free_port", lambda: ports.pop(0))
+        try:
+            code = demo.run(messages=10)
+            captured = capsys.readouterr()
+            assert code == 1
+            assert captured.err.splitlines() == [
+                f"switchboard demo: {failing} could not start on 127.0.0.1:{busy} (exit 1): "
+                + captured.err.split("(exit 1): ", 1)[1].rstrip("\n")
+            ]
+            assert "Address already in use" in captured.err
+            assert list(tmp.iterdir()) == []
+            assert _running_in(tmp) == []
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,52 @@
+"""Child processes that do not outlive the process that started them.
+
+A server or ``switchboard`` process the kit starts is SIGKILLed by the kernel
+when its parent dies, however it dies (kill -9 included), so nothing is left
+running, re-parented to init. Linux only (``prctl(PR_SET_PDEATHSIG)``, set in
+the child between fork and exec, after any change of user, which would clear
+it); elsewhere the children are stopped by the usual clean-up alone.
+
+The kernel sends the signal when the *thread* that forked the child ends, not
+the process: a child started from a worker thread would be killed when that
+thread exits. So it is armed only for children started from the main thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def die_with_parent() -> dict[str, Any]:
+    """``Popen`` keyword arguments that have the child SIGKILLed when this
+    process dies; none off Linux or off the main thread."""
+    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
+        return {}
+    prctl, parent, sigkill = _PRCTL, os.getpid(), int(signal.SIGKILL)
+
+    def arm() -> None:  # runs in the child, before exec
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), sigkill)
+
+    return {"preexec_fn": arm}
