@@ -1,13 +1,31 @@
-"""The least-privilege users of ops/redis-acl.example, for tests to run as."""
+"""The least-privilege users of ops/redis-users.acl, for tests to run as."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-ACL_EXAMPLE = Path(__file__).parents[2] / "ops" / "redis-acl.example"
+ACL_USERS = Path(__file__).parents[2] / "ops" / "redis-users.acl"
+PLACEHOLDER = ">CHANGE-ME"
 
 
 def acl_rules(user: str, password: str) -> list[str]:
-    """The rules of one user line of the example, with a real password."""
-    (line,) = [x for x in ACL_EXAMPLE.read_text().splitlines() if x.startswith(f"user {user} ")]
+    """The rules of one user line of the file, with a real password."""
+    (line,) = [x for x in ACL_USERS.read_text().splitlines() if x.startswith(f"user {user} ")]
     return [f">{password}" if rule.startswith(">") else rule for rule in line.split()[2:]]
+
+
+def password_for(user: str) -> str:
+    return f"pw-{user}"
+
+
+def acl_file_as_shipped(target: Path) -> Path:
+    """The shipped file, each user's ``>CHANGE-ME`` replaced by ``password_for``
+    it and nothing else changed, at ``target``."""
+    lines = []
+    for line in ACL_USERS.read_text().splitlines(keepends=True):
+        if line.startswith("user "):
+            assert line.count(PLACEHOLDER) == 1, line
+            line = line.replace(PLACEHOLDER, f">{password_for(line.split()[1])}")
+        lines.append(line)
+    target.write_text("".join(lines))
+    return target

@@ -1,5 +1,7 @@
-"""The least-privilege ACL users of ops/redis-acl.example suffice for the list
-and pub/sub modes (the stream mode: tests/integration/test_pipeline_in_process.py)."""
+"""The least-privilege ACL users of ops/redis-users.acl suffice for the list
+and pub/sub modes (the stream mode: tests/integration/test_pipeline_in_process.py;
+the file loaded as an aclfile, every mode in real processes:
+tests/system/test_ops_examples.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from tests.support.in_process import pipeline, settings, wait_until
 async def test_least_privilege_acl_users_suffice(
     mode: str, db_url: str, redis_url: str, r: redis.Redis
 ) -> None:
-    source = "jobs" if mode == "list" else "news"  # the names ops/redis-acl.example grants
+    source = "jobs" if mode == "list" else "notifications"  # the names ops/redis-users.acl grants
     r.execute_command("ACL", "SETUSER", "least", *acl_rules(f"switchboard-{mode}", "pw"))
     try:
         url = redis_url.replace("redis://", "redis://least:pw@", 1)

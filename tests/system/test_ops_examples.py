@@ -1,0 +1,149 @@
+"""The shipped ops examples as written (issue 13.8): a Valkey that loads
+ops/redis-users.acl as its aclfile (only the passwords replaced) runs the
+example config's three adapters, each under its own user, in real ``switchboard
+ingest`` and ``ack`` processes; ``status`` works under them; what they do not
+grant is refused."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from ingest.adapters.redis.lists import processing_key
+from ingest.embedded.config import write_config
+from ingest.embedded.processes import wait_for, wait_ready
+from ingest.embedded.servers import RedisServer, temp_base
+from tests.support import db
+from tests.support.acl import acl_file_as_shipped, password_for
+from tests.support.processes import Processes, assert_clean_exit, switchboard
+from tests.support.streams import produce, xpending
+
+pytestmark = pytest.mark.system
+
+EXAMPLE_CONFIG = Path(__file__).parents[2] / "ops" / "switchboard.example.toml"
+N = 50
+
+
+@pytest.fixture
+def acl_redis() -> Iterator[RedisServer]:
+    """A Valkey whose users are the shipped file's (and the untouched default user)."""
+    base = temp_base("switchboard-acl-")
+    server = RedisServer.create(base, aclfile=acl_file_as_shipped(base / "users.acl"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
+
+
+def _as(server: RedisServer, user: str, password: str | None = None) -> redis.Redis:
+    return redis.Redis(
+        host="127.0.0.1",
+        port=server.port,
+        username=user,
+        password=password or password_for(user),
+        socket_timeout=10,
+    )
+
+
+def _example_config(path: Path, db_url: str, server: RedisServer) -> Path:
+    """The example config, pointed at the test's servers, each adapter with its
+    mode's user in its own ``url``; every other value as shipped."""
+    example: dict[str, Any] = tomllib.loads(EXAMPLE_CONFIG.read_text())
+    adapters = []
+    for adapter in example["adapters"]:
+        user = f"switchboard-{adapter['mode']}"
+        url = server.url.replace("redis://", f"redis://{user}:{password_for(user)}@", 1)
+        adapters.append({**adapter, "url": url})
+    database = {k: v for k, v in example["database"].items() if k != "url"}
+    return write_config(
+        path,
+        database_url=db_url,
+        adapters=adapters,
+        database=database,
+        ingest=example["ingest"],
+        acker=example["acker"],
+    )
+
+
+def test_the_example_config_runs_under_the_shipped_acl_users(
+    tmp_path: Path, db_url: str, acl_redis: RedisServer, procs: Processes
+) -> None:
+    config = _example_config(tmp_path / "switchboard.toml", db_url, acl_redis)
+    ingester = procs.start("ingest", config, name="ingester-1")
+    acker = procs.start("ack", config, name="acker")
+    wait_ready(ingester)
+    wait_ready(acker)
+    with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as producer:  # the default user
+        produce(acl_redis.url, "orders", N)
+        producer.lpush("jobs", *(json.dumps({"job": i}) for i in range(N)))
+        wait_for(
+            lambda: producer.pubsub_numsub("notifications")[0][1] == 1,
+            timeout_s=30,
+            what="the ingester subscribed to notifications",
+        )
+        for i in range(N):
+            producer.publish("notifications", json.dumps({"note": i}))
+        wait_for(
+            lambda: db.scalar(db_url, "SELECT count(*) FROM todos") == 3 * N,
+            timeout_s=60,
+            what=f"{3 * N} todos",
+        )
+        wait_for(
+            lambda: db.scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'pending'") == 0,
+            timeout_s=60,
+            what="every ack intent discharged",
+        )
+        assert xpending(acl_redis.url, "orders") == 0
+        assert producer.llen("jobs") == 0
+        assert producer.llen(processing_key("jobs", "ingester-1")) == 0
+
+    users = db.query(
+        db_url, "SELECT queue, verify_detail, count(*) FROM events JOIN todos USING (idempotency_key)"
+        " GROUP BY 1, 2 ORDER BY 1",
+    )  # fmt: skip
+    assert users == [
+        ("jobs", "redis acl: switchboard-list", N),
+        ("notifications", "redis acl: switchboard-pubsub", N),
+        ("orders", "redis acl: switchboard-stream", N),
+    ]
+    status = switchboard("--config", str(config), "status")
+    assert status.returncode == 0, status.stdout + status.stderr
+    for name in ("orders", "jobs", "notifications"):
+        assert name in status.stdout
+    assert "NOPERM" not in status.stdout + status.stderr
+
+    for proc in (ingester, acker):
+        assert_clean_exit(proc, proc.stop())
+    logs = procs.logs_text()
+    assert "pool_smaller_than_needed" not in logs  # the example's pool fits its adapters
+    assert "NOPERM" not in logs
+
+
+def test_the_shipped_acl_users_are_refused_what_they_are_not_granted(acl_redis: RedisServer) -> None:
+    stream, lst, pubsub = (_as(acl_redis, f"switchboard-{m}") for m in ("stream", "list", "pubsub"))
+    try:
+        assert stream.acl_whoami() == "switchboard-stream"
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            stream.xadd("orders", {"body": "{}"})  # a command not granted: consumers never produce
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            stream.xlen("jobs")  # a granted command on a key outside the user's patterns
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            lst.flushall()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            lst.get("orders")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            pubsub.publish("notifications", "x")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            pubsub.get("notifications")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            _as(acl_redis, "switchboard-stream", "CHANGE-ME").ping()  # the placeholder is no password
+    finally:
+        for client in (stream, lst, pubsub):
+            client.close()
