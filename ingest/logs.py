@@ -12,14 +12,25 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import structlog
 
-# scheme://user:password@host -> scheme://user:***@host ; also ?password=... in DSNs
-_URL_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*@")
-_DSN_PASSWORD = re.compile(r"(?P<head>password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
+# scheme://user:password@host -> scheme://user:***@host. The password runs to
+# the last "@" on its line: one with an unencoded "@" or a space in it leaves
+# no tail behind. Reaching too far (a host name after a later "@" redacted
+# too) is the lesser harm.
+_URL_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^\n]*@")
+# password=... in DSNs and keyword lists (PGPASSWORD=..., db_password=...),
+# quoted or not, and 'password': '...' in a repr or "password": "..." in JSON.
+# A quoted value ends at its closing quote, or at the end of the line when it
+# was cut off; an unquoted one at whitespace, as libpq reads it.
+_QUOTED = r"""'(?:[^'\\\n]|\\.)*'?|"(?:[^"\\\n]|\\.)*"?"""
+_DSN_PASSWORD = re.compile(
+    rf"""(?P<head>password\s*=\s*|["']password["']\s*:\s*)(?:{_QUOTED}|\S+)""", re.IGNORECASE
+)
+_PLAIN = (str, int, float, bool, type(None))
 
 
 def redact(text: str) -> str:
@@ -28,11 +39,22 @@ def redact(text: str) -> str:
 
 
 def _redact_value(value: Any) -> Any:
+    """Strings redacted; containers item by item; an exception as
+    ``Type: message``; any other object by its repr, when that carries a
+    credential (a renderer would print the repr)."""
     if isinstance(value, str):
         return redact(value)
+    if isinstance(value, _PLAIN):
+        return value
     if isinstance(value, BaseException):
         return redact(f"{type(value).__name__}: {value}")
-    return value
+    if isinstance(value, Mapping):
+        return {k: _redact_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_redact_value(v) for v in value]
+    text = repr(value)
+    cleaned = redact(text)
+    return value if cleaned == text else cleaned
 
 
 def redact_credentials(
