@@ -255,3 +255,102 @@ def test_whether_a_number_may_be_fractional_comes_from_its_type(monkeypatch: pyt
     assert str(info.value) == "[ingest]: key 'grace_s': must be a positive integer (got 2.5)"
     acker = from_mapping({"database": DB, "acker": {"shutdown_timeout_s": 2.5}}, {}).acker
     assert acker.shutdown_timeout_s == 2.5
+
+
+ENCODE = (
+    "a reserved character in the password must be percent-encoded"
+    " (@ as %40, / as %2F, ? as %3F, # as %23, % as %25, a space as %20)"
+)
+
+
+@pytest.mark.parametrize(
+    ("raw", "env", "message"),
+    [
+        ({"database": {"url": "postgresql://u:S3cr@tPart2@host/db"}}, {},
+         f"[database]: key 'url' is not a valid URL: {ENCODE}"),
+        ({"database": DB}, {"SWITCHBOARD_DATABASE_URL": "postgresql://u:S3cr@tPart2@host/db"},
+         f"SWITCHBOARD_DATABASE_URL is not a valid URL: {ENCODE}"),
+        ({"database": {"url": "postgresql://u:se cret@host/db"}}, {},
+         f"[database]: key 'url' is not a valid URL: contains whitespace; {ENCODE}"),
+        ({"database": {"url": "mysql://u:pw@host/db"}}, {},
+         "[database]: key 'url' must be a PostgreSQL URL (postgresql://USER:PASSWORD@HOST:PORT/DATABASE),"
+         " not mysql://"),
+        ({"database": {"url": "postgresql+asyncpg://u:pw@host/db"}}, {},
+         "[database]: key 'url' must use the psycopg 3 driver (postgresql:// or postgresql+psycopg://),"
+         " not postgresql+asyncpg://"),
+        ({"database": {"url": "postgresql://u:pw@host:port/db"}}, {},
+         "[database]: key 'url' is not a database URL (ValueError): the form is"
+         f" postgresql://USER:PASSWORD@HOST:PORT/DATABASE, and {ENCODE}"),
+        ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "redis://default:pa/ss@cache:6379/0"},
+         f"SWITCHBOARD_REDIS_URL is not a valid URL: has a port that is not a number, or {ENCODE}"),
+        ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "redis://default:12/ss@cache:6379/0"},
+         f"SWITCHBOARD_REDIS_URL is not a valid URL: {ENCODE}"),
+        ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "redis://default:p?ss@cache:6379/0"},
+         f"SWITCHBOARD_REDIS_URL is not a valid URL: has a port that is not a number, or {ENCODE}"),
+        ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "redis://default:12?ss@cache:6379/0"},
+         f"SWITCHBOARD_REDIS_URL is not a valid URL: {ENCODE}"),
+        ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "http://cache:6379"},
+         "SWITCHBOARD_REDIS_URL must be a redis://, rediss:// or unix:// URL"),
+        ({"database": DB, "redis": {"url": "redis://a:b@c@cache/0"}}, {},
+         f"[redis]: key 'url' is not a valid URL: {ENCODE}"),
+        ({"database": DB, "adapters": [adapter(url="redis://a:b#c@cache/0")]}, {},
+         f"adapter 'orders': key 'url' is not a valid URL: has a port that is not a number, or {ENCODE}"),
+    ],
+)  # fmt: skip
+def test_urls_are_checked_at_load_and_never_echoed(
+    raw: dict[str, Any], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping(raw, env)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u:pa%40ss%2F@host/db",  # encoded: fine
+        "postgresql://u:pa/ss@host/db",  # SQLAlchemy reads a "/" in the password as meant
+        "postgresql:///db?host=/run/postgresql&user=me@corp",  # "@" in a query value
+        "postgres://u@host:5433/db",
+    ],
+)
+def test_database_urls_that_parse_as_meant_are_accepted(url: str) -> None:
+    assert from_mapping({"database": {"url": url}}, {}).database.url.startswith("postgresql+psycopg://")
+
+
+def test_redis_urls_that_parse_as_meant_are_accepted() -> None:
+    for url in ("redis://default:pa%2Fss@cache:6379/0", "rediss://cache/1", "unix:///run/redis.sock?db=0"):
+        assert from_mapping({"database": DB, "redis": {"url": url}}, {}).adapters == ()
+        assert from_mapping({"database": DB, "adapters": [adapter(url=url)]}, {}).adapters[0].redis_url == url
+
+
+def test_where_the_database_url_came_from_is_kept_for_messages() -> None:
+    assert from_mapping({"database": DB}, {}).database_url_origin == "[database] url"
+    env = {"SWITCHBOARD_DATABASE_URL": "postgresql://x@db/y"}
+    assert from_mapping({"database": DB}, env).database_url_origin == "SWITCHBOARD_DATABASE_URL"
+
+
+def test_keys_nothing_acts_on_yet_are_noted_not_ignored() -> None:
+    quiet = from_mapping({"database": DB, "metrics": {"port": 0}}, {})
+    assert quiet.not_used_yet == ()
+    noisy = from_mapping(
+        {"database": DB, "metrics": {"port": 9464}, "queues": {"orders": {"handler": "m:f"}, "jobs": {}}}, {}
+    )
+    assert noisy.not_used_yet == (
+        "[metrics]: key 'port' = 9464: metrics are not built yet, nothing listens on the port"
+        " (set 0 or remove the key)",
+        "[queues.*] (jobs, orders): no worker runs handlers yet (`switchboard worker` is not built);"
+        " todos wait as pending",
+    )
+
+
+def test_a_config_path_that_is_no_readable_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, {})
+    assert (
+        str(info.value) == f"config file {str(tmp_path)!r} is a directory: give --config the TOML file itself"
+    )
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[database]\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load(binary, {})
