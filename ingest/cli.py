@@ -1,4 +1,7 @@
-"""The ``switchboard`` command (DESIGN.md section 7, a contract)."""
+"""The ``switchboard`` command: parse the arguments, load the settings, run
+one verb. Every failure a user can cause, bad arguments included, ends as one
+line and an exit code (:mod:`ingest.cli_errors`); nothing a user did shows a
+traceback, and nothing shows a password."""
 
 from __future__ import annotations
 
@@ -12,34 +15,68 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
+from datetime import UTC
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 
 from backhalf import db_errors, failpoints, migrate, registry, replay
 from backhalf.db import create_engine, redact_url
 from backhalf.normalize import body_payload
-from ingest import logs, registered, signals, status
+from ingest import cli_errors, logs, registered, signals, status
 from ingest.acker import run_acker
 from ingest.adapters.base import FAMILY, TRUST_MODE
 from ingest.config import DEFAULT_CONFIG_PATH, DEFAULT_REDIS_URL, Settings, from_mapping, load
 from ingest.errors import ConfigError
-from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK
+from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK, EXIT_UNHEALTHY
 from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
 from ingest.signals import stop_on_signals
 
 log = structlog.get_logger("switchboard")
 
+_DESCRIPTION = f"""\
+Messages from Redis made durable, deduplicated work in PostgreSQL.
+`switchboard COMMAND --help` shows a command's options.
+
+exit codes: {EXIT_OK} success or a graceful stop; {EXIT_FAILURE} a failure (the database or
+broker out of reach, among others); {EXIT_CONFIG} a config error or bad arguments;
+{EXIT_DATABASE} the database refuses for good (not migrated, login refused, no such
+database); {EXIT_UNHEALTHY} `status`: an adapter is unhealthy."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line too: what is wrong, and where help is.
+    Exit 2, as argparse has it: like a config error, nothing ran."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})")
+    return value
+
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--config",
         default=argparse.SUPPRESS,
         help=f"TOML config (default: $SWITCHBOARD_CONFIG or {DEFAULT_CONFIG_PATH})",
     )
-    parser = argparse.ArgumentParser(prog="switchboard", parents=[common], description=__doc__)
+    parser = _Parser(
+        prog="switchboard",
+        parents=[common],
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     version = importlib.metadata.version("switchboard-ingest")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
@@ -61,14 +98,14 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--rejected", action="store_true", help="only rejected (poison, lost) messages")
     listing.add_argument("--unacked", action="store_true", help="only rows whose ack is still pending")
     listing.add_argument("--adapter", help="only this adapter")
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--limit", type=_positive_int, default=50, help="at most this many rows (50)")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     rerun = inbox_verbs.add_parser("replay", parents=[common], help="re-run rejected messages")
-    rerun.add_argument("ids", nargs="+", type=int, metavar="ID", help="inbox row id")
+    rerun.add_argument("ids", nargs="+", type=_positive_int, metavar="ID", help="inbox row id")
     st = verbs.add_parser("status", parents=[common], help="backlog, pending acks and todos per adapter")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     demo = verbs.add_parser("demo", help="the whole pipeline on embedded PostgreSQL and Redis")
-    demo.add_argument("--messages", type=int, default=5000, help="how many messages to produce")
+    demo.add_argument("--messages", type=_positive_int, default=5000, help="how many messages to produce")
     return parser
 
 
@@ -120,14 +157,25 @@ async def _adapters_command(settings: Settings, args: argparse.Namespace) -> int
                 rows = await registry.list_adapters(conn)
                 if not rows:
                     print("no adapters registered (start `switchboard ingest` once)")
-                for r in rows:
-                    state = "enabled" if r.enabled else "disabled"
-                    kind = f"{r.family}/{r.transport}/{r.mode}"
-                    print(f"{r.name:<24} {state:<9} {kind:<18} {r.settings.get('source')}")
+                    return EXIT_OK
+                table = [
+                    (
+                        r.name,
+                        "enabled" if r.enabled else "disabled",
+                        f"{r.family}/{r.transport}/{r.mode}",
+                        str(r.settings.get("source")),
+                    )
+                    for r in rows
+                ]
+                print("\n".join(_table(("NAME", "STATE", "KIND", "SOURCE"), table)))
                 return EXIT_OK
             enabled = args.adapters_verb == "enable"
             if not await registry.set_enabled(conn, args.name, enabled):
-                print(f"switchboard: no adapter named {args.name!r} is registered", file=sys.stderr)
+                print(
+                    f"switchboard adapters: no adapter named {args.name!r} is registered"
+                    " (see `switchboard adapters list`)",
+                    file=sys.stderr,
+                )
                 return EXIT_FAILURE
             print(f"{args.name}: {'enabled' if enabled else 'disabled'}")
             return EXIT_OK
@@ -145,11 +193,10 @@ async def _inbox_command(settings: Settings, args: argparse.Namespace) -> int:
                 )
             if args.json:
                 print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=str))
-            for r in [] if args.json else rows:
-                print(
-                    f"{r.id:>10} {r.adapter:<16} {r.status:<9} ack={r.ack_state:<8} "
-                    f"deliveries={r.deliveries:<3} {r.idempotency_key}  {r.error or ''}"
-                )
+            elif not rows:
+                print("no inbox rows match")
+            else:
+                print("\n".join(_inbox_table(rows)))
             return EXIT_OK
         failed = 0
         for inbox_id in args.ids:
@@ -163,14 +210,50 @@ async def _inbox_command(settings: Settings, args: argparse.Namespace) -> int:
                         family=FAMILY,  # every configured adapter is a pull adapter
                         trust_mode=TRUST_MODE,
                     )
-            except (replay.ReplayError, ConfigError) as exc:
+            except replay.ReplayError as exc:  # its message names the row
                 failed += 1
-                print(f"switchboard: inbox row {inbox_id}: {exc}", file=sys.stderr)
+                print(f"switchboard inbox: {exc}", file=sys.stderr)
+            except ConfigError as exc:
+                failed += 1
+                print(f"switchboard inbox: inbox row {inbox_id}: {exc}", file=sys.stderr)
             else:
                 print(f"inbox row {inbox_id}: stored, todo {todo_id}")
         return EXIT_FAILURE if failed else EXIT_OK
     finally:
         await engine.dispose()
+
+
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()
+) -> list[str]:
+    """Aligned columns under a header; the last column is not padded."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])
+        ]
+        return "  ".join([*cells, row[-1]]).rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def _inbox_table(rows: Sequence[replay.InboxRow]) -> list[str]:
+    header = ("ID", "STORED_AT (UTC)", "ADAPTER", "STATUS", "ACK", "DELIVERIES", "KEY", "ERROR")
+    table = [
+        (
+            str(r.id),
+            r.stored_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+            r.adapter,
+            r.status,
+            r.ack_state,
+            str(r.deliveries),
+            r.idempotency_key,
+            " ".join((r.error or "").split()),  # one line per row
+        )
+        for r in rows
+    ]
+    return _table(header, table, right=frozenset({0, 5}))
 
 
 def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
@@ -204,6 +287,11 @@ def _registered_broker_url(settings: Settings, env: Mapping[str, str]) -> str:
     return registered.broker_url(env) if not settings.adapters else DEFAULT_REDIS_URL
 
 
+# Processes whose stderr is a log (JSON lines, shipped): they log their
+# start and their failure as events. A short command's failure is its one line.
+_LONG_RUNNING = ("ingest", "ack")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.verb not in ("ingest", "ack"):
@@ -222,12 +310,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = _settings(args, env)
     except (ConfigError, ValueError) as exc:
         print(f"switchboard: config error: {exc}", file=sys.stderr)
-        log.error("config_error", error=str(exc))  # noqa: TRY400 - the message is the whole story
+        if args.verb in _LONG_RUNNING:
+            log.error("config_error", error=str(exc))  # noqa: TRY400 - the message is the whole story
         return EXIT_CONFIG
-    log.info("starting", verb=args.verb, database=redact_url(settings.database.url))
+    if args.verb in _LONG_RUNNING:
+        log.info("starting", verb=args.verb, database=redact_url(settings.database.url))
+        for note in settings.not_used_yet:
+            log.warning("config_not_used_yet", detail=note)
+    try:
+        return _dispatch(args, settings, env)
+    except Exception as exc:  # noqa: BLE001 - the CLI boundary: every failure ends here
+        return _failed(args.verb, settings, exc)
+
+
+def _failed(verb: str, settings: Settings, exc: Exception) -> int:
+    """One line on stderr and the exit code; a bug also logs its traceback
+    (redacted, as every log line is)."""
+    failure = cli_errors.explain(exc, settings)
+    if failure is None:
+        log.error("unexpected_error", verb=verb, exc_info=exc)
+        print(
+            f"switchboard {verb}: unexpected {type(exc).__name__}: a bug;"
+            " its traceback is in the log line above",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    print(f"switchboard {verb}: {failure.message}", file=sys.stderr)
+    if verb in _LONG_RUNNING:  # their log lines are what operators ship
+        log.error("failed", error=failure.message, exit_code=failure.exit_code)
+    return failure.exit_code
+
+
+def _dispatch(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:
     if args.verb == "migrate":
         migrate.upgrade(settings.database.url)
-        log.info("migrated")
+        log.info("migrated", database=redact_url(settings.database.url))
         return EXIT_OK
     if args.verb in ("ack", "status"):
         try:

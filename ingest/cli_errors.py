@@ -1,0 +1,147 @@
+"""The CLI boundary: a failure a user can cause, as one line and an exit code.
+
+Every verb's failure ends in :func:`explain`. It gives a :class:`Failure`
+(one line that says what is wrong and what to do, and the exit code), or
+None for what no user can cause: a bug, which the caller logs with its
+traceback (redacted, like every log line).
+
+::
+
+    database refuses for good       backhalf.db_errors.classify   EXIT_DATABASE
+      (not migrated, login refused,   (the one classifier; also what
+       no such database, no privilege) stops ``ingest``/``ack``)
+    database out of reach           _unreachable (below)           EXIT_FAILURE
+      (refused, no such host, timeout, starting up, no free slot)
+    any other database error        its SQLSTATE and first line    EXIT_FAILURE
+    broker error                    its redacted message           EXIT_FAILURE
+    config error met late           its message                    EXIT_CONFIG
+    another Switchboard error       its redacted message           EXIT_FAILURE
+
+A message never holds a password: the database is named by host, port,
+database name and user, read from the parsed URL, and any driver text in it
+goes through :func:`ingest.logs.redact`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import psycopg
+from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from backhalf import db_errors
+from backhalf.errors import BackhalfError, DeadlineExceeded
+from ingest.config import Settings
+from ingest.errors import ConfigError, IngestError
+from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE
+from ingest.logs import redact
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    message: str  # one line, no password
+    exit_code: int
+
+
+# libpq's and the server's (English) texts for a database out of reach, in
+# the order they are tried: what to say in the parentheses.
+_UNREACHABLE: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"Connection refused", re.IGNORECASE),
+        "connection refused (is PostgreSQL running there, on that port?)",
+    ),
+    (
+        re.compile(r"failed to resolve host|could not translate host name|Name or service not known"),
+        "host name not found (check the host)",
+    ),
+    (re.compile(r"timeout expired|timed out", re.IGNORECASE), "no answer in time"),
+    (re.compile(r"No route to host|Network is unreachable"), "no route to the host"),
+    (re.compile(r"the database system is (starting up|shutting down|in recovery mode)"), "the server is {0}"),
+    (
+        re.compile(r"too many clients|too many connections|remaining connection slots"),
+        "no free connection slot",
+    ),
+)
+
+
+def database_target(settings: Settings) -> str:
+    """``database 'x' at host:port as user 'u' (from SWITCHBOARD_DATABASE_URL)``:
+    read from the parsed URL, never its password."""
+    url = make_url(settings.database.url)
+    where = f"{url.host}:{url.port or 5432}" if url.host else "the local socket"
+    user = f" as user {url.username!r}" if url.username else ""
+    return f"database {url.database!r} at {where}{user} (from {settings.database_url_origin})"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return redact(lines[0]) if lines else type(exc).__name__
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, SQLAlchemy's ``orig``, causes and contexts: a bounded walk."""
+    found: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo and len(found) < 16:
+        e = todo.pop(0)
+        if e is None or any(e is f for f in found):
+            continue
+        found.append(e)
+        orig = getattr(e, "orig", None)
+        todo += [orig if isinstance(orig, BaseException) else None, e.__cause__, e.__context__]
+    return found
+
+
+def _unreachable(error: psycopg.OperationalError) -> str | None:
+    text = str(error)
+    for pattern, words in _UNREACHABLE:
+        match = pattern.search(text)
+        if match:
+            return words.format(*match.groups())
+    return None
+
+
+def _database(exc: BaseException, settings: Settings) -> Failure | None:
+    target = database_target(settings)
+    problem = db_errors.classify(exc)
+    if problem is not None:
+        return Failure(f"{problem.message} [{target}]", EXIT_DATABASE)
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, DeadlineExceeded | PoolTimeout):
+            return Failure(f"cannot reach the {target}: no answer in time", EXIT_FAILURE)
+        if isinstance(e, psycopg.OperationalError) and (reason := _unreachable(e)) is not None:
+            return Failure(f"cannot reach the {target}: {reason}", EXIT_FAILURE)
+    for e in chain:
+        if isinstance(e, psycopg.Error):
+            state = f" (SQLSTATE {e.sqlstate})" if e.sqlstate else ""
+            return Failure(f"the {target} failed{state}: {_first_line(e)}", EXIT_FAILURE)
+    return None
+
+
+def explain(exc: BaseException, settings: Settings) -> Failure | None:
+    """The one line and exit code for ``exc``, raised by a verb run with
+    ``settings``; None if no user could have caused it (a bug)."""
+    database = _database(exc, settings)
+    if database is not None:
+        return database
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, AuthenticationError):
+            return Failure(
+                "the broker refused the login: check the user and password in the broker URL"
+                " (SWITCHBOARD_REDIS_URL, [redis] url or the adapter's url)",
+                EXIT_FAILURE,
+            )
+        if isinstance(e, RedisConnectionError | RedisTimeoutError):
+            return Failure(f"cannot reach the broker: {_first_line(e)}", EXIT_FAILURE)
+    if isinstance(exc, ConfigError):
+        return Failure(f"config error: {exc}", EXIT_CONFIG)
+    if isinstance(exc, IngestError | BackhalfError | RedisError):
+        return Failure(_first_line(exc), EXIT_FAILURE)
+    return None
