@@ -237,8 +237,8 @@ class PostgresServer(_ServerProcess):
             base_dir.chmod(0o755)  # only the directory we were handed
             if blocked := _untraversable_ancestor(base_dir):
                 raise RuntimeError(
-                    f"{blocked} is not traversable by 'nobody'; put base_dir under "
-                    "a world-traversable directory such as tempfile.gettempdir()"
+                    f"PostgreSQL cannot run in {base_dir}: as root it runs as 'nobody', who cannot "
+                    f"enter {blocked}; use a temporary directory others can enter (TMPDIR=/tmp)"
                 )
             if _untraversable_ancestor(server.bindir / "postgres") is not None:
                 server.bindir = _copy_installation(server.bindir, base_dir / "pginstall")
