@@ -301,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signals.restore_default_handlers()
     env = os.environ
     logs.configure()
+    logs.redact_uncaught_tracebacks()
     if args.verb == "demo":
         from ingest.embedded.demo import run as run_demo  # embedded servers are an optional extra
 

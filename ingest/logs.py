@@ -12,7 +12,10 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
+import traceback
 from collections.abc import Mapping, MutableMapping
+from types import TracebackType
 from typing import Any
 
 import structlog
@@ -63,6 +66,28 @@ def redact_credentials(
     for key, value in event_dict.items():
         event_dict[key] = _redact_value(value)
     return event_dict
+
+
+def _print_redacted(
+    kind: type[BaseException], exc: BaseException, tb: TracebackType | None, thread: str | None = None
+) -> None:
+    text = "".join(traceback.format_exception(kind, exc, tb))
+    where = f"in thread {thread}: " if thread else ""
+    print(f"{where}{redact(text)}", end="", file=sys.stderr)
+
+
+def _thread_hook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is not None:
+        name = args.thread.name if args.thread is not None else None
+        _print_redacted(args.exc_type, args.exc_value, args.exc_traceback, name)
+
+
+def redact_uncaught_tracebacks() -> None:
+    """A traceback nothing caught (the main thread's or another thread's) is
+    printed as Python would, through :func:`redact`: its message or a source
+    line may carry a connection string. A process installs this once, at start."""
+    sys.excepthook = _print_redacted
+    threading.excepthook = _thread_hook
 
 
 def configure(*, json_output: bool | None = None, level: int = logging.INFO) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import structlog
@@ -131,3 +133,24 @@ def test_rendered_tracebacks_are_redacted(capsys: pytest.CaptureFixture[str]) ->
         assert "Traceback" in err
         for secret in ("se cret7", "cret7", "S3cr", "tPart7", "pa/ss7", "ss7"):
             assert secret not in err, err
+
+
+def test_uncaught_tracebacks_are_printed_redacted() -> None:
+    """In a process of its own: the hooks are process-wide."""
+    program = (
+        "import threading\n"
+        "from ingest import logs\n"
+        "logs.redact_uncaught_tracebacks()\n"
+        "def boom():\n"
+        "    raise ValueError('thread: redis://u:topsecret8@h/0')\n"
+        "t = threading.Thread(target=boom, name='worker-1'); t.start(); t.join()\n"
+        "raise ConnectionError('main: postgresql://app:S3cr@tPart9@db/x')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 1
+    assert "in thread worker-1: Traceback" in result.stderr
+    assert "ConnectionError: main: postgresql://app:***@db/x" in result.stderr
+    for secret in ("topsecret8", "S3cr", "tPart9"):
+        assert secret not in result.stderr
