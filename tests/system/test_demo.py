@@ -92,7 +92,8 @@ def _running_in(folder: Path) -> list[int]:
 def _roles(tree: dict[int, list[str]], demo_pid: int) -> dict[str, int]:
     roles = {}
     for pid, argv in tree.items():
-        if _stat(pid) is None or int(_stat(pid)[1]) != demo_pid:  # type: ignore[index]
+        fields = _stat(pid)
+        if fields is None or int(fields[1]) != demo_pid:
             continue
         name = Path(argv[0]).name
         if name == "postgres":
