@@ -16,12 +16,12 @@ from ingest.lifecycle import leftover_tasks
 from tests.support.acl import acl_rules
 from tests.support.db import query, scalar
 
-STREAM = "orders"  # the key ops/redis-acl.example grants
+STREAM = "orders"  # the key ops/redis-users.acl grants
 
 
 async def test_stream_to_acked_todos_with_acl_identity_and_no_leaks(db_url: str, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
-    # The least-privilege user of ops/redis-acl.example, renamed: proof it suffices.
+    # The least-privilege user of ops/redis-users.acl, renamed: proof it suffices.
     r.execute_command("ACL", "SETUSER", "deploy-bot", *acl_rules("switchboard-stream", "bot-pw"))
     try:
         bot_url = redis_url.replace("redis://", "redis://deploy-bot:bot-pw@", 1)
