@@ -39,7 +39,9 @@ typecheck: install
 # file or migration left out of the wheel fails here.
 WHEEL_DIR := build/wheel-check
 wheel-check: install
-	rm -rf $(WHEEL_DIR)
+	# setuptools builds in build/lib and reuses what an earlier build left
+	# there: a module deleted since would still ship.
+	rm -rf $(WHEEL_DIR) build/lib build/bdist.*
 	$(BIN)/python -m pip wheel --quiet --no-deps . -w $(WHEEL_DIR)/dist
 	$(PYTHON) -m venv --without-pip $(WHEEL_DIR)/venv
 	$(BIN)/python -m pip --python $(WHEEL_DIR)/venv/bin/python install --quiet -c constraints.txt $(WHEEL_DIR)/dist/*.whl

@@ -89,6 +89,12 @@ def check_contents(wheel: Path) -> tuple[int, str]:
             f"not in the wheel: {', '.join(missing)} (a package missing from [tool.setuptools] "
             "packages, or a data file from package-data, in pyproject.toml)"
         )
+    extra = sorted(n for n in names - expected_files() if ".dist-info/" not in n)
+    if extra:
+        raise CheckFailed(
+            f"in the wheel but not in the source tree: {', '.join(extra)} (left over from an earlier "
+            "build in build/lib?)"
+        )
     top = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
     if top != set(PACKAGES):
         raise CheckFailed(f"the wheel's top-level names are {sorted(top)}, expected {sorted(PACKAGES)}")
