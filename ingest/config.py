@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
+from redis.asyncio.connection import parse_url
 from sqlalchemy.engine import make_url
 
 from backhalf.body_schema import BodySchema, SchemaFileError
@@ -158,10 +159,45 @@ def _url_shape_problem(url: str) -> str | None:
         _ = parts.port  # raises ValueError: a port that is no number, or out of range
     except ValueError:
         return f"has a port that is not a number, or {_ENCODE_RULE}"
-    query_keys = [item.partition("=")[0] for item in parts.query.split("&")]
-    pieces = (parts.path, parts.fragment, *query_keys)
-    if parts.netloc.count("@") > 1 or any("@" in piece for piece in pieces):
+    # An unencoded '?' or '#' in the password moves the rest of the URL, its
+    # '@' included, into the query or the fragment.
+    moved = (parts.path, parts.query, parts.fragment)
+    if parts.netloc.count("@") > 1 or any("@" in piece for piece in moved):
         return _ENCODE_RULE
+    return None
+
+
+# What redis-py reads from a URL's query (redis.asyncio.connection.parse_url, with
+# which it builds its connections); TLS options only for rediss://. Any other
+# key would reach the connection as an unexpected keyword and fail there.
+_REDIS_QUERY = frozenset(
+    {
+        "db", "socket_timeout", "socket_connect_timeout", "socket_read_size", "socket_keepalive",
+        "retry_on_timeout", "max_connections", "health_check_interval", "timeout", "protocol",
+        "client_name",
+    }
+)  # fmt: skip
+_REDIS_TLS_QUERY = frozenset(
+    {
+        "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+        "ssl_password", "ssl_check_hostname", "ssl_min_version", "ssl_include_verify_flags",
+        "ssl_exclude_verify_flags",
+    }
+)  # fmt: skip
+
+
+def _redis_query_problem(url: str) -> str | None:
+    """A query parameter redis-py would not take, or take badly; never named
+    from the URL itself, which may hold a piece of a password."""
+    parts = urlsplit(url)
+    allowed = _REDIS_QUERY | (_REDIS_TLS_QUERY if parts.scheme == "rediss" else frozenset())
+    keys = {item.partition("=")[0] for item in parts.query.split("&") if item}
+    if keys - allowed:
+        return f"has a query parameter redis-py does not take (allowed: {', '.join(sorted(allowed))})"
+    try:
+        parse_url(url)
+    except ValueError:
+        return "has a query parameter whose value redis-py cannot read (a number or a boolean)"
     return None
 
 
@@ -171,7 +207,7 @@ def check_redis_url(where: str, value: Any) -> str:
     url = _string(where, value)
     if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL")
-    problem = _url_shape_problem(url)
+    problem = _url_shape_problem(url) or _redis_query_problem(url)
     if problem is not None:
         raise ConfigError(f"{where} is not a valid URL: {problem}")
     return url

@@ -289,6 +289,18 @@ ENCODE = (
          f"SWITCHBOARD_REDIS_URL is not a valid URL: has a port that is not a number, or {ENCODE}"),
         ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "redis://default:12?ss@cache:6379/0"},
          f"SWITCHBOARD_REDIS_URL is not a valid URL: {ENCODE}"),
+        # A numeric first half of the password followed by '?' reads as a port
+        # (review of issue 13): the '@' in the query gives it away.
+        ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "redis://ru:4711?db=MyS3cret@127.0.0.1:6379/0"},
+         f"SWITCHBOARD_REDIS_URL is not a valid URL: {ENCODE}"),
+        ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "redis://cache:6379/0?foo=bar"},
+         "SWITCHBOARD_REDIS_URL is not a valid URL: has a query parameter redis-py does not take"
+         " (allowed: client_name, db, health_check_interval, max_connections, protocol,"
+         " retry_on_timeout, socket_connect_timeout, socket_keepalive, socket_read_size,"
+         " socket_timeout, timeout)"),
+        ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "redis://cache:6379/0?socket_timeout=abc"},
+         "SWITCHBOARD_REDIS_URL is not a valid URL: has a query parameter whose value redis-py"
+         " cannot read (a number or a boolean)"),
         ({"database": DB}, {"SWITCHBOARD_REDIS_URL": "http://cache:6379"},
          "SWITCHBOARD_REDIS_URL must be a redis://, rediss:// or unix:// URL"),
         ({"database": DB, "redis": {"url": "redis://a:b@c@cache/0"}}, {},
@@ -319,7 +331,13 @@ def test_database_urls_that_parse_as_meant_are_accepted(url: str) -> None:
 
 
 def test_redis_urls_that_parse_as_meant_are_accepted() -> None:
-    for url in ("redis://default:pa%2Fss@cache:6379/0", "rediss://cache/1", "unix:///run/redis.sock?db=0"):
+    for url in (
+        "redis://default:pa%2Fss@cache:6379/0",
+        "rediss://cache/1",
+        "rediss://cache:6380/0?ssl_ca_certs=/etc/switchboard/ca.pem&ssl_cert_reqs=required",
+        "unix:///run/redis.sock?db=0",
+        "redis://cache:6379/0?socket_timeout=2.5&health_check_interval=10",
+    ):
         assert from_mapping({"database": DB, "redis": {"url": url}}, {}).adapters == ()
         assert from_mapping({"database": DB, "adapters": [adapter(url=url)]}, {}).adapters[0].redis_url == url
 

@@ -122,13 +122,15 @@ class tolerating:  # a context manager, named like contextlib's
 
 def connect(url: str, *, block_ms: int = 0) -> aioredis.Redis:
     """A client whose every call is bounded; retries are the caller's loop's job."""
+    # TCP keepalive is a TCP socket's option: a unix socket's connection refuses it.
+    tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}
     return aioredis.Redis.from_url(
         url,
         decode_responses=False,
         socket_connect_timeout=SOCKET_CONNECT_TIMEOUT_S,
         socket_timeout=block_ms / 1000 + SOCKET_TIMEOUT_MARGIN_S,
-        socket_keepalive=True,
         health_check_interval=30,
+        **tcp,
         # One attempt: the poll loop owns backoff and logging, so a dead server
         # is reported at once instead of after hidden retries.
         retry=Retry(NoBackoff(), 0),
