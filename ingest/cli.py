@@ -24,10 +24,10 @@ import structlog
 from backhalf import db_errors, failpoints, migrate, registry, replay
 from backhalf.db import create_engine, redact_url
 from backhalf.normalize import body_payload
-from ingest import cli_errors, logs, registered, signals, status
+from ingest import cli_errors, logs, signals, status
 from ingest.acker import run_acker
 from ingest.adapters.base import FAMILY, TRUST_MODE
-from ingest.config import DEFAULT_CONFIG_PATH, DEFAULT_REDIS_URL, Settings, from_mapping, load
+from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK, EXIT_UNHEALTHY
 from ingest.ingester import run_ingester
@@ -281,12 +281,6 @@ def _until_stopped(verb: str, body: Callable[[asyncio.Event], Awaitable[None]]) 
         return EXIT_DATABASE
 
 
-def _registered_broker_url(settings: Settings, env: Mapping[str, str]) -> str:
-    """The broker of adapters known only from the adapters table (``ack`` and
-    ``status`` with no adapters configured); checked only then."""
-    return registered.broker_url(env) if not settings.adapters else DEFAULT_REDIS_URL
-
-
 # Processes whose stderr is a log (JSON lines, shipped): they log their
 # start and their failure as events. A short command's failure is its one line.
 _LONG_RUNNING = ("ingest", "ack")
@@ -349,7 +343,7 @@ def _dispatch(args: argparse.Namespace, settings: Settings, env: Mapping[str, st
         return EXIT_OK
     if args.verb in ("ack", "status"):
         try:
-            broker_url = _registered_broker_url(settings, env)
+            broker_url = settings.redis_url
         except ConfigError as exc:
             print(f"switchboard: config error: {exc}", file=sys.stderr)
             log.error("config_error", error=str(exc))  # noqa: TRY400 - the message is the whole story

@@ -330,6 +330,10 @@ class Settings:
     not_used_yet: tuple[str, ...] = ()
     # Where ``database.url`` came from, for messages: the variable or the key.
     database_url_origin: str = "[database] url"
+    # The broker of adapters that name none: SWITCHBOARD_REDIS_URL, else
+    # [redis] url, else the default; also that of adapters known only from
+    # the adapters table (``ack`` and ``status`` with no adapters configured).
+    redis_url: str = DEFAULT_REDIS_URL
 
     def adapter(self, name: str) -> AdapterConfig:
         for a in self.adapters:
@@ -539,6 +543,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         ),
         queues=dict(queues),
         metrics_port=port,
+        redis_url=default_redis,
     )
 
 

@@ -3,36 +3,26 @@
 The ingester registers each adapter with its transport, its mode and its
 public settings (``AdapterConfig.public_settings``: the keys that apply to its
 mode, never the broker URL). ``ack`` and ``status`` without adapters in their
-config rebuild an :class:`AdapterConfig` from such a row, with the broker URL
-from the environment (:func:`broker_url`)."""
+config rebuild an :class:`AdapterConfig` from such a row, with the default
+broker URL (``Settings.redis_url``: SWITCHBOARD_REDIS_URL, else the config
+file's ``[redis] url``, else the default)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from backhalf.normalize import BodyFormat
 from backhalf.registry import AdapterRow
 from ingest.adapters.base import FAMILY
-from ingest.config import DEFAULT_REDIS_URL, AdapterConfig
+from ingest.config import AdapterConfig
 from ingest.errors import ConfigError
 
 REDIS_URL_VARIABLE = "SWITCHBOARD_REDIS_URL"
 # Set from the row's own columns, or not rebuilt at all: ``schema`` is a path
 # relative to a config file this process does not have (nothing here decodes).
 _NOT_FROM_SETTINGS = frozenset({"name", "mode", "transport", "redis_url", "schema", "body_schema"})
-
-
-def broker_url(env: Mapping[str, str]) -> str:
-    """The broker of adapters known only from the database:
-    ``SWITCHBOARD_REDIS_URL``, else the default. Never echoed in an error."""
-    url = env.get(REDIS_URL_VARIABLE) or DEFAULT_REDIS_URL
-    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"{REDIS_URL_VARIABLE} must be a redis://, rediss:// or unix:// URL")
-    return url
 
 
 @functools.cache

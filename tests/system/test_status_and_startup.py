@@ -175,6 +175,23 @@ def test_status_without_a_config_file_reports_the_registered_adapters(
     assert "unhealthy: orders" in still.stdout
 
 
+def test_registered_adapters_use_the_config_files_redis_url(
+    procs: Processes, make_config: Callable[..., Path], tmp_path: Path, db_url: str, redis_url: str
+) -> None:
+    """A config file with [database] and [redis] but no adapters: the
+    registered adapters' broker is its [redis] url (it was localhost:6379
+    whatever the file said, so status called a healthy deployment broken)."""
+    register(procs, make_config(stream_adapter("orders"), list_adapter("jobs")))
+    config = tmp_path / "no-adapters.toml"
+    config.write_text(f'[database]\nurl = "{db_url}"\n\n[redis]\nurl = "{redis_url}"\n')
+    result = switchboard("--config", str(config), "status", "--json")
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    assert [(r["adapter"], r["healthy"]) for r in json.loads(result.stdout)] == [
+        ("jobs", True),
+        ("orders", True),
+    ]
+
+
 def test_status_with_a_config_lists_adapters_only_registered_unchecked(
     procs: Processes, make_config: Callable[..., Path], redis_url: str
 ) -> None:

@@ -101,9 +101,11 @@ def test_settings_this_version_does_not_know_are_ignored() -> None:
     assert registered.adapter_config(row("stream", {"source": "s", "shiny_new_key": 1}), DEFAULT_REDIS_URL)
 
 
-def test_the_broker_url_comes_from_the_environment_and_is_never_echoed() -> None:
-    assert registered.broker_url({}) == DEFAULT_REDIS_URL
-    assert registered.broker_url({"SWITCHBOARD_REDIS_URL": "rediss://h:6380/2"}) == "rediss://h:6380/2"
-    with pytest.raises(ConfigError, match="SWITCHBOARD_REDIS_URL") as caught:
-        registered.broker_url({"SWITCHBOARD_REDIS_URL": "mysql://u:secret@h/x"})
-    assert "secret" not in str(caught.value)
+def test_the_default_broker_is_the_environments_then_the_files() -> None:
+    """The broker of adapters known only from the adapters table."""
+    db = {"url": "postgresql://sb@localhost/sb"}
+    assert from_mapping({"database": db}, {}).redis_url == DEFAULT_REDIS_URL
+    file = {"database": db, "redis": {"url": "redis://cache:6379/1"}}
+    assert from_mapping(file, {}).redis_url == "redis://cache:6379/1"
+    env = {"SWITCHBOARD_REDIS_URL": "rediss://h:6380/2"}
+    assert from_mapping(file, env).redis_url == "rediss://h:6380/2"
