@@ -269,12 +269,14 @@ async def _status_command(settings: Settings, as_json: bool, broker_url: str) ->
     return status.exit_code(report)
 
 
-def _until_stopped(verb: str, body: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """``_run``; a permanent database error at start-up is one line and EXIT_DATABASE."""
+def _until_stopped(verb: str, settings: Settings, body: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    """``_run``; a permanent database error at start-up is one line naming the
+    database, as the short commands' are, and EXIT_DATABASE."""
     try:
         return _run(body)
     except db_errors.DatabaseUnusable as exc:
-        print(f"switchboard {verb}: {exc.problem.message}", file=sys.stderr)
+        target = cli_errors.database_target(settings)
+        print(f"switchboard {verb}: {exc.problem.message} [{target}]", file=sys.stderr)
         problem = exc.problem
         # The message is the whole story: no traceback.
         log.error("database_unusable", kind=problem.kind, sqlstate=problem.sqlstate, error=str(exc))  # noqa: TRY400
@@ -349,9 +351,9 @@ def _dispatch(args: argparse.Namespace, settings: Settings, env: Mapping[str, st
             log.error("config_error", error=str(exc))  # noqa: TRY400 - the message is the whole story
             return EXIT_CONFIG
     if args.verb == "ingest":
-        return _until_stopped("ingest", lambda stop: run_ingester(settings, stop))
+        return _until_stopped("ingest", settings, lambda stop: run_ingester(settings, stop))
     if args.verb == "ack":
-        return _until_stopped("ack", lambda stop: run_acker(settings, stop, broker_url=broker_url))
+        return _until_stopped("ack", settings, lambda stop: run_acker(settings, stop, broker_url=broker_url))
     if args.verb == "adapters":
         return asyncio.run(_adapters_command(settings, args))
     if args.verb == "status":

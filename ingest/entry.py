@@ -21,7 +21,9 @@ from ingest import signals
 from ingest.exit_codes import EXIT_CONFIG
 
 DISTRIBUTION = "switchboard-ingest"
-REPAIR = f"pip install --force-reinstall --no-deps {DISTRIBUTION}"
+# From the wheel or clone Switchboard came from: it is not published on PyPI,
+# so the bare name would fetch whatever project holds it there.
+REPAIR = "pip install --force-reinstall --no-deps <the Switchboard wheel or clone you installed from>"
 
 
 def main() -> int:

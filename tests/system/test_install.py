@@ -24,7 +24,7 @@ pytestmark = pytest.mark.system
 ROOT = Path(__file__).resolve().parents[2]
 PYPI_SCHEMA = "schema==0.7.8"
 TIMEOUT_S = 120
-REPAIR = "pip install --force-reinstall --no-deps switchboard-ingest"
+REPAIR = "pip install --force-reinstall --no-deps <the Switchboard wheel or clone you installed from>"
 
 
 def _env(**extra: str) -> dict[str, str]:
