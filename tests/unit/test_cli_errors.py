@@ -14,6 +14,8 @@ from ingest.cli_errors import Failure, explain
 from ingest.config import from_mapping
 from ingest.errors import BrokerError, ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE
+from tests.support import driver_errors
+from tests.support.driver_errors import wrapped
 
 SECRET = "pw-never-shown-41"
 SETTINGS = from_mapping({"database": {"url": f"postgresql://sb:{SECRET}@db.example:6432/sbdb"}}, {})
@@ -21,14 +23,8 @@ TARGET = "database 'sbdb' at db.example:6432 as user 'sb' (from [database] url)"
 SLOW = Failure(f"cannot reach the {TARGET}: no answer in time", EXIT_FAILURE)
 
 
-def wrapped(orig: Exception) -> sa_exc.DBAPIError:
-    return sa_exc.DBAPIError.instance("SELECT 1", {}, orig, psycopg.Error)
-
-
 def at_connect(text: str) -> psycopg.OperationalError:
-    return psycopg.OperationalError(
-        f'connection failed: connection to server at "10.0.0.5", port 6432 failed: {text}'
-    )
+    return driver_errors.at_connect(text, "10.0.0.5", 6432)
 
 
 @pytest.mark.parametrize(

@@ -10,17 +10,11 @@ from sqlalchemy import exc as sa_exc
 
 from backhalf.db_errors import MIGRATE_HINT, DatabaseUnusable, classify
 from backhalf.errors import DeadlineExceeded, StoreError
-
-
-def wrapped(orig: Exception) -> sa_exc.DBAPIError:
-    """As SQLAlchemy raises it: the driver's error as ``orig``."""
-    return sa_exc.DBAPIError.instance("SELECT 1", {}, orig, psycopg.Error)
+from tests.support.driver_errors import at_connect, wrapped
 
 
 def refused_at_connect(fatal: str) -> psycopg.OperationalError:
-    return psycopg.OperationalError(
-        f'connection failed: connection to server at "127.0.0.1", port 5432 failed: FATAL:  {fatal}'
-    )
+    return at_connect(f"FATAL:  {fatal}")
 
 
 @pytest.mark.parametrize(
