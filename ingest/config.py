@@ -474,6 +474,44 @@ def _not_used_yet(queues: Mapping[str, Any], metrics_port: int) -> tuple[str, ..
     return tuple(notes)
 
 
+def _broker_identity(url: str) -> tuple[str, ...]:
+    """Which server and database a broker URL reaches, whoever logs in."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return ("unix", parts.path)
+    db = parts.path.strip("/") or "0"
+    for item in parts.query.split("&"):
+        key, _, value = item.partition("=")
+        if key == "db":
+            db = value
+    return (parts.hostname or "localhost", str(parts.port or 6379), db)
+
+
+def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
+    """Two adapters reading one stream with one consumer group (or one list)
+    split its messages between them at random, and after a crash a message
+    can reach both, as work in two queues: refused. Fan-out on a stream is
+    distinct groups; pub/sub delivers every message to every subscriber."""
+    readers: dict[tuple[str, ...], AdapterConfig] = {}
+    for a in adapters:
+        if a.mode == "stream":
+            what = (a.mode, *_broker_identity(a.redis_url), a.source, a.group)
+            key, read = "group", f"stream {a.source!r} with group {a.group!r}"
+            hint = "fan-out needs a distinct group"
+        elif a.mode == "list":
+            what = (a.mode, *_broker_identity(a.redis_url), a.source)
+            key, read = "source", f"list {a.source!r}"
+            hint = "one adapter per list; run more ingesters for more consumers"
+        else:
+            continue
+        first = readers.setdefault(what, a)
+        if first is not a:
+            raise ConfigError(
+                f"adapter {a.name!r}: key {key!r}: adapter {first.name!r} already reads {read}"
+                f" on the same broker; {hint}"
+            )
+
+
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None = None) -> Settings:
     """``base_dir`` anchors relative paths (the config file's directory)."""
     _check_keys("config", raw, _TOP_KEYS)
@@ -514,6 +552,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     for n in names:
         if names.count(n) > 1:
             raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
+    _check_one_reader_each(adapters)
     ingest_raw = _section(raw, "ingest")
     ingest_types = _field_types(IngestSettings)
     _check_keys("[ingest]", ingest_raw, set(ingest_types))

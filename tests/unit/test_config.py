@@ -372,3 +372,37 @@ def test_a_config_path_that_is_no_readable_file(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe[database]\n")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load(binary, {})
+
+
+def test_two_adapters_on_one_stream_and_group_are_refused() -> None:
+    """They would split the stream at random and, after a crash, both take
+    some entries: one message, work in two queues (issue 11.3)."""
+    twice = [adapter(), adapter(name="audit", queue="audit", url="redis://other-user:pw@localhost:6379/0")]
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "adapters": twice}, {})
+    assert str(info.value) == (
+        "adapter 'audit': key 'group': adapter 'orders' already reads stream 'orders' with group"
+        " 'switchboard' on the same broker; fan-out needs a distinct group"
+    )
+
+
+def test_two_adapters_on_one_list_are_refused() -> None:
+    twice = [adapter(mode="list", source="jobs"), adapter(name="jobs2", mode="list", source="jobs")]
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "adapters": twice}, {})
+    assert str(info.value) == (
+        "adapter 'jobs2': key 'source': adapter 'orders' already reads list 'jobs' on the same broker;"
+        " one adapter per list; run more ingesters for more consumers"
+    )
+
+
+def test_fan_out_is_distinct_groups_brokers_or_databases() -> None:
+    allowed = [
+        [adapter(), adapter(name="audit", queue="audit", group="audit")],  # fan-out
+        [adapter(), adapter(name="b", url="redis://localhost:6379/1")],  # another database
+        [adapter(), adapter(name="b", url="redis://cache-2:6379/0")],  # another server
+        [adapter(mode="pubsub", delivery="at-most-once"),
+         adapter(name="b", mode="pubsub", delivery="at-most-once")],  # pub/sub broadcasts
+    ]  # fmt: skip
+    for adapters in allowed:
+        assert len(from_mapping({"database": DB, "adapters": adapters}, {}).adapters) == 2
