@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -53,7 +53,12 @@ def restore_default_handlers() -> None:
 @contextmanager
 def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
     """First SIGTERM/SIGINT sets ``stop``; a second one exits at once.
-    Handlers are removed on exit, so nothing outlives the run."""
+
+    The loop's handlers are removed on exit; what comes after (asyncio.run's
+    teardown, the leak checks, the interpreter's shutdown) gets a plain
+    handler instead, never the default action: a signal then is a second one
+    if a stop was requested (exit ``EXIT_FORCED``, as during the run), and
+    is only recorded otherwise, the process being on its way out already."""
     import asyncio
 
     import structlog
@@ -78,3 +83,13 @@ def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+            signal.signal(sig, _after_the_loop(stop))
+
+
+def _after_the_loop(stop: asyncio.Event) -> Callable[[int, FrameType | None], None]:
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        if stop.is_set():
+            os._exit(EXIT_FORCED)  # no logging here: the loggers may be gone
+        _requested.append(signum)
+
+    return handler
