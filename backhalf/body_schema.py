@@ -51,8 +51,17 @@ class BodySchema:
         return cls(schema, str(path))
 
     def check(self, value: Any) -> None:
-        """Raise ``PoisonMessage('schema_mismatch', ...)`` unless ``value`` conforms."""
-        error = self._best_match(self._validator.iter_errors(value))
+        """Raise ``PoisonMessage('schema_mismatch', ...)`` unless ``value`` conforms.
+
+        A validator that fails on the value itself (a number beyond the float
+        range, kept as a ``Decimal``, against a float ``multipleOf``: a
+        TypeError inside jsonschema) makes the message poison too
+        (``schema_error``): it would fail the same way on every delivery."""
+        try:
+            error = self._best_match(self._validator.iter_errors(value))
+        except (ArithmeticError, TypeError, ValueError) as exc:
+            detail = f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
+            raise PoisonMessage("schema_error", f"the validator failed on this body: {detail}") from exc
         if error is None:
             return
         where = "/" + "/".join(str(p) for p in error.absolute_path)

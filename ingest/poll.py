@@ -65,6 +65,11 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
                 payload = fields_payload(delivery.fields or {}, config.max_message_bytes, config.body_schema)
         except PoisonMessage as exc:
             error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - one message's failure is its own, never its batch's
+            # Whatever fails normalizing this message would fail it on every
+            # delivery: a rejection, stored and acked like any poison, rather
+            # than a crash of the batch that no max_deliveries would end.
+            error = f"normalize_failed: {type(exc).__name__}: {str(exc)[:300]}"
     return InboxRecord(
         idempotency_key=delivery.idempotency_key,
         source_message_id=delivery.message_id,

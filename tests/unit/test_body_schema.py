@@ -111,3 +111,17 @@ def test_schema_is_refused_for_bytes_format(tmp_path: Path) -> None:
     db = {"url": "postgresql://sb@localhost/sb"}
     with pytest.raises(ConfigError, match=r"'schema' cannot apply to format = \"bytes\""):
         from_mapping({"database": db, "adapters": [adapter_with(str(path), format="bytes")]}, {})
+
+
+def test_a_validator_failing_on_the_body_is_poison_not_a_crash() -> None:
+    """Issue 11.8: a decimal multipleOf (the usual money check) and a number
+    beyond the float range, kept as a Decimal: jsonschema raised TypeError,
+    which crashed the whole batch on every delivery."""
+    money = BodySchema(
+        {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}, "money"
+    )
+    assert body_payload(b'{"x": 1.5}', BodyFormat.JSON, 1 << 20, money) == '{"x": 1.5}'
+    with pytest.raises(PoisonMessage) as info:
+        body_payload(b'{"x": 1e400}', BodyFormat.JSON, 1 << 20, money)
+    assert info.value.reason == "schema_error"
+    assert "TypeError" in info.value.detail
