@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import psycopg
+import structlog
+from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -17,6 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from backhalf.errors import BackhalfError, DeadlineExceeded
 
 DEFAULT_TRANSACTION_DEADLINE_MS = 30_000
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,7 @@ def create_engine(settings: DatabaseSettings) -> AsyncEngine:
         f" -c lock_timeout={int(settings.lock_timeout_ms)}"
         " -c idle_in_transaction_session_timeout=60000"
     )
-    return create_async_engine(
+    engine = create_async_engine(
         normalize_url(settings.url),
         pool_size=settings.pool_size,
         max_overflow=MAX_OVERFLOW,
@@ -81,6 +85,48 @@ def create_engine(settings: DatabaseSettings) -> AsyncEngine:
             "tcp_user_timeout": settings.tcp_user_timeout_ms,
         },
     )
+    event.listen(engine.sync_engine, "connect", _pin_synchronous_commit)
+    return engine
+
+
+# Store-then-ack: the acker XACKs an entry once it sees its todo committed, so
+# that commit must survive a server crash. ``off`` and ``local`` do not
+# guarantee it (``off`` acknowledges before the WAL flush; ``local`` ignores
+# synchronous standbys); ``on``, ``remote_write`` and ``remote_apply`` do, the
+# latter two with their replication meaning kept.
+_WEAK_SYNCHRONOUS_COMMIT = ("off", "local")
+# One statement, run once per new connection (never per transaction): raise a
+# weak setting to ``on`` and report what the session had.
+_PIN_SYNCHRONOUS_COMMIT = (
+    "SELECT current_setting('synchronous_commit'),"
+    " CASE WHEN current_setting('synchronous_commit') IN ('off', 'local')"
+    " THEN set_config('synchronous_commit', 'on', false) END"
+)
+_weakened_default_logged = False
+
+
+def _pin_synchronous_commit(dbapi_connection: Any, _record: Any) -> None:
+    """Pool ``connect`` handler: ``synchronous_commit`` is at least ``on`` for
+    the session. Runs in SQLAlchemy's greenlet, where the async adapter's
+    cursor is driven synchronously. The SET is committed, so the pool's
+    reset-on-return rollback cannot undo it."""
+    global _weakened_default_logged
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(_PIN_SYNCHRONOUS_COMMIT)
+        row = cursor.fetchone()
+    finally:
+        cursor.close()
+    dbapi_connection.commit()
+    configured = row[0] if row else None
+    if configured in _WEAK_SYNCHRONOUS_COMMIT and not _weakened_default_logged:
+        _weakened_default_logged = True
+        log.info(
+            "synchronous_commit_pinned",
+            configured=configured,
+            pinned="on",
+            reason="store-then-ack needs each commit durable before its entry is acknowledged",
+        )
 
 
 @contextmanager
