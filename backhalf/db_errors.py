@@ -92,19 +92,16 @@ class DatabaseUnusable(BackhalfError):
         self.problem = problem
 
 
-def _driver_errors(exc: BaseException) -> list[psycopg.Error]:
-    """The psycopg errors in ``exc``'s chain: itself, SQLAlchemy's ``orig``,
-    causes and contexts (a bounded walk, cycles skipped)."""
-    found: list[psycopg.Error] = []
-    seen: set[int] = set()
+def error_chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, SQLAlchemy's ``orig``, causes and contexts, nearest first (a
+    bounded walk, cycles skipped)."""
+    found: list[BaseException] = []
     todo: list[BaseException | None] = [exc]
-    while todo and len(seen) < 16:
+    while todo and len(found) < 16:
         e = todo.pop(0)
-        if e is None or id(e) in seen:
+        if e is None or any(e is f for f in found):
             continue
-        seen.add(id(e))
-        if isinstance(e, psycopg.Error):
-            found.append(e)
+        found.append(e)
         orig = getattr(e, "orig", None)
         todo += [orig if isinstance(orig, BaseException) else None, e.__cause__, e.__context__]
     return found
@@ -125,9 +122,19 @@ def classify(exc: BaseException) -> DatabaseProblem | None:
     """The permanent problem behind ``exc`` (a psycopg error, a SQLAlchemy
     error wrapping one, or any error with one in its chain), or None: a
     transient or unknown error, to be retried."""
-    for error in _driver_errors(exc):
+    for error in error_chain(exc):
+        if not isinstance(error, psycopg.Error):
+            continue
         sqlstate = _sqlstate(error)
         if sqlstate in _BY_SQLSTATE:
             kind, message = _BY_SQLSTATE[sqlstate]
             return DatabaseProblem(kind=kind, sqlstate=sqlstate, message=message)
     return None
+
+
+def raise_if_permanent(exc: BaseException) -> None:
+    """Raise :class:`DatabaseUnusable` from ``exc`` if it is permanent; return
+    if it is transient (the caller retries)."""
+    problem = classify(exc)
+    if problem is not None:
+        raise DatabaseUnusable(problem) from exc

@@ -34,7 +34,7 @@ def script_location() -> Path:
     if not env.is_file():
         raise MigrationsMissing(
             f"the migrations are missing: neither the package {MIGRATIONS_PACKAGE} nor "
-            f"{SOURCE_TREE_MIGRATIONS} holds env.py; reinstall switchboard-ingest"
+            f"{SOURCE_TREE_MIGRATIONS} holds env.py; reinstall Switchboard from its wheel or clone"
         )
     return Path(str(env)).parent
 

@@ -9,8 +9,8 @@ batch, commit. A crash or a broker error before the commit leaves the rows
 pending; they are acked again, which brokers treat as a no-op.
 
 Which adapters: the config's; with none in the config (no config file), every
-adapter in the ``adapters`` table, its broker at ``SWITCHBOARD_REDIS_URL``
-(else the default), the table read again every ``REGISTRY_REFRESH_S`` so an
+adapter in the ``adapters`` table, its broker the default one
+(``Settings.redis_url``), the table read again every ``REGISTRY_REFRESH_S`` so an
 adapter registered later (an ingester started after the acker) is acked too.
 At start-up the acker reads the table either way: a permanent database error
 there (schema missing, login refused, no such database) stops it with
@@ -42,7 +42,7 @@ from backhalf.registry import AdapterRow
 from ingest import registered
 from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
-from ingest.config import DEFAULT_REDIS_URL, AckerSettings, Settings
+from ingest.config import AckerSettings, Settings
 from ingest.errors import ConfigError, log_failure
 from ingest.lifecycle import Backoff, Retry, wait_either
 
@@ -184,9 +184,7 @@ async def registered_at_start(
             async with within_deadline(engine.connect(), deadline_ms, "reading the adapters table") as conn:
                 return await registry.list_adapters(conn)
         except (SQLAlchemyError, DeadlineExceeded) as exc:
-            problem = db_errors.classify(exc)
-            if problem is not None:
-                raise db_errors.DatabaseUnusable(problem) from exc
+            db_errors.raise_if_permanent(exc)
             await retry.back_off(stop, "start_failed", exc)
     return None
 
@@ -235,9 +233,9 @@ async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> N
     listener.cancel()
 
 
-async def run_acker(settings: Settings, stop: asyncio.Event, *, broker_url: str = DEFAULT_REDIS_URL) -> None:
-    """``broker_url``: the broker of the adapters table's adapters, used only
-    when the config has no adapters."""
+async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
+    """With no adapters in the config, those of the adapters table, their
+    broker at ``settings.redis_url``."""
     engine = create_engine(settings.database)
     acknowledgers: dict[str, Acknowledger] = {cfg.name: make_acknowledger(cfg) for cfg in settings.adapters}
     wake = asyncio.Event()
@@ -247,7 +245,7 @@ async def run_acker(settings: Settings, stop: asyncio.Event, *, broker_url: str 
             return
         refresh: Callable[[], Awaitable[object]] | None = None
         if not settings.adapters:
-            table = RegisteredAcknowledgers(acknowledgers, broker_url)
+            table = RegisteredAcknowledgers(acknowledgers, settings.redis_url)
             table.adopt(rows)
             if not rows:
                 log.warning(

@@ -263,8 +263,8 @@ def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
     return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes, cfg.body_schema)
 
 
-async def _status_command(settings: Settings, as_json: bool, broker_url: str) -> int:
-    report = await status.collect(settings, broker_url)
+async def _status_command(settings: Settings, as_json: bool) -> int:
+    report = await status.collect(settings)
     print(status.render(report, as_json))
     return status.exit_code(report)
 
@@ -343,21 +343,14 @@ def _dispatch(args: argparse.Namespace, settings: Settings, env: Mapping[str, st
         migrate.upgrade(settings.database.url)
         log.info("migrated", database=redact_url(settings.database.url))
         return EXIT_OK
-    if args.verb in ("ack", "status"):
-        try:
-            broker_url = settings.redis_url
-        except ConfigError as exc:
-            print(f"switchboard: config error: {exc}", file=sys.stderr)
-            log.error("config_error", error=str(exc))  # noqa: TRY400 - the message is the whole story
-            return EXIT_CONFIG
     if args.verb == "ingest":
         return _until_stopped("ingest", settings, lambda stop: run_ingester(settings, stop))
     if args.verb == "ack":
-        return _until_stopped("ack", settings, lambda stop: run_acker(settings, stop, broker_url=broker_url))
+        return _until_stopped("ack", settings, lambda stop: run_acker(settings, stop))
     if args.verb == "adapters":
         return asyncio.run(_adapters_command(settings, args))
     if args.verb == "status":
-        return asyncio.run(_status_command(settings, args.json, broker_url))
+        return asyncio.run(_status_command(settings, args.json))
     if args.verb == "inbox":
         return asyncio.run(_inbox_command(settings, args))
     raise AssertionError(f"unhandled verb {args.verb}")

@@ -83,20 +83,6 @@ def _first_line(exc: BaseException) -> str:
     return redact(lines[0]) if lines else type(exc).__name__
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc``, SQLAlchemy's ``orig``, causes and contexts: a bounded walk."""
-    found: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    while todo and len(found) < 16:
-        e = todo.pop(0)
-        if e is None or any(e is f for f in found):
-            continue
-        found.append(e)
-        orig = getattr(e, "orig", None)
-        todo += [orig if isinstance(orig, BaseException) else None, e.__cause__, e.__context__]
-    return found
-
-
 def _unreachable(error: psycopg.OperationalError) -> str | None:
     text = str(error)
     for pattern, words in _UNREACHABLE:
@@ -106,12 +92,11 @@ def _unreachable(error: psycopg.OperationalError) -> str | None:
     return None
 
 
-def _database(exc: BaseException, settings: Settings) -> Failure | None:
+def _database(exc: BaseException, chain: list[BaseException], settings: Settings) -> Failure | None:
     target = database_target(settings)
     problem = db_errors.classify(exc)
     if problem is not None:
         return Failure(f"{problem.message} [{target}]", EXIT_DATABASE)
-    chain = _chain(exc)
     for e in chain:
         if isinstance(e, DeadlineExceeded | PoolTimeout):
             return Failure(f"cannot reach the {target}: no answer in time", EXIT_FAILURE)
@@ -127,10 +112,10 @@ def _database(exc: BaseException, settings: Settings) -> Failure | None:
 def explain(exc: BaseException, settings: Settings) -> Failure | None:
     """The one line and exit code for ``exc``, raised by a verb run with
     ``settings``; None if no user could have caused it (a bug)."""
-    database = _database(exc, settings)
+    chain = db_errors.error_chain(exc)
+    database = _database(exc, chain, settings)
     if database is not None:
         return database
-    chain = _chain(exc)
     for e in chain:
         if isinstance(e, AuthenticationError):
             return Failure(

@@ -433,6 +433,18 @@ def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[
         raise ConfigError(f"{label}: key 'schema': {exc}") from exc
 
 
+def adapter_keys() -> frozenset[str]:
+    """The keys of an ``[[adapters]]`` table."""
+    return frozenset(s.name for s in _adapter_settings())
+
+
+def read_adapter(table: Mapping[str, Any], redis_url: str) -> AdapterConfig:
+    """One ``[[adapters]]`` table, read and checked as a config file's are;
+    ``redis_url`` where it names no ``url``. A ``schema`` path is taken
+    relative to the working directory."""
+    return _adapter(0, table, redis_url, Path.cwd())
+
+
 def _adapter(index: int, raw: Any, default_redis_url: str, base_dir: Path) -> AdapterConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"adapters[{index}]: must be a table")

@@ -47,9 +47,7 @@ async def register_adapters(engine: AsyncEngine, settings: Settings, stop: async
                         settings=a.public_settings(),
                     )
         except (SQLAlchemyError, DeadlineExceeded) as exc:
-            problem = db_errors.classify(exc)
-            if problem is not None:
-                raise db_errors.DatabaseUnusable(problem) from exc
+            db_errors.raise_if_permanent(exc)
             await retry.back_off(stop, "register_failed", exc)
         else:
             log.info("adapters_registered", adapters=[a.name for a in settings.adapters])

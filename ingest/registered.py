@@ -9,53 +9,29 @@ file's ``[redis] url``, else the default)."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any
-
-from backhalf.normalize import BodyFormat
 from backhalf.registry import AdapterRow
 from ingest.adapters.base import FAMILY
-from ingest.config import AdapterConfig
+from ingest.config import AdapterConfig, adapter_keys, read_adapter
 from ingest.errors import ConfigError
 
-REDIS_URL_VARIABLE = "SWITCHBOARD_REDIS_URL"
-# Set from the row's own columns, or not rebuilt at all: ``schema`` is a path
-# relative to a config file this process does not have (nothing here decodes).
-_NOT_FROM_SETTINGS = frozenset({"name", "mode", "transport", "redis_url", "schema", "body_schema"})
-
-
-@functools.cache
-def _fields() -> dict[str, dataclasses.Field[Any]]:
-    return {f.name: f for f in dataclasses.fields(AdapterConfig) if f.name not in _NOT_FROM_SETTINGS}
-
-
-def _value(row: AdapterRow, key: str, value: Any) -> Any:
-    f = _fields()[key]
-    if key == "format":
-        try:
-            return BodyFormat(value)
-        except ValueError as exc:
-            raise ConfigError(
-                f"registered adapter {row.name!r}: setting 'format' = {value!r} is unknown"
-            ) from exc
-    default = f.default
-    expected = type(default) if default is not dataclasses.MISSING and default is not None else str
-    if isinstance(value, bool) or not isinstance(value, expected):
-        raise ConfigError(
-            f"registered adapter {row.name!r}: setting {key!r} must be {expected.__name__} (got {value!r})"
-        )
-    return value
+# Not read from the settings: the row's own columns give name, mode and
+# transport; ``schema`` is a path relative to a config file this process does
+# not have (nothing here decodes), and the URL is never registered.
+_NOT_FROM_SETTINGS = frozenset({"name", "mode", "transport", "url", "schema"})
 
 
 def adapter_config(row: AdapterRow, redis_url: str) -> AdapterConfig:
-    """The config of a registered adapter, its broker at ``redis_url``.
-    Settings this version does not know are ignored; ill-typed ones, or a
-    missing ``source``, are a ConfigError naming the adapter."""
+    """The config of a registered adapter, its broker at ``redis_url``, read
+    by the config's own definitions (ingest.config.read_adapter). Settings
+    this version does not know are ignored; ill-typed ones, or a missing
+    ``source``, are a ConfigError naming the adapter."""
     if row.family != FAMILY:
         raise ConfigError(f"registered adapter {row.name!r}: family {row.family!r} has no broker")
-    values = {k: _value(row, k, v) for k, v in row.settings.items() if k in _fields()}
-    if "source" not in values:
-        raise ConfigError(f"registered adapter {row.name!r}: its settings name no 'source'")
-    values.setdefault("queue", row.name)
-    return AdapterConfig(name=row.name, mode=row.mode, transport=row.transport, redis_url=redis_url, **values)
+    keys = adapter_keys() - _NOT_FROM_SETTINGS
+    table = {k: v for k, v in row.settings.items() if k in keys}
+    table |= {"name": row.name, "mode": row.mode, "transport": row.transport}
+    try:
+        return read_adapter(table, redis_url)
+    except ConfigError as exc:
+        detail = str(exc).removeprefix(f"adapter {row.name!r}: ")
+        raise ConfigError(f"registered adapter {row.name!r}: {detail}") from exc

@@ -58,9 +58,10 @@ class _Entry:
     failed: bool = False
 
 
-async def collect(settings: Settings, broker_url: str) -> list[dict[str, Any]]:
-    """``broker_url``: the broker of registered adapters when the config has
-    no adapters (see the module's docstring)."""
+async def collect(settings: Settings) -> list[dict[str, Any]]:
+    """Registered adapters the config does not name are checked at
+    ``settings.redis_url`` when the config has no adapters (see the module's
+    docstring)."""
     engine = create_engine(settings.database)
     try:
         async with engine.connect() as conn:
@@ -78,7 +79,7 @@ async def collect(settings: Settings, broker_url: str) -> list[dict[str, Any]]:
             entries.append(_Entry(name, row, note=NOT_IN_CONFIG))
             continue
         try:
-            entries.append(_Entry(name, row, registered.adapter_config(row, broker_url)))
+            entries.append(_Entry(name, row, registered.adapter_config(row, settings.redis_url)))
         except ConfigError as exc:  # a row this version cannot rebuild: unhealthy, said why
             entries.append(_Entry(name, row, note=f"cannot be checked: {exc}", failed=True))
     report = []
