@@ -38,7 +38,7 @@ import redis
 
 from backhalf.db import libpq_url
 from ingest.embedded.config import write_config
-from ingest.embedded.processes import wait_for
+from ingest.embedded.processes import SwitchboardProcess, wait_for
 from ingest.embedded.servers import embedded_servers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ class Wheel:
         self.env = {
             k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_") and k != "PYTHONPATH"
         }
-        self.running: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+        self.running: list[SwitchboardProcess] = []
 
     def run(self, *argv: str, binary: str = "switchboard") -> str:
         proc = subprocess.run(  # noqa: S603 - the wheel's own binaries
@@ -128,43 +128,35 @@ class Wheel:
             )
         return proc.stdout
 
-    def start(self, name: str, *argv: str) -> subprocess.Popen[bytes]:
-        log_path = self.work / f"{name}.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(  # noqa: S603 - the wheel's own binary
-                [str(self.venv / "bin" / "switchboard"), *argv],
-                cwd="/",
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        self.running.append((name, proc, log_path))
+    def start(self, verb: str, config: Path) -> SwitchboardProcess:
+        """``switchboard --config CONFIG VERB`` of the wheel, from ``/``, by the kit's driver."""
+        proc = SwitchboardProcess(
+            verb,
+            config,
+            self.work / f"{verb}.log",
+            command=[str(self.venv / "bin" / "switchboard")],
+            cwd=Path("/"),
+            drop_env=("PYTHONPATH",),
+        )
+        self.running.append(proc)
         return proc
 
     def check_alive(self) -> None:
-        for name, proc, _ in self.running:
-            if proc.poll() is not None:
-                raise CheckFailed(f"switchboard {name} exited {proc.returncode} while it should be running")
+        for proc in self.running:
+            if not proc.alive():
+                raise CheckFailed(
+                    f"switchboard {proc.verb} exited {proc.proc.returncode} while it should be running"
+                )
 
     def stop_all(self) -> dict[str, int]:
-        """SIGTERM every process, then each one's exit code (SIGKILL if it outlives the wait)."""
-        for _, proc, _ in self.running:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        codes = {}
-        for name, proc, _ in self.running:
-            try:
-                codes[name] = proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait(timeout=STOP_TIMEOUT_S)
-        return codes
+        """Stop every process (SIGTERM, SIGKILL if it outlives the wait); each one's exit code."""
+        return {proc.verb: proc.stop(STOP_TIMEOUT_S) for proc in self.running}
 
     def log_tails(self, lines: int = 15) -> str:
         out = []
-        for name, _, log_path in self.running:
-            tail = log_path.read_text(errors="replace").splitlines()[-lines:]
-            out.append(f"--- {name} ({log_path}) ---\n" + "\n".join(tail))
+        for proc in self.running:
+            tail = proc.raw_log().splitlines()[-lines:]
+            out.append(f"--- {proc.verb} ({proc.log_path}) ---\n" + "\n".join(tail))
         return "\n".join(out)
 
 
@@ -218,8 +210,8 @@ def check_servers(wheel: Wheel, version: str) -> dict[str, float]:
         wheel.run("--config", str(config), "migrate")
         timings["migrate_s"] = time.monotonic() - t1
         t2 = time.monotonic()
-        wheel.start("ingest", "--config", str(config), "ingest")
-        wheel.start("ack", "--config", str(config), "ack")
+        wheel.start("ingest", config)
+        wheel.start("ack", config)
         try:
             r = redis.Redis.from_url(servers.redis.url, socket_timeout=10)
             for i in range(MESSAGES):

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,9 @@ class SwitchboardProcess:
     variables are left out of its environment, so only the config file (and
     ``env``, ``failpoints``) configure it: an exported production
     ``SWITCHBOARD_DATABASE_URL`` would otherwise override the config's.
+    ``command`` runs another installation's ``switchboard`` (a wheel's, from
+    ``cwd``, without the variables in ``drop_env``) instead of this
+    interpreter's ``-m ingest``.
     """
 
     def __init__(
@@ -66,20 +69,25 @@ class SwitchboardProcess:
         failpoints: str | None = None,
         env: Mapping[str, str] | None = None,
         strict: bool = False,
+        command: Sequence[str] | None = None,
+        cwd: Path | None = None,
+        drop_env: Collection[str] = (),
     ) -> None:
         self.verb = verb
         self.log_path = log_path
-        argv = [sys.executable, *(STRICT_FLAGS if strict else ()), "-m", "ingest"]
+        argv = list(command or [sys.executable, *(STRICT_FLAGS if strict else ()), "-m", "ingest"])
         argv += ["--config", str(config), verb]
         if consumer:
             argv += ["--consumer", consumer]
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+        full_env = {
+            k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_") and k not in drop_env
+        }
         full_env.update(env or {})
         if failpoints:
             full_env["SWITCHBOARD_FAILPOINTS"] = failpoints
         self._log_file = log_path.open("ab")
         self.proc = subprocess.Popen(  # noqa: S603 - our own interpreter and package
-            argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env, **die_with_parent()
+            argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, **die_with_parent()
         )
 
     @property
