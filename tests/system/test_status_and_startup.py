@@ -104,9 +104,12 @@ def status_without_config(
 
 def register(procs: Processes, config: Path) -> None:
     """Run an ingester until every adapter's loop started (so the adapters
-    table has them), then stop it."""
+    table has them) and the stream adapter made its consumer group (on its
+    first read, after its loop started: a stop before it would leave a
+    stream without its group), then stop it."""
     ingester = procs.start("ingest", config, name="ingester-1")
     wait_for(lambda: len(ingester.events("poll_loop_started")) == 2, timeout_s=30, what="both poll loops")
+    wait_for(lambda: ingester.events("group_created"), timeout_s=30, what="the stream's consumer group")
     assert_clean_exit(ingester, ingester.terminate())
 
 
