@@ -11,6 +11,7 @@ also keeps a message a suspect when the broker's counter was reset.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -46,3 +47,28 @@ async def clear(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> Non
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
             await cur.execute(queries.CLEAR_ATTEMPTS, {"adapter": adapter, "keys": list(keys)})
+
+
+class OpenAttempts:
+    """Lone attempts this process counted whose store then failed for a
+    transient reason: the attempt is still open, and the next one of the same
+    message reuses its count rather than adding one (an outage is not the
+    message's fault). In memory on purpose: a process that dies loses it, and
+    its successor counts again, which is what catches a message that kills the
+    process. Bounded: the oldest are forgotten first (then counted again)."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self._limit = limit
+        self._open: OrderedDict[str, int] = OrderedDict()
+
+    def keep(self, key: str, attempts: int) -> None:
+        self._open[key] = attempts
+        self._open.move_to_end(key)
+        while len(self._open) > self._limit:
+            self._open.popitem(last=False)
+
+    def pop(self, key: str) -> int | None:
+        return self._open.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._open)

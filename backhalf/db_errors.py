@@ -21,8 +21,9 @@ import re
 from dataclasses import dataclass
 
 import psycopg
+from sqlalchemy import exc as sa_exc
 
-from backhalf.errors import BackhalfError
+from backhalf.errors import BackhalfError, DeadlineExceeded
 
 MIGRATE_HINT = "run `switchboard migrate`"
 
@@ -138,3 +139,30 @@ def raise_if_permanent(exc: BaseException) -> None:
     problem = classify(exc)
     if problem is not None:
         raise DatabaseUnusable(problem) from exc
+
+
+# SQLSTATE classes and codes of failures that say nothing about the message
+# being stored: the same statement succeeds once the condition passes.
+_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")  # connection, rollback, resources, operator, system
+_TRANSIENT_CODES = frozenset({"55P03", "55006"})  # lock_not_available (lock_timeout), object_in_use
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` failed for a reason outside the data written: a lock
+    or statement timeout, a serialization failure or deadlock, a lost
+    connection, an admin or crash shutdown, too many connections, a
+    client-side deadline or pool checkout timeout. Such a failure must never
+    count against a message (``max_deliveries``). A data error (class 22, 23,
+    54, ...) raised by the statement is not transient: the same message would
+    fail it every time."""
+    for error in error_chain(exc):
+        if isinstance(error, DeadlineExceeded | TimeoutError | sa_exc.TimeoutError):
+            return True  # a client-side deadline; the pool's checkout timeout (every connection busy)
+        if isinstance(error, psycopg.Error):
+            sqlstate = _sqlstate(error)
+            if sqlstate is None:
+                # No SQLSTATE: libpq's own failure (connection lost, server
+                # closed the connection, cannot connect).
+                return isinstance(error, psycopg.OperationalError | psycopg.InterfaceError)
+            return sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_CODES
+    return False

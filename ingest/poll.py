@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from backhalf import acks, failpoints, registry
 from backhalf import attempts as delivery_attempts
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
+from backhalf.db_errors import is_transient
 from backhalf.errors import DeadlineExceeded, PoisonMessage, StoreError
 from backhalf.normalize import body_payload, fields_payload, raw_fields
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
@@ -133,6 +134,9 @@ class PollLoop:
         # The last store found messages already stored: the next one asks
         # before writing (StoreBatch.check_stored).
         self._found_stored = False
+        # Lone attempts that failed for a transient reason: still open, their
+        # count is reused by the next attempt (see _store_alone).
+        self._open_attempts = delivery_attempts.OpenAttempts()
         self._log = log.bind(
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
@@ -284,7 +288,7 @@ class PollLoop:
         # Suspects go one by one, each lone attempt counted and committed first:
         # if one of them crashes us every time, it alone is counted and, past
         # max_deliveries, rejected; the messages around it are stored.
-        results += [await self._store([await self._count_lone_attempt(rec)]) for rec in suspects]
+        results += [await self._store_alone(rec) for rec in suspects]
         if after is not None:
             await after
         # Confirmed only once every chunk committed; a failure in between
@@ -327,11 +331,35 @@ class PollLoop:
             (suspects if suspect else batched).append(rec)
         return batched, suspects
 
-    async def _count_lone_attempt(self, rec: InboxRecord) -> InboxRecord:
+    async def _store_alone(self, rec: InboxRecord) -> StoreResult:
+        """A suspect's lone attempt: counted and committed first, then stored.
+
+        A store that fails for a transient reason (a lock or statement
+        timeout, a lost connection, a deadline: ``db_errors.is_transient``)
+        leaves its attempt open: the next lone attempt of that message in this
+        process reuses the count instead of adding one, so an outage never
+        turns the head of the queue into poison. Only an attempt that never
+        ended (the process died in it) stays counted, which is what the count
+        is for; a failure the statement raised on this message's data (say, a
+        value PostgreSQL refuses) is counted too, since it recurs every time."""
+        attempts = await self._count_lone_attempt(rec.idempotency_key)
+        try:
+            return await self._store([self._past_limit(rec, attempts)])
+        except StoreError as exc:
+            if is_transient(exc):
+                self._open_attempts.keep(rec.idempotency_key, attempts)
+            raise
+
+    async def _count_lone_attempt(self, key: str) -> int:
+        reopened = self._open_attempts.pop(key)
+        if reopened is not None:
+            self._log.info("lone_attempt_reopened", key=key, attempts=reopened)
+            return reopened
         async with self._within_deadline(self._engine.begin(), "counting a lone attempt") as conn:
-            attempts = (await delivery_attempts.record(conn, self._cfg.name, [rec.idempotency_key]))[
-                rec.idempotency_key
-            ]
+            return (await delivery_attempts.record(conn, self._cfg.name, [key]))[key]
+
+    def _past_limit(self, rec: InboxRecord, attempts: int) -> InboxRecord:
+        """The record to store: as it is, or rejected past ``max_deliveries``."""
         # Two batched deliveries came before the lone attempts began.
         delivered = ISOLATE_AFTER - 1 + attempts
         if delivered <= self._cfg.max_deliveries:

@@ -187,6 +187,43 @@ def test_postgres_lock_timeout(
     finish(db_url, redis_url, procs, ids, ingester, acker)
 
 
+def head_deliveries(redis_url: str) -> int:
+    """How many times Redis has delivered the oldest pending entry (0 before
+    the ingester made its group)."""
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        if not any(g["name"] == b"switchboard" for g in r.xinfo_groups(STREAM)):
+            return 0
+        pending = r.xpending_range(STREAM, "switchboard", min="-", max="+", count=1)
+    return int(pending[0]["times_delivered"]) if pending else 0
+
+
+def test_a_lock_held_past_max_deliveries_never_makes_the_head_poison(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
+) -> None:
+    """Issue 11, item 1: while the lock is held, the entries are redelivered
+    until they are suspects, and the head's lone attempts all fail on the lock
+    timeout, many more times than max_deliveries. None of those attempts may
+    count: once the lock goes, every entry has its todo and none is
+    rejected. (Before the fix the head was rejected as
+    max_deliveries_exceeded and acked without a todo.)"""
+    max_deliveries = 3
+    config = make_config(
+        stream_adapter(STREAM, batch_size=20, max_deliveries=max_deliveries),
+        database={"lock_timeout_ms": 300},
+    )
+    with session(db_url) as conn:
+        conn.execute("LOCK TABLE todos IN SHARE ROW EXCLUSIVE MODE")  # blocks every INSERT
+        ids = produce(redis_url, STREAM, 40)
+        ingester, acker = start_pair(procs, config)
+        # Two batched deliveries, then lone attempts: twice the limit of them.
+        wanted = 2 + 2 * max_deliveries
+        wait_for(lambda: head_deliveries(redis_url) >= wanted, timeout_s=60, what=f"{wanted} deliveries")
+        assert ingester.events("lone_attempt_reopened"), "the head's lone attempts must have failed"
+        conn.commit()
+    finish(db_url, redis_url, procs, ids, ingester, acker)
+    assert scalar(db_url, "SELECT count(*) FROM todos") == len(ids)
+
+
 def test_postgres_deadlock(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
 ) -> None:

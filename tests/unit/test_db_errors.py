@@ -8,7 +8,7 @@ import psycopg.errors
 import pytest
 from sqlalchemy import exc as sa_exc
 
-from backhalf.db_errors import MIGRATE_HINT, DatabaseUnusable, classify
+from backhalf.db_errors import MIGRATE_HINT, DatabaseUnusable, classify, is_transient
 from backhalf.errors import DeadlineExceeded, StoreError
 from tests.support.driver_errors import at_connect, wrapped
 
@@ -93,3 +93,49 @@ def test_the_message_never_carries_the_url() -> None:
     problem = classify(wrapped(error))
     assert problem is not None
     assert "127.0.0.1" not in problem.message
+
+
+def store_error(orig: BaseException) -> StoreError:
+    """As the poll loop sees a failed store: StoreError from SQLAlchemy's wrapper."""
+    try:
+        raise StoreError("adapter orders: transaction for 1 messages failed") from orig
+    except StoreError as exc:
+        return exc
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        wrapped(psycopg.errors.LockNotAvailable("canceling statement due to lock timeout")),
+        wrapped(psycopg.errors.QueryCanceled("canceling statement due to statement timeout")),
+        wrapped(psycopg.errors.SerializationFailure("could not serialize access")),
+        wrapped(psycopg.errors.DeadlockDetected("deadlock detected")),
+        wrapped(psycopg.errors.AdminShutdown("terminating connection due to administrator command")),
+        wrapped(psycopg.errors.TooManyConnections("sorry, too many clients already")),
+        wrapped(psycopg.OperationalError("server closed the connection unexpectedly")),
+        at_connect("Connection refused"),
+        DeadlineExceeded("storing 1 messages: no reply from the database within 30000 ms"),
+        sa_exc.TimeoutError("QueuePool limit of size 4 overflow 2 reached"),
+    ],
+    ids=lambda e: type(getattr(e, "orig", e)).__name__,
+)
+def test_failures_outside_the_data_are_transient(error: BaseException) -> None:
+    """Issue 11, item 1: none of these may count against a message."""
+    assert is_transient(store_error(error))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        wrapped(psycopg.errors.NumericValueOutOfRange("value out of range")),
+        wrapped(psycopg.errors.ProgramLimitExceeded("total size of jsonb array elements exceeds")),
+        wrapped(psycopg.errors.UntranslatableCharacter("unsupported Unicode escape sequence")),
+        wrapped(psycopg.errors.UndefinedTable('relation "todos" does not exist')),
+        ValueError("a bug"),
+    ],
+    ids=lambda e: type(getattr(e, "orig", e)).__name__,
+)
+def test_failures_the_data_can_cause_are_not_transient(error: BaseException) -> None:
+    """A message the server refuses fails the same way every time: counted,
+    so max_deliveries ends it."""
+    assert not is_transient(store_error(error))
