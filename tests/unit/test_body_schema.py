@@ -1,14 +1,22 @@
-"""Per-adapter body schemas: config loading and the poison verdict."""
+"""Per-adapter body schemas: config loading, references resolved at load, the
+poison verdict and the time limit on it."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema._utils
 import pytest
+from jsonschema import Draft202012Validator
 
-from backhalf.body_schema import BodySchema
+from backhalf.body_schema import BodySchema, SchemaFileError
 from backhalf.errors import PoisonMessage
 from backhalf.normalize import BodyFormat, body_payload, fields_payload
 from ingest.config import from_mapping, load
@@ -125,3 +133,357 @@ def test_a_validator_failing_on_the_body_is_poison_not_a_crash() -> None:
         body_payload(b'{"x": 1e400}', BodyFormat.JSON, 1 << 20, money)
     assert info.value.reason == "schema_error"
     assert "TypeError" in info.value.detail
+
+
+# Issue 11.10: references are resolved at start-up, never while messages arrive.
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """An HTTP base URL on 127.0.0.1 whose server accepts connections and
+    never answers (a request to it waits until its client gives up)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)  # the accept loop sees the stop flag this often
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(conn)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+        for conn in accepted:
+            conn.close()
+
+
+class DocumentServer:
+    """JSON documents served over HTTP on 127.0.0.1, every request counted."""
+
+    def __init__(self, documents: dict[str, Any]) -> None:
+        self.hits: list[str] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server.hits.append(self.path)
+                if self.path not in documents:
+                    self.send_error(404)
+                    return
+                body = json.dumps(documents[self.path]).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/schema+json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # the test reads hits, not stderr
+
+        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
+        self._stopped = False
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._http.shutdown()
+            self._http.server_close()
+            self._thread.join(5)
+
+
+ORDER_DOCUMENTS = {
+    # Its own $schema (the same draft), and a reference relative to itself.
+    "/order.json": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "required": ["id"],
+        "properties": {"id": {"$ref": "common.json#/$defs/id"}},
+    },
+    "/common.json": {"$defs": {"id": {"type": "integer", "minimum": 1}}},
+}
+
+
+@pytest.fixture
+def documents() -> Iterator[DocumentServer]:
+    server = DocumentServer(ORDER_DOCUMENTS)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_reference_to_a_server_that_never_answers_fails_at_load_within_the_timeout(
+    silent_server: str,
+) -> None:
+    """It froze the ingester for 24 s when a message arrived, deaf to SIGTERM;
+    now the schema does not load, and the ingester does not start (exit 2)."""
+    started = time.monotonic()
+    with pytest.raises(SchemaFileError) as info:
+        BodySchema({"$ref": f"{silent_server}/order.json"}, "orders.json", fetch_timeout_s=0.5)
+    assert time.monotonic() - started < 5  # the 0.5 s, with room for a loaded machine
+    assert str(info.value).startswith(f"orders.json: $ref '{silent_server}/order.json': no complete answer")
+
+
+def test_a_remote_reference_is_fetched_once_at_load_and_never_while_validating(
+    documents: DocumentServer,
+) -> None:
+    url = documents.url
+    orders = BodySchema(
+        {
+            "type": "array",
+            "prefixItems": [{"$ref": f"{url}/order.json#/properties/id"}],
+            "items": {"$ref": f"{url}/order.json"},
+        },
+        "orders",
+    )
+    # Each document once, though order.json is referenced twice.
+    assert sorted(documents.hits) == ["/common.json", "/order.json"]
+
+    def validate_some() -> None:
+        for _ in range(3):
+            orders.check([1, {"id": 3}, {"id": 4}])
+            for body, where in (([0], "/0"), ([1, {"id": 0}], "/1/id"), ([1, {}], "/1")):
+                with pytest.raises(PoisonMessage) as info:
+                    orders.check(body)
+                assert str(info.value).startswith(f"schema_mismatch: at {where}: ")
+
+    validate_some()
+    assert len(documents.hits) == 2
+    documents.stop()
+    validate_some()
+    assert len(documents.hits) == 2
+
+
+def test_relative_references_resolve_against_the_schema_file_at_load(tmp_path: Path) -> None:
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "common").mkdir()
+    (tmp_path / "order.json").write_text(json.dumps({"$ref": "parts/line.json"}))
+    (tmp_path / "parts" / "line.json").write_text(
+        json.dumps({"type": "object", "properties": {"sku": {"$ref": "../common/defs.json#/$defs/sku"}}})
+    )
+    (tmp_path / "common" / "defs.json").write_text(
+        json.dumps({"$defs": {"sku": {"type": "string", "pattern": "^[A-Z]"}}})
+    )
+    orders = BodySchema.load(tmp_path / "order.json")
+    for referenced in ("parts/line.json", "common/defs.json"):
+        (tmp_path / referenced).unlink()  # read at load: never needed again
+    orders.check({"sku": "A1"})
+    with pytest.raises(PoisonMessage, match=r"^schema_mismatch: at /sku: 'a1' does not match"):
+        orders.check({"sku": "a1"})
+
+
+@pytest.mark.parametrize(
+    ("ref", "needle"),
+    [
+        ("#/$defs/missing", "$ref '#/$defs/missing' does not resolve"),
+        ("missing.json", "missing.json': cannot be read"),
+        ("ftp://example.com/s.json", "scheme 'ftp' cannot be retrieved"),
+        ("http://127.0.0.1:1/s.json", "$ref 'http://127.0.0.1:1/s.json': cannot be retrieved"),
+        ("https://json-schema.org/draft/2020-12/schema", "meta-schemas cannot be referenced"),
+        ("#/properties/qty/const", "$ref '#/properties/qty/const' is not a valid JSON Schema"),
+    ],
+)
+def test_a_reference_unresolvable_at_load_is_a_config_error_naming_it(
+    tmp_path: Path, ref: str, needle: str
+) -> None:
+    path = tmp_path / "order.json"
+    path.write_text(json.dumps({"properties": {"qty": {"const": 5}, "order_id": {"$ref": ref}}}))
+    db = {"url": "postgresql://sb@localhost/sb"}
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": db, "adapters": [adapter_with(str(path))]}, {})
+    message = str(info.value)
+    assert message.startswith(f"adapter 'orders': key 'schema': {path}: ")
+    assert needle in message
+    assert "\n" not in message
+
+
+def test_a_sub_schema_of_another_draft_is_refused() -> None:
+    """jsonschema would switch validator class under it, and leave the time
+    limit behind (test_the_time_limit_holds_through_a_reference_to_the_root)."""
+    with pytest.raises(SchemaFileError, match="another draft than the schema's"):
+        BodySchema(
+            {
+                "$schema": "https://json-schema.org/draft/2020-12/schema",
+                "properties": {"a": {"$ref": "#/$defs/old"}},
+                "$defs": {"old": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "string"}},
+            },
+            "mixed",
+        )
+
+
+def test_a_reference_that_would_need_a_fetch_at_run_time_is_a_rejection_never_a_fetch(
+    documents: DocumentServer,
+) -> None:
+    """The crawl leaves no such reference; this is the net under it, reached
+    by swapping in a validator whose schema was never crawled."""
+    orders = schema(ORDER)
+    orders._validator = orders._validator.evolve(schema={"$ref": f"{documents.url}/order.json"})
+    with pytest.raises(PoisonMessage) as info:
+        orders.check({"id": 1})
+    assert info.value.reason == "schema_error"
+    assert "was not resolved at start-up" in info.value.detail
+    assert documents.hits == []
+
+
+# Issue 11.11: what a producer controls cannot make validation take unbounded time.
+
+UNIQUE = {"type": "array", "uniqueItems": True}
+
+
+@pytest.mark.parametrize(
+    ("items", "unique"),
+    [
+        ([1, 1.0], False),
+        ([0.5, 0.5], False),
+        ([-0.0, 0], False),
+        ([True, 1], True),
+        ([False, 0], True),
+        ([None, False], True),
+        (["1", 1], True),
+        ([True, True], False),
+        ([{"a": 1, "b": [1, 2]}, {"b": [1, 2], "a": 1}], False),  # key order does not matter
+        ([{"a": True}, {"a": 1}], True),
+        ([{"a": 1}, {"a": 1, "b": 2}], True),
+        ([[1, 2], [2, 1]], True),  # array order does
+        ([[1], [1.0]], False),
+        ([[], {}], True),
+        ([[True], [1]], True),
+    ],
+)
+def test_unique_items_is_json_equality(items: list[Any], unique: bool) -> None:
+    assert Draft202012Validator(UNIQUE).is_valid(items) is unique  # the draft, as jsonschema reads it
+    if unique:
+        schema(UNIQUE).check(items)
+    else:
+        with pytest.raises(
+            PoisonMessage, match=r"^schema_mismatch: at /: has non-unique elements: items 0 and 1 are equal$"
+        ):
+            schema(UNIQUE).check(items)
+
+
+def test_unique_items_compares_numbers_beyond_the_float_range() -> None:
+    body_payload(b"[1e400, 1e401]", BodyFormat.JSON, LIMIT, schema(UNIQUE))
+    with pytest.raises(PoisonMessage, match="has non-unique elements"):
+        body_payload(b"[1e400, 1E+400]", BodyFormat.JSON, LIMIT, schema(UNIQUE))
+
+
+def test_unique_items_over_8000_objects_compares_no_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """jsonschema compared every pair of an array of objects: 2,000 / 4,000 /
+    8,000 took 2.5 / 10 / 38 s on the event loop. Its pairwise ``equal`` is
+    counted rather than the clock read: a linear check calls it never."""
+    calls = 0
+    pairwise = jsonschema._utils.equal
+
+    def counted(one: Any, two: Any) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls > 1000:
+            raise AssertionError("uniqueItems compared items pairwise")
+        return bool(pairwise(one, two))
+
+    monkeypatch.setattr(jsonschema._utils, "equal", counted)
+    items = [{"id": i, "name": f"n{i}", "tags": [i % 7, "x"]} for i in range(8000)]
+    orders = schema(UNIQUE)
+    orders.check(items)
+    duplicate = {"tags": [0, "x"], "name": "n0", "id": 0.0}  # items[0], its keys reordered, id a float
+    with pytest.raises(PoisonMessage, match="has non-unique elements: items 0 and 8000 are equal"):
+        orders.check([*items, duplicate])
+    assert calls == 0
+
+
+def nested_arrays(depth: int) -> list[Any]:
+    body: list[Any] = []
+    for _ in range(depth):
+        body = [body]
+    return body
+
+
+# Both branches of anyOf recurse, and the first fails only after its items
+# were checked: each level doubles the work, 2**30 sub-schemas for a body of
+# 30 nested arrays (hours), against a limit of milliseconds. The root's
+# $schema and the "$ref": "#" are the shape that used to slip out of the
+# limit (jsonschema re-picked the validator class at the root).
+SLOW = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "anyOf": [
+        {"type": "array", "items": {"$ref": "#"}, "minItems": 1000},
+        {"type": "array", "items": {"$ref": "#"}},
+    ],
+}
+
+
+def test_the_time_limit_holds_through_a_reference_to_the_root(tmp_path: Path) -> None:
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(SLOW))
+    db = {"url": "postgresql://sb@localhost/sb"}
+    raw = adapter_with(str(path), schema_timeout_ms=10)
+    slow = from_mapping({"database": db, "adapters": [raw]}, {}).adapters[0].body_schema
+    assert slow is not None
+    assert body_payload(json.dumps(nested_arrays(3)).encode(), BodyFormat.JSON, LIMIT, slow)
+    with pytest.raises(PoisonMessage) as info:
+        body_payload(json.dumps(nested_arrays(30)).encode(), BodyFormat.JSON, LIMIT, slow)
+    assert str(info.value).startswith("validation_timeout: ")
+    assert "schema_timeout_ms=10" in str(info.value)
+
+
+def test_the_time_limit_is_per_thread() -> None:
+    """Checks in another thread, with a limit of their own, neither lengthen
+    this thread's deadline nor inherit it: one validator may serve several
+    worker threads."""
+    slow = BodySchema(SLOW, "slow", timeout_ms=50)
+    patient = BodySchema(SLOW, "patient", timeout_ms=60_000)
+    stop = threading.Event()
+    failures: list[str] = []
+    quick = 0
+
+    def check_quick_ones() -> None:
+        nonlocal quick
+        give_up = time.monotonic() + 10  # were the deadline shared, the slow check would end only now
+        while not stop.is_set() and time.monotonic() < give_up:
+            try:
+                patient.check(nested_arrays(2))
+                slow.check(nested_arrays(2))
+            except PoisonMessage as exc:
+                failures.append(str(exc))
+            quick += 1
+
+    other = threading.Thread(target=check_quick_ones, daemon=True)
+    other.start()
+    try:
+        with pytest.raises(PoisonMessage, match=r"^validation_timeout: "):
+            slow.check(nested_arrays(30))
+        assert other.is_alive()  # stopped by its own deadline, while the other thread ran
+    finally:
+        stop.set()
+        other.join(15)
+    assert not other.is_alive()
+    assert quick > 0
+    assert failures == []
+
+
+def test_schema_timeout_ms_is_an_adapter_key_at_least_1(tmp_path: Path) -> None:
+    path = tmp_path / "order.json"
+    path.write_text(json.dumps(ORDER))
+    db = {"url": "postgresql://sb@localhost/sb"}
+    default = from_mapping({"database": db, "adapters": [adapter_with(str(path))]}, {}).adapters[0]
+    assert default.schema_timeout_ms == 1000
+    assert default.body_schema is not None
+    assert default.body_schema.timeout_ms == 1000
+    assert default.public_settings()["schema_timeout_ms"] == 1000
+    raw = adapter_with(str(path), schema_timeout_ms=250)
+    assert from_mapping({"database": db, "adapters": [raw]}, {}).adapters[0].body_schema.timeout_ms == 250  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"key 'schema_timeout_ms': must be an integer >= 1 \(got 0\)"):
+        from_mapping({"database": db, "adapters": [adapter_with(str(path), schema_timeout_ms=0)]}, {})
