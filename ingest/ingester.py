@@ -9,18 +9,19 @@ at the deadline are cancelled.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import db_errors, registry
+from backhalf import db_errors, registry, stream_groups
 from backhalf.db import MAX_OVERFLOW, create_engine, within_deadline
 from backhalf.errors import DeadlineExceeded
-from ingest.adapters.base import FAMILY, PullAdapter
+from backhalf.stream_groups import GroupStartLedger
+from ingest.adapters.base import FAMILY, AdapterBuilder, PullAdapter
 from ingest.adapters.factory import make_adapter
-from ingest.config import AdapterConfig, Settings
+from ingest.config import Settings
 from ingest.lifecycle import Backoff, Retry
 from ingest.poll import PollLoop
 
@@ -46,6 +47,10 @@ async def register_adapters(engine: AsyncEngine, settings: Settings, stop: async
                         mode=a.mode,
                         settings=a.public_settings(),
                     )
+                # The stream adapters record their groups' starts there: a
+                # database not migrated to this version stops us here (exit 3,
+                # "run switchboard migrate"), not in every poll loop's retries.
+                await stream_groups.present(conn)
         except (SQLAlchemyError, DeadlineExceeded) as exc:
             db_errors.raise_if_permanent(exc)
             await retry.back_off(stop, "register_failed", exc)
@@ -80,14 +85,15 @@ async def run_ingester(
     settings: Settings,
     stop: asyncio.Event,
     *,
-    adapter_factory: Callable[[AdapterConfig], PullAdapter] = make_adapter,
+    adapter_factory: AdapterBuilder = make_adapter,
 ) -> None:
     engine = create_engine(settings.database)
     adapters: list[PullAdapter] = []
     try:
         if not await register_adapters(engine, settings, stop):
             return
-        adapters = [adapter_factory(cfg) for cfg in settings.adapters]
+        group_starts = GroupStartLedger(engine, settings.database.transaction_deadline_ms)
+        adapters = [adapter_factory(cfg, group_starts=group_starts) for cfg in settings.adapters]
         warn_if_pool_small(adapters, settings)
         async with asyncio.TaskGroup() as tg:
             pairs = list(zip(adapters, settings.adapters, strict=True))

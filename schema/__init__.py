@@ -21,6 +21,7 @@ from schema.tables import (
     events,
     inbox,
     metadata,
+    stream_groups,
     todo_events,
     todos,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "events",
     "inbox",
     "metadata",
+    "stream_groups",
     "todo_events",
     "todos",
 ]

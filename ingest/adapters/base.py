@@ -27,6 +27,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from backhalf.records import AckClaim, AckTarget, Family, PendingIntent, Provenance
+from backhalf.stream_groups import StreamGroup
 
 if TYPE_CHECKING:
     from ingest.config import AdapterConfig
@@ -36,11 +37,14 @@ __all__ = [
     "TRUST_MODE",
     "AckTarget",
     "Acknowledger",
+    "AdapterBuilder",
     "Delivery",
+    "GroupStarts",
     "ModeImplementation",
     "OpenLedger",
     "PendingCopies",
     "PullAdapter",
+    "StreamGroup",
     "Unconfirmed",
 ]
 
@@ -89,6 +93,22 @@ class PendingCopies(Protocol):
 
 # Opens a database transaction whose row locks last for the ``async with``.
 OpenLedger = Callable[[], AbstractAsyncContextManager[PendingCopies]]
+
+
+class GroupStarts(Protocol):
+    """Where the start of each consumer group Switchboard creates is recorded
+    (``backhalf.stream_groups.GroupStartLedger``: PostgreSQL's
+    ``stream_groups``), so a group destroyed later is recreated where it
+    first started, not at a configured ``$`` that by then means "later"."""
+
+    async def recorded(self, group: StreamGroup, *, adapter: str) -> str | None:
+        """The start on record for ``group``, or None."""
+        ...
+
+    async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
+        """Record ``start_id`` unless a start is on record already (the first
+        record wins); return the start on record, committed on return."""
+        ...
 
 
 class PullAdapter(Protocol):
@@ -190,8 +210,16 @@ class Unconfirmed(Generic[T]):
         return len(self._held)
 
 
+class AdapterBuilder(Protocol):
+    """How a mode builds its adapter. ``group_starts`` is for modes with a
+    consumer group (streams) and ignored by the others; with None a stream
+    adapter records nothing (``status``, which never creates a group)."""
+
+    def __call__(self, config: AdapterConfig, /, *, group_starts: GroupStarts | None) -> PullAdapter: ...
+
+
 class ModeImplementation(NamedTuple):
     """What a transport registers for one mode: how to build each side."""
 
-    adapter: Callable[[AdapterConfig], PullAdapter]
+    adapter: AdapterBuilder
     acknowledger: Callable[[AdapterConfig], Acknowledger]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ingest.adapters import redis
-from ingest.adapters.base import Acknowledger, ModeImplementation, PullAdapter
+from ingest.adapters.base import Acknowledger, GroupStarts, ModeImplementation, PullAdapter
 from ingest.config import AdapterConfig
 from ingest.errors import ConfigError
 
@@ -26,8 +26,11 @@ def _implementation(config: AdapterConfig) -> ModeImplementation:
     return implementation
 
 
-def make_adapter(config: AdapterConfig) -> PullAdapter:
-    return _implementation(config).adapter(config)
+def make_adapter(config: AdapterConfig, *, group_starts: GroupStarts | None) -> PullAdapter:
+    """``group_starts``: where a stream adapter records the groups it creates.
+    Always said: the ingester passes PostgreSQL's; ``status``, which creates
+    no group, None."""
+    return _implementation(config).adapter(config, group_starts=group_starts)
 
 
 def make_acknowledger(config: AdapterConfig) -> Acknowledger:

@@ -49,6 +49,13 @@ def classify(exc: RedisError) -> RedisErrorKind:
     return RedisErrorKind.OTHER
 
 
+def is_no_such_key(exc: RedisError) -> bool:
+    """``ERR no such key``: XINFO on a key that does not exist (a stream not
+    created yet), a state rather than a failure. Its code is the generic
+    ``ERR``, so the text after it is what tells it apart."""
+    return isinstance(exc, ResponseError) and "no such key" in str(exc).lower()
+
+
 def _mapped(
     exc: RedisError,
     adapter: str,

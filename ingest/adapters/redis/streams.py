@@ -4,7 +4,10 @@ Key layout (the broker side of DESIGN.md section 6)::
 
     {source}                      the stream (XADD by producers); group created with MKSTREAM
     {source} group {group}        the consumer group, created at ``start_id`` (default 0,
-                                  so a backlog written before the first start is consumed)
+                                  so a backlog written before the first start is consumed),
+                                  ``$`` resolved to an entry id; that start is recorded in
+                                  PostgreSQL (``stream_groups``) before the group is created,
+                                  and a group destroyed later is recreated at it
     PEL of {consumer}             entries delivered to this consumer and not yet XACKed:
                                   they stay there until the acker has seen the todo committed
 
@@ -30,12 +33,14 @@ from redis.exceptions import ResponseError
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import Delivery, OpenLedger, Unconfirmed
+from backhalf.stream_groups import StreamGroup
+from ingest.adapters.base import Delivery, GroupStarts, OpenLedger, Unconfirmed
 from ingest.adapters.redis.common import (
     RedisEndpoint,
     RedisErrorKind,
     as_text,
     connect,
+    is_no_such_key,
     redis_errors,
     tolerating,
 )
@@ -68,6 +73,23 @@ def _entries(resp: Any) -> list[Entry]:
     return list(resp[0][1])
 
 
+# The start of a stream that does not exist yet: MKSTREAM creates it empty,
+# and every entry it will ever hold lies after this id.
+EMPTY_STREAM_START = "0-0"
+
+
+class _Unrecorded:
+    """:class:`GroupStarts` that keeps nothing: an adapter built without a
+    ledger (``status``, which never creates a group; adapter tests) creates
+    groups at ``start_id`` and recreates them there."""
+
+    async def recorded(self, group: StreamGroup, *, adapter: str) -> str | None:
+        return None
+
+    async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
+        return start_id
+
+
 def _field_map(flat: Sequence[bytes] | None) -> dict[bytes, bytes] | None:
     if flat is None:
         return None
@@ -80,16 +102,17 @@ class StreamAdapter(RedisEndpoint):
 
     overlapping_commits = True
 
-    def __init__(self, config: AdapterConfig) -> None:
+    def __init__(self, config: AdapterConfig, *, group_starts: GroupStarts | None = None) -> None:
         super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
         self._cfg = config
+        self._group_starts: GroupStarts = group_starts or _Unrecorded()
         self._body_field = config.body_field.encode()
         self._client.set_response_callback("XREADGROUP", _raw_reply)
         self._started = False
         self._history_cursor: str | None = "0"  # None: own PEL fully re-read
         self._claim_cursor = "-"
         self._next_claim_at = 0.0
-        self._recreate_from_zero = False
+        self._group_lost = False  # NOGROUP seen: the next start recreates the group
         # An entry deleted in the instant between XRANGE and XCLAIM leaves the
         # PEL as XCLAIM drops it, so that report exists only in memory until a
         # store commits it: kept per unconfirmed batch, replayed on rewind.
@@ -107,15 +130,89 @@ class StreamAdapter(RedisEndpoint):
             await self._learn_identity()
         self._started = True
 
+    @property
+    def _group(self) -> StreamGroup:
+        return StreamGroup(self.broker, self._cfg.source, self._cfg.group)
+
     async def _ensure_group(self) -> None:
+        """Make sure the group exists, created where it first started.
+
+        The start is recorded *before* the group is created: a crash in
+        between leaves a record and no group, and the next start creates the
+        group at the record; the other order could leave a group Switchboard
+        created with nothing on record. A group on record is (re)created at
+        its record, whatever ``start_id`` says now: after an XGROUP DESTROY
+        that re-reads what was stored since (the inbox dedups it) and nothing
+        from before the first start.
+        """
         cfg = self._cfg
-        # After NOGROUP, start from 0 whatever start_id says: entries added
-        # since the group vanished must not be skipped; the inbox dedups.
-        start_id = "0" if self._recreate_from_zero else cfg.start_id
+        fields = {"adapter": self.name, "stream": cfg.source, "group": cfg.group, "broker": self.broker}
+        start_id = await self._group_starts.recorded(self._group, adapter=self.name)
+        if start_id is None:
+            if await self._group_exists():
+                # Created by someone else, or by a Switchboard older than the
+                # stream_groups table: where it started is unknown, and not
+                # guessed (its last-delivered id would skip what is pending
+                # unstored in its PEL, were it destroyed).
+                log.info("group_start_unknown", **fields, start_id=cfg.start_id)
+                self._group_lost = False
+                return
+            if self._group_lost:
+                log.warning(
+                    "group_start_not_recorded",
+                    **fields,
+                    start_id=cfg.start_id,
+                    detail="the group was not created by Switchboard, or before its start was"
+                    " recorded: it is recreated at the configured start_id",
+                )
+            start_id = await self._group_starts.record(
+                self._group, await self._resolved_start(), adapter=self.name
+            )
+            log.info("group_start_recorded", **fields, start_id=start_id)
         # BUSYGROUP: the group exists already, which is all we wanted.
         with tolerating(RedisErrorKind.BUSYGROUP, self.name, f"XGROUP CREATE {cfg.source} {cfg.group}"):
             await self._client.xgroup_create(cfg.source, cfg.group, id=start_id, mkstream=True)
-            log.info("group_created", adapter=self.name, stream=cfg.source, group=cfg.group)
+            log.info("group_created", **fields, start_id=start_id, recreated=self._group_lost)
+        self._group_lost = False
+
+    async def _resolved_start(self) -> str:
+        """``start_id`` as an entry id: ``$`` is the stream's last generated
+        id now (``EMPTY_STREAM_START`` for a stream not created yet).
+
+        Resolved first and the group then created at that explicit id, so
+        the race can only let in an entry added in between (it lies after
+        the id), never lose one. Creating at ``$`` and reading the group's
+        last-delivered-id afterwards would race the other way: another
+        consumer's read in between moves that id past entries it holds, not
+        yet stored, and a group recreated there would skip them.
+        """
+        cfg = self._cfg
+        if cfg.start_id != "$":
+            return cfg.start_id
+        with redis_errors(self.name, f"XINFO STREAM {cfg.source}"):
+            try:
+                info = await self._client.xinfo_stream(cfg.source)
+            except ResponseError as exc:
+                if not is_no_such_key(exc):
+                    raise
+                return EMPTY_STREAM_START
+        return as_text(info["last-generated-id"])
+
+    async def _groups(self) -> list[Any]:
+        """XINFO GROUPS of the stream; [] while it does not exist (a state,
+        not a broker failure: the ingester creates it)."""
+        try:
+            return list(await self._client.xinfo_groups(self._cfg.source))
+        except ResponseError as exc:
+            if not is_no_such_key(exc):
+                raise
+            return []
+
+    async def _group_exists(self) -> bool:
+        cfg = self._cfg
+        with redis_errors(self.name, f"XINFO GROUPS {cfg.source}"):
+            groups = await self._groups()
+        return any(as_text(g["name"]) == cfg.group for g in groups)
 
     async def read(self, max_count: int) -> list[Delivery]:
         if self._lost_to_replay:
@@ -127,10 +224,11 @@ class StreamAdapter(RedisEndpoint):
                 batch = await self._read(max_count)
         except GroupMissing:
             # Stream or group deleted under us: recreate it on the next
-            # read, rather than loop on the error. No rewind here: the
-            # poll loop rewinds once the commits under way have ended.
+            # read (at its recorded start), rather than loop on the error.
+            # No rewind here: the poll loop rewinds once the commits under
+            # way have ended.
             self._started = False
-            self._recreate_from_zero = True
+            self._group_lost = True
             raise
         if batch:
             self._unconfirmed_lost.returned(self._reported_lost)
@@ -292,12 +390,7 @@ class StreamAdapter(RedisEndpoint):
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg
         with redis_errors(self.name, f"XINFO GROUPS {cfg.source}"):
-            try:
-                groups = await self._client.xinfo_groups(cfg.source)
-            except ResponseError as exc:
-                if "no such key" not in str(exc).lower():
-                    raise
-                groups = []  # no stream yet: a state, not a broker failure (the ingester makes it)
+            groups = await self._groups()
             length = await self._client.xlen(cfg.source)
         for g in groups:
             if as_text(g["name"]) == cfg.group:

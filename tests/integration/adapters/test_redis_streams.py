@@ -1,5 +1,6 @@
-"""The Redis stream adapter against a real server: group creation, the own-PEL
-re-read, the claim sweep of a dead consumer's entries, NOGROUP, deleted entries."""
+"""The Redis stream adapter against a real server: group creation and its
+recorded start, the own-PEL re-read, the claim sweep of a dead consumer's
+entries, NOGROUP, deleted entries."""
 
 from __future__ import annotations
 
@@ -7,13 +8,44 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from backhalf.errors import StoreError
 from backhalf.records import AckClaim
+from backhalf.stream_groups import GroupStartLedger, StreamGroup
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import AdapterConfig, from_mapping
 from ingest.errors import AckError, BrokerError, GroupMissing
+from tests.support.acl import acl_rules
+from tests.support.db import query
 
 STREAM, GROUP = "orders", "switchboard"
+
+
+def _recorded(db_url: str) -> list[tuple[str, ...]]:
+    return [
+        tuple(row)
+        for row in query(
+            db_url,
+            "SELECT adapter, broker, stream, group_name, start_id FROM stream_groups ORDER BY created_at",
+        )
+    ]
+
+
+class _FailingOnce:
+    """A ledger whose first record fails, as a database away for a moment would."""
+
+    def __init__(self, ledger: GroupStartLedger) -> None:
+        self._ledger, self._failed = ledger, False
+
+    async def recorded(self, group: StreamGroup, *, adapter: str) -> str | None:
+        return await self._ledger.recorded(group, adapter=adapter)
+
+    async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
+        if not self._failed:
+            self._failed = True
+            raise StoreError(f"adapter {adapter}: recording start {start_id}: the database is away")
+        return await self._ledger.record(group, start_id, adapter=adapter)
 
 
 @pytest.fixture
@@ -26,6 +58,11 @@ def cfg(redis_url: str) -> Callable[..., AdapterConfig]:
         ).adapters[0]
 
     return make
+
+
+@pytest.fixture
+def ledger(engine: AsyncEngine) -> GroupStartLedger:
+    return GroupStartLedger(engine, deadline_ms=10_000)
 
 
 @pytest.fixture
@@ -189,12 +226,110 @@ async def test_lost_report_survives_a_failed_store(cfg, r, adapters) -> None:  #
     assert await claimer.read(10) == []  # stored this time: not reported again
 
 
-async def test_group_recreated_after_nogroup_starts_from_zero(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
-    a = StreamAdapter(cfg(start_id="$"))
+async def test_group_recreated_after_nogroup_starts_at_its_recorded_start(cfg, r, adapters, ledger) -> None:  # type: ignore[no-untyped-def]
+    a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
     adapters.append(a)
-    await a.read(10)
+    await a.read(10)  # no stream yet: created empty, its start recorded as 0-0
     r.delete(STREAM)
     added_meanwhile = r.xadd(STREAM, {"body": b"{}"}).decode()
     with pytest.raises(GroupMissing):
         await a.read(10)
+    # Recreated at the record, not at "$" (which would now skip the entry).
     assert [d.message_id for d in await a.read(10)] == [added_meanwhile]
+
+
+async def test_dollar_start_is_recorded_as_an_entry_id_and_a_destroyed_group_recreated_there(  # type: ignore[no-untyped-def]
+    cfg, r, adapters, ledger, db_url
+) -> None:
+    backlog = [r.xadd(STREAM, {"body": b"{}"}).decode() for _ in range(3)]
+    a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+    adapters.append(a)
+    assert await a.read(10) == []  # the backlog is excluded
+    assert _recorded(db_url) == [("orders", a.broker, STREAM, GROUP, backlog[-1])]
+    after = [r.xadd(STREAM, {"body": b"{}"}).decode() for _ in range(2)]
+    assert [d.message_id for d in await a.read(10)] == after
+    r.xgroup_destroy(STREAM, GROUP)
+    with pytest.raises(GroupMissing):
+        await a.read(10)
+    later = r.xadd(STREAM, {"body": b"{}"}).decode()
+    a.rewind()  # as the poll loop does after the failed read
+    assert [d.message_id for d in await a.read(10)] == [*after, later]
+    assert _recorded(db_url)[0][4] == backlog[-1]  # the recreation recorded nothing new
+
+
+async def test_a_missing_group_on_record_is_created_at_the_record_at_start_up(  # type: ignore[no-untyped-def]
+    cfg, r, adapters, ledger, db_url
+) -> None:
+    ids = [r.xadd(STREAM, {"body": b"{}"}).decode() for _ in range(4)]
+    first = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+    adapters.append(first)
+    await first.read(10)
+    r.xgroup_destroy(STREAM, GROUP)  # while no ingester runs
+    more = r.xadd(STREAM, {"body": b"{}"}).decode()
+    # A new process, whose config now says "0": the record wins over both.
+    restarted = StreamAdapter(cfg(start_id="0"), group_starts=ledger)
+    adapters.append(restarted)
+    assert [d.message_id for d in await restarted.read(10)] == [more]
+    assert _recorded(db_url)[0][4] == ids[-1]
+
+
+async def test_the_first_record_wins_over_a_second_consumer_and_a_changed_config(  # type: ignore[no-untyped-def]
+    cfg, r, adapters, ledger, db_url
+) -> None:
+    first_id = r.xadd(STREAM, {"body": b"{}"}).decode()
+    a = StreamAdapter(cfg(start_id="$", consumer="a"), group_starts=ledger)
+    adapters.append(a)
+    await a.read(10)
+    r.xadd(STREAM, {"body": b"{}"})
+    b = StreamAdapter(cfg(start_id="$", consumer="b"), group_starts=ledger)
+    adapters.append(b)
+    await b.read(10)
+    assert [row[4] for row in _recorded(db_url)] == [first_id]
+
+
+async def test_a_group_created_by_someone_else_is_not_recorded_and_recreated_at_start_id(  # type: ignore[no-untyped-def]
+    cfg, r, adapters, ledger, db_url, caplog
+) -> None:
+    early = r.xadd(STREAM, {"body": b"{}"}).decode()
+    r.xgroup_create(STREAM, GROUP, id="0")  # not Switchboard: nothing on record
+    a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+    adapters.append(a)
+    assert [d.message_id for d in await a.read(10)] == [early]
+    assert _recorded(db_url) == []  # its start is unknown, and not guessed
+    r.xgroup_destroy(STREAM, GROUP)
+    with pytest.raises(GroupMissing):
+        await a.read(10)
+    later = r.xadd(STREAM, {"body": b"{}"}).decode()
+    assert await a.read(10) == []  # the configured "$": from now on
+    assert [row[4] for row in _recorded(db_url)] == [later]  # Switchboard created this one
+    r.xadd(STREAM, {"body": b"{}"})
+    assert len(await a.read(10)) == 1
+
+
+async def test_a_failed_record_creates_no_group_and_is_retried(cfg, r, adapters, ledger) -> None:  # type: ignore[no-untyped-def]
+    r.xadd(STREAM, {"body": b"{}"})
+    failing = _FailingOnce(ledger)
+    a = StreamAdapter(cfg(start_id="$"), group_starts=failing)
+    adapters.append(a)
+    with pytest.raises(StoreError, match="adapter orders: recording"):
+        await a.read(10)
+    # Recorded before created: the failure left no group without a record.
+    assert r.xinfo_groups(STREAM) == []
+    assert await a.read(10) == []
+    assert [g["name"] for g in r.xinfo_groups(STREAM)] == [GROUP.encode()]
+
+
+async def test_dollar_start_works_under_the_least_privilege_acl_user(  # type: ignore[no-untyped-def]
+    cfg, r, adapters, ledger, redis_url
+) -> None:
+    r.execute_command("ACL", "SETUSER", "least", *acl_rules("switchboard-stream", "pw"))
+    try:
+        r.xadd(STREAM, {"body": b"{}"})
+        a = StreamAdapter(cfg(start_id="$", url=redis_url.replace("redis://", "redis://least:pw@", 1)),
+                          group_starts=ledger)  # fmt: skip
+        adapters.append(a)
+        assert await a.read(10) == []  # XINFO STREAM resolved "$"
+        later = r.xadd(STREAM, {"body": b"{}"}).decode()
+        assert [d.message_id for d in await a.read(10)] == [later]
+    finally:
+        r.acl_deluser("least")
