@@ -31,6 +31,7 @@ Two things a producer must not be able to do through a body (issue 11.10 and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -76,18 +77,59 @@ class _DeadlinePassed(Exception):
     turned into ``PoisonMessage('validation_timeout', ...)`` by ``check``."""
 
 
+class Abandon:
+    """Lets another thread end the checks of a worker thread early: the poll
+    loop, when nobody waits for that worker's batch any more (a stop, a
+    failure), so the worker, and the process's exit, need not wait out the
+    running message's whole ``schema_timeout_ms``. See :func:`abandonable`."""
+
+    __slots__ = ("at", "ended")
+
+    def __init__(self) -> None:
+        self.at = math.inf  # the running check's deadline
+        self.ended = False
+
+    def end(self) -> None:
+        self.ended = True
+        self.at = -math.inf  # a plain store: the worker's next keyword sees it
+
+    def start(self, timeout_s: float) -> None:
+        self.at = time.monotonic() + timeout_s
+        if self.ended:  # ended meanwhile: the store above must not undo it
+            self.at = -math.inf
+
+
 class _Deadline(threading.local):
-    # The class attribute is each thread's starting value: no deadline, so a
-    # validator used outside ``check`` (none is) would never time out.
-    at: float = math.inf
+    # The class attribute is each thread's starting value: the checks of a
+    # thread that has no Abandon of its own share this one, which only
+    # ``check`` in that thread writes to.
+    current: Abandon | None = None
+
+    def clock(self) -> Abandon:
+        if self.current is None:
+            self.current = Abandon()
+        return self.current
 
 
 _DEADLINE = _Deadline()
 
 
 def _check_deadline() -> None:
-    if time.monotonic() > _DEADLINE.at:
+    if time.monotonic() > _DEADLINE.clock().at:
         raise _DeadlinePassed
+
+
+@contextlib.contextmanager
+def abandonable(abandon: Abandon) -> Iterator[None]:
+    """Within this block, this thread's checks run on ``abandon``'s clock:
+    once another thread calls ``abandon.end()``, the running check stops at
+    its next keyword (``validation_timeout``) and so does every later one."""
+    previous = _DEADLINE.current
+    _DEADLINE.current = abandon
+    try:
+        yield
+    finally:
+        _DEADLINE.current = previous
 
 
 KeywordFunction = Callable[[Any, Any, Any, Any], Any]
@@ -104,7 +146,8 @@ def _timed(keyword: KeywordFunction) -> KeywordFunction:
 
     @functools.wraps(keyword)
     def timed(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
-        if now() > deadline.at:
+        # ``current`` is set: check() set it before any keyword runs.
+        if now() > deadline.current.at:  # type: ignore[union-attr]
             raise _DeadlinePassed
         return keyword(validator, value, instance, schema)
 
@@ -481,9 +524,9 @@ class BodySchema:
         does a validation still running after ``timeout_ms``
         (``validation_timeout``), and a reference that would need a fetch
         (``schema_error``; the start-up crawl leaves none)."""
-        state = _DEADLINE
-        previous = state.at  # restored: a nested check (none today) keeps its caller's
-        state.at = time.monotonic() + self._timeout_s
+        clock = _DEADLINE.clock()
+        previous = clock.at  # restored: a nested check (none today) keeps its caller's
+        clock.start(self._timeout_s)
         try:
             error = self._best_match(self._validator.iter_errors(value))
         except _DeadlinePassed as exc:
@@ -500,7 +543,8 @@ class BodySchema:
             detail = f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
             raise PoisonMessage("schema_error", f"the validator failed on this body: {detail}") from exc
         finally:
-            state.at = previous
+            if not clock.ended:
+                clock.at = previous
         if error is None:
             return
         where = "/" + "/".join(str(p) for p in error.absolute_path)

@@ -13,12 +13,13 @@ a fast path that proves the common case without walking the document.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from decimal import Decimal
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from backhalf.errors import PoisonMessage
 
@@ -178,3 +179,60 @@ def raw_fields(fields: Mapping[bytes, bytes]) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
+
+
+# What the inbox keeps of a message over max_message_bytes: enough to see
+# what it was, never the whole (a 50 MiB body would be stored whole, and
+# kept). The stored form of any message is then at most max_message_bytes,
+# or this prefix.
+REJECTED_PREFIX_BYTES = 4096
+
+
+class RawForm(NamedTuple):
+    """The inbox's copy of a message: the whole of it, or, past the limit, its
+    first REJECTED_PREFIX_BYTES plus the full length and sha256."""
+
+    body: bytes
+    size: int | None = None  # the full length, when ``body`` is a prefix
+    sha256: bytes | None = None  # the full form's digest, when ``body`` is a prefix
+
+    @property
+    def truncated(self) -> bool:
+        return self.size is not None
+
+
+def raw_body(body: bytes, max_message_bytes: int) -> RawForm:
+    if len(body) <= max_message_bytes:
+        return RawForm(body)
+    return RawForm(body[:REJECTED_PREFIX_BYTES], len(body), hashlib.sha256(body).digest())
+
+
+def raw_field_map(fields: Mapping[bytes, bytes], max_message_bytes: int) -> RawForm:
+    """A field map's copy: its JSON form (``raw_fields``), which is also the
+    size that counts against max_message_bytes, so the stored form is bounded
+    whatever the map holds (escaped control bytes take six bytes each)."""
+    # Every byte of a key or value takes at least a byte of the JSON form:
+    # a map past the limit by that count is never built whole.
+    if sum(len(k) + len(v) for k, v in fields.items()) <= max_message_bytes:
+        raw = raw_fields(fields)
+        if len(raw) <= max_message_bytes:
+            return RawForm(raw)
+    prefix = bytearray()
+    digest = hashlib.sha256()
+    size = 0
+    for piece in _raw_fields_pieces(fields):
+        digest.update(piece)
+        size += len(piece)
+        if len(prefix) < REJECTED_PREFIX_BYTES:
+            prefix += piece[: REJECTED_PREFIX_BYTES - len(prefix)]
+    return RawForm(bytes(prefix), size, digest.digest())
+
+
+def _raw_fields_pieces(fields: Mapping[bytes, bytes]) -> Iterator[bytes]:
+    """``raw_fields(fields)`` piece by piece (the same bytes, joined)."""
+    yield b"{"
+    for n, (k, v) in enumerate(fields.items()):
+        key = json.dumps(k.decode("utf-8", "backslashreplace"))
+        value = json.dumps(v.decode("utf-8", "backslashreplace"))
+        yield f"{',' if n else ''}{key}:{value}".encode()
+    yield b"}"

@@ -96,8 +96,9 @@ WHERE inbox.id = u.id
 u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
-                         %(deliveries)b::int4[], %(errors)b::text[])
-        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, n)
+                         %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int4[],
+                         %(digests)b::bytea[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, n)
 )
 
 
@@ -146,13 +147,22 @@ ev AS (
 -- group was recreated). ``xmax = 0`` is true exactly for rows this statement
 -- inserted.
 --
+-- Only a redelivery: the same entry id with the same body (the stored form,
+-- and for a prefix its full digest), or a report that the entry is gone (its
+-- body is lost, so nothing can differ). A different message on a stored id
+-- (Redis restored from an older snapshot, a stream deleted and refilled with
+-- explicit ids) is not updated and so not returned: the store stores it
+-- again under a derived key (backhalf.store, "reused ids"). The comparison
+-- reads the stored body only on a conflict, which first deliveries do not
+-- meet.
+--
 -- The same insert as store_inbox_body_cte plus the ON CONFLICT clause
 -- (tests/unit/test_queries.py holds them to that).
 written AS (
-    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                        ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
                        ack_state, deliveries, status, error, todo_id, event_id)
-    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
            %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
            %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
            ev.todo_id, ev.id
@@ -165,6 +175,8 @@ written AS (
                   ack_group = excluded.ack_group,
                   ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
                   acked_at = NULL
+    WHERE inbox.body = excluded.body AND inbox.body_sha256 IS NOT DISTINCT FROM excluded.body_sha256
+       OR starts_with(excluded.error, 'lost_before_ingest')
     RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
               (xmax = 0) AS inserted
 )
@@ -178,10 +190,10 @@ written AS (
 -- redelivered, and then merges. Pub/sub rows (ack_state 'none') are not
 -- queued; the todo index dedups them.
 written AS (
-    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                        ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
                        ack_state, deliveries, status, error, todo_id, event_id)
-    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
            %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
            %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
            ev.todo_id, ev.id
@@ -205,12 +217,14 @@ queued AS (
 
 -- name: store_result
 -- The store's final SELECT, after its CTEs: one row per message written,
--- whether its inbox row was inserted, and the event and todo this statement
--- wrote for it, which the store deletes again if the row was stored already.
-SELECT w.idempotency_key, w.inserted, ev.id, ev.todo_id, t.created
-FROM written w
-LEFT JOIN ev ON ev.idempotency_key = w.idempotency_key
-LEFT JOIN t ON t.idempotency_key = w.idempotency_key
+-- whether its inbox row was inserted (NULL: neither inserted nor updated, a
+-- reused id), and the event and todo this statement wrote for it, which the
+-- store deletes again if the row was stored already.
+SELECT u.k, w.inserted, ev.id, ev.todo_id, t.created
+FROM u
+LEFT JOIN written w ON w.idempotency_key = u.k
+LEFT JOIN ev ON ev.idempotency_key = u.k
+LEFT JOIN t ON t.idempotency_key = u.k
 
 
 -- name: delete_events

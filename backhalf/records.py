@@ -44,6 +44,10 @@ class InboxRecord(NamedTuple):
     ack_copies: int = 1
     deliveries: int = 1
     ack_key: str | None = None  # None: the batch's AckTarget.key
+    # Set when ``body`` is only a prefix (a message over max_message_bytes):
+    # the full length and sha256 (backhalf.normalize.RawForm).
+    body_size: int | None = None
+    body_sha256: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,22 @@ class StoreResult:
     redelivered: int  # already in the inbox: deliveries bumped, ack re-requested
     todos_created: int
     todos_deduped: int  # an active todo with the same (queue, key) already existed
+    # New messages on an entry id the inbox holds with another body (Redis
+    # restored from an older snapshot, a stream deleted and refilled with
+    # explicit ids), as (entry id, the key they were stored under:
+    # backhalf.keys.reused_key). Logged at error level once committed.
+    reused: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def total(cls, results: Sequence[StoreResult]) -> StoreResult:
+        return cls(
+            new=sum(r.new for r in results),
+            rejected=sum(r.rejected for r in results),
+            redelivered=sum(r.redelivered for r in results),
+            todos_created=sum(r.todos_created for r in results),
+            todos_deduped=sum(r.todos_deduped for r in results),
+            reused=tuple(pair for r in results for pair in r.reused),
+        )
 
 
 @dataclass(frozen=True, slots=True)

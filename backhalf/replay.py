@@ -93,6 +93,7 @@ async def replay(
                 inbox.c.idempotency_key,
                 inbox.c.source_message_id,
                 inbox.c.body,
+                inbox.c.body_size,
                 inbox.c.status,
                 inbox.c.error,
             )
@@ -102,11 +103,18 @@ async def replay(
     ).first()
     if row is None:
         raise ReplayError(f"inbox row {inbox_id} does not exist")
-    adapter, key, message_id, body, status, error = row
+    adapter, key, message_id, body, body_size, status, error = row
     if status != "rejected":
         raise ReplayError(f"inbox row {inbox_id} is {status}, not rejected")
     if not body:
         raise ReplayError(f"inbox row {inbox_id} has no body to replay ({error})")
+    if body_size is not None:
+        # Only the first bytes of an oversize message are kept: replaying
+        # them would make a todo of a message that never was.
+        raise ReplayError(
+            f"inbox row {inbox_id} keeps only the first {len(body)} of its {body_size} bytes:"
+            " re-send the message instead"
+        )
     try:
         payload = normalize_for(adapter)(bytes(body))
     except PoisonMessage as exc:

@@ -13,6 +13,7 @@ are the functions below ``_store``; the statements are in ``queries.sql``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -21,7 +22,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import failpoints, queries, todos
+from backhalf import failpoints, keys, queries, todos
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import StoreError
 from backhalf.records import InboxRecord, StoreBatch, StoreResult
@@ -29,8 +30,8 @@ from backhalf.records import InboxRecord, StoreBatch, StoreResult
 Cursor = psycopg.AsyncCursor[Any]
 # A (key, processing list) pair of a list copy, and the pending inbox row it merges into.
 PendingCopies = dict[tuple[str, str | None], int]
-# A row of the write's result: key, inserted, our event id, its todo id, whether we created that todo.
-Written = tuple[str, bool, int | None, int | None, bool | None]
+# A write's result row: key, inserted (None: a reused id), our event, its todo, whether we created it.
+Written = tuple[str, bool | None, int | None, int | None, bool | None]
 
 
 def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | None) -> list[InboxRecord]:
@@ -92,7 +93,10 @@ async def _store(cur: Cursor, batch: StoreBatch, records: list[InboxRecord], *, 
     outcome = _Outcome.of(rows)
     if outcome.lost:
         await _undo_lost(cur, outcome)
-    # 5. Wake the acker, on commit.
+    # 5. Another message on a stored entry id: stored again, under its own key.
+    if outcome.reused:
+        records, outcome = await _store_reused(cur, batch, records, outcome)
+    # 6. Wake the acker, on commit.
     if _ack_state(batch) == "pending":
         await cur.execute(queries.NOTIFY_ACKER, {"channel": queries.ACK_CHANNEL, "adapter": batch.adapter})
     return outcome.result(records)
@@ -183,6 +187,8 @@ async def _write(
             "copies": [r.ack_copies for r in writing],
             "deliveries": [r.deliveries for r in writing],
             "errors": [r.error for r in writing],
+            "sizes": [r.body_size for r in writing],
+            "digests": [r.body_sha256 for r in writing],
         },
     )
     return await cur.fetchall()
@@ -199,6 +205,11 @@ class _Outcome:
     # record, and our todo upsert deduped to its todo, or created one only if
     # that todo has finished since. (event id, todo id, whether we created it)
     lost: list[tuple[int, int | None, bool | None]] = field(default_factory=list)
+    # Keys whose inbox row holds another body (neither inserted nor updated):
+    # their events and todos are undone with the lost ones.
+    reused: list[str] = field(default_factory=list)
+    # (entry id, derived key) of those stored again (_store_reused).
+    stored_reused: list[tuple[str, str]] = field(default_factory=list)
     todos: int = 0
     created: int = 0
 
@@ -206,6 +217,8 @@ class _Outcome:
     def of(cls, rows: list[Written]) -> _Outcome:
         outcome = cls()
         for key, was_inserted, event_id, todo_id, was_created in rows:
+            if was_inserted is None:
+                outcome.reused.append(key)
             if was_inserted:
                 outcome.inserted.add(key)
             elif event_id is not None:
@@ -221,6 +234,7 @@ class _Outcome:
             redelivered=len(records) - len(self.inserted),
             todos_created=self.created,
             todos_deduped=self.todos - self.created,
+            reused=tuple(self.stored_reused),
         )
 
 
@@ -233,3 +247,43 @@ async def _undo_lost(cur: Cursor, outcome: _Outcome) -> None:
         await todos.delete_created(cur, ours)
     outcome.created -= len(ours)
     outcome.todos -= len(outcome.lost)
+
+
+async def _store_reused(
+    cur: Cursor, batch: StoreBatch, records: list[InboxRecord], outcome: _Outcome
+) -> tuple[list[InboxRecord], _Outcome]:
+    """Store the messages whose entry id the inbox holds with another body
+    under their derived keys (``keys.reused_key``), in this transaction, so
+    nothing is dropped: each becomes a todo (or a rejected row) of its own
+    and its entry is acked. A redelivery of one meets its derived row with
+    the same body and dedups as usual. Returns the batch's records as stored
+    and the outcome of both writes."""
+    reused = set(outcome.reused)
+    derived = {
+        r.idempotency_key: r._replace(idempotency_key=keys.reused_key(r.idempotency_key, _digest(r)))
+        for r in records
+        if r.idempotency_key in reused
+    }
+    again = sorted(derived.values(), key=attrgetter("idempotency_key"))
+    second = _Outcome.of(await _write(cur, batch, again, set(), native=True))
+    if second.reused:  # a sha256 collision, or a bug: refuse rather than drop
+        raise StoreError(f"adapter {batch.adapter}: derived keys {second.reused[:3]} also hold another body")
+    if second.lost:
+        await _undo_lost(cur, second)
+    combined = _Outcome(
+        inserted=outcome.inserted | second.inserted,
+        todos=outcome.todos + second.todos,
+        created=outcome.created + second.created,
+        # A redelivery of one (its derived row found) is no news.
+        stored_reused=[
+            (str(r.source_message_id), r.idempotency_key)
+            for r in again
+            if r.idempotency_key in second.inserted
+        ],
+    )
+    return [derived.get(r.idempotency_key, r) for r in records], combined
+
+
+def _digest(rec: InboxRecord) -> bytes:
+    """The sha256 of the whole message (of its stored form's full length)."""
+    return rec.body_sha256 if rec.body_sha256 is not None else hashlib.sha256(rec.body).digest()

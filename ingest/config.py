@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from redis.asyncio.connection import parse_url
 from sqlalchemy.engine import make_url
 
-from backhalf.body_schema import BodySchema, SchemaFileError
+from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
 from backhalf.db import DatabaseSettings, normalize_url
 from backhalf.keys import DEFAULT_PREFIX
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
@@ -278,6 +278,9 @@ class AdapterConfig:
     # A JSON Schema file the decoded body must satisfy, else it is poison;
     # relative to the config file's directory.
     schema: Annotated[str | None, Key(parse=_string)] = None
+    # A body whose validation against the schema runs longer is poison
+    # (validation_timeout), so a producer cannot stall the ingester.
+    schema_timeout_ms: Annotated[int, Key(minimum=1)] = DEFAULT_SCHEMA_TIMEOUT_MS
     body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
 
     def public_settings(self) -> dict[str, Any]:
@@ -306,6 +309,11 @@ class IngestSettings:
     # its own connection, each one core of PostgreSQL); 1 turns overlap off.
     # List and pub/sub adapters always commit one batch at a time.
     commits_in_flight: int = 2
+    # Bytes of messages one adapter may hold read and not yet committed (the
+    # batch read ahead plus the commits in flight). A read asks for at most
+    # as many messages as fit at max_message_bytes each, so memory is bounded
+    # by bytes whatever the messages' sizes, not by batch_size alone.
+    max_inflight_bytes: int = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +428,8 @@ def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
 
 
 def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
-    """``schema``: a JSON Schema file, relative to the config file's directory."""
+    """``schema``: a JSON Schema file, relative to the config file's directory,
+    its references resolved now (never while messages arrive)."""
     if values["schema"] is None:
         return {}
     path = Path(values["schema"])
@@ -428,7 +437,8 @@ def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[
         raise ConfigError(f"{label}: key 'schema' cannot apply to format = \"bytes\" (nothing is decoded)")
     path = path if path.is_absolute() else base_dir / path
     try:
-        return {"schema": str(path), "body_schema": BodySchema.load(path)}
+        body_schema = BodySchema.load(path, timeout_ms=values["schema_timeout_ms"])
+        return {"schema": str(path), "body_schema": body_schema}
     except SchemaFileError as exc:
         raise ConfigError(f"{label}: key 'schema': {exc}") from exc
 
@@ -524,6 +534,17 @@ def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
             )
 
 
+def _check_inflight_room(ingest: IngestSettings, adapters: tuple[AdapterConfig, ...]) -> None:
+    """Room in flight for one message of the largest size allowed: else an
+    adapter could never read without passing the bound it is meant to keep."""
+    for a in adapters:
+        if a.max_message_bytes > ingest.max_inflight_bytes:
+            raise ConfigError(
+                f"[ingest]: key 'max_inflight_bytes' ({ingest.max_inflight_bytes}) must be at least adapter"
+                f" {a.name!r}'s max_message_bytes ({a.max_message_bytes})"
+            )
+
+
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None = None) -> Settings:
     """``base_dir`` anchors relative paths (the config file's directory)."""
     _check_keys("config", raw, _TOP_KEYS)
@@ -568,6 +589,10 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     ingest_raw = _section(raw, "ingest")
     ingest_types = _field_types(IngestSettings)
     _check_keys("[ingest]", ingest_raw, set(ingest_types))
+    ingest = IngestSettings(
+        **{k: _number(f"[ingest]: key {k!r}", v, ingest_types[k]) for k, v in ingest_raw.items()}
+    )
+    _check_inflight_room(ingest, adapters)
     acker_raw = _section(raw, "acker")
     acker_types = _field_types(AckerSettings)
     _check_keys("[acker]", acker_raw, set(acker_types))
@@ -586,9 +611,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         database_url_origin=DATABASE_URL_VARIABLE if env.get(DATABASE_URL_VARIABLE) else "[database] url",
         database=database,
         adapters=adapters,
-        ingest=IngestSettings(
-            **{k: _number(f"[ingest]: key {k!r}", v, ingest_types[k]) for k, v in ingest_raw.items()}
-        ),
+        ingest=ingest,
         acker=AckerSettings(
             **{k: _number(f"[acker]: key {k!r}", v, acker_types[k]) for k, v in acker_raw.items()}
         ),

@@ -13,18 +13,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from backhalf import acks, failpoints, registry
+from backhalf import acks, body_schema, failpoints, registry
 from backhalf import attempts as delivery_attempts
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.db_errors import is_transient
 from backhalf.errors import DeadlineExceeded, PoisonMessage, StoreError
-from backhalf.normalize import body_payload, fields_payload, raw_fields
+from backhalf.normalize import RawForm, body_payload, fields_payload, raw_body, raw_field_map
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter, pull_provenance
@@ -48,22 +48,24 @@ LOST_BEFORE_INGEST = "lost_before_ingest: the entry was deleted or trimmed while
 
 def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
     """Normalize one delivery; a poison message becomes a rejected record."""
+    limit = config.max_message_bytes
     error: str | None = None
     payload: str | None = None
     if delivery.lost:
-        raw, error = b"", LOST_BEFORE_INGEST
+        raw, error = RawForm(b""), LOST_BEFORE_INGEST
     elif delivery.body is not None:
-        raw = delivery.body
+        raw = raw_body(delivery.body, limit)
     else:
-        raw = raw_fields(delivery.fields or {})
+        raw = raw_field_map(delivery.fields or {}, limit)
+    if error is None and raw.truncated:
+        # Stored as a prefix, with the full size and digest beside it.
+        error = f"too_large: {raw.size} bytes exceeds max_message_bytes={limit}"
     if error is None:
         try:
             if delivery.body is not None:
-                payload = body_payload(
-                    delivery.body, config.format, config.max_message_bytes, config.body_schema
-                )
+                payload = body_payload(delivery.body, config.format, limit, config.body_schema)
             else:
-                payload = fields_payload(delivery.fields or {}, config.max_message_bytes, config.body_schema)
+                payload = fields_payload(delivery.fields or {}, limit, config.body_schema)
         except PoisonMessage as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - one message's failure is its own, never its batch's
@@ -74,14 +76,23 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
     return InboxRecord(
         idempotency_key=delivery.idempotency_key,
         source_message_id=delivery.message_id,
-        body=raw,
+        body=raw.body,
         payload=payload,
         error=error,
         ack_entry_id=delivery.ack_entry_id,
         ack_key=delivery.ack_key,
         ack_copies=delivery.ack_copies,
         deliveries=delivery.deliveries,
+        body_size=raw.size,
+        body_sha256=raw.sha256,
     )
+
+
+def delivery_size(delivery: Delivery) -> int:
+    """A message's bytes as read (its body, or its fields' keys and values)."""
+    if delivery.body is not None:
+        return len(delivery.body)
+    return sum(len(k) + len(v) for k, v in (delivery.fields or {}).items())
 
 
 def ledger_for(
@@ -108,6 +119,7 @@ class Fetched:
 
     deliveries: list[Delivery]
     records: list[InboxRecord]
+    size: int  # the messages' bytes as read, held until the batch's commit ends
 
 
 class PollLoop:
@@ -137,6 +149,8 @@ class PollLoop:
         # Lone attempts that failed for a transient reason: still open, their
         # count is reused by the next attempt (see _store_alone).
         self._open_attempts = delivery_attempts.OpenAttempts()
+        # Bytes of the batches taken and not yet committed (max_inflight_bytes).
+        self._held = 0
         self._log = log.bind(
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
@@ -187,7 +201,13 @@ class PollLoop:
             if not await self._is_enabled():
                 await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
                 return
-            self._prefetch = self._start_fetch()
+            if not self._read_count() and self._commits:
+                # No room for another read: wait for the oldest commit.
+                await self._commits.wait_below(len(self._commits))
+                return
+            self._prefetch = self._start_fetch(self._read_count())
+        if not await self._fetched_unless_stopped(self._prefetch):
+            return  # stopped while a schema was still validating: _wind_down abandons it
         fetched = await self._prefetch
         self._prefetch = None
         if not fetched.deliveries:
@@ -196,8 +216,9 @@ class PollLoop:
         failpoints.hit("after_read")
         # The next batch is read and normalized while this one commits:
         # Python, Redis and PostgreSQL work overlap instead of taking turns.
-        if not self._stop.is_set() and await self._is_enabled():
-            self._prefetch = self._start_fetch()
+        room = self._read_count(holding=fetched.size)
+        if room and not self._stop.is_set() and await self._is_enabled():
+            self._prefetch = self._start_fetch(room)
         # A batch holding a redelivery follows a crash or a stall: it is
         # committed with nothing beside it, before or after. Otherwise a
         # message that crashes the ingester would take the overlapping
@@ -207,7 +228,8 @@ class PollLoop:
         alone = any(r.deliveries >= REDELIVERY for r in fetched.records)
         if alone:
             await self._commits.wait_all()
-        self._commits.start(lambda after: self._commit(fetched, after), name=f"commit:{self._cfg.name}")
+        self._held += fetched.size
+        self._commits.start(lambda after: self._commit_held(fetched, after), name=f"commit:{self._cfg.name}")
         await self._commits.wait_below(1 if alone else depth)
         retry.succeeded()
 
@@ -240,8 +262,33 @@ class PollLoop:
                 await self._finish_on_stop(self._prefetch)
             self._prefetch = None
 
-    def _start_fetch(self) -> asyncio.Task[Fetched]:
-        return asyncio.create_task(self._fetch(), name=f"fetch:{self._cfg.name}")
+    async def _fetched_unless_stopped(self, prefetch: asyncio.Task[Fetched]) -> bool:
+        """Whether the batch is read and normalized, or stop came first. A read
+        ends at stop by itself; only validation against a schema (in a worker
+        thread, up to ``schema_timeout_ms`` per message) may take long enough
+        to keep a stop waiting, so only then is stop watched here too."""
+        if prefetch.done() or self._cfg.body_schema is None:
+            return True
+        stopped = asyncio.create_task(self._stop.wait(), name=f"stop-wait:{self._cfg.name}")
+        try:
+            await asyncio.wait({prefetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not await cancel_and_wait(stopped, READ_CANCEL_TIMEOUT_S):
+                self._log.error("read_not_cancellable", task=stopped.get_name())
+        return prefetch.done()
+
+    def _read_count(self, holding: int = 0) -> int:
+        """How many messages the next read may ask for: ``batch_size``, or as
+        many as fit at ``max_message_bytes`` each in what ``max_inflight_bytes``
+        leaves free beside the batches held (and ``holding`` bytes about to
+        be). With nothing held there is always room for one (config checks
+        that one message fits), so the loop never stalls on the bound."""
+        free = self._settings.max_inflight_bytes - self._held - holding
+        fits = max(free, 0) // self._cfg.max_message_bytes
+        return min(self._cfg.batch_size, fits if self._held + holding else max(fits, 1))
+
+    def _start_fetch(self, count: int) -> asyncio.Task[Fetched]:
+        return asyncio.create_task(self._fetch(count), name=f"fetch:{self._cfg.name}")
 
     async def _abandon(self, prefetch: asyncio.Task[Fetched]) -> None:
         """Drop a prefetch: its batch is redelivered after the rewind that follows."""
@@ -264,17 +311,55 @@ class PollLoop:
         except EXPECTED_FAILURES as exc:
             self._log.warning("final_store_failed", error=exc, error_type=type(exc).__name__)
 
-    async def _fetch(self) -> Fetched:
+    async def _fetch(self, count: int) -> Fetched:
         deliveries = await self._adapter.recover(self._open_ledger)
         if not deliveries:
-            deliveries = await self._read_unless_stopped()
+            deliveries = await self._read_unless_stopped(count)
+        records = await self._normalize(deliveries)
+        return Fetched(deliveries, records, sum(map(delivery_size, deliveries)))
+
+    async def _normalize(self, deliveries: list[Delivery]) -> list[InboxRecord]:
+        if self._cfg.body_schema is not None:
+            return await self._normalize_off_the_loop(deliveries)
         records = []
         for start in range(0, len(deliveries), NORMALIZE_SLICE):
             records += [to_record(d, self._cfg) for d in deliveries[start : start + NORMALIZE_SLICE]]
             # Yield between slices: the store of the previous batch waits on
             # its statements' replies in this same event loop.
             await asyncio.sleep(0)
-        return Fetched(deliveries, records)
+        return records
+
+    async def _normalize_off_the_loop(self, deliveries: list[Delivery]) -> list[InboxRecord]:
+        """A schema's cost is the producer's to choose: validation runs in a
+        worker thread, so heartbeats, commits and stop signals are served
+        meanwhile (the interpreter switches threads every few ms), each
+        message within the adapter's ``schema_timeout_ms`` (an overrun is
+        that message's rejection). A read abandoned (on stop, or after a
+        failure) ends the thread's checks at their next keyword, so neither
+        the thread nor the process's exit waits for the message under way."""
+        abandon = body_schema.Abandon()
+
+        def normalize_all() -> list[InboxRecord]:
+            with body_schema.abandonable(abandon):
+                records = []
+                for d in deliveries:
+                    if abandon.ended:
+                        return []  # nobody waits for these any more
+                    records.append(to_record(d, self._cfg))
+                return records
+
+        try:
+            return await asyncio.to_thread(normalize_all)
+        finally:
+            abandon.end()
+
+    async def _commit_held(self, fetched: Fetched, after: asyncio.Task[None] | None) -> None:
+        """``_commit``; the batch's bytes stop counting as held once it has
+        ended, committed, failed or cancelled."""
+        try:
+            await self._commit(fetched, after)
+        finally:
+            self._held -= fetched.size
 
     async def _commit(self, fetched: Fetched, after: asyncio.Task[None] | None = None) -> None:
         """Store a batch; confirm it to the adapter once ``after`` (the commit
@@ -294,7 +379,7 @@ class PollLoop:
         # Confirmed only once every chunk committed; a failure in between
         # redelivers the whole batch and the committed chunks dedup.
         self._adapter.stored()
-        result = StoreResult(*(sum(values) for values in zip(*(astuple(r) for r in results), strict=True)))
+        result = StoreResult.total(results)
         self._log.info(
             "batch_stored",
             messages=len(deliveries),
@@ -303,10 +388,20 @@ class PollLoop:
             rejected=result.rejected,
             todos_created=result.todos_created,
             todos_deduped=result.todos_deduped,
+            reused_ids=len(result.reused),
             first_id=deliveries[0].message_id,
             last_id=deliveries[-1].message_id,
             store_ms=round((time.perf_counter() - started) * 1000, 2),
         )
+        for message_id, key in result.reused:
+            # Not a redelivery: a different message on an id already stored.
+            self._log.error(
+                "entry_id_reused",
+                message_id=message_id,
+                stored_as=key,
+                detail="another body is stored under this entry id (a Redis restore or failover,"
+                " or explicit ids reused): stored under its own key",
+            )
         for d in deliveries:
             if d.lost:
                 self._log.error("lost_before_ingest", message_id=d.message_id, key=d.idempotency_key)
@@ -403,14 +498,14 @@ class PollLoop:
             self._enabled_checked_at = now
         return self._enabled
 
-    async def _read_unless_stopped(self) -> list[Delivery]:
+    async def _read_unless_stopped(self, count: int) -> list[Delivery]:
         """Read a batch, or nothing if stop is requested first; a read cut
         short leaves its entries pending at the broker for redelivery. A read
         that completed is stored even if stop came meanwhile: it may carry
         reports (deleted entries) that exist nowhere else."""
         if self._stop.is_set():
             return []
-        read = asyncio.create_task(self._adapter.read(self._cfg.batch_size), name=f"read:{self._cfg.name}")
+        read = asyncio.create_task(self._adapter.read(count), name=f"read:{self._cfg.name}")
         stopped = asyncio.create_task(self._stop.wait(), name=f"stop-wait:{self._cfg.name}")
         try:
             await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -150,6 +150,10 @@ inbox = sa.Table(
     sa.Column("source_message_id", sa.Text),
     sa.Column("consumer", sa.Text),
     sa.Column("body", BYTEA, nullable=False),
+    # Set only when ``body`` is a prefix (a message over max_message_bytes,
+    # rejected): the message's full length and sha256. NULL: body is whole.
+    sa.Column("body_size", sa.Integer),
+    sa.Column("body_sha256", BYTEA),
     # The ack intent: what the acker must tell the broker once this row is
     # committed. Stream: XACK ack_key ack_group ack_entry_id. List: LREM
     # ack_key ack_copies <body>. Pub/sub: nothing.
@@ -220,3 +224,27 @@ sa.Index(
 )
 # List recovery locks a processing list's pending intents by ack_key.
 sa.Index("ix_ack_queue_lrem_ack_key", ack_queue.c.ack_key, postgresql_where=ack_queue.c.ack_kind == "lrem")
+
+# Where each consumer group Switchboard created started, as an entry id
+# (``start_id = "$"`` resolved to the stream's last id at creation), so a
+# group destroyed under it is recreated at the same point: nothing after it
+# lost, nothing before it resurrected. In PostgreSQL, not Redis: the record
+# must outlive the group and a restore of Redis from an older snapshot. One
+# row per group of one broker (the broker as ``host:port/db``, never a
+# credential), written once: the first record wins, so neither a second
+# ingester nor a restart moves it. ``adapter`` names who recorded it; no
+# foreign key, since the start belongs to the Redis group, not to the adapter.
+STREAM_ID_PATTERN = "^[0-9]+(-[0-9]+)?$"
+
+stream_groups = sa.Table(
+    "stream_groups",
+    metadata,
+    sa.Column("broker", sa.Text, primary_key=True),
+    sa.Column("stream", sa.Text, primary_key=True),
+    sa.Column("group_name", sa.Text, primary_key=True),
+    sa.Column("adapter", sa.Text, nullable=False),
+    sa.Column("start_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    # An entry id, never "$": "$" would mean "whatever is last" at recreation.
+    sa.CheckConstraint(f"start_id ~ '{STREAM_ID_PATTERN}'", name="start_id"),
+)

@@ -84,3 +84,16 @@ async def test_a_row_that_is_not_rejected_is_refused(engine: AsyncEngine, db_url
     inbox_id = scalar(db_url, "SELECT id FROM inbox")
     with pytest.raises(replay.ReplayError, match="is stored, not rejected"):
         await replay_row(engine, inbox_id)
+
+
+async def test_a_row_that_keeps_only_a_prefix_is_refused(engine: AsyncEngine, db_url: str) -> None:
+    """An oversize message keeps its first bytes only (issue 11, item 9): a
+    replay of them would make a todo of a message that never was."""
+    prefix = rec("1-0", rejected=True)._replace(
+        body=b'{"n": 1', body_size=9_000_000, body_sha256=b"\x00" * 32
+    )
+    await store_one(engine, "orders", prefix)
+    inbox_id = scalar(db_url, "SELECT id FROM inbox")
+    with pytest.raises(replay.ReplayError, match="keeps only the first 7 of its 9000000 bytes"):
+        await replay_row(engine, inbox_id)
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 0

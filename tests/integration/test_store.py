@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import psycopg
 import pytest
@@ -209,3 +210,106 @@ async def test_concurrent_stores_of_one_entry_make_one_todo(engine: AsyncEngine,
     await asyncio.gather(*(one() for _ in range(4)))
     assert query(db_url, "SELECT count(*) FROM todos") == [(1,)]
     assert query(db_url, "SELECT deliveries FROM inbox") == [(4,)]  # one, then three more
+
+
+# -- reused entry ids (issue 11, item 2) ----------------------------------------
+
+
+def other(entry_id: str, payload: str, deliveries: int = 1) -> InboxRecord:
+    """A message on ``entry_id`` that is not the one stored there."""
+    return rec(entry_id, payload)._replace(deliveries=deliveries)
+
+
+async def test_another_message_on_a_stored_entry_id_gets_its_own_todo(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    """Redis restored from an older snapshot hands out the lost ids again, as
+    first deliveries: the new message is stored under the entry's key plus
+    its digest, never dropped as a redelivery; the stored one is untouched."""
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("1-0", '{"n": 1}'), rec("2-0", '{"n": 2}')))
+    async with engine.begin() as conn:
+        result = await store(
+            conn, batch(other("1-0", '{"n": 10}'), rec("2-0", '{"n": 2}'), rec("3-0", '{"n": 3}'))
+        )
+    digest = hashlib.sha256(b'{"n": 10}').hexdigest()
+    derived = f"redis:orders:1-0:{digest}"
+    assert result.reused == (("1-0", derived),)
+    assert (result.new, result.redelivered, result.todos_created) == (2, 1, 2)
+    assert query(
+        db_url,
+        """SELECT i.idempotency_key, i.source_message_id, i.body, t.payload, i.ack_entry_id, i.deliveries
+           FROM inbox i JOIN todos t ON t.id = i.todo_id ORDER BY i.id""",
+    ) == [
+        ("redis:orders:1-0", "1-0", b'{"n": 1}', {"n": 1}, "1-0", 1),
+        ("redis:orders:2-0", "2-0", b'{"n": 2}', {"n": 2}, "2-0", 2),
+        ("redis:orders:3-0", "3-0", b'{"n": 3}', {"n": 3}, "3-0", 1),
+        (derived, "1-0", b'{"n": 10}', {"n": 10}, "1-0", 1),
+    ]
+    assert scalar(db_url, "SELECT count(*) FROM events") == 4
+    assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 4  # the new message's entry is acked too
+
+
+async def test_a_redelivery_of_the_reused_id_message_dedups_to_its_todo(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("1-0", '{"n": 1}')))
+    async with engine.begin() as conn:
+        first = await store(conn, batch(other("1-0", '{"n": 10}')))
+    for deliveries in (1, 2):  # as a first delivery (group recreated) and as a redelivery
+        async with engine.begin() as conn:
+            again = await store(conn, batch(other("1-0", '{"n": 10}', deliveries=deliveries)))
+        assert (again.new, again.redelivered, again.todos_created, again.reused) == (0, 1, 0, ())
+    async with engine.begin() as conn:
+        original = await store(conn, batch(rec("1-0", '{"n": 1}')._replace(deliveries=2)))
+    assert len(first.reused) == 1
+    assert (original.new, original.reused) == (0, ())
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 2
+    assert scalar(db_url, "SELECT count(*) FROM events") == 2
+    assert scalar(db_url, "SELECT max(deliveries) FROM inbox") == 3
+
+
+async def test_a_lost_entry_report_on_a_stored_id_is_a_redelivery(engine: AsyncEngine, db_url: str) -> None:
+    """An entry trimmed while pending comes back without its body: nothing
+    to compare, so it is the stored entry again (re-acked), not a new one."""
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("1-0", '{"n": 1}')))
+    lost = InboxRecord(
+        idempotency_key="redis:orders:1-0",
+        source_message_id="1-0",
+        body=b"",
+        payload=None,
+        error="lost_before_ingest: the entry was deleted or trimmed while still pending",
+        ack_entry_id="1-0",
+        deliveries=2,
+    )
+    async with engine.begin() as conn:
+        result = await store(conn, batch(lost))
+    assert (result.new, result.redelivered, result.reused) == (0, 1, ())
+    assert query(db_url, "SELECT body, status FROM inbox") == [(b'{"n": 1}', "stored")]
+
+
+async def test_a_prefix_stored_message_is_told_apart_by_its_digest(engine: AsyncEngine, db_url: str) -> None:
+    """Two oversize messages with the same first bytes: the second is another
+    message (its digest differs), a redelivery of the first is not."""
+
+    def oversize(tail: bytes) -> InboxRecord:
+        whole = b"x" * 10_000 + tail
+        return rec("1-0", None, error="too_large: 10001 bytes exceeds max_message_bytes=1024")._replace(
+            body=whole[:4096], body_size=len(whole), body_sha256=hashlib.sha256(whole).digest()
+        )
+
+    async with engine.begin() as conn:
+        await store(conn, batch(oversize(b"a")))
+    async with engine.begin() as conn:
+        same = await store(conn, batch(oversize(b"a")._replace(deliveries=2)))
+        different = await store(conn, batch(oversize(b"b")))
+    assert (same.redelivered, same.reused) == (1, ())
+    assert [key for _, key in different.reused] == [
+        f"redis:orders:1-0:{hashlib.sha256(b'x' * 10_000 + b'b').hexdigest()}"
+    ]
+    assert query(db_url, "SELECT length(body), body_size, status FROM inbox ORDER BY id") == [
+        (4096, 10_001, "rejected"),
+        (4096, 10_001, "rejected"),
+    ]

@@ -77,6 +77,21 @@ def test_transaction_deadline_must_exceed_the_statement_timeout() -> None:
         from_mapping({"database": {**db, "transaction_deadline_ms": 5000}, "adapters": [adapter()]}, {})
 
 
+def test_max_inflight_bytes_must_hold_one_message_of_every_adapter() -> None:
+    ok = from_mapping(
+        {
+            "database": DB,
+            "ingest": {"max_inflight_bytes": 1024},
+            "adapters": [adapter(max_message_bytes=1024)],
+        },
+        {},
+    )
+    assert ok.ingest.max_inflight_bytes == 1024
+    assert config.IngestSettings().max_inflight_bytes == 512 * 1024 * 1024
+    with pytest.raises(ConfigError, match=r"'max_inflight_bytes' \(1024\) must be at least adapter 'orders'"):
+        from_mapping({"database": DB, "ingest": {"max_inflight_bytes": 1024}, "adapters": [adapter()]}, {})
+
+
 def test_unknown_top_level_key_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'colour'"):
         from_mapping({"database": DB, "colour": 1}, {})
@@ -150,13 +165,13 @@ def test_the_shipped_example_config_loads() -> None:
 
 COMMON_PUBLIC = {
     "source", "queue", "consumer", "ack_after", "batch_size", "block_ms", "key_prefix", "format",
-    "max_message_bytes", "max_deliveries",
+    "max_message_bytes", "max_deliveries", "schema_timeout_ms",
 }  # fmt: skip
 EVERY_KEY = {
     "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after", "batch_size",
     "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id", "key_prefix", "body_field", "format",
     "max_message_bytes", "url", "delivery", "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
-    "schema",
+    "schema", "schema_timeout_ms",
 }  # fmt: skip
 
 
@@ -191,7 +206,7 @@ def test_every_key_is_accepted_in_every_mode(mode: str, tmp_path: Path) -> None:
         mode=mode, transport="redis", group="g", consumer="c", ack_after="store", batch_size=10_000,
         block_ms=1, claim_idle_ms=1, claim_interval_ms=1, start_id="$", key_prefix="p", body_field="b",
         format="text", max_message_bytes=1, url="unix:///tmp/r.sock", delivery="at-most-once",
-        heartbeat_ttl_ms=1000, reap_interval_ms=1, max_deliveries=3, schema="s.json",
+        heartbeat_ttl_ms=1000, reap_interval_ms=1, max_deliveries=3, schema="s.json", schema_timeout_ms=1,
     )  # fmt: skip
     assert set(raw) == EVERY_KEY
     a = from_mapping({"database": DB, "adapters": [raw]}, {}, tmp_path).adapters[0]

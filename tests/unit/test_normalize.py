@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -9,7 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from backhalf.errors import PoisonMessage
-from backhalf.normalize import MAX_JSON_DEPTH, BodyFormat, body_payload, fields_payload
+from backhalf.normalize import (
+    MAX_JSON_DEPTH,
+    REJECTED_PREFIX_BYTES,
+    BodyFormat,
+    RawForm,
+    body_payload,
+    fields_payload,
+    raw_body,
+    raw_field_map,
+    raw_fields,
+)
 
 LIMIT = 1024 * 1024
 
@@ -99,3 +110,38 @@ def test_field_map_payload() -> None:
     with pytest.raises(PoisonMessage) as info:
         fields_payload({b"k": b"\xff"}, LIMIT)
     assert info.value.reason == "invalid_utf8"
+
+
+# -- the stored form (issue 11, item 9) ----------------------------------------
+
+
+def test_a_body_within_the_limit_is_kept_whole() -> None:
+    assert raw_body(b"x" * 1024, 1024) == RawForm(b"x" * 1024)
+
+
+def test_a_body_over_the_limit_keeps_a_prefix_its_size_and_digest() -> None:
+    body = b"y" * 10_000
+    form = raw_body(body, 1024)
+    assert form == RawForm(body[:REJECTED_PREFIX_BYTES], 10_000, hashlib.sha256(body).digest())
+
+
+def test_a_field_map_counts_as_its_json_form() -> None:
+    """Control bytes escape to six bytes each: 300 of them are 1,800 stored
+    bytes, over a limit of 1,024 that their raw count (600) is within."""
+    fields = {f"k{i}".encode(): b"\x01" for i in range(100)}
+    form = raw_field_map(fields, 1024)
+    whole = raw_fields(fields)
+    assert len(whole) > 1024
+    assert form == RawForm(whole[:REJECTED_PREFIX_BYTES], len(whole), hashlib.sha256(whole).digest())
+    assert raw_field_map(fields, len(whole)) == RawForm(whole)
+
+
+def test_a_huge_field_map_is_never_kept_whole() -> None:
+    fields = {f"field-{i}".encode(): b"\x00\xff" for i in range(50_000)}
+    form = raw_field_map(fields, 1024)
+    whole = raw_fields(fields)
+    assert (form.body, form.size, form.sha256) == (
+        whole[:REJECTED_PREFIX_BYTES],
+        len(whole),
+        hashlib.sha256(whole).digest(),
+    )

@@ -158,16 +158,18 @@ class StreamAdapter(RedisEndpoint):
                 self._group_lost = False
                 return
             if self._group_lost:
+                # Where it started is unknown: from the stream's start, since
+                # what the inbox holds dedups and nothing written since the
+                # destroy (or pending unstored in the lost PEL) may be lost.
                 log.warning(
                     "group_start_not_recorded",
                     **fields,
-                    start_id=cfg.start_id,
+                    start_id="0-0",
                     detail="the group was not created by Switchboard, or before its start was"
-                    " recorded: it is recreated at the configured start_id",
+                    " recorded: it is recreated at 0, its stored entries deduplicated",
                 )
-            start_id = await self._group_starts.record(
-                self._group, await self._resolved_start(), adapter=self.name
-            )
+            start = "0-0" if self._group_lost else await self._resolved_start()
+            start_id = await self._group_starts.record(self._group, start, adapter=self.name)
             log.info("group_start_recorded", **fields, start_id=start_id)
         # BUSYGROUP: the group exists already, which is all we wanted.
         with tolerating(RedisErrorKind.BUSYGROUP, self.name, f"XGROUP CREATE {cfg.source} {cfg.group}"):

@@ -1,8 +1,9 @@
 WITH u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
-                         %(deliveries)b::int4[], %(errors)b::text[])
-        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, n)
+                         %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int4[],
+                         %(digests)b::bytea[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, n)
 ),
 t AS (
     INSERT INTO todos (queue, idempotency_key, payload)
@@ -24,10 +25,10 @@ ev AS (
     RETURNING id, idempotency_key, todo_id
 ),
 written AS (
-    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body,
+    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                        ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
                        ack_state, deliveries, status, error, todo_id, event_id)
-    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b,
+    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
            %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
            %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
            ev.todo_id, ev.id
@@ -40,6 +41,8 @@ written AS (
                   ack_group = excluded.ack_group,
                   ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
                   acked_at = NULL
+    WHERE inbox.body = excluded.body AND inbox.body_sha256 IS NOT DISTINCT FROM excluded.body_sha256
+       OR starts_with(excluded.error, 'lost_before_ingest')
     RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
               (xmax = 0) AS inserted
 ),
@@ -49,7 +52,8 @@ queued AS (
     WHERE ack_state = 'pending' AND ack_after = 'store'
     ON CONFLICT (inbox_id) DO NOTHING
 )
-SELECT w.idempotency_key, w.inserted, ev.id, ev.todo_id, t.created
-FROM written w
-LEFT JOIN ev ON ev.idempotency_key = w.idempotency_key
-LEFT JOIN t ON t.idempotency_key = w.idempotency_key
+SELECT u.k, w.inserted, ev.id, ev.todo_id, t.created
+FROM u
+LEFT JOIN written w ON w.idempotency_key = u.k
+LEFT JOIN ev ON ev.idempotency_key = u.k
+LEFT JOIN t ON t.idempotency_key = u.k
