@@ -21,9 +21,8 @@ import re
 from dataclasses import dataclass
 
 import psycopg
-from sqlalchemy import exc as sa_exc
 
-from backhalf.errors import BackhalfError, DeadlineExceeded
+from backhalf.errors import BackhalfError
 
 MIGRATE_HINT = "run `switchboard migrate`"
 
@@ -141,28 +140,26 @@ def raise_if_permanent(exc: BaseException) -> None:
         raise DatabaseUnusable(problem) from exc
 
 
-# SQLSTATE classes and codes of failures that say nothing about the message
-# being stored: the same statement succeeds once the condition passes.
-_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")  # connection, rollback, resources, operator, system
-_TRANSIENT_CODES = frozenset({"55P03", "55006"})  # lock_not_available (lock_timeout), object_in_use
+# What a message's own data can make the server refuse, every time the same
+# way: a data exception (class 22: a value out of range, an untranslatable
+# character) or a program limit (class 54: a jsonb too large). Only these
+# count against a message; anything else (a lock or statement timeout, a
+# serialization failure, a lost connection, a read-only server after a
+# failover, a missing grant or table) says nothing about the message and
+# would otherwise turn good messages into poison while it lasts.
+_DATA_CLASSES = ("22", "54")
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` failed for a reason outside the data written: a lock
-    or statement timeout, a serialization failure or deadlock, a lost
-    connection, an admin or crash shutdown, too many connections, a
-    client-side deadline or pool checkout timeout. Such a failure must never
-    count against a message (``max_deliveries``). A data error (class 22, 23,
-    54, ...) raised by the statement is not transient: the same message would
-    fail it every time."""
+    """Whether ``exc`` failed for a reason outside the data written, so that
+    it must never count against a message (``max_deliveries``): True unless
+    the chain holds a driver error that the data can cause, a SQLSTATE of
+    class 22 or 54, or psycopg's own refusal to send a value (a DataError
+    raised client-side, with no SQLSTATE)."""
     for error in error_chain(exc):
-        if isinstance(error, DeadlineExceeded | TimeoutError | sa_exc.TimeoutError):
-            return True  # a client-side deadline; the pool's checkout timeout (every connection busy)
         if isinstance(error, psycopg.Error):
-            sqlstate = _sqlstate(error)
+            sqlstate = error.sqlstate
             if sqlstate is None:
-                # No SQLSTATE: libpq's own failure (connection lost, server
-                # closed the connection, cannot connect).
-                return isinstance(error, psycopg.OperationalError | psycopg.InterfaceError)
-            return sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_CODES
-    return False
+                return not isinstance(error, psycopg.DataError)
+            return sqlstate[:2] not in _DATA_CLASSES
+    return True

@@ -170,15 +170,16 @@ def fields_payload(
     return json.dumps(decoded, ensure_ascii=False, separators=(",", ":"))
 
 
+def _decoded_fields(fields: Mapping[bytes, bytes]) -> dict[str, str]:
+    # Kept even when not UTF-8 (backslashreplace); keys that decode alike
+    # collapse, as they always have in the inbox's copy.
+    lenient = "backslashreplace"
+    return {k.decode("utf-8", lenient): v.decode("utf-8", lenient) for k, v in fields.items()}
+
+
 def raw_fields(fields: Mapping[bytes, bytes]) -> bytes:
     """The inbox's raw copy of a field map, kept even when it is not UTF-8."""
-    return json.dumps(
-        {
-            k.decode("utf-8", "backslashreplace"): v.decode("utf-8", "backslashreplace")
-            for k, v in fields.items()
-        },
-        separators=(",", ":"),
-    ).encode()
+    return json.dumps(_decoded_fields(fields), separators=(",", ":")).encode()
 
 
 # What the inbox keeps of a message over max_message_bytes: enough to see
@@ -208,14 +209,16 @@ def raw_body(body: bytes, max_message_bytes: int) -> RawForm:
 
 
 def raw_field_map(fields: Mapping[bytes, bytes], max_message_bytes: int) -> RawForm:
-    """A field map's copy: its JSON form (``raw_fields``), which is also the
-    size that counts against max_message_bytes, so the stored form is bounded
-    whatever the map holds (escaped control bytes take six bytes each)."""
-    # Every byte of a key or value takes at least a byte of the JSON form:
+    """A field map's copy: its JSON form (``raw_fields``), kept whole if the
+    map is within max_message_bytes, where it counts as its JSON text in
+    UTF-8 (the payload a todo gets). The stored form escapes non-ASCII, so
+    it is at most 6 times the limit: six bytes for a control byte, at most
+    three times its UTF-8 bytes for any other character."""
+    # Every byte of a key or value takes at least a byte of the JSON text:
     # a map past the limit by that count is never built whole.
     if sum(len(k) + len(v) for k, v in fields.items()) <= max_message_bytes:
         raw = raw_fields(fields)
-        if len(raw) <= max_message_bytes:
+        if len(raw) <= max_message_bytes or _utf8_json_size(fields) <= max_message_bytes:
             return RawForm(raw)
     prefix = bytearray()
     digest = hashlib.sha256()
@@ -228,11 +231,22 @@ def raw_field_map(fields: Mapping[bytes, bytes], max_message_bytes: int) -> RawF
     return RawForm(bytes(prefix), size, digest.digest())
 
 
+def _utf8_json_size(fields: Mapping[bytes, bytes]) -> int:
+    return len(json.dumps(_decoded_fields(fields), ensure_ascii=False, separators=(",", ":")).encode())
+
+
+# Characters escaped at a time: an escaped character takes at most six
+# bytes, so a piece never exceeds 384 KiB however large the value.
+_ESCAPE_CHUNK = 64 * 1024
+
+
 def _raw_fields_pieces(fields: Mapping[bytes, bytes]) -> Iterator[bytes]:
-    """``raw_fields(fields)`` piece by piece (the same bytes, joined)."""
+    """``raw_fields(fields)`` in bounded pieces (the same bytes, joined)."""
     yield b"{"
-    for n, (k, v) in enumerate(fields.items()):
-        key = json.dumps(k.decode("utf-8", "backslashreplace"))
-        value = json.dumps(v.decode("utf-8", "backslashreplace"))
-        yield f"{',' if n else ''}{key}:{value}".encode()
+    for n, (key, value) in enumerate(_decoded_fields(fields).items()):
+        yield (("," if n else "") + json.dumps(key) + ':"').encode()
+        for at in range(0, len(value), _ESCAPE_CHUNK):
+            # Escaping is per character, so slices escape to the whole's bytes.
+            yield json.dumps(value[at : at + _ESCAPE_CHUNK])[1:-1].encode()
+        yield b'"'
     yield b"}"

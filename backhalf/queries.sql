@@ -96,7 +96,7 @@ WHERE inbox.id = u.id
 u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
-                         %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int4[],
+                         %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int8[],
                          %(digests)b::bytea[])
         WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, n)
 )
@@ -147,9 +147,11 @@ ev AS (
 -- group was recreated). ``xmax = 0`` is true exactly for rows this statement
 -- inserted.
 --
--- Only a redelivery: the same entry id with the same body (the stored form,
--- and for a prefix its full digest), or a report that the entry is gone (its
--- body is lost, so nothing can differ). A different message on a stored id
+-- Only a redelivery: the same entry id with the same message (compared by
+-- the whole message's sha256, kept for a prefix and computed for a whole
+-- body, so a message stored whole under one max_message_bytes and as a
+-- prefix under another is still one message), or a report that the entry is
+-- gone (its body is lost, so nothing can differ). A different message on a stored id
 -- (Redis restored from an older snapshot, a stream deleted and refilled with
 -- explicit ids) is not updated and so not returned: the store stores it
 -- again under a derived key (backhalf.store, "reused ids"). The comparison
@@ -175,7 +177,7 @@ written AS (
                   ack_group = excluded.ack_group,
                   ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
                   acked_at = NULL
-    WHERE inbox.body = excluded.body AND inbox.body_sha256 IS NOT DISTINCT FROM excluded.body_sha256
+    WHERE coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(excluded.body_sha256, sha256(excluded.body))
        OR starts_with(excluded.error, 'lost_before_ingest')
     RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
               (xmax = 0) AS inserted

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded, StoreError
-from schema import stream_groups
+from schema import inbox, stream_groups
 
 
 class StreamGroup(NamedTuple):
@@ -74,6 +74,17 @@ async def present(conn: AsyncConnection) -> None:
     await conn.execute(sa.select(stream_groups.c.start_id).limit(0))
 
 
+async def stored_before(conn: AsyncConnection, adapter: str) -> bool:
+    """Whether the inbox holds any stream entry of ``adapter`` (one probe of
+    ``uq_inbox_native_key``)."""
+    probe = (
+        sa.select(inbox.c.id)
+        .where(inbox.c.adapter == adapter, inbox.c.source_message_id.is_not(None))
+        .limit(1)
+    )
+    return await conn.scalar(probe) is not None
+
+
 class GroupStartLedger:
     """The stream adapters' :class:`ingest.adapters.base.GroupStarts`: each
     call its own short transaction under the transaction deadline. Driver
@@ -90,6 +101,14 @@ class GroupStartLedger:
         try:
             async with within_deadline(self._engine.connect(), self._deadline_ms, what) as conn:
                 return await recorded(conn, group)
+        except (SQLAlchemyError, DeadlineExceeded) as exc:
+            raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+    async def stored_before(self, adapter: str) -> bool:
+        what = f"adapter {adapter}: reading whether the inbox holds its entries"
+        try:
+            async with within_deadline(self._engine.connect(), self._deadline_ms, what) as conn:
+                return await stored_before(conn, adapter)
         except (SQLAlchemyError, DeadlineExceeded) as exc:
             raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
 

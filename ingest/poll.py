@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
@@ -151,6 +152,7 @@ class PollLoop:
         self._open_attempts = delivery_attempts.OpenAttempts()
         # Bytes of the batches taken and not yet committed (max_inflight_bytes).
         self._held = 0
+        self._validator: ThreadPoolExecutor | None = None  # schema validation's thread
         self._log = log.bind(
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
@@ -162,6 +164,15 @@ class PollLoop:
         except asyncio.CancelledError:
             await self._cancel_in_flight()
             raise
+        finally:
+            await self._close_validator()
+
+    async def _close_validator(self) -> None:
+        """Join the validation thread (its checks were abandoned, so it ends at
+        their next keyword): no thread outlives the loop."""
+        if self._validator is not None:
+            pool, self._validator = self._validator, None
+            await asyncio.get_running_loop().run_in_executor(None, pool.shutdown)
 
     async def _cancel_in_flight(self) -> None:
         """Past the shutdown deadline: the read and the commits under way are
@@ -201,11 +212,14 @@ class PollLoop:
             if not await self._is_enabled():
                 await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
                 return
-            if not self._read_count() and self._commits:
+            count = self._read_count()
+            if not count and self._commits:
                 # No room for another read: wait for the oldest commit.
                 await self._commits.wait_below(len(self._commits))
                 return
-            self._prefetch = self._start_fetch(self._read_count())
+            # (Nothing in flight leaves room for one; never a read of 0,
+            # which Redis would take as "no limit".)
+            self._prefetch = self._start_fetch(max(count, 1))
         if not await self._fetched_unless_stopped(self._prefetch):
             return  # stopped while a schema was still validating: _wind_down abandons it
         fetched = await self._prefetch
@@ -349,7 +363,11 @@ class PollLoop:
                 return records
 
         try:
-            return await asyncio.to_thread(normalize_all)
+            if self._validator is None:
+                # Its own thread, not the loop's default pool, which also
+                # resolves host names for reconnects.
+                self._validator = ThreadPoolExecutor(1, thread_name_prefix=f"validate:{self._cfg.name}")
+            return await asyncio.get_running_loop().run_in_executor(self._validator, normalize_all)
         finally:
             abandon.end()
 

@@ -152,7 +152,7 @@ inbox = sa.Table(
     sa.Column("body", BYTEA, nullable=False),
     # Set only when ``body`` is a prefix (a message over max_message_bytes,
     # rejected): the message's full length and sha256. NULL: body is whole.
-    sa.Column("body_size", sa.Integer),
+    sa.Column("body_size", sa.BigInteger),  # escaped, a field map can pass 2 GiB
     sa.Column("body_sha256", BYTEA),
     # The ack intent: what the acker must tell the broker once this row is
     # committed. Stream: XACK ack_key ack_group ack_entry_id. List: LREM

@@ -26,7 +26,7 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     # Nullable, no default: a catalog-only change, no table rewrite.
-    op.add_column('inbox', sa.Column('body_size', sa.Integer(), nullable=True))
+    op.add_column('inbox', sa.Column('body_size', sa.BigInteger(), nullable=True))
     op.add_column('inbox', sa.Column('body_sha256', postgresql.BYTEA(), nullable=True))
 
 

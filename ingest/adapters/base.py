@@ -110,6 +110,11 @@ class GroupStarts(Protocol):
         record wins); return the start on record, committed on return."""
         ...
 
+    async def stored_before(self, adapter: str) -> bool:
+        """Whether the inbox holds stream entries of ``adapter``: its group
+        existed before, even if nothing recorded where it started."""
+        ...
+
 
 class PullAdapter(Protocol):
     name: str

@@ -313,3 +313,18 @@ async def test_a_prefix_stored_message_is_told_apart_by_its_digest(engine: Async
         (4096, 10_001, "rejected"),
         (4096, 10_001, "rejected"),
     ]
+
+
+async def test_a_message_kept_whole_then_as_a_prefix_is_one_message(engine: AsyncEngine, db_url: str) -> None:
+    """max_message_bytes lowered between two deliveries of one entry: the
+    second is a prefix with the whole message's digest, the same message."""
+    whole = b"z" * 9000
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("1-0", None, error="schema_mismatch: at /: x")._replace(body=whole)))
+    prefix = rec("1-0", None, error="too_large: 9000 bytes exceeds max_message_bytes=1024")._replace(
+        body=whole[:4096], body_size=9000, body_sha256=hashlib.sha256(whole).digest(), deliveries=2
+    )
+    async with engine.begin() as conn:
+        again = await store(conn, batch(prefix))
+    assert (again.redelivered, again.reused) == (1, ())
+    assert scalar(db_url, "SELECT count(*) FROM inbox") == 1

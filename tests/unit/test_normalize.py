@@ -145,3 +145,22 @@ def test_a_huge_field_map_is_never_kept_whole() -> None:
         len(whole),
         hashlib.sha256(whole).digest(),
     )
+
+
+def test_non_ascii_counts_by_its_utf8_bytes_though_stored_escaped() -> None:
+    """400,000 bytes of Cyrillic are within a 1 MiB limit, though the stored
+    (ASCII-escaped) form takes 1.2 MB: kept whole, not rejected too_large."""
+    fields = {b"text": "я".encode() * 200_000}
+    form = raw_field_map(fields, 1024 * 1024)
+    assert form == RawForm(raw_fields(fields))
+    assert len(form.body) > 1024 * 1024
+    assert fields_payload(fields, 1024 * 1024)
+
+
+def test_the_prefix_and_digest_are_those_of_the_stored_form_even_when_keys_collide() -> None:
+    """b"\\xff" decodes to the text of b"\\\\xff": the stored copy keeps one,
+    and a prefix's digest must be the digest of exactly that copy."""
+    fields = {b"\xff": b"A" * 5000, b"\\xff": b"B" * 5000}
+    whole = raw_fields(fields)
+    form = raw_field_map(fields, 1024)
+    assert (form.size, form.sha256) == (len(whole), hashlib.sha256(whole).digest())

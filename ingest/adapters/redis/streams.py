@@ -89,6 +89,9 @@ class _Unrecorded:
     async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
         return start_id
 
+    async def stored_before(self, adapter: str) -> bool:
+        return False
+
 
 def _field_map(flat: Sequence[bytes] | None) -> dict[bytes, bytes] | None:
     if flat is None:
@@ -149,28 +152,30 @@ class StreamAdapter(RedisEndpoint):
         fields = {"adapter": self.name, "stream": cfg.source, "group": cfg.group, "broker": self.broker}
         start_id = await self._group_starts.recorded(self._group, adapter=self.name)
         if start_id is None:
-            if await self._group_exists():
-                # Created by someone else, or by a Switchboard older than the
-                # stream_groups table: where it started is unknown, and not
-                # guessed (its last-delivered id would skip what is pending
-                # unstored in its PEL, were it destroyed).
-                log.info("group_start_unknown", **fields, start_id=cfg.start_id)
-                self._group_lost = False
-                return
-            if self._group_lost:
-                # Where it started is unknown: from the stream's start, since
-                # what the inbox holds dedups and nothing written since the
-                # destroy (or pending unstored in the lost PEL) may be lost.
+            # A group that exists with nothing on record (someone else's, or
+            # one made before the stream_groups table), or one that existed
+            # before (lost under us, or entries of ours stored already): where
+            # it started is unknown. Recorded, and so recreated, at the
+            # stream's start: what the inbox holds dedups, and nothing written
+            # since (or pending unstored in a lost PEL) is lost. Its
+            # last-delivered id or a configured "$" could lose both.
+            exists = await self._group_exists()
+            unknown = exists or self._group_lost or await self._group_starts.stored_before(self.name)
+            if unknown:
                 log.warning(
                     "group_start_not_recorded",
                     **fields,
-                    start_id="0-0",
-                    detail="the group was not created by Switchboard, or before its start was"
-                    " recorded: it is recreated at 0, its stored entries deduplicated",
+                    start_id=EMPTY_STREAM_START,
+                    detail="the group was not created by this Switchboard, or before its start was"
+                    " recorded: it is recorded at 0, so a recreation loses nothing (stored entries"
+                    " are deduplicated)",
                 )
-            start = "0-0" if self._group_lost else await self._resolved_start()
+            start = EMPTY_STREAM_START if unknown else await self._resolved_start()
             start_id = await self._group_starts.record(self._group, start, adapter=self.name)
             log.info("group_start_recorded", **fields, start_id=start_id)
+            if exists:
+                self._group_lost = False
+                return
         # BUSYGROUP: the group exists already, which is all we wanted.
         with tolerating(RedisErrorKind.BUSYGROUP, self.name, f"XGROUP CREATE {cfg.source} {cfg.group}"):
             await self._client.xgroup_create(cfg.source, cfg.group, id=start_id, mkstream=True)

@@ -11,7 +11,8 @@ import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.errors import StoreError
-from backhalf.records import AckClaim
+from backhalf.records import AckClaim, AckTarget, InboxRecord, Provenance, StoreBatch
+from backhalf.store import store
 from backhalf.stream_groups import GroupStartLedger, StreamGroup
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import AdapterConfig, from_mapping
@@ -40,6 +41,9 @@ class _FailingOnce:
 
     async def recorded(self, group: StreamGroup, *, adapter: str) -> str | None:
         return await self._ledger.recorded(group, adapter=adapter)
+
+    async def stored_before(self, adapter: str) -> bool:
+        return await self._ledger.stored_before(adapter)
 
     async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
         if not self._failed:
@@ -298,13 +302,32 @@ async def test_a_group_created_by_someone_else_is_not_recorded_and_recreated_at_
     a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
     adapters.append(a)
     assert [d.message_id for d in await a.read(10)] == [early]
-    assert _recorded(db_url) == []  # its start is unknown, and not guessed
+    assert [row[4] for row in _recorded(db_url)] == ["0-0"]  # unknown: recorded at the stream's start
     r.xgroup_destroy(STREAM, GROUP)
     with pytest.raises(GroupMissing):
         await a.read(10)
     later = r.xadd(STREAM, {"body": b"{}"}).decode()
     assert [d.message_id for d in await a.read(10)] == [early, later]  # not the configured "$"
-    assert [row[4] for row in _recorded(db_url)] == ["0-0"]  # Switchboard created this one
+    assert [row[4] for row in _recorded(db_url)] == ["0-0"]
+
+
+async def test_a_group_destroyed_before_anything_recorded_its_start_loses_nothing(  # type: ignore[no-untyped-def]
+    cfg, r, adapters, ledger, engine, db_url
+) -> None:
+    """A deployment upgraded from before the stream_groups table whose group
+    was destroyed while it was stopped: nothing on record and no group, but
+    the inbox holds its entries, so the group existed. Recreated at 0, not at
+    the configured "$", which would skip what was written meanwhile."""
+    stored = InboxRecord("redis:orders:1-0", "1-0", b"{}", "{}", ack_entry_id="1-0")
+    ack = AckTarget("xack", STREAM, GROUP)
+    pulled = Provenance("queue", "queue", False, None)
+    async with engine.begin() as conn:
+        await store(conn, StoreBatch("orders", "orders", "c1", "store", ack, pulled, [stored]))
+    written = r.xadd(STREAM, {"body": b"{}"}).decode()  # while it was stopped
+    a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+    adapters.append(a)
+    assert [d.message_id for d in await a.read(10)] == [written]
+    assert [row[4] for row in _recorded(db_url)] == ["0-0"]
 
 
 async def test_a_failed_record_creates_no_group_and_is_retried(cfg, r, adapters, ledger) -> None:  # type: ignore[no-untyped-def]

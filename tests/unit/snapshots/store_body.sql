@@ -1,7 +1,7 @@
 WITH u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
-                         %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int4[],
+                         %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int8[],
                          %(digests)b::bytea[])
         WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, n)
 ),

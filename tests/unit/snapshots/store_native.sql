@@ -1,7 +1,7 @@
 WITH u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
-                         %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int4[],
+                         %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int8[],
                          %(digests)b::bytea[])
         WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, n)
 ),
@@ -41,7 +41,7 @@ written AS (
                   ack_group = excluded.ack_group,
                   ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
                   acked_at = NULL
-    WHERE inbox.body = excluded.body AND inbox.body_sha256 IS NOT DISTINCT FROM excluded.body_sha256
+    WHERE coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(excluded.body_sha256, sha256(excluded.body))
        OR starts_with(excluded.error, 'lost_before_ingest')
     RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
               (xmax = 0) AS inserted
