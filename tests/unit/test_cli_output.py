@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, timezone
 
 from backhalf.replay import InboxRow
+from backhalf.todo_views import TodoDetail, TodoEvent, TodoRow
+from ingest import todos_command
 from ingest.cli import _inbox_table
 
 
@@ -37,3 +39,62 @@ def test_inbox_list_has_a_header_a_time_column_and_aligned_columns() -> None:
         "invalid_json: line 1 column 1",
         " 7  2026-12-01 10:00:00  orders   stored    acked           1  k",
     ]
+
+
+def test_todos_list_has_a_header_utc_times_and_one_line_errors() -> None:
+    at = datetime(2026, 12, 1, 12, 0, 5, 900_000, tzinfo=timezone(timedelta(hours=2)))
+    lines = todos_command.list_table(
+        [
+            TodoRow(104, "orders", "failed", 12, "redis:orders:1-0", "boom:\n  at line 3", at),
+            TodoRow(9, "b", "pending", 0, "k", None, at),
+        ]
+    )
+    assert lines == [
+        " ID  QUEUE   STATUS   ATTEMPTS  UPDATED_AT (UTC)     KEY               LAST_ERROR",
+        "104  orders  failed         12  2026-12-01 10:00:05  redis:orders:1-0  boom: at line 3",
+        "  9  b       pending         0  2026-12-01 10:00:05  k",
+    ]
+
+
+def test_todos_show_lists_every_field_the_payload_and_the_history() -> None:
+    at = datetime(2026, 12, 1, 10, 0, 0, 123_456, tzinfo=UTC)
+    todo = TodoDetail(
+        id=7,
+        queue="orders",
+        status="running",
+        attempts=1,
+        idempotency_key="k",
+        created_at=at,
+        updated_at=at,
+        dispatched_at=None,
+        lease_until=at + timedelta(minutes=5),
+        last_error="first\nsecond",
+        payload={"n": 1, "s": "é"},
+    )
+    events = [
+        TodoEvent(at, None, "pending", "created"),
+        TodoEvent(at + timedelta(seconds=1), "pending", "dispatched", "dispatched"),
+    ]
+    assert todos_command.show_lines(todo, events) == [
+        "id               7",
+        "queue            orders",
+        "status           running",
+        "attempts         1",
+        "idempotency_key  k",
+        "created_at       2026-12-01 10:00:00.123 UTC",
+        "updated_at       2026-12-01 10:00:00.123 UTC",
+        "dispatched_at    -",
+        "lease_until      2026-12-01 10:05:00.123 UTC",
+        "last_error       first",
+        "                 second",
+        "payload:",
+        "  {",
+        '    "n": 1,',
+        '    "s": "é"',
+        "  }",
+        "history:",
+        "  CREATED_AT (UTC)         CHANGE                 DETAIL",
+        "  2026-12-01 10:00:00.123  (new) -> pending       created",
+        "  2026-12-01 10:00:01.123  pending -> dispatched  dispatched",
+    ]
+    assert todos_command.show_lines(todo, [])[-1] == "history: no todo_events rows"

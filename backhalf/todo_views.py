@@ -1,0 +1,162 @@
+"""Operator reads over the todos (``switchboard todos list / show``) and the
+checks behind an operator's retry and cancel.
+
+Reads only: every write to ``todos`` and ``todo_events`` is in
+:mod:`backhalf.todos`. SQLAlchemy Core, bound parameters only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from schema import todo_events, todos
+from schema.tables import TODO_ACTIVE_PREDICATE
+
+
+@dataclass(frozen=True, slots=True)
+class TodoRow:
+    """One line of ``todos list``."""
+
+    id: int
+    queue: str
+    status: str
+    attempts: int
+    idempotency_key: str
+    last_error: str | None
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class TodoDetail:
+    """The whole todo, for ``todos show``."""
+
+    id: int
+    queue: str
+    status: str
+    attempts: int
+    idempotency_key: str
+    created_at: datetime
+    updated_at: datetime
+    dispatched_at: datetime | None
+    lease_until: datetime | None
+    last_error: str | None
+    payload: Any  # the decoded JSON
+
+
+@dataclass(frozen=True, slots=True)
+class TodoEvent:
+    """One ``todo_events`` row: a state change of the todo."""
+
+    created_at: datetime
+    from_status: str | None  # None: the todo's creation
+    to_status: str
+    detail: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TodoState:
+    """What an operator's action needs to know of a todo, read under its row lock."""
+
+    id: int
+    queue: str
+    idempotency_key: str
+    status: str
+
+
+async def list_todos(
+    conn: AsyncConnection,
+    *,
+    queue: str | None = None,
+    status: str | None = None,
+    limit: int = 50,
+) -> list[TodoRow]:
+    """Todos, newest (highest id) first."""
+    query = sa.select(
+        todos.c.id,
+        todos.c.queue,
+        todos.c.status,
+        todos.c.attempts,
+        todos.c.idempotency_key,
+        todos.c.last_error,
+        todos.c.updated_at,
+    )
+    if queue is not None:
+        query = query.where(todos.c.queue == queue)
+    if status is not None:
+        query = query.where(todos.c.status == status)
+    rows = await conn.execute(query.order_by(todos.c.id.desc()).limit(limit))
+    return [TodoRow(*row) for row in rows]
+
+
+async def get_todo(conn: AsyncConnection, todo_id: int) -> TodoDetail | None:
+    row = (
+        await conn.execute(
+            sa.select(
+                todos.c.id,
+                todos.c.queue,
+                todos.c.status,
+                todos.c.attempts,
+                todos.c.idempotency_key,
+                todos.c.created_at,
+                todos.c.updated_at,
+                todos.c.dispatched_at,
+                todos.c.lease_until,
+                todos.c.last_error,
+                todos.c.payload,
+            ).where(todos.c.id == todo_id)
+        )
+    ).first()
+    return None if row is None else TodoDetail(*row)
+
+
+async def history(conn: AsyncConnection, todo_id: int) -> list[TodoEvent]:
+    """The todo's ``todo_events`` rows, oldest first (id breaks ties: rows
+    written in one transaction share its ``now()``)."""
+    rows = await conn.execute(
+        sa.select(
+            todo_events.c.created_at,
+            todo_events.c.from_status,
+            todo_events.c.to_status,
+            todo_events.c.detail,
+        )
+        .where(todo_events.c.todo_id == todo_id)
+        .order_by(todo_events.c.created_at, todo_events.c.id)
+    )
+    return [TodoEvent(*row) for row in rows]
+
+
+async def lock_todo(conn: AsyncConnection, todo_id: int) -> TodoState | None:
+    """The todo's state, its row locked until the caller's transaction ends,
+    so the action that follows sees the same status."""
+    row = (
+        await conn.execute(
+            sa.select(todos.c.id, todos.c.queue, todos.c.idempotency_key, todos.c.status)
+            .where(todos.c.id == todo_id)
+            .with_for_update()
+        )
+    ).first()
+    return None if row is None else TodoState(*row)
+
+
+async def active_holder(conn: AsyncConnection, queue: str, key: str, *, other_than: int) -> TodoState | None:
+    """The active todo (pending, dispatched, running) other than ``other_than``
+    that holds (queue, key) in ``uq_todos_queue_key_active``, if any: while it
+    exists, the other todo cannot be made active again."""
+    row = (
+        await conn.execute(
+            sa.select(todos.c.id, todos.c.queue, todos.c.idempotency_key, todos.c.status)
+            .where(
+                todos.c.queue == queue,
+                todos.c.idempotency_key == key,
+                TODO_ACTIVE_PREDICATE,
+                todos.c.id != other_than,
+            )
+            .limit(1)
+        )
+    ).first()
+    return None if row is None else TodoState(*row)
