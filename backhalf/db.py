@@ -11,7 +11,8 @@ from typing import Any, cast
 
 import psycopg
 import structlog
-from sqlalchemy import event
+from sqlalchemy import Engine, event
+from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -62,30 +63,49 @@ def redact_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def create_engine(settings: DatabaseSettings) -> AsyncEngine:
+def _connect_args(settings: DatabaseSettings, application_name: str) -> dict[str, Any]:
     options = (
         f"-c statement_timeout={int(settings.statement_timeout_ms)}"
         f" -c lock_timeout={int(settings.lock_timeout_ms)}"
         " -c idle_in_transaction_session_timeout=60000"
     )
+    return {
+        "connect_timeout": settings.connect_timeout_s,
+        "options": options,
+        "application_name": application_name,
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+        "tcp_user_timeout": settings.tcp_user_timeout_ms,
+    }
+
+
+def create_engine(settings: DatabaseSettings) -> AsyncEngine:
     engine = create_async_engine(
         normalize_url(settings.url),
         pool_size=settings.pool_size,
         max_overflow=MAX_OVERFLOW,
         pool_timeout=settings.pool_checkout_timeout_s,
         pool_pre_ping=True,
-        connect_args={
-            "connect_timeout": settings.connect_timeout_s,
-            "options": options,
-            "application_name": "switchboard",
-            "keepalives": 1,
-            "keepalives_idle": 10,
-            "keepalives_interval": 5,
-            "keepalives_count": 3,
-            "tcp_user_timeout": settings.tcp_user_timeout_ms,
-        },
+        connect_args=_connect_args(settings, "switchboard"),
     )
     event.listen(engine.sync_engine, "connect", _pin_synchronous_commit)
+    return engine
+
+
+def create_sync_engine(settings: DatabaseSettings, pool_size: int) -> Engine:
+    """The same connections, for code that runs in threads (dramatiq's worker
+    threads): one pooled connection per thread, every wait bounded alike."""
+    engine = sa_create_engine(
+        normalize_url(settings.url),
+        pool_size=pool_size,
+        max_overflow=MAX_OVERFLOW,
+        pool_timeout=settings.pool_checkout_timeout_s,
+        pool_pre_ping=True,
+        connect_args=_connect_args(settings, "switchboard-worker"),
+    )
+    event.listen(engine, "connect", _pin_synchronous_commit)
     return engine
 
 

@@ -105,6 +105,16 @@ CLAIM_PLAN = _block("claim_plan")
 CLAIM_ACKS = _block("claim_acks")
 LOCK_PENDING_COPIES = _block("lock_pending_copies")
 
+# The todo lifecycle (backhalf.todos): the relay, the workers, the rescuer,
+# the operator's cancel and retry.
+CLAIM_PENDING_TODOS = _block("claim_pending_todos")
+MARK_DISPATCHED = _block("mark_dispatched")
+START_TODO = _block("start_todo")
+END_RUN = _block("end_run")
+RESCUE_TODOS = _block("rescue_todos")
+CANCEL_TODOS = _block("cancel_todos")
+RETRY_TODOS = _block("retry_todos")
+
 # The statements composed from several blocks, by name, for the snapshot test.
 COMPOSED: dict[str, str] = {
     "store_native": STORE_NATIVE,

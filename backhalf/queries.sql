@@ -331,3 +331,158 @@ SELECT i.id, i.idempotency_key, i.ack_copies FROM ack_queue q JOIN inbox i ON i.
 WHERE q.adapter = %(adapter)s AND q.ack_key = %(ack_key)s AND q.ack_kind = 'lrem'
 ORDER BY i.id
 FOR UPDATE
+
+
+-- The todo lifecycle (backhalf.todos): pending -> dispatched -> running ->
+-- done, or back to dispatched for a retry, or failed after the last
+-- attempt; any active state -> cancelled; failed or cancelled -> pending (an
+-- operator's retry). Every change writes its todo_events row in the same
+-- statement, so each todo's rows are one continuous path.
+
+-- name: claim_pending_todos
+-- The dispatch relay's claim: committed pending todos of the queues it
+-- serves, oldest first, locked until its transaction has enqueued them and
+-- marked them dispatched. SKIP LOCKED: relays running at once split the work.
+-- ``ix_todos_pending`` holds only pending rows, so the walk stops at limit.
+SELECT id, queue FROM todos
+WHERE status = 'pending' AND queue = ANY(%(queues)b::text[])
+ORDER BY id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+
+-- name: mark_dispatched
+-- After the enqueue, in the claim's transaction: a crash before the commit
+-- rolls the rows back to pending and they are enqueued again (the worker
+-- skips what is no longer to run). ``status = 'pending'``: a todo a worker
+-- already started (its message overtook this commit) is left as it is.
+WITH marked AS (
+    UPDATE todos SET status = 'dispatched', dispatched_at = now(), updated_at = now()
+    WHERE id = ANY(%(ids)b::int8[]) AND status = 'pending'
+    RETURNING id
+), logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, 'pending', 'dispatched', %(detail)s FROM marked
+)
+SELECT count(*) FROM marked
+
+
+-- name: start_todo
+-- A worker takes its todo: only if it is still to run (pending, dispatched,
+-- or running on a lease that expired: its worker died), else the message is
+-- skipped (a redelivery, a rescued copy, a finished or cancelled todo). The
+-- attempt is counted here, before the handler runs, so a run the worker dies
+-- in counts too. The row lock waits for a relay still committing its
+-- dispatch (lock_timeout bounds it).
+WITH old AS (
+    SELECT id, status, lease_until FROM todos WHERE id = %(id)s FOR UPDATE
+), started AS (
+    UPDATE todos t SET status = 'running', attempts = t.attempts + 1,
+                       lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
+    FROM old
+    WHERE t.id = old.id
+      AND (old.status IN ('pending', 'dispatched') OR (old.status = 'running' AND old.lease_until < now()))
+    RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.lease_until,
+              old.status AS from_status
+), logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, from_status, 'running', %(detail)s FROM started
+)
+SELECT s.id, s.queue, s.payload::text, s.idempotency_key, s.attempts, s.lease_until, s.from_status,
+       (SELECT status FROM old) AS found
+FROM (SELECT 1) AS one LEFT JOIN started s ON true
+
+
+-- name: end_run
+-- A run's outcome: done, failed (its last attempt), or dispatched again
+-- (dramatiq retries it after its backoff). Only the run that holds the todo
+-- may end it: still running, on the lease its start set (each start sets a
+-- new one: a run token that never repeats, where attempts would, after an
+-- operator's retry resets them). A cancelled todo, or one rescued or retried
+-- and started again meanwhile, keeps its state and the late result is
+-- discarded.
+WITH ended AS (
+    UPDATE todos SET status = %(to_status)s, lease_until = NULL, updated_at = now(),
+                     last_error = COALESCE(%(error)s, last_error),
+                     dispatched_at = CASE WHEN %(to_status)s = 'dispatched' THEN now() ELSE dispatched_at END
+    WHERE id = %(id)s AND status = 'running' AND lease_until = %(lease_until)s
+    RETURNING id
+), logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, 'running', %(to_status)s, %(detail)s FROM ended
+)
+SELECT count(*) FROM ended
+
+
+-- name: rescue_todos
+-- Stuck work: running past its lease (its worker was killed), or dispatched
+-- with no progress for longer than the queue's ``stale_s`` (its dramatiq
+-- message was lost). Each is dispatched again by the rescuer's transaction,
+-- which enqueues it before it commits; a running one whose attempts are used
+-- up is failed instead (its attempt was counted when it started). Locked
+-- with SKIP LOCKED, so rescuers running at once never take the same todo.
+WITH q AS (
+    SELECT * FROM unnest(%(queues)b::text[], %(max_attempts)b::int4[], %(stale_s)b::float8[])
+        AS q(queue, max_attempts, stale_s)
+), stuck AS (
+    SELECT t.id, t.status, t.attempts, q.max_attempts FROM todos t JOIN q ON q.queue = t.queue
+    WHERE (t.status = 'running' AND t.lease_until < now())
+       OR (t.status = 'dispatched' AND t.dispatched_at < now() - make_interval(secs => q.stale_s))
+    ORDER BY t.id
+    LIMIT %(limit)s
+    FOR UPDATE OF t SKIP LOCKED
+), moved AS (
+    UPDATE todos t
+    SET status = CASE WHEN s.status = 'running' AND s.attempts >= s.max_attempts THEN 'failed'
+                      ELSE 'dispatched' END,
+        lease_until = NULL, dispatched_at = now(), updated_at = now(),
+        last_error = CASE WHEN s.status = 'running' THEN %(lease_error)s ELSE t.last_error END
+    FROM stuck s WHERE t.id = s.id
+    RETURNING t.id, t.queue, s.status AS from_status, t.status AS to_status
+), logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, from_status, to_status,
+           CASE WHEN from_status = 'running' THEN %(lease_detail)s ELSE %(stale_detail)s END
+    FROM moved
+)
+SELECT id, queue, to_status FROM moved
+
+
+-- name: cancel_todos
+-- An operator's cancel: any active todo. A handler still running finishes,
+-- and its result is discarded (end_run's guard).
+WITH old AS (
+    SELECT id, status FROM todos
+    WHERE id = ANY(%(ids)b::int8[]) AND status IN ('pending', 'dispatched', 'running')
+    ORDER BY id
+    FOR UPDATE
+), cancelled AS (
+    UPDATE todos t SET status = 'cancelled', lease_until = NULL, updated_at = now()
+    FROM old WHERE t.id = old.id
+    RETURNING t.id, old.status AS from_status
+), logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, from_status, 'cancelled', %(detail)s FROM cancelled
+)
+SELECT id FROM cancelled
+
+
+-- name: retry_todos
+-- An operator's retry: a failed or cancelled todo is pending again, with
+-- fresh attempts. Refused (by the unique index, raising) if an active todo
+-- holds the same (queue, key): the caller checks first and says so.
+WITH old AS (
+    SELECT id, status FROM todos
+    WHERE id = ANY(%(ids)b::int8[]) AND status IN ('failed', 'cancelled')
+    ORDER BY id
+    FOR UPDATE
+), retried AS (
+    UPDATE todos t SET status = 'pending', attempts = 0, lease_until = NULL, dispatched_at = NULL,
+                       updated_at = now()
+    FROM old WHERE t.id = old.id
+    RETURNING t.id, old.status AS from_status
+), logged AS (
+    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+    SELECT id, from_status, 'pending', %(detail)s FROM retried
+)
+SELECT id FROM retried

@@ -13,7 +13,10 @@ transaction) belong here too.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -47,3 +50,105 @@ async def create(conn: AsyncConnection, *, queue: str, key: str, payload: str, d
 async def delete_created(cur: psycopg.AsyncCursor[Any], todo_ids: Sequence[int]) -> None:
     """Delete todos a store created, with their log rows, in its transaction."""
     await cur.execute(queries.DELETE_TODOS, {"ids": list(todo_ids)})
+
+
+# -- the lifecycle: relay, workers, rescuer, operators -------------------------
+
+DISPATCHED_BY_RELAY = "dispatched"
+STARTED = "started"
+LEASE_EXPIRED_ERROR = "lease expired: the worker running it stopped (killed, or cut off)"
+RESCUED_LEASE = "rescued: its lease expired"
+RESCUED_STALE = "rescued: dispatched with no progress (its message was lost)"
+
+
+@dataclass(frozen=True, slots=True)
+class Todo:
+    """What a handler is called with (a contract: README, DESIGN.md section 7)."""
+
+    id: int
+    queue: str
+    payload: Any  # the decoded JSON
+    idempotency_key: str
+    attempt: int  # 1 for the first run
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """``start``'s answer: the todo to run, or why there is none."""
+
+    todo: Todo | None
+    found: str | None  # the status it had (None: no such todo)
+    # The lease this start set: the run's token, which only this run holds
+    # (end_run's guard).
+    lease_until: datetime | None = None
+
+
+async def claim_pending(
+    cur: psycopg.AsyncCursor[Any], queues: Sequence[str], limit: int
+) -> list[tuple[int, str]]:
+    """Pending todos of ``queues``, locked until the caller's transaction ends."""
+    await cur.execute(queries.CLAIM_PENDING_TODOS, {"queues": list(queues), "limit": limit})
+    return [(int(i), str(q)) for i, q in await cur.fetchall()]
+
+
+async def mark_dispatched(cur: psycopg.AsyncCursor[Any], ids: Sequence[int], detail: str) -> int:
+    await cur.execute(queries.MARK_DISPATCHED, {"ids": list(ids), "detail": detail})
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+async def rescue(
+    cur: psycopg.AsyncCursor[Any],
+    queues: Sequence[tuple[str, int, float]],
+    limit: int,
+) -> list[tuple[int, str, str]]:
+    """Stuck todos of ``queues`` (name, max_attempts, stale seconds), moved to
+    dispatched (or failed), locked until the caller's transaction ends:
+    (id, queue, new status)."""
+    await cur.execute(
+        queries.RESCUE_TODOS,
+        {
+            "queues": [q for q, _, _ in queues],
+            "max_attempts": [m for _, m, _ in queues],
+            "stale_s": [s for _, _, s in queues],
+            "limit": limit,
+            "lease_error": LEASE_EXPIRED_ERROR,
+            "lease_detail": RESCUED_LEASE,
+            "stale_detail": RESCUED_STALE,
+        },
+    )
+    return [(int(i), str(q), str(s)) for i, q, s in await cur.fetchall()]
+
+
+def start(cur: psycopg.Cursor[Any], todo_id: int, lease_s: float) -> Started:
+    """A worker's claim of its todo (sync: dramatiq's worker threads)."""
+    cur.execute(queries.START_TODO, {"id": todo_id, "lease_s": lease_s, "detail": STARTED})
+    row = cur.fetchone()
+    assert row is not None  # the statement returns one row whatever it finds
+    tid, queue, payload, key, attempts, lease_until, _from, found = row
+    if tid is None:
+        return Started(None, found)
+    todo = Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts))
+    return Started(todo, found, lease_until)
+
+
+def end_run(
+    cur: psycopg.Cursor[Any], run: Started, to_status: str, *, error: str | None, detail: str
+) -> bool:
+    """End a run (done, failed, or dispatched for a retry); False if it no
+    longer holds its todo (cancelled, or rescued or retried and started again)."""
+    assert run.todo is not None
+    params = {"id": run.todo.id, "lease_until": run.lease_until, "to_status": to_status}
+    cur.execute(queries.END_RUN, {**params, "error": error, "detail": detail})
+    row = cur.fetchone()
+    return bool(row and row[0])
+
+
+async def cancel(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:
+    result = await conn.exec_driver_sql(queries.CANCEL_TODOS, {"ids": list(ids), "detail": detail})
+    return sorted(int(i) for (i,) in result.all())
+
+
+async def retry(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:
+    result = await conn.exec_driver_sql(queries.RETRY_TODOS, {"ids": list(ids), "detail": detail})
+    return sorted(int(i) for (i,) in result.all())

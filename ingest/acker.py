@@ -36,6 +36,7 @@ from backhalf.db import (
     libpq_url,
     within_deadline,
 )
+from backhalf.dispatch import Dispatcher, Enqueuer
 from backhalf.errors import DeadlineExceeded
 from backhalf.queries import ACK_CHANNEL
 from backhalf.registry import AdapterRow
@@ -44,7 +45,7 @@ from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.errors import ConfigError, log_failure
-from ingest.lifecycle import Backoff, Retry, wait_either
+from ingest.lifecycle import Backoff, Retry, wait_either, wait_stop
 
 log = structlog.get_logger(__name__)
 
@@ -190,9 +191,10 @@ async def registered_at_start(
 
 
 async def _listen_loop(
-    database: DatabaseSettings, settings: AckerSettings, wake: asyncio.Event, stop: asyncio.Event
+    database: DatabaseSettings, settings: AckerSettings, wakes: Sequence[asyncio.Event], stop: asyncio.Event
 ) -> None:
-    """Turn NOTIFYs into ``wake``; reconnect with backoff; never the only path."""
+    """Turn NOTIFYs into ``wakes`` (the ack drain's, the relay's); reconnect
+    with backoff; never the only path."""
     # LISTEN is an optimisation: whatever ends it is retried; the driver's and
     # the network's errors are warnings, anything else a bug with its traceback.
     retry = Retry(
@@ -217,15 +219,53 @@ async def _listen_loop(
                     await conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(ACK_CHANNEL)))
                 log.info("listening", channel=ACK_CHANNEL)
                 retry.succeeded()
-                wake.set()  # anything committed before LISTEN took effect
+                _set_all(wakes)  # anything committed before LISTEN took effect
                 while not stop.is_set():
                     async for _ in conn.notifies(timeout=LISTEN_PROBE_INTERVAL_S, stop_after=1):
-                        wake.set()
+                        _set_all(wakes)
                     async with asyncio.timeout(LISTEN_PROBE_TIMEOUT_S):
                         await conn.execute("SELECT 1")
         except Exception as exc:  # noqa: BLE001 - LISTEN is an optimisation; polling goes on
-            wake.set()  # notifications may have been lost: poll now
+            _set_all(wakes)  # notifications may have been lost: poll now
             await retry.back_off(stop, "listen_failed", exc)
+
+
+def _set_all(events: Sequence[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
+
+
+async def relay_loop(
+    dispatcher: Dispatcher, settings: AckerSettings, wake: asyncio.Event, stop: asyncio.Event
+) -> None:
+    """Dispatch committed todos until stop: woken by the store's NOTIFY (a
+    commit may have created todos), polling as a fallback; failures are
+    logged, backed off and retried, never the end of the loop."""
+    retry = Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
+    while not stop.is_set():
+        wake.clear()
+        try:
+            dispatched = await dispatcher.relay_once()
+        except Exception as exc:  # noqa: BLE001 - the database, the broker or a bug: back off, go on
+            await retry.back_off(stop, "dispatch_failed", exc)
+            continue
+        retry.succeeded()
+        if dispatched < settings.dispatch_batch_size:
+            await wait_either(wake, stop, settings.poll_interval_ms / 1000)
+
+
+async def rescue_loop(dispatcher: Dispatcher, settings: AckerSettings, stop: asyncio.Event) -> None:
+    """Every ``rescue_interval_ms``: stuck todos dispatched again (or failed)."""
+    retry = Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
+    while not stop.is_set():
+        try:
+            rescued = await dispatcher.rescue_once()
+        except Exception as exc:  # noqa: BLE001 - as the relay
+            await retry.back_off(stop, "rescue_failed", exc)
+            continue
+        retry.succeeded()
+        if rescued < settings.dispatch_batch_size:
+            await wait_stop(stop, settings.rescue_interval_ms / 1000)
 
 
 async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> None:
@@ -239,6 +279,17 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
     engine = create_engine(settings.database)
     acknowledgers: dict[str, Acknowledger] = {cfg.name: make_acknowledger(cfg) for cfg in settings.adapters}
     wake = asyncio.Event()
+    relay_wake = asyncio.Event()
+    dispatcher: Dispatcher | None = None
+    if settings.queues:
+        dispatcher = Dispatcher(
+            engine,
+            settings.queues,
+            Enqueuer(settings.dramatiq_url),
+            batch_size=settings.acker.dispatch_batch_size,
+            dispatch_timeout_ms=settings.acker.dispatch_timeout_ms,
+            deadline_ms=settings.database.transaction_deadline_ms,
+        )
     try:
         rows = await registered_at_start(engine, settings, stop)
         if rows is None:
@@ -261,7 +312,7 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
             refresh = refresh_table
         async with asyncio.TaskGroup() as tg:
             listener = tg.create_task(
-                _listen_loop(settings.database, settings.acker, wake, stop), name="listen"
+                _listen_loop(settings.database, settings.acker, [wake, relay_wake], stop), name="listen"
             )
             # The listener may sit in notifies() for up to the probe interval;
             # it holds no state worth finishing, so stop cancels it.
@@ -278,12 +329,24 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
                 ),
                 name="drain",
             )
+            loops = [drain]
+            if dispatcher is not None:
+                # The outbox: committed todos to dramatiq, and stuck ones again.
+                loops.append(
+                    tg.create_task(relay_loop(dispatcher, settings.acker, relay_wake, stop), name="relay")
+                )
+                loops.append(tg.create_task(rescue_loop(dispatcher, settings.acker, stop), name="rescue"))
+            else:
+                log.info("dispatch_off", reason="no [queues.*] in the config: todos are not dispatched")
             await stop.wait()
-            _done, running = await asyncio.wait([drain], timeout=settings.acker.shutdown_timeout_s)
+            _done, running = await asyncio.wait(loops, timeout=settings.acker.shutdown_timeout_s)
             if running:
-                log.error("shutdown_deadline_exceeded", tasks=["drain"])
-                drain.cancel()
+                log.error("shutdown_deadline_exceeded", tasks=sorted(t.get_name() for t in running))
+                for task in running:
+                    task.cancel()
     finally:
+        if dispatcher is not None:
+            dispatcher.close()
         for a in acknowledgers.values():
             await a.close()
         await engine.dispose()

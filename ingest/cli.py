@@ -24,7 +24,7 @@ import structlog
 from backhalf import db_errors, failpoints, migrate, registry, replay
 from backhalf.db import create_engine, redact_url
 from backhalf.normalize import body_payload
-from ingest import cli_errors, logs, signals, status
+from ingest import cli_errors, logs, signals, status, todos_command
 from ingest.acker import run_acker
 from ingest.adapters.base import FAMILY, TRUST_MODE
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
@@ -102,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     rerun = inbox_verbs.add_parser("replay", parents=[common], help="re-run rejected messages")
     rerun.add_argument("ids", nargs="+", type=_positive_int, metavar="ID", help="inbox row id")
+    worker = verbs.add_parser("worker", parents=[common], help="run dramatiq workers for the todos")
+    worker.add_argument("--processes", type=_positive_int, default=2, help="worker processes (2)")
+    worker.add_argument("--threads", type=_positive_int, default=8, help="threads per process (8)")
+    worker.add_argument(
+        "--queues", nargs="+", default=[], metavar="QUEUE", help="only these [queues.*] (default: all)"
+    )
+    todos_command.add_parser(verbs, common, _positive_int)
     st = verbs.add_parser("status", parents=[common], help="backlog, pending acks and todos per adapter")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     demo = verbs.add_parser("demo", help="the whole pipeline on embedded PostgreSQL and Redis")
@@ -285,7 +292,7 @@ def _until_stopped(verb: str, settings: Settings, body: Callable[[asyncio.Event]
 
 # Processes whose stderr is a log (JSON lines, shipped): they log their
 # start and their failure as events. A short command's failure is its one line.
-_LONG_RUNNING = ("ingest", "ack")
+_LONG_RUNNING = ("ingest", "ack", "worker")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -353,4 +360,11 @@ def _dispatch(args: argparse.Namespace, settings: Settings, env: Mapping[str, st
         return asyncio.run(_status_command(settings, args.json))
     if args.verb == "inbox":
         return asyncio.run(_inbox_command(settings, args))
+    if args.verb == "todos":
+        return asyncio.run(todos_command.run(settings, args))
+    if args.verb == "worker":
+        from ingest.worker import exec_workers  # dramatiq: only for this verb
+
+        path = Path(getattr(args, "config", None) or env.get("SWITCHBOARD_CONFIG") or DEFAULT_CONFIG_PATH)
+        exec_workers(path, settings, processes=args.processes, threads=args.threads, queues=args.queues)
     raise AssertionError(f"unhandled verb {args.verb}")

@@ -28,6 +28,7 @@ from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFi
 from backhalf.db import DatabaseSettings, normalize_url
 from backhalf.keys import DEFAULT_PREFIX
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
+from backhalf.queues import QueueConfig
 from ingest.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = "switchboard.toml"
@@ -323,6 +324,52 @@ class AckerSettings:
     shutdown_timeout_s: float = 10.0
     backoff_initial_ms: int = 100
     backoff_max_ms: int = 10_000
+    # The dispatch relay (inside `switchboard ack`): todos claimed and
+    # enqueued to dramatiq per transaction.
+    dispatch_batch_size: int = 500
+    # The rescuer: how often it looks for stuck work, and how long a todo may
+    # stay dispatched with no progress (its message lost) before it is
+    # dispatched again (a queue's max_backoff_ms is added: a retry waits that
+    # long at most).
+    rescue_interval_ms: int = 5_000
+    dispatch_timeout_ms: int = 300_000
+
+
+def _handler(where: str, value: Any) -> str:
+    """``module:attribute``: imported by the worker only (ingest and ack never
+    run user code), so only its shape is checked here."""
+    text = _string(where, value)
+    module, sep, attr = text.partition(":")
+    if not sep or not module or not attr or " " in text:
+        raise ConfigError(f"{where} must be 'module:function' (got {text!r})")
+    return text
+
+
+_QUEUE_INTS = ("max_attempts", "time_limit_ms", "min_backoff_ms", "max_backoff_ms", "lease_margin_ms")
+
+
+def _queue(name: str, raw: Any) -> QueueConfig:
+    where = f"[queues.{name}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: must be a table")
+    _check_keys(where, raw, {"handler", "dramatiq_queue", *_QUEUE_INTS})
+    if "handler" not in raw:
+        raise ConfigError(f"{where}: key 'handler' is required ('module:function' that does the todos)")
+    values: dict[str, Any] = {"handler": _handler(f"{where}: key 'handler'", raw["handler"])}
+    for key in _QUEUE_INTS:
+        if key in raw:
+            values[key] = _positive_int(
+                f"{where}: key {key!r}", raw[key], minimum=0 if key == "lease_margin_ms" else 1
+            )
+    if "dramatiq_queue" in raw:
+        values["dramatiq_queue"] = _string(f"{where}: key 'dramatiq_queue'", raw["dramatiq_queue"])
+    queue = QueueConfig(name=name, **values)
+    if queue.min_backoff_ms > queue.max_backoff_ms:
+        raise ConfigError(
+            f"{where}: key 'min_backoff_ms' ({queue.min_backoff_ms}) must not exceed max_backoff_ms"
+            f" ({queue.max_backoff_ms})"
+        )
+    return queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,8 +378,10 @@ class Settings:
     adapters: tuple[AdapterConfig, ...]
     ingest: IngestSettings = IngestSettings()
     acker: AckerSettings = AckerSettings()
-    queues: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    queues: Mapping[str, QueueConfig] = field(default_factory=dict)
     metrics_port: int = 0
+    # dramatiq's broker: [dramatiq] url, else the default broker (redis_url).
+    dramatiq_url: str = DEFAULT_REDIS_URL
     # Keys the design card defines that nothing acts on yet, one line each:
     # ``ingest`` and ``ack`` log them at start (see :func:`_not_used_yet`).
     not_used_yet: tuple[str, ...] = ()
@@ -408,7 +457,7 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-_TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics"}
+_TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics", "dramatiq"}
 # DatabaseSettings fields that no [database] key sets: every other field is a
 # key. These two never were, and making them keys would change what loads.
 _DATABASE_FIXED = frozenset({"connect_timeout_s", "pool_checkout_timeout_s"})
@@ -476,7 +525,7 @@ def _adapter(index: int, raw: Any, default_redis_url: str, base_dir: Path) -> Ad
     return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
 
 
-def _not_used_yet(queues: Mapping[str, Any], metrics_port: int) -> tuple[str, ...]:
+def _not_used_yet(metrics_port: int) -> tuple[str, ...]:
     """Accepted, because the design card defines them and configs are written
     from it, but acted on by nothing yet: said at start, never ignored silently.
     (Refusing them would stop those configs from loading for a feature that
@@ -486,12 +535,6 @@ def _not_used_yet(queues: Mapping[str, Any], metrics_port: int) -> tuple[str, ..
         notes.append(
             f"[metrics]: key 'port' = {metrics_port}: metrics are not built yet, nothing listens on"
             " the port (set 0 or remove the key)"
-        )
-    if queues:
-        names = ", ".join(sorted(queues))
-        notes.append(
-            f"[queues.*] ({names}): no worker runs handlers yet (`switchboard worker` is not built);"
-            " todos wait as pending"
         )
     return tuple(notes)
 
@@ -596,18 +639,21 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     acker_raw = _section(raw, "acker")
     acker_types = _field_types(AckerSettings)
     _check_keys("[acker]", acker_raw, set(acker_types))
-    queues = _section(raw, "queues")
-    for qname, q in queues.items():
-        if not isinstance(q, Mapping):
-            raise ConfigError(f"[queues.{qname}]: must be a table")
-        _check_keys(f"[queues.{qname}]", q, {"handler", "max_attempts"})
+    queues = {name: _queue(name, q) for name, q in _section(raw, "queues").items()}
+    dramatiq_section = _section(raw, "dramatiq")
+    _check_keys("[dramatiq]", dramatiq_section, {"url"})
+    dramatiq_url = (
+        check_redis_url("[dramatiq]: key 'url'", dramatiq_section["url"])
+        if "url" in dramatiq_section
+        else default_redis
+    )
     metrics = _section(raw, "metrics")
     _check_keys("[metrics]", metrics, {"port"})
     port = metrics.get("port", 0)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"[metrics]: key 'port' must be 0..65535 (got {port!r})")
     return Settings(
-        not_used_yet=_not_used_yet(queues, port),
+        not_used_yet=_not_used_yet(port),
         database_url_origin=DATABASE_URL_VARIABLE if env.get(DATABASE_URL_VARIABLE) else "[database] url",
         database=database,
         adapters=adapters,
@@ -615,7 +661,8 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         acker=AckerSettings(
             **{k: _number(f"[acker]: key {k!r}", v, acker_types[k]) for k, v in acker_raw.items()}
         ),
-        queues=dict(queues),
+        queues=queues,
+        dramatiq_url=dramatiq_url,
         metrics_port=port,
         redis_url=default_redis,
     )

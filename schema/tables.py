@@ -81,6 +81,14 @@ todos = sa.Table(
     sa.Column("last_error", sa.Text),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    # When it was last handed to dramatiq (dispatched, or its retry
+    # scheduled): a todo dispatched that long ago with no progress lost its
+    # message and is dispatched again (the rescuer).
+    sa.Column("dispatched_at", sa.DateTime(timezone=True)),
+    # While running: until when its worker holds it. Past it (the worker was
+    # killed) the rescuer dispatches it again; before it, another delivery
+    # of its message is skipped.
+    sa.Column("lease_until", sa.DateTime(timezone=True)),
     sa.CheckConstraint(_one_of("status", TODO_STATUSES), name="status"),
 )
 
@@ -94,6 +102,12 @@ sa.Index(
     postgresql_where=TODO_ACTIVE_PREDICATE,
 )
 sa.Index("ix_todos_queue_status", todos.c.queue, todos.c.status)
+# The relay's claim walks pending todos in id order; the rescuer reads
+# running todos by lease and dispatched ones by age. Partial: each index
+# holds only the rows in that state, so it stays small as todos finish.
+sa.Index("ix_todos_pending", todos.c.id, postgresql_where=todos.c.status == "pending")
+sa.Index("ix_todos_running_lease", todos.c.lease_until, postgresql_where=todos.c.status == "running")
+sa.Index("ix_todos_dispatched_at", todos.c.dispatched_at, postgresql_where=todos.c.status == "dispatched")
 
 todo_events = sa.Table(
     "todo_events",

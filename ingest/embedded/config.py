@@ -30,9 +30,13 @@ def write_config(
     database: Mapping[str, Any] | None = None,
     ingest: Mapping[str, Any] | None = None,
     acker: Mapping[str, Any] | None = None,
+    queues: Mapping[str, Mapping[str, Any]] | None = None,
+    dramatiq_url: str | None = None,
 ) -> Path:
     """``[database]`` (its url and ``database``), ``[redis]`` when ``redis_url`` is
-    given, one ``[[adapters]]`` table each, and ``[ingest]`` / ``[acker]`` when given."""
+    given, one ``[[adapters]]`` table each, ``[ingest]`` / ``[acker]`` when
+    given, one ``[queues.NAME]`` table each, and ``[dramatiq]`` when its url
+    is given."""
     text = f"[database]\n{_table({'url': database_url, **(database or {})})}"
     if redis_url is not None:
         text += f"\n[redis]\n{_table({'url': redis_url})}"
@@ -42,5 +46,9 @@ def write_config(
         text += f"\n[ingest]\n{_table(ingest)}"
     if acker is not None:
         text += f"\n[acker]\n{_table(acker)}"
+    for name, queue in (queues or {}).items():
+        text += f"\n[queues.{name}]\n{_table(queue)}"
+    if dramatiq_url is not None:
+        text += f"\n[dramatiq]\n{_table({'url': dramatiq_url})}"
     path.write_text(text)
     return path

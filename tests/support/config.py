@@ -36,6 +36,8 @@ def write_config(
     ingest: Mapping[str, Any] | None = None,
     acker: Mapping[str, Any] | None = None,
     database: Mapping[str, Any] | None = None,
+    queues: Mapping[str, Mapping[str, Any]] | None = None,
+    dramatiq_url: str | None = None,
 ) -> Path:
     fast = {"backoff_initial_ms": 50, "backoff_max_ms": 1000}
     return config.write_config(
@@ -46,4 +48,6 @@ def write_config(
         database=database,
         ingest={**fast, "enabled_refresh_ms": 200, **(ingest or {})},
         acker={**fast, "poll_interval_ms": 200, **(acker or {})},
+        queues=queues,
+        dramatiq_url=dramatiq_url,
     )

@@ -364,17 +364,50 @@ def test_where_the_database_url_came_from_is_kept_for_messages() -> None:
 
 
 def test_keys_nothing_acts_on_yet_are_noted_not_ignored() -> None:
-    quiet = from_mapping({"database": DB, "metrics": {"port": 0}}, {})
-    assert quiet.not_used_yet == ()
-    noisy = from_mapping(
-        {"database": DB, "metrics": {"port": 9464}, "queues": {"orders": {"handler": "m:f"}, "jobs": {}}}, {}
+    quiet = from_mapping(
+        {"database": DB, "metrics": {"port": 0}, "queues": {"orders": {"handler": "m:f"}}}, {}
     )
+    assert quiet.not_used_yet == ()
+    noisy = from_mapping({"database": DB, "metrics": {"port": 9464}}, {})
     assert noisy.not_used_yet == (
         "[metrics]: key 'port' = 9464: metrics are not built yet, nothing listens on the port"
         " (set 0 or remove the key)",
-        "[queues.*] (jobs, orders): no worker runs handlers yet (`switchboard worker` is not built);"
-        " todos wait as pending",
     )
+
+
+def test_queues_are_read_with_their_defaults_and_checked() -> None:
+    s = from_mapping(
+        {
+            "database": DB,
+            "redis": {"url": "redis://r:1/0"},
+            "queues": {"orders": {"handler": "myapp.handlers:handle_order", "max_attempts": 7}},
+        },
+        {},
+    )
+    q = s.queues["orders"]
+    assert (q.handler, q.max_attempts, q.time_limit_ms, q.broker_queue, q.actor_name) == (
+        "myapp.handlers:handle_order", 7, 600_000, "orders", "switchboard:orders",
+    )  # fmt: skip
+    assert q.lease_ms == 600_000 + 30_000
+    assert s.dramatiq_url == "redis://r:1/0"  # the default broker unless [dramatiq] url says
+    other = from_mapping({"database": DB, "dramatiq": {"url": "redis://d:2/3"}}, {})
+    assert other.dramatiq_url == "redis://d:2/3"
+
+
+@pytest.mark.parametrize(
+    ("queue", "needle"),
+    [
+        ({}, "[queues.orders]: key 'handler' is required"),
+        ({"handler": "no_colon"}, "[queues.orders]: key 'handler' must be 'module:function'"),
+        ({"handler": "m:f", "max_attempts": 0}, "[queues.orders]: key 'max_attempts'"),
+        ({"handler": "m:f", "retries": 3}, "[queues.orders]: unknown key 'retries'"),
+        ({"handler": "m:f", "min_backoff_ms": 5000, "max_backoff_ms": 10}, "must not exceed max_backoff_ms"),
+    ],
+)
+def test_bad_queues_are_config_errors_naming_queue_and_key(queue: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "queues": {"orders": queue}}, {})
+    assert needle in str(info.value)
 
 
 def test_a_config_path_that_is_no_readable_file(tmp_path: Path) -> None:

@@ -1,0 +1,40 @@
+"""``[queues.NAME]``: the todo queues the workers serve (DESIGN.md section
+7). Parsed and checked by ``ingest.config``; read by the dispatch relay and
+rescuer (``backhalf.dispatch``) and the workers (``backhalf.worker``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# dramatiq actor names of Switchboard's queue actors: one per todo queue.
+ACTOR_PREFIX = "switchboard:"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """``[queues.NAME]``: who does the todos of queue NAME, and how often it
+    may try. ``handler`` names a plain function (sync or async) or an
+    existing ``@dramatiq.actor``, whose own options are then the defaults."""
+
+    name: str
+    handler: str
+    max_attempts: int = 5  # runs in all; then the todo is failed
+    time_limit_ms: int = 600_000  # a run past it is stopped (dramatiq's TimeLimit) and fails
+    min_backoff_ms: int = 1_000  # retry delays, dramatiq's exponential backoff
+    max_backoff_ms: int = 60_000
+    # A running todo's lease is time_limit_ms plus this: a todo still running
+    # past it (its worker killed) is rescued and dispatched again.
+    lease_margin_ms: int = 30_000
+    dramatiq_queue: str = ""  # default: the queue's name
+
+    @property
+    def lease_ms(self) -> int:
+        return self.time_limit_ms + self.lease_margin_ms
+
+    @property
+    def broker_queue(self) -> str:
+        return self.dramatiq_queue or self.name
+
+    @property
+    def actor_name(self) -> str:
+        return ACTOR_PREFIX + self.name

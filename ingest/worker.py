@@ -1,0 +1,149 @@
+"""``switchboard worker``: dramatiq workers for the todos of ``[queues.*]``.
+
+:class:`SwitchboardMiddleware` is the whole of it: added to a dramatiq
+broker, it declares one actor per configured queue (``switchboard:NAME``,
+on the queue's dramatiq queue, with its retries, backoff and time limit),
+which does its todos through :class:`backhalf.worker.Runner`, and opens the
+worker process's database engine. ``switchboard worker`` runs dramatiq's own
+CLI (its processes, threads, signals and restarts) on :mod:`ingest.worker_app`,
+a broker with that middleware installed; users running ``dramatiq
+myapp.tasks`` add the middleware to their own broker and get the same.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import redis
+import structlog
+from dramatiq.brokers.redis import RedisBroker
+
+from backhalf.db import create_sync_engine
+from backhalf.queues import QueueConfig
+from backhalf.worker import Handler, Runner
+from ingest.config import Settings, load
+from ingest.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+BROKER_SOCKET_TIMEOUT_S = 10.0
+CONFIG_VARIABLE = "SWITCHBOARD_CONFIG"
+
+
+def resolve_handler(queue: QueueConfig) -> Handler:
+    """``module:function``: the function, or an existing dramatiq actor's own
+    function (the queue's settings then apply, not the actor's options)."""
+    module_name, _, attr = queue.handler.partition(":")
+    where = f"[queues.{queue.name}]: key 'handler'"
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except ImportError as exc:
+        raise ConfigError(f"{where}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    except AttributeError as exc:
+        raise ConfigError(f"{where}: {module_name!r} has no {attr!r}") from exc
+    if isinstance(target, dramatiq.Actor):
+        return target.fn
+    if not callable(target):
+        raise ConfigError(f"{where}: {queue.handler!r} is not a function")
+    handler: Handler = target
+    return handler
+
+
+class SwitchboardMiddleware(dramatiq.Middleware):
+    """Switchboard's queues on a dramatiq broker: add it to any broker."""
+
+    def __init__(self, settings: Settings, *, threads: int = 8) -> None:
+        self._settings = settings
+        self._threads = threads
+        self._runner: Runner | None = None
+        self._handlers = {name: (q, resolve_handler(q)) for name, q in settings.queues.items()}
+
+    def declare(self, broker: dramatiq.Broker) -> None:
+        """One actor per queue; called by the worker process at boot (and by
+        an app that wants them declared at import)."""
+        for name, (queue, _handler) in self._handlers.items():
+            if queue.actor_name in broker.actors:
+                continue
+
+            def run(todo_id: int, _queue: str = name) -> None:
+                self._runner_for().run(_queue, todo_id)
+
+            dramatiq.actor(
+                broker=broker,
+                actor_name=queue.actor_name,
+                queue_name=queue.broker_queue,
+                # PostgreSQL counts the attempts; dramatiq's retries are the
+                # backoff between them (the last failure is not retried).
+                max_retries=queue.max_attempts - 1,
+                min_backoff=queue.min_backoff_ms,
+                max_backoff=queue.max_backoff_ms,
+                time_limit=queue.time_limit_ms,
+            )(run)
+
+    def _runner_for(self) -> Runner:
+        if self._runner is None:
+            engine = create_sync_engine(self._settings.database, pool_size=self._threads)
+            self._runner = Runner(engine, self._handlers)
+        return self._runner
+
+    def after_process_boot(self, broker: dramatiq.Broker) -> None:
+        self.declare(broker)
+
+    def before_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
+        if self._runner is not None:
+            self._runner.close()
+
+
+def broker_for(settings: Settings, *, threads: int = 8) -> RedisBroker:
+    """dramatiq's Redis broker at ``[dramatiq] url``, its default middleware
+    plus Switchboard's, every Redis wait bounded."""
+    client = redis.Redis.from_url(
+        settings.dramatiq_url,
+        socket_timeout=BROKER_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
+    )
+    broker = RedisBroker(client=client)  # type: ignore[no-untyped-call]
+    broker.add_middleware(SwitchboardMiddleware(settings, threads=threads))
+    return broker
+
+
+def exec_workers(
+    config_path: Path, settings: Settings, *, processes: int, threads: int, queues: Sequence[str]
+) -> None:
+    """Replace this process with dramatiq's CLI on :mod:`ingest.worker_app`
+    (its processes, threads and signal handling: SIGTERM stops them
+    gracefully)."""
+    unknown = sorted(set(queues) - set(settings.queues))
+    if unknown:
+        raise ConfigError(
+            f"--queues: no [queues.{unknown[0]}] in the config (known: {sorted(settings.queues)})"
+        )
+    if not settings.queues:
+        raise ConfigError("[queues.*]: `switchboard worker` needs at least one queue with a handler")
+    for queue in settings.queues.values():
+        resolve_handler(queue)  # a handler that cannot be imported stops us here, exit 2
+    chosen = queues or sorted(settings.queues)
+    broker_queues = sorted({settings.queues[q].broker_queue for q in chosen})
+    env: Mapping[str, str] = {**os.environ, CONFIG_VARIABLE: str(config_path.resolve()),
+                              "SWITCHBOARD_WORKER_THREADS": str(threads)}  # fmt: skip
+    argv = [sys.executable, "-m", "dramatiq", "ingest.worker_app", "--processes", str(processes),
+            "--threads", str(threads), "--queues", *broker_queues]  # fmt: skip
+    log.info("workers_starting", processes=processes, threads=threads, queues=broker_queues)
+    os.execve(sys.executable, argv, dict(env))  # noqa: S606 - our interpreter, fixed arguments, no shell
+
+
+def app_broker() -> RedisBroker:
+    """The broker of :mod:`ingest.worker_app`, from ``SWITCHBOARD_CONFIG``."""
+    path = os.environ.get(CONFIG_VARIABLE)
+    if not path:
+        raise ConfigError(f"{CONFIG_VARIABLE} is not set: run `switchboard worker`")
+    settings = load(path, os.environ)
+    return broker_for(settings, threads=int(os.environ.get("SWITCHBOARD_WORKER_THREADS", "8")))

@@ -1,0 +1,71 @@
+"""The todo lifecycle's statements against real PostgreSQL (backhalf.todos):
+who may start a todo, and who may end a run."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import todos
+from tests.support.db import libpq, query, scalar
+
+
+@pytest.fixture
+def todo_id(db_url: str) -> int:
+    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
+        row = conn.execute(
+            "INSERT INTO todos (queue, idempotency_key, payload, status)"
+            " VALUES ('q', 'k', '{\"n\": 1}', 'dispatched') RETURNING id"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def start(db_url: str, todo_id: int, lease_s: float = 60) -> todos.Started:
+    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
+        return todos.start(cur, todo_id, lease_s)
+
+
+def end(db_url: str, run: todos.Started, to_status: str = "done") -> bool:
+    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
+        return todos.end_run(cur, run, to_status, error=None, detail=to_status)
+
+
+def test_a_live_lease_skips_a_second_start_and_an_expired_one_does_not(db_url: str, todo_id: int) -> None:
+    first = start(db_url, todo_id, lease_s=60)
+    assert first.todo is not None
+    assert (first.todo.attempt, first.todo.payload) == (1, {"n": 1})
+    again = start(db_url, todo_id)
+    assert (again.todo, again.found) == (None, "running")
+    query(db_url, "UPDATE todos SET lease_until = now() - interval '1 second'")
+    taken = start(db_url, todo_id)
+    assert taken.todo is not None
+    assert taken.todo.attempt == 2
+    assert not end(db_url, first)  # the run whose lease expired no longer holds it
+    assert end(db_url, taken)
+    assert scalar(db_url, "SELECT status FROM todos") == "done"
+    assert start(db_url, todo_id).found == "done"
+
+
+async def test_a_late_result_after_cancel_and_retry_cannot_end_the_new_run(
+    engine: AsyncEngine, db_url: str, todo_id: int
+) -> None:
+    """Cancelled while running, retried by an operator (attempts back to 0),
+    started again as attempt 1: the old run's late result must not end the
+    new run, which attempts alone would not tell apart."""
+    old = start(db_url, todo_id)
+    async with engine.begin() as conn:
+        assert await todos.cancel(conn, [todo_id], "cancelled by an operator") == [todo_id]
+        assert await todos.retry(conn, [todo_id], "retried by an operator") == [todo_id]
+    new = start(db_url, todo_id)
+    assert old.todo is not None
+    assert new.todo is not None
+    assert old.todo.attempt == new.todo.attempt == 1
+    assert not end(db_url, old, "failed")
+    assert scalar(db_url, "SELECT status FROM todos") == "running"
+    assert end(db_url, new)
+    assert query(db_url, "SELECT from_status, to_status FROM todo_events ORDER BY id") == [
+        ("dispatched", "running"), ("running", "cancelled"), ("cancelled", "pending"),
+        ("pending", "running"), ("running", "done"),
+    ]  # fmt: skip

@@ -1,0 +1,56 @@
+"""Handlers for the worker tests, imported by real dramatiq worker processes
+(``[queues.*] handler = "tests.support.handlers:..."``). Each run is recorded
+in the test database's ``handler_runs`` (created by :func:`create_runs_table`),
+so a test asserts on what ran, how often and where."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psycopg
+
+from backhalf.todos import Todo
+
+# The test database: set by the test before it starts the workers.
+DB_VARIABLE = "SB_TEST_HANDLER_DB"
+
+
+def create_runs_table(libpq_url: str) -> None:
+    with psycopg.connect(libpq_url, connect_timeout=10) as conn:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS handler_runs ("
+            " id bigserial PRIMARY KEY, todo_id bigint NOT NULL, attempt int NOT NULL,"
+            " pid int NOT NULL, outcome text NOT NULL, at timestamptz NOT NULL DEFAULT now())"
+        )
+
+
+def _record(todo: Todo, outcome: str) -> None:
+    with psycopg.connect(os.environ[DB_VARIABLE], connect_timeout=10) as conn:
+        conn.execute(
+            "INSERT INTO handler_runs (todo_id, attempt, pid, outcome) VALUES (%s, %s, %s, %s)",
+            (todo.id, todo.attempt, os.getpid(), outcome),
+        )
+
+
+class Planned(Exception):
+    """A failure the payload asked for."""
+
+
+def scripted(todo: Todo) -> None:
+    """Does what the payload says: ``fail_times`` (fail the first N runs),
+    ``always_fail``, ``sleep_s`` (after recording the start)."""
+    payload: dict[str, Any] = todo.payload if isinstance(todo.payload, dict) else {}
+    _record(todo, "started")
+    if payload.get("sleep_s"):
+        time.sleep(float(payload["sleep_s"]))
+    if payload.get("always_fail") or todo.attempt <= int(payload.get("fail_times", 0)):
+        _record(todo, "failed")
+        raise Planned(f"planned failure of run {todo.attempt}")
+    _record(todo, "done")
+
+
+async def scripted_async(todo: Todo) -> None:
+    """The same, as a coroutine function."""
+    scripted(todo)

@@ -1,0 +1,251 @@
+"""Downstream (issue 12): real `switchboard ingest`, `ack` (its dispatch
+relay and rescuer) and `worker` (dramatiq worker processes) against real
+PostgreSQL and Redis. The handlers (tests/support/handlers.py) record every
+run in ``handler_runs``, so each test asserts on what ran, not on logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+
+from backhalf.dispatch import Enqueuer
+from backhalf.queues import QueueConfig
+from ingest.embedded.processes import SwitchboardProcess, wait_for
+from tests.support import handlers
+from tests.support.config import stream_adapter
+from tests.support.db import libpq, query, scalar
+from tests.support.processes import Processes, assert_clean_exit
+
+pytestmark = pytest.mark.system
+STREAM = "orders"
+HANDLER = "tests.support.handlers:scripted"
+# Small limits so rescues happen within the test's bounded waits.
+QUEUE = {"handler": HANDLER, "max_attempts": 3, "min_backoff_ms": 50, "max_backoff_ms": 200}
+FAST_RESCUE = {"rescue_interval_ms": 200, "dispatch_timeout_ms": 1000}
+
+
+def dramatiq_url(redis_url: str) -> str:
+    """dramatiq on its own database of the test's Redis (flushed with it)."""
+    parts = urlsplit(redis_url)
+    return f"{parts.scheme}://{parts.netloc}/1"
+
+
+@pytest.fixture
+def runs_db(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``handler_runs`` in the test database, which the workers' handlers reach
+    through the environment they inherit."""
+    url = libpq(db_url)
+    handlers.create_runs_table(url)
+    monkeypatch.setenv(handlers.DB_VARIABLE, url)
+    return url
+
+
+def produce_payloads(redis_url: str, payloads: list[dict[str, Any]]) -> list[str]:
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        return [r.xadd(STREAM, {"body": json.dumps(p)}).decode() for p in payloads]
+
+
+def statuses(db_url: str) -> dict[str, int]:
+    return dict(query(db_url, "SELECT status, count(*) FROM todos GROUP BY status"))
+
+
+def trail(db_url: str, todo_id: int) -> list[tuple[str | None, str]]:
+    return [
+        (f, t)
+        for f, t in query(
+            db_url,
+            "SELECT from_status, to_status FROM todo_events WHERE todo_id = %(id)s ORDER BY id",
+            {"id": todo_id},
+        )
+    ]
+
+
+# The todo state machine: every todo_events row is one of these steps.
+ALLOWED = {
+    (None, "pending"),
+    ("pending", "dispatched"), ("pending", "running"), ("pending", "cancelled"),
+    ("dispatched", "dispatched"), ("dispatched", "running"), ("dispatched", "cancelled"),
+    ("running", "dispatched"), ("running", "done"), ("running", "failed"), ("running", "cancelled"),
+    ("failed", "pending"), ("cancelled", "pending"),
+}  # fmt: skip
+
+
+def assert_one_path(steps: list[tuple[str | None, str]]) -> None:
+    """Allowed steps, each from where the one before it ended."""
+    assert steps, "no todo_events at all"
+    assert all(step in ALLOWED for step in steps), steps
+    assert all(prev[1] == step[0] for prev, step in pairwise(steps)), steps
+
+
+def start_all(procs: Processes, config: Path, *, worker_name: str = "worker-1") -> list[SwitchboardProcess]:
+    return [
+        procs.start("ingest", config, name="ingester-1"),
+        procs.start("ack", config, name="acker-1"),
+        procs.start("worker", config, name=worker_name),
+    ]
+
+
+def stop_all(running: list[SwitchboardProcess]) -> None:
+    for proc in running:
+        code = proc.terminate()
+        if proc.verb != "worker":  # dramatiq's own exit and log lines
+            assert_clean_exit(proc, code)
+        else:
+            assert code == 0, proc.raw_log()[-3000:]
+
+
+def test_an_entry_becomes_a_todo_that_a_worker_does(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
+) -> None:
+    config = make_config(
+        stream_adapter(STREAM, batch_size=50),
+        queues={STREAM: QUEUE},
+        dramatiq_url=dramatiq_url(redis_url),
+    )
+    ids = produce_payloads(redis_url, [{"n": i} for i in range(30)])
+    running = start_all(procs, config)
+    wait_for(lambda: statuses(db_url) == {"done": 30}, timeout_s=90, what="30 todos done")
+    stop_all(running)
+    assert scalar(db_url, "SELECT count(*) FROM handler_runs WHERE outcome = 'done'") == 30
+    assert scalar(db_url, "SELECT count(DISTINCT todo_id) FROM handler_runs") == 30
+    for (todo_id,) in query(db_url, "SELECT id FROM todos"):
+        assert_one_path(trail(db_url, todo_id))
+        assert trail(db_url, todo_id) == [
+            (None, "pending"), ("pending", "dispatched"), ("dispatched", "running"), ("running", "done"),
+        ]  # fmt: skip
+    assert scalar(db_url, "SELECT count(*) FROM todos WHERE attempts <> 1") == 0
+    assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == len(ids)
+
+
+def test_failures_are_retried_then_failed_without_blocking_the_others(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
+) -> None:
+    config = make_config(
+        stream_adapter(STREAM, batch_size=50),
+        queues={STREAM: {**QUEUE, "handler": "tests.support.handlers:scripted_async"}},
+        dramatiq_url=dramatiq_url(redis_url),
+    )
+    produce_payloads(
+        redis_url,
+        [{"n": 0, "fail_times": 2}, {"n": 1, "always_fail": True}, *({"n": i} for i in range(2, 12))],
+    )
+    running = start_all(procs, config)
+    wait_for(lambda: statuses(db_url) == {"done": 11, "failed": 1}, timeout_s=90, what="11 done, 1 failed")
+    stop_all(running)
+    rows = {
+        p["n"]: (status, attempts, error)
+        for p, status, attempts, error in query(
+            db_url, "SELECT payload, status, attempts, last_error FROM todos"
+        )
+    }
+    assert rows[0][:2] == ("done", 3)
+    assert rows[1] == ("failed", 3, "Planned: planned failure of run 3")
+    assert all(rows[n][:2] == ("done", 1) for n in range(2, 12))
+    (failed_id,) = query(db_url, "SELECT id FROM todos WHERE status = 'failed'")[0]
+    assert trail(db_url, failed_id) == [
+        (None, "pending"), ("pending", "dispatched"),
+        ("dispatched", "running"), ("running", "dispatched"),
+        ("dispatched", "running"), ("running", "dispatched"),
+        ("dispatched", "running"), ("running", "failed"),
+    ]  # fmt: skip
+    assert scalar(db_url, "SELECT count(*) FROM handler_runs WHERE outcome = 'started'") == 3 + 3 + 10
+
+
+def test_a_worker_killed_mid_handler_is_rescued_and_the_todo_done_once(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
+) -> None:
+    """kill -9 of the worker process running the handler: the todo stays
+    running until its lease (time limit + margin) expires, then the rescuer
+    dispatches it again and a new worker does it. One 'done', two runs."""
+    config = make_config(
+        stream_adapter(STREAM, batch_size=50),
+        queues={STREAM: {**QUEUE, "time_limit_ms": 2000, "lease_margin_ms": 500}},
+        acker=FAST_RESCUE,
+        dramatiq_url=dramatiq_url(redis_url),
+    )
+    produce_payloads(redis_url, [{"n": 0, "sleep_s": 30}])
+    ingester, acker, worker = start_all(procs, config)
+    wait_for(lambda: scalar(db_url, "SELECT count(*) FROM handler_runs") == 1, timeout_s=60, what="the run")
+    (pid,) = query(db_url, "SELECT pid FROM handler_runs")[0]
+    os.kill(pid, signal.SIGKILL)
+    worker.ensure_dead()  # dramatiq's main process ends when one of its workers dies
+    # The payload sleeps 30 s, past the 2 s time limit: the second run fails
+    # on the limit unless the payload changes; the rescued run is what counts.
+    query(db_url, "UPDATE todos SET payload = '{\"n\": 0}'")
+    second = procs.start("worker", config, name="worker-2")
+    wait_for(lambda: statuses(db_url) == {"done": 1}, timeout_s=60, what="the todo rescued and done")
+    stop_all([ingester, acker, second])
+    assert scalar(db_url, "SELECT count(*) FROM handler_runs WHERE outcome = 'done'") == 1
+    (todo_id,) = query(db_url, "SELECT id FROM todos")[0]
+    steps = trail(db_url, todo_id)
+    # The killed run's lease expired and the rescuer took it back (while no
+    # worker ran, the dispatched todo may also have been dispatched again).
+    assert_one_path(steps)
+    runs = [i for i, step in enumerate(steps) if step == ("dispatched", "running")]
+    assert len(runs) == 2
+    assert steps[runs[0] + 1] == ("running", "dispatched")
+    assert steps[-1] == ("running", "done")
+    assert scalar(db_url, "SELECT count(*) FROM todo_events WHERE detail = 'rescued: its lease expired'") == 1
+    assert scalar(db_url, "SELECT attempts FROM todos") == 2
+
+
+def test_a_flushed_dramatiq_queue_is_dispatched_again(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
+) -> None:
+    """dramatiq's Redis loses its messages (restarted without persistence,
+    flushed) while the todos are dispatched: the rescuer dispatches them again."""
+    config = make_config(
+        stream_adapter(STREAM, batch_size=50),
+        queues={STREAM: QUEUE},
+        acker=FAST_RESCUE,
+        dramatiq_url=dramatiq_url(redis_url),
+    )
+    produce_payloads(redis_url, [{"n": i} for i in range(10)])
+    ingester = procs.start("ingest", config, name="ingester-1")
+    acker = procs.start("ack", config, name="acker-1")
+    wait_for(lambda: statuses(db_url) == {"dispatched": 10}, timeout_s=60, what="10 todos dispatched")
+    with redis.Redis.from_url(dramatiq_url(redis_url), socket_timeout=10) as r:
+        assert r.dbsize() > 0
+        r.flushdb()
+    worker = procs.start("worker", config, name="worker-1")
+    wait_for(lambda: statuses(db_url) == {"done": 10}, timeout_s=60, what="10 todos rescued and done")
+    stop_all([ingester, acker, worker])
+    assert scalar(db_url, "SELECT count(*) FROM handler_runs WHERE outcome = 'done'") == 10
+    # Each was dispatched again at least once (again while no worker ran).
+    rescued = "SELECT count(DISTINCT todo_id) FROM todo_events WHERE detail LIKE 'rescued: dispatched%%'"
+    assert scalar(db_url, rescued) == 10
+
+
+def test_a_message_for_a_done_todo_does_not_run_it_again(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
+) -> None:
+    config = make_config(
+        stream_adapter(STREAM, batch_size=50), queues={STREAM: QUEUE}, dramatiq_url=dramatiq_url(redis_url)
+    )
+    produce_payloads(redis_url, [{"n": 1}])
+    running = start_all(procs, config)
+    wait_for(lambda: statuses(db_url) == {"done": 1}, timeout_s=60, what="the todo done")
+    (todo_id,) = query(db_url, "SELECT id FROM todos")[0]
+    enqueuer = Enqueuer(dramatiq_url(redis_url))
+    try:
+        enqueuer.enqueue([(QueueConfig(name=STREAM, handler=HANDLER), todo_id)] * 2)  # a redelivery, twice
+    finally:
+        enqueuer.close()
+    worker = running[2]
+    wait_for(
+        lambda: len([e for e in worker.events("todo_skipped") if e.get("todo_id") == todo_id]) == 2,
+        timeout_s=30,
+        what="both redeliveries skipped",
+    )
+    stop_all(running)
+    assert scalar(db_url, "SELECT count(*) FROM handler_runs") == 2  # started, done: once
+    assert {e["status"] for e in worker.events("todo_skipped")} == {"done"}
