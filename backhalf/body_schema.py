@@ -17,16 +17,23 @@ Two things a producer must not be able to do through a body (issue 11.10 and
   no timeout, when a message first needs it. A reference that cannot be
   resolved at start-up is a :class:`SchemaFileError` (a config error).
 * **Make one validation take unbounded time.** Each keyword function of the
-  validator class is wrapped to compare ``time.monotonic()`` with the
+  validator class is wrapped to compare the thread's CPU time with the
   deadline of the running :meth:`BodySchema.check` (:func:`_timed`), so any
   keyword that recurses (``items``, ``anyOf``, ``$ref``...) stops once the
   time limit has passed, and ``uniqueItems``, quadratic in jsonschema, is
   replaced by a linear equivalent (:func:`_unique_items`). The deadline is
   per thread (:data:`_DEADLINE`, a ``threading.local``): one ``check`` runs
   at a time in a thread, so one validator may serve several worker threads.
-  What cannot be interrupted is a single keyword's own work between two
-  checks: one ``pattern`` regex on a long string is one C call, one
-  ``enum``/``const`` comparison one walk of the value.
+  CPU time, not the wall clock: a body is not charged for the time its
+  thread waits for the GIL or the CPU (:data:`CLOCK_EVERY`).
+  Each regex jsonschema runs on the body (``pattern``, ``patternProperties``
+  and the ``additionalProperties`` / ``unevaluatedProperties`` that consult
+  it) runs in the ``regex`` package instead of ``re``, under the time left
+  and without the GIL (:class:`_BoundedSearch`): one catastrophic match on
+  a short string would otherwise hold the whole process, event loop
+  included, for as long as it takes. What cannot be interrupted is a
+  single keyword's own work between two checks: one ``enum``/``const``
+  comparison is one walk of the value.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import copy
 import functools
 import json
 import math
+import re
 import threading
 import time
 import urllib.error
@@ -43,6 +51,7 @@ import urllib.request
 from collections.abc import Callable, Hashable, Iterator
 from http.client import HTTPException
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin, urlsplit
 
@@ -65,11 +74,27 @@ MAX_REFERENCED_BYTES = 8 * 1024 * 1024
 # The keywords that point at another schema. ``$recursiveRef`` (2019-09) is
 # always "#" in practice, but resolving it costs nothing and proves it.
 _REFERENCE_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+# The clock of the time limit is the checking thread's CPU time
+# (time.thread_time): time spent waiting for the GIL (another thread in a
+# long C call) or for the CPU (a loaded machine) is not the body's doing,
+# and counting it rejected good bodies as poison. Reading it is a system
+# call (no vDSO path for CLOCK_THREAD_CPUTIME_ID): measured 0.77 us against
+# 0.10 us for time.monotonic, which made the keyword wrapper 5.6 times as
+# costly (870 ns a keyword, was 155). So the clock is read once every
+# CLOCK_EVERY keyword applications, counted down on the thread's Abandon:
+# 32 keeps the wrapper's cost where it was (150-170 ns) and adds at most 31
+# keywords' own work to an overrun, microseconds next to a limit in
+# milliseconds.
+CLOCK_EVERY = 32
+# The least time a regex match is given (see _BoundedSearch.search), so a
+# short match right at the end of the budget is not failed for no work.
+MIN_MATCH_TIMEOUT_S = 0.001
 
 
 class SchemaFileError(Exception):
-    """The schema file is missing, not JSON, not a valid JSON Schema, or one of
-    its references cannot be resolved at start-up."""
+    """The schema file is missing, not JSON, not a valid JSON Schema, one of
+    its references cannot be resolved at start-up, or one of its patterns
+    does not compile."""
 
 
 class _DeadlinePassed(Exception):
@@ -83,20 +108,29 @@ class Abandon:
     failure), so the worker, and the process's exit, need not wait out the
     running message's whole ``schema_timeout_ms``. See :func:`abandonable`."""
 
-    __slots__ = ("at", "ended")
+    __slots__ = ("at", "countdown", "ended")
 
     def __init__(self) -> None:
-        self.at = math.inf  # the running check's deadline
+        # The running check's deadline, in its thread's CPU time
+        # (time.thread_time); inf between checks.
+        self.at = math.inf
+        self.countdown = 0  # keyword applications until the clock is next read
         self.ended = False
 
     def end(self) -> None:
         self.ended = True
-        self.at = -math.inf  # a plain store: the worker's next keyword sees it
+        # Plain stores, seen by the worker's next reading of the clock, which
+        # the countdown brings forward to its next keyword (or, should the
+        # worker's own decrement overwrite it, within CLOCK_EVERY of them).
+        self.at = -math.inf
+        self.countdown = 0
 
     def start(self, timeout_s: float) -> None:
-        self.at = time.monotonic() + timeout_s
+        """Called by the thread that checks: the clock is its own."""
+        self.at = time.thread_time() + timeout_s
         if self.ended:  # ended meanwhile: the store above must not undo it
             self.at = -math.inf
+            self.countdown = 0  # and the first keyword reads the clock
 
 
 class _Deadline(threading.local):
@@ -115,8 +149,13 @@ _DEADLINE = _Deadline()
 
 
 def _check_deadline() -> None:
-    if time.monotonic() > _DEADLINE.clock().at:
-        raise _DeadlinePassed
+    """The keyword wrappers' test (:func:`_timed`), for a loop inside one keyword."""
+    clock = _DEADLINE.clock()
+    clock.countdown -= 1
+    if clock.countdown < 0:
+        clock.countdown = CLOCK_EVERY
+        if time.thread_time() > clock.at:
+            raise _DeadlinePassed
 
 
 @contextlib.contextmanager
@@ -137,21 +176,116 @@ KeywordFunction = Callable[[Any, Any, Any, Any], Any]
 
 def _timed(keyword: KeywordFunction) -> KeywordFunction:
     """``keyword`` (a jsonschema keyword function), checking the deadline
-    each time it is applied. Every descent into a sub-schema applies that
-    sub-schema's keywords, so a keyword that recurses is stopped within one
-    sub-schema's worth of work. Kept to a closure and two lookups: it runs
-    for every keyword of every sub-schema a body meets."""
+    each time it is applied (the clock itself every CLOCK_EVERY times).
+    Every descent into a sub-schema applies that sub-schema's keywords, so
+    a keyword that recurses is stopped within one sub-schema's worth of
+    work. Kept to a closure and few lookups: it runs for every keyword of
+    every sub-schema a body meets."""
 
-    now, deadline = time.monotonic, _DEADLINE  # closure cells: cheaper than globals
+    now, deadline, every = time.thread_time, _DEADLINE, CLOCK_EVERY  # closure cells: cheaper than globals
 
     @functools.wraps(keyword)
     def timed(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
         # ``current`` is set: check() set it before any keyword runs.
-        if now() > deadline.current.at:  # type: ignore[union-attr]
-            raise _DeadlinePassed
+        clock: Abandon = deadline.current  # type: ignore[assignment]
+        clock.countdown -= 1
+        if clock.countdown < 0:
+            clock.countdown = every
+            if now() > clock.at:
+                raise _DeadlinePassed
         return keyword(validator, value, instance, schema)
 
     return timed
+
+
+# The jsonschema modules that call ``re.search`` on what a body holds: a
+# ``pattern`` on its strings, ``patternProperties`` (and the
+# ``additionalProperties`` / ``unevaluatedProperties`` that consult it, in
+# _utils, and for 2019-09 in _legacy_keywords) on its keys.
+_SEARCHING_MODULES = ("jsonschema._keywords", "jsonschema._utils", "jsonschema._legacy_keywords")
+
+
+def _regex() -> Any:
+    """The ``regex`` package, imported on first use (it has no type stubs)."""
+    import regex  # type: ignore[import-untyped]
+
+    return regex
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str, flags: int) -> Any:
+    """``pattern`` compiled by ``regex``, once. regex.search does not compile
+    it again either (regex's own cache, keyed by pattern and flags), but
+    finds it there through some Python-level work on every call: a search
+    on a short string, with a timeout and concurrent, took 7.3 us that way,
+    3.0 us from here (and the whole of _BoundedSearch.search 5.2 us,
+    re.search 0.6 to 0.8 us)."""
+    return _regex().compile(pattern, flags)
+
+
+class _BoundedSearch:
+    """Stands for the ``re`` module in jsonschema's modules that search what a
+    body holds (_SEARCHING_MODULES, see :func:`_bound_jsonschema_searches`).
+
+    Why: ``re`` matches in one C call that holds the GIL and that nothing
+    interrupts, and a backtracking pattern takes exponential time on a
+    short string (``^(a|aa)+$`` against 34 a's and a "!": 1.5 s, 40 a's
+    about half a minute). The keyword wrappers check the limit only
+    between keywords, so one such body stopped the whole process, event
+    loop included, whatever ``schema_timeout_ms`` said. Within a check,
+    :meth:`search` matches with the ``regex`` package instead, which
+    releases the GIL while it matches (``concurrent=True``) and gives up at
+    a timeout: what the check has left, turned into the same deadline
+    exception the wrappers raise (so ``validation_timeout``).
+
+    Outside a check (no deadline in this thread: another validator, the
+    meta-schema check at start-up) it is ``re.search`` itself, and every
+    other attribute is ``re``'s. regex matches as ``re`` does (its VERSION0
+    is compatible with it) and accepts a superset of its syntax; the
+    crawl compiles every pattern with it at start-up (_Crawl._compile)."""
+
+    def __init__(self, real: ModuleType) -> None:
+        self._re = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._re, name)
+
+    def search(self, pattern: Any, string: Any, flags: int = 0) -> Any:
+        clock = _DEADLINE.current
+        at = math.inf if clock is None else clock.at
+        if at == math.inf:
+            return self._re.search(pattern, string, flags)
+        remaining = at - time.thread_time()
+        if remaining <= 0:
+            raise _DeadlinePassed
+        # regex's timeout is wall-clock time, the budget CPU time: a match
+        # is given what CPU time the check has left as wall-clock time. It
+        # runs without the GIL, so only a machine short of CPU makes the two
+        # differ (and then the match is stopped early, never late).
+        try:
+            return _compiled(pattern, flags).search(
+                string, concurrent=True, timeout=max(remaining, MIN_MATCH_TIMEOUT_S)
+            )
+        except TimeoutError as exc:
+            raise _DeadlinePassed from exc
+
+
+_BOUNDED_RE = _BoundedSearch(re)
+
+
+def _bound_jsonschema_searches() -> None:
+    """Put :data:`_BOUNDED_RE` in place of ``re`` in jsonschema's searching
+    modules; once per process (idempotent), when the first BodySchema is
+    built. It imports ``regex`` now, not at the first message: about 20 ms
+    (12 to 28 measured with -X importtime), paid only by a process with an
+    adapter that has a schema, as jsonschema's own import is."""
+    import importlib
+
+    _regex()
+    for name in _SEARCHING_MODULES:
+        names = vars(importlib.import_module(name))
+        if names["re"] is not _BOUNDED_RE:
+            names["re"] = _BOUNDED_RE
 
 
 # Tags keep the kinds of JSON value apart in a key: True == 1 in Python, and
@@ -220,6 +354,22 @@ def _limited(base: type[Validator]) -> type[Validator]:
     return extended
 
 
+# A URI's scheme and authority up to its userinfo's "@" (urlsplit's split:
+# the netloc ends at the first "/", "?" or "#", the userinfo at its last "@").
+_USERINFO = re.compile(r"^([\x00-\x20]*(?:[A-Za-z][A-Za-z0-9+.\-]*:)?//)[^/?#]*@")
+
+
+def _redacted(uri: str) -> str:
+    """``uri`` as a message may quote it: its userinfo (``user:password@``)
+    and its query, where credentials travel, are ``***``; the scheme, host,
+    port, path and fragment are kept, to name the document. Messages reach
+    the logs, the console and the inbox."""
+    rest, hash_mark, fragment = uri.partition("#")
+    rest, question_mark, _query = rest.partition("?")
+    rest = _USERINFO.sub(r"\1***@", rest, count=1)
+    return f"{rest}{question_mark}{'***' if question_mark else ''}{hash_mark}{fragment}"
+
+
 class _NotRetrievedAtStartUp(LookupError):
     """A reference the start-up crawl did not retrieve (it leaves none)."""
 
@@ -229,7 +379,7 @@ def _refuse_at_run_time(uri: str) -> SchemaResource:
     a reference that still needs a fetch is this message's rejection
     (``schema_error``, see :meth:`BodySchema.check`), never a network call.
     referencing turns what this raises into ``Unresolvable``."""
-    raise _NotRetrievedAtStartUp(f"{uri!r} was not retrieved at start-up")
+    raise _NotRetrievedAtStartUp(f"{_redacted(uri)!r} was not retrieved at start-up")
 
 
 def _cause(exc: BaseException, kind: type[SchemaFileError]) -> SchemaFileError | None:
@@ -253,7 +403,10 @@ class _Crawl:
     sub-schema with ``in_subresource``, ``lookup`` for each reference), so
     the URIs this ``retrieve`` is asked for are exactly the ones the
     validator would look up; each is fetched once and handed to the
-    validator's registry (:attr:`retrieved`).
+    validator's registry (:attr:`retrieved`). Every URI a message quotes is
+    :func:`_redacted`, and no error raised here chains the exception of
+    urllib, http.client or referencing it replaces: their texts quote the
+    URI whole.
 
     The documents walked are the validator's own copies, and each ``$schema``
     met at a schema position is removed from them: jsonschema re-picks the
@@ -304,14 +457,16 @@ class _Crawl:
             if not isinstance(contents, dict):
                 continue  # a boolean schema holds no references
             self._drop_dialect(contents)
+            self._compile(contents)
             resource = self.specification.create_resource(contents)
             if reference is None:
                 resolver = resolver.in_subresource(resource)
             for keyword in _REFERENCE_KEYWORDS:
                 ref = contents.get(keyword)
                 if isinstance(ref, str):
-                    target = self._lookup(resolver, f"{keyword} {ref!r}", ref)
-                    todo.append((target.contents, target.resolver, f"{keyword} {ref!r}"))
+                    reference = f"{keyword} {_redacted(ref)!r}"
+                    target = self._lookup(resolver, reference, ref)
+                    todo.append((target.contents, target.resolver, reference))
             todo.extend((sub.contents, resolver, None) for sub in resource.subresources())
 
     def _lookup(self, resolver: Any, reference: str, ref: str) -> Any:
@@ -320,12 +475,13 @@ class _Crawl:
         try:
             return resolver.lookup(ref)
         except Unresolvable as exc:
+            # Not chained: referencing's exceptions quote the reference whole.
             wrapped = _cause(exc, SchemaFileError)
             if wrapped is not None:
-                raise SchemaFileError(str(wrapped)) from exc
+                raise SchemaFileError(str(wrapped)) from None
             raise SchemaFileError(
                 f"{self.source}: {reference} does not resolve ({type(exc).__name__})"
-            ) from exc
+            ) from None
 
     def _check_target(self, contents: Any, reference: str) -> None:
         """A reference's target must be a schema: check_schema saw only the
@@ -339,6 +495,23 @@ class _Crawl:
             raise SchemaFileError(
                 f"{self.source}: {reference} is not a valid JSON Schema: {exc.message}"
             ) from exc
+
+    def _compile(self, contents: dict[str, Any]) -> None:
+        """Compile, as :class:`_BoundedSearch` will, each regex this schema
+        applies to bodies: one that does not compile would fail every body
+        (regex accepts what re does, but draft 4 and earlier do not check
+        patternProperties' keys at all)."""
+        patterns = [contents["pattern"]] if isinstance(contents.get("pattern"), str) else []
+        keyed = contents.get("patternProperties")
+        if isinstance(keyed, dict) and keyed:
+            patterns += keyed
+            if "additionalProperties" in contents:
+                patterns.append("|".join(keyed))  # one search, in jsonschema's additionalProperties
+        for pattern in patterns:
+            try:
+                _compiled(pattern, 0)
+            except _regex().error as exc:
+                raise SchemaFileError(f"{self.source}: pattern {pattern!r} does not compile: {exc}") from None
 
     def _drop_dialect(self, contents: dict[str, Any]) -> None:
         from jsonschema import validators
@@ -358,7 +531,7 @@ class _Crawl:
         of the walk may ask again)."""
         if uri in self.retrieved:
             return self.retrieved[uri]
-        where = f"{self.source}: $ref {uri!r}"
+        where = f"{self.source}: $ref {_redacted(uri)!r}"
         target = uri if urlsplit(uri).scheme else self._absolute(uri, where)
         contents = self._parse(self._read(target, where), where)
         if isinstance(contents, dict):
@@ -383,12 +556,17 @@ class _Crawl:
         if parts.scheme == "file":
             return self._read_file(parts.netloc, parts.path, where)
         if parts.scheme in ("http", "https"):
+            if "@" in parts.netloc:
+                # urllib would not send them as credentials, but look the
+                # whole of "user:password@host" up as a host name (DNS).
+                raise SchemaFileError(f"{where}: a URI with credentials (user:password@) cannot be retrieved")
             return self._read_url(uri, where)
         raise SchemaFileError(f"{where}: scheme {parts.scheme!r} cannot be retrieved (file, http, https)")
 
     def _read_file(self, host: str, path: str, where: str) -> bytes:
         if host not in ("", "localhost"):
-            raise SchemaFileError(f"{where}: a file: URI must name no host (got {host!r})")
+            shown = host.rpartition("@")[2]  # not its userinfo
+            raise SchemaFileError(f"{where}: a file: URI must name no host (got {shown!r})")
         file = Path(urllib.request.url2pathname(path))
         try:
             if file.stat().st_size > MAX_REFERENCED_BYTES:
@@ -418,16 +596,23 @@ class _Crawl:
                     if time.monotonic() > self.deadline:
                         raise SchemaFileError(late)
                     chunks.append(chunk)
+        # None of these is chained (urllib's exceptions keep the URL), and
+        # only texts that cannot quote the URL are: the socket layer's (an
+        # OSError: errno and strerror) and urllib's own reasons (fixed
+        # phrases). http.client's are dropped: its InvalidURL quotes the
+        # host and port, or the path and query, as given.
         except urllib.error.HTTPError as exc:
-            raise SchemaFileError(f"{where}: HTTP {exc.code} {exc.reason}") from exc
-        except TimeoutError as exc:
-            raise SchemaFileError(late) from exc
+            raise SchemaFileError(f"{where}: HTTP {exc.code} {exc.reason}") from None
+        except TimeoutError:
+            raise SchemaFileError(late) from None
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, TimeoutError):
-                raise SchemaFileError(late) from exc
-            raise SchemaFileError(f"{where}: cannot be retrieved ({exc.reason})") from exc
-        except (OSError, HTTPException, ValueError) as exc:
-            raise SchemaFileError(f"{where}: cannot be retrieved ({type(exc).__name__}: {exc})") from exc
+                raise SchemaFileError(late) from None
+            raise SchemaFileError(f"{where}: cannot be retrieved ({exc.reason})") from None
+        except OSError as exc:
+            raise SchemaFileError(f"{where}: cannot be retrieved ({type(exc).__name__}: {exc})") from None
+        except (HTTPException, ValueError) as exc:
+            raise SchemaFileError(f"{where}: cannot be retrieved ({type(exc).__name__})") from None
         return b"".join(chunks)
 
     def _parse(self, data: bytes, where: str) -> Any:
@@ -466,6 +651,7 @@ class BodySchema:
         from referencing import Registry
         from referencing.exceptions import Unresolvable
 
+        _bound_jsonschema_searches()
         base = validators.validator_for(schema, default=Draft202012Validator)
         try:
             base.check_schema(schema)
@@ -537,7 +723,8 @@ class BodySchema:
         except self._unresolvable as exc:
             raise PoisonMessage(
                 "schema_error",
-                f"reference {exc.ref!r} was not resolved at start-up, and nothing is fetched later",
+                f"reference {_redacted(exc.ref)!r} was not resolved at start-up, "
+                "and nothing is fetched later",
             ) from exc
         except (ArithmeticError, TypeError, ValueError) as exc:
             detail = f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]

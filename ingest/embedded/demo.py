@@ -1,9 +1,11 @@
 """``switchboard demo``: the whole pipeline on embedded servers, no set-up.
 
 Starts PostgreSQL and Valkey from the wheels (``ingest.embedded.servers``), migrates,
-produces sample orders into a stream while a real ingester and acker run as
-separate processes, SIGKILLs the ingester once mid-stream, restarts it, waits
-until everything is acked, and prints what happened, straight from SQL and Redis.
+produces sample orders into a stream while a real ingester, acker and
+dramatiq workers run as separate processes, SIGKILLs the ingester once
+mid-stream, restarts it, waits until everything is acked and every todo is
+done (a few fail once and succeed on their retry), and prints what happened,
+straight from SQL and Redis.
 
 Stopped by SIGTERM or SIGINT, it stops everything it started and removes its
 temporary directory, then exits 128 + the signal's number. Killed outright
@@ -50,6 +52,12 @@ SELECT (SELECT count(*) FROM todos) AS todos,
 """
 ACKED_SQL = "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"
 TODOS_SQL = "SELECT count(*) FROM todos"
+DONE_SQL = "SELECT count(*) FROM todos WHERE status = 'done'"
+RETRIED_SQL = "SELECT count(*) FROM todos WHERE status = 'done' AND attempts > 1"
+RETRIED_TRAIL_SQL = """
+SELECT e.from_status, e.to_status, e.detail FROM todo_events e
+WHERE e.todo_id = (SELECT min(id) FROM todos WHERE attempts > 1) ORDER BY e.id
+"""
 TRAIL_KEY_SQL = "SELECT idempotency_key FROM inbox ORDER BY deliveries DESC, id LIMIT 1"
 TRAIL_SQL = """
 SELECT inbox_id, idempotency_key, source_message_id, consumer, deliveries, stored_at,
@@ -76,7 +84,10 @@ def _write_config(path: Path, db_url: str, redis_url: str) -> None:
         "batch_size": 200,
         "block_ms": 200,
     }
-    write_config(path, database_url=db_url, redis_url=redis_url, adapters=[adapter])
+    # Short retry delays: the demo's flaky orders succeed within a second.
+    queue = {"handler": "ingest.embedded.demo_handlers:fulfil", "max_attempts": 3,
+             "min_backoff_ms": 100, "max_backoff_ms": 500}  # fmt: skip
+    write_config(path, database_url=db_url, redis_url=redis_url, adapters=[adapter], queues={"orders": queue})
 
 
 class Stopped(Exception):
@@ -183,6 +194,7 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
     ):
         acker = processes.start("ack", config, name="acker")
         ingester = processes.start("ingest", config, name="ingester-1")
+        worker = processes.start("worker", config, name="worker")
         killed = False
         chunk = 100
         for start in range(0, messages, chunk):
@@ -218,9 +230,15 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
             timeout_s=WAIT_TIMEOUT_S,
             what="an empty PEL",
         )
+        wait_for(
+            lambda: _running(acker, ingester, worker) and _scalar(db, DONE_SQL) >= messages,
+            timeout_s=WAIT_TIMEOUT_S,
+            what="every todo done by the workers",
+        )
         codes = {
             "ingester-1": ingester.stop(PROCESS_STOP_TIMEOUT_S),
             "acker": acker.stop(PROCESS_STOP_TIMEOUT_S),
+            "worker": worker.stop(PROCESS_STOP_TIMEOUT_S),
         }
         row = db.execute(SUMMARY_SQL).fetchone()
         assert row is not None
@@ -235,6 +253,9 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
         _say(f"  acked (XACK)            {acked}")
         _say(f"  redeliveries deduped    {redeliveries}")
         _say(f"  pending in Redis (PEL)  {pending}")
+        done, retried = _scalar(db, DONE_SQL), _scalar(db, RETRIED_SQL)
+        _say(f"  todos done (workers)    {done}")
+        _say(f"  done after a retry      {retried}")
         _say(f"  exit codes on SIGTERM   {codes}")
         key_row = db.execute(TRAIL_KEY_SQL).fetchone()
         if key_row:
@@ -244,7 +265,12 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
             for trail in cur.fetchall():
                 for name, value in zip(names, trail, strict=True):
                     _say(f"    {name:<18} {value}")
-        ok = todos == messages == distinct and acked == inbox_rows and pending == 0
+        retried_trail = db.execute(RETRIED_TRAIL_SQL).fetchall()
+        if retried_trail:
+            _say("\n  todo_events of a todo that failed once (todos show ID prints it too):")
+            for from_status, to_status, detail in retried_trail:
+                _say(f"    {from_status or '(new)':<10} -> {to_status:<10} {detail}")
+        ok = todos == messages == distinct == done and acked == inbox_rows and pending == 0
         ok = ok and all(c == 0 for c in codes.values())
         _say(f"\ndemo: {'OK: no loss, no duplicate' if ok else 'FAILED'}")
         return EXIT_OK if ok else EXIT_FAILURE

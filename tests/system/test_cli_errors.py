@@ -229,7 +229,7 @@ def test_not_used_yet_keys_are_warned_at_start(
         tmp_path / "switchboard.toml", database_url=db_url, redis_url=redis_url, adapters=[stream_adapter()]
     )
     with config.open("a") as f:
-        f.write('\n[metrics]\nport = 9464\n')
+        f.write("\n[metrics]\nport = 9464\n")
     acker = procs.start("ack", config, name="acker-1")
     wait_for(lambda: acker.events("config_not_used_yet"), timeout_s=30, what="the warning")
     details = [e["detail"] for e in acker.events("config_not_used_yet")]

@@ -3,20 +3,26 @@ poison verdict and the time limit on it."""
 
 from __future__ import annotations
 
+import ctypes
 import http.server
 import json
+import re
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema._keywords
+import jsonschema._legacy_keywords
 import jsonschema._utils
 import pytest
 from jsonschema import Draft202012Validator
 
-from backhalf.body_schema import BodySchema, SchemaFileError
+from backhalf.body_schema import Abandon, BodySchema, SchemaFileError, abandonable
 from backhalf.errors import PoisonMessage
 from backhalf.normalize import BodyFormat, body_payload, fields_payload
 from ingest.config import from_mapping, load
@@ -487,3 +493,274 @@ def test_schema_timeout_ms_is_an_adapter_key_at_least_1(tmp_path: Path) -> None:
     assert from_mapping({"database": db, "adapters": [raw]}, {}).adapters[0].body_schema.timeout_ms == 250  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match=r"key 'schema_timeout_ms': must be an integer >= 1 \(got 0\)"):
         from_mapping({"database": db, "adapters": [adapter_with(str(path), schema_timeout_ms=0)]}, {})
+
+
+# A body cannot buy a long match either: jsonschema's regex calls run under
+# the check's limit, and release the GIL while they match.
+
+# Backtracking tries every way to split the a's into "a" and "aa" before the
+# "!" fails the match: a Fibonacci number of them. Sized so that a match
+# nothing stops still ends in seconds (about 1.5 s with re, 4.5 s with
+# regex, on the machine this was written on): a regression fails the test,
+# it does not hang it. The marker is a backstop only: no signal handler runs
+# while one C call holds the thread.
+CATASTROPHIC = "^(a|aa)+$"
+SLOW_TEXT = "a" * 34 + "!"
+SLOW_KEY = {SLOW_TEXT: 1}
+
+
+def stopped_in(exc: PoisonMessage) -> list[str]:
+    """Where the time limit stopped the check: ``file:function`` of each frame."""
+    deadline = exc.__cause__
+    assert deadline is not None
+    return [f"{Path(f.filename).name}:{f.name}" for f in traceback.extract_tb(deadline.__traceback__)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("doc", "body", "where"),
+    [
+        ({"type": "string", "pattern": CATASTROPHIC}, SLOW_TEXT, "_keywords.py:pattern"),
+        ({"patternProperties": {CATASTROPHIC: {}}}, SLOW_KEY, "_keywords.py:patternProperties"),
+        # These come first, so the match is theirs, not patternProperties'.
+        (
+            {"additionalProperties": False, "patternProperties": {CATASTROPHIC: {}}},
+            SLOW_KEY,
+            "_utils.py:find_additional_properties",
+        ),
+        (
+            {"unevaluatedProperties": False, "patternProperties": {CATASTROPHIC: {}}},
+            SLOW_KEY,
+            "_utils.py:find_evaluated_property_keys_by_schema",
+        ),
+        (
+            {
+                "$schema": "https://json-schema.org/draft/2019-09/schema",
+                "unevaluatedProperties": False,
+                "patternProperties": {CATASTROPHIC: {}},
+            },
+            SLOW_KEY,
+            "_legacy_keywords.py:find_evaluated_property_keys_by_schema",
+        ),
+    ],
+)
+def test_a_catastrophic_pattern_is_stopped_within_the_match(
+    doc: dict[str, Any], body: Any, where: str
+) -> None:
+    """One re.search is one C call: the limit, checked between keywords, came
+    only once it had returned (or never: a pattern was the last keyword),
+    however long it took. Now the match itself times out."""
+    bounded = BodySchema(doc, "redos", timeout_ms=50)
+    started = time.monotonic()
+    with pytest.raises(PoisonMessage) as info:
+        bounded.check(body)
+    assert str(info.value).startswith("validation_timeout: ")
+    assert "schema_timeout_ms=50" in str(info.value)
+    # Inside the match, by its timeout, not at a keyword after it.
+    assert info.value.__cause__ is not None
+    assert isinstance(info.value.__cause__.__cause__, TimeoutError)
+    assert where in stopped_in(info.value)
+    assert time.monotonic() - started < 10  # 50 ms of CPU, with room for a loaded machine
+
+
+@pytest.mark.timeout(60)
+def test_a_long_match_lets_other_threads_run() -> None:
+    """re holds the GIL through a match, so the event loop froze with it. The
+    switch interval is set far longer than the check here: the other thread
+    can run during the check only if the match lets the GIL go."""
+    bounded = BodySchema({"type": "string", "pattern": CATASTROPHIC}, "redos", timeout_ms=200)
+    count = 0
+    stop = threading.Event()
+
+    def counting() -> None:
+        nonlocal count
+        while not stop.is_set():
+            count += 1
+            time.sleep(0.0001)  # lets the GIL go each turn, so the check gets it back
+
+    interval = sys.getswitchinterval()
+    other = threading.Thread(target=counting, daemon=True)
+    sys.setswitchinterval(20)
+    try:
+        other.start()
+        before = count
+        with pytest.raises(PoisonMessage) as info:
+            bounded.check(SLOW_TEXT)
+        advanced = count - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        other.join(10)
+    assert advanced > 0
+    assert str(info.value).startswith("validation_timeout: ")
+
+
+def test_ordinary_patterns_still_validate() -> None:
+    skus = BodySchema(
+        {
+            "type": "object",
+            "properties": {"sku": {"type": "string", "pattern": r"^[A-Z]{2}-\d+$"}},
+            "patternProperties": {"^x-": {"type": "string"}},
+            "additionalProperties": False,
+        },
+        "skus",
+    )
+    skus.check({"sku": "AB-12", "x-note": "fine"})
+    for body, needle in (
+        ({"sku": "ab-12"}, r"^schema_mismatch: at /sku: 'ab-12' does not match '\^\[A-Z\]\{2\}-\\\\d\+\$'$"),
+        ({"sku": "AB-12", "x-note": 5}, r"^schema_mismatch: at /x-note: 5 is not of type 'string'$"),
+        (
+            {"sku": "AB-12", "note": "x"},
+            r"^schema_mismatch: at /: 'note' does not match any of the regexes: '\^x-'$",
+        ),
+    ):
+        with pytest.raises(PoisonMessage, match=needle):
+            skus.check(body)
+    tagged = BodySchema({"patternProperties": {"^t[0-9]$": True}, "unevaluatedProperties": False}, "tags")
+    tagged.check({"t1": 1, "t2": 2})
+    with pytest.raises(
+        PoisonMessage, match=r"^schema_mismatch: at /: Unevaluated properties are not allowed"
+    ):
+        tagged.check({"t1": 1, "tx": 2})
+
+
+def test_a_pattern_that_does_not_compile_is_refused_at_load() -> None:
+    """Draft 4 does not check patternProperties' keys: this schema loaded, and
+    every object body then failed inside the validator (re.error), on every
+    delivery, a crash rather than a rejection."""
+    with pytest.raises(SchemaFileError, match=r"^old: pattern '\(' does not compile: "):
+        BodySchema(
+            {"$schema": "http://json-schema.org/draft-04/schema#", "patternProperties": {"(": {}}}, "old"
+        )
+
+
+def test_the_bounded_search_is_installed_once_and_is_re_otherwise() -> None:
+    schema(ORDER)
+    bounded = vars(jsonschema._keywords)["re"]
+    assert bounded is not re
+    assert vars(jsonschema._utils)["re"] is bounded
+    assert vars(jsonschema._legacy_keywords)["re"] is bounded
+    assert bounded.compile is re.compile
+    assert bounded.IGNORECASE is re.IGNORECASE
+    schema(ORDER)
+    assert vars(jsonschema._keywords)["re"] is bounded
+    # Outside a check there is no limit, and re itself answers.
+    assert bounded.search("^a", "ab") is not None
+    assert Draft202012Validator({"pattern": "^a"}).is_valid("ab")
+
+
+# The limit counts the checking thread's CPU time: waiting for the GIL is not
+# the body's doing.
+
+
+def hold_the_gil(seconds: float) -> None:
+    """Sleep without letting the GIL go, as a C extension busy in one call
+    does: through ctypes.PyDLL, which keeps the GIL across the call."""
+    libc = ctypes.PyDLL(None)
+    libc.usleep(ctypes.c_uint(int(seconds * 1_000_000)))
+
+
+@pytest.mark.timeout(60)
+def test_time_spent_waiting_for_the_gil_does_not_count_against_the_body() -> None:
+    """With time.monotonic, a good body was rejected validation_timeout when
+    another thread held the GIL while it validated."""
+    items = BodySchema({"type": "array", "items": {"type": "integer", "minimum": 0}}, "items", timeout_ms=200)
+    body = list(range(3000))  # some milliseconds of CPU: the other thread takes the GIL meanwhile
+    go = threading.Event()
+
+    def hold() -> None:
+        go.wait(10)
+        hold_the_gil(0.5)
+
+    other = threading.Thread(target=hold, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)
+    try:
+        other.start()
+        go.set()
+        started = time.monotonic()
+        items.check(body)
+        elapsed = time.monotonic() - started
+    finally:
+        sys.setswitchinterval(interval)
+        other.join(10)
+    assert elapsed > 0.2  # the check did wait out the other thread, past its limit in wall time
+
+
+def test_another_thread_ends_a_check_under_way() -> None:
+    """Abandon.end, as the poll loop calls it on stop: the running check ends
+    at one of its next keywords, long before its own limit."""
+    patient = BodySchema(SLOW, "patient", timeout_ms=60_000)
+    abandon = Abandon()
+    outcome: list[str] = []
+    running = threading.Event()
+
+    def validate() -> None:
+        with abandonable(abandon):
+            running.set()
+            try:
+                patient.check(nested_arrays(30))
+            except PoisonMessage as exc:
+                outcome.append(str(exc))
+
+    worker = threading.Thread(target=validate, daemon=True)
+    worker.start()
+    assert running.wait(10)
+    time.sleep(0.05)
+    started = time.monotonic()
+    abandon.end()
+    worker.join(10)
+    assert not worker.is_alive()
+    assert time.monotonic() - started < 5
+    assert len(outcome) == 1
+    assert outcome[0].startswith("validation_timeout: ")
+    # And every later check of that thread ends at once.
+    with abandonable(abandon), pytest.raises(PoisonMessage, match=r"^validation_timeout: "):
+        schema(ORDER).check({"order_id": 1, "qty": 1})
+
+
+# Credentials in a reference never reach a message.
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://user:s3cret@127.0.0.1:{port}/x.json", "127.0.0.1:{port}/x.json"),
+        # No port: http.client reads "s3cret@127.0.0.1" as one, and its
+        # InvalidURL text quotes it.
+        ("http://user:s3cret@127.0.0.1/x.json", "127.0.0.1/x.json"),
+        ("http://s3cret@127.0.0.1:{port}/x.json", "127.0.0.1:{port}/x.json"),
+        ("http://127.0.0.1:{port}/x.json?token=s3cret", "127.0.0.1:{port}/x.json"),
+        # A control character: http.client's InvalidURL text quotes the path and query.
+        ("http://127.0.0.1:{port}/x.json?token=s3cret\x01", "127.0.0.1:{port}/x.json"),
+    ],
+)
+def test_a_reference_s_credentials_are_not_in_its_error(url: str, shown: str) -> None:
+    port = closed_port()
+    url, shown = url.format(port=port), shown.format(port=port)
+    with pytest.raises(SchemaFileError) as info:
+        BodySchema({"properties": {"a": {"$ref": url}}}, "orders.json", fetch_timeout_s=5)
+    message = str(info.value)
+    assert message.startswith("orders.json: ")
+    assert shown in message
+    assert "s3cret" not in message
+    # Nor in what a traceback would print: the causes quote the URI too.
+    assert "s3cret" not in "".join(traceback.format_exception(info.value))
+
+
+def test_a_reference_s_credentials_are_not_in_a_run_time_rejection(documents: DocumentServer) -> None:
+    orders = schema(ORDER)
+    orders._validator = orders._validator.evolve(
+        schema={"$ref": "http://user:s3cret@127.0.0.1:1/o.json?k=s3cret"}
+    )
+    with pytest.raises(PoisonMessage) as info:
+        orders.check({"id": 1})
+    assert info.value.reason == "schema_error"
+    assert "127.0.0.1:1/o.json" in info.value.detail
+    assert "s3cret" not in info.value.detail
