@@ -6,11 +6,22 @@ declares the queues' actors at process boot. Logs are Switchboard's
 
 from __future__ import annotations
 
+import multiprocessing
+
 import dramatiq
 
 from ingest import logs
+from ingest.children import end_with_parent
 from ingest.worker import app_broker
 
+main_process = multiprocessing.parent_process()
+if main_process is not None and main_process.pid is not None:
+    # A worker process dramatiq forked dies with its main process, as if
+    # killed with it, instead of consuming alone and unsupervised: a run it
+    # had under way is rescued when its lease expires. (SIGKILL, not a
+    # graceful SIGTERM: with the main process gone, a graceful stop can hang
+    # on the log pipe it writes to.)
+    end_with_parent(main_process.pid)
 logs.configure()
 logs.redact_uncaught_tracebacks()
 broker = app_broker()

@@ -177,7 +177,7 @@ def test_a_worker_killed_mid_handler_is_rescued_and_the_todo_done_once(
     wait_for(lambda: scalar(db_url, "SELECT count(*) FROM handler_runs") == 1, timeout_s=60, what="the run")
     (pid,) = query(db_url, "SELECT pid FROM handler_runs")[0]
     os.kill(pid, signal.SIGKILL)
-    worker.ensure_dead()  # dramatiq's main process ends when one of its workers dies
+    worker.wait(30)  # dramatiq's main process stops the others and ends when one of its workers dies
     # The payload sleeps 30 s, past the 2 s time limit: the second run fails
     # on the limit unless the payload changes; the rescued run is what counts.
     query(db_url, "UPDATE todos SET payload = '{\"n\": 0}'")
@@ -249,3 +249,47 @@ def test_a_message_for_a_done_todo_does_not_run_it_again(
     stop_all(running)
     assert scalar(db_url, "SELECT count(*) FROM handler_runs") == 2  # started, done: once
     assert {e["status"] for e in worker.events("todo_skipped")} == {"done"}
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_worker_processes_end_when_their_main_process_is_killed(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
+) -> None:
+    """SIGKILL of dramatiq's main process: its worker processes stop too
+    (PR_SET_PDEATHSIG), rather than consume on their own, unsupervised."""
+    config = make_config(
+        stream_adapter(STREAM, batch_size=50), queues={STREAM: QUEUE}, dramatiq_url=dramatiq_url(redis_url)
+    )
+    worker = procs.start("worker", config, name="worker-1")
+    # Two worker processes (the default), beside dramatiq's log watcher.
+    workers = wait_for(
+        lambda: (
+            [p for p in children_of(worker.pid) if "dramatiq" in Path(f"/proc/{p}/cmdline").read_text()][:2]
+            if len(children_of(worker.pid)) >= 2
+            else None
+        ),
+        timeout_s=30,
+        what="dramatiq's worker processes",
+    )
+    worker.kill()
+    wait_for(lambda: not any(alive(p) for p in workers), timeout_s=30, what="the worker processes gone")

@@ -50,3 +50,17 @@ def die_with_parent() -> dict[str, Any]:
             os.kill(os.getpid(), sigkill)
 
     return {"preexec_fn": arm}
+
+
+def end_with_parent(parent: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when ``parent`` (the pid
+    that forked it) dies: for processes forked without exec (dramatiq's
+    worker processes, armed as they import their broker), so a main process
+    killed outright leaves no worker consuming on its own. A parent already
+    gone by the time this runs gets ``sig`` at once. Linux only; elsewhere
+    nothing."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:  # it died before the signal was armed
+        os.kill(os.getpid(), int(sig))
