@@ -369,19 +369,21 @@ SELECT count(*) FROM marked
 
 -- name: start_todo
 -- A worker takes its todo: only if it is still to run (pending, dispatched,
--- or running on a lease that expired: its worker died), else the message is
--- skipped (a redelivery, a rescued copy, a finished or cancelled todo). The
+-- or running on a lease that expired, its worker dead, with attempts left:
+-- one without is the rescuer's to fail), else the message is skipped (a
+-- redelivery, a rescued copy, a finished or cancelled todo). The
 -- attempt is counted here, before the handler runs, so a run the worker dies
--- in counts too. The row lock waits for a relay still committing its
--- dispatch (lock_timeout bounds it).
+-- in counts too. The row lock waits for a relay whose transaction holds the
+-- row, still enqueueing (lock_timeout bounds it).
 WITH old AS (
     SELECT id, status, lease_until FROM todos WHERE id = %(id)s FOR UPDATE
 ), started AS (
-    UPDATE todos t SET status = 'running', attempts = t.attempts + 1,
+    UPDATE todos t SET status = 'running', attempts = t.attempts + 1, rescues = 0,
                        lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
     FROM old
     WHERE t.id = old.id
-      AND (old.status IN ('pending', 'dispatched') OR (old.status = 'running' AND old.lease_until < now()))
+      AND (old.status IN ('pending', 'dispatched')
+           OR (old.status = 'running' AND old.lease_until < now() AND t.attempts < %(max_attempts)s))
     RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.lease_until,
               old.status AS from_status
 ), logged AS (
@@ -417,7 +419,10 @@ SELECT count(*) FROM ended
 -- name: rescue_todos
 -- Stuck work: running past its lease (its worker was killed), or dispatched
 -- with no progress for longer than the queue's ``stale_s`` (its dramatiq
--- message was lost). Each is dispatched again by the rescuer's transaction,
+-- message was lost), doubled for each time it was dispatched again already
+-- (``rescues``, up to 1024 times): a todo merely waiting behind a backlog, or
+-- for workers that are away, gets a few copies of its message, not one per
+-- interval. Each is dispatched again by the rescuer's transaction,
 -- which enqueues it before it commits; a running one whose attempts are used
 -- up is failed instead (its attempt was counted when it started). Locked
 -- with SKIP LOCKED, so rescuers running at once never take the same todo.
@@ -427,7 +432,8 @@ WITH q AS (
 ), stuck AS (
     SELECT t.id, t.status, t.attempts, q.max_attempts FROM todos t JOIN q ON q.queue = t.queue
     WHERE (t.status = 'running' AND t.lease_until < now())
-       OR (t.status = 'dispatched' AND t.dispatched_at < now() - make_interval(secs => q.stale_s))
+       OR (t.status = 'dispatched'
+           AND t.dispatched_at < now() - make_interval(secs => q.stale_s * power(2, least(t.rescues, 10))))
     ORDER BY t.id
     LIMIT %(limit)s
     FOR UPDATE OF t SKIP LOCKED
@@ -436,6 +442,7 @@ WITH q AS (
     SET status = CASE WHEN s.status = 'running' AND s.attempts >= s.max_attempts THEN 'failed'
                       ELSE 'dispatched' END,
         lease_until = NULL, dispatched_at = now(), updated_at = now(),
+        rescues = CASE WHEN s.status = 'dispatched' THEN t.rescues + 1 ELSE 0 END,
         last_error = CASE WHEN s.status = 'running' THEN %(lease_error)s ELSE t.last_error END
     FROM stuck s WHERE t.id = s.id
     RETURNING t.id, t.queue, s.status AS from_status, t.status AS to_status

@@ -120,9 +120,10 @@ async def rescue(
     return [(int(i), str(q), str(s)) for i, q, s in await cur.fetchall()]
 
 
-def start(cur: psycopg.Cursor[Any], todo_id: int, lease_s: float) -> Started:
+def start(cur: psycopg.Cursor[Any], todo_id: int, lease_s: float, max_attempts: int) -> Started:
     """A worker's claim of its todo (sync: dramatiq's worker threads)."""
-    cur.execute(queries.START_TODO, {"id": todo_id, "lease_s": lease_s, "detail": STARTED})
+    params = {"id": todo_id, "lease_s": lease_s, "max_attempts": max_attempts, "detail": STARTED}
+    cur.execute(queries.START_TODO, params)
     row = cur.fetchone()
     assert row is not None  # the statement returns one row whatever it finds
     tid, queue, payload, key, attempts, lease_until, _from, found = row

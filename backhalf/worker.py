@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,6 +43,9 @@ log = structlog.get_logger(__name__)
 
 # last_error and the todo_events detail keep this much of an error's text.
 MAX_ERROR_CHARS = 2000
+# A run's end recorded again after a database error, after these waits
+# (well inside any lease: the margin is at least 2 s).
+END_RUN_RETRY_DELAYS_S = (0.2, 0.5, 1.0)
 
 Handler = Callable[[todos.Todo], Any]
 
@@ -61,14 +65,14 @@ class Runner:
         queue, handler = self._handlers[queue_name]
         bound = log.bind(todo_id=todo_id, queue=queue_name)
         with self._transaction(f"todo {todo_id}: starting it") as cur:
-            started = todos.start(cur, todo_id, queue.lease_ms / 1000)
+            started = todos.start(cur, todo_id, queue.lease_ms / 1000, queue.max_attempts)
         todo = started.todo
         if todo is None:
             bound.info("todo_skipped", status=started.found)
             return
         bound = bound.bind(attempt=todo.attempt)
         try:
-            _call(handler, todo)
+            _call(handler, todo, queue.time_limit_ms / 1000)
         # dramatiq's TimeLimitExceeded is a BaseException; KeyboardInterrupt,
         # SystemExit and dramatiq's Shutdown are not the handler's failure.
         except (Exception, TimeLimitExceeded) as exc:
@@ -76,8 +80,7 @@ class Runner:
             if todo.attempt < queue.max_attempts:
                 raise  # dramatiq's Retries runs it again after its backoff
             return
-        with self._transaction(f"todo {todo_id}: marking it done") as cur:
-            held = todos.end_run(cur, started, "done", error=None, detail="done")
+        held = self._end(started, "done", error=None, detail="done")
         if held:
             bound.info("todo_done")
         else:
@@ -92,8 +95,7 @@ class Runner:
         detail = f"attempt {todo.attempt} of {queue.max_attempts} failed" + (
             "" if final else "; retried after backoff"
         )
-        with self._transaction(f"todo {todo.id}: recording a failed attempt") as cur:
-            held = todos.end_run(cur, started, to_status, error=error, detail=detail)
+        held = self._end(started, to_status, error=error, detail=detail)
         if not held:
             bound.warning("todo_result_discarded", reason="cancelled or rescued while it ran", error=error)
         elif final:
@@ -104,6 +106,22 @@ class Runner:
     def close(self) -> None:
         self._engine.dispose()
 
+    def _end(self, started: todos.Started, to_status: str, *, error: str | None, detail: str) -> bool:
+        """``end_run``, tried again on a database error while the lease
+        lasts (it is safe to repeat: the lease guards it), so a blip after a
+        handler finished neither runs it again nor leaves it for the rescuer."""
+        assert started.todo is not None
+        what = f"todo {started.todo.id}: recording its run ({to_status})"
+        for delay_s in END_RUN_RETRY_DELAYS_S:
+            try:
+                with self._transaction(what) as cur:
+                    return todos.end_run(cur, started, to_status, error=error, detail=detail)
+            except StoreError as exc:
+                log.warning("todo_end_retried", todo_id=started.todo.id, error=str(exc), retry_in_s=delay_s)
+                time.sleep(delay_s)
+        with self._transaction(what) as cur:  # the last try: its failure goes to dramatiq
+            return todos.end_run(cur, started, to_status, error=error, detail=detail)
+
     @contextmanager
     def _transaction(self, what: str) -> Iterator[psycopg.Cursor[Any]]:
         with wrap_driver_errors(StoreError, what), self._engine.begin() as conn:
@@ -113,13 +131,16 @@ class Runner:
                 yield cur
 
 
-def _call(handler: Handler, todo: todos.Todo) -> None:
+def _call(handler: Handler, todo: todos.Todo, time_limit_s: float) -> None:
     """A sync handler in this thread; an async one to completion in an event
-    loop of its own (dramatiq's worker threads run none)."""
+    loop of its own (dramatiq's worker threads run none), under the time
+    limit: dramatiq's TimeLimit cannot stop a thread waiting in the loop's
+    selector, asyncio's timeout can."""
     result = handler(todo)
     if inspect.isawaitable(result):
-        asyncio.run(_awaited(result))
+        asyncio.run(_awaited(result, time_limit_s))
 
 
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+async def _awaited(awaitable: Any, time_limit_s: float) -> Any:
+    async with asyncio.timeout(time_limit_s):
+        return await awaitable

@@ -338,6 +338,14 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
                 loops.append(tg.create_task(rescue_loop(dispatcher, settings.acker, stop), name="rescue"))
             else:
                 log.info("dispatch_off", reason="no [queues.*] in the config: todos are not dispatched")
+            for cfg in settings.adapters:
+                if settings.queues and cfg.queue not in settings.queues:
+                    log.warning(
+                        "queue_not_served",
+                        adapter=cfg.name,
+                        queue=cfg.queue,
+                        detail=f"no [queues.{cfg.queue}] in the config: its todos stay pending",
+                    )
             await stop.wait()
             _done, running = await asyncio.wait(loops, timeout=settings.acker.shutdown_timeout_s)
             if running:

@@ -61,6 +61,20 @@ def end_with_parent(parent: int, sig: signal.Signals = signal.SIGKILL) -> None:
     nothing."""
     if _PRCTL is None:
         return
+    if os.getppid() != parent:
+        if _exists(parent):
+            return  # forked by another process (a fork server): nothing to arm against
+        os.kill(os.getpid(), int(sig))  # it died before the signal could be armed
     _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    if os.getppid() != parent:  # it died before the signal was armed
+    if os.getppid() != parent:  # it died while the signal was armed
         os.kill(os.getpid(), int(sig))
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -345,6 +345,10 @@ def _handler(where: str, value: Any) -> str:
     return text
 
 
+# dramatiq's TimeLimit looks at running actors once a second: a lease must
+# outlast the limit by more than that, or a run on time could be rescued.
+LEASE_MARGIN_MIN_MS = 2_000
+_DRAMATIQ_QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
 _QUEUE_INTS = ("max_attempts", "time_limit_ms", "min_backoff_ms", "max_backoff_ms", "lease_margin_ms")
 
 
@@ -358,12 +362,19 @@ def _queue(name: str, raw: Any) -> QueueConfig:
     values: dict[str, Any] = {"handler": _handler(f"{where}: key 'handler'", raw["handler"])}
     for key in _QUEUE_INTS:
         if key in raw:
-            values[key] = _positive_int(
-                f"{where}: key {key!r}", raw[key], minimum=0 if key == "lease_margin_ms" else 1
-            )
+            minimum = LEASE_MARGIN_MIN_MS if key == "lease_margin_ms" else 1
+            values[key] = _positive_int(f"{where}: key {key!r}", raw[key], minimum=minimum)
     if "dramatiq_queue" in raw:
         values["dramatiq_queue"] = _string(f"{where}: key 'dramatiq_queue'", raw["dramatiq_queue"])
     queue = QueueConfig(name=name, **values)
+    if not _DRAMATIQ_QUEUE_NAME.fullmatch(queue.broker_queue):
+        # dramatiq refuses it when the worker declares the actor, and a
+        # refusal at worker boot is only logged: the queue would go unserved.
+        key = "dramatiq_queue" if queue.dramatiq_queue else "the queue's name"
+        raise ConfigError(
+            f"{where}: {key} {queue.broker_queue!r} is not a dramatiq queue name (letters, digits, '.', '_',"
+            " '-', not starting with a digit, '.' or '-'): set dramatiq_queue"
+        )
     if queue.min_backoff_ms > queue.max_backoff_ms:
         raise ConfigError(
             f"{where}: key 'min_backoff_ms' ({queue.min_backoff_ms}) must not exceed max_backoff_ms"

@@ -13,8 +13,10 @@ myapp.tasks`` add the middleware to their own broker and get the same.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import structlog
 from dramatiq.brokers.redis import RedisBroker
 
 from backhalf.db import create_sync_engine
+from backhalf.errors import StoreError
 from backhalf.queues import QueueConfig
 from backhalf.worker import Handler, Runner
 from ingest.config import Settings, load
@@ -50,7 +53,12 @@ def resolve_handler(queue: QueueConfig) -> Handler:
     except AttributeError as exc:
         raise ConfigError(f"{where}: {module_name!r} has no {attr!r}") from exc
     if isinstance(target, dramatiq.Actor):
-        return target.fn
+        # dramatiq wraps an async actor's function for its AsyncIO
+        # middleware's event loop; the original is called here instead (run
+        # to completion by the runner), whatever middleware the broker has.
+        original = inspect.unwrap(target.fn)
+        handler_fn: Handler = original if inspect.iscoroutinefunction(original) else target.fn
+        return handler_fn
     if not callable(target):
         raise ConfigError(f"{where}: {queue.handler!r} is not a function")
     handler: Handler = target
@@ -64,6 +72,7 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         self._settings = settings
         self._threads = threads
         self._runner: Runner | None = None
+        self._runner_lock = threading.Lock()  # the first messages arrive on several threads at once
         self._handlers = {name: (q, resolve_handler(q)) for name, q in settings.queues.items()}
 
     def declare(self, broker: dramatiq.Broker) -> None:
@@ -83,23 +92,38 @@ class SwitchboardMiddleware(dramatiq.Middleware):
                 # PostgreSQL counts the attempts; dramatiq's retries are the
                 # backoff between them (the last failure is not retried).
                 max_retries=queue.max_attempts - 1,
+                # A database error is no attempt of the handler's: it is
+                # retried whatever the count (with the backoff), so an outage
+                # never uses a todo's retries up.
+                retry_when=_retry_when(queue.max_attempts),
                 min_backoff=queue.min_backoff_ms,
                 max_backoff=queue.max_backoff_ms,
                 time_limit=queue.time_limit_ms,
             )(run)
 
     def _runner_for(self) -> Runner:
-        if self._runner is None:
-            engine = create_sync_engine(self._settings.database, pool_size=self._threads)
-            self._runner = Runner(engine, self._handlers)
-        return self._runner
+        with self._runner_lock:
+            if self._runner is None:
+                engine = create_sync_engine(self._settings.database, pool_size=self._threads)
+                self._runner = Runner(engine, self._handlers)
+            return self._runner
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
         self.declare(broker)
 
-    def before_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
-        if self._runner is not None:
-            self._runner.close()
+    def after_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
+        """Once every worker thread has stopped: close the database pool."""
+        with self._runner_lock:
+            if self._runner is not None:
+                self._runner.close()
+                self._runner = None
+
+
+def _retry_when(max_attempts: int) -> Any:
+    def retry_when(retries_so_far: int, exc: BaseException) -> bool:
+        return isinstance(exc, StoreError) or retries_so_far < max_attempts - 1
+
+    return retry_when
 
 
 def broker_for(settings: Settings, *, threads: int = 8) -> RedisBroker:

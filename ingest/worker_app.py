@@ -20,7 +20,9 @@ if main_process is not None and main_process.pid is not None:
     # killed with it, instead of consuming alone and unsupervised: a run it
     # had under way is rescued when its lease expires. (SIGKILL, not a
     # graceful SIGTERM: with the main process gone, a graceful stop can hang
-    # on the log pipe it writes to.)
+    # on the log pipe it writes to.) Only when the main process forked it
+    # itself: under the forkserver start method (Python 3.14's default) the
+    # parent is the fork server, and arming against it is not possible.
     end_with_parent(main_process.pid)
 logs.configure()
 logs.redact_uncaught_tracebacks()

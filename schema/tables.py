@@ -89,6 +89,10 @@ todos = sa.Table(
     # killed) the rescuer dispatches it again; before it, another delivery
     # of its message is skipped.
     sa.Column("lease_until", sa.DateTime(timezone=True)),
+    # Dispatched again by the rescuer since it last started: each rescue of a
+    # todo still waiting doubles the wait before the next, so workers away
+    # for an hour leave a handful of copies of its message, not hundreds.
+    sa.Column("rescues", sa.Integer, nullable=False, server_default="0"),
     sa.CheckConstraint(_one_of("status", TODO_STATUSES), name="status"),
 )
 
@@ -105,7 +109,7 @@ sa.Index("ix_todos_queue_status", todos.c.queue, todos.c.status)
 # The relay's claim walks pending todos in id order; the rescuer reads
 # running todos by lease and dispatched ones by age. Partial: each index
 # holds only the rows in that state, so it stays small as todos finish.
-sa.Index("ix_todos_pending", todos.c.id, postgresql_where=todos.c.status == "pending")
+sa.Index("ix_todos_pending", todos.c.queue, todos.c.id, postgresql_where=todos.c.status == "pending")
 sa.Index("ix_todos_running_lease", todos.c.lease_until, postgresql_where=todos.c.status == "running")
 sa.Index("ix_todos_dispatched_at", todos.c.dispatched_at, postgresql_where=todos.c.status == "dispatched")
 

@@ -1,5 +1,5 @@
-"""todos.dispatched_at, todos.lease_until and the indexes of the dispatch
-relay and the rescuer
+"""todos.dispatched_at, todos.lease_until, todos.rescues and the indexes of
+the dispatch relay and the rescuer
 
 Revision ID: 0004
 Revises: 0003
@@ -25,7 +25,8 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.add_column('todos', sa.Column('dispatched_at', sa.DateTime(timezone=True), nullable=True))
     op.add_column('todos', sa.Column('lease_until', sa.DateTime(timezone=True), nullable=True))
-    op.create_index('ix_todos_pending', 'todos', ['id'], unique=False, postgresql_where=sa.text("status = 'pending'"))
+    op.add_column('todos', sa.Column('rescues', sa.Integer(), server_default='0', nullable=False))
+    op.create_index('ix_todos_pending', 'todos', ['queue', 'id'], unique=False, postgresql_where=sa.text("status = 'pending'"))
     op.create_index('ix_todos_running_lease', 'todos', ['lease_until'], unique=False, postgresql_where=sa.text("status = 'running'"))
     op.create_index('ix_todos_dispatched_at', 'todos', ['dispatched_at'], unique=False, postgresql_where=sa.text("status = 'dispatched'"))
 
@@ -34,5 +35,6 @@ def downgrade() -> None:
     op.drop_index('ix_todos_dispatched_at', table_name='todos', postgresql_where=sa.text("status = 'dispatched'"))
     op.drop_index('ix_todos_running_lease', table_name='todos', postgresql_where=sa.text("status = 'running'"))
     op.drop_index('ix_todos_pending', table_name='todos', postgresql_where=sa.text("status = 'pending'"))
+    op.drop_column('todos', 'rescues')
     op.drop_column('todos', 'lease_until')
     op.drop_column('todos', 'dispatched_at')

@@ -5,11 +5,14 @@ so a test asserts on what ran, how often and where."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
 
+import dramatiq
 import psycopg
+from dramatiq.brokers.stub import StubBroker
 
 from backhalf.todos import Todo
 
@@ -52,5 +55,22 @@ def scripted(todo: Todo) -> None:
 
 
 async def scripted_async(todo: Todo) -> None:
-    """The same, as a coroutine function."""
+    """The same, as a coroutine function that awaits."""
+    await asyncio.sleep(0.01)
+    scripted(todo)
+
+
+# Existing dramatiq actors, as an application that already uses dramatiq has
+# them (on a broker of its own here: the worker calls their functions).
+_APP_BROKER = StubBroker()
+
+
+@dramatiq.actor(broker=_APP_BROKER, actor_name="app_sync_actor")
+def existing_sync_actor(todo: Todo) -> None:
+    scripted(todo)
+
+
+@dramatiq.actor(broker=_APP_BROKER, actor_name="app_async_actor")
+async def existing_async_actor(todo: Todo) -> None:
+    await asyncio.sleep(0.01)  # a real await: the loop runs, the time limit applies
     scripted(todo)
