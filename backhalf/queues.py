@@ -14,7 +14,8 @@ ACTOR_PREFIX = "switchboard:"
 class QueueConfig:
     """``[queues.NAME]``: who does the todos of queue NAME, and how often it
     may try. ``handler`` names a plain function (sync or async) or an
-    existing ``@dramatiq.actor``, whose own options are then the defaults."""
+    existing ``@dramatiq.actor``, whose function is called under these
+    settings (not the actor's options)."""
 
     name: str
     handler: str
