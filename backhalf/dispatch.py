@@ -62,21 +62,47 @@ class Enqueuer:
         )
         # No middleware: the actors' options (retries, time limit) apply
         # where the message is processed, in the workers' broker.
+        self._client = client
         self._broker: RedisBroker = RedisBroker(client=client, middleware=[])  # type: ignore[no-untyped-call]
+        self._primed = False
 
     def enqueue(self, messages: Sequence[tuple[QueueConfig, int]]) -> None:
-        """One dramatiq message per (queue, todo id); blocking (run it in a thread)."""
+        """One dramatiq message per (queue, todo id), sent in one pipeline:
+        one round trip for the batch, not one per todo, while the relay's
+        transaction holds the todos' rows. Blocking (run it in a thread).
+
+        dramatiq's ``RedisBroker.enqueue`` runs its Lua ``dispatch`` script
+        through ``broker.scripts``; for the batch, those scripts are bound to
+        a pipeline instead, so each enqueue is queued and the pipeline sends
+        them together. The broker computes one value lazily with a script of
+        its own (its Lua stack size): the first message ever is enqueued
+        alone, so that value is known before any script is pipelined."""
         import dramatiq
 
-        for queue, todo_id in messages:
-            message: dramatiq.Message[Any] = dramatiq.Message(
+        built: list[dramatiq.Message[Any]] = [
+            dramatiq.Message(
                 queue_name=queue.broker_queue,
                 actor_name=queue.actor_name,
                 args=(todo_id,),
                 kwargs={},
                 options={},
             )
-            self._broker.enqueue(message)
+            for queue, todo_id in messages
+        ]
+        if not self._primed and built:
+            self._broker.enqueue(built.pop(0))
+            self._primed = True
+        if not built:
+            return
+        scripts = self._broker.scripts
+        pipe = self._client.pipeline(transaction=False)
+        self._broker.scripts = {name: pipe.register_script(script.script) for name, script in scripts.items()}
+        try:
+            for message in built:
+                self._broker.enqueue(message)
+        finally:
+            self._broker.scripts = scripts
+        pipe.execute()
 
     def close(self) -> None:
         self._broker.close()
