@@ -245,3 +245,35 @@ def test_replay_errors_name_the_row_once(db_url: str, tmp_path: Path, redis_url:
     result = switchboard("--config", str(config), "inbox", "replay", "7")
     assert result.returncode == EXIT_FAILURE
     assert one_line(result) == "switchboard inbox: inbox row 7 does not exist"
+
+
+@pytest.mark.parametrize(
+    ("queue", "args", "message"),
+    [
+        (
+            {"handler": "nope_such_module:handle"},
+            (),
+            "[queues.orders]: key 'handler': cannot import 'nope_such_module': ModuleNotFoundError",
+        ),
+        ({"handler": "json:no_such_function"}, (), "[queues.orders]: key 'handler': 'json' has no"),
+        ({"handler": "json:loads"}, ("--queues", "other"), "--queues: no [queues.other] in the config"),
+    ],
+)
+def test_worker_config_errors_stop_it_at_once(
+    tmp_path: Path, queue: dict[str, str], args: tuple[str, ...], message: str
+) -> None:
+    """Before any worker process starts: one line, exit 2 (a supervisor does
+    not restart it, see ops/systemd)."""
+    config = write_config(
+        tmp_path / "switchboard.toml",
+        database_url="postgresql://sb@127.0.0.1:1/sb",
+        redis_url="redis://127.0.0.1:1/0",
+        adapters=[],
+        queues={"orders": queue},
+    )
+    result = switchboard("--config", str(config), "worker", *args)
+    assert result.returncode == EXIT_CONFIG, result.stderr
+    # Its stderr is a log (JSON lines) around the one line for people.
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("switchboard")]
+    assert line.startswith(f"switchboard worker: config error: {message}")
