@@ -12,6 +12,10 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    is enabled and stops when the last entry is XACKed and marked.
 4. latency: the same processes at a fixed offered load; XADD -> todo
    committed and XADD -> XACK, from ``track_commit_timestamp``.
+5. downstream (issue 12): a bare dramatiq drain of a no-op actor (its own
+   CLI, the same processes and threads), beside Switchboard end to end
+   (pre-loaded stream -> todos -> dispatched -> the same no-op as a handler
+   -> done, every entry XACKed) with ``switchboard worker``.
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -334,6 +338,105 @@ def bench_latency(
     }
 
 
+# --- 5. downstream ------------------------------------------------------------------------
+
+WORKER_PROCESSES, WORKER_THREADS = 2, 8
+
+
+def dramatiq_url(redis_url: str) -> str:
+    return redis_url.rsplit("/", 1)[0] + "/1" if redis_url.count("/") > 2 else redis_url + "/1"
+
+
+def bench_bare_dramatiq(workdir: Path, redis_url: str, n: int) -> float:
+    """dramatiq alone: n no-op messages pre-loaded, drained by its CLI."""
+    import subprocess
+
+    import dramatiq
+    from dramatiq.brokers.redis import RedisBroker
+
+    url = dramatiq_url(redis_url)
+    client = redis.Redis.from_url(url, socket_timeout=10)
+    client.flushdb()
+    loader = RedisBroker(client=client, middleware=[])  # type: ignore[no-untyped-call]
+    for i in range(n):
+        loader.enqueue(
+            dramatiq.Message(queue_name="bare", actor_name="bench_noop", args=(i,), kwargs={}, options={})
+        )
+    log = (workdir / "bare-dramatiq.log").open("wb")
+    env = {**os.environ, "BENCH_DRAMATIQ_URL": url}
+    started = time.perf_counter()
+    proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
+        [
+            sys.executable,
+            "-m",
+            "dramatiq",
+            "scripts.bench_actors",
+            "--processes",
+            str(WORKER_PROCESSES),
+            "--threads",
+            str(WORKER_THREADS),
+            "--queues",
+            "bare",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: client.hlen("dramatiq:bare.msgs") == 0, timeout_s=600, what="the bare drain",
+                 interval_s=POLL_S)  # fmt: skip
+        elapsed = time.perf_counter() - started
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+        loader.close()
+    return n / elapsed
+
+
+def todos_done(url: str) -> int:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM todos WHERE status = 'done'").fetchone()
+        return int(row[0]) if row else 0
+
+
+def bench_end_to_end(
+    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, batch_size: int
+) -> float:
+    """Switchboard end to end: entries to todos done by the no-op handler.
+    The clock starts with the workers (as the bare drain's does) and the
+    adapter enabled, and stops when every todo is done and every entry acked."""
+    preload(r, n)
+    redis.Redis.from_url(dramatiq_url(redis_url), socket_timeout=10).flushdb()
+    adapter = {"name": "bench", "mode": "stream", "source": STREAM, "group": GROUP, "queue": "bench",
+               "batch_size": batch_size, "block_ms": 100, "url": redis_url}  # fmt: skip
+    config_path = config.write_config(
+        workdir / "e2e.toml",
+        database_url=url,
+        adapters=[adapter],
+        ingest={"enabled_refresh_ms": 50, **INGEST_OVERRIDES},
+        acker={"batch_size": batch_size * 2, "poll_interval_ms": 100},
+        queues={"bench": {"handler": "scripts.bench_actors:noop_handler"}},
+        dramatiq_url=dramatiq_url(redis_url),
+    )
+    acker = start("ack", config_path, workdir / "e2e-acker.log")
+    ingester = start("ingest", config_path, workdir / "e2e-ingester.log")
+    wait_ready(acker)
+    wait_ready(ingester)
+    started = time.perf_counter()
+    worker = SwitchboardProcess("worker", config_path, workdir / "e2e-worker.log", cwd=ROOT)
+    try:
+        set_enabled(url, True)
+        wait_for(lambda: todos_done(url) == n and stream_drained(r), timeout_s=900, what="every todo done",
+                 interval_s=0.1)  # fmt: skip
+        elapsed = time.perf_counter() - started
+    finally:
+        for proc in (worker, ingester, acker):
+            proc.terminate()
+    return n / elapsed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -421,6 +524,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {name:<24} at {args.rate}/s  p50 {percentile(values, 50):6.1f} ms  "
                     f"p99 {percentile(values, 99):6.1f} ms  max {max(values):6.1f} ms  (n={len(values)})"
                 )
+            down_n = max(2000, n // 5)
+            bare = bench_bare_dramatiq(base, rs.url, down_n)
+            print(f"  bare dramatiq no-op drain       {bare:>10,.0f} msg/s  ({down_n} messages,"
+                  f" {WORKER_PROCESSES} processes x {WORKER_THREADS} threads)")  # fmt: skip
+            e2e = bench_end_to_end(base, fresh_db(pg, "e2e"), r, rs.url, down_n, args.batch_size)
+            pg.drop_database("e2e")
+            print(f"  switchboard end to end (done)   {e2e:>10,.0f} msg/s")
+            print(f"  ratio to bare dramatiq          {e2e / bare:>10.2f}x")
         finally:
             if args.keep_logs:
                 print(f"bench: logs kept in {base}")
