@@ -475,7 +475,8 @@ class _Crawl:
         try:
             return resolver.lookup(ref)
         except Unresolvable as exc:
-            # Not chained: referencing's exceptions quote the reference whole.
+            # Not chained: referencing's exceptions quote the reference whole,
+            # credentials and query included, and a traceback would print it.
             wrapped = _cause(exc, SchemaFileError)
             if wrapped is not None:
                 raise SchemaFileError(str(wrapped)) from None
@@ -511,7 +512,7 @@ class _Crawl:
             try:
                 _compiled(pattern, 0)
             except _regex().error as exc:
-                raise SchemaFileError(f"{self.source}: pattern {pattern!r} does not compile: {exc}") from None
+                raise SchemaFileError(f"{self.source}: pattern {pattern!r} does not compile: {exc}") from exc
 
     def _drop_dialect(self, contents: dict[str, Any]) -> None:
         from jsonschema import validators
@@ -596,18 +597,20 @@ class _Crawl:
                     if time.monotonic() > self.deadline:
                         raise SchemaFileError(late)
                     chunks.append(chunk)
-        # None of these is chained (urllib's exceptions keep the URL), and
+        # Only causes that cannot quote the URL are chained (urllib's and
+        # http.client's exceptions keep it, credentials and query included,
+        # and a chained cause is printed with any traceback), and
         # only texts that cannot quote the URL are: the socket layer's (an
         # OSError: errno and strerror) and urllib's own reasons (fixed
         # phrases). http.client's are dropped: its InvalidURL quotes the
         # host and port, or the path and query, as given.
         except urllib.error.HTTPError as exc:
             raise SchemaFileError(f"{where}: HTTP {exc.code} {exc.reason}") from None
-        except TimeoutError:
-            raise SchemaFileError(late) from None
+        except TimeoutError as exc:  # the socket's: no URL in it
+            raise SchemaFileError(late) from exc
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, TimeoutError):
-                raise SchemaFileError(late) from None
+                raise SchemaFileError(late) from exc.reason
             raise SchemaFileError(f"{where}: cannot be retrieved ({exc.reason})") from None
         except OSError as exc:
             raise SchemaFileError(f"{where}: cannot be retrieved ({type(exc).__name__}: {exc})") from None

@@ -187,11 +187,19 @@ async def _write(
             "copies": [r.ack_copies for r in writing],
             "deliveries": [r.deliveries for r in writing],
             "errors": [r.error for r in writing],
-            "sizes": [r.body_size for r in writing],
-            "digests": [r.body_sha256 for r in writing],
+            # Only a rejected oversize message has them: NULL arrays (no
+            # per-message dumping) unless one in the batch does; unnest pads
+            # a missing array with NULLs.
+            **_prefix_columns(writing),
         },
     )
     return await cur.fetchall()
+
+
+def _prefix_columns(writing: list[InboxRecord]) -> dict[str, list[Any] | None]:
+    if all(r.body_size is None for r in writing):
+        return {"sizes": None, "digests": None}
+    return {"sizes": [r.body_size for r in writing], "digests": [r.body_sha256 for r in writing]}
 
 
 @dataclass(slots=True)

@@ -10,6 +10,8 @@ of writing its own.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 import sqlalchemy as sa
@@ -96,31 +98,32 @@ class GroupStartLedger:
         self._engine = engine
         self._deadline_ms = deadline_ms
 
-    async def recorded(self, group: StreamGroup, *, adapter: str) -> str | None:
-        what = f"adapter {adapter}: reading the recorded start of group {group.group} on {group.stream}"
+    @contextlib.asynccontextmanager
+    async def _transaction(
+        self, opening: contextlib.AbstractAsyncContextManager[AsyncConnection], what: str
+    ) -> AsyncIterator[AsyncConnection]:
         try:
-            async with within_deadline(self._engine.connect(), self._deadline_ms, what) as conn:
-                return await recorded(conn, group)
+            async with within_deadline(opening, self._deadline_ms, what) as conn:
+                yield conn
         except (SQLAlchemyError, DeadlineExceeded) as exc:
             raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+    async def recorded(self, group: StreamGroup, *, adapter: str) -> str | None:
+        what = f"adapter {adapter}: reading the recorded start of group {group.group} on {group.stream}"
+        async with self._transaction(self._engine.connect(), what) as conn:
+            return await recorded(conn, group)
 
     async def stored_before(self, adapter: str) -> bool:
         what = f"adapter {adapter}: reading whether the inbox holds its entries"
-        try:
-            async with within_deadline(self._engine.connect(), self._deadline_ms, what) as conn:
-                return await stored_before(conn, adapter)
-        except (SQLAlchemyError, DeadlineExceeded) as exc:
-            raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        async with self._transaction(self._engine.connect(), what) as conn:
+            return await stored_before(conn, adapter)
 
     async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
         what = f"adapter {adapter}: recording start {start_id} of group {group.group} on {group.stream}"
-        try:
-            # Committed (synchronous_commit on) when the block ends: durable
-            # before the caller creates the group.
-            async with within_deadline(self._engine.begin(), self._deadline_ms, what) as conn:
-                on_record = await record(conn, group, adapter=adapter, start_id=start_id)
-        except (SQLAlchemyError, DeadlineExceeded) as exc:
-            raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        # Committed (synchronous_commit on) when the block ends: durable
+        # before the caller creates the group.
+        async with self._transaction(self._engine.begin(), what) as conn:
+            on_record = await record(conn, group, adapter=adapter, start_id=start_id)
         if on_record is None:
             # Someone deleted the earlier row between our insert and our read:
             # fail this attempt; the retry inserts ours.

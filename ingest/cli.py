@@ -24,7 +24,7 @@ import structlog
 from backhalf import db_errors, failpoints, migrate, registry, replay
 from backhalf.db import create_engine, redact_url
 from backhalf.normalize import body_payload
-from ingest import cli_errors, logs, signals, status, todos_command
+from ingest import cli_errors, logs, signals, status, text_table, todos_command
 from ingest.acker import run_acker
 from ingest.adapters.base import FAMILY, TRUST_MODE
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
@@ -174,7 +174,7 @@ async def _adapters_command(settings: Settings, args: argparse.Namespace) -> int
                     )
                     for r in rows
                 ]
-                print("\n".join(_table(("NAME", "STATE", "KIND", "SOURCE"), table)))
+                print("\n".join(text_table.table(("NAME", "STATE", "KIND", "SOURCE"), table)))
                 return EXIT_OK
             enabled = args.adapters_verb == "enable"
             if not await registry.set_enabled(conn, args.name, enabled):
@@ -230,21 +230,6 @@ async def _inbox_command(settings: Settings, args: argparse.Namespace) -> int:
         await engine.dispose()
 
 
-def _table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()
-) -> list[str]:
-    """Aligned columns under a header; the last column is not padded."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
-
-    def line(row: Sequence[str]) -> str:
-        cells = [
-            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])
-        ]
-        return "  ".join([*cells, row[-1]]).rstrip()
-
-    return [line(header), *(line(row) for row in rows)]
-
-
 def _inbox_table(rows: Sequence[replay.InboxRow]) -> list[str]:
     header = ("ID", "STORED_AT (UTC)", "ADAPTER", "STATUS", "ACK", "DELIVERIES", "KEY", "ERROR")
     table = [
@@ -260,7 +245,7 @@ def _inbox_table(rows: Sequence[replay.InboxRow]) -> list[str]:
         )
         for r in rows
     ]
-    return _table(header, table, right=frozenset({0, 5}))
+    return text_table.table(header, table, right=frozenset({0, 5}))
 
 
 def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from backhalf import migrate
 from ingest.embedded.servers import PostgresServer, RedisServer, temp_base
 from tests.support import db
 from tests.support.config import stream_adapter, write_config
-from tests.support.servers import ServerUrls, shared_servers
+from tests.support.servers import ServerUrls, private_postgres, shared_servers
 
 
 @pytest.fixture(scope="session")
@@ -54,20 +53,10 @@ def own_redis() -> Iterator[RedisServer]:
 def own_postgres() -> Iterator[tuple[PostgresServer, str]]:
     """A PostgreSQL this test owns (to terminate backends and restart it), with
     a migrated database; yields the server and the database URL."""
-    base = temp_base("switchboard-pg-")
-    try:
-        server = PostgresServer.create(base / "pg")
-    except BaseException:
-        shutil.rmtree(base, ignore_errors=True)
-        raise
-    try:
-        server.start()
+    with private_postgres() as server:
         url = server.create_database("switchboard")
         migrate.upgrade(url)
         yield server, url
-    finally:
-        server.cleanup()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

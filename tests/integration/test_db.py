@@ -3,34 +3,21 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import text
 
 from backhalf.db import DatabaseSettings, create_engine
-from ingest.embedded.servers import PostgresServer, temp_base
+from tests.support.servers import private_postgres
 
 
 @pytest.fixture
 def server_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A PostgreSQL of our own whose postgresql.conf sets ``synchronous_commit``
     to the test's parameter; yields its URL."""
-    base = temp_base("switchboard-pg-")
-    try:
-        server = PostgresServer.create(base / "pg")
-    except BaseException:
-        shutil.rmtree(base, ignore_errors=True)
-        raise
-    try:
-        with (server.pgdata / "postgresql.conf").open("a") as conf:
-            conf.write(f"\nsynchronous_commit = {request.param}\n")
-        server.start()
+    with private_postgres(f"synchronous_commit = {request.param}") as server:
         yield server.url()
-    finally:
-        server.cleanup()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 async def session_synchronous_commit(url: str) -> tuple[str, str]:

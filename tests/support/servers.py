@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingest.embedded.servers import embedded_servers
+from ingest.embedded.servers import PostgresServer, embedded_servers, temp_base
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,24 @@ def shared_servers() -> Iterator[ServerUrls]:
         return
     with embedded_servers("switchboard-test-") as owned:
         yield ServerUrls(owned.postgres.url(), owned.redis.url, "owned processes")
+
+
+@contextlib.contextmanager
+def private_postgres(conf: str = "") -> Iterator[PostgresServer]:
+    """A PostgreSQL the test owns (to restart it, or to run it with ``conf``
+    appended to its postgresql.conf), started; removed with its folder after."""
+    base = temp_base("switchboard-pg-")
+    try:
+        server = PostgresServer.create(base / "pg")
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    try:
+        if conf:
+            with (server.pgdata / "postgresql.conf").open("a") as f:
+                f.write(f"\n{conf}\n")
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
