@@ -39,3 +39,12 @@ async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str)
             await cur.execute(queries.LOCK_PENDING_COPIES, {"adapter": adapter, "ack_key": ack_key})
             rows = await cur.fetchall()
     return [PendingIntent(int(inbox_id), str(key), int(copies)) for inbox_id, key, copies in rows]
+
+
+async def owed_native(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> set[str]:
+    """Of these stream entries' keys, the ones stored with their ack queued."""
+    with wrap_driver_errors(AckStateError, f"adapter {adapter}: reading owed acks"):
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(queries.OWED_NATIVE, {"adapter": adapter, "keys": list(keys)})
+            return {str(key) for (key,) in await cur.fetchall()}

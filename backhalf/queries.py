@@ -104,6 +104,7 @@ CLEAR_ATTEMPTS = _block("clear_attempts")
 CLAIM_PLAN = _block("claim_plan")
 CLAIM_ACKS = _block("claim_acks")
 LOCK_PENDING_COPIES = _block("lock_pending_copies")
+OWED_NATIVE = _block("owed_native")
 
 # The todo lifecycle (backhalf.todos): the relay, the workers, the rescuer,
 # the operator's cancel and retry.
@@ -114,6 +115,7 @@ END_RUN = _block("end_run")
 RESCUE_TODOS = _block("rescue_todos")
 CANCEL_TODOS = _block("cancel_todos")
 RETRY_TODOS = _block("retry_todos")
+RELEASE_ACKS = _block("release_acks")
 
 # The statements composed from several blocks, by name, for the snapshot test.
 COMPOSED: dict[str, str] = {

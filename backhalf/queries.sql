@@ -179,7 +179,7 @@ written AS (
                   acked_at = NULL
     WHERE coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(excluded.body_sha256, sha256(excluded.body))
        OR starts_with(excluded.error, 'lost_before_ingest')
-    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
+    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id,
               (xmax = 0) AS inserted
 )
 
@@ -201,18 +201,37 @@ written AS (
            ev.todo_id, ev.id
     FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
     ORDER BY u.n
-    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
+    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id,
               (xmax = 0) AS inserted
 )
 
 
 -- name: store_ack_queue_cte
--- Every row left pending (and to be acked on store) is queued for the acker
--- in the same statement.
+-- Every row left pending is queued for the acker in the same statement:
+-- owed now (``waiting_for`` NULL), or, with ack_after 'complete', waiting for
+-- its todo, which the transaction that ends the todo releases
+-- (release_acks). A rejected row has no todo: its ack is owed now.
+--
+-- No release can be missed. A row inserted here waits for the todo this
+-- statement created or deduped to, which it holds locked (todos_create_cte's
+-- insert or no-op update), so the todo's end waits for this commit, and its
+-- release (a statement of its own, with a snapshot taken after that wait)
+-- sees the row. A redelivered row waits for its old todo only if that todo
+-- is still active, read with FOR SHARE: the latest committed version, locked
+-- the same way; a todo that ended meanwhile leaves the ack owed now.
+still_active AS (
+    SELECT id FROM todos
+    WHERE id IN (SELECT todo_id FROM written WHERE NOT inserted AND ack_after = 'complete')
+      AND status IN ('pending', 'dispatched', 'running')
+    FOR SHARE
+),
 queued AS (
-    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)
-    SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM written
-    WHERE ack_state = 'pending' AND ack_after = 'store'
+    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for)
+    SELECT id, adapter, ack_kind, ack_key, idempotency_key,
+           CASE WHEN ack_after = 'complete' AND (inserted OR todo_id IN (SELECT id FROM still_active))
+                THEN todo_id END
+    FROM written
+    WHERE ack_state = 'pending'
     ON CONFLICT (inbox_id) DO NOTHING
 )
 
@@ -310,7 +329,7 @@ SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan'
 -- dropping it would turn those rare waits into deadlocks.
 WITH picked AS (
     SELECT q.inbox_id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
-    WHERE q.adapter = ANY(%(adapters)s::text[])
+    WHERE q.adapter = ANY(%(adapters)s::text[]) AND q.waiting_for IS NULL
     ORDER BY q.inbox_id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -322,6 +341,20 @@ UPDATE inbox SET ack_state = 'acked', acked_at = now()
 FROM claimed WHERE inbox.id = claimed.inbox_id
 RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
           CASE WHEN ack_kind = 'lrem' THEN body END AS body
+
+
+-- name: owed_native
+-- The claim sweep's question (stream mode): which of these entries are
+-- stored with their ack queued (owed now, or waiting for their todo)? Those
+-- need no redelivery, only their XACK, which the acker sends; claiming them
+-- again would re-store each one every sweep while its todo runs. One probe
+-- per key, as in existing_native.
+SELECT u.k FROM unnest(%(keys)b::text[]) AS u(k)
+CROSS JOIN LATERAL (
+    SELECT 1 FROM inbox i JOIN ack_queue q ON q.inbox_id = i.id
+    WHERE i.adapter = %(adapter)s AND i.idempotency_key = u.k AND i.source_message_id IS NOT NULL
+    LIMIT 1
+) AS found
 
 
 -- name: lock_pending_copies
@@ -493,3 +526,17 @@ WITH old AS (
     SELECT id, from_status, 'pending', %(detail)s FROM retried
 )
 SELECT id FROM retried
+
+
+-- name: release_acks
+-- ack_after 'complete': the acks waiting for these todos, which have just
+-- ended (done, failed, cancelled), are owed now; the acker is woken on
+-- commit. Run in the transaction that ended them, as a statement after the
+-- one that did: its snapshot is taken after that statement's row-lock waits,
+-- so it sees the waiting row of a store that held one of these todos locked
+-- (store_ack_queue_cte). A CTE of that statement would not.
+WITH released AS (
+    UPDATE ack_queue SET waiting_for = NULL WHERE waiting_for = ANY(%(ids)b::int8[])
+    RETURNING adapter
+)
+SELECT count(pg_notify(%(channel)s, a.adapter)) FROM (SELECT DISTINCT adapter FROM released) AS a

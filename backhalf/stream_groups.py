@@ -11,7 +11,7 @@ of writing its own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
 
 import sqlalchemy as sa
@@ -19,6 +19,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from backhalf import acks
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded, StoreError
 from schema import inbox, stream_groups
@@ -117,6 +118,11 @@ class GroupStartLedger:
         what = f"adapter {adapter}: reading whether the inbox holds its entries"
         async with self._transaction(self._engine.connect(), what) as conn:
             return await stored_before(conn, adapter)
+
+    async def acks_owed(self, adapter: str, keys: Sequence[str]) -> set[str]:
+        what = f"adapter {adapter}: reading which of {len(keys)} idle entries have their ack queued"
+        async with self._transaction(self._engine.connect(), what) as conn:
+            return await acks.owed_native(conn, adapter, keys)
 
     async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
         what = f"adapter {adapter}: recording start {start_id} of group {group.group} on {group.stream}"

@@ -117,7 +117,26 @@ async def rescue(
             "stale_detail": RESCUED_STALE,
         },
     )
-    return [(int(i), str(q), str(s)) for i, q, s in await cur.fetchall()]
+    moved = [(int(i), str(q), str(s)) for i, q, s in await cur.fetchall()]
+    await release_acks(cur, [i for i, _, status in moved if status in TERMINAL])
+    return moved
+
+
+TERMINAL = frozenset({"done", "failed", "cancelled"})
+
+
+async def release_acks(cur: psycopg.AsyncCursor[Any], ids: Sequence[int]) -> None:
+    """The broker acks waiting for these todos (``ack_after = "complete"``)
+    are owed now: call in the transaction that ended them, after the
+    statement that did (``release_acks`` in queries.sql says why)."""
+    if ids:
+        await cur.execute(queries.RELEASE_ACKS, {"ids": list(ids), "channel": queries.ACK_CHANNEL})
+
+
+def release_acks_sync(cur: psycopg.Cursor[Any], ids: Sequence[int]) -> None:
+    """:func:`release_acks` for the workers' synchronous connections."""
+    if ids:
+        cur.execute(queries.RELEASE_ACKS, {"ids": list(ids), "channel": queries.ACK_CHANNEL})
 
 
 def start(cur: psycopg.Cursor[Any], todo_id: int, lease_s: float, max_attempts: int) -> Started:
@@ -142,12 +161,18 @@ def end_run(
     params = {"id": run.todo.id, "lease_until": run.lease_until, "to_status": to_status}
     cur.execute(queries.END_RUN, {**params, "error": error, "detail": detail})
     row = cur.fetchone()
-    return bool(row and row[0])
+    held = bool(row and row[0])
+    if held and to_status in TERMINAL:
+        release_acks_sync(cur, [run.todo.id])
+    return held
 
 
 async def cancel(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:
     result = await conn.exec_driver_sql(queries.CANCEL_TODOS, {"ids": list(ids), "detail": detail})
-    return sorted(int(i) for (i,) in result.all())
+    cancelled = sorted(int(i) for (i,) in result.all())
+    if cancelled:
+        await conn.exec_driver_sql(queries.RELEASE_ACKS, {"ids": cancelled, "channel": queries.ACK_CHANNEL})
+    return cancelled
 
 
 async def retry(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:

@@ -121,9 +121,15 @@ def _transport(where: str, value: Any) -> str:
 def _ack_after(where: str, value: Any) -> str:
     if value not in ("store", "complete"):
         raise ConfigError(f'{where} must be "store" or "complete" (got {value!r})')
-    if value == "complete":
-        raise ConfigError(f'{where} = "complete" needs the todo workers, which are not built yet')
-    return "store"
+    return str(value)
+
+
+def _complete_needs_an_ack(label: str, values: Mapping[str, Any]) -> None:
+    if values["mode"] == "pubsub" and values["ack_after"] == "complete":
+        raise ConfigError(
+            f'{label}: key \'ack_after\' = "complete" does not apply to mode = "pubsub": a pub/sub'
+            " message has no broker ack to defer"
+        )
 
 
 def _format(where: str, value: Any) -> BodyFormat:
@@ -255,7 +261,9 @@ class AdapterConfig:
     mode: Annotated[str, Key(public=False, parse=_mode)] = "stream"  # its own column
     delivery: Annotated[str | None, Key(PUBSUB, parse=_delivery, rule=_pubsub_is_at_most_once)] = None
     transport: Annotated[str, Key(public=False, parse=_transport)] = "redis"  # its own column
-    ack_after: Annotated[Literal["store", "complete"], Key(parse=_ack_after)] = "store"
+    ack_after: Annotated[Literal["store", "complete"], Key(parse=_ack_after, rule=_complete_needs_an_ack)] = (
+        "store"
+    )
     format: Annotated[BodyFormat, Key(parse=_format)] = BodyFormat.JSON
     start_id: Annotated[str, Key(STREAM, parse=_start_id)] = "0"
     group: Annotated[str, Key(STREAM)] = "switchboard"

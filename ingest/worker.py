@@ -111,6 +111,10 @@ class SwitchboardMiddleware(dramatiq.Middleware):
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
         self.declare(broker)
 
+    def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
+        """Its threads consume: the line a supervisor (or a test) waits for."""
+        log.info("worker_ready", queues=sorted(self._settings.queues), threads=self._threads)
+
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Once every worker thread has stopped: close the database pool."""
         with self._runner_lock:

@@ -228,7 +228,19 @@ ack_queue = sa.Table(
     sa.Column("ack_kind", sa.Text, nullable=False),
     sa.Column("ack_key", sa.Text),
     sa.Column("idempotency_key", sa.Text, nullable=False),
+    # ``ack_after = "complete"``: the todo whose end this ack waits for; the
+    # transaction that makes it terminal sets it NULL (``release_acks``).
+    # NULL: the ack is owed now, and the acker claims it. A waiting row is
+    # still pending for list mode's copy bookkeeping and the claim sweep.
+    sa.Column("waiting_for", sa.BigInteger),
     sa.CheckConstraint(_one_of("ack_kind", ("xack", "lrem")), name="ack_kind"),
+)
+# The acker's claim walks only acks owed now, in id order, never over the
+# ones waiting for a todo (however many a backlog holds).
+sa.Index("ix_ack_queue_ready", ack_queue.c.inbox_id, postgresql_where=ack_queue.c.waiting_for.is_(None))
+# A todo's end finds the acks waiting for it.
+sa.Index(
+    "ix_ack_queue_waiting", ack_queue.c.waiting_for, postgresql_where=ack_queue.c.waiting_for.isnot(None)
 )
 # One pending row per body *and processing list*: copies consumed onto one
 # list merge into its inbox row (ack_copies), so LREM removes exactly them.

@@ -115,6 +115,12 @@ class GroupStarts(Protocol):
         existed before, even if nothing recorded where it started."""
         ...
 
+    async def acks_owed(self, adapter: str, keys: Sequence[str]) -> set[str]:
+        """Of these entries' keys, the ones stored with their ack queued (owed
+        now, or waiting for their todo): the claim sweep leaves those to the
+        acker instead of delivering them again."""
+        ...
+
 
 class PullAdapter(Protocol):
     name: str

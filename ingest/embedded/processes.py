@@ -158,7 +158,7 @@ class SwitchboardProcess:
 def wait_ready(proc: SwitchboardProcess, timeout_s: float = 30) -> None:
     """Until the process has installed its signal handlers and is working: a
     SIGTERM before the interpreter has even started our code kills it outright."""
-    event = "poll_loop_started" if proc.verb == "ingest" else "listening"
+    event = {"ingest": "poll_loop_started", "worker": "worker_ready"}.get(proc.verb, "listening")
     wait_for(lambda: proc.events(event), timeout_s=timeout_s, what=f"{proc.log_path.name}: {event}")
 
 

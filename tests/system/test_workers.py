@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Callable, Iterator
-from itertools import pairwise
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -20,71 +18,27 @@ import redis
 from backhalf.dispatch import Enqueuer
 from backhalf.queues import QueueConfig
 from ingest.embedded.processes import SwitchboardProcess, wait_for
-from tests.support import handlers
 from tests.support.config import stream_adapter
-from tests.support.db import libpq, query, scalar
+from tests.support.db import query, scalar
+from tests.support.downstream import (
+    FAST_RESCUE,
+    HANDLER,
+    QUEUE,
+    assert_one_path,
+    dramatiq_url,
+    statuses,
+    stop_all,
+    trail,
+)
 from tests.support.processes import Processes, assert_clean_exit
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
-HANDLER = "tests.support.handlers:scripted"
-# Small limits so rescues happen within the test's bounded waits.
-QUEUE = {"handler": HANDLER, "max_attempts": 3, "min_backoff_ms": 50, "max_backoff_ms": 200}
-FAST_RESCUE = {"rescue_interval_ms": 200, "dispatch_timeout_ms": 1000}
-
-
-def dramatiq_url(redis_url: str) -> str:
-    """dramatiq on its own database of the test's Redis (flushed with it)."""
-    parts = urlsplit(redis_url)
-    return f"{parts.scheme}://{parts.netloc}/1"
-
-
-@pytest.fixture
-def runs_db(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """``handler_runs`` in the test database, which the workers' handlers reach
-    through the environment they inherit."""
-    url = libpq(db_url)
-    handlers.create_runs_table(url)
-    monkeypatch.setenv(handlers.DB_VARIABLE, url)
-    return url
 
 
 def produce_payloads(redis_url: str, payloads: list[dict[str, Any]]) -> list[str]:
     with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
         return [r.xadd(STREAM, {"body": json.dumps(p)}).decode() for p in payloads]
-
-
-def statuses(db_url: str) -> dict[str, int]:
-    return dict(query(db_url, "SELECT status, count(*) FROM todos GROUP BY status"))
-
-
-def trail(db_url: str, todo_id: int) -> list[tuple[str | None, str]]:
-    return [
-        (f, t)
-        for f, t in query(
-            db_url,
-            "SELECT from_status, to_status FROM todo_events WHERE todo_id = %(id)s ORDER BY id",
-            {"id": todo_id},
-        )
-    ]
-
-
-# The todo state machine: every todo_events row is one of these steps.
-ALLOWED = {
-    (None, "pending"),
-    ("pending", "dispatched"), ("pending", "running"), ("pending", "cancelled"),
-    ("dispatched", "dispatched"), ("dispatched", "running"), ("dispatched", "cancelled"),
-    ("running", "dispatched"), ("running", "done"), ("running", "failed"), ("running", "cancelled"),
-    ("running", "running"),  # a lease that expired, taken over by a redelivered message
-    ("failed", "pending"), ("cancelled", "pending"),
-}  # fmt: skip
-
-
-def assert_one_path(steps: list[tuple[str | None, str]]) -> None:
-    """Allowed steps, each from where the one before it ended."""
-    assert steps, "no todo_events at all"
-    assert all(step in ALLOWED for step in steps), steps
-    assert all(prev[1] == step[0] for prev, step in pairwise(steps)), steps
 
 
 def start_all(procs: Processes, config: Path, *, worker_name: str = "worker-1") -> list[SwitchboardProcess]:
@@ -93,15 +47,6 @@ def start_all(procs: Processes, config: Path, *, worker_name: str = "worker-1") 
         procs.start("ack", config, name="acker-1"),
         procs.start("worker", config, name=worker_name),
     ]
-
-
-def stop_all(running: list[SwitchboardProcess]) -> None:
-    for proc in running:
-        code = proc.terminate()
-        if proc.verb != "worker":  # dramatiq's own exit and log lines
-            assert_clean_exit(proc, code)
-        else:
-            assert code == 0, proc.raw_log()[-3000:]
 
 
 def test_an_entry_becomes_a_todo_that_a_worker_does(

@@ -92,6 +92,9 @@ class _Unrecorded:
     async def stored_before(self, adapter: str) -> bool:
         return False
 
+    async def acks_owed(self, adapter: str, keys: Sequence[str]) -> set[str]:
+        return set()
+
 
 def _field_map(flat: Sequence[bytes] | None) -> dict[bytes, bytes] | None:
     if flat is None:
@@ -303,6 +306,17 @@ class StreamAdapter(RedisEndpoint):
         if not idle:
             return []
         ids = [as_text(p["message_id"]) for p in idle]
+        # Stored, and only their XACK owed (the acker's, soon or once their
+        # todo ends with ack_after = "complete"): not delivered again. An
+        # entry waiting for a long todo stays idle in the PEL; without this,
+        # every sweep would claim and re-store it.
+        owed = await self._group_starts.acks_owed(
+            self.name, [native_key(cfg.key_prefix, cfg.source, i) for i in ids]
+        )
+        if owed:
+            ids = [i for i in ids if native_key(cfg.key_prefix, cfg.source, i) not in owed]
+            if not ids:
+                return []
         delivered = {as_text(p["message_id"]): int(p["times_delivered"]) + 1 for p in idle}  # XCLAIM adds one
         pipe = self._client.pipeline(transaction=False)
         for entry_id in ids:

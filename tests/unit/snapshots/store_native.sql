@@ -43,13 +43,22 @@ written AS (
                   acked_at = NULL
     WHERE coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(excluded.body_sha256, sha256(excluded.body))
        OR starts_with(excluded.error, 'lost_before_ingest')
-    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after,
+    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id,
               (xmax = 0) AS inserted
 ),
+still_active AS (
+    SELECT id FROM todos
+    WHERE id IN (SELECT todo_id FROM written WHERE NOT inserted AND ack_after = 'complete')
+      AND status IN ('pending', 'dispatched', 'running')
+    FOR SHARE
+),
 queued AS (
-    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)
-    SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM written
-    WHERE ack_state = 'pending' AND ack_after = 'store'
+    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for)
+    SELECT id, adapter, ack_kind, ack_key, idempotency_key,
+           CASE WHEN ack_after = 'complete' AND (inserted OR todo_id IN (SELECT id FROM still_active))
+                THEN todo_id END
+    FROM written
+    WHERE ack_state = 'pending'
     ON CONFLICT (inbox_id) DO NOTHING
 )
 SELECT u.k, w.inserted, ev.id, ev.todo_id, t.created

@@ -1,0 +1,190 @@
+"""``ack_after = "complete"`` against real PostgreSQL: a stored message's ack
+waits for its todo's end, and every way a todo ends releases it to the
+acker, including an end that races the store of a message deduped to it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import psycopg
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import acks, todos
+from backhalf.db import driver_connection
+from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
+from backhalf.store import store
+from tests.support.db import libpq, query, scalar
+
+PULLED = Provenance(family="queue", trust_mode="queue", verified=False, verify_detail="redis acl: default")
+
+
+@pytest.fixture
+def registered() -> tuple[tuple[str, str], ...]:
+    return (("orders", "stream"), ("jobs", "list"))
+
+
+def entry(n: int, payload: str | None = '{"n": 1}', *, deliveries: int = 1) -> InboxRecord:
+    entry_id = f"{n}-0"
+    error = None if payload is not None else "invalid JSON"
+    return InboxRecord(
+        f"redis:orders:{entry_id}",
+        entry_id,
+        b"{}",
+        payload,
+        error,
+        ack_entry_id=entry_id,
+        deliveries=deliveries,
+    )
+
+
+def stream_batch(*records: InboxRecord) -> StoreBatch:
+    return StoreBatch(
+        "orders", "orders", "c1", "complete", AckTarget("xack", "orders", "switchboard"), PULLED, records
+    )
+
+
+def list_batch(processing: str, body: bytes = b'{"job": 1}') -> StoreBatch:
+    record = InboxRecord("redis:jobs:" + "ab" * 32, None, body, body.decode(), ack_key=processing)
+    return StoreBatch("jobs", "jobs", "c1", "complete", AckTarget("lrem", processing, None), PULLED, [record])
+
+
+async def claim(engine: AsyncEngine, adapter: str = "orders") -> list[int]:
+    """What the acker would claim now (rolled back: a look, not an ack)."""
+    async with engine.connect() as conn, conn.begin() as tx:
+        claimed = [c.inbox_id for c in await acks.claim(conn, [adapter], 100)]
+        await tx.rollback()
+    return claimed
+
+
+def run_to(db_url: str, todo_id: int, to_status: str) -> None:
+    """A worker's run of the todo, from start to ``to_status``."""
+    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
+        run = todos.start(cur, todo_id, 60, 5)
+    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
+        assert todos.end_run(cur, run, to_status, error=None, detail=to_status)
+
+
+async def test_the_ack_waits_for_the_todo_and_is_owed_once_it_is_done(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1), entry(2)))
+    (todo_1, todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
+    assert query(db_url, "SELECT waiting_for FROM ack_queue ORDER BY inbox_id") == [(todo_1,), (todo_2,)]
+    assert await claim(engine) == []
+    run_to(db_url, todo_1, "dispatched")  # a retry is no end
+    assert await claim(engine) == []
+    run_to(db_url, todo_1, "done")
+    (inbox_1,) = query(db_url, "SELECT id FROM inbox WHERE todo_id = %(t)s", {"t": todo_1})[0]
+    assert await claim(engine) == [inbox_1]
+    run_to(db_url, todo_2, "failed")  # failed is an end too
+    assert len(await claim(engine)) == 2
+
+
+async def test_cancel_and_the_rescuers_failure_release_the_ack(engine: AsyncEngine, db_url: str) -> None:
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1), entry(2)))
+    (todo_1, todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
+    async with engine.begin() as conn:
+        assert await todos.cancel(conn, [todo_1], "cancelled by an operator") == [todo_1]
+    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
+        todos.start(cur, todo_2, 60, 1)
+    query(
+        db_url, "UPDATE todos SET lease_until = now() - interval '1 second' WHERE id = %(t)s", {"t": todo_2}
+    )
+    async with engine.begin() as conn:
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            assert await todos.rescue(cur, [("orders", 1, 60.0)], 10) == [(todo_2, "orders", "failed")]
+    assert len(await claim(engine)) == 2
+    assert scalar(db_url, "SELECT count(*) FROM ack_queue WHERE waiting_for IS NOT NULL") == 0
+
+
+async def test_a_rejected_message_has_no_todo_to_wait_for(engine: AsyncEngine, db_url: str) -> None:
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1, None)))
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 0
+    assert len(await claim(engine)) == 1
+
+
+async def test_a_redelivery_after_the_todo_ended_is_acked_at_once(engine: AsyncEngine, db_url: str) -> None:
+    """Acked once its todo was done, then delivered again (its group was
+    recreated): no new todo, and its ack is owed now, not waiting forever."""
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1)))
+    todo_id = scalar(db_url, "SELECT id FROM todos")
+    run_to(db_url, todo_id, "done")
+    async with engine.begin() as conn:
+        assert len(await acks.claim(conn, ["orders"], 10)) == 1
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1, deliveries=2)))
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 1
+    assert query(db_url, "SELECT waiting_for FROM ack_queue") == [(None,)]
+
+
+async def test_a_redelivery_while_the_todo_runs_keeps_waiting(engine: AsyncEngine, db_url: str) -> None:
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1)))
+    todo_id = scalar(db_url, "SELECT id FROM todos")
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1, deliveries=2)))
+    assert query(db_url, "SELECT waiting_for FROM ack_queue") == [(todo_id,)]
+    assert await claim(engine) == []
+
+
+async def test_list_copies_merge_into_the_waiting_row(engine: AsyncEngine, db_url: str) -> None:
+    """A second copy of a body on the same processing list merges into its
+    pending row while the todo runs: one todo, one LREM of both copies, and
+    list recovery counts both as stored."""
+    for _ in range(2):
+        async with engine.begin() as conn:
+            await store(conn, list_batch("jobs:processing:c1"))
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 1
+    assert query(db_url, "SELECT ack_copies FROM inbox") == [(2,)]
+    async with engine.begin() as conn:
+        (intent,) = await acks.lock_pending_copies(conn, "jobs", "jobs:processing:c1")
+    assert intent.copies == 2
+    assert await claim(engine, "jobs") == []
+    run_to(db_url, scalar(db_url, "SELECT id FROM todos"), "done")
+    assert len(await claim(engine, "jobs")) == 1
+
+
+async def test_an_end_racing_a_store_deduped_to_its_todo_still_releases_it(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    """A copy of the body on another processing list is stored (deduped to
+    the running todo, so it holds the todo locked) while the run ends. The
+    end waits for the store; its release, a statement of its own, sees the
+    new row. Were the release part of the end's statement, its snapshot
+    would predate the store's commit and the new row would wait forever."""
+    async with engine.begin() as conn:
+        await store(conn, list_batch("jobs:processing:c1"))
+    todo_id = scalar(db_url, "SELECT id FROM todos")
+    with psycopg.connect(libpq(db_url)) as pg, pg.cursor() as cur:
+        run = todos.start(cur, todo_id, 60, 5)
+    conn = await engine.connect()
+    tx = await conn.begin()
+    await store(conn, list_batch("jobs:processing:c2"))  # uncommitted, holds the todo
+    ended: list[bool] = []
+
+    def end() -> None:
+        with psycopg.connect(libpq(db_url)) as pg, pg.cursor() as cur:
+            ended.append(todos.end_run(cur, run, "done", error=None, detail="done"))
+
+    ender = threading.Thread(target=end)
+    ender.start()
+    # The end is blocked on the todo's row lock: wait until PostgreSQL says so.
+    for _ in range(200):
+        waiting = scalar(db_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+        if waiting:
+            break
+        await asyncio.sleep(0.025)
+    assert waiting, "the end never waited for the store's lock"
+    await tx.commit()
+    await conn.close()
+    ender.join(timeout=10)
+    assert ended == [True]
+    assert scalar(db_url, "SELECT count(*) FROM ack_queue WHERE waiting_for IS NOT NULL") == 0
+    assert len(await claim(engine, "jobs")) == 2
