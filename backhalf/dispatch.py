@@ -165,7 +165,22 @@ class Dispatcher:
                         await self._enqueue(again)
         for tid, queue, status in moved:
             log.warning("todo_rescued", todo_id=tid, queue=queue, to_status=status)
-        return len(moved)
+        released = await self._release_orphaned_acks()
+        return len(moved) + released
+
+    async def _release_orphaned_acks(self) -> int:
+        what = "releasing acks still waiting for todos that ended"
+        async with within_deadline(self._engine.begin(), self._deadline_ms, what) as conn:
+            with wrap_driver_errors(StoreError, what):
+                pg = await driver_connection(conn)
+                async with pg.cursor() as cur:
+                    released = await todos.release_orphaned_acks(cur, self._batch_size)
+        if released:
+            # Each one is a worker that ended a todo without releasing its
+            # ack: its config lacks the adapter's ack_after = "complete".
+            log.warning("orphaned_acks_released", released=released,
+                        hint="give the workers the same config as the ingesters")  # fmt: skip
+        return released
 
     async def _enqueue(self, claimed: list[tuple[int, str]]) -> None:
         messages = [(self._queues[queue], tid) for tid, queue in claimed]

@@ -110,12 +110,12 @@ OWED_NATIVE = _block("owed_native")
 # the operator's cancel and retry.
 CLAIM_PENDING_TODOS = _block("claim_pending_todos")
 MARK_DISPATCHED = _block("mark_dispatched")
-START_TODO = _block("start_todo")
-END_RUN = _block("end_run")
+WRITE_STATES = _block("write_states")
 RESCUE_TODOS = _block("rescue_todos")
 CANCEL_TODOS = _block("cancel_todos")
 RETRY_TODOS = _block("retry_todos")
 RELEASE_ACKS = _block("release_acks")
+RELEASE_ORPHANED_ACKS = _block("release_orphaned_acks")
 
 # The statements composed from several blocks, by name, for the snapshot test.
 COMPOSED: dict[str, str] = {

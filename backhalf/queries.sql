@@ -400,53 +400,88 @@ WITH marked AS (
 SELECT count(*) FROM marked
 
 
--- name: start_todo
--- A worker takes its todo: only if it is still to run (pending, dispatched,
+-- name: write_states
+-- The workers' state changes, a batch of them in one statement (every
+-- worker thread of a process hands its changes to one writer,
+-- backhalf.state_writer): runs ended, and todos started. One statement, so
+-- that a batch with no ack to release (below) is one round trip and one
+-- implicit transaction on an autocommit connection.
+--
+-- A start takes its todo only if it is still to run (pending, dispatched,
 -- or running on a lease that expired, its worker dead, with attempts left:
--- one without is the rescuer's to fail), else the message is skipped (a
--- redelivery, a rescued copy, a finished or cancelled todo). The
--- attempt is counted here, before the handler runs, so a run the worker dies
--- in counts too. The row lock waits for a relay whose transaction holds the
--- row, still enqueueing (lock_timeout bounds it).
-WITH old AS (
-    SELECT id, status, lease_until FROM todos WHERE id = %(id)s FOR UPDATE
-), started AS (
-    UPDATE todos t SET status = 'running', attempts = t.attempts + 1, rescues = 0,
-                       lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
-    FROM old
-    WHERE t.id = old.id
-      AND (old.status IN ('pending', 'dispatched')
-           OR (old.status = 'running' AND old.lease_until < now() AND t.attempts < %(max_attempts)s))
+-- one without is the rescuer's to fail); otherwise its message is skipped (a
+-- redelivery, a rescued copy, a finished or cancelled todo). The attempt is
+-- counted here, before the handler runs, so a run the worker dies in counts
+-- too. Each lease ends at clock_timestamp(), not now(): a lease is its run's
+-- token and must never repeat, even for two todos started by one statement.
+--
+-- An end (done, failed on its last attempt, or dispatched again for
+-- dramatiq's retry after its backoff) applies only if its run still holds
+-- the todo: running, on the lease its start set (a token that never
+-- repeats, where attempts would, after an operator's retry resets them). A
+-- cancelled todo, or one rescued or retried and started again meanwhile,
+-- keeps its state and the late result is discarded.
+--
+-- Every id of a batch is distinct, ends and starts together (the writer
+-- defers a second change of a todo to its next batch): one statement
+-- updates each row once. Rows are locked in id
+-- order (the Sort is below the row locks), so two writers never deadlock on
+-- each other. A start does not wait for a row another transaction holds
+-- (SKIP LOCKED; answered 'busy'): that is nearly always the relay, whose
+-- message overtook its commit, and waiting would hold up every other change
+-- of the batch, and every batch behind it, for the relay's commit. The
+-- writer asks again shortly, and in the end with ``wait`` (locked like the
+-- ends, bounded by lock_timeout). The answer has a row per start, and one
+-- per end that held its todo.
+WITH e AS (
+    SELECT * FROM unnest(%(end_ids)b::int8[], %(leases)b::timestamptz[], %(to_status)b::text[],
+                         %(errors)b::text[], %(details)b::text[])
+        AS e(id, lease_until, to_status, error, detail)
+), s AS (
+    SELECT * FROM unnest(%(start_ids)b::int8[], %(lease_s)b::float8[], %(max_attempts)b::int4[],
+                         %(waits)b::bool[])
+        AS s(id, lease_s, max_attempts, wait)
+), held AS (
+    SELECT t.id, t.status, t.lease_until, t.attempts FROM todos t
+    WHERE t.id IN (SELECT id FROM e UNION ALL SELECT id FROM s WHERE wait)
+    ORDER BY t.id
+    FOR UPDATE
+), free AS (
+    SELECT t.id, t.status, t.lease_until, t.attempts FROM todos t
+    WHERE t.id IN (SELECT id FROM s WHERE NOT wait)
+    ORDER BY t.id
+    FOR UPDATE SKIP LOCKED
+), locked AS (
+    SELECT * FROM held UNION ALL SELECT * FROM free
+), changed AS (
+    UPDATE todos t
+    SET status = coalesce(e.to_status, 'running'),
+        attempts = t.attempts + CASE WHEN s.id IS NULL THEN 0 ELSE 1 END,
+        rescues = CASE WHEN s.id IS NULL THEN t.rescues ELSE 0 END,
+        lease_until = CASE WHEN s.id IS NULL THEN NULL
+                           ELSE clock_timestamp() + make_interval(secs => s.lease_s) END,
+        last_error = coalesce(e.error, t.last_error),
+        dispatched_at = CASE WHEN e.to_status = 'dispatched' THEN now() ELSE t.dispatched_at END,
+        updated_at = now()
+    FROM locked l LEFT JOIN e ON e.id = l.id LEFT JOIN s ON s.id = l.id
+    WHERE t.id = l.id
+      AND ((e.id IS NOT NULL AND l.status = 'running' AND l.lease_until = e.lease_until)
+           OR (s.id IS NOT NULL
+               AND (l.status IN ('pending', 'dispatched')
+                    OR (l.status = 'running' AND l.lease_until < now() AND l.attempts < s.max_attempts))))
     RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.lease_until,
-              old.status AS from_status
+              l.status AS from_status, t.status AS to_status,
+              CASE WHEN s.id IS NULL THEN e.detail ELSE %(start_detail)s END AS detail
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
-    SELECT id, from_status, 'running', %(detail)s FROM started
+    SELECT id, from_status, to_status, detail FROM changed ORDER BY id
 )
-SELECT s.id, s.queue, s.payload::text, s.idempotency_key, s.attempts, s.lease_until, s.from_status,
-       (SELECT status FROM old) AS found
-FROM (SELECT 1) AS one LEFT JOIN started s ON true
-
-
--- name: end_run
--- A run's outcome: done, failed (its last attempt), or dispatched again
--- (dramatiq retries it after its backoff). Only the run that holds the todo
--- may end it: still running, on the lease its start set (each start sets a
--- new one: a run token that never repeats, where attempts would, after an
--- operator's retry resets them). A cancelled todo, or one rescued or retried
--- and started again meanwhile, keeps its state and the late result is
--- discarded.
-WITH ended AS (
-    UPDATE todos SET status = %(to_status)s, lease_until = NULL, updated_at = now(),
-                     last_error = COALESCE(%(error)s, last_error),
-                     dispatched_at = CASE WHEN %(to_status)s = 'dispatched' THEN now() ELSE dispatched_at END
-    WHERE id = %(id)s AND status = 'running' AND lease_until = %(lease_until)s
-    RETURNING id
-), logged AS (
-    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
-    SELECT id, 'running', %(to_status)s, %(detail)s FROM ended
-)
-SELECT count(*) FROM ended
+SELECT s.id, c.queue, c.payload::text, c.idempotency_key, c.attempts, c.lease_until,
+       CASE WHEN l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id = s.id) THEN 'busy'
+            ELSE l.status END AS found
+FROM s LEFT JOIN locked l ON l.id = s.id LEFT JOIN changed c ON c.id = s.id
+UNION ALL
+SELECT e.id, NULL, NULL, NULL, NULL, NULL, 'ended' FROM e JOIN changed c ON c.id = e.id
 
 
 -- name: rescue_todos
@@ -535,8 +570,34 @@ SELECT id FROM retried
 -- one that did: its snapshot is taken after that statement's row-lock waits,
 -- so it sees the waiting row of a store that held one of these todos locked
 -- (store_ack_queue_cte). A CTE of that statement would not.
+--
+-- Only todos that are terminal in this snapshot release anything, so a
+-- caller may name every todo whose end it asked for, held or not.
 WITH released AS (
-    UPDATE ack_queue SET waiting_for = NULL WHERE waiting_for = ANY(%(ids)b::int8[])
-    RETURNING adapter
+    UPDATE ack_queue q SET waiting_for = NULL
+    FROM todos t
+    WHERE q.waiting_for = ANY(%(ids)b::int8[]) AND t.id = q.waiting_for
+      AND t.status IN ('done', 'failed', 'cancelled')
+    RETURNING q.adapter
 )
 SELECT count(pg_notify(%(channel)s, a.adapter)) FROM (SELECT DISTINCT adapter FROM released) AS a
+
+
+-- name: release_orphaned_acks
+-- The rescuer's safety net under release_acks: acks still waiting for a
+-- todo that has ended (a worker whose config said no adapter of its queue
+-- acks on complete, while the ingester's said one does). Through
+-- ix_ack_queue_waiting: a walk of the waiting acks only.
+WITH orphaned AS (
+    SELECT q.inbox_id FROM ack_queue q JOIN todos t ON t.id = q.waiting_for
+    WHERE q.waiting_for IS NOT NULL AND t.status IN ('done', 'failed', 'cancelled')
+    ORDER BY q.inbox_id
+    LIMIT %(limit)s
+    FOR UPDATE OF q SKIP LOCKED
+), released AS (
+    UPDATE ack_queue q SET waiting_for = NULL FROM orphaned o WHERE q.inbox_id = o.inbox_id
+    RETURNING q.adapter
+), notified AS (
+    SELECT pg_notify(%(channel)s, a.adapter) FROM (SELECT DISTINCT adapter FROM released) AS a
+)
+SELECT (SELECT count(*) FROM released), (SELECT count(*) FROM notified)

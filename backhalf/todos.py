@@ -13,6 +13,7 @@ transaction) belong here too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -123,6 +124,10 @@ async def rescue(
 
 
 TERMINAL = frozenset({"done", "failed", "cancelled"})
+# write_states' answers beside a todo's status: an end that held its todo;
+# a start whose row another transaction holds (it did not wait).
+ENDED = "ended"
+BUSY = "busy"
 
 
 async def release_acks(cur: psycopg.AsyncCursor[Any], ids: Sequence[int]) -> None:
@@ -133,38 +138,96 @@ async def release_acks(cur: psycopg.AsyncCursor[Any], ids: Sequence[int]) -> Non
         await cur.execute(queries.RELEASE_ACKS, {"ids": list(ids), "channel": queries.ACK_CHANNEL})
 
 
-def release_acks_sync(cur: psycopg.Cursor[Any], ids: Sequence[int]) -> None:
-    """:func:`release_acks` for the workers' synchronous connections."""
-    if ids:
-        cur.execute(queries.RELEASE_ACKS, {"ids": list(ids), "channel": queries.ACK_CHANNEL})
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """One run's end, as :func:`write_states` takes it."""
+
+    run: Started
+    to_status: str  # done, failed, or dispatched (for a retry)
+    error: str | None
+    detail: str
 
 
-def start(cur: psycopg.Cursor[Any], todo_id: int, lease_s: float, max_attempts: int) -> Started:
-    """A worker's claim of its todo (sync: dramatiq's worker threads)."""
-    params = {"id": todo_id, "lease_s": lease_s, "max_attempts": max_attempts, "detail": STARTED}
-    cur.execute(queries.START_TODO, params)
-    row = cur.fetchone()
-    assert row is not None  # the statement returns one row whatever it finds
-    tid, queue, payload, key, attempts, lease_until, _from, found = row
-    if tid is None:
-        return Started(None, found)
-    todo = Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts))
-    return Started(todo, found, lease_until)
+async def release_orphaned_acks(cur: psycopg.AsyncCursor[Any], limit: int) -> int:
+    """Acks still waiting for a todo that ended (``release_orphaned_acks``):
+    owed now; how many."""
+    await cur.execute(queries.RELEASE_ORPHANED_ACKS, {"limit": limit, "channel": queries.ACK_CHANNEL})
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+def write_states(
+    pg: psycopg.Connection[Any],
+    endings: Sequence[Ending],
+    starts: Sequence[tuple[int, float, int]],
+    *,
+    release: bool = True,
+    waits: Sequence[bool] | None = None,
+) -> tuple[set[int], list[Started]]:
+    """Workers' state changes, committed on return: runs ended and todos
+    started, (id, lease seconds, max_attempts), every id distinct, in one
+    statement (``write_states``; a start whose row another transaction
+    holds is answered ``found = "busy"`` unless its ``waits`` entry is true;
+    all wait when ``waits`` is None); then, if ``release`` and a run ended, the
+    broker acks waiting for the todos that ended (``release_acks``: a
+    statement of its own after it, in the same transaction). Without a
+    release the statement is the whole transaction: one round trip, on a
+    connection in autocommit mode (the state writer's) or not.
+
+    Returns the todos whose run still held them when it ended (the others
+    were cancelled, or rescued or retried and started again: their results
+    are discarded), and one answer per start, in order."""
+    ids = [e.run.todo.id for e in endings if e.run.todo is not None]
+    assert len(ids) == len(endings), "only a started run can end"
+    terminal = [i for i, e in zip(ids, endings, strict=True) if e.to_status in TERMINAL]
+    params = {
+        "end_ids": ids,
+        "leases": [e.run.lease_until for e in endings],
+        "to_status": [e.to_status for e in endings],
+        "errors": [e.error for e in endings],
+        "details": [e.detail for e in endings],
+        "start_ids": [i for i, _, _ in starts],
+        "lease_s": [float(s) for _, s, _ in starts],
+        "max_attempts": [m for _, _, m in starts],
+        "waits": list(waits) if waits is not None else [True] * len(starts),
+        "start_detail": STARTED,
+    }
+    releasing = release and bool(terminal)
+    # One statement alone on an autocommit connection commits by itself; a
+    # BEGIN and a COMMIT would be two more round trips.
+    block = pg.transaction() if releasing or not pg.autocommit else contextlib.nullcontext()
+    with block, pg.cursor() as cur:
+        cur.execute(queries.WRITE_STATES, params)
+        rows = cur.fetchall()
+        if releasing:
+            cur.execute(queries.RELEASE_ACKS, {"ids": terminal, "channel": queries.ACK_CHANNEL})
+    held: set[int] = set()
+    answers: dict[int, Started] = {}
+    for tid, queue, payload, key, attempts, lease_until, found in rows:
+        if found == ENDED:
+            held.add(int(tid))
+        elif queue is None:
+            answers[int(tid)] = Started(None, found)
+        else:
+            todo = Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts))
+            answers[int(tid)] = Started(todo, found, lease_until)
+    return held, [answers[i] for i, _, _ in starts]
+
+
+def start(pg: psycopg.Connection[Any], todo_id: int, lease_s: float, max_attempts: int) -> Started:
+    """One worker's claim of its todo, committed (:func:`write_states` of one)."""
+    _, (started,) = write_states(pg, [], [(todo_id, lease_s, max_attempts)])
+    return started
 
 
 def end_run(
-    cur: psycopg.Cursor[Any], run: Started, to_status: str, *, error: str | None, detail: str
+    pg: psycopg.Connection[Any], run: Started, to_status: str, *, error: str | None, detail: str
 ) -> bool:
-    """End a run (done, failed, or dispatched for a retry); False if it no
-    longer holds its todo (cancelled, or rescued or retried and started again)."""
+    """End one run, committed (:func:`write_states` of one); False if it no
+    longer holds its todo."""
     assert run.todo is not None
-    params = {"id": run.todo.id, "lease_until": run.lease_until, "to_status": to_status}
-    cur.execute(queries.END_RUN, {**params, "error": error, "detail": detail})
-    row = cur.fetchone()
-    held = bool(row and row[0])
-    if held and to_status in TERMINAL:
-        release_acks_sync(cur, [run.todo.id])
-    return held
+    held, _ = write_states(pg, [Ending(run, to_status, error, detail)], [])
+    return run.todo.id in held
 
 
 async def cancel(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:

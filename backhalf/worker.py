@@ -18,43 +18,40 @@ wake-up call (it carries the todo's id). A run:
 
 Handlers run at least once: a worker killed mid-run leaves the todo running
 until its lease expires, then the rescuer dispatches it again.
+
+Starts and ends are written by the process's :class:`StateWriter` (one
+group commit for every thread's changes), each committed before the run
+goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-import psycopg
 import structlog
 from dramatiq.middleware import TimeLimitExceeded
-from sqlalchemy import Engine
 
 from backhalf import todos
-from backhalf.db import wrap_driver_errors
-from backhalf.errors import StoreError
 from backhalf.queues import QueueConfig
+from backhalf.state_writer import StateWriter
 
 log = structlog.get_logger(__name__)
 
 # last_error and the todo_events detail keep this much of an error's text.
 MAX_ERROR_CHARS = 2000
-# A run's end recorded again after a database error, after these waits
-# (well inside any lease: the margin is at least 2 s).
-END_RUN_RETRY_DELAYS_S = (0.2, 0.5, 1.0)
 
 Handler = Callable[[todos.Todo], Any]
 
 
 class Runner:
-    """Runs the todos of the queues it was given, on ``engine`` (sync)."""
+    """Runs the todos of the queues it was given; their state changes go
+    through ``writer``."""
 
-    def __init__(self, engine: Engine, handlers: dict[str, tuple[QueueConfig, Handler]]) -> None:
-        self._engine = engine
+    def __init__(self, writer: StateWriter, handlers: dict[str, tuple[QueueConfig, Handler]]) -> None:
+        self._writer = writer
         self._handlers = handlers
 
     def run(self, queue_name: str, todo_id: int) -> None:
@@ -64,8 +61,7 @@ class Runner:
         todo's lease decides whether that delivery runs)."""
         queue, handler = self._handlers[queue_name]
         bound = log.bind(todo_id=todo_id, queue=queue_name)
-        with self._transaction(f"todo {todo_id}: starting it") as cur:
-            started = todos.start(cur, todo_id, queue.lease_ms / 1000, queue.max_attempts)
+        started = self._writer.start(todo_id, queue.lease_ms / 1000, queue.max_attempts)
         todo = started.todo
         if todo is None:
             bound.info("todo_skipped", status=started.found)
@@ -80,9 +76,10 @@ class Runner:
             if todo.attempt < queue.max_attempts:
                 raise  # dramatiq's Retries runs it again after its backoff
             return
-        held = self._end(started, "done", error=None, detail="done")
-        if held:
-            bound.info("todo_done")
+        if self._writer.end(todos.Ending(started, "done", None, "done")):
+            # Debug: a line per success would cost each todo a write to the
+            # log; todo_events has the record of every one.
+            bound.debug("todo_done")
         else:
             bound.warning("todo_result_discarded", reason="cancelled or rescued while it ran")
 
@@ -95,7 +92,7 @@ class Runner:
         detail = f"attempt {todo.attempt} of {queue.max_attempts} failed" + (
             "" if final else "; retried after backoff"
         )
-        held = self._end(started, to_status, error=error, detail=detail)
+        held = self._writer.end(todos.Ending(started, to_status, error, detail))
         if not held:
             bound.warning("todo_result_discarded", reason="cancelled or rescued while it ran", error=error)
         elif final:
@@ -104,31 +101,7 @@ class Runner:
             bound.warning("todo_attempt_failed", error=error, max_attempts=queue.max_attempts)
 
     def close(self) -> None:
-        self._engine.dispose()
-
-    def _end(self, started: todos.Started, to_status: str, *, error: str | None, detail: str) -> bool:
-        """``end_run``, tried again on a database error while the lease
-        lasts (it is safe to repeat: the lease guards it), so a blip after a
-        handler finished neither runs it again nor leaves it for the rescuer."""
-        assert started.todo is not None
-        what = f"todo {started.todo.id}: recording its run ({to_status})"
-        for delay_s in END_RUN_RETRY_DELAYS_S:
-            try:
-                with self._transaction(what) as cur:
-                    return todos.end_run(cur, started, to_status, error=error, detail=detail)
-            except StoreError as exc:
-                log.warning("todo_end_retried", todo_id=started.todo.id, error=str(exc), retry_in_s=delay_s)
-                time.sleep(delay_s)
-        with self._transaction(what) as cur:  # the last try: its failure goes to dramatiq
-            return todos.end_run(cur, started, to_status, error=error, detail=detail)
-
-    @contextmanager
-    def _transaction(self, what: str) -> Iterator[psycopg.Cursor[Any]]:
-        with wrap_driver_errors(StoreError, what), self._engine.begin() as conn:
-            pg = conn.connection.driver_connection
-            assert isinstance(pg, psycopg.Connection)
-            with pg.cursor() as cur:
-                yield cur
+        self._writer.close()
 
 
 def _call(handler: Handler, todo: todos.Todo, time_limit_s: float) -> None:

@@ -251,6 +251,9 @@ def _database_url(where: str, value: Any) -> str:
     return normalize_url(url)
 
 
+DEFAULT_IDLE_POLL_MS = 50
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdapterConfig:
     """One ``[[adapters]]`` table. The attributes are declared in the order
@@ -401,6 +404,10 @@ class Settings:
     metrics_port: int = 0
     # dramatiq's broker: [dramatiq] url, else the default broker (redis_url).
     dramatiq_url: str = DEFAULT_REDIS_URL
+    # [dramatiq] idle_poll_ms: the longest a worker's consumer sleeps between
+    # fetches from an empty queue (dramatiq's worker_timeout, 1000 ms by
+    # default, which adds up to a second to a todo arriving at a quiet queue).
+    dramatiq_idle_poll_ms: int = DEFAULT_IDLE_POLL_MS
     # Keys the design card defines that nothing acts on yet, one line each:
     # ``ingest`` and ``ack`` log them at start (see :func:`_not_used_yet`).
     not_used_yet: tuple[str, ...] = ()
@@ -660,7 +667,12 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     _check_keys("[acker]", acker_raw, set(acker_types))
     queues = {name: _queue(name, q) for name, q in _section(raw, "queues").items()}
     dramatiq_section = _section(raw, "dramatiq")
-    _check_keys("[dramatiq]", dramatiq_section, {"url"})
+    _check_keys("[dramatiq]", dramatiq_section, {"url", "idle_poll_ms"})
+    idle_poll_ms = (
+        _positive_int("[dramatiq]: key 'idle_poll_ms'", dramatiq_section["idle_poll_ms"])
+        if "idle_poll_ms" in dramatiq_section
+        else DEFAULT_IDLE_POLL_MS
+    )
     dramatiq_url = (
         check_redis_url("[dramatiq]: key 'url'", dramatiq_section["url"])
         if "url" in dramatiq_section
@@ -682,6 +694,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         ),
         queues=queues,
         dramatiq_url=dramatiq_url,
+        dramatiq_idle_poll_ms=idle_poll_ms,
         metrics_port=port,
         redis_url=default_redis,
     )

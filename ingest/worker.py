@@ -29,6 +29,7 @@ from dramatiq.brokers.redis import RedisBroker
 from backhalf.db import create_sync_engine
 from backhalf.errors import StoreError
 from backhalf.queues import QueueConfig
+from backhalf.state_writer import StateWriter
 from backhalf.worker import Handler, Runner
 from ingest.config import Settings, load
 from ingest.errors import ConfigError
@@ -104,8 +105,15 @@ class SwitchboardMiddleware(dramatiq.Middleware):
     def _runner_for(self) -> Runner:
         with self._runner_lock:
             if self._runner is None:
-                engine = create_sync_engine(self._settings.database, pool_size=self._threads)
-                self._runner = Runner(engine, self._handlers)
+                # One connection: the process's state writer's (backhalf.state_writer).
+                engine = create_sync_engine(self._settings.database, pool_size=1)
+                writer = StateWriter(
+                    engine,
+                    deadline_ms=self._settings.database.transaction_deadline_ms,
+                    threads=self._threads,
+                    releases=any(a.ack_after == "complete" for a in self._settings.adapters),
+                )
+                self._runner = Runner(writer, self._handlers)
             return self._runner
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
@@ -160,8 +168,10 @@ def exec_workers(
         resolve_handler(queue)  # a handler that cannot be imported stops us here, exit 2
     chosen = queues or sorted(settings.queues)
     broker_queues = sorted({settings.queues[q].broker_queue for q in chosen})
+    # dramatiq reads its idle poll bound (worker_timeout) from its environment only.
     env: Mapping[str, str] = {**os.environ, CONFIG_VARIABLE: str(config_path.resolve()),
-                              "SWITCHBOARD_WORKER_THREADS": str(threads)}  # fmt: skip
+                              "SWITCHBOARD_WORKER_THREADS": str(threads),
+                              "dramatiq_worker_timeout": str(settings.dramatiq_idle_poll_ms)}  # fmt: skip
     argv = [sys.executable, "-m", "dramatiq", "ingest.worker_app", "--processes", str(processes),
             "--threads", str(threads), "--queues", *broker_queues]  # fmt: skip
     log.info("workers_starting", processes=processes, threads=threads, queues=broker_queues)

@@ -15,7 +15,10 @@ all measured in one run on the same machine, so noise cancels in the ratios.
 5. downstream (issue 12): a bare dramatiq drain of a no-op actor (its own
    CLI, the same processes and threads), beside Switchboard end to end
    (pre-loaded stream -> todos -> dispatched -> the same no-op as a handler
-   -> done, every entry XACKed) with ``switchboard worker``.
+   -> done, every entry XACKed) with ``switchboard worker``, each with its
+   CPU per message by process; then XADD -> todo done at the offered rates
+   of ``--done-rates``, with where the time goes step by step.
+   ``--downstream`` runs this part alone.
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -29,6 +32,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import redis
@@ -39,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from backhalf import migrate  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
 from ingest.embedded import config  # noqa: E402
-from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready  # noqa: E402
+from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
 from ingest.embedded.servers import PostgresServer, embedded_servers  # noqa: E402
 
 STREAM = "bench"
@@ -341,13 +345,18 @@ def bench_latency(
 # --- 5. downstream ------------------------------------------------------------------------
 
 WORKER_PROCESSES, WORKER_THREADS = 2, 8
+# The latency to done is measured for this long at each offered rate
+# (``--done-rates``; issue 12's target: p99 at most 100 ms at 500 msg/s).
+DONE_SECONDS = 6.0
 
 
 def dramatiq_url(redis_url: str) -> str:
     return redis_url.rsplit("/", 1)[0] + "/1" if redis_url.count("/") > 2 else redis_url + "/1"
 
 
-def bench_bare_dramatiq(workdir: Path, redis_url: str, n: int) -> float:
+def bench_bare_dramatiq(
+    workdir: Path, redis_url: str, n: int, servers: dict[str, int]
+) -> tuple[float, dict[str, float]]:
     """dramatiq alone: n no-op messages pre-loaded, drained by its CLI."""
     import subprocess
 
@@ -383,16 +392,35 @@ def bench_bare_dramatiq(workdir: Path, redis_url: str, n: int) -> float:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    pids = {"dramatiq": proc.pid, "redis": servers["redis"]}
+    cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     try:
         wait_for(lambda: client.hlen("dramatiq:bare.msgs") == 0, timeout_s=600, what="the bare drain",
                  interval_s=POLL_S)  # fmt: skip
         elapsed = time.perf_counter() - started
+        cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
         loader.close()
-    return n / elapsed
+    return n / elapsed, cpu_us
+
+
+# Todos not finished yet, through the partial indexes of the active states
+# only: a count of the done ones would scan a growing table ten times a
+# second and bill it to the run being measured.
+ACTIVE_TODOS = (
+    "SELECT (SELECT count(*) FROM todos WHERE status = 'pending')"
+    " + (SELECT count(*) FROM todos WHERE status = 'dispatched')"
+    " + (SELECT count(*) FROM todos WHERE status = 'running')"
+)
+
+
+def todos_active(url: str) -> int:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        row = conn.execute(ACTIVE_TODOS).fetchone()
+        return int(row[0]) if row else 0
 
 
 def todos_done(url: str) -> int:
@@ -401,18 +429,13 @@ def todos_done(url: str) -> int:
         return int(row[0]) if row else 0
 
 
-def bench_end_to_end(
-    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, batch_size: int
-) -> float:
-    """Switchboard end to end: entries to todos done by the no-op handler.
-    The clock starts with the workers (as the bare drain's does) and the
-    adapter enabled, and stops when every todo is done and every entry acked."""
-    preload(r, n)
+def e2e_config(workdir: Path, url: str, redis_url: str, batch_size: int, run: str) -> Path:
+    """The pipeline with workers: the no-op handler on queue ``bench``."""
     redis.Redis.from_url(dramatiq_url(redis_url), socket_timeout=10).flushdb()
     adapter = {"name": "bench", "mode": "stream", "source": STREAM, "group": GROUP, "queue": "bench",
                "batch_size": batch_size, "block_ms": 100, "url": redis_url}  # fmt: skip
-    config_path = config.write_config(
-        workdir / "e2e.toml",
+    return config.write_config(
+        workdir / f"{run}.toml",
         database_url=url,
         adapters=[adapter],
         ingest={"enabled_refresh_ms": 50, **INGEST_OVERRIDES},
@@ -420,21 +443,138 @@ def bench_end_to_end(
         queues={"bench": {"handler": "scripts.bench_actors:noop_handler"}},
         dramatiq_url=dramatiq_url(redis_url),
     )
+
+
+def bench_done_latency(
+    workdir: Path, url: str, r: redis.Redis, redis_url: str, rate: int, seconds: float, batch_size: int
+) -> list[float]:
+    """XADD -> todo done (its last commit), in ms, at ``rate`` msg/s offered
+    to the whole deployment: ingester, acker (relay) and workers running."""
+    r.delete(STREAM)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    set_enabled(url, True)
+    run = f"done-latency-{rate}"  # logs of their own: wait_ready looks for a line in them
+    config_path = e2e_config(workdir, url, redis_url, batch_size, run)
+    procs = [
+        start("ack", config_path, workdir / f"{run}-acker.log"),
+        start("ingest", config_path, workdir / f"{run}-ingester.log"),
+        SwitchboardProcess("worker", config_path, workdir / f"{run}-worker.log", cwd=ROOT),
+    ]
+    sent = 0
+    try:
+        for proc in procs:
+            wait_ready(proc)
+        started = time.perf_counter()
+        tick_s = 0.005  # send in 5 ms slices at the offered rate
+        while (now := time.perf_counter() - started) < seconds:
+            due = int(now * rate) - sent
+            if due > 0:
+                pipe = r.pipeline(transaction=False)
+                for _ in range(due):
+                    pipe.xadd(STREAM, {"body": json.dumps({"t": time.time(), "i": sent})})
+                    sent += 1
+                pipe.execute()
+            time.sleep(tick_s)
+        try:
+            wait_for(lambda: stream_drained(r) and todos_active(url) == 0, timeout_s=120,
+                     what=f"the latency run at {rate}/s done", interval_s=POLL_S)  # fmt: skip
+        except WaitTimedOut:
+            with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+                counts = conn.execute("SELECT status, count(*) FROM todos GROUP BY status").fetchall()
+            print(f"bench: the latency run at {rate}/s did not finish: todos {counts}, logs in {workdir}")
+            raise
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        rows = conn.execute(
+            """SELECT extract(epoch FROM pg_xact_commit_timestamp(t.xmin)) - (t.payload->>'t')::float8
+               FROM todos t WHERE t.status = 'done'"""
+        ).fetchall()
+        # Where the time goes: each step's p50 and p99, from todo_events
+        # (created_at is its transaction's start).
+        stages = conn.execute(STAGES).fetchone()
+    if len(rows) != sent:
+        raise SystemExit(f"bench: the latency run finished {len(rows)} of {sent} todos")
+    assert stages is not None
+    print("    steps, p50/p99 ms: " + ", ".join(
+        f"{name} {p50 * 1000:.0f}/{p99 * 1000:.0f}"
+        for name, (p50, p99) in zip(STAGE_NAMES, stages, strict=True)
+    ))  # fmt: skip
+    return [float(a) * 1000 for (a,) in rows]
+
+
+STAGE_NAMES = ("XADD->pending", "pending->dispatched", "dispatched->running", "running->done")
+STAGES = """
+WITH x AS (
+    SELECT (t.payload->>'t')::float8 AS sent,
+           extract(epoch FROM min(e.created_at) FILTER (WHERE e.to_status = 'pending')) AS p,
+           extract(epoch FROM min(e.created_at) FILTER (WHERE e.to_status = 'dispatched')) AS d,
+           extract(epoch FROM max(e.created_at) FILTER (WHERE e.to_status = 'running')) AS r,
+           extract(epoch FROM max(e.created_at) FILTER (WHERE e.to_status = 'done')) AS f
+    FROM todos t JOIN todo_events e ON e.todo_id = t.id GROUP BY t.id
+)
+SELECT percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY p - sent),
+       percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY d - p),
+       percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY r - d),
+       percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY f - r)
+FROM x
+"""
+
+
+def bench_end_to_end(
+    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, batch_size: int, servers: dict[str, int]
+) -> tuple[float, dict[str, float]]:
+    """Switchboard end to end: entries to todos done by the no-op handler.
+    The clock starts with the workers (as the bare drain's does) and the
+    adapter enabled, and stops when every todo is done and every entry acked."""
+    preload(r, n)
+    config_path = e2e_config(workdir, url, redis_url, batch_size, "e2e")
     acker = start("ack", config_path, workdir / "e2e-acker.log")
     ingester = start("ingest", config_path, workdir / "e2e-ingester.log")
     wait_ready(acker)
     wait_ready(ingester)
     started = time.perf_counter()
     worker = SwitchboardProcess("worker", config_path, workdir / "e2e-worker.log", cwd=ROOT)
+    pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, **servers}
+    cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     try:
         set_enabled(url, True)
-        wait_for(lambda: todos_done(url) == n and stream_drained(r), timeout_s=900, what="every todo done",
+        # Drained: all n stored (and acked); none active: all finished.
+        wait_for(lambda: stream_drained(r) and todos_active(url) == 0, timeout_s=900, what="every todo done",
                  interval_s=0.1)  # fmt: skip
         elapsed = time.perf_counter() - started
+        cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
     finally:
         for proc in (worker, ingester, acker):
             proc.terminate()
-    return n / elapsed
+    done = todos_done(url)
+    if done != n:
+        raise SystemExit(f"bench: end to end finished with {done} of {n} todos done")
+    return n / elapsed, cpu_us
+
+
+def print_downstream(base: Path, pg: Any, rs: Any, n: int, batch_size: int, rates: list[int]) -> None:
+    servers = {"postgres": pg.pid, "redis": rs.pid}
+    r = redis.Redis.from_url(rs.url)
+    bare, bare_cpu = bench_bare_dramatiq(base, rs.url, n, servers)
+    print(f"  bare dramatiq no-op drain       {bare:>10,.0f} msg/s  ({n} messages,"
+          f" {WORKER_PROCESSES} processes x {WORKER_THREADS} threads)")  # fmt: skip
+    print("    CPU per message               " + ", ".join(f"{k} {v:.0f} us" for k, v in bare_cpu.items()))
+    e2e, e2e_cpu = bench_end_to_end(base, fresh_db(pg, "e2e"), r, rs.url, n, batch_size, servers)
+    pg.drop_database("e2e")
+    print(f"  switchboard end to end (done)   {e2e:>10,.0f} msg/s")
+    print("    CPU per message               " + ", ".join(f"{k} {v:.0f} us" for k, v in e2e_cpu.items()))
+    print(f"  ratio to bare dramatiq          {e2e / bare:>10.2f}x")
+    for rate in rates:
+        values = bench_done_latency(
+            base, fresh_db(pg, "done_latency"), r, rs.url, rate, DONE_SECONDS, batch_size
+        )
+        pg.drop_database("done_latency")
+        print(
+            f"  XADD -> todo done at {rate}/s     p50 {percentile(values, 50):6.1f} ms  "
+            f"p99 {percentile(values, 99):6.1f} ms  max {max(values):6.1f} ms  (n={len(values)})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,6 +592,18 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="N",
         help="instead: drain a backlog of 10,000 and one of N, compare msg/s, and sample RSS over N",
+    )
+    parser.add_argument(
+        "--downstream",
+        action="store_true",
+        help="only the downstream figures: a bare dramatiq drain beside Switchboard end to end",
+    )
+    parser.add_argument(
+        "--done-rates",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[500],
+        metavar="R,R",
+        help="offered rates (msg/s) at which XADD -> todo done is measured (default: 500)",
     )
     args = parser.parse_args(argv)
     if args.commits_in_flight:
@@ -491,6 +643,11 @@ def main(argv: list[str] | None = None) -> int:
                         f" max {top:.0f} MB ({(top / first - 1) * 100:+.1f}%)"
                     )
                 return 0
+            if args.downstream:
+                down_n = args.messages or 5000
+                print(f"bench: {os.cpu_count()} CPUs, downstream only, {down_n} messages")
+                print_downstream(base, pg, rs, down_n, args.batch_size, args.done_rates)
+                return 0
             print(f"bench: {os.cpu_count()} CPUs, {n} messages (naive: {naive_n}), batch {args.batch_size}")
             raw = bench_raw(fresh_db(pg, "raw"), n)
             # Each baseline's database goes once measured: left behind, its
@@ -524,14 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {name:<24} at {args.rate}/s  p50 {percentile(values, 50):6.1f} ms  "
                     f"p99 {percentile(values, 99):6.1f} ms  max {max(values):6.1f} ms  (n={len(values)})"
                 )
-            down_n = max(2000, n // 5)
-            bare = bench_bare_dramatiq(base, rs.url, down_n)
-            print(f"  bare dramatiq no-op drain       {bare:>10,.0f} msg/s  ({down_n} messages,"
-                  f" {WORKER_PROCESSES} processes x {WORKER_THREADS} threads)")  # fmt: skip
-            e2e = bench_end_to_end(base, fresh_db(pg, "e2e"), r, rs.url, down_n, args.batch_size)
-            pg.drop_database("e2e")
-            print(f"  switchboard end to end (done)   {e2e:>10,.0f} msg/s")
-            print(f"  ratio to bare dramatiq          {e2e / bare:>10.2f}x")
+            print_downstream(base, pg, rs, max(2000, n // 5), args.batch_size, args.done_rates)
         finally:
             if args.keep_logs:
                 print(f"bench: logs kept in {base}")

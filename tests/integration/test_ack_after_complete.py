@@ -60,10 +60,10 @@ async def claim(engine: AsyncEngine, adapter: str = "orders") -> list[int]:
 
 def run_to(db_url: str, todo_id: int, to_status: str) -> None:
     """A worker's run of the todo, from start to ``to_status``."""
-    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
-        run = todos.start(cur, todo_id, 60, 5)
-    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
-        assert todos.end_run(cur, run, to_status, error=None, detail=to_status)
+    with psycopg.connect(libpq(db_url)) as conn:
+        run = todos.start(conn, todo_id, 60, 5)
+    with psycopg.connect(libpq(db_url)) as conn:
+        assert todos.end_run(conn, run, to_status, error=None, detail=to_status)
 
 
 async def test_the_ack_waits_for_the_todo_and_is_owed_once_it_is_done(
@@ -89,8 +89,8 @@ async def test_cancel_and_the_rescuers_failure_release_the_ack(engine: AsyncEngi
     (todo_1, todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
     async with engine.begin() as conn:
         assert await todos.cancel(conn, [todo_1], "cancelled by an operator") == [todo_1]
-    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
-        todos.start(cur, todo_2, 60, 1)
+    with psycopg.connect(libpq(db_url)) as conn:
+        todos.start(conn, todo_2, 60, 1)
     query(
         db_url, "UPDATE todos SET lease_until = now() - interval '1 second' WHERE id = %(t)s", {"t": todo_2}
     )
@@ -162,16 +162,16 @@ async def test_an_end_racing_a_store_deduped_to_its_todo_still_releases_it(
     async with engine.begin() as conn:
         await store(conn, list_batch("jobs:processing:c1"))
     todo_id = scalar(db_url, "SELECT id FROM todos")
-    with psycopg.connect(libpq(db_url)) as pg, pg.cursor() as cur:
-        run = todos.start(cur, todo_id, 60, 5)
+    with psycopg.connect(libpq(db_url)) as pg:
+        run = todos.start(pg, todo_id, 60, 5)
     conn = await engine.connect()
     tx = await conn.begin()
     await store(conn, list_batch("jobs:processing:c2"))  # uncommitted, holds the todo
     ended: list[bool] = []
 
     def end() -> None:
-        with psycopg.connect(libpq(db_url)) as pg, pg.cursor() as cur:
-            ended.append(todos.end_run(cur, run, "done", error=None, detail="done"))
+        with psycopg.connect(libpq(db_url)) as pg:
+            ended.append(todos.end_run(pg, run, "done", error=None, detail="done"))
 
     ender = threading.Thread(target=end)
     ender.start()
@@ -188,3 +188,23 @@ async def test_an_end_racing_a_store_deduped_to_its_todo_still_releases_it(
     assert ended == [True]
     assert scalar(db_url, "SELECT count(*) FROM ack_queue WHERE waiting_for IS NOT NULL") == 0
     assert len(await claim(engine, "jobs")) == 2
+
+
+async def test_the_rescuer_releases_acks_a_worker_left_waiting(engine: AsyncEngine, db_url: str) -> None:
+    """A worker whose config knew of no adapter acking on complete ended the
+    todo without releasing its ack (release=False): the rescuer's sweep
+    releases it, and leaves alone an ack whose todo still runs."""
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1), entry(2)))
+    (todo_1, _todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
+    with psycopg.connect(libpq(db_url)) as conn:
+        run = todos.start(conn, todo_1, 60, 5)
+        held, _ = todos.write_states(conn, [todos.Ending(run, "done", None, "done")], [], release=False)
+    assert held == {todo_1}
+    assert await claim(engine) == []
+    async with engine.begin() as conn:
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            assert await todos.release_orphaned_acks(cur, 100) == 1
+    (inbox_1,) = query(db_url, "SELECT id FROM inbox WHERE todo_id = %(t)s", {"t": todo_1})[0]
+    assert await claim(engine) == [inbox_1]

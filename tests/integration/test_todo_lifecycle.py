@@ -24,13 +24,13 @@ def todo_id(db_url: str) -> int:
 
 
 def start(db_url: str, todo_id: int, lease_s: float = 60, max_attempts: int = 5) -> todos.Started:
-    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
-        return todos.start(cur, todo_id, lease_s, max_attempts)
+    with psycopg.connect(libpq(db_url)) as conn:
+        return todos.start(conn, todo_id, lease_s, max_attempts)
 
 
 def end(db_url: str, run: todos.Started, to_status: str = "done") -> bool:
-    with psycopg.connect(libpq(db_url)) as conn, conn.cursor() as cur:
-        return todos.end_run(cur, run, to_status, error=None, detail=to_status)
+    with psycopg.connect(libpq(db_url)) as conn:
+        return todos.end_run(conn, run, to_status, error=None, detail=to_status)
 
 
 def test_a_live_lease_skips_a_second_start_and_an_expired_one_does_not(db_url: str, todo_id: int) -> None:

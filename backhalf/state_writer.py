@@ -1,0 +1,313 @@
+"""One writer per worker process for the todos' state changes: a group commit.
+
+Every run of a todo changes its state twice (started, then done, failed or
+dispatched for a retry), each durably, before the worker moves on. Done one
+transaction per change from each worker thread, that is two commits, two
+pool checkouts and their round trips per todo, several times dramatiq's own
+cost per message (docs/architecture.md, "The workers' group commit").
+
+Here each worker thread hands its change to the process's writer and waits
+for the answer; the writer takes every change queued meanwhile and writes
+them in one transaction on one connection: the ends (``end_runs``, then
+``release_acks``), then the starts (``start_todos``), one COMMIT. A change is
+answered only after that COMMIT: a start's run begins, and an end is
+reported, only once durable, exactly as with a transaction of its own. The
+batch is what queued while the last one committed, so a lone change waits
+for nothing and a busy process commits many at once.
+
+A batch that fails on the database (a connection lost, a deadlock broken,
+a failover) rolls back whole and is written again after a short wait; the
+statements are safe to repeat (the lease guards an end; a start that did not
+commit counted nothing). Once the retries are spent, each waiting thread gets
+:class:`StoreError`, which dramatiq retries. A transaction that gets no
+answer within the deadline is cancelled from the watchdog.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import psycopg
+import structlog
+from sqlalchemy import Engine, PoolProxiedConnection
+from sqlalchemy.exc import SQLAlchemyError
+
+from backhalf import todos
+from backhalf.errors import StoreError
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+# A batch written again after a database error, after these waits.
+RETRY_DELAYS_S = (0.2, 0.5, 1.0)
+# At most this many changes in one transaction.
+MAX_BATCH = 256
+# Under load, how long a batch waits for the other threads' changes.
+LINGER_MS = 2.0
+# A start whose row another transaction holds is asked for again after
+# these waits (the relay commits within milliseconds), then waited for.
+BUSY_RETRY_DELAYS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+# How often the writer looks up from an empty queue (to notice close()).
+IDLE_WAKE_S = 1.0
+
+
+@dataclass(slots=True)
+class _Start:
+    todo_id: int
+    lease_s: float
+    max_attempts: int
+    wait: bool  # for a row another transaction holds (else answered busy)
+    answer: Future[todos.Started] = field(default_factory=Future)
+
+
+@dataclass(slots=True)
+class _End:
+    ending: todos.Ending
+    answer: Future[bool] = field(default_factory=Future)
+
+
+class StateWriter:
+    """The todos' state changes of one worker process, group-committed on one
+    connection of ``engine`` (sync; its connect options bound every
+    statement and lock wait, its connect hook pins synchronous_commit)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        deadline_ms: int,
+        threads: int,
+        releases: bool = True,
+        linger_ms: float = LINGER_MS,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
+        self._engine = engine
+        self._threads = threads
+        # Whether an adapter feeding these queues acks on complete: only
+        # then does an end release acks, in a transaction of two statements
+        # (without, one statement in autocommit: one round trip).
+        self._releases = releases
+        self._linger_s = linger_ms / 1000
+        self._deadline_s = deadline_ms / 1000
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[_Start | _End] = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._conn: PoolProxiedConnection | None = None
+        # The running transaction's deadline (monotonic), for the watchdog.
+        self._busy_until: float | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="switchboard-state-writer", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="switchboard-state-watchdog", daemon=True)
+        self._thread.start()
+        self._watchdog.start()
+
+    # -- the worker threads' side ---------------------------------------------------------
+
+    def start(self, todo_id: int, lease_s: float, max_attempts: int) -> todos.Started:
+        """Start todo ``todo_id`` (``todos.start``), committed on return. A
+        row another transaction holds (the relay, whose message overtook its
+        commit) is asked for again after a short wait rather than waited
+        for inside a batch, and in the end waited for."""
+        for delay_s in (*BUSY_RETRY_DELAYS_S, None):
+            request = _Start(todo_id, lease_s, max_attempts, wait=delay_s is None)
+            self._submit(request)
+            started = self._await(request.answer, f"todo {todo_id}: starting it")
+            if started.found != todos.BUSY or delay_s is None:
+                return started
+            time.sleep(delay_s)
+        raise AssertionError("unreachable: the last try waits")
+
+    def end(self, ending: todos.Ending) -> bool:
+        """End a run (``todos.end_run``), committed on return; False if the
+        run no longer held its todo."""
+        request = _End(ending)
+        self._submit(request)
+        assert ending.run.todo is not None
+        return self._await(
+            request.answer, f"todo {ending.run.todo.id}: recording its run ({ending.to_status})"
+        )
+
+    def _submit(self, request: _Start | _End) -> None:
+        if self._closing.is_set():
+            raise StoreError("the worker is stopping: its state writer is closed")
+        self._queue.put(request)
+
+    def _await(self, answer: Future[T], what: str) -> T:
+        # Bounded: every try within the deadline, plus the waits between them.
+        bound_s = self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S) + IDLE_WAKE_S
+        try:
+            return answer.result(timeout=bound_s)
+        except TimeoutError as exc:
+            raise StoreError(f"{what}: no answer from the state writer within {bound_s:.0f} s") from exc
+
+    def close(self) -> None:
+        """Write what is queued, then stop; later changes are refused."""
+        self._closing.set()
+        self._thread.join(timeout=self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S) + 5)
+        if self._conn is not None and not self._thread.is_alive():
+            self._conn.close()
+        self._engine.dispose()
+
+    # -- the writer thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_batch = 0
+        while True:
+            try:
+                first = self._queue.get(timeout=IDLE_WAKE_S)
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
+            batch = [first]
+            # Under load (the last batch held several changes) wait a moment
+            # for the other threads' changes, up to one per thread: a batch
+            # of 8 costs little more than a batch of 1. A lone change, as at
+            # a low rate, waits for nothing.
+            linger_until = time.monotonic() + self._linger_s if last_batch > 1 else 0.0
+            while len(batch) < self._max_batch:
+                try:
+                    batch.append(self._queue.get_nowait())
+                    continue
+                except queue.Empty:
+                    pass
+                remaining = linger_until - time.monotonic()
+                if remaining <= 0 or len(batch) >= self._threads:
+                    break
+                try:
+                    batch.append(self._queue.get(timeout=remaining))
+                except queue.Empty:
+                    break
+            last_batch = len(batch)
+            try:
+                self._write(batch)
+            except Exception as exc:  # the writer must outlive a bug: every worker thread waits on it
+                log.exception("todo_states_crashed", changes=len(batch), error=f"{type(exc).__name__}: {exc}")
+                failure = StoreError(f"the state writer failed on {len(batch)} changes: {type(exc).__name__}")
+                failure.__cause__ = exc
+                for request in batch:
+                    if not request.answer.done():
+                        request.answer.set_exception(failure)
+
+    def _write(self, batch: list[_Start | _End]) -> None:
+        while batch:
+            starts, ends, batch = _split(batch)
+            self._write_one(starts, ends)
+
+    def _write_one(self, starts: list[_Start], ends: list[_End]) -> None:
+        error: StoreError | None = None
+        for delay_s in (0.0, *RETRY_DELAYS_S):
+            if error is not None:
+                log.warning("todo_states_retried", starts=len(starts), ends=len(ends), error=str(error),
+                            retry_in_s=delay_s)  # fmt: skip
+                time.sleep(delay_s)
+            try:
+                held, started = self._transaction(starts, ends)
+            except (psycopg.Error, SQLAlchemyError) as exc:
+                self._discard_connection()
+                error = StoreError(
+                    f"writing {len(starts)} starts and {len(ends)} ends of todos: {type(exc).__name__}: {exc}"
+                )
+                error.__cause__ = exc
+                continue
+            for end in ends:
+                todo = end.ending.run.todo
+                assert todo is not None
+                end.answer.set_result(todo.id in held)
+            for start, answer in zip(starts, started, strict=True):
+                start.answer.set_result(answer)
+            return
+        assert error is not None
+        log.error("todo_states_not_written", starts=len(starts), ends=len(ends), error=str(error))
+        for start in starts:
+            start.answer.set_exception(error)
+        for end in ends:
+            end.answer.set_exception(error)
+
+    def _transaction(
+        self, starts: Sequence[_Start], ends: Sequence[_End]
+    ) -> tuple[set[int], list[todos.Started]]:
+        pg = self._connection()
+        with self._lock:
+            self._busy_until = time.monotonic() + self._deadline_s
+        try:
+            return todos.write_states(
+                pg,
+                [e.ending for e in ends],
+                [(s.todo_id, s.lease_s, s.max_attempts) for s in starts],
+                release=self._releases,
+                waits=[s.wait for s in starts],
+            )
+        finally:
+            with self._lock:
+                self._busy_until = None
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The writer's own connection, out of the engine's pool for good (its
+        connect hook has pinned synchronous_commit): psycopg's transactions
+        and pipeline, without a checkout, ping and reset per batch."""
+        if self._conn is None:
+            self._conn = self._engine.raw_connection()
+            pg = self._conn.driver_connection
+            assert isinstance(pg, psycopg.Connection)
+            pg.autocommit = True  # a batch without a release is one statement: its own transaction
+        pg = self._conn.driver_connection
+        assert isinstance(pg, psycopg.Connection)
+        return pg
+
+    def _discard_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.invalidate()
+            except (psycopg.Error, SQLAlchemyError) as exc:
+                log.warning("state_writer_connection_discarded", error=f"{type(exc).__name__}: {exc}")
+
+    def _watch(self) -> None:
+        """Cancel a transaction past its deadline: a server that still ACKs
+        but never answers would otherwise hold every worker thread."""
+        while not (self._closing.is_set() and not self._thread.is_alive()):
+            time.sleep(min(1.0, self._deadline_s / 4))
+            with self._lock:
+                late = self._busy_until is not None and time.monotonic() > self._busy_until
+                conn = self._conn
+            if late and conn is not None:
+                pg = conn.driver_connection
+                if isinstance(pg, psycopg.Connection):
+                    log.warning("todo_states_cancelled", reason="no answer within the deadline",
+                                deadline_s=self._deadline_s)  # fmt: skip
+                    pg.cancel_safe()
+
+
+def _split(batch: Sequence[_Start | _End]) -> tuple[list[_Start], list[_End], list[_Start | _End]]:
+    """One statement changes each todo once: the starts and ends of distinct
+    todos, and what waits for the next batch, so that it meets the state
+    the first change left (a second message for a todo, a redelivery or a
+    rescued copy, then finds it running or done and is skipped as such; a
+    second end after an end whose answer timed out finds its run ended)."""
+    starts: list[_Start] = []
+    ends: list[_End] = []
+    later: list[_Start | _End] = []
+    changed: set[int] = set()
+    for request in batch:
+        if isinstance(request, _End):
+            todo = request.ending.run.todo
+            assert todo is not None
+            todo_id = todo.id
+        else:
+            todo_id = request.todo_id
+        if todo_id in changed:
+            later.append(request)
+            continue
+        changed.add(todo_id)
+        if isinstance(request, _End):
+            ends.append(request)
+        else:
+            starts.append(request)
+    return starts, ends, later
