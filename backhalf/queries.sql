@@ -218,11 +218,14 @@ written AS (
 -- release (a statement of its own, with a snapshot taken after that wait)
 -- sees the row. A redelivered row waits for its old todo only if that todo
 -- is still active, read with FOR SHARE: the latest committed version, locked
--- the same way; a todo that ended meanwhile leaves the ack owed now.
+-- the same way; a todo that ended meanwhile leaves the ack owed now. In id
+-- order, as the workers' writer takes its rows, though it never waits for
+-- a row a store holds (write_states).
 still_active AS (
     SELECT id FROM todos
     WHERE id IN (SELECT todo_id FROM written WHERE NOT inserted AND ack_after = 'complete')
       AND status IN ('pending', 'dispatched', 'running')
+    ORDER BY id
     FOR SHARE
 ),
 queued AS (
@@ -326,7 +329,10 @@ SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan'
 -- queue row would be a deadlock; so would two redelivered rows the store and
 -- the acker lock in opposite orders (key order against id order). The join
 -- that takes the inbox lock costs a little per row claimed; it stays, since
--- dropping it would turn those rare waits into deadlocks.
+-- dropping it would turn those rare waits into deadlocks. ``acked_at`` is
+-- this statement's time, not the transaction's start (the claim plan's
+-- statement before it): the audit's ack latency, and the proof in the
+-- tests that no ack with ack_after 'complete' came before its todo's end.
 WITH picked AS (
     SELECT q.inbox_id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
     WHERE q.adapter = ANY(%(adapters)s::text[]) AND q.waiting_for IS NULL
@@ -337,7 +343,7 @@ WITH picked AS (
     DELETE FROM ack_queue WHERE inbox_id IN (SELECT inbox_id FROM picked)
     RETURNING inbox_id
 )
-UPDATE inbox SET ack_state = 'acked', acked_at = now()
+UPDATE inbox SET ack_state = 'acked', acked_at = statement_timestamp()
 FROM claimed WHERE inbox.id = claimed.inbox_id
 RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
           CASE WHEN ack_kind = 'lrem' THEN body END AS body
@@ -404,84 +410,88 @@ SELECT count(*) FROM marked
 -- The workers' state changes, a batch of them in one statement (every
 -- worker thread of a process hands its changes to one writer,
 -- backhalf.state_writer): runs ended, and todos started. One statement, so
--- that a batch with no ack to release (below) is one round trip and one
--- implicit transaction on an autocommit connection.
+-- that a batch with no ack to release is one round trip and one implicit
+-- transaction on an autocommit connection.
 --
 -- A start takes its todo only if it is still to run (pending, dispatched,
 -- or running on a lease that expired, its worker dead, with attempts left:
 -- one without is the rescuer's to fail); otherwise its message is skipped (a
 -- redelivery, a rescued copy, a finished or cancelled todo). The attempt is
 -- counted here, before the handler runs, so a run the worker dies in counts
--- too. Each lease ends at clock_timestamp(), not now(): a lease is its run's
--- token and must never repeat, even for two todos started by one statement.
+-- too. Each start brings its own run token (``run_token``): a start written
+-- again because its first commit's reply was lost finds the todo running
+-- under its own token and is answered as started, not skipped (which would
+-- leave its attempt counted and its handler never run).
 --
 -- An end (done, failed on its last attempt, or dispatched again for
 -- dramatiq's retry after its backoff) applies only if its run still holds
--- the todo: running, on the lease its start set (a token that never
--- repeats, where attempts would, after an operator's retry resets them). A
--- cancelled todo, or one rescued or retried and started again meanwhile,
--- keeps its state and the late result is discarded.
+-- the todo: running, on its run's token. A cancelled todo, or one rescued
+-- or retried and started again meanwhile, keeps its state and the late
+-- result is discarded.
 --
 -- Every id of a batch is distinct, ends and starts together (the writer
 -- defers a second change of a todo to its next batch): one statement
--- updates each row once. Rows are locked in id
--- order (the Sort is below the row locks), so two writers never deadlock on
--- each other. A start does not wait for a row another transaction holds
--- (SKIP LOCKED; answered 'busy'): that is nearly always the relay, whose
--- message overtook its commit, and waiting would hold up every other change
--- of the batch, and every batch behind it, for the relay's commit. The
--- writer asks again shortly, and in the end with ``wait`` (locked like the
--- ends, bounded by lock_timeout). The answer has a row per start, and one
--- per end that held its todo.
+-- updates each row once. No change waits for a row another transaction
+-- holds (SKIP LOCKED; answered 'busy', and asked again by the writer a
+-- little later): nearly always the relay, whose message overtook its
+-- commit, or the rescuer. Waiting would hold up every other change of the
+-- batch, and every batch behind it, and could deadlock with a store that
+-- locks the same todos in key order. The answer has a row per start, and
+-- one per end that held its todo or found it busy.
 WITH e AS (
-    SELECT * FROM unnest(%(end_ids)b::int8[], %(leases)b::timestamptz[], %(to_status)b::text[],
+    SELECT * FROM unnest(%(end_ids)b::int8[], %(end_tokens)b::uuid[], %(to_status)b::text[],
                          %(errors)b::text[], %(details)b::text[])
-        AS e(id, lease_until, to_status, error, detail)
+        AS e(id, token, to_status, error, detail)
 ), s AS (
-    SELECT * FROM unnest(%(start_ids)b::int8[], %(lease_s)b::float8[], %(max_attempts)b::int4[],
-                         %(waits)b::bool[])
-        AS s(id, lease_s, max_attempts, wait)
-), held AS (
-    SELECT t.id, t.status, t.lease_until, t.attempts FROM todos t
-    WHERE t.id IN (SELECT id FROM e UNION ALL SELECT id FROM s WHERE wait)
-    ORDER BY t.id
-    FOR UPDATE
-), free AS (
-    SELECT t.id, t.status, t.lease_until, t.attempts FROM todos t
-    WHERE t.id IN (SELECT id FROM s WHERE NOT wait)
+    SELECT * FROM unnest(%(start_ids)b::int8[], %(start_tokens)b::uuid[], %(lease_s)b::float8[],
+                         %(max_attempts)b::int4[])
+        AS s(id, token, lease_s, max_attempts)
+), locked AS (
+    SELECT t.id, t.status, t.lease_until, t.attempts, t.run_token FROM todos t
+    WHERE t.id IN (SELECT id FROM e UNION ALL SELECT id FROM s)
     ORDER BY t.id
     FOR UPDATE SKIP LOCKED
-), locked AS (
-    SELECT * FROM held UNION ALL SELECT * FROM free
 ), changed AS (
     UPDATE todos t
     SET status = coalesce(e.to_status, 'running'),
         attempts = t.attempts + CASE WHEN s.id IS NULL THEN 0 ELSE 1 END,
         rescues = CASE WHEN s.id IS NULL THEN t.rescues ELSE 0 END,
         lease_until = CASE WHEN s.id IS NULL THEN NULL
-                           ELSE clock_timestamp() + make_interval(secs => s.lease_s) END,
+                           ELSE now() + make_interval(secs => s.lease_s) END,
+        run_token = CASE WHEN s.id IS NULL THEN NULL ELSE s.token END,
         last_error = coalesce(e.error, t.last_error),
         dispatched_at = CASE WHEN e.to_status = 'dispatched' THEN now() ELSE t.dispatched_at END,
         updated_at = now()
     FROM locked l LEFT JOIN e ON e.id = l.id LEFT JOIN s ON s.id = l.id
     WHERE t.id = l.id
-      AND ((e.id IS NOT NULL AND l.status = 'running' AND l.lease_until = e.lease_until)
+      AND ((e.id IS NOT NULL AND l.status = 'running' AND l.run_token = e.token)
            OR (s.id IS NOT NULL
                AND (l.status IN ('pending', 'dispatched')
-                    OR (l.status = 'running' AND l.lease_until < now() AND l.attempts < s.max_attempts))))
+                    OR (l.status = 'running' AND l.lease_until < now() AND l.attempts < s.max_attempts
+                        AND l.run_token IS DISTINCT FROM s.token))))
     RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.lease_until,
-              l.status AS from_status, t.status AS to_status,
-              CASE WHEN s.id IS NULL THEN e.detail ELSE %(start_detail)s END AS detail
+              CASE WHEN s.id IS NULL THEN e.detail ELSE %(start_detail)s END AS detail,
+              l.status AS from_status, t.status AS to_status
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
     SELECT id, from_status, to_status, detail FROM changed ORDER BY id
 )
-SELECT s.id, c.queue, c.payload::text, c.idempotency_key, c.attempts, c.lease_until,
+-- Per start: the run it began (changed), or the run it began already (its
+-- token on a running todo: this start written again after a lost reply).
+SELECT s.id, coalesce(c.queue, mine.queue), coalesce(c.payload, mine.payload)::text,
+       coalesce(c.idempotency_key, mine.idempotency_key), coalesce(c.attempts, mine.attempts),
+       coalesce(c.lease_until, mine.lease_until),
        CASE WHEN l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id = s.id) THEN 'busy'
             ELSE l.status END AS found
-FROM s LEFT JOIN locked l ON l.id = s.id LEFT JOIN changed c ON c.id = s.id
+FROM s
+LEFT JOIN locked l ON l.id = s.id
+LEFT JOIN changed c ON c.id = s.id
+LEFT JOIN todos mine ON c.id IS NULL AND l.status = 'running' AND l.run_token = s.token AND mine.id = s.id
 UNION ALL
-SELECT e.id, NULL, NULL, NULL, NULL, NULL, 'ended' FROM e JOIN changed c ON c.id = e.id
+SELECT e.id, NULL, NULL, NULL, NULL, NULL,
+       CASE WHEN c.id IS NOT NULL THEN 'ended' ELSE 'busy' END
+FROM e LEFT JOIN locked l ON l.id = e.id LEFT JOIN changed c ON c.id = e.id
+WHERE c.id IS NOT NULL OR (l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id = e.id))
 
 
 -- name: rescue_todos

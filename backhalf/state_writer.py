@@ -8,19 +8,31 @@ cost per message (docs/architecture.md, "The workers' group commit").
 
 Here each worker thread hands its change to the process's writer and waits
 for the answer; the writer takes every change queued meanwhile and writes
-them in one transaction on one connection: the ends (``end_runs``, then
-``release_acks``), then the starts (``start_todos``), one COMMIT. A change is
-answered only after that COMMIT: a start's run begins, and an end is
+them as one statement (``write_states``) on one autocommit connection: one
+round trip and one commit for the batch (two statements in a transaction
+when an end must release broker acks, ``ack_after = "complete"``). A change
+is answered only after that commit: a start's run begins, and an end is
 reported, only once durable, exactly as with a transaction of its own. The
-batch is what queued while the last one committed, so a lone change waits
-for nothing and a busy process commits many at once.
+batch is what queued while the last one committed (under load, up to 2 ms
+more, for the other threads), so a lone change waits for nothing and a busy
+process commits many at once.
 
-A batch that fails on the database (a connection lost, a deadlock broken,
-a failover) rolls back whole and is written again after a short wait; the
-statements are safe to repeat (the lease guards an end; a start that did not
-commit counted nothing). Once the retries are spent, each waiting thread gets
-:class:`StoreError`, which dramatiq retries. A transaction that gets no
-answer within the deadline is cancelled from the watchdog.
+No change waits for a row another transaction holds: the statement skips
+it and answers "busy", and the thread asks again a little later, for up to
+about 5 s (the relay, whose message overtook its commit, holds a row for
+milliseconds), then gets :class:`StoreError`, which dramatiq retries.
+Waiting inside the batch would hold up every thread of the process.
+
+A batch that fails on the database (a connection lost, a failover) is
+written again after a short wait. That is safe even when the failure hid a
+commit that succeeded: each start carries its run's token, so a start
+written again finds its own run and is answered as started; an end written
+again finds its run ended and is answered as discarded (the state is right;
+only the log line says less). Once the retries are spent, each waiting
+thread gets :class:`StoreError`. A transaction that gets no answer within
+the deadline is cancelled by the watchdog; a thread that times out waiting
+for a change the writer has not taken yet withdraws it (a withdrawn change
+is never written).
 """
 
 from __future__ import annotations
@@ -28,8 +40,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -50,9 +64,9 @@ RETRY_DELAYS_S = (0.2, 0.5, 1.0)
 MAX_BATCH = 256
 # Under load, how long a batch waits for the other threads' changes.
 LINGER_MS = 2.0
-# A start whose row another transaction holds is asked for again after
-# these waits (the relay commits within milliseconds), then waited for.
-BUSY_RETRY_DELAYS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+# A change whose row another transaction holds is asked for again after
+# these waits (about 5 s in all), then given up with StoreError.
+BUSY_RETRY_DELAYS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 1.0, 1.0, 1.0)
 # How often the writer looks up from an empty queue (to notice close()).
 IDLE_WAKE_S = 1.0
 
@@ -60,16 +74,16 @@ IDLE_WAKE_S = 1.0
 @dataclass(slots=True)
 class _Start:
     todo_id: int
+    token: uuid.UUID  # the run's, kept across retries of its batch
     lease_s: float
     max_attempts: int
-    wait: bool  # for a row another transaction holds (else answered busy)
     answer: Future[todos.Started] = field(default_factory=Future)
 
 
 @dataclass(slots=True)
 class _End:
     ending: todos.Ending
-    answer: Future[bool] = field(default_factory=Future)
+    answer: Future[bool | None] = field(default_factory=Future)  # None: busy
 
 
 class StateWriter:
@@ -89,9 +103,9 @@ class StateWriter:
     ) -> None:
         self._engine = engine
         self._threads = threads
-        # Whether an adapter feeding these queues acks on complete: only
-        # then does an end release acks, in a transaction of two statements
-        # (without, one statement in autocommit: one round trip).
+        # Whether an adapter of the config acks on complete: only then does
+        # an end release acks, in a transaction of two statements (without,
+        # one statement in autocommit: one round trip).
         self._releases = releases
         self._linger_s = linger_ms / 1000
         self._deadline_s = deadline_ms / 1000
@@ -99,9 +113,13 @@ class StateWriter:
         self._queue: queue.SimpleQueue[_Start | _End] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._conn: PoolProxiedConnection | None = None
-        # The running transaction's deadline (monotonic), for the watchdog.
-        self._busy_until: float | None = None
+        # The running transaction (a sequence number) and its deadline
+        # (monotonic), for the watchdog.
         self._lock = threading.Lock()
+        self._batch_no = 0
+        self._busy_until: float | None = None
+        # Changes answered busy so far (a row held by another transaction).
+        self.busy_answers = 0
         self._thread = threading.Thread(target=self._run, name="switchboard-state-writer", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="switchboard-state-watchdog", daemon=True)
         self._thread.start()
@@ -110,27 +128,41 @@ class StateWriter:
     # -- the worker threads' side ---------------------------------------------------------
 
     def start(self, todo_id: int, lease_s: float, max_attempts: int) -> todos.Started:
-        """Start todo ``todo_id`` (``todos.start``), committed on return. A
-        row another transaction holds (the relay, whose message overtook its
-        commit) is asked for again after a short wait rather than waited
-        for inside a batch, and in the end waited for."""
+        """Start todo ``todo_id``, committed on return (``found`` says why
+        not, if it is not to run)."""
+        token = uuid.uuid4()
+        what = f"todo {todo_id}: starting it"
         for delay_s in (*BUSY_RETRY_DELAYS_S, None):
-            request = _Start(todo_id, lease_s, max_attempts, wait=delay_s is None)
+            request = _Start(todo_id, token, lease_s, max_attempts)
             self._submit(request)
-            started = self._await(request.answer, f"todo {todo_id}: starting it")
-            if started.found != todos.BUSY or delay_s is None:
+            started = self._await(request.answer, what)
+            if started.found != todos.BUSY:
                 return started
+            self.busy_answers += 1
+            if delay_s is None:
+                break
             time.sleep(delay_s)
-        raise AssertionError("unreachable: the last try waits")
+        raise StoreError(
+            f"{what}: its row stayed locked by another transaction for {sum(BUSY_RETRY_DELAYS_S)} s"
+        )
 
     def end(self, ending: todos.Ending) -> bool:
-        """End a run (``todos.end_run``), committed on return; False if the
-        run no longer held its todo."""
-        request = _End(ending)
-        self._submit(request)
+        """End a run, committed on return; False if the run no longer held
+        its todo (its result is discarded)."""
         assert ending.run.todo is not None
-        return self._await(
-            request.answer, f"todo {ending.run.todo.id}: recording its run ({ending.to_status})"
+        what = f"todo {ending.run.todo.id}: recording its run ({ending.to_status})"
+        for delay_s in (*BUSY_RETRY_DELAYS_S, None):
+            request = _End(ending)
+            self._submit(request)
+            held = self._await(request.answer, what)
+            if held is not None:
+                return held
+            self.busy_answers += 1
+            if delay_s is None:
+                break
+            time.sleep(delay_s)
+        raise StoreError(
+            f"{what}: its row stayed locked by another transaction for {sum(BUSY_RETRY_DELAYS_S)} s"
         )
 
     def _submit(self, request: _Start | _End) -> None:
@@ -139,12 +171,20 @@ class StateWriter:
         self._queue.put(request)
 
     def _await(self, answer: Future[T], what: str) -> T:
-        # Bounded: every try within the deadline, plus the waits between them.
+        """The answer, within a bound: every try of a batch within the
+        deadline, plus the waits between them. A change not taken into a
+        batch by then is withdrawn and never written; one being written is
+        waited for once more, as long again."""
         bound_s = self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S) + IDLE_WAKE_S
         try:
             return answer.result(timeout=bound_s)
-        except TimeoutError as exc:
-            raise StoreError(f"{what}: no answer from the state writer within {bound_s:.0f} s") from exc
+        except FutureTimeout:
+            if answer.cancel():
+                raise StoreError(f"{what}: not written within {bound_s:.0f} s (withdrawn)") from None
+        try:
+            return answer.result(timeout=bound_s)
+        except FutureTimeout as exc:
+            raise StoreError(f"{what}: no answer from the state writer within {2 * bound_s:.0f} s") from exc
 
     def close(self) -> None:
         """Write what is queued, then stop; later changes are refused."""
@@ -196,8 +236,10 @@ class StateWriter:
                         request.answer.set_exception(failure)
 
     def _write(self, batch: list[_Start | _End]) -> None:
-        while batch:
-            starts, ends, batch = _split(batch)
+        # Withdrawn changes (their thread timed out) are dropped, never written.
+        pending: list[_Start | _End] = [r for r in batch if r.answer.set_running_or_notify_cancel()]
+        while pending:
+            starts, ends, pending = _split(pending)
             self._write_one(starts, ends)
 
     def _write_one(self, starts: list[_Start], ends: list[_End]) -> None:
@@ -208,7 +250,7 @@ class StateWriter:
                             retry_in_s=delay_s)  # fmt: skip
                 time.sleep(delay_s)
             try:
-                held, started = self._transaction(starts, ends)
+                held, busy, started = self._transaction(starts, ends)
             except (psycopg.Error, SQLAlchemyError) as exc:
                 self._discard_connection()
                 error = StoreError(
@@ -219,7 +261,7 @@ class StateWriter:
             for end in ends:
                 todo = end.ending.run.todo
                 assert todo is not None
-                end.answer.set_result(todo.id in held)
+                end.answer.set_result(None if todo.id in busy else todo.id in held)
             for start, answer in zip(starts, started, strict=True):
                 start.answer.set_result(answer)
             return
@@ -232,17 +274,17 @@ class StateWriter:
 
     def _transaction(
         self, starts: Sequence[_Start], ends: Sequence[_End]
-    ) -> tuple[set[int], list[todos.Started]]:
+    ) -> tuple[set[int], set[int], list[todos.Started]]:
         pg = self._connection()
         with self._lock:
+            self._batch_no += 1
             self._busy_until = time.monotonic() + self._deadline_s
         try:
             return todos.write_states(
                 pg,
                 [e.ending for e in ends],
-                [(s.todo_id, s.lease_s, s.max_attempts) for s in starts],
+                [(s.todo_id, s.token, s.lease_s, s.max_attempts) for s in starts],
                 release=self._releases,
-                waits=[s.wait for s in starts],
             )
         finally:
             with self._lock:
@@ -250,8 +292,8 @@ class StateWriter:
 
     def _connection(self) -> psycopg.Connection[Any]:
         """The writer's own connection, out of the engine's pool for good (its
-        connect hook has pinned synchronous_commit): psycopg's transactions
-        and pipeline, without a checkout, ping and reset per batch."""
+        connect hook has pinned synchronous_commit): psycopg's own
+        transactions, without a checkout, ping and reset per batch."""
         if self._conn is None:
             self._conn = self._engine.raw_connection()
             pg = self._conn.driver_connection
@@ -271,26 +313,35 @@ class StateWriter:
 
     def _watch(self) -> None:
         """Cancel a transaction past its deadline: a server that still ACKs
-        but never answers would otherwise hold every worker thread."""
+        but never answers would otherwise hold every worker thread. The
+        cancelled batch fails and is written again on a new connection."""
         while not (self._closing.is_set() and not self._thread.is_alive()):
             time.sleep(min(1.0, self._deadline_s / 4))
             with self._lock:
                 late = self._busy_until is not None and time.monotonic() > self._busy_until
-                conn = self._conn
-            if late and conn is not None:
-                pg = conn.driver_connection
-                if isinstance(pg, psycopg.Connection):
-                    log.warning("todo_states_cancelled", reason="no answer within the deadline",
-                                deadline_s=self._deadline_s)  # fmt: skip
-                    pg.cancel_safe()
+                batch_no, conn = self._batch_no, self._conn
+            if not late or conn is None:
+                continue
+            pg = conn.driver_connection
+            with self._lock:
+                still = self._batch_no == batch_no and self._busy_until is not None
+            if not (still and isinstance(pg, psycopg.Connection)):
+                continue
+            log.warning(
+                "todo_states_cancelled", reason="no answer within the deadline", deadline_s=self._deadline_s
+            )
+            try:
+                pg.cancel_safe(timeout=self._deadline_s)
+            except (psycopg.Error, OSError) as exc:
+                # The server is out of reach too: TCP's timeouts end the batch.
+                log.warning("todo_states_cancel_failed", error=f"{type(exc).__name__}: {exc}")
 
 
 def _split(batch: Sequence[_Start | _End]) -> tuple[list[_Start], list[_End], list[_Start | _End]]:
     """One statement changes each todo once: the starts and ends of distinct
     todos, and what waits for the next batch, so that it meets the state
     the first change left (a second message for a todo, a redelivery or a
-    rescued copy, then finds it running or done and is skipped as such; a
-    second end after an end whose answer timed out finds its run ended)."""
+    rescued copy, then finds it running or done and is skipped as such)."""
     starts: list[_Start] = []
     ends: list[_End] = []
     later: list[_Start | _End] = []

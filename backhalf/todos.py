@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -78,9 +79,10 @@ class Started:
     """``start``'s answer: the todo to run, or why there is none."""
 
     todo: Todo | None
-    found: str | None  # the status it had (None: no such todo)
-    # The lease this start set: the run's token, which only this run holds
-    # (end_run's guard).
+    found: str | None  # the status it had (None: no such todo; BUSY: its row was held)
+    # The run's token (todos.run_token), which only this run holds: its
+    # end's guard. The lease it set, for the log.
+    token: uuid.UUID | None = None
     lease_until: datetime | None = None
 
 
@@ -159,37 +161,37 @@ async def release_orphaned_acks(cur: psycopg.AsyncCursor[Any], limit: int) -> in
 def write_states(
     pg: psycopg.Connection[Any],
     endings: Sequence[Ending],
-    starts: Sequence[tuple[int, float, int]],
+    starts: Sequence[tuple[int, uuid.UUID, float, int]],
     *,
     release: bool = True,
-    waits: Sequence[bool] | None = None,
-) -> tuple[set[int], list[Started]]:
+) -> tuple[set[int], set[int], list[Started]]:
     """Workers' state changes, committed on return: runs ended and todos
-    started, (id, lease seconds, max_attempts), every id distinct, in one
-    statement (``write_states``; a start whose row another transaction
-    holds is answered ``found = "busy"`` unless its ``waits`` entry is true;
-    all wait when ``waits`` is None); then, if ``release`` and a run ended, the
-    broker acks waiting for the todos that ended (``release_acks``: a
-    statement of its own after it, in the same transaction). Without a
-    release the statement is the whole transaction: one round trip, on a
-    connection in autocommit mode (the state writer's) or not.
+    started, (id, the run's token, lease seconds, max_attempts), every id
+    distinct, in one statement (``write_states``); then, if ``release`` and
+    a run ended, the broker acks waiting for the todos that ended
+    (``release_acks``: a statement of its own after it, in the same
+    transaction). Without a release the statement is the whole transaction:
+    one round trip, on a connection in autocommit mode (the state writer's)
+    or not. A change whose row another transaction holds is not made (and
+    not waited for): the end is in the second set returned, the start
+    answered ``found = BUSY``.
 
     Returns the todos whose run still held them when it ended (the others
     were cancelled, or rescued or retried and started again: their results
-    are discarded), and one answer per start, in order."""
+    are discarded), the ends found busy, and one answer per start, in order."""
     ids = [e.run.todo.id for e in endings if e.run.todo is not None]
     assert len(ids) == len(endings), "only a started run can end"
     terminal = [i for i, e in zip(ids, endings, strict=True) if e.to_status in TERMINAL]
     params = {
         "end_ids": ids,
-        "leases": [e.run.lease_until for e in endings],
+        "end_tokens": [e.run.token for e in endings],
         "to_status": [e.to_status for e in endings],
         "errors": [e.error for e in endings],
         "details": [e.detail for e in endings],
-        "start_ids": [i for i, _, _ in starts],
-        "lease_s": [float(s) for _, s, _ in starts],
-        "max_attempts": [m for _, _, m in starts],
-        "waits": list(waits) if waits is not None else [True] * len(starts),
+        "start_ids": [i for i, _, _, _ in starts],
+        "start_tokens": [t for _, t, _, _ in starts],
+        "lease_s": [float(s) for _, _, s, _ in starts],
+        "max_attempts": [m for _, _, _, m in starts],
         "start_detail": STARTED,
     }
     releasing = release and bool(terminal)
@@ -202,21 +204,24 @@ def write_states(
         if releasing:
             cur.execute(queries.RELEASE_ACKS, {"ids": terminal, "channel": queries.ACK_CHANNEL})
     held: set[int] = set()
+    busy: set[int] = set()
     answers: dict[int, Started] = {}
+    end_ids = set(ids)  # distinct from the starts' (the writer's rule)
+    tokens = {i: t for i, t, _, _ in starts}
     for tid, queue, payload, key, attempts, lease_until, found in rows:
-        if found == ENDED:
-            held.add(int(tid))
+        if int(tid) in end_ids:
+            (held if found == ENDED else busy).add(int(tid))
         elif queue is None:
             answers[int(tid)] = Started(None, found)
         else:
             todo = Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts))
-            answers[int(tid)] = Started(todo, found, lease_until)
-    return held, [answers[i] for i, _, _ in starts]
+            answers[int(tid)] = Started(todo, found, tokens[int(tid)], lease_until)
+    return held, busy, [answers[i] for i, _, _, _ in starts]
 
 
 def start(pg: psycopg.Connection[Any], todo_id: int, lease_s: float, max_attempts: int) -> Started:
     """One worker's claim of its todo, committed (:func:`write_states` of one)."""
-    _, (started,) = write_states(pg, [], [(todo_id, lease_s, max_attempts)])
+    _, _, (started,) = write_states(pg, [], [(todo_id, uuid.uuid4(), lease_s, max_attempts)])
     return started
 
 
@@ -226,7 +231,7 @@ def end_run(
     """End one run, committed (:func:`write_states` of one); False if it no
     longer holds its todo."""
     assert run.todo is not None
-    held, _ = write_states(pg, [Ending(run, to_status, error, detail)], [])
+    held, _, _ = write_states(pg, [Ending(run, to_status, error, detail)], [])
     return run.todo.id in held
 
 

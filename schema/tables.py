@@ -25,7 +25,7 @@ foreign key.
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import BYTEA, JSONB
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -93,6 +93,11 @@ todos = sa.Table(
     # todo still waiting doubles the wait before the next, so workers away
     # for an hour leave a handful of copies of its message, not hundreds.
     sa.Column("rescues", sa.Integer, nullable=False, server_default="0"),
+    # The run's own token, chosen by the worker for its start: a start
+    # written again after its commit's reply was lost finds its own run by
+    # it, instead of a live lease that it would skip (its attempt counted,
+    # the handler never run).
+    sa.Column("run_token", UUID(as_uuid=True)),
     sa.CheckConstraint(_one_of("status", TODO_STATUSES), name="status"),
 )
 

@@ -12,8 +12,9 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks, todos
-from backhalf.db import driver_connection
+from backhalf.db import DatabaseSettings, create_sync_engine, driver_connection
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
+from backhalf.state_writer import StateWriter
 from backhalf.store import store
 from tests.support.db import libpq, query, scalar
 
@@ -134,6 +135,66 @@ async def test_a_redelivery_while_the_todo_runs_keeps_waiting(engine: AsyncEngin
     assert await claim(engine) == []
 
 
+async def test_a_redelivery_of_a_retried_todo_waits_for_its_new_end(engine: AsyncEngine, db_url: str) -> None:
+    """Acked once its todo failed, then the todo retried by an operator
+    (active again) and the entry delivered again: its ack waits for the
+    todo's new end (read FOR SHARE, still active), not owed at once."""
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1)))
+    todo_id = scalar(db_url, "SELECT id FROM todos")
+    run_to(db_url, todo_id, "failed")
+    async with engine.begin() as conn:
+        assert len(await acks.claim(conn, ["orders"], 10)) == 1
+        assert await todos.retry(conn, [todo_id], "retried by an operator") == [todo_id]
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1, deliveries=2)))
+    assert query(db_url, "SELECT waiting_for FROM ack_queue") == [(todo_id,)]
+    assert await claim(engine) == []
+
+
+async def test_a_redelivery_racing_its_todos_end_is_owed_at_once(engine: AsyncEngine, db_url: str) -> None:
+    """The todo (active again after a retry) ends while a redelivery of its
+    entry is being stored: the store waits for the end's row lock (FOR
+    SHARE), then reads the todo as ended and queues the ack as owed now.
+    A plain read would see it active in the statement's snapshot, queue it
+    waiting, and the end's release, already run, would never see it."""
+    async with engine.begin() as conn:
+        await store(conn, stream_batch(entry(1)))
+    todo_id = scalar(db_url, "SELECT id FROM todos")
+    run_to(db_url, todo_id, "failed")
+    async with engine.begin() as conn:
+        await acks.claim(conn, ["orders"], 10)
+        await todos.retry(conn, [todo_id], "retried by an operator")
+    with psycopg.connect(libpq(db_url)) as pg:
+        run = todos.start(pg, todo_id, 60, 5)
+    ender = psycopg.connect(libpq(db_url))
+    try:
+        held, _, _ = todos.write_states(ender, [todos.Ending(run, "done", None, "done")], [])  # committed
+        assert held == {todo_id}
+        # The same end, as a transaction still open: the lock the store meets.
+        query(db_url, "UPDATE todos SET status = 'running' WHERE id = %(t)s", {"t": todo_id})
+        ender.execute("UPDATE todos SET status = 'done' WHERE id = %s", (todo_id,))
+        storing = asyncio.ensure_future(
+            _store_in_own_transaction(engine, stream_batch(entry(1, deliveries=2)))
+        )
+        for _ in range(200):
+            waiting = scalar(db_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+            if waiting:
+                break
+            await asyncio.sleep(0.025)
+        assert waiting, "the store never waited for the end's lock"
+        ender.commit()
+        await asyncio.wait_for(storing, timeout=10)
+    finally:
+        ender.close()
+    assert query(db_url, "SELECT waiting_for FROM ack_queue") == [(None,)]
+
+
+async def _store_in_own_transaction(engine: AsyncEngine, batch: StoreBatch) -> None:
+    async with engine.begin() as conn:
+        await store(conn, batch)
+
+
 async def test_list_copies_merge_into_the_waiting_row(engine: AsyncEngine, db_url: str) -> None:
     """A second copy of a body on the same processing list merges into its
     pending row while the todo runs: one todo, one LREM of both copies, and
@@ -156,35 +217,38 @@ async def test_an_end_racing_a_store_deduped_to_its_todo_still_releases_it(
 ) -> None:
     """A copy of the body on another processing list is stored (deduped to
     the running todo, so it holds the todo locked) while the run ends. The
-    end waits for the store; its release, a statement of its own, sees the
-    new row. Were the release part of the end's statement, its snapshot
-    would predate the store's commit and the new row would wait forever."""
+    worker's end does not wait for the lock: answered busy, it is written
+    once the store has committed, and its release, a statement after it,
+    sees the new row. A release made before the end would find the todo
+    still running and release nothing; the new row would wait forever."""
     async with engine.begin() as conn:
         await store(conn, list_batch("jobs:processing:c1"))
     todo_id = scalar(db_url, "SELECT id FROM todos")
-    with psycopg.connect(libpq(db_url)) as pg:
-        run = todos.start(pg, todo_id, 60, 5)
-    conn = await engine.connect()
-    tx = await conn.begin()
-    await store(conn, list_batch("jobs:processing:c2"))  # uncommitted, holds the todo
-    ended: list[bool] = []
-
-    def end() -> None:
-        with psycopg.connect(libpq(db_url)) as pg:
-            ended.append(todos.end_run(pg, run, "done", error=None, detail="done"))
-
-    ender = threading.Thread(target=end)
-    ender.start()
-    # The end is blocked on the todo's row lock: wait until PostgreSQL says so.
-    for _ in range(200):
-        waiting = scalar(db_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
-        if waiting:
-            break
-        await asyncio.sleep(0.025)
-    assert waiting, "the end never waited for the store's lock"
-    await tx.commit()
-    await conn.close()
-    ender.join(timeout=10)
+    writer = StateWriter(
+        create_sync_engine(DatabaseSettings(url=db_url), pool_size=1), deadline_ms=10_000, threads=2
+    )
+    try:
+        run = writer.start(todo_id, 60, 5)
+        conn = await engine.connect()
+        try:
+            tx = await conn.begin()
+            await store(conn, list_batch("jobs:processing:c2"))  # uncommitted, holds the todo
+            ended: list[bool] = []
+            ender = threading.Thread(
+                target=lambda: ended.append(writer.end(todos.Ending(run, "done", None, "done")))
+            )
+            ender.start()
+            for _ in range(400):
+                if writer.busy_answers:
+                    break
+                await asyncio.sleep(0.025)
+            assert writer.busy_answers, "the end never met the store's lock"
+            await tx.commit()
+        finally:
+            await conn.close()
+        ender.join(timeout=10)
+    finally:
+        writer.close()
     assert ended == [True]
     assert scalar(db_url, "SELECT count(*) FROM ack_queue WHERE waiting_for IS NOT NULL") == 0
     assert len(await claim(engine, "jobs")) == 2
@@ -199,7 +263,7 @@ async def test_the_rescuer_releases_acks_a_worker_left_waiting(engine: AsyncEngi
     (todo_1, _todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
     with psycopg.connect(libpq(db_url)) as conn:
         run = todos.start(conn, todo_1, 60, 5)
-        held, _ = todos.write_states(conn, [todos.Ending(run, "done", None, "done")], [], release=False)
+        held, _, _ = todos.write_states(conn, [todos.Ending(run, "done", None, "done")], [], release=False)
     assert held == {todo_1}
     assert await claim(engine) == []
     async with engine.begin() as conn:

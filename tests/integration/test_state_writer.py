@@ -6,6 +6,7 @@ killed under it replaced."""
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
 
 import psycopg
@@ -14,6 +15,7 @@ import pytest
 from backhalf import todos
 from backhalf.db import DatabaseSettings, create_sync_engine
 from backhalf.state_writer import StateWriter
+from ingest.embedded.processes import wait_for
 from tests.support.db import libpq, query, scalar
 
 
@@ -54,16 +56,18 @@ def test_a_row_held_elsewhere_holds_up_no_other_change(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
     """The relay holds todo 1 (its message overtook its commit): the start
-    of todo 1 waits, the start of todo 2 does not wait with it."""
+    of todo 1 is answered busy and asked again until the row is free; the
+    start of todo 2 meanwhile goes through."""
     blocked, free = todo_ids[0], todo_ids[1]
     with psycopg.connect(libpq(db_url)) as relay:
         relay.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (blocked,))
         answers: list[todos.Started] = []
         waiting = threading.Thread(target=lambda: answers.append(writer.start(blocked, 60, 5)))
         waiting.start()
-        # The other start returns while the relay still holds its row: it
-        # did not wait for the relay (were it queued behind the held row,
-        # it would wait until the commit below, which comes only after it).
+        wait_for(lambda: writer.busy_answers >= 1, timeout_s=10, what="the held row's start answered busy")
+        # The other start returns while the relay still holds its row: a
+        # writer that waited for the row would hold it up until the commit
+        # below, which comes only after it.
         other = writer.start(free, 60, 5)
         assert other.todo is not None
         assert waiting.is_alive(), "the held row's start returned before the row was free"
@@ -72,6 +76,25 @@ def test_a_row_held_elsewhere_holds_up_no_other_change(
     (answer,) = answers
     assert answer.todo is not None
     assert answer.todo.id == blocked
+    assert scalar(db_url, "SELECT count(*) FROM todo_events WHERE to_status = 'running'") == 2
+
+
+def test_a_start_written_again_finds_its_own_run(db_url: str, todo_ids: list[int]) -> None:
+    """A start whose commit succeeded but whose reply was lost is written
+    again with the same run token: it is answered as started (the run goes
+    on), not skipped as running under a live lease, and counts no second
+    attempt."""
+    token = uuid.uuid4()
+    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
+        _, _, (first,) = todos.write_states(conn, [], [(todo_ids[0], token, 60, 5)])
+        _, _, (again,) = todos.write_states(conn, [], [(todo_ids[0], token, 60, 5)])
+        _, _, (other,) = todos.write_states(conn, [], [(todo_ids[0], uuid.uuid4(), 60, 5)])
+    assert first.todo is not None
+    assert again.todo == first.todo
+    assert again.token == first.token
+    assert (other.todo, other.found) == (None, "running")  # another message for it: skipped
+    assert scalar(db_url, "SELECT attempts FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == 1
+    assert scalar(db_url, "SELECT count(*) FROM todo_events") == 1
 
 
 def test_a_connection_killed_under_it_is_replaced(

@@ -212,4 +212,15 @@ def test_chaos_kill9_of_any_process_while_messages_flow(
     assert scalar(db_url, unfinished) == 0
     for (todo_id,) in query(db_url, "SELECT id FROM todos"):
         assert_one_path(trail(db_url, todo_id))
+    if ack_after == "complete":
+        # No message acked before its todo was done, and every release made
+        # by the end itself, none left for the rescuer's sweep to find.
+        early = (
+            "SELECT count(*) FROM inbox i"
+            " JOIN todo_events e ON e.todo_id = i.todo_id AND e.to_status = 'done'"
+            " WHERE i.acked_at < e.created_at"
+        )
+        assert scalar(db_url, early) == 0
+        swept = [e for p in procs.all if p.verb == "ack" for e in p.events("orphaned_acks_released")]
+        assert swept == []
     procs.assert_no_secret_logged()

@@ -5,18 +5,18 @@ one of them guessed)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import uuid
 
 from backhalf import todos
 from backhalf.state_writer import _End, _split, _Start
 
 
 def start(todo_id: int) -> _Start:
-    return _Start(todo_id, 60.0, 5, wait=False)
+    return _Start(todo_id, uuid.uuid4(), 60.0, 5)
 
 
 def end(todo_id: int) -> _End:
-    run = todos.Started(todos.Todo(todo_id, "q", {}, "k", 1), "dispatched", datetime.now(UTC))
+    run = todos.Started(todos.Todo(todo_id, "q", {}, "k", 1), "dispatched", uuid.uuid4())
     return _End(todos.Ending(run, "done", None, "done"))
 
 

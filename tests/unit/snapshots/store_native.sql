@@ -50,6 +50,7 @@ still_active AS (
     SELECT id FROM todos
     WHERE id IN (SELECT todo_id FROM written WHERE NOT inserted AND ack_after = 'complete')
       AND status IN ('pending', 'dispatched', 'running')
+    ORDER BY id
     FOR SHARE
 ),
 queued AS (
