@@ -63,6 +63,19 @@ from ingest.children import die_with_parent
 _PG_STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
 
 
+class PortTaken(RuntimeError):
+    """The server's port was taken between choosing it and binding it."""
+
+
+# A first start whose chosen port another process took meanwhile moves to a
+# new one, this many times in all: free_port's answer is only a moment old.
+PORT_ATTEMPTS = 3
+
+
+def _port_taken(reason: str) -> bool:
+    return "Address already in use" in reason
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -219,6 +232,7 @@ class PostgresServer(_ServerProcess):
 
     def __init__(self, base_dir: Path, port: int, bindir: Path) -> None:
         self.base_dir, self.port, self.bindir = base_dir, port, bindir
+        self._started = False  # once started, the port is the server's for good
         self.pgdata = base_dir / "pgdata"
         self.log_path = base_dir / "postgres.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -290,31 +304,45 @@ class PostgresServer(_ServerProcess):
         )
 
     def start(self, timeout_s: float = 30) -> None:
-        """Start the postmaster (recovering after a crash) and wait for connections."""
+        """Start the postmaster (recovering after a crash) and wait for
+        connections. On its first start only, a port taken meanwhile is
+        traded for another (a restart keeps its port: clients know it)."""
         if self.running:
             return
-        offset = _log_size(self.log_path)
-        with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
-                [str(self.bindir / "postgres"), "-D", str(self.pgdata)],
-                cwd=self.base_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                **self._as_user,
-                **die_with_parent(),
-            )
-        self._wait_accepting(self._proc, timeout_s, offset)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            offset = _log_size(self.log_path)
+            with self.log_path.open("ab") as log:
+                self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
+                    [str(self.bindir / "postgres"), "-D", str(self.pgdata)],
+                    cwd=self.base_dir,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                    **self._as_user,
+                    **die_with_parent(),
+                )
+            try:
+                self._wait_accepting(self._proc, timeout_s, offset)
+            except PortTaken:
+                if self._started or attempt == PORT_ATTEMPTS:
+                    raise
+                self.port = free_port()
+                with (self.pgdata / "postgresql.conf").open("a") as conf:
+                    conf.write(f"port = {self.port}  # the one before was taken at start\n")
+                continue
+            self._started = True
+            return
 
     def _wait_accepting(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
                 self._proc = None
-                raise RuntimeError(
+                reason = _log_reason(self.log_path, offset)
+                raise (PortTaken if _port_taken(reason) else RuntimeError)(
                     f"PostgreSQL could not start on 127.0.0.1:{self.port} (exit {proc.returncode}): "
-                    f"{_log_reason(self.log_path, offset)}\n{self.log_path}:\n{_log_tail(self.log_path)}"
+                    f"{reason}\n{self.log_path}:\n{_log_tail(self.log_path)}"
                 )
             try:
                 self._connect().close()
@@ -420,6 +448,7 @@ class RedisServer(_ServerProcess):
 
     def __init__(self, base_dir: Path, port: int, binary: Path) -> None:
         self.base_dir, self.port, self.binary = base_dir, port, binary
+        self._started = False  # once started, the port is the server's for good
         self.config_path = base_dir / "redis.conf"
         self.log_path = base_dir / "redis.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -451,20 +480,33 @@ class RedisServer(_ServerProcess):
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10) -> None:
-        """Start the server and wait until it answers PING (the AOF is loaded by then)."""
+        """Start the server and wait until it answers PING (the AOF is loaded
+        by then). On its first start only, a port taken meanwhile is traded
+        for another (a restart keeps its port: clients know it)."""
         if self.running:
             return
-        offset = _log_size(self.log_path)
-        self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
-            [str(self.binary), str(self.config_path)],
-            cwd=self.base_dir,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            **die_with_parent(),
-        )
-        self._wait_ping(self._proc, timeout_s, offset)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            offset = _log_size(self.log_path)
+            self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
+                [str(self.binary), str(self.config_path)],
+                cwd=self.base_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                **die_with_parent(),
+            )
+            try:
+                self._wait_ping(self._proc, timeout_s, offset)
+            except PortTaken:
+                if self._started or attempt == PORT_ATTEMPTS:
+                    raise
+                old, self.port = self.port, free_port()
+                text = self.config_path.read_text()
+                self.config_path.write_text(text.replace(f"\nport {old}\n", f"\nport {self.port}\n"))
+                continue
+            self._started = True
+            return
 
     def _wait_ping(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
         deadline = time.monotonic() + timeout_s
@@ -480,9 +522,10 @@ class RedisServer(_ServerProcess):
             while True:
                 if proc.poll() is not None:
                     self._proc = None
-                    raise RuntimeError(
+                    reason = _log_reason(self.log_path, offset)
+                    raise (PortTaken if _port_taken(reason) else RuntimeError)(
                         f"{self.binary.name} could not start on 127.0.0.1:{self.port} "
-                        f"(exit {proc.returncode}): {_log_reason(self.log_path, offset)}\n"
+                        f"(exit {proc.returncode}): {reason}\n"
                         f"{self.log_path}:\n{_log_tail(self.log_path)}"
                     )
                 try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -40,5 +41,32 @@ def test_postgres_starts_from_binaries_only_their_owner_can_reach(
         finally:
             pg.cleanup()
         assert not (base / "pg").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["redis", "postgres"])
+def test_a_port_taken_before_the_first_start_is_traded_for_another(kind: str) -> None:
+    """free_port's answer is a moment old: another process may bind the port
+    before the server does. The first start moves to a new port (the demo
+    and the tests failed with "Address already in use" instead)."""
+    base = servers.temp_base("switchboard-test-port-")
+    try:
+        server = (
+            servers.RedisServer.create(base / "redis")
+            if kind == "redis"
+            else servers.PostgresServer.create(base / "pg")
+        )
+        taken = server.port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", taken))
+            squatter.listen()
+            try:
+                server.start()
+                assert server.port != taken
+                assert server.running
+            finally:
+                server.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
