@@ -186,6 +186,10 @@ def test_a_server_that_cannot_start_is_one_line_and_leaves_no_folder(
         busy = taken.getsockname()[1]
         ports = [busy, servers.free_port()] if failing == "PostgreSQL" else [servers.free_port(), busy]
         monkeypatch.setattr(servers, "free_port", lambda: ports.pop(0))
+        # One try: a server whose port was taken would otherwise move to
+        # another (test_servers covers that); this test is about a server
+        # that cannot start at all.
+        monkeypatch.setattr(servers, "PORT_ATTEMPTS", 1)
         try:
             code = demo.run(messages=10)
             captured = capsys.readouterr()
