@@ -41,7 +41,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -130,33 +130,39 @@ class StateWriter:
     def start(self, todo_id: int, lease_s: float, max_attempts: int) -> todos.Started:
         """Start todo ``todo_id``, committed on return (``found`` says why
         not, if it is not to run)."""
-        token = uuid.uuid4()
-        what = f"todo {todo_id}: starting it"
-        for delay_s in (*BUSY_RETRY_DELAYS_S, None):
-            request = _Start(todo_id, token, lease_s, max_attempts)
-            self._submit(request)
-            started = self._await(request.answer, what)
-            if started.found != todos.BUSY:
-                return started
-            self.busy_answers += 1
-            if delay_s is None:
-                break
-            time.sleep(delay_s)
-        raise StoreError(
-            f"{what}: its row stayed locked by another transaction for {sum(BUSY_RETRY_DELAYS_S)} s"
-        )
+        token = uuid.uuid4()  # one per run: a retry of its batch keeps it
+
+        def request() -> tuple[_Start, Future[todos.Started]]:
+            change = _Start(todo_id, token, lease_s, max_attempts)
+            return change, change.answer
+
+        return self._ask(request, lambda started: started.found == todos.BUSY, f"todo {todo_id}: starting it")
 
     def end(self, ending: todos.Ending) -> bool:
         """End a run, committed on return; False if the run no longer held
         its todo (its result is discarded)."""
         assert ending.run.todo is not None
+
+        def request() -> tuple[_End, Future[bool | None]]:
+            change = _End(ending)
+            return change, change.answer
+
         what = f"todo {ending.run.todo.id}: recording its run ({ending.to_status})"
+        held = self._ask(request, lambda answer: answer is None, what)
+        assert held is not None
+        return held
+
+    def _ask(
+        self, request: Callable[[], tuple[_Start | _End, Future[T]]], busy: Callable[[T], bool], what: str
+    ) -> T:
+        """Submit a change and wait for its answer, asking again after each
+        "busy" (its row held by another transaction), for about 5 s."""
         for delay_s in (*BUSY_RETRY_DELAYS_S, None):
-            request = _End(ending)
-            self._submit(request)
-            held = self._await(request.answer, what)
-            if held is not None:
-                return held
+            change, answer = request()
+            self._submit(change)
+            answered = self._await(answer, what)
+            if not busy(answered):
+                return answered
             self.busy_answers += 1
             if delay_s is None:
                 break

@@ -300,6 +300,24 @@ def bench_backlog(
     return n / elapsed, samples
 
 
+def produce_at(r: redis.Redis, rate: int, seconds: float) -> int:
+    """XADD at ``rate`` msg/s for ``seconds``, each body stamped with its send
+    time (``t``); return how many were sent."""
+    sent = 0
+    started = time.perf_counter()
+    tick_s = 0.005  # send in 5 ms slices at the offered rate
+    while (now := time.perf_counter() - started) < seconds:
+        due = int(now * rate) - sent
+        if due > 0:
+            pipe = r.pipeline(transaction=False)
+            for _ in range(due):
+                pipe.xadd(STREAM, {"body": json.dumps({"t": time.time(), "i": sent})})
+                sent += 1
+            pipe.execute()
+        time.sleep(tick_s)
+    return sent
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
@@ -314,17 +332,7 @@ def bench_latency(
     ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, "latency")
     sent = 0
     try:
-        started = time.perf_counter()
-        tick_s = 0.005  # send in 5 ms slices at the offered rate
-        while (now := time.perf_counter() - started) < seconds:
-            due = int(now * rate) - sent
-            if due > 0:
-                pipe = r.pipeline(transaction=False)
-                for _ in range(due):
-                    pipe.xadd(STREAM, {"body": json.dumps({"t": time.time(), "i": sent})})
-                    sent += 1
-                pipe.execute()
-            time.sleep(tick_s)
+        sent = produce_at(r, rate, seconds)
         wait_for(lambda: stream_drained(r), timeout_s=120, what="the latency run XACKed", interval_s=POLL_S)
         wait_for(lambda: acked_count(url) == sent, timeout_s=30, what="the latency run marked")
     finally:
@@ -464,17 +472,7 @@ def bench_done_latency(
     try:
         for proc in procs:
             wait_ready(proc)
-        started = time.perf_counter()
-        tick_s = 0.005  # send in 5 ms slices at the offered rate
-        while (now := time.perf_counter() - started) < seconds:
-            due = int(now * rate) - sent
-            if due > 0:
-                pipe = r.pipeline(transaction=False)
-                for _ in range(due):
-                    pipe.xadd(STREAM, {"body": json.dumps({"t": time.time(), "i": sent})})
-                    sent += 1
-                pipe.execute()
-            time.sleep(tick_s)
+        sent = produce_at(r, rate, seconds)
         try:
             wait_for(lambda: stream_drained(r) and todos_active(url) == 0, timeout_s=120,
                      what=f"the latency run at {rate}/s done", interval_s=POLL_S)  # fmt: skip
