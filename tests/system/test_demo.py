@@ -93,7 +93,7 @@ def _roles(tree: dict[int, list[str]], demo_pid: int) -> dict[str, int]:
     roles = {}
     for pid, argv in tree.items():
         fields = _stat(pid)
-        if fields is None or int(fields[1]) != demo_pid:
+        if fields is None or int(fields[1]) != demo_pid or not argv:  # no argv: exiting, or not yet exec'd
             continue
         name = Path(argv[0]).name
         if name == "postgres":

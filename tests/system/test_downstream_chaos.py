@@ -71,7 +71,9 @@ def unacked_in_redis(redis_url: str, mode: str) -> int:
     if mode == "stream":
         return xpending(redis_url, SOURCE, GROUP)
     with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
-        return sum(int(r.llen(k)) for k in r.scan_iter(match=processing_key(SOURCE, "*")))
+        # The glob also matches the acker's removal markers (strings).
+        keys = [k for k in r.scan_iter(match=processing_key(SOURCE, "*")) if r.type(k) == b"list"]
+        return sum(int(r.llen(k)) for k in keys)
 
 
 def todo_of(db_url: str, n: int) -> tuple[int, str]:
