@@ -171,6 +171,11 @@ class StateWriter:
             f"{what}: its row stayed locked by another transaction for {sum(BUSY_RETRY_DELAYS_S)} s"
         )
 
+    @property
+    def _write_bound_s(self) -> float:
+        """The longest a batch takes: every try within the deadline, plus the waits between them."""
+        return self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S)
+
     def _submit(self, request: _Start | _End) -> None:
         if self._closing.is_set():
             raise StoreError("the worker is stopping: its state writer is closed")
@@ -181,12 +186,12 @@ class StateWriter:
         deadline, plus the waits between them. A change not taken into a
         batch by then is withdrawn and never written; one being written is
         waited for once more, as long again."""
-        bound_s = self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S) + IDLE_WAKE_S
+        bound_s = self._write_bound_s + IDLE_WAKE_S
         try:
             return answer.result(timeout=bound_s)
-        except FutureTimeout:
+        except FutureTimeout as exc:
             if answer.cancel():
-                raise StoreError(f"{what}: not written within {bound_s:.0f} s (withdrawn)") from None
+                raise StoreError(f"{what}: not written within {bound_s:.0f} s (withdrawn)") from exc
         try:
             return answer.result(timeout=bound_s)
         except FutureTimeout as exc:
@@ -195,7 +200,7 @@ class StateWriter:
     def close(self) -> None:
         """Write what is queued, then stop; later changes are refused."""
         self._closing.set()
-        self._thread.join(timeout=self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S) + 5)
+        self._thread.join(timeout=self._write_bound_s + 5)
         if self._conn is not None and not self._thread.is_alive():
             self._conn.close()
         self._engine.dispose()

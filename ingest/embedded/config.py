@@ -32,12 +32,11 @@ def write_config(
     acker: Mapping[str, Any] | None = None,
     queues: Mapping[str, Mapping[str, Any]] | None = None,
     dramatiq_url: str | None = None,
-    dramatiq: Mapping[str, Any] | None = None,
 ) -> Path:
     """``[database]`` (its url and ``database``), ``[redis]`` when ``redis_url`` is
     given, one ``[[adapters]]`` table each, ``[ingest]`` / ``[acker]`` when
     given, one ``[queues.NAME]`` table each, and ``[dramatiq]`` when its url
-    or other keys (``dramatiq``) are given."""
+    is given."""
     text = f"[database]\n{_table({'url': database_url, **(database or {})})}"
     if redis_url is not None:
         text += f"\n[redis]\n{_table({'url': redis_url})}"
@@ -49,8 +48,7 @@ def write_config(
         text += f"\n[acker]\n{_table(acker)}"
     for name, queue in (queues or {}).items():
         text += f"\n[queues.{name}]\n{_table(queue)}"
-    if dramatiq_url is not None or dramatiq:
-        keys = {**({"url": dramatiq_url} if dramatiq_url is not None else {}), **(dramatiq or {})}
-        text += f"\n[dramatiq]\n{_table(keys)}"
+    if dramatiq_url is not None:
+        text += f"\n[dramatiq]\n{_table({'url': dramatiq_url})}"
     path.write_text(text)
     return path
