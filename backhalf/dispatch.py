@@ -24,13 +24,14 @@ attempt and the state from PostgreSQL, which is the truth.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import todos
+from backhalf import metrics, todos
 from backhalf.db import driver_connection, within_deadline, wrap_driver_errors
 from backhalf.errors import BackhalfError, StoreError
 from backhalf.queues import QueueConfig
@@ -145,6 +146,8 @@ class Dispatcher:
                     marked = await todos.mark_dispatched(
                         cur, [tid for tid, _ in claimed], todos.DISPATCHED_BY_RELAY
                     )
+        for queue, n in Counter(queue for _tid, queue in claimed).items():
+            metrics.DISPATCHED.labels(queue).inc(n)
         log.info("todos_dispatched", dispatched=marked, claimed=len(claimed))
         return len(claimed)
 
@@ -164,6 +167,7 @@ class Dispatcher:
                     if again:
                         await self._enqueue(again)
         for tid, queue, status in moved:
+            metrics.RESCUED.labels(queue).inc()
             log.warning("todo_rescued", todo_id=tid, queue=queue, to_status=status)
         released = await self._release_orphaned_acks()
         return len(moved) + released

@@ -7,6 +7,7 @@
      ├── StoreError         a store transaction failed (driver error attached as __cause__)
      ├── AckStateError      reading or marking ack intents failed
      ├── DeadlineExceeded   a transaction got no reply within its client-side deadline
+     ├── PruneError         a retention batch failed (driver error attached as __cause__)
      └── InjectedFault      a failpoint configured to raise fired (tests only)
 
 Driver errors (psycopg, SQLAlchemy) are wrapped here with ``raise ... from exc``
@@ -42,6 +43,10 @@ class AckStateError(BackhalfError):
 class DeadlineExceeded(BackhalfError):
     """A transaction did not finish within ``transaction_deadline_ms``; its
     connection was cancelled or closed and its outcome is unknown."""
+
+
+class PruneError(BackhalfError):
+    """A retention batch failed; its transaction deleted nothing."""
 
 
 class InjectedFault(BackhalfError):

@@ -27,6 +27,11 @@ class QueueConfig:
     # past it (its worker killed) is rescued and dispatched again.
     lease_margin_ms: int = 30_000
     dramatiq_queue: str = ""  # default: the queue's name
+    # Retention (the acker's pruner, `switchboard prune`): done and cancelled
+    # todos, and failed ones (kept longer: operators retry them), deleted with
+    # their todo_events this many days after their last change. None: kept.
+    retain_done_days: float | None = None
+    retain_failed_days: float | None = None
 
     @property
     def lease_ms(self) -> int:

@@ -104,21 +104,9 @@ async def replay(
     if row is None:
         raise ReplayError(f"inbox row {inbox_id} does not exist")
     adapter, key, message_id, body, body_size, status, error = row
-    if status != "rejected":
-        raise ReplayError(f"inbox row {inbox_id} is {status}, not rejected")
-    if not body:
-        raise ReplayError(f"inbox row {inbox_id} has no body to replay ({error})")
-    if body_size is not None:
-        # Only the first bytes of an oversize message are kept: replaying
-        # them would make a todo of a message that never was.
-        raise ReplayError(
-            f"inbox row {inbox_id} keeps only the first {len(body)} of its {body_size} bytes:"
-            " re-send the message instead"
-        )
-    try:
-        payload = normalize_for(adapter)(bytes(body))
-    except PoisonMessage as exc:
-        raise ReplayError(f"inbox row {inbox_id} is still rejected: {exc}") from exc
+    # The adapter's rules are looked up only once the row passed the other
+    # checks: a row of an adapter no longer configured says what it is first.
+    payload = check(inbox_id, status, bytes(body), body_size, error, lambda b: normalize_for(adapter)(b))
     # The inbox row is locked (above) before the todo: the reverse of a
     # store's order, see ``backhalf.store``.
     todo_id = await todos.create(
@@ -146,6 +134,29 @@ async def replay(
         .values(status="stored", error=None, todo_id=todo_id, event_id=event_id)
     )
     return todo_id
+
+
+def check(
+    inbox_id: int, status: str, body: bytes, body_size: int | None, error: str | None, normalize: Normalizer
+) -> str:
+    """The payload a replay of this row would store; :class:`ReplayError`
+    if it would be refused. Writes nothing: ``inbox replay --dry-run`` asks
+    it too, so a dry run refuses exactly what a replay refuses."""
+    if status != "rejected":
+        raise ReplayError(f"inbox row {inbox_id} is {status}, not rejected")
+    if not body:
+        raise ReplayError(f"inbox row {inbox_id} has no body to replay ({error})")
+    if body_size is not None:
+        # Only the first bytes of an oversize message are kept: replaying
+        # them would make a todo of a message that never was.
+        raise ReplayError(
+            f"inbox row {inbox_id} keeps only the first {len(body)} of its {body_size} bytes:"
+            " re-send the message instead"
+        )
+    try:
+        return normalize(body)
+    except PoisonMessage as exc:
+        raise ReplayError(f"inbox row {inbox_id} is still rejected: {exc}") from exc
 
 
 def _jsonb(payload: str) -> sa.ColumnElement[object]:

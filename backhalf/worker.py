@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 from dramatiq.middleware import TimeLimitExceeded
 
-from backhalf import todos
+from backhalf import metrics, todos
 from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
 
@@ -67,16 +68,21 @@ class Runner:
             bound.info("todo_skipped", status=started.found)
             return
         bound = bound.bind(attempt=todo.attempt)
+        began = time.perf_counter()
         try:
             _call(handler, todo, queue.time_limit_ms / 1000)
         # dramatiq's TimeLimitExceeded is a BaseException; KeyboardInterrupt,
         # SystemExit and dramatiq's Shutdown are not the handler's failure.
         except (Exception, TimeLimitExceeded) as exc:
+            metrics.RUN_SECONDS.labels(queue_name).observe(time.perf_counter() - began)
+            metrics.ATTEMPTS_FAILED.labels(queue_name).inc()
             self._failed(queue, started, exc, bound)
             if todo.attempt < queue.max_attempts:
                 raise  # dramatiq's Retries runs it again after its backoff
             return
+        metrics.RUN_SECONDS.labels(queue_name).observe(time.perf_counter() - began)
         if self._writer.end(todos.Ending(started, "done", None, "done")):
+            metrics.FINISHED.labels(queue_name, "done").inc()
             # Debug: a line per success would cost each todo a write to the
             # log; todo_events has the record of every one.
             bound.debug("todo_done")
@@ -96,6 +102,7 @@ class Runner:
         if not held:
             bound.warning("todo_result_discarded", reason="cancelled or rescued while it ran", error=error)
         elif final:
+            metrics.FINISHED.labels(queue.name, "failed").inc()
             bound.error("todo_failed", error=error, attempts=todo.attempt)
         else:
             bound.warning("todo_attempt_failed", error=error, max_attempts=queue.max_attempts)

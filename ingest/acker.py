@@ -20,6 +20,7 @@ there (schema missing, login refused, no such database) stops it with
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 
 import psycopg
@@ -29,6 +30,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks, db_errors, failpoints, registry
+from backhalf import metrics as m
 from backhalf.db import (
     DEFAULT_TRANSACTION_DEADLINE_MS,
     DatabaseSettings,
@@ -36,7 +38,7 @@ from backhalf.db import (
     libpq_url,
     within_deadline,
 )
-from backhalf.dispatch import Dispatcher, Enqueuer
+from backhalf.dispatch import Dispatcher, DispatchError, Enqueuer
 from backhalf.errors import DeadlineExceeded
 from backhalf.queries import ACK_CHANNEL
 from backhalf.registry import AdapterRow
@@ -46,6 +48,9 @@ from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.errors import ConfigError, log_failure
 from ingest.lifecycle import Backoff, Retry, wait_either, wait_stop
+from ingest.metrics_http import Liveness
+from ingest.observe import database_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
+from ingest.prune import prune_loop, walks
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +72,7 @@ async def drain_adapter(
     were discharged. Per adapter, so one broker being down stalls no other.
     Past the deadline the marks are lost with the connection and the rows
     stay pending: they are acked again, a no-op at the broker."""
+    started = time.perf_counter()
     async with within_deadline(engine.begin(), deadline_ms, f"adapter {adapter}: ack drain") as conn:
         claims = await acks.claim(conn, [adapter], limit)
         if not claims:
@@ -75,6 +81,9 @@ async def drain_adapter(
         await acknowledger.ack(claims)
         failpoints.hit("acker_after_xack")
     await acknowledger.acked(claims)
+    m.ACKED.labels(adapter).inc(len(claims))
+    m.ACK_SECONDS.labels(adapter).observe(time.perf_counter() - started)
+    m.ACK_BATCH.labels(adapter).observe(len(claims))
     log.info("acks_sent", adapter=adapter, acked=len(claims))
     return len(claims)
 
@@ -102,6 +111,7 @@ async def drain_loop(
     *,
     refresh: Callable[[], Awaitable[object]] | None = None,
     refresh_interval_s: float = REGISTRY_REFRESH_S,
+    tick: Callable[[], None] = lambda: None,
 ) -> None:
     """Drain every adapter until stop. ``refresh``, if given, runs every
     ``refresh_interval_s`` and may add acknowledgers to ``acknowledgers``."""
@@ -110,6 +120,7 @@ async def drain_loop(
     retry_at: dict[str, float] = {}
     next_refresh = loop.time() + refresh_interval_s
     while not stop.is_set():
+        tick()
         if refresh is not None and loop.time() >= next_refresh:
             next_refresh = loop.time() + refresh_interval_s
             try:
@@ -124,6 +135,8 @@ async def drain_loop(
             try:
                 drained = await drain_adapter(engine, adapter, acknowledger, settings.batch_size, deadline_ms)
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
+                kind = "database" if isinstance(exc, SQLAlchemyError | DeadlineExceeded) else "broker"
+                m.ERRORS.labels("ack", kind, m.error_class(exc)).inc()
                 retry = retries.setdefault(
                     adapter, Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
                 )
@@ -236,17 +249,23 @@ def _set_all(events: Sequence[asyncio.Event]) -> None:
 
 
 async def relay_loop(
-    dispatcher: Dispatcher, settings: AckerSettings, wake: asyncio.Event, stop: asyncio.Event
+    dispatcher: Dispatcher,
+    settings: AckerSettings,
+    wake: asyncio.Event,
+    stop: asyncio.Event,
+    tick: Callable[[], None] = lambda: None,
 ) -> None:
     """Dispatch committed todos until stop: woken by the store's NOTIFY (a
     commit may have created todos), polling as a fallback; failures are
     logged, backed off and retried, never the end of the loop."""
     retry = Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
     while not stop.is_set():
+        tick()
         wake.clear()
         try:
             dispatched = await dispatcher.relay_once()
         except Exception as exc:  # noqa: BLE001 - the database, the broker or a bug: back off, go on
+            m.ERRORS.labels("ack", _kind(exc), m.error_class(exc)).inc()
             await retry.back_off(stop, "dispatch_failed", exc)
             continue
         retry.succeeded()
@@ -254,13 +273,25 @@ async def relay_loop(
             await wait_either(wake, stop, settings.poll_interval_ms / 1000)
 
 
-async def rescue_loop(dispatcher: Dispatcher, settings: AckerSettings, stop: asyncio.Event) -> None:
+def _kind(exc: BaseException) -> str:
+    """The relay's and rescuer's errors: a dramatiq enqueue is the broker's."""
+    return "broker" if isinstance(exc, DispatchError) else "database"
+
+
+async def rescue_loop(
+    dispatcher: Dispatcher,
+    settings: AckerSettings,
+    stop: asyncio.Event,
+    tick: Callable[[], None] = lambda: None,
+) -> None:
     """Every ``rescue_interval_ms``: stuck todos dispatched again (or failed)."""
     retry = Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
     while not stop.is_set():
+        tick()
         try:
             rescued = await dispatcher.rescue_once()
         except Exception as exc:  # noqa: BLE001 - as the relay
+            m.ERRORS.labels("ack", _kind(exc), m.error_class(exc)).inc()
             await retry.back_off(stop, "rescue_failed", exc)
             continue
         retry.succeeded()
@@ -276,6 +307,12 @@ async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> N
 async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
     """With no adapters in the config, those of the adapters table, their
     broker at ``settings.redis_url``."""
+    liveness = new_liveness()
+    with serving(settings, liveness):
+        await _run_acker(settings, stop, liveness)
+
+
+async def _run_acker(settings: Settings, stop: asyncio.Event, liveness: Liveness) -> None:
     engine = create_engine(settings.database)
     acknowledgers: dict[str, Acknowledger] = {cfg.name: make_acknowledger(cfg) for cfg in settings.adapters}
     wake = asyncio.Event()
@@ -310,6 +347,7 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
                 return table.refresh(engine, deadline_ms)
 
             refresh = refresh_table
+        poll_s = settings.acker.poll_interval_ms / 1000
         async with asyncio.TaskGroup() as tg:
             listener = tg.create_task(
                 _listen_loop(settings.database, settings.acker, [wake, relay_wake], stop), name="listen"
@@ -326,16 +364,47 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
                     stop,
                     settings.database.transaction_deadline_ms,
                     refresh=refresh,
+                    tick=liveness.watch("drain", loop_bound_s(settings, poll_s)),
                 ),
                 name="drain",
             )
             loops = [drain]
+            if settings.acker.prune_interval_ms > 0 and walks(settings):
+                # Retention: bounded batches on a connection of its own.
+                loops.append(tg.create_task(prune_loop(engine, settings, stop), name="prune"))
             if dispatcher is not None:
                 # The outbox: committed todos to dramatiq, and stuck ones again.
+                relay_tick = liveness.watch("relay", loop_bound_s(settings, poll_s))
                 loops.append(
-                    tg.create_task(relay_loop(dispatcher, settings.acker, relay_wake, stop), name="relay")
+                    tg.create_task(
+                        relay_loop(dispatcher, settings.acker, relay_wake, stop, relay_tick), name="relay"
+                    )
                 )
-                loops.append(tg.create_task(rescue_loop(dispatcher, settings.acker, stop), name="rescue"))
+                rescue_s = settings.acker.rescue_interval_ms / 1000
+                rescue_tick = liveness.watch("rescue", loop_bound_s(settings, rescue_s))
+                loops.append(
+                    tg.create_task(rescue_loop(dispatcher, settings.acker, stop, rescue_tick), name="rescue")
+                )
+            deadline_ms = settings.database.transaction_deadline_ms
+            detail = {
+                "adapters": sorted(acknowledgers),
+                "queues": sorted(settings.queues) if dispatcher is not None else [],
+            }
+            tg.create_task(
+                heartbeat_loop(engine, "ack", detail, liveness, stop, deadline_ms=deadline_ms),
+                name="heartbeat",
+            )
+            if settings.metrics.port:
+                tg.create_task(
+                    database_gauges_loop(
+                        engine,
+                        lambda: list(acknowledgers),
+                        settings.metrics.refresh_interval_ms / 1000,
+                        stop,
+                        deadline_ms=deadline_ms,
+                    ),
+                    name="database-gauges",
+                )
             else:
                 log.info("dispatch_off", reason="no [queues.*] in the config: todos are not dispatched")
             for cfg in settings.adapters:

@@ -7,26 +7,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import importlib.metadata
-import json
 import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
-from datetime import UTC
 from pathlib import Path
 from typing import NoReturn
 
 import structlog
 
-from backhalf import db_errors, failpoints, migrate, registry, replay
+from backhalf import db_errors, failpoints, migrate, registry
 from backhalf.db import create_engine, redact_url
-from backhalf.normalize import body_payload
-from ingest import cli_errors, logs, signals, status, text_table, todos_command
+from ingest import (
+    cli_errors,
+    inbox_command,
+    logs,
+    prune_command,
+    signals,
+    status,
+    text_table,
+    todos_command,
+    trace_command,
+)
 from ingest.acker import run_acker
-from ingest.adapters.base import FAMILY, TRUST_MODE
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK, EXIT_UNHEALTHY
@@ -64,6 +69,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 0..65535 (got {text!r})")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument(
@@ -85,30 +96,30 @@ def _parser() -> argparse.ArgumentParser:
     ingest.add_argument(
         "--consumer", help="consumer name for every adapter (default: config, else host name)"
     )
-    verbs.add_parser("ack", parents=[common], help="run the acker (committed ack intents -> broker)")
+    acker = verbs.add_parser("ack", parents=[common], help="run the acker (committed ack intents -> broker)")
     adapters = verbs.add_parser("adapters", parents=[common], help="list, enable or disable adapters")
     adapter_verbs = adapters.add_subparsers(dest="adapters_verb", required=True, metavar="ACTION")
     adapter_verbs.add_parser("list", parents=[common], help="registered adapters and their flag")
     for action in ("enable", "disable"):
         p = adapter_verbs.add_parser(action, parents=[common], help=f"{action} an adapter at runtime")
         p.add_argument("name")
-    inbox_cmd = verbs.add_parser("inbox", parents=[common], help="list inbox rows; replay rejected ones")
-    inbox_verbs = inbox_cmd.add_subparsers(dest="inbox_verb", required=True, metavar="ACTION")
-    listing = inbox_verbs.add_parser("list", parents=[common], help="recent inbox rows, newest first")
-    listing.add_argument("--rejected", action="store_true", help="only rejected (poison, lost) messages")
-    listing.add_argument("--unacked", action="store_true", help="only rows whose ack is still pending")
-    listing.add_argument("--adapter", help="only this adapter")
-    listing.add_argument("--limit", type=_positive_int, default=50, help="at most this many rows (50)")
-    listing.add_argument("--json", action="store_true", help="machine-readable output")
-    rerun = inbox_verbs.add_parser("replay", parents=[common], help="re-run rejected messages")
-    rerun.add_argument("ids", nargs="+", type=_positive_int, metavar="ID", help="inbox row id")
+    inbox_command.add_parser(verbs, common, _positive_int)
     worker = verbs.add_parser("worker", parents=[common], help="run dramatiq workers for the todos")
     worker.add_argument("--processes", type=_positive_int, default=2, help="worker processes (2)")
     worker.add_argument("--threads", type=_positive_int, default=8, help="threads per process (8)")
     worker.add_argument(
         "--queues", nargs="+", default=[], metavar="QUEUE", help="only these [queues.*] (default: all)"
     )
+    for process in (ingest, acker, worker):
+        process.add_argument(
+            "--metrics-port",
+            type=_port,
+            metavar="PORT",
+            help="this process's /metrics and /healthz port, over [metrics] port (0: off)",
+        )
     todos_command.add_parser(verbs, common, _positive_int)
+    trace_command.add_parser(verbs, common, _positive_int)
+    prune_command.add_parser(verbs, common)
     st = verbs.add_parser("status", parents=[common], help="backlog, pending acks and todos per adapter")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     demo = verbs.add_parser("demo", help="the whole pipeline on embedded PostgreSQL and Redis")
@@ -124,6 +135,8 @@ def _settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
         settings = from_mapping({}, env)
     else:
         settings = load(path, env)
+    if getattr(args, "metrics_port", None) is not None:
+        settings = replace(settings, metrics=replace(settings.metrics, port=args.metrics_port))
     if args.verb == "ingest":
         if not settings.adapters:
             raise ConfigError("[[adapters]]: `switchboard ingest` needs at least one adapter")
@@ -190,75 +203,11 @@ async def _adapters_command(settings: Settings, args: argparse.Namespace) -> int
         await engine.dispose()
 
 
-async def _inbox_command(settings: Settings, args: argparse.Namespace) -> int:
-    engine = create_engine(settings.database)
-    try:
-        if args.inbox_verb == "list":
-            async with engine.connect() as conn:
-                rows = await replay.list_rows(
-                    conn, rejected=args.rejected, unacked=args.unacked, adapter=args.adapter, limit=args.limit
-                )
-            if args.json:
-                print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=str))
-            elif not rows:
-                print("no inbox rows match")
-            else:
-                print("\n".join(_inbox_table(rows)))
-            return EXIT_OK
-        failed = 0
-        for inbox_id in args.ids:
-            try:
-                async with engine.begin() as conn:
-                    todo_id = await replay.replay(
-                        conn,
-                        inbox_id,
-                        queue_for=lambda name: settings.adapter(name).queue,
-                        normalize_for=lambda name: _normalizer(settings, name),
-                        family=FAMILY,  # every configured adapter is a pull adapter
-                        trust_mode=TRUST_MODE,
-                    )
-            except replay.ReplayError as exc:  # its message names the row
-                failed += 1
-                print(f"switchboard inbox: {exc}", file=sys.stderr)
-            except ConfigError as exc:
-                failed += 1
-                print(f"switchboard inbox: inbox row {inbox_id}: {exc}", file=sys.stderr)
-            else:
-                print(f"inbox row {inbox_id}: stored, todo {todo_id}")
-        return EXIT_FAILURE if failed else EXIT_OK
-    finally:
-        await engine.dispose()
-
-
-def _inbox_table(rows: Sequence[replay.InboxRow]) -> list[str]:
-    header = ("ID", "STORED_AT (UTC)", "ADAPTER", "STATUS", "ACK", "DELIVERIES", "KEY", "ERROR")
-    table = [
-        (
-            str(r.id),
-            r.stored_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-            r.adapter,
-            r.status,
-            r.ack_state,
-            str(r.deliveries),
-            r.idempotency_key,
-            " ".join((r.error or "").split()),  # one line per row
-        )
-        for r in rows
-    ]
-    return text_table.table(header, table, right=frozenset({0, 5}))
-
-
-def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
-    cfg = settings.adapter(adapter)
-    # The adapter's current rules, schema included: a replay after the schema
-    # was fixed checks against the fixed one.
-    return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes, cfg.body_schema)
-
-
 async def _status_command(settings: Settings, as_json: bool) -> int:
-    report = await status.collect(settings)
-    print(status.render(report, as_json))
-    return status.exit_code(report)
+    procs = await status.collect_processes(settings)
+    report = await status.collect(settings, procs)
+    print(status.render(report, as_json, procs))
+    return status.exit_code(report, procs)
 
 
 def _until_stopped(verb: str, settings: Settings, body: Callable[[asyncio.Event], Awaitable[None]]) -> int:
@@ -304,8 +253,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.verb in _LONG_RUNNING:
         log.info("starting", verb=args.verb, database=redact_url(settings.database.url))
-        for note in settings.not_used_yet:
-            log.warning("config_not_used_yet", detail=note)
     try:
         return _dispatch(args, settings, env)
     except Exception as exc:  # noqa: BLE001 - the CLI boundary: every failure ends here
@@ -344,9 +291,13 @@ def _dispatch(args: argparse.Namespace, settings: Settings, env: Mapping[str, st
     if args.verb == "status":
         return asyncio.run(_status_command(settings, args.json))
     if args.verb == "inbox":
-        return asyncio.run(_inbox_command(settings, args))
+        return asyncio.run(inbox_command.run(settings, args))
     if args.verb == "todos":
         return asyncio.run(todos_command.run(settings, args))
+    if args.verb == "trace":
+        return asyncio.run(trace_command.run(settings, args))
+    if args.verb == "prune":
+        return asyncio.run(prune_command.run(settings, args))
     if args.verb == "worker":
         from ingest.worker import exec_workers  # dramatiq: only for this verb
 

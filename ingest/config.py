@@ -35,6 +35,7 @@ DEFAULT_CONFIG_PATH = "switchboard.toml"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DATABASE_URL_VARIABLE = "SWITCHBOARD_DATABASE_URL"
 REDIS_URL_VARIABLE = "SWITCHBOARD_REDIS_URL"
+METRICS_PORT_VARIABLE = "SWITCHBOARD_METRICS_PORT"
 MODES = ("stream", "list", "pubsub")
 STREAM = ("stream",)
 LIST = ("list",)
@@ -253,6 +254,55 @@ def _database_url(where: str, value: Any) -> str:
 
 DEFAULT_IDLE_POLL_MS = 50
 
+# Retention (issue 14). A stream entry id is deduplicated only while its inbox
+# row exists, so an adapter's rows are kept at least as long as its broker can
+# deliver the entry again: twice its claim (stream) or reap (list) cycle, and
+# never under an hour. Twice, because a cycle is the bound on when a stuck
+# entry is taken again, not on when that delivery is stored; the hour covers
+# what no key bounds: a consumer frozen (a GC pause, SIGSTOP, a VM migration)
+# with a batch it read before another consumer claimed, stored and acked it,
+# which it stores when it wakes, and the store's own deadline.
+DAY_MS = 86_400_000
+RETENTION_FLOOR_MS = 3_600_000
+RETENTION_HORIZON_FACTOR = 2
+MAX_RETAIN_DAYS = 36_500  # a century; more is a typo, and overflows a timedelta soon after
+
+
+def _days(where: str, value: Any) -> float:
+    """A number of days, fractional allowed (0.5 is twelve hours)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_RETAIN_DAYS:
+        raise ConfigError(f"{where} must be a number of days, > 0 and <= {MAX_RETAIN_DAYS} (got {value!r})")
+    return float(value)
+
+
+def redelivery_horizon_ms(values: Mapping[str, Any]) -> tuple[int, str]:
+    """How long after its delivery an adapter's broker may deliver a message
+    again, and from which keys: the claim cycle of a stream, the reap cycle of
+    a list (pub/sub never redelivers)."""
+    if values["mode"] == "stream":
+        return values["claim_idle_ms"] + values["claim_interval_ms"], "claim_idle_ms + claim_interval_ms"
+    if values["mode"] == "list":
+        return values["heartbeat_ttl_ms"] + values["reap_interval_ms"], "heartbeat_ttl_ms + reap_interval_ms"
+    return 0, "no redelivery (pub/sub)"
+
+
+def _retention_rule(key: str) -> Callable[[str, Mapping[str, Any]], None]:
+    def covers_redelivery(label: str, values: Mapping[str, Any]) -> None:
+        days = values.get(key)
+        if days is None:
+            return
+        horizon_ms, keys = redelivery_horizon_ms(values)
+        minimum_ms = max(RETENTION_HORIZON_FACTOR * horizon_ms, RETENTION_FLOOR_MS)
+        if days * DAY_MS < minimum_ms:
+            raise ConfigError(
+                f"{label}: key {key!r} ({days:g} days) is shorter than the adapter can redeliver: an entry"
+                f" is deduplicated only while its inbox row is kept, and {keys} is {horizon_ms} ms; keep"
+                f" rows at least {RETENTION_HORIZON_FACTOR}x that and at least"
+                f" {RETENTION_FLOOR_MS // 60_000} minutes ({minimum_ms / DAY_MS:.6g} days)"
+            )
+
+    return covers_redelivery
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdapterConfig:
@@ -293,6 +343,16 @@ class AdapterConfig:
     # A body whose validation against the schema runs longer is poison
     # (validation_timeout), so a producer cannot stall the ingester.
     schema_timeout_ms: Annotated[int, Key(minimum=1)] = DEFAULT_SCHEMA_TIMEOUT_MS
+    # Retention (the acker's pruner, `switchboard prune`): stored rows whose
+    # ack is done, and rejected ones (kept longer: operators replay them),
+    # deleted with their events this many days after they were stored.
+    # Unset: kept forever. Checked against the redelivery horizon above.
+    retain_acked_days: Annotated[
+        float | None, Key(parse=_days, rule=_retention_rule("retain_acked_days"))
+    ] = None
+    retain_rejected_days: Annotated[
+        float | None, Key(parse=_days, rule=_retention_rule("retain_rejected_days"))
+    ] = None
     body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
 
     def public_settings(self) -> dict[str, Any]:
@@ -329,6 +389,20 @@ class IngestSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    """``[metrics]``: the Prometheus and ``/healthz`` endpoint of ``ingest``,
+    ``ack`` and ``worker``. Port 0: off."""
+
+    port: int = 0
+    # Loopback unless said otherwise: a scraper elsewhere needs "0.0.0.0"
+    # (or the host's address), a choice to make, not a default to inherit.
+    address: str = "127.0.0.1"
+    # How often the backlog gauges (broker lag and lengths, pending acks,
+    # active todos) are read: each read is a few broker calls or queries.
+    refresh_interval_ms: int = 5_000
+
+
+@dataclass(frozen=True, slots=True)
 class AckerSettings:
     batch_size: int = 1000
     poll_interval_ms: int = 1000
@@ -344,6 +418,29 @@ class AckerSettings:
     # long at most).
     rescue_interval_ms: int = 5_000
     dispatch_timeout_ms: int = 300_000
+    # Retention: how often the acker prunes (0: never; `switchboard prune`
+    # still does), rows examined per batch (one short transaction each), and
+    # the pause between batches that lets autovacuum and replicas keep up.
+    prune_interval_ms: int = 60_000
+    prune_batch_size: int = 2_000
+    prune_pause_ms: int = 10
+
+
+# [acker] keys for which 0 means "off" rather than nothing at all.
+_ACKER_ZERO_ALLOWED = frozenset({"prune_interval_ms", "prune_pause_ms"})
+# A prune batch is one short transaction: larger ones hold their locks longer
+# and make WAL in bursts, for little more speed (docs/architecture.md, "Retention").
+MAX_PRUNE_BATCH_SIZE = 50_000
+
+
+def _acker_value(key: str, value: Any, kind: type) -> Any:
+    where = f"[acker]: key {key!r}"
+    if key in _ACKER_ZERO_ALLOWED and value == 0 and not isinstance(value, bool):
+        return 0
+    number = _number(where, value, kind)
+    if key == "prune_batch_size" and number > MAX_PRUNE_BATCH_SIZE:
+        raise ConfigError(f"{where} must be at most {MAX_PRUNE_BATCH_SIZE} (got {value!r})")
+    return number
 
 
 def _handler(where: str, value: Any) -> str:
@@ -361,13 +458,14 @@ def _handler(where: str, value: Any) -> str:
 LEASE_MARGIN_MIN_MS = 2_000
 _DRAMATIQ_QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
 _QUEUE_INTS = ("max_attempts", "time_limit_ms", "min_backoff_ms", "max_backoff_ms", "lease_margin_ms")
+_QUEUE_DAYS = ("retain_done_days", "retain_failed_days")
 
 
 def _queue(name: str, raw: Any) -> QueueConfig:
     where = f"[queues.{name}]"
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: must be a table")
-    _check_keys(where, raw, {"handler", "dramatiq_queue", *_QUEUE_INTS})
+    _check_keys(where, raw, {"handler", "dramatiq_queue", *_QUEUE_INTS, *_QUEUE_DAYS})
     if "handler" not in raw:
         raise ConfigError(f"{where}: key 'handler' is required ('module:function' that does the todos)")
     values: dict[str, Any] = {"handler": _handler(f"{where}: key 'handler'", raw["handler"])}
@@ -375,6 +473,9 @@ def _queue(name: str, raw: Any) -> QueueConfig:
         if key in raw:
             minimum = LEASE_MARGIN_MIN_MS if key == "lease_margin_ms" else 1
             values[key] = _positive_int(f"{where}: key {key!r}", raw[key], minimum=minimum)
+    for key in _QUEUE_DAYS:
+        if key in raw:
+            values[key] = _days(f"{where}: key {key!r}", raw[key])
     if "dramatiq_queue" in raw:
         values["dramatiq_queue"] = _string(f"{where}: key 'dramatiq_queue'", raw["dramatiq_queue"])
     queue = QueueConfig(name=name, **values)
@@ -401,16 +502,13 @@ class Settings:
     ingest: IngestSettings = IngestSettings()
     acker: AckerSettings = AckerSettings()
     queues: Mapping[str, QueueConfig] = field(default_factory=dict)
-    metrics_port: int = 0
+    metrics: MetricsSettings = MetricsSettings()
     # dramatiq's broker: [dramatiq] url, else the default broker (redis_url).
     dramatiq_url: str = DEFAULT_REDIS_URL
     # [dramatiq] idle_poll_ms: the longest a worker's consumer sleeps between
     # fetches from an empty queue (dramatiq's worker_timeout, 1000 ms by
     # default, which adds up to a second to a todo arriving at a quiet queue).
     dramatiq_idle_poll_ms: int = DEFAULT_IDLE_POLL_MS
-    # Keys the design card defines that nothing acts on yet, one line each:
-    # ``ingest`` and ``ack`` log them at start (see :func:`_not_used_yet`).
-    not_used_yet: tuple[str, ...] = ()
     # Where ``database.url`` came from, for messages: the variable or the key.
     database_url_origin: str = "[database] url"
     # The broker of adapters that name none: SWITCHBOARD_REDIS_URL, else
@@ -551,18 +649,31 @@ def _adapter(index: int, raw: Any, default_redis_url: str, base_dir: Path) -> Ad
     return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
 
 
-def _not_used_yet(metrics_port: int) -> tuple[str, ...]:
-    """Accepted, because the design card defines them and configs are written
-    from it, but acted on by nothing yet: said at start, never ignored silently.
-    (Refusing them would stop those configs from loading for a feature that
-    is merely late; port 0 means "off" and is no surprise.)"""
-    notes = []
-    if metrics_port:
-        notes.append(
-            f"[metrics]: key 'port' = {metrics_port}: metrics are not built yet, nothing listens on"
-            " the port (set 0 or remove the key)"
-        )
-    return tuple(notes)
+def check_metrics_port(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(f"{where} must be 0..65535 (got {value!r})")
+    return value
+
+
+_METRICS_DEFAULTS = MetricsSettings()
+
+
+def _metrics(raw: Mapping[str, Any], env: Mapping[str, str]) -> MetricsSettings:
+    """``[metrics]``; ``SWITCHBOARD_METRICS_PORT`` overrides its port (and
+    ``--metrics-port`` overrides both, per process: see the CLI)."""
+    section = _section(raw, "metrics")
+    _check_keys("[metrics]", section, {"port", "address", "refresh_interval_ms"})
+    port = check_metrics_port("[metrics]: key 'port'", section.get("port", 0))
+    if env.get(METRICS_PORT_VARIABLE):
+        text = env[METRICS_PORT_VARIABLE]
+        port = check_metrics_port(METRICS_PORT_VARIABLE, int(text) if text.isdigit() else text)
+    address = _string("[metrics]: key 'address'", section.get("address", _METRICS_DEFAULTS.address))
+    refresh = _positive_int(
+        "[metrics]: key 'refresh_interval_ms'",
+        section.get("refresh_interval_ms", _METRICS_DEFAULTS.refresh_interval_ms),
+        minimum=100,
+    )
+    return MetricsSettings(port=port, address=address, refresh_interval_ms=refresh)
 
 
 def _broker_identity(url: str) -> tuple[str, ...]:
@@ -678,24 +789,16 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         if "url" in dramatiq_section
         else default_redis
     )
-    metrics = _section(raw, "metrics")
-    _check_keys("[metrics]", metrics, {"port"})
-    port = metrics.get("port", 0)
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"[metrics]: key 'port' must be 0..65535 (got {port!r})")
     return Settings(
-        not_used_yet=_not_used_yet(port),
         database_url_origin=DATABASE_URL_VARIABLE if env.get(DATABASE_URL_VARIABLE) else "[database] url",
         database=database,
         adapters=adapters,
         ingest=ingest,
-        acker=AckerSettings(
-            **{k: _number(f"[acker]: key {k!r}", v, acker_types[k]) for k, v in acker_raw.items()}
-        ),
+        acker=AckerSettings(**{k: _acker_value(k, v, acker_types[k]) for k, v in acker_raw.items()}),
         queues=queues,
         dramatiq_url=dramatiq_url,
         dramatiq_idle_poll_ms=idle_poll_ms,
-        metrics_port=port,
+        metrics=_metrics(raw, env),
         redis_url=default_redis,
     )
 

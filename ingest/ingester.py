@@ -23,6 +23,8 @@ from ingest.adapters.base import FAMILY, AdapterBuilder, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import Settings
 from ingest.lifecycle import Backoff, Retry
+from ingest.metrics_http import Liveness
+from ingest.observe import broker_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
 from ingest.poll import PollLoop
 
 log = structlog.get_logger(__name__)
@@ -87,33 +89,62 @@ async def run_ingester(
     *,
     adapter_factory: AdapterBuilder = make_adapter,
 ) -> None:
+    liveness = new_liveness()
+    with serving(settings, liveness):
+        await _run_ingester(settings, stop, adapter_factory, liveness)
+
+
+async def _run_ingester(
+    settings: Settings, stop: asyncio.Event, adapter_factory: AdapterBuilder, liveness: Liveness
+) -> None:
     engine = create_engine(settings.database)
     adapters: list[PullAdapter] = []
+    deadline_ms = settings.database.transaction_deadline_ms
     try:
         if not await register_adapters(engine, settings, stop):
             return
-        group_starts = GroupStartLedger(engine, settings.database.transaction_deadline_ms)
+        group_starts = GroupStartLedger(engine, deadline_ms)
         adapters = [adapter_factory(cfg, group_starts=group_starts) for cfg in settings.adapters]
         warn_if_pool_small(adapters, settings)
         async with asyncio.TaskGroup() as tg:
             pairs = list(zip(adapters, settings.adapters, strict=True))
-            loops = [
-                tg.create_task(
-                    PollLoop(
-                        a,
-                        cfg,
-                        engine,
-                        settings.ingest,
-                        stop,
-                        deadline_ms=settings.database.transaction_deadline_ms,
-                    ).run(),
-                    name=f"poll:{cfg.name}",
+            polls = {
+                cfg.name: PollLoop(
+                    a,
+                    cfg,
+                    engine,
+                    settings.ingest,
+                    stop,
+                    deadline_ms=deadline_ms,
+                    tick=liveness.watch(
+                        f"poll:{cfg.name}",
+                        loop_bound_s(settings, max(cfg.block_ms, settings.ingest.enabled_refresh_ms) / 1000),
+                    ),
                 )
                 for a, cfg in pairs
-            ]
+            }
+            loops = [tg.create_task(polls[cfg.name].run(), name=f"poll:{cfg.name}") for _a, cfg in pairs]
             # Heartbeats and the like: they end on stop by themselves.
             for a, cfg in pairs:
                 tg.create_task(a.run_background(stop), name=f"background:{cfg.name}")
+            detail = {
+                "adapters": [cfg.name for cfg in settings.adapters],
+                "consumers": sorted({cfg.consumer for cfg in settings.adapters}),
+            }
+            tg.create_task(
+                heartbeat_loop(engine, "ingest", detail, liveness, stop, deadline_ms=deadline_ms),
+                name="heartbeat",
+            )
+            if settings.metrics.port:
+                tg.create_task(
+                    broker_gauges_loop(
+                        pairs,
+                        lambda name: polls[name].enabled,
+                        settings.metrics.refresh_interval_ms / 1000,
+                        stop,
+                    ),
+                    name="broker-gauges",
+                )
             await stop.wait()
             _done, running = await asyncio.wait(loops, timeout=settings.ingest.shutdown_timeout_s)
             if running:

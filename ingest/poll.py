@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from backhalf import acks, body_schema, failpoints, registry
+from backhalf import acks, body_schema, failpoints, metrics, registry
 from backhalf import attempts as delivery_attempts
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.db_errors import is_transient
@@ -133,8 +134,10 @@ class PollLoop:
         stop: asyncio.Event,
         *,
         deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
+        tick: Callable[[], None] = lambda: None,
     ) -> None:
         self._adapter = adapter
+        self._tick = tick  # /healthz: the loop turns
         self._cfg = config
         self._engine = engine
         self._deadline_ms = deadline_ms
@@ -196,6 +199,7 @@ class PollLoop:
         )
         self._log.info("poll_loop_started", broker=self._adapter.broker)
         while not self._stop.is_set():
+            self._tick()
             try:
                 await self._step(depth, retry)
             except Exception as exc:  # noqa: BLE001 - a bug must not end ingestion either; see _recover
@@ -263,6 +267,8 @@ class PollLoop:
         # keeps none).
         self._adapter.rewind()
         event = "broker_error" if isinstance(exc, BrokerError) else "store_failed"
+        kind = "broker" if isinstance(exc, BrokerError) else "database"
+        metrics.ERRORS.labels("ingest", kind, metrics.error_class(exc)).inc()
         await retry.back_off(self._stop, event, exc, broker=self._adapter.broker)
 
     async def _wind_down(self) -> None:
@@ -398,6 +404,7 @@ class PollLoop:
         # redelivers the whole batch and the committed chunks dedup.
         self._adapter.stored()
         result = StoreResult.total(results)
+        self._count(fetched, result, time.perf_counter() - started)
         self._log.info(
             "batch_stored",
             messages=len(deliveries),
@@ -423,6 +430,37 @@ class PollLoop:
         for d in deliveries:
             if d.lost:
                 self._log.error("lost_before_ingest", message_id=d.message_id, key=d.idempotency_key)
+
+    @property
+    def enabled(self) -> bool:
+        """The runtime flag as last read (the metrics' adapter_enabled)."""
+        return self._enabled
+
+    def _count(self, fetched: Fetched, result: StoreResult, store_s: float) -> None:
+        """The batch's metrics: a handful of additions per batch, none per message."""
+        name = self._cfg.name
+        m = metrics
+        m.CONSUMED.labels(name).inc(len(fetched.deliveries))
+        m.STORED.labels(name).inc(result.new)
+        m.TODOS_CREATED.labels(name).inc(result.todos_created)
+        if result.redelivered:
+            m.DEDUPLICATED.labels(name, "inbox").inc(result.redelivered)
+        if result.todos_deduped:
+            m.DEDUPLICATED.labels(name, "todo").inc(result.todos_deduped)
+        m.STORE_SECONDS.labels(name).observe(store_s)
+        m.STORE_BATCH.labels(name).observe(len(fetched.deliveries))
+        if result.rejected:
+            # Which reasons: those of the batch's rejected records, when all
+            # of them were new (the usual case); a redelivered rejection is
+            # counted as deduplicated, not again, so the totals stay exact.
+            reasons = Counter(m.reason_of(r.error) for r in fetched.records if r.error is not None)
+            if sum(reasons.values()) != result.rejected:
+                reasons = Counter({"other": result.rejected})
+            for reason, n in reasons.items():
+                m.REJECTED.labels(name, reason).inc(n)
+            lost = sum(1 for d in fetched.deliveries if d.lost)
+            if lost:
+                m.LOST.labels(name).inc(lost)
 
     async def _split_suspects(
         self, records: list[InboxRecord]

@@ -10,8 +10,13 @@ config (no config file), every registered adapter's, at the broker URL the
 caller gives (``SWITCHBOARD_REDIS_URL`` or the default).
 
 An adapter is unhealthy when its broker cannot be asked (unreachable, or it
-answers with an error). A disabled adapter is still checked and shown, but
-not counted: an operator disables an adapter to take it out of service.
+answers with an error), or when a process that served it died: an ingester
+reading it, an acker acking it or a worker doing its queue whose heartbeat
+row (``processes``) went silent without a stop, and that no newer process of
+its role on its host replaced (``backhalf.heartbeats``). A disabled adapter
+is still checked and shown, but not counted: an operator disables an adapter
+to take it out of service. A dead process that served no adapter shown
+makes the exit code non-zero too.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backhalf import audit, registry
+from backhalf import audit, heartbeats, registry
 from backhalf.db import create_engine
+from backhalf.heartbeats import ProcessRow
 from backhalf.registry import AdapterRow
 from ingest import registered
 from ingest.adapters.factory import make_adapter
@@ -58,10 +64,42 @@ class _Entry:
     failed: bool = False
 
 
-async def collect(settings: Settings) -> list[dict[str, Any]]:
+def _serves(p: ProcessRow, adapter: str, queue: str) -> bool:
+    if p.role == "worker":
+        return queue in p.detail.get("queues", ())
+    return adapter in p.detail.get("adapters", ())
+
+
+def _label(p: ProcessRow) -> str:
+    """How an operator finds it: role, host and pid, and what it reads."""
+    consumers = p.detail.get("consumers")
+    named = f" ({', '.join(consumers)})" if consumers else ""
+    return f"{p.role} {p.host}:{p.pid}{named}"
+
+
+def _processes_of(procs: Sequence[ProcessRow], adapter: str, queue: str) -> dict[str, Any]:
+    mine = [p for p in procs if _serves(p, adapter, queue)]
+    out: dict[str, Any] = {
+        role: [_label(p) for p in mine if p.role == role and p.state == "alive"]
+        for role in ("ingest", "ack", "worker")
+    }
+    out["dead"] = [f"{_label(p)}, silent {p.silent_s:.0f} s" for p in mine if p.state == "dead"]
+    return out
+
+
+async def collect_processes(settings: Settings) -> list[ProcessRow]:
+    engine = create_engine(settings.database)
+    try:
+        async with engine.connect() as conn:
+            return await heartbeats.list_processes(conn)
+    finally:
+        await engine.dispose()
+
+
+async def collect(settings: Settings, procs: Sequence[ProcessRow] = ()) -> list[dict[str, Any]]:
     """Registered adapters the config does not name are checked at
     ``settings.redis_url`` when the config has no adapters (see the module's
-    docstring)."""
+    docstring). ``procs``: the ``processes`` rows, for each adapter's own."""
     engine = create_engine(settings.database)
     try:
         async with engine.connect() as conn:
@@ -89,8 +127,12 @@ async def collect(settings: Settings) -> list[dict[str, Any]]:
         enabled = c.enabled if c else None
         age = c.oldest_unacked_age if c else None
         settings_of = e.row.settings if e.row is not None else {}
+        queue = e.cfg.queue if e.cfg else str(settings_of.get("queue", e.name))
+        served = _processes_of(procs, e.name, queue)
         if enabled is False:
             healthy = None
+        elif served["dead"]:
+            healthy = False
         elif broker is not None:
             healthy = "broker_error" not in broker
         else:
@@ -111,7 +153,8 @@ async def collect(settings: Settings) -> list[dict[str, Any]]:
                 "stored": c.stored if c else 0,
                 "rejected": c.rejected if c else 0,
                 "acked": c.acked if c else 0,
-                "todos": todo_counts.get(e.cfg.queue if e.cfg else str(settings_of.get("queue", e.name)), {}),
+                "todos": todo_counts.get(queue, {}),
+                "processes": served,
             }
         )
     return report
@@ -121,8 +164,28 @@ def unhealthy(report: Sequence[Mapping[str, Any]]) -> list[str]:
     return [r["adapter"] for r in report if r["healthy"] is False]
 
 
-def exit_code(report: Sequence[Mapping[str, Any]]) -> int:
-    return EXIT_UNHEALTHY if unhealthy(report) else EXIT_OK
+def dead(procs: Sequence[ProcessRow]) -> list[ProcessRow]:
+    return [p for p in procs if p.state == "dead"]
+
+
+def exit_code(report: Sequence[Mapping[str, Any]], procs: Sequence[ProcessRow] = ()) -> int:
+    return EXIT_UNHEALTHY if unhealthy(report) or dead(procs) else EXIT_OK
+
+
+def render_processes(procs: Sequence[ProcessRow]) -> list[str]:
+    """One line per process row: alive and dead ones, and those stopped or
+    replaced (reported until the heartbeats forget them, after a day)."""
+    if not procs:
+        return ["processes: none has written a heartbeat (none started since `switchboard migrate`)"]
+    lines = ["processes:"]
+    for p in procs:
+        what = p.detail.get("queues") if p.role == "worker" else p.detail.get("adapters")
+        state = "DEAD" if p.state == "dead" else p.state
+        lines.append(
+            f"  {p.role:<7} {state:<8} {p.host}:{p.pid:<8} last seen {p.silent_s:.0f} s ago"
+            f"  {', '.join(what or [])}"
+        )
+    return lines
 
 
 def _text(value: Any) -> str:
@@ -154,20 +217,34 @@ def _verdict(r: Mapping[str, Any]) -> str:
 _IN_HEADER = ("adapter", "mode", "source", "healthy")
 
 
-def render(report: Sequence[Mapping[str, Any]], as_json: bool) -> str:
+def render(
+    report: Sequence[Mapping[str, Any]], as_json: bool, procs: Sequence[ProcessRow] | None = None
+) -> str:
     if as_json:
         return json.dumps(list(report), indent=2, default=str)
     if not report:
-        return "no adapters configured or registered (start `switchboard ingest` once)"
+        lines = ["no adapters configured or registered (start `switchboard ingest` once)"]
+        if procs:
+            lines += render_processes(procs)
+        return "\n".join(lines)
     lines = []
     for r in report:
         lines.append(f"{r['adapter']} ({_text(r['mode'])} {_text(r['source'])}): {_verdict(r)}")
         for key, value in r.items():
-            if key in _IN_HEADER:
+            if key in _IN_HEADER or key == "processes":
                 continue
             shown = f"{value} s" if key == "oldest_unacked_age_s" and value is not None else _text(value)
             lines.append(f"  {key:<22} {shown}")
+        served = r.get("processes") or {}
+        for role in ("ingest", "ack", "worker"):
+            lines.append(f"  {role + ' alive':<22} {', '.join(served.get(role, [])) or 'none'}")
+        if served.get("dead"):
+            lines.append(f"  {'DEAD':<22} {'; '.join(served['dead'])}")
+    if procs is not None:
+        lines += render_processes(procs)
     bad = unhealthy(report)
     if bad:
         lines.append(f"unhealthy: {', '.join(bad)}")
+    if procs is not None and dead(procs):
+        lines.append(f"dead processes: {', '.join(_label(p) for p in dead(procs))}")
     return "\n".join(lines)

@@ -31,13 +31,16 @@ from backhalf.errors import StoreError
 from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
 from backhalf.worker import Handler, Runner
-from ingest.config import Settings, load
+from ingest import worker_metrics
+from ingest.config import METRICS_PORT_VARIABLE, Settings
 from ingest.errors import ConfigError
+from ingest.metrics_http import MetricsServer
+from ingest.worker_metrics import WorkerHeartbeat
 
 log = structlog.get_logger(__name__)
 
 BROKER_SOCKET_TIMEOUT_S = 10.0
-CONFIG_VARIABLE = "SWITCHBOARD_CONFIG"
+CONFIG_VARIABLE = worker_metrics.CONFIG_VARIABLE
 
 
 def resolve_handler(queue: QueueConfig) -> Handler:
@@ -75,6 +78,7 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         self._runner: Runner | None = None
         self._runner_lock = threading.Lock()  # the first messages arrive on several threads at once
         self._handlers = {name: (q, resolve_handler(q)) for name, q in settings.queues.items()}
+        self._heartbeat: WorkerHeartbeat | None = None
 
     def declare(self, broker: dramatiq.Broker) -> None:
         """One actor per queue; called by the worker process at boot (and by
@@ -121,10 +125,17 @@ class SwitchboardMiddleware(dramatiq.Middleware):
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Its threads consume: the line a supervisor (or a test) waits for."""
+        self._heartbeat = WorkerHeartbeat(
+            self._settings, {"queues": sorted(self._settings.queues), "threads": self._threads}
+        )
+        self._heartbeat.start()
         log.info("worker_ready", queues=sorted(self._settings.queues), threads=self._threads)
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Once every worker thread has stopped: close the database pool."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         with self._runner_lock:
             if self._runner is not None:
                 self._runner.close()
@@ -171,17 +182,28 @@ def exec_workers(
     # dramatiq reads its idle poll bound (worker_timeout) from its environment only.
     env: Mapping[str, str] = {**os.environ, CONFIG_VARIABLE: str(config_path.resolve()),
                               "SWITCHBOARD_WORKER_THREADS": str(threads),
-                              "dramatiq_worker_timeout": str(settings.dramatiq_idle_poll_ms)}  # fmt: skip
+                              worker_metrics.PROCESSES_VARIABLE: str(processes),
+                              # --metrics-port, for the processes that read the config again
+                              METRICS_PORT_VARIABLE: str(settings.metrics.port),
+                              "dramatiq_worker_timeout": str(settings.dramatiq_idle_poll_ms),
+                              **worker_metrics.prepare(settings)}  # fmt: skip
     argv = [sys.executable, "-m", "dramatiq", "ingest.worker_app", "--processes", str(processes),
             "--threads", str(threads), "--queues", *broker_queues]  # fmt: skip
+    if settings.metrics.port:
+        # The endpoint: a process of dramatiq's own, summing the workers' files.
+        _check_port_free(settings)
+        argv += ["--fork-function", worker_metrics.FORK_FUNCTION]
     log.info("workers_starting", processes=processes, threads=threads, queues=broker_queues)
     os.execve(sys.executable, argv, dict(env))  # noqa: S606 - our interpreter, fixed arguments, no shell
 
 
 def app_broker() -> RedisBroker:
     """The broker of :mod:`ingest.worker_app`, from ``SWITCHBOARD_CONFIG``."""
-    path = os.environ.get(CONFIG_VARIABLE)
-    if not path:
-        raise ConfigError(f"{CONFIG_VARIABLE} is not set: run `switchboard worker`")
-    settings = load(path, os.environ)
+    settings = worker_metrics.load_app_settings()
     return broker_for(settings, threads=int(os.environ.get("SWITCHBOARD_WORKER_THREADS", "8")))
+
+
+def _check_port_free(settings: Settings) -> None:
+    """The fork process binds the port only once the workers are up; a port
+    taken is said now, as a config error (exit 2), not lost in its log."""
+    MetricsServer(settings.metrics.address, settings.metrics.port, lambda: (True, {}), quiet=True).close()

@@ -16,3 +16,40 @@ SELECT * FROM audit_adapter_counts;
 SELECT queue, idempotency_key, count(*) FROM todos
 WHERE status IN ('pending', 'dispatched', 'running')
 GROUP BY 1, 2 HAVING count(*) > 1;
+
+-- Every inbox row of one stream entry id, whichever adapter read it (the
+-- CLI's `switchboard trace ENTRY_ID` does this through the native key index;
+-- this form scans the inbox).
+SELECT * FROM audit_message_trail WHERE source_message_id = '1700000000000-0';
+
+-- Redeliveries per adapter: rows delivered more than once, and how many
+-- deliveries the inbox absorbed (deliveries - 1 per row).
+SELECT * FROM audit_redeliveries ORDER BY redeliveries DESC;
+
+-- The distribution of deliveries per adapter: how many rows took N deliveries.
+SELECT adapter, deliveries, inbox_rows FROM audit_delivery_counts ORDER BY adapter, deliveries;
+
+-- The messages delivered most often (poison candidates near max_deliveries).
+SELECT adapter, idempotency_key, deliveries, status, error FROM inbox
+WHERE deliveries > 1 ORDER BY deliveries DESC LIMIT 20;
+
+-- The last hour, per adapter and minute: consumed, deduplicated (by the inbox
+-- and by the todo index), rejected, acked, and ack latency percentiles.
+-- Always filter on minute: the filter reaches both scans of the inbox.
+SELECT adapter, minute, consumed, deduplicated_inbox, deduplicated_todo, rejected, acked,
+       round(ack_latency_p50_s::numeric, 3) AS p50_s,
+       round(ack_latency_p95_s::numeric, 3) AS p95_s,
+       round(ack_latency_p99_s::numeric, 3) AS p99_s
+FROM audit_adapter_minutes
+WHERE minute >= now() - interval '1 hour'
+ORDER BY adapter, minute;
+
+-- The same, one row per adapter for the whole hour (percentiles of the hour's
+-- acks, not an average of per-minute percentiles).
+SELECT adapter,
+       count(*) AS acked,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM acked_at - stored_at)) AS p50_s,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM acked_at - stored_at)) AS p99_s
+FROM inbox
+WHERE acked_at >= now() - interval '1 hour'
+GROUP BY adapter;

@@ -283,3 +283,27 @@ stream_groups = sa.Table(
     # An entry id, never "$": "$" would mean "whatever is last" at recreation.
     sa.CheckConstraint(f"start_id ~ '{STREAM_ID_PATTERN}'", name="start_id"),
 )
+
+# One row per running Switchboard process (``ingest``, ``ack``, each
+# ``worker`` process), written at start and every few seconds after: what
+# ``switchboard status`` reads to say which processes are alive. ``instance``
+# is chosen at random per process start; a graceful stop sets ``stopped_at``.
+# A row neither stopped nor seen lately is a process that died, unless a
+# newer process of the same role on the same host replaced it (a restart).
+PROCESS_ROLES = ("ingest", "ack", "worker")
+
+processes = sa.Table(
+    "processes",
+    metadata,
+    sa.Column("instance", UUID(as_uuid=True), primary_key=True),
+    sa.Column("role", sa.Text, nullable=False),
+    sa.Column("host", sa.Text, nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    # What it runs (adapters and consumer names, queues): no secrets.
+    sa.Column("detail", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("seen_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("stopped_at", sa.DateTime(timezone=True)),
+    sa.CheckConstraint(_one_of("role", PROCESS_ROLES), name="role"),
+)
+sa.Index("ix_processes_role_host", processes.c.role, processes.c.host)

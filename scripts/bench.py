@@ -19,6 +19,8 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    CPU per message by process; then XADD -> todo done at the offered rates
    of ``--done-rates``, with where the time goes step by step.
    ``--downstream`` runs this part alone.
+6. metrics (issue 14): ingest + ack with ``[metrics]`` off and on (each
+   endpoint scraped every second), runs interleaved, the ratio of medians.
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -29,8 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +49,14 @@ from backhalf import migrate  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
-from ingest.embedded.servers import PostgresServer, embedded_servers  # noqa: E402
+from ingest.embedded.servers import PostgresServer, embedded_servers, free_port  # noqa: E402
 
 STREAM = "bench"
 GROUP = "switchboard"
 POLL_S = 0.01  # how often a wait looks: the throughput clock stops when one returns
+# Metrics on against off: runs of each, interleaved; each run is scraped this often.
+METRICS_ROUNDS = 3
+SCRAPE_INTERVAL_S = 1.0
 
 
 def body(i: int) -> bytes:
@@ -152,23 +160,29 @@ def bench_naive(url: str, r: redis.Redis, n: int) -> float:
 INGEST_OVERRIDES: dict[str, int] = {}
 
 
-def write_config(path: Path, db_url: str, redis_url: str, batch_size: int) -> Path:
+def write_config(path: Path, db_url: str, redis_url: str, batch_size: int, metrics_port: int = 0) -> Path:
     adapter = {"name": "bench", "mode": "stream", "source": STREAM, "group": GROUP, "queue": "bench",
                "batch_size": batch_size, "block_ms": 100, "url": redis_url}  # fmt: skip
-    return config.write_config(
+    written = config.write_config(
         path,
         database_url=db_url,
         adapters=[adapter],
         ingest={"enabled_refresh_ms": 50, **INGEST_OVERRIDES},
         acker={"batch_size": batch_size * 2, "poll_interval_ms": 100},
     )
+    if metrics_port:
+        # The ingester takes the port, the acker the next one (--metrics-port
+        # is per process; here the config is shared, so the env says it).
+        with written.open("a") as f:
+            f.write(f"\n[metrics]\nport = {metrics_port}\nrefresh_interval_ms = 1000\n")
+    return written
 
 
-def start(verb: str, config_path: Path, log: Path) -> SwitchboardProcess:
+def start(verb: str, config_path: Path, log: Path, env: dict[str, str] | None = None) -> SwitchboardProcess:
     """A process as the bench has always run them: without -X dev, and (as
     every kit process) without the caller's SWITCHBOARD_* variables."""
     consumer = "bench-1" if verb == "ingest" else None
-    return SwitchboardProcess(verb, config_path, log, consumer=consumer)
+    return SwitchboardProcess(verb, config_path, log, consumer=consumer, env=env)
 
 
 def _status_mb(pid: int, field: str) -> float:
@@ -236,10 +250,11 @@ def set_enabled(url: str, enabled: bool) -> None:
 
 
 def start_pipeline(
-    workdir: Path, url: str, redis_url: str, batch_size: int, run: str
+    workdir: Path, url: str, redis_url: str, batch_size: int, run: str, metrics_port: int = 0
 ) -> tuple[SwitchboardProcess, SwitchboardProcess]:
-    config_path = write_config(workdir / f"{run}.toml", url, redis_url, batch_size)
-    acker = start("ack", config_path, workdir / f"{run}-acker.log")
+    config_path = write_config(workdir / f"{run}.toml", url, redis_url, batch_size, metrics_port)
+    acker_env = {"SWITCHBOARD_METRICS_PORT": str(metrics_port + 1)} if metrics_port else None
+    acker = start("ack", config_path, workdir / f"{run}-acker.log", acker_env)
     ingester = start("ingest", config_path, workdir / f"{run}-ingester.log")
     wait_ready(acker)
     wait_ready(ingester)
@@ -247,10 +262,20 @@ def start_pipeline(
 
 
 def bench_switchboard(
-    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, batch_size: int, servers: dict[str, int]
+    workdir: Path,
+    url: str,
+    r: redis.Redis,
+    redis_url: str,
+    n: int,
+    batch_size: int,
+    servers: dict[str, int],
+    *,
+    metrics_port: int = 0,
+    run: str = "throughput",
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     preload(r, n)
-    ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, "throughput")
+    ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, run, metrics_port)
+    scraper = Scraper([metrics_port, metrics_port + 1] if metrics_port else [])
     try:
         pids = {"ingester": ingester.pid, "acker": acker.pid, **servers}
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
@@ -263,9 +288,57 @@ def bench_switchboard(
         wait_for(lambda: acked_count(url) == n, timeout_s=30, what="every inbox row marked acked")
         rss = {"ingester": peak_rss_mb(ingester), "acker": peak_rss_mb(acker)}
     finally:
+        scraper.close()
         ingester.terminate()
         acker.terminate()
     return n / elapsed, rss, cpu_us
+
+
+class Scraper:
+    """Scrapes each port's /metrics every SCRAPE_INTERVAL_S while a run
+    lasts, as Prometheus would (more often than its usual 15 s): the cost
+    of metrics on includes being read."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self._ports = ports
+        self._stop = threading.Event()
+        self.scrapes = 0
+        self._thread = threading.Thread(target=self._run, name="scraper")
+        if ports:
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SCRAPE_INTERVAL_S):
+            for port in self._ports:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                        reply.read()
+                    self.scrapes += 1
+                except OSError:
+                    pass  # not listening yet
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ports:
+            self._thread.join(10)
+
+
+def bench_metrics_overhead(
+    workdir: Path, pg: Any, r: redis.Redis, redis_url: str, n: int, batch_size: int
+) -> tuple[list[float], list[float]]:
+    """Ingest + ack with metrics off and on, interleaved (off, on, off, on,
+    ...) so that drift in the machine's load falls on both alike."""
+    off: list[float] = []
+    on: list[float] = []
+    for i in range(METRICS_ROUNDS):
+        for port, into in ((0, off), (free_port(), on)):
+            name = f"metrics{i}{'on' if port else 'off'}"
+            rate, _rss, _cpu = bench_switchboard(
+                workdir, fresh_db(pg, name), r, redis_url, n, batch_size, {}, metrics_port=port, run=name
+            )
+            pg.drop_database(name)
+            into.append(rate)
+    return off, on
 
 
 def bench_backlog(
@@ -670,6 +743,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 "  CPU per message                 " + ", ".join(f"{k} {v:.0f} us" for k, v in cpu_us.items())
+            )
+            off, on = bench_metrics_overhead(base, pg, r, rs.url, n, args.batch_size)
+            print(
+                f"  metrics on / off                {statistics.median(on) / statistics.median(off):>10.3f}x"
+                f"  (medians of {METRICS_ROUNDS}, interleaved: off {statistics.median(off):,.0f},"
+                f" on {statistics.median(on):,.0f} msg/s; scraped every {SCRAPE_INTERVAL_S:g} s)"
             )
             latencies = bench_latency(
                 base, fresh_db(pg, "lat"), r, rs.url, args.rate, latency_s, args.batch_size

@@ -172,7 +172,13 @@ class Processes:
         self.all: list[SwitchboardProcess] = []
 
     def start(
-        self, verb: str, config: Path, *, name: str, failpoints: str | None = None
+        self,
+        verb: str,
+        config: Path,
+        *,
+        name: str,
+        failpoints: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> SwitchboardProcess:
         """An ingester is started with ``name`` as its consumer name."""
         incarnation = sum(1 for p in self.all if p.log_path.name.startswith(f"{name}."))
@@ -182,6 +188,7 @@ class Processes:
             self._log_dir / f"{name}.{incarnation}.log",
             consumer=name if verb == "ingest" else None,
             failpoints=failpoints,
+            env=env,
             strict=self._strict,
         )
         self.all.append(proc)

@@ -12,12 +12,11 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from ingest.embedded.processes import wait_for
 from ingest.embedded.servers import PostgresServer, free_port, temp_base
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE
 from tests.support import db
 from tests.support.config import stream_adapter, write_config
-from tests.support.processes import SECRET, Processes, assert_clean_exit, switchboard
+from tests.support.processes import SECRET, switchboard
 from tests.support.servers import ServerUrls
 
 pytestmark = pytest.mark.system
@@ -220,22 +219,6 @@ def test_bad_urls_are_config_errors_that_never_echo_them(
     assert "Traceback" not in out
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("switchboard")]
     assert line.startswith(f"switchboard: config error: {message}")
-
-
-def test_not_used_yet_keys_are_warned_at_start(
-    procs: Processes, tmp_path: Path, db_url: str, redis_url: str
-) -> None:
-    config = write_config(
-        tmp_path / "switchboard.toml", database_url=db_url, redis_url=redis_url, adapters=[stream_adapter()]
-    )
-    with config.open("a") as f:
-        f.write("\n[metrics]\nport = 9464\n")
-    acker = procs.start("ack", config, name="acker-1")
-    wait_for(lambda: acker.events("config_not_used_yet"), timeout_s=30, what="the warning")
-    details = [e["detail"] for e in acker.events("config_not_used_yet")]
-    assert len(details) == 1
-    assert details[0].startswith("[metrics]: key 'port' = 9464: metrics are not built yet")
-    assert_clean_exit(acker, acker.terminate())
 
 
 def test_replay_errors_name_the_row_once(db_url: str, tmp_path: Path, redis_url: str) -> None:

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from backhalf.replay import InboxRow
 from backhalf.todo_views import TodoDetail, TodoEvent, TodoRow
 from ingest import todos_command
-from ingest.cli import _inbox_table
+from ingest.inbox_command import inbox_table
 
 
 def row(id_: int, key: str, error: str | None, **kw: object) -> InboxRow:
@@ -27,7 +27,7 @@ def row(id_: int, key: str, error: str | None, **kw: object) -> InboxRow:
 
 
 def test_inbox_list_has_a_header_a_time_column_and_aligned_columns() -> None:
-    lines = _inbox_table(
+    lines = inbox_table(
         [
             row(12, "redis:orders:1764583886000-0", "invalid_json: line 1\ncolumn 1", deliveries=10),
             row(7, "k", None, stored_at=datetime(2026, 12, 1, 12, 0, tzinfo=timezone(timedelta(hours=2)))),

@@ -113,7 +113,31 @@ def test_queues_and_metrics_sections_are_accepted() -> None:
         },
         {},
     )
-    assert s.metrics_port == 9464
+    assert s.metrics.port == 9464
+    assert s.metrics.address == "127.0.0.1"  # loopback unless said otherwise
+
+
+def test_metrics_port_comes_from_the_environment_over_the_file() -> None:
+    raw = {"database": DB, "metrics": {"port": 9464, "address": "0.0.0.0", "refresh_interval_ms": 1000}}
+    s = from_mapping(raw, {"SWITCHBOARD_METRICS_PORT": "9500"})
+    assert (s.metrics.port, s.metrics.address, s.metrics.refresh_interval_ms) == (9500, "0.0.0.0", 1000)
+
+
+@pytest.mark.parametrize(
+    ("raw", "env", "needle"),
+    [
+        ({"port": 70000}, {}, "[metrics]: key 'port' must be 0..65535"),
+        ({"port": True}, {}, "[metrics]: key 'port' must be 0..65535"),
+        ({}, {"SWITCHBOARD_METRICS_PORT": "http"}, "SWITCHBOARD_METRICS_PORT must be 0..65535"),
+        ({"refresh_interval_ms": 10}, {}, "[metrics]: key 'refresh_interval_ms': must be an integer >= 100"),
+        ({"address": ""}, {}, "[metrics]: key 'address': must be a non-empty string"),
+        ({"host": "x"}, {}, "[metrics]: unknown key 'host'"),
+    ],
+)
+def test_bad_metrics_settings_are_refused(raw: dict[str, Any], env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        from_mapping({"database": DB, "metrics": raw}, env)
+    assert needle in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +195,7 @@ EVERY_KEY = {
     "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after", "batch_size",
     "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id", "key_prefix", "body_field", "format",
     "max_message_bytes", "url", "delivery", "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
-    "schema", "schema_timeout_ms",
+    "schema", "schema_timeout_ms", "retain_acked_days", "retain_rejected_days",
 }  # fmt: skip
 
 
@@ -207,6 +231,7 @@ def test_every_key_is_accepted_in_every_mode(mode: str, tmp_path: Path) -> None:
         block_ms=1, claim_idle_ms=1, claim_interval_ms=1, start_id="$", key_prefix="p", body_field="b",
         format="text", max_message_bytes=1, url="unix:///tmp/r.sock", delivery="at-most-once",
         heartbeat_ttl_ms=1000, reap_interval_ms=1, max_deliveries=3, schema="s.json", schema_timeout_ms=1,
+        retain_acked_days=1, retain_rejected_days=2,
     )  # fmt: skip
     assert set(raw) == EVERY_KEY
     a = from_mapping({"database": DB, "adapters": [raw]}, {}, tmp_path).adapters[0]
@@ -363,18 +388,6 @@ def test_where_the_database_url_came_from_is_kept_for_messages() -> None:
     assert from_mapping({"database": DB}, env).database_url_origin == "SWITCHBOARD_DATABASE_URL"
 
 
-def test_keys_nothing_acts_on_yet_are_noted_not_ignored() -> None:
-    quiet = from_mapping(
-        {"database": DB, "metrics": {"port": 0}, "queues": {"orders": {"handler": "m:f"}}}, {}
-    )
-    assert quiet.not_used_yet == ()
-    noisy = from_mapping({"database": DB, "metrics": {"port": 9464}}, {})
-    assert noisy.not_used_yet == (
-        "[metrics]: key 'port' = 9464: metrics are not built yet, nothing listens on the port"
-        " (set 0 or remove the key)",
-    )
-
-
 def test_queues_are_read_with_their_defaults_and_checked() -> None:
     s = from_mapping(
         {
@@ -454,3 +467,82 @@ def test_fan_out_is_distinct_groups_brokers_or_databases() -> None:
     ]  # fmt: skip
     for adapters in allowed:
         assert len(from_mapping({"database": DB, "adapters": adapters}, {}).adapters) == 2
+
+
+# --- retention (issue 14) -------------------------------------------------------
+
+
+def test_retention_keys_are_read_fractions_allowed_and_unset_means_kept() -> None:
+    s = from_mapping(
+        {
+            "database": DB,
+            "adapters": [
+                adapter(retain_acked_days=0.5, retain_rejected_days=30),
+                adapter(name="b", source="b"),
+            ],
+            "queues": {"orders": {"handler": "m:f", "retain_done_days": 7, "retain_failed_days": 1.5}},
+            "acker": {"prune_interval_ms": 0, "prune_batch_size": 5000, "prune_pause_ms": 0},
+        },
+        {},
+    )
+    assert (s.adapters[0].retain_acked_days, s.adapters[0].retain_rejected_days) == (0.5, 30.0)
+    assert (s.adapters[1].retain_acked_days, s.adapters[1].retain_rejected_days) == (None, None)
+    assert (s.queues["orders"].retain_done_days, s.queues["orders"].retain_failed_days) == (7.0, 1.5)
+    assert (s.acker.prune_interval_ms, s.acker.prune_batch_size, s.acker.prune_pause_ms) == (0, 5000, 0)
+    assert s.adapters[0].public_settings()["retain_acked_days"] == 0.5
+    assert "retain_acked_days" not in s.adapters[1].public_settings()
+
+
+@pytest.mark.parametrize(
+    ("raw", "needles"),
+    [
+        # Streams: 2 x (claim_idle_ms + claim_interval_ms), here 2 x 2 h.
+        (
+            adapter(claim_idle_ms=7_000_000, claim_interval_ms=200_000, retain_acked_days=0.1),
+            ["adapter 'orders'", "'retain_acked_days'", "claim_idle_ms + claim_interval_ms", "7200000 ms"],
+        ),
+        (
+            adapter(claim_idle_ms=7_000_000, claim_interval_ms=200_000, retain_rejected_days=0.1),
+            ["adapter 'orders'", "'retain_rejected_days'", "7200000 ms"],
+        ),
+        # Lists: heartbeat_ttl_ms + reap_interval_ms.
+        (
+            adapter(mode="list", heartbeat_ttl_ms=86_400_000, reap_interval_ms=5_000, retain_acked_days=1),
+            ["adapter 'orders'", "'retain_acked_days'", "heartbeat_ttl_ms + reap_interval_ms"],
+        ),
+        # Under the floor of an hour, whatever the horizon.
+        (adapter(retain_acked_days=0.02), ["adapter 'orders'", "'retain_acked_days'", "60 minutes"]),
+        (adapter(retain_acked_days=0), ["adapter 'orders'", "'retain_acked_days'", "number of days"]),
+        (adapter(retain_acked_days="7"), ["adapter 'orders'", "'retain_acked_days'"]),
+        (adapter(retain_acked_days=True), ["adapter 'orders'", "'retain_acked_days'"]),
+    ],
+)
+def test_a_retention_shorter_than_redelivery_is_refused(raw: dict[str, Any], needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "adapters": [raw]}, {})
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_a_retention_that_covers_redelivery_is_accepted() -> None:
+    # 2 x 2 h is 1/6 day: 0.17 days passes, the list's horizon is 35 s.
+    cfg = adapter(claim_idle_ms=7_000_000, claim_interval_ms=200_000, retain_acked_days=0.17)
+    listed = adapter(name="l", source="l", mode="list", retain_acked_days=0.05, retain_rejected_days=0.05)
+    s = from_mapping({"database": DB, "adapters": [cfg, listed]}, {})
+    assert [a.retain_acked_days for a in s.adapters] == [0.17, 0.05]
+
+
+@pytest.mark.parametrize(
+    ("raw", "needles"),
+    [
+        ({"acker": {"prune_batch_size": 0}}, ["[acker]", "'prune_batch_size'"]),
+        ({"acker": {"prune_batch_size": 100_000}}, ["[acker]", "'prune_batch_size'", "at most"]),
+        ({"acker": {"prune_interval_ms": -1}}, ["[acker]", "'prune_interval_ms'"]),
+        ({"queues": {"q": {"handler": "m:f", "retain_done_days": -1}}}, ["[queues.q]", "'retain_done_days'"]),
+    ],
+)
+def test_bad_prune_settings_are_refused(raw: dict[str, Any], needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, **raw}, {})
+    for needle in needles:
+        assert needle in str(info.value)

@@ -1,0 +1,139 @@
+"""The Prometheus metrics of every Switchboard process, defined once.
+
+Names follow Prometheus conventions: a ``switchboard_`` prefix, ``_total``
+on counters, base units in the name (``_seconds``). Labels are bounded sets:
+adapter and queue names come from the config, ``reason`` and ``error`` from
+:func:`reason_of` and :func:`error_class`, never from message content.
+
+Each process exports what it does: ``ingest`` the consume/store counters and
+the broker's backlog, ``ack`` the acks, the dispatch relay and the database's
+backlog (pending acks, active todos), ``worker`` the todos finished. The
+objects live in prometheus_client's default registry; a process whose
+``[metrics] port`` is 0 updates them all the same (a counter increment is a
+lock and an addition, counted per batch, not per message) and exports none.
+
+The dramatiq worker processes run in prometheus_client's multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR``, set by ``switchboard worker`` before dramatiq
+starts them): the values live in files one exporter process sums.
+"""
+
+from __future__ import annotations
+
+import re
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# A batch's store and an ack drain take milliseconds to seconds.
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000)
+# A handler's run: milliseconds to minutes.
+_RUN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+# ingest
+CONSUMED = Counter("switchboard_messages_consumed_total", "Messages read from the broker.", ["adapter"])
+STORED = Counter(
+    "switchboard_messages_stored_total",
+    "Messages stored for the first time (new inbox rows, rejected ones included).",
+    ["adapter"],
+)
+DEDUPLICATED = Counter(
+    "switchboard_messages_deduplicated_total",
+    "Deliveries that created nothing new: layer=inbox (the message was stored before),"
+    " layer=todo (an active todo with its key already existed).",
+    ["adapter", "layer"],
+)
+REJECTED = Counter(
+    "switchboard_messages_rejected_total", "Poison messages stored as rejected.", ["adapter", "reason"]
+)
+LOST = Counter(
+    "switchboard_messages_lost_before_ingest_total",
+    "Stream entries deleted or trimmed while pending, recorded as lost.",
+    ["adapter"],
+)
+TODOS_CREATED = Counter("switchboard_todos_created_total", "Todos created by the store.", ["adapter"])
+STORE_SECONDS = Histogram(
+    "switchboard_store_duration_seconds",
+    "One batch's store, from its first statement to its commit.",
+    ["adapter"],
+    buckets=_LATENCY_BUCKETS_S,
+)
+STORE_BATCH = Histogram(
+    "switchboard_store_batch_size", "Messages per stored batch.", ["adapter"], buckets=_BATCH_BUCKETS
+)
+ADAPTER_ENABLED = Gauge("switchboard_adapter_enabled", "1 if the adapter's runtime flag is on.", ["adapter"])
+STREAM_LENGTH = Gauge("switchboard_broker_stream_length", "Entries in the stream (XLEN).", ["adapter"])
+STREAM_LAG = Gauge(
+    "switchboard_broker_stream_lag", "Entries not yet delivered to the consumer group.", ["adapter"]
+)
+STREAM_PENDING = Gauge(
+    "switchboard_broker_pending_entries", "Entries delivered and not acked (the group's PEL).", ["adapter"]
+)
+LIST_LENGTH = Gauge("switchboard_broker_list_length", "Items waiting on the source list.", ["adapter"])
+PROCESSING_LENGTH = Gauge(
+    "switchboard_broker_processing_length",
+    "Items on the adapter's processing lists (consumed, not yet removed).",
+    ["adapter"],
+)
+
+# ack (and its dispatch relay)
+ACKED = Counter("switchboard_acks_total", "Broker acks sent for committed intents.", ["adapter"])
+ACK_SECONDS = Histogram(
+    "switchboard_ack_duration_seconds",
+    "One ack drain: claim, broker ack, commit.",
+    ["adapter"],
+    buckets=_LATENCY_BUCKETS_S,
+)
+ACK_BATCH = Histogram(
+    "switchboard_ack_batch_size", "Intents acked per drain.", ["adapter"], buckets=_BATCH_BUCKETS
+)
+DISPATCHED = Counter(
+    "switchboard_todos_dispatched_total", "Todos handed to dramatiq by the relay.", ["queue"]
+)
+RESCUED = Counter(
+    "switchboard_todos_rescued_total", "Stuck todos dispatched again or failed by the rescuer.", ["queue"]
+)
+PENDING_ACKS = Gauge("switchboard_pending_acks", "Committed ack intents not yet acked.", ["adapter"])
+OLDEST_UNACKED = Gauge(
+    "switchboard_oldest_unacked_age_seconds", "Age of the oldest pending ack intent (0: none).", ["adapter"]
+)
+TODOS = Gauge(
+    "switchboard_todos", "Todos in an active status (pending, dispatched, running).", ["queue", "status"]
+)
+
+# worker
+FINISHED = Counter(
+    "switchboard_todos_finished_total",
+    "Todos that reached a terminal status in a worker (done, failed).",
+    ["queue", "status"],
+)
+ATTEMPTS_FAILED = Counter(
+    "switchboard_todo_attempts_failed_total", "Handler runs that raised (retried or final).", ["queue"]
+)
+RUN_SECONDS = Histogram(
+    "switchboard_todo_run_duration_seconds", "A handler's run.", ["queue"], buckets=_RUN_BUCKETS_S
+)
+
+# every process
+ERRORS = Counter(
+    "switchboard_errors_total",
+    "Broker and database errors, by where (broker or database) and the error's class.",
+    ["process", "kind", "error"],
+)
+
+_REASON = re.compile(r"[a-z][a-z_]{0,39}")
+
+
+def reason_of(error: str) -> str:
+    """A rejection's reason: the stable token its error text starts with
+    (``too_large: ...``, ``invalid_json: ...``), else ``other``."""
+    head = error.partition(":")[0]
+    return head if _REASON.fullmatch(head) else "other"
+
+
+def error_class(exc: BaseException) -> str:
+    """The class of the error that caused ``exc`` (the driver's or the
+    broker's, under Switchboard's wrapping), a bounded label."""
+    cause: BaseException = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return type(cause).__name__

@@ -1,0 +1,187 @@
+"""The trail of one message, for ``switchboard trace``: which inbox rows hold
+it, and for each its broker coordinates, its event, its todo with every
+``todo_events`` row, and its ack.
+
+Reads only; SQLAlchemy Core, every value a bound parameter.
+
+How a message is found, and what it costs. The inbox's only key index is
+``uq_inbox_native_key`` on ``(adapter, idempotency_key)`` for rows with a
+native id (stream entries), and the hot insert path is why no other exists.
+So a key is probed once per registered adapter through that index, and an
+entry id is turned into each registered stream adapter's native key
+(``{key_prefix}:{source}:{entry-id}``, from the ``adapters`` row) and probed
+the same way: both cost a handful of index lookups however big the inbox is.
+A key with no native row (a list or pub/sub message, whose rows carry no
+index) is looked up by a scan of the inbox, bounded by the session's
+``statement_timeout``. Another message stored on a reused entry id has a
+derived key of its own (``backhalf.keys.reused_key``): trace it by that key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from backhalf import todo_views
+from backhalf.keys import DEFAULT_PREFIX
+from schema import adapters, events, inbox
+
+
+@dataclass(frozen=True, slots=True)
+class InboxTrail:
+    """One inbox row with its adapter's kind and source (broker coordinates)."""
+
+    inbox_id: int
+    adapter: str
+    transport: str | None  # None: the adapter is not registered (not expected)
+    mode: str | None
+    source: str | None  # the stream key, list key or channel, from the adapter's settings
+    idempotency_key: str
+    source_message_id: str | None
+    consumer: str | None
+    status: str
+    error: str | None
+    deliveries: int
+    ack_kind: str
+    ack_key: str | None  # stream: the stream key; list: the processing list
+    ack_group: str | None
+    ack_entry_id: str | None
+    ack_copies: int
+    ack_after: str
+    ack_state: str
+    acked_at: datetime | None
+    stored_at: datetime
+    todo_id: int | None
+    event_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EventTrail:
+    id: int
+    family: str
+    trust_mode: str
+    verified: bool
+    verify_detail: str | None
+    received_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Trail:
+    """Everything PostgreSQL knows of one inbox row's message."""
+
+    inbox: InboxTrail
+    event: EventTrail | None
+    todo: todo_views.TodoDetail | None
+    todo_events: list[todo_views.TodoEvent]
+
+
+def _inbox_columns() -> list[sa.ColumnElement[Any]]:
+    return [
+        inbox.c.id,
+        inbox.c.adapter,
+        adapters.c.transport,
+        adapters.c.mode,
+        adapters.c.settings["source"].astext,
+        inbox.c.idempotency_key,
+        inbox.c.source_message_id,
+        inbox.c.consumer,
+        inbox.c.status,
+        inbox.c.error,
+        inbox.c.deliveries,
+        inbox.c.ack_kind,
+        inbox.c.ack_key,
+        inbox.c.ack_group,
+        inbox.c.ack_entry_id,
+        inbox.c.ack_copies,
+        inbox.c.ack_after,
+        inbox.c.ack_state,
+        inbox.c.acked_at,
+        inbox.c.stored_at,
+        inbox.c.todo_id,
+        inbox.c.event_id,
+    ]
+
+
+async def _inbox_rows(conn: AsyncConnection, ids: list[int]) -> list[InboxTrail]:
+    if not ids:
+        return []
+    rows = await conn.execute(
+        sa.select(*_inbox_columns())
+        .select_from(inbox.outerjoin(adapters, adapters.c.name == inbox.c.adapter))
+        .where(inbox.c.id.in_(ids))
+        .order_by(inbox.c.id)
+    )
+    return [InboxTrail(*row) for row in rows]
+
+
+async def inbox_ids_by_key(conn: AsyncConnection, key: str) -> list[int]:
+    """Inbox rows with this idempotency key, in any adapter: the native
+    index per registered adapter first, a scan only if that finds none."""
+    probe = (
+        sa.select(inbox.c.id)
+        .where(
+            inbox.c.adapter == adapters.c.name,
+            inbox.c.idempotency_key == key,
+            inbox.c.source_message_id.isnot(None),
+        )
+        .lateral("probe")
+    )
+    found = list(await conn.scalars(sa.select(probe.c.id).select_from(adapters.join(probe, sa.true()))))
+    if found:
+        return sorted(found)
+    # List and pub/sub rows: no index covers them (see the module docstring).
+    scanned = await conn.scalars(
+        sa.select(inbox.c.id).where(inbox.c.idempotency_key == key).order_by(inbox.c.id)
+    )
+    return list(scanned)
+
+
+async def inbox_ids_by_entry_id(conn: AsyncConnection, entry_id: str) -> list[int]:
+    """Inbox rows of this stream entry id in every registered stream adapter,
+    found through each one's native key."""
+    prefix = sa.func.coalesce(adapters.c.settings["key_prefix"].astext, DEFAULT_PREFIX)
+    native = prefix + ":" + adapters.c.settings["source"].astext + ":" + sa.literal(entry_id, sa.Text)
+    probe = (
+        sa.select(inbox.c.id)
+        .where(
+            inbox.c.adapter == adapters.c.name,
+            inbox.c.idempotency_key == native,
+            inbox.c.source_message_id.isnot(None),
+        )
+        .lateral("probe")
+    )
+    rows = await conn.scalars(
+        sa.select(probe.c.id).select_from(adapters.join(probe, sa.true())).where(adapters.c.mode == "stream")
+    )
+    return sorted(rows)
+
+
+async def trails(conn: AsyncConnection, inbox_ids: list[int]) -> list[Trail]:
+    """The trail of each of these inbox rows (those that exist), in id order."""
+    out: list[Trail] = []
+    for row in await _inbox_rows(conn, inbox_ids):
+        event = await _event(conn, row.event_id) if row.event_id is not None else None
+        todo = await todo_views.get_todo(conn, row.todo_id) if row.todo_id is not None else None
+        history = await todo_views.history(conn, todo.id) if todo is not None else []
+        out.append(Trail(row, event, todo, history))
+    return out
+
+
+async def _event(conn: AsyncConnection, event_id: int) -> EventTrail | None:
+    row = (
+        await conn.execute(
+            sa.select(
+                events.c.id,
+                events.c.family,
+                events.c.trust_mode,
+                events.c.verified,
+                events.c.verify_detail,
+                events.c.received_at,
+            ).where(events.c.id == event_id)
+        )
+    ).first()
+    return None if row is None else EventTrail(*row)

@@ -1,0 +1,383 @@
+"""``switchboard inbox list / show / replay``: the inbox rows of rejected and
+lost messages, seen whole and re-run once their cause is fixed.
+
+``replay ID...`` replays those rows; ``replay`` with a filter (``--adapter``,
+``--since``, ``--until``, ``--error-contains``, or ``--all-rejected`` for
+every rejected row) replays the rejected rows it matches, oldest first, at
+most ``--limit``; ``--dry-run`` says what each would do and writes nothing.
+Each row is its own transaction (:func:`backhalf.replay.replay`), so one
+that fails leaves the others replayed; the exit code is 1 if any failed. A
+replay by filter with no filter at all is refused (exit 2): "every rejected
+row" is a decision, spelled ``--all-rejected``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import hashlib
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import inbox_views, replay
+from backhalf.db import create_engine
+from backhalf.normalize import body_payload
+from ingest.adapters.base import FAMILY, TRUST_MODE
+from ingest.config import Settings
+from ingest.errors import ConfigError
+from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from ingest.text_table import table
+
+_PROG = "switchboard inbox"
+DEFAULT_REPLAY_LIMIT = 100
+_DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(s|m|h|d|w)$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_FILTERS = ("adapter", "since", "until", "error_contains")
+
+
+def time_bound(text: str) -> datetime | timedelta:
+    """``--since`` / ``--until``: an ISO 8601 moment (UTC unless it says
+    otherwise) or an age such as ``90s``, ``30m``, ``1h``, ``2d``, ``1w``."""
+    duration = _DURATION.match(text.strip())
+    if duration is not None:
+        return timedelta(**{_UNITS[duration.group(2)]: float(duration.group(1))})
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"must be an ISO 8601 time (2026-12-01T10:00:00Z) or an age like 30m, 1h, 2d (got {text!r})"
+        ) from exc
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def add_parser(verbs: Any, common: argparse.ArgumentParser, positive_int: Callable[[str], int]) -> None:
+    inbox_cmd = verbs.add_parser(
+        "inbox", parents=[common], help="list and show inbox rows; replay rejected ones"
+    )
+    actions = inbox_cmd.add_subparsers(dest="inbox_verb", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", parents=[common], help="recent inbox rows, newest first")
+    listing.add_argument("--rejected", action="store_true", help="only rejected (poison, lost) messages")
+    listing.add_argument("--unacked", action="store_true", help="only rows whose ack is still pending")
+    listing.add_argument("--adapter", help="only this adapter")
+    listing.add_argument("--limit", type=positive_int, default=50, help="at most this many rows (50)")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    show = actions.add_parser("show", parents=[common], help="one inbox row whole: its body and error")
+    show.add_argument("id", type=positive_int, metavar="ID", help="inbox row id")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    rerun = actions.add_parser(
+        "replay", parents=[common], help="re-run rejected messages: by id, or by filter (--dry-run first)"
+    )
+    rerun.add_argument("ids", nargs="*", type=positive_int, metavar="ID", help="inbox row id")
+    rerun.add_argument("--adapter", help="filter: rejected rows of this adapter")
+    rerun.add_argument("--since", type=time_bound, metavar="TIME", help="filter: stored at or after (or: 1h)")
+    rerun.add_argument("--until", type=time_bound, metavar="TIME", help="filter: stored before (or: 10m)")
+    rerun.add_argument("--error-contains", metavar="TEXT", help="filter: error contains TEXT (any case)")
+    rerun.add_argument(
+        "--all-rejected", action="store_true", help="filter: every rejected row (other filters narrow it)"
+    )
+    rerun.add_argument(
+        "--limit",
+        type=positive_int,
+        metavar="N",
+        help=f"by filter: at most N rows, oldest first ({DEFAULT_REPLAY_LIMIT})",
+    )
+    rerun.add_argument(
+        "--dry-run", action="store_true", help="by filter: say what each would do, change nothing"
+    )
+
+
+def usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``inbox replay``'s arguments, or None: argparse
+    cannot say "ids, or a filter, and not neither"."""
+    if args.inbox_verb != "replay":
+        return None
+    by_filter = any(getattr(args, f) is not None for f in _FILTERS) or args.all_rejected
+    if args.ids and (by_filter or args.dry_run or args.limit is not None):
+        return "give inbox row ids, or a filter, not both (--dry-run and --limit go with a filter)"
+    if not args.ids and not by_filter:
+        return (
+            "no ids and no filter: give inbox row ids, or --adapter, --since, --until,"
+            " --error-contains, or --all-rejected to replay every rejected row"
+        )
+    return None
+
+
+async def run(settings: Settings, args: argparse.Namespace) -> int:
+    problem = usage_error(args)
+    if problem is not None:
+        prog = f"{_PROG} {args.inbox_verb}"
+        print(f"{prog}: {problem} (see `{prog} --help`)", file=sys.stderr)
+        return EXIT_CONFIG
+    engine = create_engine(settings.database)
+    try:
+        if args.inbox_verb == "list":
+            return await _list(engine, args)
+        if args.inbox_verb == "show":
+            return await _show(engine, args.id, as_json=args.json)
+        if args.ids:
+            failed = 0
+            for inbox_id in args.ids:
+                failed += not await _replay_one(engine, settings, inbox_id)
+            return EXIT_FAILURE if failed else EXIT_OK
+        return await _replay_matching(engine, settings, args)
+    finally:
+        await engine.dispose()
+
+
+async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
+    async with engine.connect() as conn:
+        rows = await replay.list_rows(
+            conn, rejected=args.rejected, unacked=args.unacked, adapter=args.adapter, limit=args.limit
+        )
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=str))
+    elif not rows:
+        print("no inbox rows match")
+    else:
+        print("\n".join(inbox_table(rows)))
+    return EXIT_OK
+
+
+def inbox_table(rows: Sequence[replay.InboxRow]) -> list[str]:
+    header = ("ID", "STORED_AT (UTC)", "ADAPTER", "STATUS", "ACK", "DELIVERIES", "KEY", "ERROR")
+    cells = [
+        (
+            str(r.id),
+            _utc(r.stored_at),
+            r.adapter,
+            r.status,
+            r.ack_state,
+            str(r.deliveries),
+            r.idempotency_key,
+            _one_line(r.error),
+        )
+        for r in rows
+    ]
+    return table(header, cells, right=frozenset({0, 5}))
+
+
+# -- replay ----------------------------------------------------------------------
+
+
+def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
+    cfg = settings.adapter(adapter)
+    # The adapter's current rules, schema included: a replay after the schema
+    # was fixed checks against the fixed one.
+    return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes, cfg.body_schema)
+
+
+async def _replay_one(engine: AsyncEngine, settings: Settings, inbox_id: int) -> bool:
+    """Replay one row in its own transaction; print its line; True if stored."""
+    try:
+        async with engine.begin() as conn:
+            todo_id = await replay.replay(
+                conn,
+                inbox_id,
+                queue_for=lambda name: settings.adapter(name).queue,
+                normalize_for=lambda name: _normalizer(settings, name),
+                family=FAMILY,  # every configured adapter is a pull adapter
+                trust_mode=TRUST_MODE,
+            )
+    except replay.ReplayError as exc:  # its message names the row
+        print(f"{_PROG}: {exc}", file=sys.stderr)
+        return False
+    except ConfigError as exc:
+        print(f"{_PROG}: inbox row {inbox_id}: {exc}", file=sys.stderr)
+        return False
+    print(f"inbox row {inbox_id}: stored, todo {todo_id}")
+    return True
+
+
+async def _replay_matching(engine: AsyncEngine, settings: Settings, args: argparse.Namespace) -> int:
+    where = inbox_views.ReplayFilter(
+        adapter=args.adapter, since=args.since, until=args.until, error_contains=args.error_contains
+    )
+    limit = args.limit or DEFAULT_REPLAY_LIMIT
+    async with engine.connect() as conn:
+        # One more than the limit: to say that more rows match.
+        rows = await inbox_views.replay_candidates(conn, where, limit=limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    if not rows:
+        print("no rejected inbox rows match")
+        return EXIT_OK
+    if more:
+        print(f"more than {limit} rows match: the {limit} oldest are taken (--limit); run again for the rest")
+    if args.dry_run:
+        return await _dry_run(engine, settings, rows)
+    stored = 0
+    for row in rows:
+        stored += await _replay_one(engine, settings, row.id)
+    failed = len(rows) - stored
+    print(f"replayed {stored} of {len(rows)} rows" + (f" ({failed} failed)" if failed else ""))
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+async def _dry_run(engine: AsyncEngine, settings: Settings, rows: Sequence[replay.InboxRow]) -> int:
+    """Each row's fate under the adapter's current rules, by the very checks a
+    replay makes (:func:`backhalf.replay.check`); read-only."""
+    passing = 0
+    for row in rows:
+        async with engine.connect() as conn:
+            detail = await inbox_views.get_row(conn, row.id)
+        head = f"inbox row {row.id} ({row.adapter}, stored {_utc(row.stored_at)}, {_one_line(row.error)})"
+        if detail is None:
+            print(f"{head}: gone since it was selected")
+            continue
+        try:
+            normalize = _normalizer(settings, detail.adapter)
+            replay.check(detail.id, detail.status, detail.body, detail.body_size, detail.error, normalize)
+        except (replay.ReplayError, ConfigError) as exc:
+            print(f"{head}: would fail: {exc}")
+        else:
+            passing += 1
+            print(f"{head}: would be stored")
+    print(
+        f"dry run: {len(rows)} rows match, {passing} would be stored, {len(rows) - passing} would fail;"
+        " nothing was changed"
+    )
+    return EXIT_OK
+
+
+# -- show ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BodyView:
+    """A stored body made readable."""
+
+    encoding: str  # "json" (pretty-printed), "text" (UTF-8) or "base64" (neither)
+    lines: list[str]
+    note: str
+
+
+# Characters that would act on a terminal rather than show: C0/C1 controls
+# (escape sequences) and the bidirectional overrides that reorder what a
+# reader sees. A poison message is untrusted input.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _printable(text: str) -> str:
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _decode(body: bytes, *, whole: bool) -> str | None:
+    """The body as UTF-8 text, or None. A prefix may end inside a character:
+    that cut is not a reason to call the rest binary."""
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if not whole and exc.reason == "unexpected end of data" and exc.start >= len(body) - 3:
+            return body[: exc.start].decode("utf-8", errors="strict")
+        return None
+
+
+def body_view(body: bytes, *, body_size: int | None, body_sha256: bytes | None) -> BodyView:
+    whole = body_size is None
+    digest = (body_sha256 if body_sha256 is not None else hashlib.sha256(body).digest()).hex()
+    if whole:
+        size = f"{len(body)} bytes, sha256 {digest}"
+    else:
+        size = (
+            f"only its first {len(body)} bytes are stored, of a message of {body_size} bytes"
+            f" (sha256 of the whole message {digest})"
+        )
+    text = _decode(body, whole=whole)
+    if text is None:
+        encoded = base64.b64encode(body).decode("ascii")
+        chunks = [encoded[i : i + 76] for i in range(0, len(encoded), 76)] or [""]
+        return BodyView("base64", chunks, f"{size}; not UTF-8, shown as base64")
+    if whole:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            pass
+        else:
+            pretty = json.dumps(parsed, indent=2, ensure_ascii=False)
+            return BodyView("json", [_printable(line) for line in pretty.splitlines()], f"{size}; JSON")
+    kind = "UTF-8 text" if whole else "UTF-8 text, cut where the stored prefix ends"
+    return BodyView("text", [_printable(line) for line in text.splitlines()] or [""], f"{size}; {kind}")
+
+
+async def _show(engine: AsyncEngine, inbox_id: int, *, as_json: bool) -> int:
+    async with engine.connect() as conn:
+        row = await inbox_views.get_row(conn, inbox_id)
+    if row is None:
+        print(f"{_PROG} show: inbox row {inbox_id} does not exist", file=sys.stderr)
+        return EXIT_FAILURE
+    view = body_view(row.body, body_size=row.body_size, body_sha256=row.body_sha256)
+    if as_json:
+        print(json.dumps(show_document(row, view), indent=2, default=_json_value, ensure_ascii=False))
+    else:
+        print("\n".join(show_lines(row, view)))
+    return EXIT_OK
+
+
+def show_document(row: inbox_views.InboxDetail, view: BodyView) -> dict[str, Any]:
+    fields = {k: v for k, v in dataclasses.asdict(row).items() if k not in ("body", "body_sha256")}
+    text = _decode(row.body, whole=row.body_size is None)
+    return {
+        **fields,
+        "body_sha256": row.body_sha256.hex() if row.body_sha256 is not None else None,
+        "body": {
+            "stored_bytes": len(row.body),
+            "whole": row.body_size is None,
+            "encoding": view.encoding,
+            "text": text,
+            "base64": base64.b64encode(row.body).decode("ascii"),
+        },
+    }
+
+
+def show_lines(row: inbox_views.InboxDetail, view: BodyView) -> list[str]:
+    ack = f"{row.ack_kind} {row.ack_key or '-'} {row.ack_group or '-'} {row.ack_entry_id or '-'}"
+    fields = (
+        ("id", str(row.id)),
+        ("adapter", row.adapter),
+        ("idempotency_key", row.idempotency_key),
+        ("source_message_id", row.source_message_id or "-"),
+        ("consumer", row.consumer or "-"),
+        ("status", row.status),
+        ("deliveries", str(row.deliveries)),
+        ("stored_at", _utc(row.stored_at, millis=True) + " UTC"),
+        ("ack", f"{ack} (copies {row.ack_copies}, after {row.ack_after})"),
+        ("ack_state", row.ack_state),
+        ("acked_at", _utc(row.acked_at, millis=True) + " UTC" if row.acked_at else "-"),
+        ("todo_id", str(row.todo_id) if row.todo_id is not None else "-"),
+        ("event_id", str(row.event_id) if row.event_id is not None else "-"),
+        ("error", _printable(row.error) if row.error is not None else "-"),
+    )
+    width = max(len(name) for name, _ in fields)
+    lines: list[str] = []
+    for name, value in fields:
+        first, *more = value.splitlines() or [""]
+        lines.append(f"{name.ljust(width)}  {first}".rstrip())
+        lines.extend(f"{' ' * width}  {line}".rstrip() for line in more)
+    lines.append(f"body: {view.note}")
+    lines.extend(f"  {line}".rstrip() for line in view.lines)
+    return lines
+
+
+def _utc(moment: datetime | None, *, millis: bool = False) -> str:
+    if moment is None:
+        return "-"
+    text = moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f" if millis else "%Y-%m-%d %H:%M:%S")
+    return text[:-3] if millis else text
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def _json_value(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -1,0 +1,194 @@
+"""What the long-running asyncio processes (``ingest``, ``ack``) run beside
+their work so that operators can see them: the heartbeat row in
+``processes``, the ``[metrics]`` endpoint, and the backlog gauges.
+
+Each is a task of the process's TaskGroup that ends on stop by itself; the
+endpoint's thread is stopped and joined when :func:`serving` exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import backlog, heartbeats
+from backhalf import metrics as m
+from backhalf.db import within_deadline
+from backhalf.errors import DeadlineExceeded
+from ingest.adapters.base import PullAdapter
+from ingest.config import AdapterConfig, Settings
+from ingest.errors import BrokerError, log_failure
+from ingest.lifecycle import wait_stop
+from ingest.metrics_http import Liveness, MetricsServer
+
+log = structlog.get_logger(__name__)
+
+# The last beat's statement, on a graceful stop, gets this long.
+STOPPED_MARK_TIMEOUT_MS = 2_000
+
+
+def new_liveness() -> Liveness:
+    # The database is healthy while heartbeats answer: three missed is not.
+    return Liveness(database_stale_s=heartbeats.HEARTBEAT_TTL_S)
+
+
+def loop_bound_s(settings: Settings, own_interval_s: float = 0.0) -> float:
+    """How long a loop may go without a tick before /healthz says it is
+    stuck: a whole transaction deadline, the longest backoff, its own
+    sleep, and a margin of a heartbeat TTL."""
+    longest_backoff_s = max(settings.ingest.backoff_max_ms, settings.acker.backoff_max_ms) / 1000
+    return (
+        settings.database.transaction_deadline_ms / 1000
+        + longest_backoff_s
+        + own_interval_s
+        + heartbeats.HEARTBEAT_TTL_S
+    )
+
+
+@contextmanager
+def serving(settings: Settings, liveness: Liveness) -> Iterator[MetricsServer | None]:
+    """The endpoint while the body runs, if ``[metrics] port`` is not 0. A
+    port that cannot be bound is a ConfigError: raised before any work."""
+    if not settings.metrics.port:
+        yield None
+        return
+    server = MetricsServer(settings.metrics.address, settings.metrics.port, liveness.report)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def heartbeat_loop(
+    engine: AsyncEngine,
+    role: str,
+    detail: Mapping[str, Any],
+    liveness: Liveness,
+    stop: asyncio.Event,
+    *,
+    deadline_ms: int,
+    interval_s: float = heartbeats.HEARTBEAT_INTERVAL_S,
+) -> None:
+    """Beat every ``interval_s`` until stop, then mark the row stopped.
+    A failed beat is logged and retried at the next turn: the heartbeat
+    never ends the process, and /healthz says the database is not answering."""
+    instance = uuid.uuid4()
+    host = socket.gethostname()
+    pid = os.getpid()
+    tick = liveness.watch("heartbeat", interval_s + deadline_ms / 1000 + heartbeats.HEARTBEAT_TTL_S)
+    bound = log.bind(role=role, instance=str(instance))
+    beaten = False
+    while not stop.is_set():
+        try:
+            async with within_deadline(engine.begin(), deadline_ms, "writing the heartbeat") as conn:
+                await conn.execute(heartbeats.beat_statement(instance, role, host, pid, detail))
+                if not beaten:
+                    await conn.execute(heartbeats.forget_statement())
+        except (SQLAlchemyError, DeadlineExceeded) as exc:
+            liveness.database_failed(type(exc).__name__)
+            m.ERRORS.labels(role, "database", m.error_class(exc)).inc()
+            log_failure(bound, "heartbeat_failed", exc)
+        else:
+            if not beaten:
+                bound.info("heartbeat_started", host=host, pid=pid)
+            beaten = True
+            liveness.database_answered()
+        tick()
+        await wait_stop(stop, interval_s)
+    if beaten:
+        try:
+            async with within_deadline(engine.begin(), STOPPED_MARK_TIMEOUT_MS, "marking stopped") as conn:
+                await conn.execute(heartbeats.stopped_statement(instance))
+        except (SQLAlchemyError, DeadlineExceeded) as exc:
+            # Its row goes stale instead, and status calls it dead: a stop
+            # that could not tell the database looks like a crash.
+            log_failure(bound, "heartbeat_stop_not_recorded", exc)
+
+
+async def broker_gauges_loop(
+    pairs: Sequence[tuple[PullAdapter, AdapterConfig]],
+    enabled: Callable[[str], bool | None],
+    interval_s: float,
+    stop: asyncio.Event,
+) -> None:
+    """The ingester's view of each broker: stream lag and PEL, list lengths,
+    and each adapter's flag, every ``interval_s``."""
+    while not stop.is_set():
+        for adapter, cfg in pairs:
+            flag = enabled(cfg.name)
+            if flag is not None:
+                m.ADAPTER_ENABLED.labels(cfg.name).set(1 if flag else 0)
+            try:
+                described = await asyncio.wait_for(adapter.describe(), timeout=interval_s + 5.0)
+            except (BrokerError, TimeoutError) as exc:
+                m.ERRORS.labels("ingest", "broker", m.error_class(exc)).inc()
+                log_failure(log, "broker_gauges_failed", exc, adapter=cfg.name)
+                continue
+            _set_broker_gauges(cfg.name, described)
+        await wait_stop(stop, interval_s)
+
+
+def _set_broker_gauges(adapter: str, described: Mapping[str, Any]) -> None:
+    def number(key: str) -> float | None:
+        value = described.get(key)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    for key, gauge in (
+        ("stream_length", m.STREAM_LENGTH),
+        ("lag", m.STREAM_LAG),
+        ("broker_pending", m.STREAM_PENDING),
+        ("list_length", m.LIST_LENGTH),
+    ):
+        value = number(key)
+        if value is not None:
+            gauge.labels(adapter).set(value)
+    consumers = described.get("consumers")
+    if isinstance(consumers, Mapping):
+        lengths = [c.get("processing_length") for c in consumers.values() if isinstance(c, Mapping)]
+        total = sum(int(n) for n in lengths if isinstance(n, int))
+        m.PROCESSING_LENGTH.labels(adapter).set(total)
+
+
+async def database_gauges_loop(
+    engine: AsyncEngine, adapters: Callable[[], Sequence[str]], interval_s: float, stop: asyncio.Event,
+    *, deadline_ms: int,
+) -> None:  # fmt: skip
+    """The acker's view of the database's backlog, every ``interval_s``.
+    An adapter with nothing owed reports 0, not its last figure."""
+    while not stop.is_set():
+        try:
+            async with within_deadline(engine.connect(), deadline_ms, "reading the backlog") as conn:
+                acks = await backlog.ack_backlog(conn)
+                active = await backlog.active_todos(conn)
+        except (SQLAlchemyError, DeadlineExceeded) as exc:
+            m.ERRORS.labels("ack", "database", m.error_class(exc)).inc()
+            log_failure(log, "database_gauges_failed", exc)
+        else:
+            for name in {*adapters(), *acks}:
+                owed = acks.get(name)
+                m.PENDING_ACKS.labels(name).set(owed.pending if owed else 0)
+                m.OLDEST_UNACKED.labels(name).set(owed.oldest_age_s if owed else 0.0)
+            for (queue, status), n in active.items():
+                m.TODOS.labels(queue, status).set(n)
+            for queue, status in _seen_todo_labels() - set(active):
+                m.TODOS.labels(queue, status).set(0)
+        await wait_stop(stop, interval_s)
+
+
+def _seen_todo_labels() -> set[tuple[str, str]]:
+    """The (queue, status) pairs the gauge has reported: one that emptied
+    must read 0, not the figure it had."""
+    seen: set[tuple[str, str]] = set()
+    for metric in m.TODOS.collect():
+        for sample in metric.samples:
+            seen.add((sample.labels["queue"], sample.labels["status"]))
+    return seen

@@ -1,0 +1,221 @@
+"""Issue 14: the real `switchboard ingest`, `ack` and `worker` export
+Prometheus metrics and /healthz on their ports, and `switchboard status`
+says which of them are alive. Every figure scraped is checked against what
+reached PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from ingest.embedded.processes import SwitchboardProcess, wait_for
+from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY
+from tests.support.config import stream_adapter
+from tests.support.db import scalar
+from tests.support.downstream import QUEUE, dramatiq_url, statuses, stop_all
+from tests.support.processes import Processes, switchboard
+
+pytestmark = pytest.mark.system
+STREAM = "orders"
+HTTP_TIMEOUT_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample, by name and labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=HTTP_TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def healthz(port: int) -> tuple[int, dict[str, object]]:
+    """The status and body; (0, {}) while nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=HTTP_TIMEOUT_S) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    except (urllib.error.URLError, ConnectionError):
+        # Nothing listens yet, or `worker` checking the port is free (it
+        # binds and closes it before dramatiq starts).
+        return 0, {}
+
+
+def test_each_process_exports_what_reached_postgresql_and_redis(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
+) -> None:
+    config = make_config(
+        stream_adapter(STREAM, batch_size=20),
+        queues={STREAM: QUEUE},
+        dramatiq_url=dramatiq_url(redis_url),
+    )
+    ports = {verb: free_port() for verb in ("ingest", "ack", "worker")}
+    running: list[SwitchboardProcess] = [
+        procs.start(verb, config, name=f"{verb}-1", env={"SWITCHBOARD_METRICS_PORT": str(port)})
+        for verb, port in ports.items()
+    ]
+    for verb, port in ports.items():
+        # The worker's endpoint is a process dramatiq starts once its
+        # workers are up: it may be a moment behind them.
+        wait_for(lambda port=port: healthz(port)[0] == 200, timeout_s=60, what=f"{verb}'s /healthz")
+        code, body = healthz(port)
+        assert (code, body["status"]) == (200, "ok"), (verb, body)
+
+    # Scraped while they work: a counter never runs ahead of what
+    # PostgreSQL holds (each is counted after its commit), nor goes back.
+    bodies = [json.dumps({"n": i}) for i in range(48)] + ["{not json", "[1, 2"]
+    last: dict[str, float] = {}
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        for chunk in range(5):
+            for text in bodies[chunk * 10 : chunk * 10 + 10]:
+                r.xadd(STREAM, {"body": text})
+            stored_now = scrape(ports["ingest"])
+            figures = {
+                "stored": sample(stored_now, "switchboard_messages_stored_total", adapter=STREAM),
+                "acked": sample(scrape(ports["ack"]), "switchboard_acks_total", adapter=STREAM),
+                "done": sample(
+                    scrape(ports["worker"]), "switchboard_todos_finished_total", queue=STREAM, status="done"
+                ),
+            }
+            in_db = {
+                "stored": scalar(db_url, "SELECT count(*) FROM inbox"),
+                "acked": scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"),
+                "done": scalar(db_url, "SELECT count(*) FROM todos WHERE status = 'done'"),
+            }
+            for name, value in figures.items():
+                assert last.get(name, 0.0) <= value <= in_db[name], (chunk, name, value, in_db)
+            last = figures
+    wait_for(lambda: statuses(db_url) == {"done": 48}, timeout_s=90, what="48 todos done")
+    wait_for(
+        lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 50,
+        timeout_s=30,
+        what="every entry acked",
+    )
+
+    ingest = scrape(ports["ingest"])
+    stored = scalar(db_url, "SELECT count(*) FROM inbox")
+    assert stored == 50
+    assert sample(ingest, "switchboard_messages_consumed_total", adapter=STREAM) == 50
+    assert sample(ingest, "switchboard_messages_stored_total", adapter=STREAM) == stored
+    rejected = scalar(db_url, "SELECT count(*) FROM inbox WHERE status = 'rejected'")
+    assert rejected == 2
+    assert sample(ingest, "switchboard_messages_rejected_total", adapter=STREAM, reason="invalid_json") == 2
+    assert sample(ingest, "switchboard_todos_created_total", adapter=STREAM) == scalar(
+        db_url, "SELECT count(*) FROM todos"
+    )
+    assert sample(ingest, "switchboard_store_batch_size_sum", adapter=STREAM) == 50
+    # 50 entries in batches of at most 20: three stores at least.
+    assert sample(ingest, "switchboard_store_duration_seconds_count", adapter=STREAM) >= 3
+
+    # The broker gauges are read every refresh_interval_ms: once the acker
+    # has acked everything, the PEL they report is Redis's own, 0.
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        xlen = r.xlen(STREAM)
+        pel = r.xpending(STREAM, "switchboard")["pending"]
+    assert pel == 0
+    wait_for(
+        lambda: (
+            (
+                sample(scrape(ports["ingest"]), "switchboard_broker_stream_length", adapter=STREAM),
+                sample(scrape(ports["ingest"]), "switchboard_broker_pending_entries", adapter=STREAM),
+            )
+            == (xlen, 0)
+        ),
+        timeout_s=30,
+        what="the broker gauges at XLEN and an empty PEL",
+    )
+    assert sample(scrape(ports["ingest"]), "switchboard_adapter_enabled", adapter=STREAM) == 1
+
+    acker = scrape(ports["ack"])
+    assert sample(acker, "switchboard_acks_total", adapter=STREAM) == 50
+    dispatched = scalar(db_url, "SELECT count(*) FROM todo_events WHERE to_status = 'dispatched'")
+    assert sample(acker, "switchboard_todos_dispatched_total", queue=STREAM) == dispatched == 48
+    wait_for(
+        lambda: (
+            sample(scrape(ports["ack"]), "switchboard_pending_acks", adapter=STREAM) == 0
+            and sample(scrape(ports["ack"]), "switchboard_todos", queue=STREAM, status="pending") == 0
+        ),
+        timeout_s=30,
+        what="the backlog gauges at 0",
+    )
+
+    worker = scrape(ports["worker"])
+    done = scalar(db_url, "SELECT count(*) FROM todos WHERE status = 'done'")
+    assert sample(worker, "switchboard_todos_finished_total", queue=STREAM, status="done") == done == 48
+    assert sample(worker, "switchboard_todo_run_duration_seconds_count", queue=STREAM) == scalar(
+        runs_db, "SELECT count(*) FROM handler_runs WHERE outcome <> 'started'"
+    )
+    stop_all(running)
+
+
+def test_status_names_a_dead_ingester_until_a_new_one_replaces_it(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
+) -> None:
+    config = make_config(stream_adapter(STREAM))
+    ingester = procs.start("ingest", config, name="ingest-1")
+    acker = procs.start("ack", config, name="ack-1")
+    wait_for(
+        lambda: scalar(db_url, "SELECT count(*) FROM processes WHERE stopped_at IS NULL") == 2,
+        timeout_s=30,
+        what="two heartbeat rows",
+    )
+    alive = switchboard("--config", str(config), "status", "--json")
+    assert alive.returncode == EXIT_OK, alive.stderr
+    served = json.loads(alive.stdout)[0]["processes"]
+    assert len(served["ingest"]) == 1
+    assert len(served["ack"]) == 1
+    assert served["dead"] == []
+
+    ingester.kill()  # SIGKILL: no stop is recorded, the row goes silent
+    ingester.wait(30)
+
+    def status_now() -> tuple[int, str]:
+        result = switchboard("--config", str(config), "status")
+        return result.returncode, result.stdout
+
+    wait_for(lambda: status_now()[0] == EXIT_UNHEALTHY, timeout_s=40, what="status to see the dead ingester")
+    code, text = status_now()
+    assert code == EXIT_UNHEALTHY
+    assert "DEAD" in text
+    assert f"{STREAM} (stream {STREAM}): UNHEALTHY" in text
+    # Restarted on its host (as systemd would): the new one replaces it.
+    replacement = procs.start("ingest", config, name="ingest-1")
+    wait_for(lambda: status_now()[0] == EXIT_OK, timeout_s=40, what="status healthy again")
+    assert scalar(db_url, "SELECT count(*) FROM processes WHERE role = 'ingest'") == 2
+    stop_all([replacement, acker])
+    # A graceful stop is recorded: stopped, not dead.
+    assert scalar(db_url, "SELECT count(*) FROM processes WHERE stopped_at IS NULL") == 1  # the killed one
+    assert switchboard("--config", str(config), "status").returncode == EXIT_OK
+
+
+def test_a_metrics_port_in_use_is_a_config_error(procs: Processes, make_config: Callable[..., Path]) -> None:
+    config = make_config(stream_adapter(STREAM))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = switchboard("--config", str(config), "ingest", "--metrics-port", str(port))
+    assert result.returncode == 2
+    assert "in use" in result.stderr
