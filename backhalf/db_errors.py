@@ -72,13 +72,37 @@ _BY_MESSAGE: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"permission denied for database"), "42501"),
 )
 
+# libpq's own refusals of the server's TLS certificate (sslmode=verify-full
+# or verify-ca): a certificate does not change by waiting, so these are
+# permanent too. They carry no SQLSTATE; 08001 is the standard's "client
+# unable to establish a connection". Each says what to check, never the
+# driver's text (which names file paths but may be long and odd).
+TLS_SQLSTATE = "08001"
+_TLS_REFUSALS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"root certificate file .* does not exist"),
+        "the database's TLS certificate cannot be checked: the URL's sslmode verifies it but names"
+        " no CA file: add sslrootcert=/path/to/ca.pem to the database URL",
+    ),
+    (
+        re.compile(r"server certificate for .* does not match host name"),
+        "the database's TLS certificate is for another host name: use a host the certificate names"
+        " in the database URL, or give the server a certificate for this one",
+    ),
+    (
+        re.compile(r"certificate verify failed"),
+        "the database's TLS certificate was not signed by the CA in the database URL's sslrootcert:"
+        " check that file (the CA that signed the server's certificate)",
+    ),
+)
+
 
 @dataclass(frozen=True, slots=True)
 class DatabaseProblem:
     """A permanent database error: ``kind`` for programs and log fields,
     ``message`` for people (one line, no URL, no password)."""
 
-    kind: str  # not_migrated | authentication_failed | no_such_database | permission_denied
+    kind: str  # not_migrated | authentication_failed | no_such_database | permission_denied | tls_refused
     sqlstate: str
     message: str
 
@@ -129,6 +153,11 @@ def classify(exc: BaseException) -> DatabaseProblem | None:
         if sqlstate in _BY_SQLSTATE:
             kind, message = _BY_SQLSTATE[sqlstate]
             return DatabaseProblem(kind=kind, sqlstate=sqlstate, message=message)
+        if sqlstate is None and isinstance(error, psycopg.OperationalError):
+            text = str(error)
+            for pattern, message in _TLS_REFUSALS:
+                if pattern.search(text):
+                    return DatabaseProblem(kind="tls_refused", sqlstate=TLS_SQLSTATE, message=message)
     return None
 
 

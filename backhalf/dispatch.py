@@ -48,6 +48,8 @@ BROKER_SOCKET_TIMEOUT_S = 10.0
 class DispatchError(BackhalfError):
     """Enqueueing to dramatiq's broker failed; the todos stay as they were."""
 
+    failed = "broker"
+
 
 class Enqueuer:
     """dramatiq's Redis broker, as the relay uses it: messages in, nothing
@@ -146,8 +148,9 @@ class Dispatcher:
                     marked = await todos.mark_dispatched(
                         cur, [tid for tid, _ in claimed], todos.DISPATCHED_BY_RELAY
                     )
-        for queue, n in Counter(queue for _tid, queue in claimed).items():
-            metrics.DISPATCHED.labels(queue).inc(n)
+        if metrics.on():
+            for queue, n in Counter(queue for _tid, queue in claimed).items():
+                metrics.DISPATCHED.labels(queue).inc(n)
         log.info("todos_dispatched", dispatched=marked, claimed=len(claimed))
         return len(claimed)
 
@@ -167,7 +170,10 @@ class Dispatcher:
                     if again:
                         await self._enqueue(again)
         for tid, queue, status in moved:
-            metrics.RESCUED.labels(queue).inc()
+            if metrics.on():
+                metrics.RESCUED.labels(queue, status).inc()
+                if status == "failed":  # its last attempt's worker died: finished here
+                    metrics.FINISHED.labels(queue, "failed").inc()
             log.warning("todo_rescued", todo_id=tid, queue=queue, to_status=status)
         released = await self._release_orphaned_acks()
         return len(moved) + released

@@ -18,9 +18,15 @@ inbox row and is never logged as an error.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class BackhalfError(Exception):
     """Root of every back-half error."""
+
+    # What failed, for the metrics' ``kind`` label: the back half talks to
+    # the database, save where a subclass says otherwise (dramatiq's broker).
+    failed: ClassVar[str] = "database"
 
 
 class PoisonMessage(BackhalfError):

@@ -2,17 +2,21 @@
 and the reading of them that ``switchboard status`` reports.
 
 A process is *alive* while its row is fresh (seen within ``ttl_s``) and not
-stopped; *dead* when its row is neither stopped nor fresh and no newer
-process of the same role on the same host has started since it was last
-seen (a restart by a supervisor replaces it: not dead). Rows stopped or dead
-for longer than ``FORGET_AFTER_S`` are deleted by the heartbeats themselves,
-so a host scaled down by a crash stops being reported after a day.
+stopped, and *stuck* when fresh but its own loops are not (``detail.healthy``
+false: it beats, but a loop hangs). It is *dead* when its row is neither
+stopped nor fresh and no newer process of the same role, on the same host
+and in the same *slot* (``detail.slot``: what it serves, say the adapters
+and consumer names of an ingester, so ``ingest@2``'s restart does not hide
+a dead ``ingest@1``), has started since it was last seen: a supervisor's
+restart replaces it. Rows stopped or silent for longer than
+``FORGET_AFTER_S`` are deleted by the next process to start, so a host
+scaled down by a crash stops being reported after a day.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -29,6 +33,12 @@ HEARTBEAT_INTERVAL_S = 5.0
 # is what status should say then (nothing can be stored either).
 HEARTBEAT_TTL_S = 3 * HEARTBEAT_INTERVAL_S
 FORGET_AFTER_S = 86_400.0
+
+
+def slot(*parts: Sequence[str]) -> str:
+    """A process's slot, from what it serves: equal for a process and its
+    restart, distinct for two processes side by side."""
+    return "|".join(",".join(sorted(p)) for p in parts)
 
 
 def _seconds(value: float) -> sa.ColumnElement[Any]:
@@ -84,7 +94,7 @@ class ProcessRow:
     started_at: datetime
     seen_at: datetime
     stopped_at: datetime | None
-    state: str  # alive | dead | stopped | replaced
+    state: str  # alive | stuck | dead | stopped | replaced
     silent_s: float  # since its last heartbeat
 
 
@@ -95,11 +105,13 @@ async def list_processes(conn: AsyncConnection, ttl_s: float = HEARTBEAT_TTL_S) 
     replaced = sa.exists().where(
         newer.c.role == processes.c.role,
         newer.c.host == processes.c.host,
+        newer.c.detail["slot"] == processes.c.detail["slot"],
         newer.c.instance != processes.c.instance,
         newer.c.started_at > processes.c.seen_at,
     )
     state = sa.case(
         (processes.c.stopped_at.isnot(None), "stopped"),
+        (sa.and_(fresh, processes.c.detail["healthy"].as_boolean().is_(sa.false())), "stuck"),
         (fresh, "alive"),
         (replaced, "replaced"),
         else_="dead",

@@ -60,6 +60,9 @@ class ReplayFilter:
     since: TimeBound | None = None
     until: TimeBound | None = None
     error_contains: str | None = None
+    # Only rows with a higher id: where the last run stopped, so rows that
+    # keep failing at the front never hide the ones after them.
+    after_id: int | None = None
 
     def is_empty(self) -> bool:
         return (self.adapter, self.since, self.until, self.error_contains) == (None,) * 4
@@ -117,6 +120,8 @@ async def replay_candidates(conn: AsyncConnection, where: ReplayFilter, *, limit
         query = query.where(inbox.c.stored_at >= _bound(where.since))
     if where.until is not None:
         query = query.where(inbox.c.stored_at < _bound(where.until))
+    if where.after_id is not None:
+        query = query.where(inbox.c.id > where.after_id)
     if where.error_contains is not None:
         pattern = f"%{escape_like(where.error_contains)}%"
         query = query.where(inbox.c.error.ilike(pattern, escape=_LIKE_ESCAPE))

@@ -8,9 +8,11 @@ adapter and queue names come from the config, ``reason`` and ``error`` from
 Each process exports what it does: ``ingest`` the consume/store counters and
 the broker's backlog, ``ack`` the acks, the dispatch relay and the database's
 backlog (pending acks, active todos), ``worker`` the todos finished. The
-objects live in prometheus_client's default registry; a process whose
-``[metrics] port`` is 0 updates them all the same (a counter increment is a
-lock and an addition, counted per batch, not per message) and exports none.
+objects live in prometheus_client's default registry. A process whose
+``[metrics] port`` is 0 counts nothing on its hot paths (:func:`switch_on`
+is never called; each such call site asks :func:`on` first, one global read
+per batch), so "metrics off" in ``make bench`` is the code path without
+them. Errors are counted either way: they are rare, and exported by none.
 
 The dramatiq worker processes run in prometheus_client's multiprocess mode
 (``PROMETHEUS_MULTIPROC_DIR``, set by ``switchboard worker`` before dramatiq
@@ -90,7 +92,9 @@ DISPATCHED = Counter(
     "switchboard_todos_dispatched_total", "Todos handed to dramatiq by the relay.", ["queue"]
 )
 RESCUED = Counter(
-    "switchboard_todos_rescued_total", "Stuck todos dispatched again or failed by the rescuer.", ["queue"]
+    "switchboard_todos_rescued_total",
+    "Stuck todos the rescuer moved: to_status=dispatched (again) or failed (no attempt left).",
+    ["queue", "to_status"],
 )
 PENDING_ACKS = Gauge("switchboard_pending_acks", "Committed ack intents not yet acked.", ["adapter"])
 OLDEST_UNACKED = Gauge(
@@ -103,7 +107,8 @@ TODOS = Gauge(
 # worker
 FINISHED = Counter(
     "switchboard_todos_finished_total",
-    "Todos that reached a terminal status in a worker (done, failed).",
+    "Todos that reached a terminal status: done or failed by a worker, failed by the rescuer"
+    " (exported by the process that ended them; operators' cancels are in todo_events only).",
     ["queue", "status"],
 )
 ATTEMPTS_FAILED = Counter(
@@ -121,6 +126,17 @@ ERRORS = Counter(
 )
 
 _REASON = re.compile(r"[a-z][a-z_]{0,39}")
+_switched_on = False
+
+
+def switch_on() -> None:
+    """Count from now on: called once at start by a process that exports."""
+    global _switched_on
+    _switched_on = True
+
+
+def on() -> bool:
+    return _switched_on
 
 
 def reason_of(error: str) -> str:

@@ -93,6 +93,8 @@ class StoreResult:
     # explicit ids), as (entry id, the key they were stored under:
     # backhalf.keys.reused_key). Logged at error level once committed.
     reused: tuple[tuple[str, str], ...] = ()
+    # The errors of the rejected rows among ``new`` (the metrics' reasons).
+    rejected_errors: tuple[str, ...] = ()
 
     @classmethod
     def total(cls, results: Sequence[StoreResult]) -> StoreResult:
@@ -103,6 +105,7 @@ class StoreResult:
             todos_created=sum(r.todos_created for r in results),
             todos_deduped=sum(r.todos_deduped for r in results),
             reused=tuple(pair for r in results for pair in r.reused),
+            rejected_errors=tuple(e for r in results for e in r.rejected_errors),
         )
 
 

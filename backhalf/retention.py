@@ -15,6 +15,16 @@ Why the statements are shaped as they are:
   transaction, well under any retention; a row just past the edge is taken
   by the next run). Each batch examines at most ``limit`` rows whatever it
   finds there, so no batch grows with the table.
+* **Held rows come back by id.** A row a batch had to keep (an ack pending,
+  a todo active, a row locked) is returned in ``held_ids``; the walk moves
+  past it and re-checks it later with the same statement over ``= ANY(ids)``
+  (``ids`` instead of ``cursor``), index probes by primary key, so one
+  long-held row never makes a walk re-read what follows it.
+* **One read for adapters of one retention.** An acked walk takes a list
+  of adapters (``adapter = ANY(adapters)``) and counts its deletions by
+  adapter, so adapters with the same ``retain_acked_days`` share one read of
+  the inbox; with no index by adapter, each distinct retention is a read of
+  its own.
 * **Rejected rows walk their own index** (``ix_inbox_rejected``: the
   adapter's rejected rows in id order), with their own, usually longer,
   retention.
@@ -42,11 +52,14 @@ minus an interval, so no host's clock matters.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf.db import wrap_driver_errors
@@ -70,16 +83,18 @@ class Batch:
 
     ``last_id``: the highest id examined (None: nothing was left to read);
     ``edge_id``: the first row examined that is newer than the cutoff (the
-    walk ends there); ``held_id``: the lowest id of a row of this walk kept
-    for a reason that passes (an ack pending, a todo still active or not yet
-    old enough, a row locked by someone else), from which the next run must
-    start again. ``deleted`` (or, in a dry run, what would be) by table."""
+    walk ends there); ``held_ids``: the rows of this walk kept for a reason
+    that passes (an ack pending, a todo still active or not yet old enough,
+    a row locked by someone else), in id order, at most ``limit`` of them:
+    the walk re-checks them by id later. ``deleted`` (or, in a dry run, what
+    would be) by table."""
 
     scanned: int
     last_id: int | None
     edge_id: int | None
-    held_id: int | None
+    held_ids: tuple[int, ...] = ()
     deleted: dict[str, int] = field(default_factory=dict)
+    by_owner: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def _cutoff() -> Any:
@@ -98,14 +113,43 @@ def _count(cte: Any, *where: Any) -> Any:
 
 def _batch(row: Any, deleted: dict[str, int]) -> Batch:
     return Batch(
-        scanned=row.scanned, last_id=row.last_id, edge_id=row.edge_id, held_id=row.held_id, deleted=deleted
+        scanned=row.scanned,
+        last_id=row.last_id,
+        edge_id=row.edge_id,
+        held_ids=tuple(sorted(row.held_ids or ())),
+        deleted=deleted,
     )
 
 
-def _inbox_statement(status: InboxStatus, *, dry_run: bool) -> sa.Select[Any]:
+def _rows(id_column: Any, *, by_ids: bool) -> Any:
+    """Which rows a batch examines: those after ``cursor`` (the walk), or
+    those in ``ids`` (a re-check of held rows), by primary key either way."""
+    if by_ids:
+        return id_column == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger)))
+    return id_column > sa.bindparam("cursor", type_=sa.BigInteger)
+
+
+def _held(mine: Any, condition: Any) -> Any:
+    return sa.select(sa.func.array_agg(mine.c.id)).where(condition).scalar_subquery().label("held_ids")
+
+
+# The adapters walking together: those with the same retention share one
+# read of the inbox (``ingest.prune`` groups them), counted apart.
+_ADAPTERS = sa.any_(sa.bindparam("adapters", type_=postgresql.ARRAY(sa.Text)))
+
+
+def _by_adapter(cte: Any, *where: Any) -> Any:
+    """``{adapter: rows}`` of ``cte`` (None: no rows)."""
+    counted = (
+        sa.select(cte.c.adapter, sa.func.count().label("n")).where(*where).group_by(cte.c.adapter).subquery()
+    )
+    return sa.select(sa.func.json_object_agg(counted.c.adapter, counted.c.n)).scalar_subquery()
+
+
+def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
     scan_query = sa.select(
         inbox.c.id, inbox.c.adapter, inbox.c.status, inbox.c.ack_state, inbox.c.stored_at, inbox.c.event_id
-    ).where(inbox.c.id > sa.bindparam("cursor", type_=sa.BigInteger))
+    ).where(_rows(inbox.c.id, by_ids=by_ids))
     if status == "rejected":
         # ix_inbox_rejected (adapter, id) WHERE status = 'rejected': only this
         # adapter's rejected rows, in id order. The predicate is written as
@@ -119,11 +163,12 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool) -> sa.Select[Any]:
     mine = (
         sa.select(
             scan.c.id,
+            scan.c.adapter,
             scan.c.event_id,
             sa.and_(scan.c.ack_state.in_(ACK_DONE_STATES), ~queued).label("done"),
         )
         .where(
-            scan.c.adapter == sa.bindparam("adapter"),
+            scan.c.adapter == _ADAPTERS,
             scan.c.status == sa.bindparam("status"),
             sa.or_(edge.is_(None), scan.c.id < edge),
         )
@@ -137,13 +182,13 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool) -> sa.Select[Any]:
     if dry_run:
         return sa.select(
             *summary,
-            sa.select(sa.func.min(mine.c.id)).where(~mine.c.done).scalar_subquery().label("held_id"),
-            _count(mine, mine.c.done).label("inbox"),
-            _count(mine, mine.c.done, mine.c.event_id.isnot(None)).label("events"),
+            _held(mine, ~mine.c.done),
+            _by_adapter(mine, mine.c.done).label("inbox"),
+            _by_adapter(mine, mine.c.done, mine.c.event_id.isnot(None)).label("events"),
         )
     # Checked on the row itself, in the lock and in the delete (see the module docstring).
     still_prunable = (
-        inbox.c.adapter == sa.bindparam("adapter"),
+        inbox.c.adapter == _ADAPTERS,
         inbox.c.status == sa.bindparam("status"),
         inbox.c.ack_state.in_(ACK_DONE_STATES),
         inbox.c.stored_at < _cutoff(),
@@ -158,57 +203,72 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool) -> sa.Select[Any]:
     gone = (
         sa.delete(inbox)
         .where(inbox.c.id == _array_of(sa.select(locked.c.id)), *still_prunable)
-        .returning(inbox.c.id, inbox.c.event_id)
+        .returning(inbox.c.id, inbox.c.adapter, inbox.c.event_id)
         .cte("gone")
     )
     gone_events = (
         sa.delete(events)
         .where(events.c.id == _array_of(sa.select(gone.c.event_id).where(gone.c.event_id.isnot(None))))
-        .returning(events.c.id)
+        .returning(events.c.id, events.c.adapter)
         .cte("gone_events")
-    )
-    held = sa.select(sa.func.min(mine.c.id)).where(
-        sa.or_(~mine.c.done, mine.c.id.not_in(sa.select(gone.c.id)))
     )
     return sa.select(
         *summary,
-        held.scalar_subquery().label("held_id"),
-        _count(gone).label("inbox"),
-        _count(gone_events).label("events"),
+        _held(mine, sa.or_(~mine.c.done, mine.c.id.not_in(sa.select(gone.c.id)))),
+        _by_adapter(gone).label("inbox"),
+        _by_adapter(gone_events).label("events"),
     )
 
 
 _INBOX = {
-    (status, dry_run): _inbox_statement(status, dry_run=dry_run)
+    (status, dry_run, by_ids): _inbox_statement(status, dry_run=dry_run, by_ids=by_ids)
     for status in ("stored", "rejected")
     for dry_run in (False, True)
+    for by_ids in (False, True)
 }
 
 
 async def prune_inbox(
     conn: AsyncConnection,
     *,
-    adapter: str,
+    adapters: Sequence[str],
     status: InboxStatus,
     age: timedelta,
-    cursor: int,
+    cursor: int = 0,
+    ids: Sequence[int] | None = None,
     limit: int,
     dry_run: bool = False,
 ) -> Batch:
-    """One batch of an adapter's inbox walk: rows of ``status`` ('stored' or
-    'rejected') with their ack done, stored more than ``age`` ago, and their
-    events, among the ``limit`` rows after ``cursor``. A dry run counts them."""
-    params = {"adapter": adapter, "status": status, "age": age, "cursor": cursor, "limit": limit}
-    with wrap_driver_errors(PruneError, f"adapter {adapter}: pruning {status} inbox rows"):
-        row = (await conn.execute(_INBOX[(status, dry_run)], params)).one()
-    return _batch(row, {"inbox": row.inbox, "events": row.events})
+    """One batch of an inbox walk of ``adapters`` (one, for 'rejected': its
+    index is per adapter): rows of ``status`` ('stored' or 'rejected') with
+    their ack done, stored more than ``age`` ago, and their events, among the
+    ``limit`` rows after ``cursor`` (or, given ``ids``, of those rows: a
+    re-check of held ones). A dry run counts them. ``by_owner``: the counts
+    by adapter."""
+    if status == "rejected" and len(adapters) != 1:
+        raise ValueError(f"a rejected walk is one adapter's, not {list(adapters)}")
+    params: dict[str, Any] = {
+        "adapter": adapters[0],
+        "adapters": list(adapters),
+        "status": status,
+        "age": age,
+        "limit": limit,
+    }
+    params.update({"cursor": cursor} if ids is None else {"ids": list(ids)})
+    names = ", ".join(adapters)
+    with wrap_driver_errors(PruneError, f"adapter {names}: pruning {status} inbox rows"):
+        row = (await conn.execute(_INBOX[(status, dry_run, ids is not None)], params)).one()
+    inbox_by, events_by = row.inbox or {}, row.events or {}
+    by_owner = {a: {"inbox": int(inbox_by.get(a, 0)), "events": int(events_by.get(a, 0))} for a in adapters}
+    totals = {t: sum(counts[t] for counts in by_owner.values()) for t in ("inbox", "events")}
+    return dataclasses.replace(_batch(row, totals), by_owner=by_owner)
 
 
-def _todos_statement(*, dry_run: bool) -> sa.Select[Any]:
+def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
     statuses: Any = sa.bindparam("statuses", expanding=True)
     scan = (
         sa.select(todos.c.id, todos.c.queue, todos.c.status, todos.c.created_at, todos.c.updated_at)
-        .where(todos.c.id > sa.bindparam("cursor", type_=sa.BigInteger))
+        .where(_rows(todos.c.id, by_ids=by_ids))
         .order_by(todos.c.id)
         .limit(sa.bindparam("limit", type_=sa.Integer))
         .cte("scan")
@@ -239,7 +299,7 @@ def _todos_statement(*, dry_run: bool) -> sa.Select[Any]:
     if dry_run:
         return sa.select(
             *summary,
-            sa.select(sa.func.min(mine.c.id)).where(~mine.c.done).scalar_subquery().label("held_id"),
+            _held(mine, ~mine.c.done),
             _count(mine, mine.c.done).label("todos"),
             sa.select(sa.func.count())
             .where(todo_events.c.todo_id == _array_of(sa.select(mine.c.id).where(mine.c.done)))
@@ -272,18 +332,19 @@ def _todos_statement(*, dry_run: bool) -> sa.Select[Any]:
         .returning(todo_events.c.id)
         .cte("gone_events")
     )
-    held = sa.select(sa.func.min(mine.c.id)).where(
-        sa.or_(~mine.c.done, mine.c.id.not_in(sa.select(gone.c.id)))
-    )
     return sa.select(
         *summary,
-        held.scalar_subquery().label("held_id"),
+        _held(mine, sa.or_(~mine.c.done, mine.c.id.not_in(sa.select(gone.c.id)))),
         _count(gone).label("todos"),
         _count(gone_events).label("todo_events"),
     )
 
 
-_TODOS = {dry_run: _todos_statement(dry_run=dry_run) for dry_run in (False, True)}
+_TODOS = {
+    (dry_run, by_ids): _todos_statement(dry_run=dry_run, by_ids=by_ids)
+    for dry_run in (False, True)
+    for by_ids in (False, True)
+}
 
 
 async def prune_todos(
@@ -292,19 +353,22 @@ async def prune_todos(
     queue: str,
     statuses: tuple[str, ...],
     age: timedelta,
-    cursor: int,
+    cursor: int = 0,
+    ids: Sequence[int] | None = None,
     limit: int,
     dry_run: bool = False,
 ) -> Batch:
     """One batch of a queue's todo walk: todos in ``statuses`` (terminal
     ones: :data:`DONE_STATUSES` or :data:`FAILED_STATUSES`) last changed more
     than ``age`` ago, with their ``todo_events``, among the ``limit`` todos
-    after ``cursor``. A dry run counts them."""
+    after ``cursor`` (or, given ``ids``, of those todos: a re-check of held
+    ones). A dry run counts them."""
     if set(statuses) & set(ACTIVE_TODO_STATUSES):
         raise ValueError(f"only terminal todos are pruned, not {sorted(statuses)}")
-    params = {"queue": queue, "statuses": list(statuses), "age": age, "cursor": cursor, "limit": limit}
+    params: dict[str, Any] = {"queue": queue, "statuses": list(statuses), "age": age, "limit": limit}
+    params.update({"cursor": cursor} if ids is None else {"ids": list(ids)})
     with wrap_driver_errors(PruneError, f"queue {queue}: pruning {'/'.join(statuses)} todos"):
-        row = (await conn.execute(_TODOS[dry_run], params)).one()
+        row = (await conn.execute(_TODOS[(dry_run, ids is not None)], params)).one()
     return _batch(row, {"todos": row.todos, "todo_events": row.todo_events})
 
 
@@ -327,22 +391,55 @@ _PRUNE_ATTEMPTS = sa.delete(delivery_attempts).where(
     ),
     *_OLD_ATTEMPTS,
 )
-_COUNT_ATTEMPTS = sa.select(sa.func.count()).select_from(
-    sa.select(delivery_attempts.c.idempotency_key)
-    .where(*_OLD_ATTEMPTS)
+# A dry run deletes nothing, so "until a batch comes back short" would count
+# the same rows for ever: it walks the primary key instead, ``limit`` keys
+# after the last one it examined, and counts the old ones among them.
+_ATTEMPTS_PAGE = (
+    sa.select(delivery_attempts.c.idempotency_key, delivery_attempts.c.last_attempt_at)
+    .where(
+        delivery_attempts.c.adapter == sa.bindparam("adapter"),
+        delivery_attempts.c.idempotency_key > sa.bindparam("after"),
+    )
+    .order_by(delivery_attempts.c.idempotency_key)
     .limit(sa.bindparam("limit", type_=sa.Integer))
-    .subquery()
+    .cte("page")
+)
+_COUNT_ATTEMPTS = sa.select(
+    sa.select(sa.func.count()).select_from(_ATTEMPTS_PAGE).scalar_subquery().label("scanned"),
+    sa.select(sa.func.max(_ATTEMPTS_PAGE.c.idempotency_key)).scalar_subquery().label("last_key"),
+    sa.select(sa.func.count())
+    .select_from(_ATTEMPTS_PAGE)
+    .where(_ATTEMPTS_PAGE.c.last_attempt_at < _cutoff())
+    .scalar_subquery()
+    .label("old"),
 )
 
 
-async def prune_attempts(
-    conn: AsyncConnection, *, adapter: str, age: timedelta, limit: int, dry_run: bool = False
-) -> int:
+@dataclass(frozen=True, slots=True)
+class AttemptsPage:
+    """One page of a dry run's count of stale attempts: ``scanned`` keys
+    examined, the last of them (None: none left), ``old`` of them stale."""
+
+    scanned: int
+    last_key: str | None
+    old: int
+
+
+async def count_attempts(
+    conn: AsyncConnection, *, adapter: str, age: timedelta, after: str, limit: int
+) -> AttemptsPage:
+    """Of the ``limit`` delivery attempts of ``adapter`` after key ``after``
+    (``""``: from the first), how many were last made more than ``age`` ago."""
+    params = {"adapter": adapter, "age": age, "after": after, "limit": limit}
+    with wrap_driver_errors(PruneError, f"adapter {adapter}: counting delivery attempts"):
+        row = (await conn.execute(_COUNT_ATTEMPTS, params)).one()
+    return AttemptsPage(row.scanned, row.last_key, row.old)
+
+
+async def prune_attempts(conn: AsyncConnection, *, adapter: str, age: timedelta, limit: int) -> int:
     """Delete up to ``limit`` of an adapter's delivery attempts last made more
-    than ``age`` ago; return how many (a dry run counts up to ``limit``). A
-    message attempted since keeps its count: it is still a suspect."""
+    than ``age`` ago; return how many. A message attempted since keeps its
+    count: it is still a suspect. (A dry run counts with :func:`count_attempts`.)"""
     params = {"adapter": adapter, "age": age, "limit": limit}
     with wrap_driver_errors(PruneError, f"adapter {adapter}: pruning delivery attempts"):
-        if dry_run:
-            return int((await conn.execute(_COUNT_ATTEMPTS, params)).scalar_one())
         return (await conn.execute(_PRUNE_ATTEMPTS, params)).rowcount

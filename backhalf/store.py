@@ -236,9 +236,11 @@ class _Outcome:
         return outcome
 
     def result(self, records: list[InboxRecord]) -> StoreResult:
+        rejected = [r.error for r in records if r.error is not None and r.idempotency_key in self.inserted]
         return StoreResult(
             new=len(self.inserted),
-            rejected=sum(1 for r in records if r.error is not None and r.idempotency_key in self.inserted),
+            rejected=len(rejected),
+            rejected_errors=tuple(rejected),
             redelivered=len(records) - len(self.inserted),
             todos_created=self.created,
             todos_deduped=self.todos - self.created,

@@ -37,6 +37,7 @@ from dramatiq.middleware import TimeLimitExceeded
 
 from backhalf import metrics, todos
 from backhalf.queues import QueueConfig
+from backhalf.redaction import redact
 from backhalf.state_writer import StateWriter
 
 log = structlog.get_logger(__name__)
@@ -74,15 +75,19 @@ class Runner:
         # dramatiq's TimeLimitExceeded is a BaseException; KeyboardInterrupt,
         # SystemExit and dramatiq's Shutdown are not the handler's failure.
         except (Exception, TimeLimitExceeded) as exc:
-            metrics.RUN_SECONDS.labels(queue_name).observe(time.perf_counter() - began)
-            metrics.ATTEMPTS_FAILED.labels(queue_name).inc()
+            if metrics.on():
+                metrics.RUN_SECONDS.labels(queue_name).observe(time.perf_counter() - began)
+                metrics.ATTEMPTS_FAILED.labels(queue_name).inc()
             self._failed(queue, started, exc, bound)
             if todo.attempt < queue.max_attempts:
                 raise  # dramatiq's Retries runs it again after its backoff
             return
-        metrics.RUN_SECONDS.labels(queue_name).observe(time.perf_counter() - began)
+        counting = metrics.on()
+        if counting:
+            metrics.RUN_SECONDS.labels(queue_name).observe(time.perf_counter() - began)
         if self._writer.end(todos.Ending(started, "done", None, "done")):
-            metrics.FINISHED.labels(queue_name, "done").inc()
+            if counting:
+                metrics.FINISHED.labels(queue_name, "done").inc()
             # Debug: a line per success would cost each todo a write to the
             # log; todo_events has the record of every one.
             bound.debug("todo_done")
@@ -92,7 +97,9 @@ class Runner:
     def _failed(self, queue: QueueConfig, started: todos.Started, exc: BaseException, bound: Any) -> None:
         todo = started.todo
         assert todo is not None
-        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+        # Stored, then shown by `todos` and `trace`: a client library's error
+        # may carry its connection string, password included.
+        error = redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]
         final = todo.attempt >= queue.max_attempts
         to_status = "failed" if final else "dispatched"
         detail = f"attempt {todo.attempt} of {queue.max_attempts} failed" + (
@@ -102,7 +109,8 @@ class Runner:
         if not held:
             bound.warning("todo_result_discarded", reason="cancelled or rescued while it ran", error=error)
         elif final:
-            metrics.FINISHED.labels(queue.name, "failed").inc()
+            if metrics.on():
+                metrics.FINISHED.labels(queue.name, "failed").inc()
             bound.error("todo_failed", error=error, attempts=todo.attempt)
         else:
             bound.warning("todo_attempt_failed", error=error, max_attempts=queue.max_attempts)

@@ -29,7 +29,7 @@ from psycopg import sql as pgsql
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import acks, db_errors, failpoints, registry
+from backhalf import acks, db_errors, failpoints, heartbeats, registry
 from backhalf import metrics as m
 from backhalf.db import (
     DEFAULT_TRANSACTION_DEADLINE_MS,
@@ -38,7 +38,7 @@ from backhalf.db import (
     libpq_url,
     within_deadline,
 )
-from backhalf.dispatch import Dispatcher, DispatchError, Enqueuer
+from backhalf.dispatch import Dispatcher, Enqueuer
 from backhalf.errors import DeadlineExceeded
 from backhalf.queries import ACK_CHANNEL
 from backhalf.registry import AdapterRow
@@ -46,7 +46,7 @@ from ingest import registered
 from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
-from ingest.errors import ConfigError, log_failure
+from ingest.errors import ConfigError, error_kind, log_failure
 from ingest.lifecycle import Backoff, Retry, wait_either, wait_stop
 from ingest.metrics_http import Liveness
 from ingest.observe import database_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
@@ -81,9 +81,10 @@ async def drain_adapter(
         await acknowledger.ack(claims)
         failpoints.hit("acker_after_xack")
     await acknowledger.acked(claims)
-    m.ACKED.labels(adapter).inc(len(claims))
-    m.ACK_SECONDS.labels(adapter).observe(time.perf_counter() - started)
-    m.ACK_BATCH.labels(adapter).observe(len(claims))
+    if m.on():
+        m.ACKED.labels(adapter).inc(len(claims))
+        m.ACK_SECONDS.labels(adapter).observe(time.perf_counter() - started)
+        m.ACK_BATCH.labels(adapter).observe(len(claims))
     log.info("acks_sent", adapter=adapter, acked=len(claims))
     return len(claims)
 
@@ -135,8 +136,7 @@ async def drain_loop(
             try:
                 drained = await drain_adapter(engine, adapter, acknowledger, settings.batch_size, deadline_ms)
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
-                kind = "database" if isinstance(exc, SQLAlchemyError | DeadlineExceeded) else "broker"
-                m.ERRORS.labels("ack", kind, m.error_class(exc)).inc()
+                m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
                 retry = retries.setdefault(
                     adapter, Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
                 )
@@ -265,17 +265,12 @@ async def relay_loop(
         try:
             dispatched = await dispatcher.relay_once()
         except Exception as exc:  # noqa: BLE001 - the database, the broker or a bug: back off, go on
-            m.ERRORS.labels("ack", _kind(exc), m.error_class(exc)).inc()
+            m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
             await retry.back_off(stop, "dispatch_failed", exc)
             continue
         retry.succeeded()
         if dispatched < settings.dispatch_batch_size:
             await wait_either(wake, stop, settings.poll_interval_ms / 1000)
-
-
-def _kind(exc: BaseException) -> str:
-    """The relay's and rescuer's errors: a dramatiq enqueue is the broker's."""
-    return "broker" if isinstance(exc, DispatchError) else "database"
 
 
 async def rescue_loop(
@@ -291,7 +286,7 @@ async def rescue_loop(
         try:
             rescued = await dispatcher.rescue_once()
         except Exception as exc:  # noqa: BLE001 - as the relay
-            m.ERRORS.labels("ack", _kind(exc), m.error_class(exc)).inc()
+            m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
             await retry.back_off(stop, "rescue_failed", exc)
             continue
         retry.succeeded()
@@ -385,28 +380,36 @@ async def _run_acker(settings: Settings, stop: asyncio.Event, liveness: Liveness
                 loops.append(
                     tg.create_task(rescue_loop(dispatcher, settings.acker, stop, rescue_tick), name="rescue")
                 )
-            deadline_ms = settings.database.transaction_deadline_ms
-            detail = {
-                "adapters": sorted(acknowledgers),
-                "queues": sorted(settings.queues) if dispatcher is not None else [],
-            }
-            tg.create_task(
-                heartbeat_loop(engine, "ack", detail, liveness, stop, deadline_ms=deadline_ms),
-                name="heartbeat",
-            )
-            if settings.metrics.port:
-                tg.create_task(
-                    database_gauges_loop(
-                        engine,
-                        lambda: list(acknowledgers),
-                        settings.metrics.refresh_interval_ms / 1000,
-                        stop,
-                        deadline_ms=deadline_ms,
-                    ),
-                    name="database-gauges",
-                )
             else:
                 log.info("dispatch_off", reason="no [queues.*] in the config: todos are not dispatched")
+            deadline_ms = settings.database.transaction_deadline_ms
+            # The slot: what a restart of this process serves again (see
+            # backhalf.heartbeats); the adapters acked can grow (the table).
+            served_queues = sorted(settings.queues) if dispatcher is not None else []
+            slot = heartbeats.slot([cfg.name for cfg in settings.adapters], served_queues)
+
+            def detail() -> dict[str, object]:
+                return {"adapters": sorted(acknowledgers), "queues": served_queues, "slot": slot}
+
+            loops.append(
+                tg.create_task(
+                    heartbeat_loop(engine, "ack", detail, liveness, stop, deadline_ms=deadline_ms),
+                    name="heartbeat",
+                )
+            )
+            if settings.metrics.port:
+                loops.append(
+                    tg.create_task(
+                        database_gauges_loop(
+                            engine,
+                            lambda: list(acknowledgers),
+                            settings.metrics.refresh_interval_ms / 1000,
+                            stop,
+                            deadline_ms=deadline_ms,
+                        ),
+                        name="database-gauges",
+                    )
+                )
             for cfg in settings.adapters:
                 if settings.queues and cfg.queue not in settings.queues:
                     log.warning(

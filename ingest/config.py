@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from redis.asyncio.connection import parse_url
 from sqlalchemy.engine import make_url
@@ -223,6 +223,50 @@ def check_redis_url(where: str, value: Any) -> str:
 
 _redis_url = check_redis_url
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _env_name(where: str, value: Any) -> str:
+    """The name of an environment variable (a name, never a secret: quoted)."""
+    if not isinstance(value, str) or not _ENV_NAME.fullmatch(value):
+        raise ConfigError(f"{where} must name an environment variable: letters, digits and _ (got {value!r})")
+    return value
+
+
+def _optional_env_name(where: str, section: Mapping[str, Any], key: str) -> str | None:
+    return _env_name(f"{where}: key {key!r}", section[key]) if key in section else None
+
+
+def with_credentials(
+    where: str, url: str, env: Mapping[str, str], *, username_env: str | None, password_env: str | None
+) -> str:
+    """``url`` with its user name and password taken from the variables
+    named, so a broker password need not be written in the config file. A
+    variable unset or empty is an error naming ``where``, the key and the
+    variable, never a value. Each is percent-encoded into the URL, so any
+    character may be in it."""
+    if username_env is None and password_env is None:
+        return url
+
+    def read(key: str, variable: str) -> str:
+        value = env.get(variable)
+        if not value:
+            raise ConfigError(
+                f"{where}: key {key!r}: the environment variable {variable!r} is not set or empty"
+            )
+        return quote(value, safe="")
+
+    parts = urlsplit(url)
+    userinfo, at, hostinfo = parts.netloc.rpartition("@")
+    # What the URL gives stays as it is written (already percent-encoded).
+    user, _, password = userinfo.partition(":") if at else ("", "", "")
+    if username_env is not None:
+        user = read("username_env", username_env)
+    if password_env is not None:
+        password = read("password_env", password_env)
+    userinfo = user + (f":{password}" if password else "")
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{hostinfo}" if userinfo else hostinfo))
+
 
 def _database_url(where: str, value: Any) -> str:
     """A PostgreSQL URL in its psycopg 3 form, checked without echoing it."""
@@ -336,6 +380,10 @@ class AdapterConfig:
     reap_interval_ms: Annotated[int, Key(LIST)] = 5_000
     source: str
     redis_url: Annotated[str, Key(public=False, toml="url", parse=_redis_url)]  # default: [redis] url
+    # The broker's user name and password from these environment variables
+    # (never from the TOML), in place of the url's; not published.
+    username_env: Annotated[str | None, Key(public=False, parse=_env_name)] = None
+    password_env: Annotated[str | None, Key(public=False, parse=_env_name)] = None
     queue: str  # default: the name
     # A JSON Schema file the decoded body must satisfy, else it is poison;
     # relative to the config file's directory.
@@ -621,14 +669,18 @@ def adapter_keys() -> frozenset[str]:
     return frozenset(s.name for s in _adapter_settings())
 
 
-def read_adapter(table: Mapping[str, Any], redis_url: str) -> AdapterConfig:
+def read_adapter(
+    table: Mapping[str, Any], redis_url: str, env: Mapping[str, str] | None = None
+) -> AdapterConfig:
     """One ``[[adapters]]`` table, read and checked as a config file's are;
     ``redis_url`` where it names no ``url``. A ``schema`` path is taken
     relative to the working directory."""
-    return _adapter(0, table, redis_url, Path.cwd())
+    return _adapter(0, table, redis_url, Path.cwd(), env or {})
 
 
-def _adapter(index: int, raw: Any, default_redis_url: str, base_dir: Path) -> AdapterConfig:
+def _adapter(
+    index: int, raw: Any, default_redis_url: str, base_dir: Path, env: Mapping[str, str]
+) -> AdapterConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"adapters[{index}]: must be a table")
     name = raw.get("name")
@@ -646,6 +698,13 @@ def _adapter(index: int, raw: Any, default_redis_url: str, base_dir: Path) -> Ad
             values[s.attr] = s.default
         if s.key.rule is not None:
             s.key.rule(label, values)
+    values["redis_url"] = with_credentials(
+        label,
+        values["redis_url"],
+        env,
+        username_env=values["username_env"],
+        password_env=values["password_env"],
+    )
     return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
 
 
@@ -760,7 +819,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     if not isinstance(raw_adapters, list):
         raise ConfigError("[[adapters]]: must be an array of tables")
     anchor = base_dir if base_dir is not None else Path.cwd()
-    adapters = tuple(_adapter(i, a, default_redis, anchor) for i, a in enumerate(raw_adapters))
+    adapters = tuple(_adapter(i, a, default_redis, anchor, env) for i, a in enumerate(raw_adapters))
     names = [a.name for a in adapters]
     for n in names:
         if names.count(n) > 1:
@@ -778,7 +837,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     _check_keys("[acker]", acker_raw, set(acker_types))
     queues = {name: _queue(name, q) for name, q in _section(raw, "queues").items()}
     dramatiq_section = _section(raw, "dramatiq")
-    _check_keys("[dramatiq]", dramatiq_section, {"url", "idle_poll_ms"})
+    _check_keys("[dramatiq]", dramatiq_section, {"url", "idle_poll_ms", "username_env", "password_env"})
     idle_poll_ms = (
         _positive_int("[dramatiq]: key 'idle_poll_ms'", dramatiq_section["idle_poll_ms"])
         if "idle_poll_ms" in dramatiq_section
@@ -788,6 +847,13 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         check_redis_url("[dramatiq]: key 'url'", dramatiq_section["url"])
         if "url" in dramatiq_section
         else default_redis
+    )
+    dramatiq_url = with_credentials(
+        "[dramatiq]",
+        dramatiq_url,
+        env,
+        username_env=_optional_env_name("[dramatiq]", dramatiq_section, "username_env"),
+        password_env=_optional_env_name("[dramatiq]", dramatiq_section, "password_env"),
     )
     return Settings(
         database_url_origin=DATABASE_URL_VARIABLE if env.get(DATABASE_URL_VARIABLE) else "[database] url",

@@ -73,3 +73,18 @@ def log_failure(
         log.warning(event, **failure_fields(exc), **fields)
     else:
         log.exception(event, **failure_fields(exc), **fields, exc_info=exc)
+
+
+def error_kind(exc: BaseException) -> str:
+    """The metrics' ``kind`` of a failure: ``broker`` (redis-py's, wrapped as
+        an IngestError at the adapter boundary), ``database`` (the driver's and
+        the back half's, which wrap a database failure, or dramatiq's broker for a
+    dispatch), or
+        ``bug``: anything else is no outage but a fault of ours."""
+    if isinstance(exc, IngestError):
+        return "broker"
+    if isinstance(exc, BackhalfError):
+        return exc.failed
+    if isinstance(exc, SQLAlchemyError):
+        return "database"
+    return "bug"

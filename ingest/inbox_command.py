@@ -4,7 +4,9 @@ lost messages, seen whole and re-run once their cause is fixed.
 ``replay ID...`` replays those rows; ``replay`` with a filter (``--adapter``,
 ``--since``, ``--until``, ``--error-contains``, or ``--all-rejected`` for
 every rejected row) replays the rejected rows it matches, oldest first, at
-most ``--limit``; ``--dry-run`` says what each would do and writes nothing.
+most ``--limit``, after ``--after-id`` if given (the next page: the hint
+printed when more rows match names the id); ``--dry-run`` says what each
+would do and writes nothing.
 Each row is its own transaction (:func:`backhalf.replay.replay`), so one
 that fails leaves the others replayed; the exit code is 1 if any failed. A
 replay by filter with no filter at all is refused (exit 2): "every rejected
@@ -34,13 +36,16 @@ from ingest.adapters.base import FAMILY, TRUST_MODE
 from ingest.config import Settings
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
-from ingest.text_table import table
+from ingest.text_table import one_line, printable, table
 
 _PROG = "switchboard inbox"
 DEFAULT_REPLAY_LIMIT = 100
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(s|m|h|d|w)$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 _FILTERS = ("adapter", "since", "until", "error_contains")
+# The longest --since / --until age: far past any inbox row, well inside
+# PostgreSQL's timestamps.
+MAX_AGE = timedelta(days=365_000)
 
 
 def time_bound(text: str) -> datetime | timedelta:
@@ -48,7 +53,18 @@ def time_bound(text: str) -> datetime | timedelta:
     otherwise) or an age such as ``90s``, ``30m``, ``1h``, ``2d``, ``1w``."""
     duration = _DURATION.match(text.strip())
     if duration is not None:
-        return timedelta(**{_UNITS[duration.group(2)]: float(duration.group(1))})
+        too_long = argparse.ArgumentTypeError(
+            f"an age must be at most {MAX_AGE.days}d, 1000 years (got {text!r})"
+        )
+        try:
+            age = timedelta(**{_UNITS[duration.group(2)]: float(duration.group(1))})
+        except OverflowError as exc:  # past timedelta's range: a traceback, not exit 2, otherwise
+            raise too_long from exc
+        # PostgreSQL computes now() - age: past its timestamps' range, that
+        # would be a database error at run time instead of a usage error now.
+        if age > MAX_AGE:
+            raise too_long
+        return age
     try:
         moment = datetime.fromisoformat(text.strip())
     except ValueError as exc:
@@ -90,6 +106,12 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser, positive_int: Callab
         help=f"by filter: at most N rows, oldest first ({DEFAULT_REPLAY_LIMIT})",
     )
     rerun.add_argument(
+        "--after-id",
+        type=positive_int,
+        metavar="ID",
+        help="by filter: only rows after inbox row ID (the next page: the last id a run examined)",
+    )
+    rerun.add_argument(
         "--dry-run", action="store_true", help="by filter: say what each would do, change nothing"
     )
 
@@ -100,8 +122,11 @@ def usage_error(args: argparse.Namespace) -> str | None:
     if args.inbox_verb != "replay":
         return None
     by_filter = any(getattr(args, f) is not None for f in _FILTERS) or args.all_rejected
-    if args.ids and (by_filter or args.dry_run or args.limit is not None):
-        return "give inbox row ids, or a filter, not both (--dry-run and --limit go with a filter)"
+    with_filter = (args.dry_run, args.limit is not None, args.after_id is not None)
+    if args.ids and (by_filter or any(with_filter)):
+        return (
+            "give inbox row ids, or a filter, not both (--dry-run, --limit and --after-id go with a filter)"
+        )
     if not args.ids and not by_filter:
         return (
             "no ids and no filter: give inbox row ids, or --adapter, --since, --until,"
@@ -156,8 +181,8 @@ def inbox_table(rows: Sequence[replay.InboxRow]) -> list[str]:
             r.status,
             r.ack_state,
             str(r.deliveries),
-            r.idempotency_key,
-            _one_line(r.error),
+            printable(r.idempotency_key),
+            one_line(r.error),
         )
         for r in rows
     ]
@@ -198,7 +223,11 @@ async def _replay_one(engine: AsyncEngine, settings: Settings, inbox_id: int) ->
 
 async def _replay_matching(engine: AsyncEngine, settings: Settings, args: argparse.Namespace) -> int:
     where = inbox_views.ReplayFilter(
-        adapter=args.adapter, since=args.since, until=args.until, error_contains=args.error_contains
+        adapter=args.adapter,
+        since=args.since,
+        until=args.until,
+        error_contains=args.error_contains,
+        after_id=args.after_id,
     )
     limit = args.limit or DEFAULT_REPLAY_LIMIT
     async with engine.connect() as conn:
@@ -210,7 +239,13 @@ async def _replay_matching(engine: AsyncEngine, settings: Settings, args: argpar
         print("no rejected inbox rows match")
         return EXIT_OK
     if more:
-        print(f"more than {limit} rows match: the {limit} oldest are taken (--limit); run again for the rest")
+        # The next page starts after the last row taken: re-running without
+        # --after-id would take the same oldest rows again, and if they keep
+        # failing, never reach the rest.
+        print(
+            f"more than {limit} rows match: the {limit} oldest are taken (--limit), up to inbox row"
+            f" {rows[-1].id}; for the rest, run again with the same filters and --after-id {rows[-1].id}"
+        )
     if args.dry_run:
         return await _dry_run(engine, settings, rows)
     stored = 0
@@ -228,7 +263,7 @@ async def _dry_run(engine: AsyncEngine, settings: Settings, rows: Sequence[repla
     for row in rows:
         async with engine.connect() as conn:
             detail = await inbox_views.get_row(conn, row.id)
-        head = f"inbox row {row.id} ({row.adapter}, stored {_utc(row.stored_at)}, {_one_line(row.error)})"
+        head = f"inbox row {row.id} ({row.adapter}, stored {_utc(row.stored_at)}, {one_line(row.error)})"
         if detail is None:
             print(f"{head}: gone since it was selected")
             continue
@@ -257,16 +292,6 @@ class BodyView:
     encoding: str  # "json" (pretty-printed), "text" (UTF-8) or "base64" (neither)
     lines: list[str]
     note: str
-
-
-# Characters that would act on a terminal rather than show: C0/C1 controls
-# (escape sequences) and the bidirectional overrides that reorder what a
-# reader sees. A poison message is untrusted input.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def _printable(text: str) -> str:
-    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _decode(body: bytes, *, whole: bool) -> str | None:
@@ -302,9 +327,9 @@ def body_view(body: bytes, *, body_size: int | None, body_sha256: bytes | None) 
             pass
         else:
             pretty = json.dumps(parsed, indent=2, ensure_ascii=False)
-            return BodyView("json", [_printable(line) for line in pretty.splitlines()], f"{size}; JSON")
+            return BodyView("json", [printable(line) for line in pretty.splitlines()], f"{size}; JSON")
     kind = "UTF-8 text" if whole else "UTF-8 text, cut where the stored prefix ends"
-    return BodyView("text", [_printable(line) for line in text.splitlines()] or [""], f"{size}; {kind}")
+    return BodyView("text", [printable(line) for line in text.splitlines()] or [""], f"{size}; {kind}")
 
 
 async def _show(engine: AsyncEngine, inbox_id: int, *, as_json: bool) -> int:
@@ -353,12 +378,13 @@ def show_lines(row: inbox_views.InboxDetail, view: BodyView) -> list[str]:
         ("acked_at", _utc(row.acked_at, millis=True) + " UTC" if row.acked_at else "-"),
         ("todo_id", str(row.todo_id) if row.todo_id is not None else "-"),
         ("event_id", str(row.event_id) if row.event_id is not None else "-"),
-        ("error", _printable(row.error) if row.error is not None else "-"),
+        ("error", row.error if row.error is not None else "-"),
     )
     width = max(len(name) for name, _ in fields)
     lines: list[str] = []
     for name, value in fields:
-        first, *more = value.splitlines() or [""]
+        # Keys, ids and the error can carry text from the message: untrusted.
+        first, *more = printable(value).splitlines() or [""]
         lines.append(f"{name.ljust(width)}  {first}".rstrip())
         lines.extend(f"{' ' * width}  {line}".rstrip() for line in more)
     lines.append(f"body: {view.note}")
@@ -371,10 +397,6 @@ def _utc(moment: datetime | None, *, millis: bool = False) -> str:
         return "-"
     text = moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f" if millis else "%Y-%m-%d %H:%M:%S")
     return text[:-3] if millis else text
-
-
-def _one_line(text: str | None) -> str:
-    return " ".join((text or "").split())
 
 
 def _json_value(value: object) -> str:

@@ -15,7 +15,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import db_errors, registry, stream_groups
+from backhalf import db_errors, heartbeats, registry, stream_groups
 from backhalf.db import MAX_OVERFLOW, create_engine, within_deadline
 from backhalf.errors import DeadlineExceeded
 from backhalf.stream_groups import GroupStartLedger
@@ -127,16 +127,18 @@ async def _run_ingester(
             # Heartbeats and the like: they end on stop by themselves.
             for a, cfg in pairs:
                 tg.create_task(a.run_background(stop), name=f"background:{cfg.name}")
-            detail = {
-                "adapters": [cfg.name for cfg in settings.adapters],
-                "consumers": sorted({cfg.consumer for cfg in settings.adapters}),
-            }
-            tg.create_task(
-                heartbeat_loop(engine, "ingest", detail, liveness, stop, deadline_ms=deadline_ms),
-                name="heartbeat",
-            )
-            if settings.metrics.port:
+            names = [cfg.name for cfg in settings.adapters]
+            consumers = sorted({cfg.consumer for cfg in settings.adapters})
+            # The slot: what a restart of this process reads again (see backhalf.heartbeats).
+            detail = {"adapters": names, "consumers": consumers, "slot": heartbeats.slot(names, consumers)}
+            observers = [
                 tg.create_task(
+                    heartbeat_loop(engine, "ingest", lambda: detail, liveness, stop, deadline_ms=deadline_ms),
+                    name="heartbeat",
+                )
+            ]
+            if settings.metrics.port:
+                observers.append(tg.create_task(
                     broker_gauges_loop(
                         pairs,
                         lambda name: polls[name].enabled,
@@ -144,9 +146,12 @@ async def _run_ingester(
                         stop,
                     ),
                     name="broker-gauges",
-                )
+                ))  # fmt: skip
             await stop.wait()
-            _done, running = await asyncio.wait(loops, timeout=settings.ingest.shutdown_timeout_s)
+            # The observers end on stop too, within the same deadline.
+            _done, running = await asyncio.wait(
+                [*loops, *observers], timeout=settings.ingest.shutdown_timeout_s
+            )
             if running:
                 log.error("shutdown_deadline_exceeded", loops=sorted(t.get_name() for t in running))
                 for task in running:

@@ -10,7 +10,6 @@ an exception message carries a connection string.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import threading
 import traceback
@@ -20,25 +19,11 @@ from typing import Any
 
 import structlog
 
-# scheme://user:password@host -> scheme://user:***@host. The password runs to
-# the last "@" on its line: one with an unencoded "@" or a space in it leaves
-# no tail behind. Reaching too far (a host name after a later "@" redacted
-# too) is the lesser harm.
-_URL_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^\n]*@")
-# password=... in DSNs and keyword lists (PGPASSWORD=..., db_password=...),
-# quoted or not, and 'password': '...' in a repr or "password": "..." in JSON.
-# A quoted value ends at its closing quote, or at the end of the line when it
-# was cut off; an unquoted one at whitespace, as libpq reads it.
-_QUOTED = r"""'(?:[^'\\\n]|\\.)*'?|"(?:[^"\\\n]|\\.)*"?"""
-_DSN_PASSWORD = re.compile(
-    rf"""(?P<head>password\s*=\s*|["']password["']\s*:\s*)(?:{_QUOTED}|\S+)""", re.IGNORECASE
-)
+# One redaction for log lines, messages and stored errors; re-exported, as
+# callers know it as ingest.logs.redact.
+from backhalf.redaction import redact as redact
+
 _PLAIN = (str, int, float, bool, type(None))
-
-
-def redact(text: str) -> str:
-    text = _URL_CREDENTIALS.sub(r"\g<head>***@", text)
-    return _DSN_PASSWORD.sub(r"\g<head>***", text)
 
 
 def _redact_value(value: Any) -> Any:

@@ -23,11 +23,18 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import structlog
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
+from backhalf.redaction import redact
 from ingest.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
 SERVER_STOP_TIMEOUT_S = 5.0
+# A client that connects and sends nothing (or reads nothing) is dropped
+# after this: a request thread never outlives it, so close() is bounded.
+REQUEST_TIMEOUT_S = 5.0
+# Requests served at once; more are refused at accept (a scraper and a probe
+# or two are the expected load, not a crowd).
+MAX_CONNECTIONS = 8
 HealthReport = tuple[bool, dict[str, Any]]
 
 
@@ -56,6 +63,11 @@ class Liveness:
                 self._ticks[name] = now
 
         return tick
+
+    def loops_stuck(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            return any(now - at > self._bounds[name] for name, at in self._ticks.items())
 
     def forget(self, name: str) -> None:
         with self._lock:
@@ -90,14 +102,37 @@ class Liveness:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_S  # socketserver sets it on the connection
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged: one line every few seconds says nothing."""
 
 
 class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
-    # Not daemon threads: server_close() joins them (block_on_close).
+    # Not daemon threads: server_close() joins them (block_on_close), each
+    # bounded by REQUEST_TIMEOUT_S.
     daemon_threads = False
     allow_reuse_address = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: refused, not queued
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def wsgi_app(
@@ -110,7 +145,8 @@ def wsgi_app(
             try:
                 ok, body = health()
             except Exception as exc:  # noqa: BLE001 - a failing check is an unhealthy answer, not a crash
-                ok, body = False, {"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}
+                # Redacted: the body goes to whoever can reach the port.
+                ok, body = False, {"status": "unhealthy", "error": redact(f"{type(exc).__name__}: {exc}")}
             payload = json.dumps(body).encode()
             status = "200 OK" if ok else "503 Service Unavailable"
             headers = [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]

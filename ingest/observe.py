@@ -32,8 +32,11 @@ from ingest.metrics_http import Liveness, MetricsServer
 
 log = structlog.get_logger(__name__)
 
-# The last beat's statement, on a graceful stop, gets this long.
-STOPPED_MARK_TIMEOUT_MS = 2_000
+# The last beat's statement, on a graceful stop, gets this long: within the
+# process's shutdown deadline, and long enough for a connection's set-up
+# (TLS, a busy server): a deadline that expires in a new connection's
+# set-up can leave that connection to the garbage collector.
+STOPPED_MARK_TIMEOUT_MS = 5_000
 
 
 def new_liveness() -> Liveness:
@@ -62,6 +65,7 @@ def serving(settings: Settings, liveness: Liveness) -> Iterator[MetricsServer | 
         yield None
         return
     server = MetricsServer(settings.metrics.address, settings.metrics.port, liveness.report)
+    m.switch_on()
     try:
         yield server
     finally:
@@ -71,7 +75,7 @@ def serving(settings: Settings, liveness: Liveness) -> Iterator[MetricsServer | 
 async def heartbeat_loop(
     engine: AsyncEngine,
     role: str,
-    detail: Mapping[str, Any],
+    detail: Callable[[], Mapping[str, Any]],
     liveness: Liveness,
     stop: asyncio.Event,
     *,
@@ -80,7 +84,10 @@ async def heartbeat_loop(
 ) -> None:
     """Beat every ``interval_s`` until stop, then mark the row stopped.
     A failed beat is logged and retried at the next turn: the heartbeat
-    never ends the process, and /healthz says the database is not answering."""
+    never ends the process, and /healthz says the database is not answering.
+    ``detail`` is read at every beat (the acker's adapters grow), with the
+    process's own verdict added as ``healthy``: a process whose loop hangs
+    still beats, and ``status`` must not call it alive."""
     instance = uuid.uuid4()
     host = socket.gethostname()
     pid = os.getpid()
@@ -88,14 +95,17 @@ async def heartbeat_loop(
     bound = log.bind(role=role, instance=str(instance))
     beaten = False
     while not stop.is_set():
+        # Judged by its loops only: the database half of /healthz is this very beat.
+        described = {**detail(), "healthy": not liveness.loops_stuck()}
         try:
             async with within_deadline(engine.begin(), deadline_ms, "writing the heartbeat") as conn:
-                await conn.execute(heartbeats.beat_statement(instance, role, host, pid, detail))
+                await conn.execute(heartbeats.beat_statement(instance, role, host, pid, described))
                 if not beaten:
                     await conn.execute(heartbeats.forget_statement())
         except (SQLAlchemyError, DeadlineExceeded) as exc:
             liveness.database_failed(type(exc).__name__)
-            m.ERRORS.labels(role, "database", m.error_class(exc)).inc()
+            if m.on():
+                m.ERRORS.labels(role, "database", m.error_class(exc)).inc()
             log_failure(bound, "heartbeat_failed", exc)
         else:
             if not beaten:
@@ -130,7 +140,7 @@ async def broker_gauges_loop(
             try:
                 described = await asyncio.wait_for(adapter.describe(), timeout=interval_s + 5.0)
             except (BrokerError, TimeoutError) as exc:
-                m.ERRORS.labels("ingest", "broker", m.error_class(exc)).inc()
+                m.ERRORS.labels("ingest", "broker", m.error_class(exc)).inc()  # only run when on
                 log_failure(log, "broker_gauges_failed", exc, adapter=cfg.name)
                 continue
             _set_broker_gauges(cfg.name, described)

@@ -32,7 +32,7 @@ from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter, pull_provenance
 from ingest.commits import Commits
 from ingest.config import AdapterConfig, IngestSettings
-from ingest.errors import EXPECTED_FAILURES, BrokerError
+from ingest.errors import EXPECTED_FAILURES, BrokerError, error_kind
 from ingest.lifecycle import Backoff, Retry, cancel_and_wait, wait_stop
 
 log = structlog.get_logger(__name__)
@@ -45,7 +45,8 @@ REDELIVERY = 2  # a delivery count from which a message is a redelivery
 # the count of every message in it. Lone attempts, counted in PostgreSQL, can.)
 ISOLATE_AFTER = 3
 NORMALIZE_SLICE = 100
-LOST_BEFORE_INGEST = "lost_before_ingest: the entry was deleted or trimmed while still pending"
+LOST_REASON = "lost_before_ingest"
+LOST_BEFORE_INGEST = f"{LOST_REASON}: the entry was deleted or trimmed while still pending"
 
 
 def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
@@ -231,6 +232,8 @@ class PollLoop:
         if not fetched.deliveries:
             retry.succeeded()
             return
+        if metrics.on():  # every delivery read, whether its batch commits or not
+            metrics.CONSUMED.labels(self._cfg.name).inc(len(fetched.deliveries))
         failpoints.hit("after_read")
         # The next batch is read and normalized while this one commits:
         # Python, Redis and PostgreSQL work overlap instead of taking turns.
@@ -267,8 +270,7 @@ class PollLoop:
         # keeps none).
         self._adapter.rewind()
         event = "broker_error" if isinstance(exc, BrokerError) else "store_failed"
-        kind = "broker" if isinstance(exc, BrokerError) else "database"
-        metrics.ERRORS.labels("ingest", kind, metrics.error_class(exc)).inc()
+        metrics.ERRORS.labels("ingest", error_kind(exc), metrics.error_class(exc)).inc()
         await retry.back_off(self._stop, event, exc, broker=self._adapter.broker)
 
     async def _wind_down(self) -> None:
@@ -404,7 +406,8 @@ class PollLoop:
         # redelivers the whole batch and the committed chunks dedup.
         self._adapter.stored()
         result = StoreResult.total(results)
-        self._count(fetched, result, time.perf_counter() - started)
+        if metrics.on():
+            metrics.STORE_BATCH.labels(self._cfg.name).observe(len(deliveries))
         self._log.info(
             "batch_stored",
             messages=len(deliveries),
@@ -436,11 +439,14 @@ class PollLoop:
         """The runtime flag as last read (the metrics' adapter_enabled)."""
         return self._enabled
 
-    def _count(self, fetched: Fetched, result: StoreResult, store_s: float) -> None:
-        """The batch's metrics: a handful of additions per batch, none per message."""
-        name = self._cfg.name
-        m = metrics
-        m.CONSUMED.labels(name).inc(len(fetched.deliveries))
+    def _count(self, result: StoreResult, store_s: float) -> None:
+        """One committed store transaction's metrics: counted at its commit,
+        so a batch whose later chunk fails still counts the chunks that
+        committed (their redelivery then counts as deduplicated, as it is).
+        A handful of additions per transaction, none per message."""
+        if not metrics.on():
+            return
+        m, name = metrics, self._cfg.name
         m.STORED.labels(name).inc(result.new)
         m.TODOS_CREATED.labels(name).inc(result.todos_created)
         if result.redelivered:
@@ -448,19 +454,10 @@ class PollLoop:
         if result.todos_deduped:
             m.DEDUPLICATED.labels(name, "todo").inc(result.todos_deduped)
         m.STORE_SECONDS.labels(name).observe(store_s)
-        m.STORE_BATCH.labels(name).observe(len(fetched.deliveries))
-        if result.rejected:
-            # Which reasons: those of the batch's rejected records, when all
-            # of them were new (the usual case); a redelivered rejection is
-            # counted as deduplicated, not again, so the totals stay exact.
-            reasons = Counter(m.reason_of(r.error) for r in fetched.records if r.error is not None)
-            if sum(reasons.values()) != result.rejected:
-                reasons = Counter({"other": result.rejected})
-            for reason, n in reasons.items():
-                m.REJECTED.labels(name, reason).inc(n)
-            lost = sum(1 for d in fetched.deliveries if d.lost)
-            if lost:
-                m.LOST.labels(name).inc(lost)
+        for reason, n in Counter(m.reason_of(e) for e in result.rejected_errors).items():
+            m.REJECTED.labels(name, reason).inc(n)
+            if reason == LOST_REASON:
+                m.LOST.labels(name).inc(n)
 
     async def _split_suspects(
         self, records: list[InboxRecord]
@@ -591,6 +588,7 @@ class PollLoop:
             # Test hook: a crash while processing these (rejected ones are not processed).
             failpoints.hit("before_store", (r.body for r in records if r.error is None))
             what = f"storing {len(records)} messages"
+            began = time.perf_counter()
             async with self._within_deadline(self._engine.begin(), what) as conn:
                 result = await store(conn, batch)
                 redelivered = [r.idempotency_key for r in records if r.deliveries >= REDELIVERY]
@@ -603,5 +601,6 @@ class PollLoop:
                 f"adapter {self._cfg.name}: transaction for {len(records)} messages failed: {exc}"
             ) from exc
         failpoints.hit("after_commit")
+        self._count(result, time.perf_counter() - began)
         self._found_stored = result.redelivered > 0
         return result

@@ -8,19 +8,29 @@ cancelled todos, its failed todos (with their ``todo_events``). A walk is a
 run of bounded batches (``backhalf.retention``), each its own short
 transaction under the transaction deadline, with a pause between them so
 autovacuum and replicas keep up with the deletes and nobody's locks are held
-for long; it ends at the first row newer than its cutoff.
+for long; it ends at the first row newer than its cutoff. Acked walks of
+adapters with the same retention run as one (:meth:`Pruner.units`): one
+read of the inbox for all of them, the deletions counted by adapter.
 
-A :class:`Pruner` remembers where each walk should start again: just before
-the first row it had to keep for a reason that passes (an ack pending, a todo
-active, a row locked), else where it stopped. The acker's pruner lives as long
-as the process, so each run reads only what was written since the last one
-(plus what the last one had to keep); a new process, or ``switchboard
-prune``, starts at the beginning of each table once.
+A :class:`Pruner` remembers, for each walk, a cursor and the rows it held.
+The cursor moves past every row a batch examined, up to the edge, kept rows
+included; a row kept for a reason that passes (an ack pending, a todo
+active, a row locked) goes into the walk's held set (at most
+:data:`HELD_LIMIT`), which each run re-checks by id first. So one long-held
+row costs a primary-key probe a run, never a re-read of what follows it.
+What the cursor cannot see is a row that turns into the walk's status after
+the walk passed it (a failed todo retried that ends done; a rejected row
+replayed and stored): every :data:`FULL_SWEEP_INTERVAL_S` a walk starts from
+the first id again, which finds those, and any held rows past the bound.
+The acker's pruner lives as long as the process, so between full sweeps a
+run reads only what was written since the last one plus its held rows; a new
+process, ``switchboard prune`` and every dry run start with a full sweep.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,10 +99,12 @@ class WalkResult:
     walk: Walk
     deleted: dict[str, int]
     batches: int = 0
-    scanned: int = 0
+    scanned: int = 0  # rows read; shared by the adapters of one acked walk
     longest_batch_s: float = 0.0
     elapsed_s: float = 0.0
     finished: bool = False  # False: stopped before its end (shutdown)
+    full_sweep: bool = False  # this run walked from the first id
+    held: int = 0  # rows the walk is left holding, to re-check by id
 
     def add(self, deleted: dict[str, int]) -> None:
         for table, n in deleted.items():
@@ -101,17 +113,46 @@ class WalkResult:
 
 Progress = Callable[[WalkResult], None]
 
+# How often a walk starts again from the first id: what changed into its
+# status behind its cursor (a failed todo retried that ends done, a rejected
+# row replayed), and held rows past the bound below, are found then.
+FULL_SWEEP_INTERVAL_S = 3600.0
+# The most held rows a walk re-checks by id; past it, the next full sweep
+# finds the rest (a stalled queue's active backlog must not grow the set).
+HELD_LIMIT = 10_000
+
+
+@dataclass(slots=True)
+class _WalkState:
+    """Where a walk goes on from: its cursor, the rows it holds, and when its
+    last full sweep started (None: never)."""
+
+    cursor: int = 0
+    held: set[int] = field(default_factory=set)
+    swept_at: float | None = None
+
 
 @dataclass(slots=True)
 class Pruner:
-    """Runs the walks; remembers where each starts again (see the module docstring)."""
+    """Runs the walks; remembers where each goes on from (see the module docstring)."""
 
     engine: AsyncEngine
     walks: list[Walk]
     batch_size: int
     pause_ms: int
     deadline_ms: int
-    _resume: dict[Walk, int] = field(default_factory=dict)
+    full_sweep_interval_s: float = FULL_SWEEP_INTERVAL_S
+    held_limit: int = HELD_LIMIT
+    clock: Callable[[], float] = time.monotonic
+    _state: dict[tuple[Walk, ...], _WalkState] = field(default_factory=dict)
+
+    def units(self) -> list[tuple[Walk, ...]]:
+        """The walks as run: acked walks of the same age together (one read of
+        the inbox for all those adapters, counted apart), every other alone."""
+        found: dict[tuple[WalkKind, timedelta] | Walk, list[Walk]] = {}
+        for walk in self.walks:
+            found.setdefault((walk.kind, walk.age) if walk.kind == "acked" else walk, []).append(walk)
+        return [tuple(group) for group in found.values()]
 
     async def run(
         self,
@@ -121,24 +162,29 @@ class Pruner:
         progress: Progress | None = None,
         progress_interval_s: float = 5.0,
     ) -> list[WalkResult]:
-        """Every walk once, or until ``stop``. A dry run deletes nothing and
-        moves no restart point. A failed batch raises (``PruneError``,
-        ``DeadlineExceeded``): what earlier batches deleted stays deleted, and
-        that walk starts again where it last started."""
+        """Every walk once, or until ``stop``. A dry run walks from the first
+        id, deletes nothing and changes no walk's state. A failed batch raises
+        (``PruneError``, ``DeadlineExceeded``): what earlier batches deleted
+        stays deleted, and the walk goes on after the last batch that
+        committed."""
         results = []
-        for walk in self.walks:
+        for unit in self.units():
             if stop is not None and stop.is_set():
                 break
-            result = await self._walk(walk, stop, dry_run, progress, progress_interval_s)
-            results.append(result)
-            if any(result.deleted.values()):
+            done = await self._walk(unit, stop, dry_run, progress, progress_interval_s)
+            results += done
+            for result in done:
+                if not any(result.deleted.values()):
+                    continue
                 log.info(
                     "prune_walk_done",
-                    kind=walk.kind,
-                    owner=walk.owner,
+                    kind=result.walk.kind,
+                    owner=result.walk.owner,
                     dry_run=dry_run,
                     batches=result.batches,
                     scanned=result.scanned,
+                    held=result.held,
+                    full_sweep=result.full_sweep,
                     longest_batch_ms=round(result.longest_batch_s * 1000, 1),
                     elapsed_s=round(result.elapsed_s, 3),
                     finished=result.finished,
@@ -146,81 +192,135 @@ class Pruner:
                 )
         return results
 
+    async def _batch(
+        self, unit: tuple[Walk, ...], *, cursor: int = 0, ids: list[int] | None = None, dry_run: bool
+    ) -> retention.Batch:
+        walk = unit[0]
+        what = f"{walk.owner}: pruning ({walk.kind})"
+        async with within_deadline(self.engine.begin(), self.deadline_ms, what) as conn:
+            if walk.kind in ("acked", "rejected"):
+                return await retention.prune_inbox(
+                    conn,
+                    adapters=[w.name for w in unit],
+                    status="stored" if walk.kind == "acked" else "rejected",
+                    age=walk.age,
+                    cursor=cursor,
+                    ids=ids,
+                    limit=self.batch_size,
+                    dry_run=dry_run,
+                )
+            batch = await retention.prune_todos(
+                conn,
+                queue=walk.name,
+                statuses=retention.DONE_STATUSES if walk.kind == "done" else retention.FAILED_STATUSES,
+                age=walk.age,
+                cursor=cursor,
+                ids=ids,
+                limit=self.batch_size,
+                dry_run=dry_run,
+            )
+            return dataclasses.replace(batch, by_owner={walk.name: batch.deleted})
+
+    async def _attempts_batch(self, walk: Walk, after: str, dry_run: bool) -> retention.AttemptsPage:
+        what = f"{walk.owner}: pruning ({walk.kind})"
+        async with within_deadline(self.engine.begin(), self.deadline_ms, what) as conn:
+            if dry_run:
+                return await retention.count_attempts(
+                    conn, adapter=walk.name, age=walk.age, after=after, limit=self.batch_size
+                )
+            n = await retention.prune_attempts(conn, adapter=walk.name, age=walk.age, limit=self.batch_size)
+            # Not a cursor walk: deleted rows are gone, so the next batch
+            # finds the next ones; a short batch is the end.
+            return retention.AttemptsPage(n, None if n < self.batch_size else after, n)
+
     async def _walk(
         self,
-        walk: Walk,
+        unit: tuple[Walk, ...],
         stop: asyncio.Event | None,
         dry_run: bool,
         progress: Progress | None,
         progress_interval_s: float,
-    ) -> WalkResult:
-        result = WalkResult(walk, dict.fromkeys(TABLES[walk.kind], 0))
+    ) -> list[WalkResult]:
+        # One result per walk; what the unit's batches share (rows read,
+        # batches, time) is the same on each.
+        results = {w.name: WalkResult(w, dict.fromkeys(TABLES[w.kind], 0)) for w in unit}
         started = time.monotonic()
         next_progress = started + progress_interval_s
-        cursor = self._resume.get(walk, 0)
-        held: int | None = None
-        while True:
-            batch_started = time.monotonic()
-            what = f"{walk.owner}: pruning ({walk.kind})"
-            async with within_deadline(self.engine.begin(), self.deadline_ms, what) as conn:
-                if walk.kind == "attempts":
-                    n = await retention.prune_attempts(
-                        conn, adapter=walk.name, age=walk.age, limit=self.batch_size, dry_run=dry_run
-                    )
-                    batch = retention.Batch(n, None, None, None, {"delivery_attempts": n})
-                elif walk.kind in ("acked", "rejected"):
-                    batch = await retention.prune_inbox(
-                        conn,
-                        adapter=walk.name,
-                        status="stored" if walk.kind == "acked" else "rejected",
-                        age=walk.age,
-                        cursor=cursor,
-                        limit=self.batch_size,
-                        dry_run=dry_run,
-                    )
-                else:
-                    batch = await retention.prune_todos(
-                        conn,
-                        queue=walk.name,
-                        statuses=retention.DONE_STATUSES
-                        if walk.kind == "done"
-                        else retention.FAILED_STATUSES,
-                        age=walk.age,
-                        cursor=cursor,
-                        limit=self.batch_size,
-                        dry_run=dry_run,
-                    )
+
+        def account(batch_started: float, scanned: int, by_owner: dict[str, dict[str, int]]) -> None:
+            nonlocal next_progress
             now = time.monotonic()
-            result.longest_batch_s = max(result.longest_batch_s, now - batch_started)
-            result.batches += 1
-            result.scanned += batch.scanned
-            result.add(batch.deleted)
-            if batch.held_id is not None and held is None:
-                held = batch.held_id
+            for name, result in results.items():
+                result.longest_batch_s = max(result.longest_batch_s, now - batch_started)
+                result.batches += 1
+                result.scanned += scanned
+                result.add(by_owner.get(name, {}))
             if progress is not None and now >= next_progress:
                 next_progress = now + progress_interval_s
-                result.elapsed_s = now - started
-                progress(result)
-            if walk.kind == "attempts":
-                # Not a cursor walk: a dry run counts one batch's worth and
-                # says so; a real one deletes until a batch comes back short.
-                ended = dry_run or batch.scanned < self.batch_size
-            else:
-                ended = batch.edge_id is not None or batch.scanned < self.batch_size
-                if batch.last_id is not None:
-                    cursor = batch.last_id if batch.edge_id is None else batch.edge_id - 1
-            if ended:
-                result.finished = True
-                break
-            # The pause: autovacuum and replicas catch up between batches.
+                for result in results.values():
+                    result.elapsed_s = now - started
+                    progress(result)
+
+        async def paused() -> bool:
+            """The pause between batches (autovacuum and replicas catch up);
+            True: stop was asked for."""
             if stop is None:
                 await asyncio.sleep(self.pause_ms / 1000)
-            elif await wait_stop(stop, self.pause_ms / 1000):
-                break
-        result.elapsed_s = time.monotonic() - started
-        if not dry_run and walk.kind != "attempts":
-            self._resume[walk] = cursor if held is None else min(cursor, held - 1)
-        return result
+                return False
+            return await wait_stop(stop, self.pause_ms / 1000)
+
+        def ended(finished: bool, *, full_sweep: bool = False, held: int = 0) -> list[WalkResult]:
+            for result in results.values():
+                result.finished, result.full_sweep, result.held = finished, full_sweep, held
+                result.elapsed_s = time.monotonic() - started
+            return list(results.values())
+
+        walk = unit[0]
+        if walk.kind == "attempts":
+            after = ""
+            while True:
+                batch_started = time.monotonic()
+                page = await self._attempts_batch(walk, after, dry_run)
+                account(batch_started, page.scanned, {walk.name: {"delivery_attempts": page.old}})
+                if page.last_key is None or page.scanned < self.batch_size:
+                    return ended(True)
+                after = page.last_key
+                if await paused():
+                    return ended(False)
+
+        # A dry run counts everything from the first id and leaves the
+        # acker's walk as it was.
+        state = _WalkState() if dry_run else self._state.setdefault(unit, _WalkState())
+        now = self.clock()
+        full_sweep = state.swept_at is None or now - state.swept_at >= self.full_sweep_interval_s
+        if full_sweep:
+            # Starting from the first id finds every held row again.
+            state.cursor, state.held, state.swept_at = 0, set(), now
+        # First the rows the walk holds, by id: one long-held row costs one
+        # probe a run, not a re-read of everything after it.
+        pending = sorted(state.held)
+        for i in range(0, len(pending), self.batch_size):
+            chunk = pending[i : i + self.batch_size]
+            batch_started = time.monotonic()
+            batch = await self._batch(unit, ids=chunk, dry_run=dry_run)
+            state.held.difference_update(chunk)
+            state.held.update(batch.held_ids)
+            account(batch_started, batch.scanned, batch.by_owner)
+            if await paused():
+                return ended(False, full_sweep=full_sweep, held=len(state.held))
+        while True:
+            batch_started = time.monotonic()
+            batch = await self._batch(unit, cursor=state.cursor, dry_run=dry_run)
+            # Past every row examined, held ones included, up to the edge.
+            if batch.last_id is not None:
+                state.cursor = batch.last_id if batch.edge_id is None else batch.edge_id - 1
+            room = max(self.held_limit - len(state.held), 0)
+            state.held.update(batch.held_ids[:room])
+            account(batch_started, batch.scanned, batch.by_owner)
+            if batch.edge_id is not None or batch.scanned < self.batch_size:
+                return ended(True, full_sweep=full_sweep, held=len(state.held))
+            if await paused():
+                return ended(False, full_sweep=full_sweep, held=len(state.held))
 
 
 async def prune_loop(engine: AsyncEngine, settings: Settings, stop: asyncio.Event) -> None:

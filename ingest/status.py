@@ -29,6 +29,7 @@ from typing import Any
 from backhalf import audit, heartbeats, registry
 from backhalf.db import create_engine
 from backhalf.heartbeats import ProcessRow
+from backhalf.redaction import redact
 from backhalf.registry import AdapterRow
 from ingest import registered
 from ingest.adapters.factory import make_adapter
@@ -47,7 +48,7 @@ async def _broker_view(cfg: AdapterConfig) -> Mapping[str, object]:
     try:
         return await adapter.describe()
     except BrokerError as exc:
-        return {"broker_error": str(exc)}
+        return {"broker_error": redact(str(exc))}  # a driver's text may quote a URL
     finally:
         await adapter.close()
 
@@ -77,13 +78,27 @@ def _label(p: ProcessRow) -> str:
     return f"{p.role} {p.host}:{p.pid}{named}"
 
 
+FAILING = ("dead", "stuck")
+
+
 def _processes_of(procs: Sequence[ProcessRow], adapter: str, queue: str) -> dict[str, Any]:
+    """The processes that serve one adapter: alive ones by role; ``dead``,
+    those that died or hang (the verdict's business); ``not_running``, the
+    roles that served it (a row of theirs is on record) with no process alive
+    now. Shown, not judged: processes stopped gracefully were stopped on
+    purpose (a deploy, maintenance), and one that died is ``dead`` already."""
     mine = [p for p in procs if _serves(p, adapter, queue)]
     out: dict[str, Any] = {
         role: [_label(p) for p in mine if p.role == role and p.state == "alive"]
         for role in ("ingest", "ack", "worker")
     }
-    out["dead"] = [f"{_label(p)}, silent {p.silent_s:.0f} s" for p in mine if p.state == "dead"]
+    out["dead"] = [
+        f"{_label(p)}, {'silent' if p.state == 'dead' else 'its loops stuck, seen'} {p.silent_s:.0f} s"
+        for p in mine
+        if p.state in FAILING
+    ]
+    running = {p.role for p in mine if p.state in ("alive", "stuck")}
+    out["not_running"] = sorted({p.role for p in mine} - running)
     return out
 
 
@@ -165,7 +180,8 @@ def unhealthy(report: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def dead(procs: Sequence[ProcessRow]) -> list[ProcessRow]:
-    return [p for p in procs if p.state == "dead"]
+    """Processes that died (silent, not replaced) or hang (their loops stuck)."""
+    return [p for p in procs if p.state in FAILING]
 
 
 def exit_code(report: Sequence[Mapping[str, Any]], procs: Sequence[ProcessRow] = ()) -> int:
@@ -180,7 +196,7 @@ def render_processes(procs: Sequence[ProcessRow]) -> list[str]:
     lines = ["processes:"]
     for p in procs:
         what = p.detail.get("queues") if p.role == "worker" else p.detail.get("adapters")
-        state = "DEAD" if p.state == "dead" else p.state
+        state = p.state.upper() if p.state in FAILING else p.state
         lines.append(
             f"  {p.role:<7} {state:<8} {p.host}:{p.pid:<8} last seen {p.silent_s:.0f} s ago"
             f"  {', '.join(what or [])}"
@@ -240,6 +256,8 @@ def render(
             lines.append(f"  {role + ' alive':<22} {', '.join(served.get(role, [])) or 'none'}")
         if served.get("dead"):
             lines.append(f"  {'DEAD':<22} {'; '.join(served['dead'])}")
+        if served.get("not_running"):
+            lines.append(f"  {'not running':<22} no {', no '.join(served['not_running'])} process alive")
     if procs is not None:
         lines += render_processes(procs)
     bad = unhealthy(report)

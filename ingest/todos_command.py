@@ -26,7 +26,7 @@ from backhalf import todo_views, todos
 from backhalf.db import create_engine
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
-from ingest.text_table import table
+from ingest.text_table import one_line, printable, table
 from schema import ACTIVE_TODO_STATUSES, TODO_STATUSES
 
 # ``todo_events.detail`` of an operator's change.
@@ -204,10 +204,6 @@ def _utc(moment: datetime | None, *, millis: bool = False) -> str:
     return text[:-3] if millis else text
 
 
-def _one_line(text: str | None) -> str:
-    return " ".join((text or "").split())
-
-
 def list_table(rows: Sequence[todo_views.TodoRow]) -> list[str]:
     header = ("ID", "QUEUE", "STATUS", "ATTEMPTS", "UPDATED_AT (UTC)", "KEY", "LAST_ERROR")
     cells = [
@@ -217,8 +213,8 @@ def list_table(rows: Sequence[todo_views.TodoRow]) -> list[str]:
             r.status,
             str(r.attempts),
             _utc(r.updated_at),
-            r.idempotency_key,
-            _one_line(r.last_error),
+            printable(r.idempotency_key),
+            one_line(r.last_error),
         )
         for r in rows
     ]
@@ -231,12 +227,12 @@ def show_lines(todo: todo_views.TodoDetail, events: Sequence[todo_views.TodoEven
         ("queue", todo.queue),
         ("status", todo.status),
         ("attempts", str(todo.attempts)),
-        ("idempotency_key", todo.idempotency_key),
+        ("idempotency_key", printable(todo.idempotency_key)),
         ("created_at", _utc(todo.created_at, millis=True) + " UTC"),
         ("updated_at", _utc(todo.updated_at, millis=True) + " UTC"),
         ("dispatched_at", _utc(todo.dispatched_at, millis=True) + (" UTC" if todo.dispatched_at else "")),
         ("lease_until", _utc(todo.lease_until, millis=True) + (" UTC" if todo.lease_until else "")),
-        ("last_error", todo.last_error if todo.last_error is not None else "-"),
+        ("last_error", printable(todo.last_error) if todo.last_error is not None else "-"),
     )
     width = max(len(name) for name, _ in fields)
     lines: list[str] = []
@@ -252,7 +248,7 @@ def show_lines(todo: todo_views.TodoDetail, events: Sequence[todo_views.TodoEven
         return lines
     lines.append("history:")
     cells = [
-        (_utc(e.created_at, millis=True), f"{e.from_status or '(new)'} -> {e.to_status}", _one_line(e.detail))
+        (_utc(e.created_at, millis=True), f"{e.from_status or '(new)'} -> {e.to_status}", one_line(e.detail))
         for e in events
     ]
     lines.extend(f"  {line}" for line in table(("CREATED_AT (UTC)", "CHANGE", "DETAIL"), cells))

@@ -28,6 +28,7 @@ from backhalf import trace
 from backhalf.db import create_engine
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from ingest.text_table import printable
 
 _PROG = "switchboard trace"
 # A Redis stream entry id as stored: milliseconds, a dash, a sequence number.
@@ -126,7 +127,10 @@ def timeline(t: trace.Trail) -> list[Step]:
             steps.append(Step(t.todo.created_at, f"todo {t.todo.id} created"))
         for e in t.todo_events:
             change = f"todo {t.todo.id}: {e.from_status or '(new)'} -> {e.to_status}"
-            steps.append(Step(e.created_at, f"{change} ({_one_line(e.detail)})" if e.detail else change))
+            # Whitespace collapsed only: --json keeps the text as stored, and
+            # text_lines makes it printable.
+            detail = " ".join((e.detail or "").split())
+            steps.append(Step(e.created_at, f"{change} ({detail})" if detail else change))
     if row.acked_at is not None:
         steps.append(Step(row.acked_at, f"acked: {_ack_command(row)}"))
     # sorted() is stable: equal times (one transaction's now()) keep this order.
@@ -178,13 +182,15 @@ def text_lines(t: trace.Trail) -> list[str]:
             fields.append(("last error", todo.last_error))
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
-        first, *more = value.splitlines() or [""]
+        # Errors, keys and ids can carry text from the message: untrusted,
+        # so no terminal control reaches the terminal as one.
+        first, *more = printable(value).splitlines() or [""]
         lines.append(f"  {name.ljust(width)}  {first}".rstrip())
         lines.extend(f"  {' ' * width}  {line}".rstrip() for line in more)
     steps = timeline(t)
     lines.append("  timeline (UTC, offsets from the first step):")
     start = steps[0].at
-    lines.extend(f"    {_utc(s.at)}  {offset(s.at, start):>10}  {s.what}" for s in steps)
+    lines.extend(f"    {_utc(s.at)}  {offset(s.at, start):>10}  {printable(s.what)}" for s in steps)
     return lines
 
 
@@ -206,10 +212,6 @@ def document(t: trace.Trail) -> dict[str, Any]:
 
 def _utc(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def _one_line(text: str | None) -> str:
-    return " ".join((text or "").split())
 
 
 def _json_value(value: object) -> str:

@@ -26,6 +26,7 @@ import redis
 import structlog
 from dramatiq.brokers.redis import RedisBroker
 
+from backhalf import heartbeats, metrics
 from backhalf.db import create_sync_engine
 from backhalf.errors import StoreError
 from backhalf.queues import QueueConfig
@@ -41,6 +42,8 @@ log = structlog.get_logger(__name__)
 
 BROKER_SOCKET_TIMEOUT_S = 10.0
 CONFIG_VARIABLE = worker_metrics.CONFIG_VARIABLE
+# The Switchboard queues `--queues` chose, for the processes dramatiq starts.
+QUEUES_VARIABLE = "SWITCHBOARD_WORKER_QUEUES"
 
 
 def resolve_handler(queue: QueueConfig) -> Handler:
@@ -72,9 +75,13 @@ def resolve_handler(queue: QueueConfig) -> Handler:
 class SwitchboardMiddleware(dramatiq.Middleware):
     """Switchboard's queues on a dramatiq broker: add it to any broker."""
 
-    def __init__(self, settings: Settings, *, threads: int = 8) -> None:
+    def __init__(self, settings: Settings, *, threads: int = 8, queues: Sequence[str] = ()) -> None:
+        """``queues``: those the workers consume (``--queues``), default all."""
         self._settings = settings
         self._threads = threads
+        self._served = sorted(queues or settings.queues)
+        if settings.metrics.port:
+            metrics.switch_on()
         self._runner: Runner | None = None
         self._runner_lock = threading.Lock()  # the first messages arrive on several threads at once
         self._handlers = {name: (q, resolve_handler(q)) for name, q in settings.queues.items()}
@@ -126,7 +133,8 @@ class SwitchboardMiddleware(dramatiq.Middleware):
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Its threads consume: the line a supervisor (or a test) waits for."""
         self._heartbeat = WorkerHeartbeat(
-            self._settings, {"queues": sorted(self._settings.queues), "threads": self._threads}
+            self._settings,
+            {"queues": self._served, "threads": self._threads, "slot": heartbeats.slot(self._served)},
         )
         self._heartbeat.start()
         log.info("worker_ready", queues=sorted(self._settings.queues), threads=self._threads)
@@ -149,7 +157,7 @@ def _retry_when(max_attempts: int) -> Any:
     return retry_when
 
 
-def broker_for(settings: Settings, *, threads: int = 8) -> RedisBroker:
+def broker_for(settings: Settings, *, threads: int = 8, queues: Sequence[str] = ()) -> RedisBroker:
     """dramatiq's Redis broker at ``[dramatiq] url``, its default middleware
     plus Switchboard's, every Redis wait bounded."""
     client = redis.Redis.from_url(
@@ -158,7 +166,7 @@ def broker_for(settings: Settings, *, threads: int = 8) -> RedisBroker:
         socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
     )
     broker = RedisBroker(client=client)  # type: ignore[no-untyped-call]
-    broker.add_middleware(SwitchboardMiddleware(settings, threads=threads))
+    broker.add_middleware(SwitchboardMiddleware(settings, threads=threads, queues=queues))
     return broker
 
 
@@ -180,8 +188,13 @@ def exec_workers(
     chosen = queues or sorted(settings.queues)
     broker_queues = sorted({settings.queues[q].broker_queue for q in chosen})
     # dramatiq reads its idle poll bound (worker_timeout) from its environment only.
+    if settings.metrics.port:
+        # Before prepare(), which empties the metrics directory: a port in
+        # use is a running deployment's, whose files must stay.
+        _check_port_free(settings)
     env: Mapping[str, str] = {**os.environ, CONFIG_VARIABLE: str(config_path.resolve()),
                               "SWITCHBOARD_WORKER_THREADS": str(threads),
+                              QUEUES_VARIABLE: ",".join(chosen),
                               worker_metrics.PROCESSES_VARIABLE: str(processes),
                               # --metrics-port, for the processes that read the config again
                               METRICS_PORT_VARIABLE: str(settings.metrics.port),
@@ -191,7 +204,6 @@ def exec_workers(
             "--threads", str(threads), "--queues", *broker_queues]  # fmt: skip
     if settings.metrics.port:
         # The endpoint: a process of dramatiq's own, summing the workers' files.
-        _check_port_free(settings)
         argv += ["--fork-function", worker_metrics.FORK_FUNCTION]
     log.info("workers_starting", processes=processes, threads=threads, queues=broker_queues)
     os.execve(sys.executable, argv, dict(env))  # noqa: S606 - our interpreter, fixed arguments, no shell
@@ -200,7 +212,8 @@ def exec_workers(
 def app_broker() -> RedisBroker:
     """The broker of :mod:`ingest.worker_app`, from ``SWITCHBOARD_CONFIG``."""
     settings = worker_metrics.load_app_settings()
-    return broker_for(settings, threads=int(os.environ.get("SWITCHBOARD_WORKER_THREADS", "8")))
+    queues = [q for q in os.environ.get(QUEUES_VARIABLE, "").split(",") if q]
+    return broker_for(settings, threads=int(os.environ.get("SWITCHBOARD_WORKER_THREADS", "8")), queues=queues)
 
 
 def _check_port_free(settings: Settings) -> None:

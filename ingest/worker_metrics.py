@@ -35,7 +35,7 @@ from backhalf import metrics as m
 from backhalf.db import create_sync_engine
 from ingest import logs
 from ingest.config import Settings, load
-from ingest.errors import ConfigError, log_failure
+from ingest.errors import ConfigError, error_kind, log_failure
 from ingest.metrics_http import HealthReport, MetricsServer
 
 log = structlog.get_logger(__name__)
@@ -77,7 +77,10 @@ def prepare(settings: Settings) -> dict[str, str]:
                 f"[metrics]: {path} exists and is not a directory of this user's: remove it"
             ) from None
         shutil.rmtree(path)
-        path.mkdir(mode=0o700)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError as exc:  # another user took the name meanwhile
+            raise ConfigError(f"[metrics]: {path} was created by someone else meanwhile: remove it") from exc
     return {MULTIPROC_VARIABLE: str(path)}
 
 
@@ -111,9 +114,10 @@ class WorkerHeartbeat:
             try:
                 self._beat(first)
                 first = False
-            except SQLAlchemyError as exc:
-                m.ERRORS.labels("worker", "database", m.error_class(exc)).inc()
-                log_failure(log, "heartbeat_failed", exc, role="worker")
+            except Exception as exc:  # noqa: BLE001 - the thread must go on beating; a bug is logged with its traceback
+                if m.on():
+                    m.ERRORS.labels("worker", error_kind(exc), m.error_class(exc)).inc()
+                log_failure(log, "heartbeat_failed", exc, expected=(SQLAlchemyError,), role="worker")
             self._stop.wait(heartbeats.HEARTBEAT_INTERVAL_S)
 
     def stop(self) -> None:

@@ -55,8 +55,9 @@ STREAM = "bench"
 GROUP = "switchboard"
 POLL_S = 0.01  # how often a wait looks: the throughput clock stops when one returns
 # Metrics on against off: runs of each, interleaved; each run is scraped this often.
-METRICS_ROUNDS = 3
-SCRAPE_INTERVAL_S = 1.0
+METRICS_ROUNDS = 5
+METRICS_MIN_MESSAGES = 50_000  # runs of a few seconds: shorter ones measured start-up noise
+SCRAPE_INTERVAL_S = 5.0  # Prometheus is usually set to 15 s or more
 
 
 def body(i: int) -> bytes:
@@ -171,10 +172,10 @@ def write_config(path: Path, db_url: str, redis_url: str, batch_size: int, metri
         acker={"batch_size": batch_size * 2, "poll_interval_ms": 100},
     )
     if metrics_port:
-        # The ingester takes the port, the acker the next one (--metrics-port
-        # is per process; here the config is shared, so the env says it).
+        # The ingester's port; the acker's comes from its environment
+        # (SWITCHBOARD_METRICS_PORT), as two processes of one host need.
         with written.open("a") as f:
-            f.write(f"\n[metrics]\nport = {metrics_port}\nrefresh_interval_ms = 1000\n")
+            f.write(f"\n[metrics]\nport = {metrics_port}\n")  # the gauges at their default refresh
     return written
 
 
@@ -250,10 +251,11 @@ def set_enabled(url: str, enabled: bool) -> None:
 
 
 def start_pipeline(
-    workdir: Path, url: str, redis_url: str, batch_size: int, run: str, metrics_port: int = 0
+    workdir: Path, url: str, redis_url: str, batch_size: int, run: str, ports: tuple[int, int] | None = None
 ) -> tuple[SwitchboardProcess, SwitchboardProcess]:
-    config_path = write_config(workdir / f"{run}.toml", url, redis_url, batch_size, metrics_port)
-    acker_env = {"SWITCHBOARD_METRICS_PORT": str(metrics_port + 1)} if metrics_port else None
+    """``ports``: metrics on, the ingester's and the acker's."""
+    config_path = write_config(workdir / f"{run}.toml", url, redis_url, batch_size, ports[0] if ports else 0)
+    acker_env = {"SWITCHBOARD_METRICS_PORT": str(ports[1])} if ports else None
     acker = start("ack", config_path, workdir / f"{run}-acker.log", acker_env)
     ingester = start("ingest", config_path, workdir / f"{run}-ingester.log")
     wait_ready(acker)
@@ -270,12 +272,13 @@ def bench_switchboard(
     batch_size: int,
     servers: dict[str, int],
     *,
-    metrics_port: int = 0,
+    metrics: bool = False,
     run: str = "throughput",
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     preload(r, n)
-    ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, run, metrics_port)
-    scraper = Scraper([metrics_port, metrics_port + 1] if metrics_port else [])
+    ports = (free_port(), free_port()) if metrics else None
+    ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, run, ports)
+    scraper = Scraper(list(ports or ()))
     try:
         pids = {"ingester": ingester.pid, "acker": acker.pid, **servers}
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
@@ -296,7 +299,7 @@ def bench_switchboard(
 
 class Scraper:
     """Scrapes each port's /metrics every SCRAPE_INTERVAL_S while a run
-    lasts, as Prometheus would (more often than its usual 15 s): the cost
+    lasts, as Prometheus would (more often than it usually is): the cost
     of metrics on includes being read."""
 
     def __init__(self, ports: list[int]) -> None:
@@ -326,15 +329,17 @@ class Scraper:
 def bench_metrics_overhead(
     workdir: Path, pg: Any, r: redis.Redis, redis_url: str, n: int, batch_size: int
 ) -> tuple[list[float], list[float]]:
-    """Ingest + ack with metrics off and on, interleaved (off, on, off, on,
-    ...) so that drift in the machine's load falls on both alike."""
+    """Ingest + ack with metrics off and on, interleaved, the order swapped
+    every round (off-on, on-off, ...), so that drift in the machine's load
+    and whatever the first run of a pair pays fall on both alike."""
     off: list[float] = []
     on: list[float] = []
     for i in range(METRICS_ROUNDS):
-        for port, into in ((0, off), (free_port(), on)):
-            name = f"metrics{i}{'on' if port else 'off'}"
+        pair = ((False, off), (True, on))
+        for metrics, into in pair if i % 2 == 0 else pair[::-1]:
+            name = f"metrics{i}{'on' if metrics else 'off'}"
             rate, _rss, _cpu = bench_switchboard(
-                workdir, fresh_db(pg, name), r, redis_url, n, batch_size, {}, metrics_port=port, run=name
+                workdir, fresh_db(pg, name), r, redis_url, n, batch_size, {}, metrics=metrics, run=name
             )
             pg.drop_database(name)
             into.append(rate)
@@ -744,12 +749,16 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 "  CPU per message                 " + ", ".join(f"{k} {v:.0f} us" for k, v in cpu_us.items())
             )
-            off, on = bench_metrics_overhead(base, pg, r, rs.url, n, args.batch_size)
+            metrics_n = max(n, METRICS_MIN_MESSAGES)
+            off, on = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
             print(
                 f"  metrics on / off                {statistics.median(on) / statistics.median(off):>10.3f}x"
-                f"  (medians of {METRICS_ROUNDS}, interleaved: off {statistics.median(off):,.0f},"
-                f" on {statistics.median(on):,.0f} msg/s; scraped every {SCRAPE_INTERVAL_S:g} s)"
+                f"  (medians of {METRICS_ROUNDS} runs of {metrics_n:,}, interleaved: off"
+                f" {statistics.median(off):,.0f}, on {statistics.median(on):,.0f} msg/s;"
+                f" scraped every {SCRAPE_INTERVAL_S:g} s)"
             )
+            print("    runs, msg/s                  off " + ", ".join(f"{x:,.0f}" for x in off))
+            print("                                 on  " + ", ".join(f"{x:,.0f}" for x in on))
             latencies = bench_latency(
                 base, fresh_db(pg, "lat"), r, rs.url, args.rate, latency_s, args.batch_size
             )

@@ -13,6 +13,7 @@ from backhalf import migrate
 from ingest.embedded.servers import PostgresServer, RedisServer, temp_base
 from tests.support import db
 from tests.support.config import stream_adapter, write_config
+from tests.support.processes import SECRET
 from tests.support.servers import ServerUrls, private_postgres, shared_servers
 
 
@@ -41,7 +42,7 @@ def redis_url(servers: ServerUrls) -> str:
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A Redis process this test owns, so it may kill and restart it."""
-    server = RedisServer.create(temp_base("switchboard-redis-"), appendfsync="always")
+    server = RedisServer.create(temp_base("switchboard-redis-"), appendfsync="always", password=SECRET)
     try:
         server.start()
         yield server

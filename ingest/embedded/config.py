@@ -4,6 +4,7 @@ the demo, the tests and the benchmarks."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,5 +51,9 @@ def write_config(
         text += f"\n[queues.{name}]\n{_table(queue)}"
     if dramatiq_url is not None:
         text += f"\n[dramatiq]\n{_table({'url': dramatiq_url})}"
-    path.write_text(text)
+    # The URLs hold the servers' passwords: the file is its owner's alone
+    # (under root a temp_base is traversable by others; see servers.py).
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(text)
+    path.chmod(0o600)  # an existing file keeps its mode through O_CREAT
     return path

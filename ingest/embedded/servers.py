@@ -9,13 +9,24 @@ SIGKILL a server mid-flight and start it again on the same port and data.
 Both servers are direct children of this process and every child is waited
 for; all waits are bounded and failures raise ``RuntimeError`` with the log tail.
 
+Neither server is open to other local users. Each gets a generated password
+(PostgreSQL's ``postgres`` superuser with scram-sha-256 for every
+connection, Valkey's default user through ``requirepass``), and the URLs
+they hand out carry it: on a shared machine any local user could otherwise
+log in to the trusting superuser and run programs as us (``COPY ...
+PROGRAM``), or read and write the passwordless Valkey. The password never
+goes into a log line or an exception's text. Every file the servers and
+this module create is private (umask 077: data directories, the AOF, the
+logs, the config holding the password).
+
 PostgreSQL refuses to run as root. Under root the cluster is initialised and
 run as the existing unprivileged user ``nobody`` (with no supplementary
 groups), the data directory is chowned to it, and the base directory we were
-handed is opened to 0o755 so ``nobody`` can reach the data directory. No
-other directory is widened, so the base directory must sit under a
-world-traversable path such as the one ``tempfile.mkdtemp()`` returns
-(``temp_base``). Where ``nobody`` cannot reach the binaries themselves (a
+handed (and ``temp_base``'s) is opened to 0o711 so ``nobody`` can traverse
+to the data directory, though not list it; that is the only widening, and
+only under root. The base directory must sit under a world-traversable path
+such as the one ``tempfile.mkdtemp()`` returns (``temp_base``). Where
+``nobody`` cannot reach the binaries themselves (a
 clone in root's home directory, mode 0700, holds the virtual environment and
 so pgserver's), the installation is copied into the base directory first and
 run from there; it goes when the base directory does.
@@ -38,6 +49,7 @@ import importlib.util
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -50,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 import redis
@@ -70,6 +83,31 @@ class PortTaken(RuntimeError):
 # A first start whose chosen port another process took meanwhile moves to a
 # new one, this many times in all: free_port's answer is only a moment old.
 PORT_ATTEMPTS = 3
+
+
+# Under root, what 'nobody' needs of a directory on the way to its data
+# directory: to pass through it, not to list it.
+_TRAVERSE_ONLY = 0o711
+# Children create their files private: PostgreSQL sets this mask itself,
+# Valkey does not (its AOF and log were 0644).
+_PRIVATE_UMASK = 0o077
+
+
+def generate_password() -> str:
+    """A fresh password for one embedded server: 144 random bits, URL-safe
+    (letters, digits, ``-`` and ``_``), so it sits in a URL unquoted."""
+    return secrets.token_urlsafe(18)
+
+
+def _private_file(path: Path, mode: str = "ab") -> Any:
+    """Open ``path`` for writing, created 0600 if new (whatever our umask)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o600), mode)
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (and missing parents) 0700; an existing one is left as it is."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def _port_taken(reason: str) -> bool:
@@ -230,8 +268,10 @@ class _ServerProcess:
 class PostgresServer(_ServerProcess):
     """One PostgreSQL cluster in ``base_dir/pgdata``; the postmaster is our child."""
 
-    def __init__(self, base_dir: Path, port: int, bindir: Path) -> None:
+    def __init__(self, base_dir: Path, port: int, bindir: Path, password: str | None = None) -> None:
         self.base_dir, self.port, self.bindir = base_dir, port, bindir
+        # The superuser's password, set by initdb; in url() and nowhere else.
+        self.password = password or generate_password()
         self._started = False  # once started, the port is the server's for good
         self.pgdata = base_dir / "pgdata"
         self.log_path = base_dir / "postgres.log"
@@ -242,13 +282,17 @@ class PostgresServer(_ServerProcess):
             self._as_user = {"user": "nobody", "group": gid, "extra_groups": []}
 
     @classmethod
-    def create(cls, base_dir: Path) -> PostgresServer:
-        """initdb a cluster (superuser postgres, trust auth, UTF8) with a free port."""
+    def create(
+        cls, base_dir: Path, *, password: str | None = None, bindir: Path | None = None
+    ) -> PostgresServer:
+        """initdb a cluster (superuser postgres with ``password``, generated when
+        None; scram-sha-256 for every connection; UTF8) with a free port, from
+        ``bindir``'s binaries (default ``postgres_bindir()``)."""
         base_dir = Path(base_dir).resolve()
-        base_dir.mkdir(parents=True, exist_ok=True)
-        server = cls(base_dir, free_port(), postgres_bindir())
+        _private_dir(base_dir)
+        server = cls(base_dir, free_port(), bindir or postgres_bindir(), password)
         if server._as_user:
-            base_dir.chmod(0o755)  # only the directory we were handed
+            base_dir.chmod(_TRAVERSE_ONLY)  # only the directory we were handed
             if blocked := _untraversable_ancestor(base_dir):
                 raise RuntimeError(
                     f"PostgreSQL cannot run in {base_dir}: as root it runs as 'nobody', who cannot "
@@ -257,12 +301,18 @@ class PostgresServer(_ServerProcess):
             if _untraversable_ancestor(server.bindir / "postgres") is not None:
                 server.bindir = _copy_installation(server.bindir, base_dir / "pginstall")
         server.pgdata.mkdir(mode=0o700)
-        if server._as_user:
-            nobody = pwd.getpwnam("nobody")
-            os.chown(server.pgdata, nobody.pw_uid, nobody.pw_gid)
+        # initdb reads the password from a file (never an argument, which any
+        # local user sees in ps), private to the user initdb runs as.
+        pwfile = base_dir / "initdb.pw"
         initdb = [str(server.bindir / "initdb"), "-D", str(server.pgdata), "-U", "postgres"]
-        initdb += ["-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
+        initdb += [f"--pwfile={pwfile}", "-A", "scram-sha-256", "-E", "UTF8", "--locale=C", "--no-sync"]
         try:
+            with _private_file(pwfile, "w") as f:
+                f.write(server.password + "\n")
+            if server._as_user:
+                nobody = pwd.getpwnam("nobody")
+                for path in (server.pgdata, pwfile):
+                    os.chown(path, nobody.pw_uid, nobody.pw_gid)
             subprocess.run(  # noqa: S603 - bundled binary, arguments built here
                 initdb,
                 cwd=base_dir,
@@ -270,6 +320,7 @@ class PostgresServer(_ServerProcess):
                 text=True,
                 timeout=120,
                 check=True,
+                umask=_PRIVATE_UMASK,
                 **server._as_user,
                 **die_with_parent(),
             )
@@ -282,6 +333,8 @@ class PostgresServer(_ServerProcess):
             ) from exc
         except subprocess.TimeoutExpired as exc:
             raise RuntimeError(f"initdb timed out in {server.pgdata}") from exc
+        finally:
+            pwfile.unlink(missing_ok=True)
         with (server.pgdata / "postgresql.conf").open("a") as conf:
             conf.write(
                 f"\n# ingest.embedded.servers\nlisten_addresses = '127.0.0.1'\nport = {server.port}\n"
@@ -290,7 +343,8 @@ class PostgresServer(_ServerProcess):
         return server
 
     def url(self, dbname: str = "postgres") -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{dbname}"
+        """The superuser's URL, password included: redact it before showing it."""
+        return f"postgresql+psycopg://postgres:{quote(self.password, safe='')}@127.0.0.1:{self.port}/{dbname}"
 
     def _connect(self, dbname: str = "postgres") -> psycopg.Connection[Any]:
         # connect_timeout: libpq's minimum is 2 s.
@@ -298,6 +352,7 @@ class PostgresServer(_ServerProcess):
             host="127.0.0.1",
             port=self.port,
             user="postgres",
+            password=self.password,
             dbname=dbname,
             connect_timeout=2,
             autocommit=True,
@@ -311,7 +366,7 @@ class PostgresServer(_ServerProcess):
             return
         for attempt in range(1, PORT_ATTEMPTS + 1):
             offset = _log_size(self.log_path)
-            with self.log_path.open("ab") as log:
+            with _private_file(self.log_path) as log:
                 self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
                     [str(self.bindir / "postgres"), "-D", str(self.pgdata)],
                     cwd=self.base_dir,
@@ -319,6 +374,7 @@ class PostgresServer(_ServerProcess):
                     stdout=log,
                     stderr=log,
                     start_new_session=True,
+                    umask=_PRIVATE_UMASK,
                     **self._as_user,
                     **die_with_parent(),
                 )
@@ -446,8 +502,10 @@ class PostgresServer(_ServerProcess):
 class RedisServer(_ServerProcess):
     """One valkey-server (or redis-server), in the foreground as our child, AOF on."""
 
-    def __init__(self, base_dir: Path, port: int, binary: Path) -> None:
+    def __init__(self, base_dir: Path, port: int, binary: Path, password: str | None = None) -> None:
         self.base_dir, self.port, self.binary = base_dir, port, binary
+        # The default user's password (requirepass); None when an ACL file governs it.
+        self.password = password
         self._started = False  # once started, the port is the server's for good
         self.config_path = base_dir / "redis.conf"
         self.log_path = base_dir / "redis.log"
@@ -455,16 +513,27 @@ class RedisServer(_ServerProcess):
 
     @classmethod
     def create(
-        cls, base_dir: Path, *, appendfsync: str = "always", aclfile: Path | None = None
+        cls,
+        base_dir: Path,
+        *,
+        appendfsync: str = "always",
+        aclfile: Path | None = None,
+        password: str | None = None,
     ) -> RedisServer:
         """Write a config for a free port; appendfsync="always" makes kill -9 lose
-        nothing. ``aclfile``: the users file the server loads at start (``ACL
-        LOAD`` re-reads it); the default user stays as the file leaves it."""
+        nothing. The default user needs ``password`` (generated when None).
+        ``aclfile``: the users file the server loads at start (``ACL LOAD``
+        re-reads it); Valkey then ignores ``requirepass``, so the default user
+        stays as the file leaves it and ``url`` carries no password."""
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
         base_dir = Path(base_dir).resolve()
-        base_dir.mkdir(parents=True, exist_ok=True)
-        server = cls(base_dir, free_port(), redis_binary())
+        _private_dir(base_dir)
+        if aclfile is None:
+            password = password or generate_password()
+        elif password is not None:
+            raise ValueError("password and aclfile exclude each other: the ACL file governs the default user")
+        server = cls(base_dir, free_port(), redis_binary(), password)
         text = (
             f'bind 127.0.0.1\nport {server.port}\ndir "{base_dir}"\ndaemonize no\n'
             f'appendonly yes\nappendfsync {appendfsync}\nsave ""\nprotected-mode no\n'
@@ -472,12 +541,18 @@ class RedisServer(_ServerProcess):
         )
         if aclfile is not None:
             text += f'aclfile "{Path(aclfile).resolve()}"\n'
-        server.config_path.write_text(text)
+        else:
+            text += f"requirepass {password}\n"
+        with _private_file(server.config_path, "w") as config:  # it holds the password
+            config.write(text)
         return server
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The default user's URL, password included: redact it before showing it."""
+        if self.password is None:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://default:{quote(self.password, safe='')}@127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10) -> None:
         """Start the server and wait until it answers PING (the AOF is loaded
@@ -494,6 +569,7 @@ class RedisServer(_ServerProcess):
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
+                umask=_PRIVATE_UMASK,  # the AOF and the log
                 **die_with_parent(),
             )
             try:
@@ -503,7 +579,8 @@ class RedisServer(_ServerProcess):
                     raise
                 old, self.port = self.port, free_port()
                 text = self.config_path.read_text()
-                self.config_path.write_text(text.replace(f"\nport {old}\n", f"\nport {self.port}\n"))
+                with _private_file(self.config_path, "w") as config:
+                    config.write(text.replace(f"\nport {old}\n", f"\nport {self.port}\n"))
                 continue
             self._started = True
             return
@@ -514,6 +591,7 @@ class RedisServer(_ServerProcess):
         client = redis.Redis(
             host="127.0.0.1",
             port=self.port,
+            password=self.password,
             socket_connect_timeout=0.5,
             socket_timeout=0.5,
             retry=Retry(NoBackoff(), 0),
@@ -593,11 +671,13 @@ def _owner_tag(pid: int) -> str:
 
 
 def temp_base(prefix: str) -> Path:
-    """A new temporary directory, open to 'nobody' (PostgreSQL's user under root),
-    holding its owner's pid and start time (``OWNER_FILE``)."""
-    base = Path(tempfile.mkdtemp(prefix=prefix))
-    (base / OWNER_FILE).write_text(_owner_tag(os.getpid()))
-    base.chmod(0o755)
+    """A new temporary directory (0700; traversable by 'nobody', PostgreSQL's
+    user, only under root), holding its owner's pid and start time (``OWNER_FILE``)."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))  # 0700
+    with _private_file(base / OWNER_FILE, "w") as owner:
+        owner.write(_owner_tag(os.getpid()))
+    if os.geteuid() == 0:
+        base.chmod(_TRAVERSE_ONLY)
     return base
 
 
@@ -630,23 +710,29 @@ class EmbeddedServers:
 
 @contextlib.contextmanager
 def embedded_servers(
-    prefix: str, *, appendfsync: str = "always", postgres_conf: str = "", keep_base: bool = False
+    prefix: str,
+    *,
+    appendfsync: str = "always",
+    postgres_conf: str = "",
+    keep_base: bool = False,
+    password: str | None = None,
 ) -> Iterator[EmbeddedServers]:
     """PostgreSQL (``base/pg``) and Valkey (``base/redis``) in a new ``temp_base``,
     started; on exit both are stopped and their folders deleted, and the base
-    too unless ``keep_base``. ``postgres_conf`` is appended to postgresql.conf."""
+    too unless ``keep_base``. ``postgres_conf`` is appended to postgresql.conf.
+    Each server gets its own generated password unless ``password`` is given."""
     base = temp_base(prefix)
     with contextlib.ExitStack() as cleanup:
         if not keep_base:
             cleanup.callback(shutil.rmtree, base, ignore_errors=True)
         # Each server is cleaned up (stopped, its folder deleted) even if the
         # other's set-up or clean-up fails.
-        pg = PostgresServer.create(base / "pg")
+        pg = PostgresServer.create(base / "pg", password=password)
         cleanup.callback(pg.cleanup)
         if postgres_conf:
             with (pg.pgdata / "postgresql.conf").open("a") as conf:
                 conf.write(postgres_conf)
-        rs = RedisServer.create(base / "redis", appendfsync=appendfsync)
+        rs = RedisServer.create(base / "redis", appendfsync=appendfsync, password=password)
         cleanup.callback(rs.cleanup)
         pg.start()
         rs.start()

@@ -211,3 +211,67 @@ async def test_replay_without_a_filter_or_with_ids_and_a_filter_is_refused(
     assert err.endswith("(see `switchboard inbox replay --help`)\n")
     assert err.count("\n") == 1
     assert snapshot(db_url) == before
+
+
+async def test_replay_by_filter_pages_past_rows_that_keep_failing(
+    settings: Settings, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The two oldest stay poison whatever is fixed; a run again with the
+    # same filter alone would take them again, and never reach the rest.
+    poison = [reject(db_url, "orders", n, "invalid_json", b"not json", OLD) for n in (1, 2)]
+    good = [reject(db_url, "orders", n, "schema_mismatch", b'{"n": 1}', OLD) for n in (3, 4)]
+    assert await command(settings, "inbox", "replay", "--all-rejected", "--limit", "2") == EXIT_FAILURE
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        f"more than 2 rows match: the 2 oldest are taken (--limit), up to inbox row {poison[1]};"
+        f" for the rest, run again with the same filters and --after-id {poison[1]}"
+    )
+    assert out[-1] == "replayed 0 of 2 rows (2 failed)"
+
+    argv = ("--all-rejected", "--limit", "2", "--after-id", str(poison[1]))
+    assert await command(settings, "inbox", "replay", *argv) == EXIT_OK
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "replayed 2 of 2 rows"
+    assert not any(line.startswith("more than") for line in out)
+    status = dict(db.query(db_url, "SELECT id, status FROM inbox"))
+    assert status == {poison[0]: "rejected", poison[1]: "rejected", good[0]: "stored", good[1]: "stored"}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("1", "--after-id", "3"), ("--after-id", "3")],
+)
+async def test_after_id_goes_with_a_filter_only(
+    settings: Settings, db_url: str, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+) -> None:
+    reject(db_url, "orders", 1, "schema_mismatch", b'{"n": 1}', RECENT)
+    before = snapshot(db_url)
+    assert await command(settings, "inbox", "replay", *argv) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("switchboard inbox replay: ")
+    assert ("not both" in err) == ("1" in argv)
+    assert snapshot(db_url) == before
+
+
+async def test_terminal_controls_in_stored_errors_are_printed_escaped(
+    settings: Settings, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A rejected message's error quotes its body: "\x1b]0;pwned\x07" would
+    # retitle the operator's terminal, "\x1b[2J" clear it.
+    error = "invalid_json: near '\x1b]0;pwned\x07\x1b[2J\u202e'"
+    row = reject(db_url, "orders", 1, error, b"not json", RECENT)
+    escaped = "invalid_json: near '\\u001b]0;pwned\\u0007\\u001b[2J\\u202e'"
+    for argv in (
+        ("trace", "--inbox-id", str(row)),
+        ("inbox", "list", "--rejected"),
+        ("inbox", "show", str(row)),
+        ("inbox", "replay", "--all-rejected", "--dry-run"),
+    ):
+        assert await command(settings, *argv) == EXIT_OK
+        out = capsys.readouterr().out
+        assert escaped in out, argv
+        assert {"\x1b", "\x07", "\u202e"}.isdisjoint(out), argv
+    # --json keeps the text as stored (JSON escapes the controls itself).
+    assert await command(settings, "trace", "--inbox-id", str(row), "--json") == EXIT_OK
+    assert json.loads(capsys.readouterr().out)[0]["inbox"]["error"] == error

@@ -15,6 +15,7 @@ from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
 from tests.support.acl import acl_rules
 from tests.support.db import query, scalar
+from tests.support.servers import as_redis_user
 
 STREAM = "orders"  # the key ops/redis-users.acl grants
 
@@ -24,7 +25,7 @@ async def test_stream_to_acked_todos_with_acl_identity_and_no_leaks(db_url: str,
     # The least-privilege user of ops/redis-users.acl, renamed: proof it suffices.
     r.execute_command("ACL", "SETUSER", "deploy-bot", *acl_rules("switchboard-stream", "bot-pw"))
     try:
-        bot_url = redis_url.replace("redis://", "redis://deploy-bot:bot-pw@", 1)
+        bot_url = as_redis_user(redis_url, "deploy-bot", "bot-pw")
         ids = [r.xadd(STREAM, {"body": f'{{"n": {i}}}'}).decode() for i in range(250)]
         settings = from_mapping(
             {

@@ -9,10 +9,12 @@ import asyncio
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import retention
+from backhalf.db import libpq_url
 from ingest.config import Settings, from_mapping
 from ingest.prune import Pruner, Walk, prune_loop, walks
 from tests.support import db
@@ -190,7 +192,7 @@ async def test_batches_are_bounded_by_rows_examined(db_url: str, engine: AsyncEn
     while True:
         async with engine.begin() as conn:
             batch = await retention.prune_inbox(
-                conn, adapter="orders", status="stored", age=7 * DAY, cursor=cursor, limit=10
+                conn, adapters=["orders"], status="stored", age=7 * DAY, cursor=cursor, limit=10
             )
         counts.append((batch.scanned, batch.deleted["inbox"]))
         if batch.scanned < 10:
@@ -285,3 +287,217 @@ async def test_the_acker_prune_loop_prunes_and_stops_on_request(db_url: str, eng
             await task
     assert task.done()
     assert task.exception() is None
+
+
+async def test_a_long_held_row_does_not_make_each_run_read_what_follows_it(
+    db_url: str, engine: AsyncEngine
+) -> None:
+    pending = add_inbox(db_url, "orders", age_days=10, ack_state="pending", queued=True)
+    # Rows the orders walk reads but never deletes (another adapter's).
+    for _ in range(30):
+        add_inbox(db_url, "billing", age_days=10)
+    acker_pruner = pruner(engine, [Walk("acked", "orders", 7 * DAY)], batch_size=10)
+
+    [first] = await acker_pruner.run()
+    assert (first.full_sweep, first.scanned, first.held) == (True, 31, 1)
+
+    # The next run re-checks the held row by id and reads nothing after it
+    # again (before: it started just before the held row, 31 rows a run).
+    [second] = await acker_pruner.run()
+    assert (second.full_sweep, second.scanned, second.held) == (False, 1, 1)
+    assert pending in ids(db_url, "inbox")
+
+    # Its ack done (as the acker does it), the re-check deletes it.
+    db.query(db_url, "DELETE FROM ack_queue WHERE inbox_id = %(id)s", {"id": pending})
+    db.query(db_url, "UPDATE inbox SET ack_state = 'acked' WHERE id = %(id)s", {"id": pending})
+    [third] = await acker_pruner.run()
+    assert (third.scanned, third.held, third.deleted) == (1, 0, {"inbox": 1, "events": 1})
+    assert pending not in ids(db_url, "inbox")
+    assert len(ids(db_url, "inbox")) == 30
+
+
+async def test_rows_that_change_status_behind_the_cursor_go_at_the_next_full_sweep(
+    db_url: str, engine: AsyncEngine
+) -> None:
+    retried = add_todo(db_url, "orders", "failed", age_days=30)
+    replayed = add_inbox(db_url, "orders", age_days=30, status="rejected", with_event=False)
+    add_todo(db_url, "orders", "done", age_days=1)
+    add_inbox(db_url, "orders", age_days=1)
+    cfg = settings(
+        db_url,
+        adapters=[{"name": "orders", "source": "orders", "retain_acked_days": 7, "retain_rejected_days": 90}],
+        queues={"orders": {"handler": "m:f", "retain_done_days": 7, "retain_failed_days": 90}},
+    )
+    clock = [0.0]
+    acker_pruner = Pruner(
+        engine, walks(cfg), batch_size=10, pause_ms=0, deadline_ms=30_000, clock=lambda: clock[0]
+    )
+    await acker_pruner.run()
+    assert retried in ids(db_url, "todos")
+    assert replayed in ids(db_url, "inbox")
+
+    # An operator retries the failed todo and it ends done; the rejected row
+    # is replayed and stored. Both are long past the 7 days now, but behind
+    # the done and acked walks' cursors.
+    db.query(
+        db_url,
+        "UPDATE todos SET status = 'done', updated_at = now() - interval '8 days' WHERE id = %(id)s",
+        {"id": retried},
+    )
+    db.query(db_url, "UPDATE inbox SET status = 'stored', error = NULL WHERE id = %(id)s", {"id": replayed})
+    results = [r for r in await acker_pruner.run() if r.walk.kind != "attempts"]
+    assert not any(r.full_sweep for r in results)
+    assert retried in ids(db_url, "todos")
+    assert replayed in ids(db_url, "inbox")
+
+    clock[0] += acker_pruner.full_sweep_interval_s
+    results = [r for r in await acker_pruner.run() if r.walk.kind != "attempts"]
+    assert len(results) == 4
+    assert all(r.full_sweep for r in results)
+    by_kind = {r.walk.kind: r.deleted for r in results}
+    assert by_kind["done"] == {"todos": 1, "todo_events": 2}
+    assert by_kind["acked"] == {"inbox": 1, "events": 0}
+    assert retried not in ids(db_url, "todos")
+    assert retried not in todo_event_owners(db_url)
+    assert replayed not in ids(db_url, "inbox")
+
+
+async def test_an_ack_waiting_for_its_todo_keeps_the_row_and_the_todo(
+    db_url: str, engine: AsyncEngine
+) -> None:
+    # ack_after = "complete": the row's ack waits in ack_queue for its todo.
+    # Both are long past retention, and the todo even reads done.
+    todo = add_todo(db_url, "orders", "done", age_days=30)
+    row = add_inbox(db_url, "orders", age_days=30, ack_state="pending", queued=True)
+    db.query(db_url, "UPDATE ack_queue SET waiting_for = %(t)s WHERE inbox_id = %(i)s", {"t": todo, "i": row})
+    db.query(db_url, "UPDATE inbox SET todo_id = %(t)s WHERE id = %(i)s", {"t": todo, "i": row})
+    cfg = settings(
+        db_url,
+        adapters=[{"name": "orders", "source": "orders", "retain_acked_days": 1, "retain_rejected_days": 1}],
+        queues={"orders": {"handler": "m:f", "retain_done_days": 1, "retain_failed_days": 1}},
+    )
+    acker_pruner = pruner(engine, walks(cfg))
+
+    for _ in range(2):  # a full sweep, then the re-check of held rows by id
+        results = await acker_pruner.run()
+        assert all(not any(r.deleted.values()) for r in results)
+        assert {r.walk.kind: r.held for r in results if r.walk.kind in ("acked", "done")} == {
+            "acked": 1,
+            "done": 1,
+        }
+        assert ids(db_url, "inbox") == {row}
+        assert ids(db_url, "todos") == {todo}
+        assert todo_event_owners(db_url) == {todo}
+        assert db.query(db_url, "SELECT inbox_id, waiting_for FROM ack_queue") == [(row, todo)]
+
+
+async def test_a_row_another_transaction_holds_is_skipped_not_waited_for_and_kept(
+    db_url: str, engine: AsyncEngine
+) -> None:
+    held = add_inbox(db_url, "orders", age_days=10)
+    others = [add_inbox(db_url, "orders", age_days=10) for _ in range(3)]
+    acker_pruner = pruner(engine, [Walk("acked", "orders", 7 * DAY)])
+    # A redelivery of the acked row, mid-run: its transaction locks the row
+    # and makes its ack owed again, and has not committed yet.
+    with psycopg.connect(libpq_url(db_url), connect_timeout=10) as redelivery:
+        redelivery.execute("SELECT id FROM inbox WHERE id = %(id)s FOR UPDATE", {"id": held})
+        redelivery.execute("UPDATE inbox SET ack_state = 'pending' WHERE id = %(id)s", {"id": held})
+        redelivery.execute(
+            "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)"
+            " SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM inbox WHERE id = %(id)s",
+            {"id": held},
+        )
+        async with asyncio.timeout(10):  # SKIP LOCKED: no wait for the lock
+            [result] = await acker_pruner.run()
+        assert (result.deleted["inbox"], result.held) == (3, 1)
+        assert ids(db_url, "inbox") == {held}
+        redelivery.commit()
+    assert not set(others) & ids(db_url, "inbox")
+
+    # Re-checked on its newest version: pending now, so kept.
+    [again] = await acker_pruner.run()
+    assert (again.deleted["inbox"], again.held) == (0, 1)
+    assert db.query(db_url, "SELECT id, ack_state FROM inbox") == [(held, "pending")]
+    assert db.query(db_url, "SELECT inbox_id FROM ack_queue") == [(held,)]
+
+
+async def test_a_dry_run_counts_every_stale_delivery_attempt(db_url: str, engine: AsyncEngine) -> None:
+    db.query(
+        db_url,
+        "INSERT INTO delivery_attempts (adapter, idempotency_key, attempts, last_attempt_at)"
+        " SELECT 'orders', 'old' || n, 1, now() - interval '8 days' FROM generate_series(1, 7) AS n"
+        " UNION ALL SELECT 'orders', 'new' || n, 1, now() FROM generate_series(1, 2) AS n"
+        " UNION ALL SELECT 'billing', 'old' || n, 1, now() - interval '8 days'"
+        " FROM generate_series(1, 4) AS n",
+    )
+    walk = Walk("attempts", "orders", 7 * DAY)
+
+    # More than one batch's worth: all counted, not capped at batch_size.
+    [dry] = await pruner(engine, [walk], batch_size=3).run(dry_run=True)
+    assert (dry.deleted, dry.scanned, dry.finished) == ({"delivery_attempts": 7}, 9, True)
+    assert db.scalar(db_url, "SELECT count(*) FROM delivery_attempts") == 13
+
+    [real] = await pruner(engine, [walk], batch_size=3).run()
+    assert real.deleted == {"delivery_attempts": 7}
+    left = db.query(db_url, "SELECT adapter, count(*) FROM delivery_attempts GROUP BY 1 ORDER BY 1")
+    assert left == [("billing", 4), ("orders", 2)]
+
+
+async def test_adapters_with_the_same_retention_share_one_read_of_the_inbox(
+    db_url: str, engine: AsyncEngine
+) -> None:
+    rows = {name: [add_inbox(db_url, name, age_days=10) for _ in range(4)] for name in ("orders", "billing")}
+    kept = add_inbox(db_url, "billing", age_days=10, ack_state="pending", queued=True)
+    cfg = settings(
+        db_url,
+        adapters=[
+            {"name": "orders", "source": "orders", "retain_acked_days": 7},
+            {"name": "billing", "source": "billing", "retain_acked_days": 7},
+        ],
+    )
+    acker_pruner = pruner(engine, walks(cfg), batch_size=4)
+    assert [tuple(w.name for w in unit) for unit in acker_pruner.units() if unit[0].kind == "acked"] == [
+        ("orders", "billing")
+    ]
+
+    results = [r for r in await acker_pruner.run() if r.walk.kind == "acked"]
+
+    # One read of the 9 rows for both adapters (before: 9 rows each), the
+    # deletions counted by adapter.
+    assert [(r.walk.name, r.scanned, r.deleted) for r in results] == [
+        ("orders", 9, {"inbox": 4, "events": 4}),
+        ("billing", 9, {"inbox": 4, "events": 4}),
+    ]
+    assert ids(db_url, "inbox") == {kept}
+    assert not set(rows["orders"] + rows["billing"]) & ids(db_url, "inbox")
+    assert results[1].held == 1
+
+
+async def test_held_rows_past_the_bound_are_found_by_the_next_full_sweep(
+    db_url: str, engine: AsyncEngine
+) -> None:
+    first, second = (add_inbox(db_url, "orders", age_days=10, ack_state="pending", queued=True) for _ in "ab")
+    clock = [0.0]
+    acker_pruner = Pruner(
+        engine,
+        [Walk("acked", "orders", 7 * DAY)],
+        batch_size=10,
+        pause_ms=0,
+        deadline_ms=30_000,
+        held_limit=1,
+        clock=lambda: clock[0],
+    )
+    [result] = await acker_pruner.run()
+    assert result.held == 1  # the bound: the second is not remembered
+    db.query(db_url, "DELETE FROM ack_queue")
+    db.query(db_url, "UPDATE inbox SET ack_state = 'acked'")
+
+    [result] = await acker_pruner.run()
+    assert (result.full_sweep, result.deleted["inbox"]) == (False, 1)
+    assert ids(db_url, "inbox") == {second}
+
+    clock[0] += acker_pruner.full_sweep_interval_s
+    [result] = await acker_pruner.run()
+    assert (result.full_sweep, result.deleted["inbox"]) == (True, 1)
+    assert ids(db_url, "inbox") == set()
+    assert first not in ids(db_url, "inbox")

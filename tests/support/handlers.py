@@ -74,3 +74,17 @@ def existing_sync_actor(todo: Todo) -> None:
 async def existing_async_actor(todo: Todo) -> None:
     await asyncio.sleep(0.01)  # a real await: the loop runs, the time limit applies
     scripted(todo)
+
+
+# The URL a leaky handler puts in its error (tests/system/test_secrets_never_leak.py).
+LEAKY_URL_VARIABLE = "SB_TEST_LEAKY_URL"
+
+
+class DownstreamRefused(Exception):
+    """A client library's error that names its connection string, password included."""
+
+
+def leaky(todo: Todo) -> None:
+    """Fails every run as a handler whose client library puts its connection
+    string in its error message: the URL in ``SB_TEST_LEAKY_URL``."""
+    raise DownstreamRefused(f"todo {todo.id}: cannot connect to {os.environ[LEAKY_URL_VARIABLE]}: refused")

@@ -4,6 +4,7 @@ strict processes, the planted secret, and what a clean exit looks like."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +13,23 @@ from ingest.embedded import processes
 from ingest.embedded.processes import SwitchboardProcess
 
 # Planted in every URL the processes get; it must never reach a log line.
-SECRET = "planted-s3cret-7731"
+# It is also the real password of the servers the suite starts itself
+# (tests/support/servers.py), so it is made afresh for each run: the
+# embedded servers accept no login without it.
+SECRET = f"planted-s3cret-{secrets.token_hex(8)}"
 
 
 def with_secret_db(url: str) -> str:
-    # PostgreSQL here uses trust auth, so the password is carried but unused.
+    # The suite's own servers' URLs carry SECRET already; a trusting server's
+    # (from the environment) carries it unused.
     return url.replace("postgres@", f"postgres:{SECRET}@", 1)
 
 
 def with_secret_redis(url: str) -> str:
-    # Valkey's default user is nopass: any password authenticates.
+    # The suite's own servers' URLs carry SECRET already; a nopass default
+    # user (from the environment) accepts any password.
+    if "@" in url:
+        return url
     return url.replace("redis://", f"redis://default:{SECRET}@", 1)
 
 

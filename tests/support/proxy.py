@@ -2,12 +2,14 @@
 network faults between a real switchboard process and a real server:
 added latency, a blackhole (bytes swallowed, no reset), and cutting a
 connection right after a given client message has been forwarded (a COMMIT
-sent whose reply never comes back)."""
+sent whose reply never comes back). With ``server_ssl`` it terminates TLS:
+clients speak TLS to it, the server behind it plain TCP, as behind stunnel."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import threading
 from collections.abc import Iterator
 
@@ -17,9 +19,10 @@ CHUNK = 65536
 
 
 class Proxy:
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, server_ssl: ssl.SSLContext | None = None) -> None:
         self.port = free_port()
         self._target = target_port
+        self._server_ssl = server_ssl
         self.latency_s = 0.0
         self.blackhole = False
         self.cut_after: bytes | None = None  # close once a client chunk containing this was sent
@@ -38,7 +41,7 @@ class Proxy:
         asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=10)
 
     async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port, ssl=self._server_ssl)
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
@@ -96,8 +99,8 @@ class Proxy:
 
 
 @contextlib.contextmanager
-def proxy_to(port: int) -> Iterator[Proxy]:
-    proxy = Proxy(port)
+def proxy_to(port: int, server_ssl: ssl.SSLContext | None = None) -> Iterator[Proxy]:
+    proxy = Proxy(port, server_ssl)
     proxy.start()
     try:
         yield proxy

@@ -18,8 +18,18 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from ingest.embedded.servers import PostgresServer, embedded_servers, temp_base
+from tests.support.processes import SECRET
+
+
+def as_redis_user(url: str, user: str, password: str) -> str:
+    """``url`` logging in as ``user`` instead of whoever it names (the suite's
+    own Valkey hands out URLs with its default user's password)."""
+    parts = urlsplit(url)
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,8 @@ def shared_servers() -> Iterator[ServerUrls]:
             redis_host = f"redis://{rc.get_container_host_ip()}:{rc.get_exposed_port(6379)}/0"
             yield ServerUrls(pgc.get_connection_url(), redis_host, "testcontainers")
         return
-    with embedded_servers("switchboard-test-") as owned:
+    # SECRET is the servers' password, so a URL with the planted secret logs in.
+    with embedded_servers("switchboard-test-", password=SECRET) as owned:
         yield ServerUrls(owned.postgres.url(), owned.redis.url, "owned processes")
 
 
@@ -69,7 +80,7 @@ def private_postgres(conf: str = "") -> Iterator[PostgresServer]:
     appended to its postgresql.conf), started; removed with its folder after."""
     base = temp_base("switchboard-pg-")
     try:
-        server = PostgresServer.create(base / "pg")
+        server = PostgresServer.create(base / "pg", password=SECRET)
     except BaseException:
         shutil.rmtree(base, ignore_errors=True)
         raise

@@ -91,6 +91,14 @@ def test_each_process_exports_what_reached_postgresql_and_redis(
         for chunk in range(5):
             for text in bodies[chunk * 10 : chunk * 10 + 10]:
                 r.xadd(STREAM, {"body": text})
+            # The counter moves while the ingester works (not only at the end).
+            wait_for(
+                lambda n=chunk * 10 + 10: (
+                    sample(scrape(ports["ingest"]), "switchboard_messages_stored_total", adapter=STREAM) >= n
+                ),
+                timeout_s=30,
+                what=f"{chunk * 10 + 10} stored by the metrics",
+            )
             stored_now = scrape(ports["ingest"])
             figures = {
                 "stored": sample(stored_now, "switchboard_messages_stored_total", adapter=STREAM),
@@ -205,9 +213,12 @@ def test_status_names_a_dead_ingester_until_a_new_one_replaces_it(
     wait_for(lambda: status_now()[0] == EXIT_OK, timeout_s=40, what="status healthy again")
     assert scalar(db_url, "SELECT count(*) FROM processes WHERE role = 'ingest'") == 2
     stop_all([replacement, acker])
-    # A graceful stop is recorded: stopped, not dead.
+    # A graceful stop is recorded: stopped, not dead, and shown as such.
     assert scalar(db_url, "SELECT count(*) FROM processes WHERE stopped_at IS NULL") == 1  # the killed one
-    assert switchboard("--config", str(config), "status").returncode == EXIT_OK
+    code, text = status_now()
+    assert code == EXIT_OK
+    assert "not running            no ack, no ingest process alive" in text
+    assert "DEAD" not in text  # the killed one was replaced, the others stopped
 
 
 def test_a_metrics_port_in_use_is_a_config_error(procs: Processes, make_config: Callable[..., Path]) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.asyncio.connection import parse_url
 
 from ingest import config
 from ingest.config import from_mapping, load
@@ -195,7 +196,8 @@ EVERY_KEY = {
     "name", "transport", "mode", "source", "group", "consumer", "queue", "ack_after", "batch_size",
     "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id", "key_prefix", "body_field", "format",
     "max_message_bytes", "url", "delivery", "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
-    "schema", "schema_timeout_ms", "retain_acked_days", "retain_rejected_days",
+    "schema", "schema_timeout_ms", "retain_acked_days", "retain_rejected_days", "username_env",
+    "password_env",
 }  # fmt: skip
 
 
@@ -231,12 +233,12 @@ def test_every_key_is_accepted_in_every_mode(mode: str, tmp_path: Path) -> None:
         block_ms=1, claim_idle_ms=1, claim_interval_ms=1, start_id="$", key_prefix="p", body_field="b",
         format="text", max_message_bytes=1, url="unix:///tmp/r.sock", delivery="at-most-once",
         heartbeat_ttl_ms=1000, reap_interval_ms=1, max_deliveries=3, schema="s.json", schema_timeout_ms=1,
-        retain_acked_days=1, retain_rejected_days=2,
+        retain_acked_days=1, retain_rejected_days=2, username_env="U", password_env="P",
     )  # fmt: skip
     assert set(raw) == EVERY_KEY
-    a = from_mapping({"database": DB, "adapters": [raw]}, {}, tmp_path).adapters[0]
+    a = from_mapping({"database": DB, "adapters": [raw]}, {"U": "u", "P": "p"}, tmp_path).adapters[0]
     assert (a.mode, a.group, a.heartbeat_ttl_ms, a.delivery, a.redis_url) == (
-        mode, "g", 1000, "at-most-once", "unix:///tmp/r.sock",
+        mode, "g", 1000, "at-most-once", "unix://u:p@/tmp/r.sock",
     )  # fmt: skip
     assert a.body_schema is not None
 
@@ -546,3 +548,70 @@ def test_bad_prune_settings_are_refused(raw: dict[str, Any], needles: list[str])
         from_mapping({"database": DB, **raw}, {})
     for needle in needles:
         assert needle in str(info.value)
+
+
+# Broker credentials from the environment (issue 15): the variables named
+# replace the URL's user and password; the TOML never holds the secret.
+SECRET_PW = "s3cr@t/pw?#% x"  # every character a URL reserves
+
+
+def test_an_adapters_broker_credentials_come_from_the_environment() -> None:
+    raw = adapter(url="redis://cache:6379/0", username_env="ORDERS_USER", password_env="ORDERS_PW")
+    env = {"ORDERS_USER": "switchboard-ingester", "ORDERS_PW": SECRET_PW}
+    a = from_mapping({"database": DB, "adapters": [raw]}, env).adapters[0]
+    assert a.redis_url == "redis://switchboard-ingester:s3cr%40t%2Fpw%3F%23%25%20x@cache:6379/0"
+    parsed = parse_url(a.redis_url)  # what redis-py connects with
+    assert (parsed["username"], parsed["password"], parsed["host"], parsed["db"]) == (
+        "switchboard-ingester", SECRET_PW, "cache", 0,
+    )  # fmt: skip
+    public = a.public_settings()
+    assert not {"username_env", "password_env"} & set(public)
+    assert SECRET_PW not in json.dumps(public)
+    assert "switchboard-ingester" not in json.dumps(public)
+
+
+def test_a_password_from_the_environment_keeps_the_urls_user_or_the_default_url() -> None:
+    env = {"PW": "p", "SWITCHBOARD_REDIS_URL": "redis://cache/0"}
+    with_user = adapter(url="redis://deploy@cache:6379/0", password_env="PW")
+    inherited = {**adapter(password_env="PW"), "name": "jobs", "mode": "list", "source": "jobs"}
+    a, b = from_mapping({"database": DB, "adapters": [with_user, inherited]}, env).adapters
+    assert a.redis_url == "redis://deploy:p@cache:6379/0"
+    assert b.redis_url == "redis://:p@cache/0"  # the default user's password
+    assert parse_url(b.redis_url)["password"] == "p"
+
+
+def test_dramatiqs_credentials_come_from_the_environment() -> None:
+    raw = {
+        "database": DB,
+        "adapters": [adapter()],
+        "dramatiq": {"url": "redis://cache/1", "username_env": "DQ_USER", "password_env": "DQ_PW"},
+    }
+    s = from_mapping(raw, {"DQ_USER": "switchboard-dramatiq", "DQ_PW": SECRET_PW})
+    assert parse_url(s.dramatiq_url)["username"] == "switchboard-dramatiq"
+    assert parse_url(s.dramatiq_url)["password"] == SECRET_PW
+    assert s.adapters[0].redis_url == "redis://localhost:6379/0"  # only dramatiq's
+
+
+@pytest.mark.parametrize(
+    ("raw", "env", "message"),
+    [
+        ({"adapters": [adapter(password_env="ORDERS_PW")]}, {},
+         "adapter 'orders': key 'password_env': the environment variable 'ORDERS_PW' is not set or empty"),
+        ({"adapters": [adapter(username_env="ORDERS_USER")]}, {"ORDERS_USER": ""},
+         "adapter 'orders': key 'username_env': the environment variable 'ORDERS_USER' is not set or empty"),
+        ({"adapters": [adapter(password_env="not a name")]}, {},
+         "adapter 'orders': key 'password_env' must name an environment variable: letters, digits and _"
+         " (got 'not a name')"),
+        ({"adapters": [adapter()], "dramatiq": {"password_env": "DQ_PW"}}, {},
+         "[dramatiq]: key 'password_env': the environment variable 'DQ_PW' is not set or empty"),
+        ({"adapters": [adapter()], "dramatiq": {"username_env": 5}}, {},
+         "[dramatiq]: key 'username_env' must name an environment variable: letters, digits and _ (got 5)"),
+    ],
+)  # fmt: skip
+def test_a_missing_credential_variable_names_the_adapter_key_and_variable(
+    raw: dict[str, Any], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, **raw}, {**env, "OTHER": SECRET_PW})
+    assert str(info.value) == message
+    assert SECRET_PW not in str(info.value)

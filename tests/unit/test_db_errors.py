@@ -42,6 +42,19 @@ def refused_at_connect(fatal: str) -> psycopg.OperationalError:
             "authentication_failed",
             "28P01",
         ),
+        # libpq's refusals of the server's certificate (sslmode=verify-full):
+        # texts as libpq 18 words them (tests/system/test_tls.py meets them for real).
+        (
+            at_connect('root certificate file "/root/.postgresql/root.crt" does not exist\nEither provide'),
+            "tls_refused",
+            "08001",
+        ),
+        (
+            at_connect('server certificate for "db.example" does not match host name "127.0.0.1"'),
+            "tls_refused",
+            "08001",
+        ),
+        (at_connect("SSL error: certificate verify failed"), "tls_refused", "08001"),
     ],
 )
 def test_permanent_errors_are_named_with_what_to_do(error: Exception, kind: str, sqlstate: str) -> None:

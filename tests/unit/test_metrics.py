@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from backhalf import metrics
+from ingest.embedded.processes import wait_for
 from ingest.metrics_http import Liveness, MetricsServer
 
 DASHBOARD = Path(__file__).parents[2] / "ops" / "grafana-dashboard.json"
@@ -123,3 +126,19 @@ def test_the_grafana_dashboard_uses_exactly_the_exported_names() -> None:
     # Every metric has a panel: a histogram through any of its series.
     shown = {n for n in used if n in names} | {h for h in histograms if any(u.startswith(h) for u in used)}
     assert shown == set(names), set(names) - shown
+
+
+def test_an_idle_client_cannot_hold_the_endpoint_open_at_close() -> None:
+    """A client that connects and sends nothing is dropped after the request
+    timeout: close() returns and leaves no request thread behind (it used to
+    wait for that client forever, and so did the process's stop)."""
+    server = MetricsServer("127.0.0.1", 0, lambda: (True, {}), CollectorRegistry())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as idle:
+        wait_for(lambda: _request_threads() == 1, timeout_s=5, what="the idle client's thread")
+        server.close()
+        assert _request_threads() == 0
+        assert idle.recv(1) == b""  # the server hung up on it
+
+
+def _request_threads() -> int:
+    return sum(1 for t in threading.enumerate() if "process_request" in t.name)

@@ -4,13 +4,15 @@ body made readable, a trail's timeline."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
 from backhalf.inbox_views import escape_like
-from backhalf.todo_views import TodoDetail, TodoEvent
+from backhalf.todo_views import TodoDetail, TodoEvent, TodoRow
 from backhalf.trace import EventTrail, InboxTrail, Trail
+from ingest import cli, todos_command
 from ingest.inbox_command import body_view, time_bound
 from ingest.trace_command import text_lines, timeline, xadd_time
 
@@ -116,3 +118,50 @@ def test_a_todo_older_than_the_row_is_called_a_dedup() -> None:
     (todo_line,) = [line for line in lines if line.startswith("  todo ")]
     assert todo_line.endswith("created before this row: the message was deduplicated to it")
     assert timeline(_trail(created=T - 5000 * MS))[0].what == "todo 9: (new) -> pending (created)"
+
+
+@pytest.mark.parametrize("text", ["99999999999d", "9" * 400 + "s", "365001d"])
+def test_an_age_too_long_is_a_usage_error_not_a_traceback(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="an age must be at most 365000d"):
+        time_bound(text)
+    with pytest.raises(SystemExit) as exit_info:
+        cli._parser().parse_args(["inbox", "replay", "--all-rejected", "--since", text])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --since: an age must be at most 365000d" in err
+    assert "Traceback" not in err
+
+
+def test_terminal_controls_in_todo_errors_and_details_are_printed_escaped() -> None:
+    trail = _trail(created=T + 12 * MS)
+    hostile = "boom \x1b[31mred\x1b[0m\x9b2J"
+    todo = dataclasses.replace(trail.todo, last_error=hostile) if trail.todo is not None else None
+    history = [*trail.todo_events[:-1], TodoEvent(T + 90 * MS, "running", "failed", hostile)]
+    lines = text_lines(dataclasses.replace(trail, todo=todo, todo_events=history))
+    text = "\n".join(lines)
+    assert {"\x1b", "\x9b"}.isdisjoint(text)
+    assert "  last error  boom \\u001b[31mred\\u001b[0m\\u009b2J" in lines
+    assert any(line.endswith("running -> failed (boom \\u001b[31mred\\u001b[0m\\u009b2J)") for line in lines)
+    # --json's timeline keeps the detail as stored.
+    assert timeline(dataclasses.replace(trail, todo_events=history))[-1].what.endswith(f"({hostile})")
+
+    assert todo is not None
+    todo_text = "\n".join(
+        [*todos_command.list_table([todo_row(todo)]), *todos_command.show_lines(todo, history)]
+    )
+    assert {"\x1b", "\x9b"}.isdisjoint(todo_text)
+    assert todo_text.count("boom \\u001b[31mred\\u001b[0m\\u009b2J") == 3
+
+
+def todo_row(todo: TodoDetail) -> TodoRow:
+    return TodoRow(
+        todo.id,
+        todo.queue,
+        todo.status,
+        todo.attempts,
+        todo.idempotency_key,
+        todo.last_error,
+        todo.updated_at,
+    )

@@ -12,6 +12,7 @@ from ingest.adapters.redis.lists import processing_key
 from tests.support.acl import acl_rules
 from tests.support.db import scalar
 from tests.support.in_process import pipeline, settings, wait_until
+from tests.support.servers import as_redis_user
 
 
 @pytest.mark.parametrize("mode", ["list", "pubsub"])
@@ -21,7 +22,7 @@ async def test_least_privilege_acl_users_suffice(
     source = "jobs" if mode == "list" else "notifications"  # the names ops/redis-users.acl grants
     r.execute_command("ACL", "SETUSER", "least", *acl_rules(f"switchboard-{mode}", "pw"))
     try:
-        url = redis_url.replace("redis://", "redis://least:pw@", 1)
+        url = as_redis_user(redis_url, "least", "pw")
         adapter = {"name": source, "mode": mode, "source": source, "url": url, "block_ms": 100,
                    "consumer": "c1", "reap_interval_ms": 100}  # fmt: skip
         if mode == "pubsub":

@@ -19,6 +19,7 @@ from ingest.config import AdapterConfig, from_mapping
 from ingest.errors import AckError, BrokerError, GroupMissing
 from tests.support.acl import acl_rules
 from tests.support.db import query
+from tests.support.servers import as_redis_user
 
 STREAM, GROUP = "orders", "switchboard"
 
@@ -349,7 +350,7 @@ async def test_dollar_start_works_under_the_least_privilege_acl_user(  # type: i
     r.execute_command("ACL", "SETUSER", "least", *acl_rules("switchboard-stream", "pw"))
     try:
         r.xadd(STREAM, {"body": b"{}"})
-        a = StreamAdapter(cfg(start_id="$", url=redis_url.replace("redis://", "redis://least:pw@", 1)),
+        a = StreamAdapter(cfg(start_id="$", url=as_redis_user(redis_url, "least", "pw")),
                           group_starts=ledger)  # fmt: skip
         adapters.append(a)
         assert await a.read(10) == []  # XINFO STREAM resolved "$"

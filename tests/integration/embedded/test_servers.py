@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 from pathlib import Path
 
+import psycopg
 import pytest
+import redis
 
+from backhalf.db import libpq_url
 from ingest.embedded import servers
 from tests.support.db import scalar
 
@@ -70,3 +74,58 @@ def test_a_port_taken_before_the_first_start_is_traded_for_another(kind: str) ->
                 server.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _others_may(path: Path) -> int:
+    """The permission bits ``path`` grants its group and other users."""
+    return path.lstat().st_mode & 0o077
+
+
+def test_the_servers_take_no_login_without_their_password_and_keep_their_files_private() -> None:
+    """On a shared machine any local user can reach loopback: each server
+    needs its generated password, which only the URLs handed out carry; and
+    nothing the servers or the kit write (data, the AOF, the logs, the
+    config with the password) is readable by anyone else."""
+    with servers.embedded_servers("switchboard-test-private-") as owned:
+        pg, rs = owned.postgres, owned.redis
+        # The URLs handed out work, password included.
+        with psycopg.connect(libpq_url(pg.url()), connect_timeout=5) as conn:
+            assert conn.execute("SELECT current_user").fetchone() == ("postgres",)
+        with redis.Redis.from_url(rs.url, socket_timeout=5) as r:
+            r.xadd("orders", {"body": "{}"})  # something in the AOF
+            assert r.xlen("orders") == 1
+        # Without the password (or with another one) both refuse.
+        for password in (None, "not-the-password"):
+            with pytest.raises(
+                psycopg.OperationalError, match=r"no password supplied|password authentication failed"
+            ):
+                psycopg.connect(
+                    host="127.0.0.1", port=pg.port, user="postgres", password=password, connect_timeout=5
+                ).close()
+        anonymous = redis.Redis(host="127.0.0.1", port=rs.port, socket_timeout=5)
+        with anonymous, pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        wrong = redis.Redis(host="127.0.0.1", port=rs.port, password="not-the-password", socket_timeout=5)
+        with wrong, pytest.raises(redis.AuthenticationError):
+            wrong.ping()
+        # Neither password is on a command line (which every local user can read) or in a log.
+        for server in (pg, rs):
+            assert server.password is not None
+            assert server.password.encode() not in Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        logs = (pg.log_path.read_text(errors="replace"), rs.log_path.read_text(errors="replace"))
+        assert not any(server.password in text for server in (pg, rs) for text in logs if server.password)
+        # The files the issue found world-readable, and every other one.
+        aof = list((rs.base_dir / "appendonlydir").iterdir())
+        assert aof
+        assert all(path.exists() for path in (pg.log_path, rs.log_path, rs.config_path))
+        # Under root PostgreSQL runs as 'nobody', who must pass through the
+        # two directories above its data directory (but may not list them).
+        traversed = {owned.base, pg.base_dir} if os.geteuid() == 0 else set()
+        checked = 0
+        for path in [owned.base, *owned.base.rglob("*")]:
+            if "pginstall" in path.relative_to(owned.base).parts:
+                continue  # a copy of the PostgreSQL binaries, readable by design (see servers.py)
+            allowed = 0o011 if path in traversed else 0
+            assert _others_may(path) & ~allowed == 0, f"{path}: mode {path.lstat().st_mode:o}"
+            checked += 1
+        assert checked > 20  # pgdata's files were walked, not an empty folder

@@ -1,0 +1,444 @@
+"""Least privilege (issue 15): the whole pipeline under the shipped
+PostgreSQL roles (``ops/roles.sql``) and Redis ACL users
+(``ops/redis-users.acl``), each process as its own role and user, and every
+forbidden operation refused with a permission error.
+
+``ops/roles.sql`` is run as written, except that its role names get a prefix
+unique to the test run (roles are cluster-wide, and the suite may share a
+server); the roles are dropped at the end. The database is created empty, the
+file run, ``switchboard migrate`` run as the migrator, the file run again (as
+the file says to), then ``ingest``, ``ack`` and ``worker`` started, each with
+the database URL of its own login user and the broker user of its role.
+``status`` and ``prune`` run as the acker's login user (ops/README.md)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from psycopg import errors, sql
+from sqlalchemy.engine import make_url
+
+from backhalf.db import libpq_url
+from ingest.adapters.redis.lists import processing_key
+from ingest.embedded.processes import wait_for, wait_ready
+from ingest.embedded.servers import RedisServer, temp_base
+from tests.support import db, handlers
+from tests.support.acl import acl_file_as_shipped, password_for
+from tests.support.config import stream_adapter, write_config
+from tests.support.downstream import QUEUE, statuses
+from tests.support.processes import Processes, assert_clean_exit, switchboard
+from tests.support.servers import ServerUrls
+from tests.support.streams import produce, xpending
+
+pytestmark = pytest.mark.system
+
+ROLES_SQL = Path(__file__).parents[2] / "ops" / "roles.sql"
+ROLES = ("migrator", "ingester", "acker", "worker", "auditor")
+# A test password, one for every login user: a constant, never a log line.
+LOGIN_PASSWORD = "least-privilege-test-pw"
+N = 20
+INSUFFICIENT_PRIVILEGE = "42501"
+
+
+@dataclass(frozen=True)
+class RoleDatabase:
+    admin_url: str  # the superuser, on the test's database
+    prefix: str  # replaces the file's "switchboard_"
+
+    def role(self, name: str) -> str:
+        return f"{self.prefix}_{name}"
+
+    def login(self, name: str) -> str:
+        """The login user of a role (the migrator logs in as itself)."""
+        return self.role(name) if name == "migrator" else self.role(f"{name}_login")
+
+    def url(self, name: str) -> str:
+        parsed = make_url(self.admin_url).set(username=self.login(name), password=LOGIN_PASSWORD)
+        return parsed.render_as_string(hide_password=False)
+
+
+def _roles_sql(prefix: str) -> str:
+    """The file as written, its role (and policy) names prefixed for this run:
+    every name the file gives starts with ``switchboard_``, no table's does."""
+    return ROLES_SQL.read_text().replace("switchboard_", f"{prefix}_")
+
+
+def _run_roles_sql(url: str, prefix: str) -> None:
+    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
+        conn.execute(_roles_sql(prefix))  # a whole file, no parameters
+
+
+@pytest.fixture
+def roles_db(servers: ServerUrls) -> Iterator[RoleDatabase]:
+    prefix = f"sb{uuid.uuid4().hex[:10]}"
+    url = db.create_test_database(servers.database, migrated=False)
+    rdb = RoleDatabase(url, prefix)
+    try:
+        _run_roles_sql(url, prefix)  # before migrate: the roles, no table grants yet
+        with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
+            for name in ROLES:
+                conn.execute(
+                    sql.SQL("ALTER ROLE {} PASSWORD {}").format(
+                        sql.Identifier(rdb.login(name)), sql.Literal(LOGIN_PASSWORD)
+                    )
+                )
+        yield rdb
+    finally:
+        db.drop_test_database(servers.database, url)
+        # The database held every object and grant of these roles: they can go now.
+        with psycopg.connect(libpq_url(servers.database), autocommit=True, connect_timeout=10) as conn:
+            for name in ROLES:
+                for role in {rdb.login(name), rdb.role(name)}:
+                    conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+@pytest.fixture
+def acl_redis() -> Iterator[RedisServer]:
+    """A Valkey whose users are the shipped file's (and the untouched default user)."""
+    base = temp_base("switchboard-acl-")
+    server = RedisServer.create(base, aclfile=acl_file_as_shipped(base / "users.acl"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
+
+
+def _redis_as(server: RedisServer, user: str | None, db_number: int = 0) -> str:
+    """The server's URL as ``user`` (None: with no credentials at all)."""
+    credentials = "" if user is None else f"{user}:{password_for(user)}@"
+    return f"redis://{credentials}127.0.0.1:{server.port}/{db_number}"
+
+
+# The adapters' broker credentials come from these variables (username_env,
+# password_env), which each process gets from its environment.
+USER_VARIABLE, PASSWORD_VARIABLE = "SB_TEST_BROKER_USER", "SB_TEST_BROKER_PASSWORD"
+
+
+def _broker_env(role: str) -> dict[str, str]:
+    user = "switchboard-ingester" if role == "ingester" else "switchboard-acker"
+    return {USER_VARIABLE: user, PASSWORD_VARIABLE: password_for(user)}
+
+
+def _config(path: Path, rdb: RoleDatabase, role: str, server: RedisServer) -> Path:
+    """One process role's config: its database login, its broker user for the
+    adapters (from the environment: ``_broker_env``), dramatiq's user for the
+    relay and the workers (in its URL). The workers never reach the adapters'
+    broker: their config names no credentials."""
+    broker = _redis_as(server, None)
+    credentials = (
+        {"username_env": USER_VARIABLE, "password_env": PASSWORD_VARIABLE} if role != "worker" else {}
+    )
+    adapters: list[Mapping[str, Any]] = [
+        stream_adapter(
+            "orders", ack_after="complete", batch_size=50, url=broker, retain_acked_days=1, **credentials
+        ),
+        {
+            "name": "jobs",
+            "mode": "list",
+            "source": "jobs",
+            "queue": "jobs",
+            "batch_size": 50,
+            "block_ms": 200,
+            "url": broker,
+            "retain_acked_days": 1,
+            **credentials,
+        },
+    ]
+    return write_config(
+        path,
+        database_url=rdb.url(role),
+        redis_url=broker,
+        adapters=adapters,
+        queues={"orders": QUEUE, "jobs": QUEUE},
+        dramatiq_url=_redis_as(server, "switchboard-dramatiq", 1),
+    )
+
+
+def _sqlstate(url: str, statement: str, params: dict[str, Any] | None = None) -> str | None:
+    """The SQLSTATE the statement fails with as ``url``'s user, None if it succeeds."""
+    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
+        try:
+            conn.execute(statement, params)
+        except errors.Error as exc:
+            return exc.sqlstate
+    return None
+
+
+def test_the_pipeline_runs_under_the_shipped_roles_and_users(
+    tmp_path: Path, roles_db: RoleDatabase, acl_redis: RedisServer, procs: Processes
+) -> None:
+    migrated = switchboard("migrate", env={"SWITCHBOARD_DATABASE_URL": roles_db.url("migrator")})
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    assert db.scalar(roles_db.admin_url, "SELECT tableowner FROM pg_tables WHERE tablename = 'inbox'") == (
+        roles_db.role("migrator")
+    )
+    _run_roles_sql(roles_db.admin_url, roles_db.prefix)  # after migrate: the grants
+    _run_roles_sql(roles_db.admin_url, roles_db.prefix)  # and again: it is idempotent
+    handlers.create_runs_table(libpq_url(roles_db.admin_url))
+    configs = {
+        role: _config(tmp_path / f"{role}.toml", roles_db, role, acl_redis)
+        for role in ("ingester", "acker", "worker")
+    }
+
+    with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as producer:  # the default user
+        produce(acl_redis.url, "orders", N)
+        producer.lpush("jobs", *(json.dumps({"job": i}) for i in range(N)))
+    handler_env = {handlers.DB_VARIABLE: libpq_url(roles_db.admin_url)}
+    ingester = procs.start("ingest", configs["ingester"], name="ingester-1", env=_broker_env("ingester"))
+    acker = procs.start("ack", configs["acker"], name="acker-1", env=_broker_env("acker"))
+    worker = procs.start("worker", configs["worker"], name="worker-1", env=handler_env)
+    for proc in (ingester, acker, worker):
+        wait_ready(proc)
+    admin = roles_db.admin_url
+    wait_for(lambda: statuses(admin) == {"done": 2 * N}, timeout_s=60, what=f"{2 * N} todos done")
+    wait_for(
+        lambda: db.scalar(admin, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 2 * N,
+        timeout_s=30,
+        what="every message acked",
+    )
+    assert db.scalar(admin, "SELECT count(*) FROM handler_runs WHERE outcome = 'done'") == 2 * N
+    # ack_after = "complete": no ack before its todo ended (release_acks ran as the worker).
+    early = db.scalar(
+        admin,
+        "SELECT count(*) FROM inbox i JOIN todos t ON t.id = i.todo_id"
+        " WHERE i.adapter = 'orders' AND NOT i.acked_at >= t.updated_at",
+    )
+    assert early == 0
+    assert xpending(acl_redis.url, "orders") == 0
+    with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as r:
+        assert r.llen("jobs") == 0
+        assert r.llen(processing_key("jobs", "ingester-1")) == 0
+    users = db.query(admin, "SELECT DISTINCT verify_detail FROM events ORDER BY 1")
+    assert users == [("redis acl: switchboard-ingester",)]
+    heartbeats = db.query(admin, "SELECT DISTINCT role FROM processes ORDER BY 1")
+    assert {r for (r,) in heartbeats} >= {"ingest", "ack", "worker"}
+
+    status = switchboard("--config", str(configs["acker"]), "status", env=_broker_env("acker"))
+    assert status.returncode == 0, status.stdout + status.stderr
+    for name in ("orders", "jobs"):
+        assert name in status.stdout
+    prune = switchboard("--config", str(configs["acker"]), "prune", env=_broker_env("acker"))
+    assert prune.returncode == 0, prune.stdout + prune.stderr
+    # The read-only operator commands work as the acker too (ops/README.md).
+    key = db.scalar(admin, "SELECT idempotency_key FROM inbox WHERE adapter = 'orders' LIMIT 1")
+    for command in (("trace", key), ("inbox", "list")):  # trace reads every table of a message
+        done = switchboard("--config", str(configs["acker"]), *command, env=_broker_env("acker"))
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    for proc in (ingester, acker):
+        assert_clean_exit(proc, proc.stop())
+    assert worker.terminate() == 0, worker.raw_log()[-3000:]
+    with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as r:
+        # Valkey logs every command or key an ACL refused, swallowed or not.
+        assert r.acl_log() == []
+    logs = procs.logs_text() + status.stdout + status.stderr + prune.stdout + prune.stderr
+    for user in ("switchboard-ingester", "switchboard-acker"):  # from the environment only
+        assert password_for(user) not in logs
+        assert all(password_for(user) not in path.read_text() for path in configs.values())
+    assert "NOPERM" not in logs
+    assert "permission denied" not in logs
+    assert "InsufficientPrivilege" not in logs
+
+
+def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> None:
+    migrated = switchboard("migrate", env={"SWITCHBOARD_DATABASE_URL": roles_db.url("migrator")})
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    _run_roles_sql(roles_db.admin_url, roles_db.prefix)
+    admin = roles_db.admin_url
+    # One stored message, its ack queued and waiting: what each role might tamper with.
+    db.query(
+        admin,
+        "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')",
+    )
+    todo_id = db.scalar(
+        admin,
+        "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k1', '{}') RETURNING id",
+    )
+    inbox_id = db.scalar(
+        admin,
+        "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key, ack_group,"
+        " ack_entry_id, ack_after, ack_state, status, todo_id)"
+        " VALUES ('orders', 'k1', '1-0', '\\x7b7d', 'xack', 'orders', 'switchboard', '1-0', 'complete',"
+        " 'pending', 'stored', %(todo)s) RETURNING id",
+        {"todo": todo_id},
+    )
+    db.query(
+        admin,
+        "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for)"
+        " VALUES (%(inbox)s, 'orders', 'xack', 'orders', 'k1', %(todo)s)",
+        {"inbox": inbox_id, "todo": todo_id},
+    )
+    ids = {"inbox": inbox_id, "todo": todo_id}
+    ingester, acker, worker, auditor = (roles_db.url(r) for r in ("ingester", "acker", "worker", "auditor"))
+    refused = {
+        # The acker marks acks and moves todos, but creates none, and no inbox row.
+        "acker INSERT todos": (
+            acker,
+            "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k2', '{}')",
+        ),
+        "acker UPDATE todos.payload": (acker, "UPDATE todos SET payload = '{}' WHERE id = %(todo)s"),
+        "acker INSERT inbox": (
+            acker,
+            "INSERT INTO inbox (adapter, idempotency_key, body, ack_kind, ack_state, status)"
+            " VALUES ('orders', 'k3', '\\x00', 'none', 'none', 'stored')",
+        ),
+        "acker UPDATE adapters.enabled": (acker, "UPDATE adapters SET enabled = false"),
+        # The ingester cannot mark an ack (row-level policy), drop a queued
+        # one, release a waiting one, or flip the operator's flag.
+        "ingester UPDATE inbox ack_state acked": (
+            ingester,
+            "UPDATE inbox SET ack_state = 'acked' WHERE id = %(inbox)s",
+        ),
+        "ingester UPDATE inbox acked_at": (
+            ingester,
+            "UPDATE inbox SET acked_at = now() WHERE id = %(inbox)s",
+        ),
+        "ingester INSERT acked inbox row": (
+            ingester,
+            "INSERT INTO inbox (adapter, idempotency_key, body, ack_kind, ack_state, status)"
+            " VALUES ('orders', 'k4', '\\x00', 'xack', 'acked', 'stored')",
+        ),
+        "ingester DELETE ack_queue": (ingester, "DELETE FROM ack_queue WHERE inbox_id = %(inbox)s"),
+        "ingester UPDATE ack_queue": (
+            ingester,
+            "UPDATE ack_queue SET waiting_for = NULL WHERE inbox_id = %(inbox)s",
+        ),
+        "ingester UPDATE adapters.enabled": (ingester, "UPDATE adapters SET enabled = false"),
+        "ingester UPDATE todos.status": (ingester, "UPDATE todos SET status = 'done' WHERE id = %(todo)s"),
+        # The worker touches no inbox row and creates no todo.
+        "worker SELECT inbox": (worker, "SELECT count(*) FROM inbox"),
+        "worker INSERT inbox": (
+            worker,
+            "INSERT INTO inbox (adapter, idempotency_key, body, ack_kind, ack_state, status)"
+            " VALUES ('orders', 'k5', '\\x00', 'none', 'none', 'stored')",
+        ),
+        "worker INSERT todos": (
+            worker,
+            "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k6', '{}')",
+        ),
+        "worker DELETE ack_queue": (worker, "DELETE FROM ack_queue WHERE inbox_id = %(inbox)s"),
+        "worker UPDATE ack_queue (not a release)": (
+            worker,
+            "UPDATE ack_queue SET waiting_for = waiting_for + 1 WHERE inbox_id = %(inbox)s",
+        ),
+        # The auditor reads the audit views and nothing else.
+        "auditor SELECT inbox": (auditor, "SELECT count(*) FROM inbox"),
+        "auditor SELECT todos": (auditor, "SELECT count(*) FROM todos"),
+        "auditor SELECT events": (auditor, "SELECT count(*) FROM events"),
+        "auditor UPDATE adapters": (auditor, "UPDATE adapters SET enabled = false"),
+        # No process role may change the schema.
+        "ingester CREATE TABLE": (ingester, "CREATE TABLE sneaky (id int)"),
+        "acker DROP TABLE": (acker, "DROP TABLE todos"),
+    }
+    got = {what: _sqlstate(url, statement, ids) for what, (url, statement) in refused.items()}
+    assert got == dict.fromkeys(refused, INSUFFICIENT_PRIVILEGE)
+    # Nothing reached the tables.
+    assert db.query(admin, "SELECT ack_state, acked_at FROM inbox") == [("pending", None)]
+    assert db.query(admin, "SELECT waiting_for FROM ack_queue") == [(todo_id,)]
+    assert db.scalar(admin, "SELECT count(*) FROM todos") == 1
+    assert db.scalar(admin, "SELECT bool_and(enabled) FROM adapters") is True
+
+    # What each is granted works: the auditor's views, the ingester's
+    # re-request of an ack, the worker's release, the acker's mark.
+    assert _sqlstate(auditor, "SELECT * FROM audit_unacked") is None
+    assert db.query(auditor, "SELECT adapter FROM audit_unacked") == [("orders",)]
+    assert (
+        _sqlstate(
+            ingester, "UPDATE inbox SET ack_state = 'pending', acked_at = NULL WHERE id = %(inbox)s", ids
+        )
+        is None
+    )
+    db.query(admin, "UPDATE todos SET status = 'done' WHERE id = %(todo)s", ids)
+    assert (
+        _sqlstate(worker, "UPDATE ack_queue SET waiting_for = NULL WHERE waiting_for = %(todo)s", ids) is None
+    )
+    assert db.query(admin, "SELECT waiting_for FROM ack_queue") == [(None,)]
+    marked = "UPDATE inbox SET ack_state = 'acked', acked_at = now() WHERE id = %(inbox)s"
+    assert _sqlstate(acker, marked, ids) is None
+    assert db.query(admin, "SELECT ack_state FROM inbox") == [("acked",)]
+    # A redelivery of the entry asks for its ack again, as store_inbox_native_cte
+    # does (an upsert on the native key), and may not mark it acked that way.
+    redelivery = (
+        "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key, ack_group,"
+        " ack_entry_id, ack_state, status) VALUES ('orders', 'k1', '1-0', '\\x7b7d', 'xack', 'orders',"
+        " 'switchboard', '1-0', 'pending', 'stored')"
+        " ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL"
+        " DO UPDATE SET deliveries = inbox.deliveries + 1, ack_state = {state}, acked_at = NULL"
+    )
+    assert _sqlstate(ingester, redelivery.format(state="'acked'")) == INSUFFICIENT_PRIVILEGE
+    assert _sqlstate(ingester, redelivery.format(state="'pending'")) is None
+    assert db.query(admin, "SELECT ack_state, acked_at, deliveries FROM inbox") == [("pending", None, 2)]
+
+
+def _client(server: RedisServer, user: str) -> redis.Redis:
+    return redis.Redis.from_url(_redis_as(server, user), socket_timeout=10)
+
+
+def test_each_broker_user_is_refused_what_it_is_not_granted(acl_redis: RedisServer) -> None:
+    with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as producer:
+        producer.xadd("orders", {"body": "{}"}, id="1-1")
+        producer.xgroup_create("orders", "switchboard", id="0")
+        producer.rpush(processing_key("jobs", "c1"), "x")
+    ingester, acker, dramatiq = (
+        _client(acl_redis, f"switchboard-{role}") for role in ("ingester", "acker", "dramatiq")
+    )
+    script = "return redis.call('rpush', 'jobs', 'x')"  # dramatiq's script, off its keys
+    refused: dict[str, Callable[[], object]] = {
+        # The ingester reads and claims, and never acks: XACK and LREM are the acker's.
+        "ingester XACK": lambda: ingester.xack("orders", "switchboard", "1-1"),
+        "ingester LREM": lambda: ingester.lrem(processing_key("jobs", "c1"), 1, "x"),
+        "ingester EVAL": lambda: ingester.eval("return 1", 0),
+        "ingester XADD": lambda: ingester.xadd("orders", {"body": "{}"}),
+        "ingester dramatiq's keys": lambda: ingester.get("dramatiq:default"),
+        # The acker acks and observes, and never reads a message.
+        "acker XREADGROUP": lambda: acker.xreadgroup("switchboard", "c1", {"orders": ">"}, count=1),
+        "acker XCLAIM": lambda: acker.xclaim("orders", "switchboard", "c1", 0, ["1-1"]),
+        "acker XGROUP CREATE": lambda: acker.xgroup_create("orders", "other", id="0"),
+        "acker BLMOVE": lambda: acker.blmove("jobs", processing_key("jobs", "c1"), 1),
+        "acker LMOVE": lambda: acker.lmove(processing_key("jobs", "c1"), "jobs"),
+        "acker SUBSCRIBE": lambda: acker.execute_command("SUBSCRIBE", "notifications"),  # type: ignore[no-untyped-call]
+        "acker dramatiq's keys": lambda: acker.llen("dramatiq:default"),
+        # The relay's and the workers' user: dramatiq's keys, through its scripts.
+        "dramatiq GET": lambda: dramatiq.get("dramatiq:default.msgs"),
+        "dramatiq XLEN orders": lambda: dramatiq.xlen("orders"),
+        "dramatiq HGET off its keys": lambda: dramatiq.hget("orders", "x"),
+        "dramatiq RPUSH off its keys": lambda: dramatiq.rpush("jobs", "x"),
+        "dramatiq script off its keys": lambda: dramatiq.register_script(script)(keys=["dramatiq"]),
+        "dramatiq FLUSHALL": lambda: dramatiq.flushall(),
+    }
+    outcome: dict[str, str] = {}
+    try:
+        for what, call in refused.items():
+            try:
+                call()
+                outcome[what] = "allowed"
+            except redis.exceptions.NoPermissionError:  # redis-py's class for the NOPERM reply
+                outcome[what] = "NOPERM"
+            except redis.exceptions.ResponseError as exc:
+                outcome[what] = f"{type(exc).__name__}: {exc}"
+        # A command a script calls is refused with ERR, not NOPERM: the reply
+        # is the script's error, which names the ACL.
+        in_script = (
+            "ResponseError: ACL failure in script: No permissions to access a key script: on @user_script:1."
+        )
+        assert outcome == {**dict.fromkeys(refused, "NOPERM"), "dramatiq script off its keys": in_script}
+    finally:
+        for client in (ingester, acker, dramatiq):
+            client.close()
+    with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as producer:
+        # Nothing refused changed anything.
+        assert producer.xpending("orders", "switchboard")["pending"] == 0
+        assert producer.lrange(processing_key("jobs", "c1"), 0, -1) == [b"x"]
+        assert producer.llen("jobs") == 0
+        assert {e["username"] for e in producer.acl_log(count=128)} == {
+            "switchboard-ingester", "switchboard-acker", "switchboard-dramatiq",
+        }  # fmt: skip
