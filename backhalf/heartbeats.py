@@ -105,7 +105,9 @@ async def list_processes(conn: AsyncConnection, ttl_s: float = HEARTBEAT_TTL_S) 
     replaced = sa.exists().where(
         newer.c.role == processes.c.role,
         newer.c.host == processes.c.host,
-        newer.c.detail["slot"] == processes.c.detail["slot"],
+        # Rows written before slots existed have none: one slot, "", per role and host.
+        sa.func.coalesce(newer.c.detail["slot"].astext, "")
+        == sa.func.coalesce(processes.c.detail["slot"].astext, ""),
         newer.c.instance != processes.c.instance,
         newer.c.started_at > processes.c.seen_at,
     )

@@ -317,7 +317,7 @@ async def _run_acker(settings: Settings, stop: asyncio.Event, liveness: Liveness
         dispatcher = Dispatcher(
             engine,
             settings.queues,
-            Enqueuer(settings.dramatiq_url),
+            Enqueuer(settings.dramatiq_broker_url()),
             batch_size=settings.acker.dispatch_batch_size,
             dispatch_timeout_ms=settings.acker.dispatch_timeout_ms,
             deadline_ms=settings.database.transaction_deadline_ms,

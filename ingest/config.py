@@ -402,6 +402,9 @@ class AdapterConfig:
         float | None, Key(parse=_days, rule=_retention_rule("retain_rejected_days"))
     ] = None
     body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
+    # Why ``redis_url`` lacks its credentials (a username_env / password_env
+    # unset), raised by whatever connects to the broker; None: complete.
+    credentials_error: Annotated[str | None, Derived()] = field(default=None, compare=False, repr=False)
 
     def public_settings(self) -> dict[str, Any]:
         """What goes into ``adapters.settings``: the settings that apply to
@@ -557,12 +560,21 @@ class Settings:
     # fetches from an empty queue (dramatiq's worker_timeout, 1000 ms by
     # default, which adds up to a second to a todo arriving at a quiet queue).
     dramatiq_idle_poll_ms: int = DEFAULT_IDLE_POLL_MS
+    # Why dramatiq_url lacks its credentials (see dramatiq_broker_url); None: complete.
+    dramatiq_credentials_error: str | None = None
     # Where ``database.url`` came from, for messages: the variable or the key.
     database_url_origin: str = "[database] url"
     # The broker of adapters that name none: SWITCHBOARD_REDIS_URL, else
     # [redis] url, else the default; also that of adapters known only from
     # the adapters table (``ack`` and ``status`` with no adapters configured).
     redis_url: str = DEFAULT_REDIS_URL
+
+    def dramatiq_broker_url(self) -> str:
+        """``dramatiq_url``, for what connects to it (the relay, the workers):
+        a ConfigError if its username_env / password_env is unset."""
+        if self.dramatiq_credentials_error is not None:
+            raise ConfigError(self.dramatiq_credentials_error)
+        return self.dramatiq_url
 
     def adapter(self, name: str) -> AdapterConfig:
         for a in self.adapters:
@@ -698,13 +710,18 @@ def _adapter(
             values[s.attr] = s.default
         if s.key.rule is not None:
             s.key.rule(label, values)
-    values["redis_url"] = with_credentials(
-        label,
-        values["redis_url"],
-        env,
-        username_env=values["username_env"],
-        password_env=values["password_env"],
-    )
+    try:
+        values["redis_url"] = with_credentials(
+            label,
+            values["redis_url"],
+            env,
+            username_env=values["username_env"],
+            password_env=values["password_env"],
+        )
+    except ConfigError as exc:
+        # Only the processes that connect to this broker need the variables
+        # (the ingester's and the acker's, per role): raised when one does.
+        values["credentials_error"] = str(exc)
     return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
 
 
@@ -848,14 +865,21 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         if "url" in dramatiq_section
         else default_redis
     )
-    dramatiq_url = with_credentials(
-        "[dramatiq]",
-        dramatiq_url,
-        env,
-        username_env=_optional_env_name("[dramatiq]", dramatiq_section, "username_env"),
-        password_env=_optional_env_name("[dramatiq]", dramatiq_section, "password_env"),
-    )
+    dramatiq_credentials_error = None
+    dramatiq_user_env = _optional_env_name("[dramatiq]", dramatiq_section, "username_env")
+    dramatiq_password_env = _optional_env_name("[dramatiq]", dramatiq_section, "password_env")
+    try:
+        dramatiq_url = with_credentials(
+            "[dramatiq]",
+            dramatiq_url,
+            env,
+            username_env=dramatiq_user_env,
+            password_env=dramatiq_password_env,
+        )
+    except ConfigError as exc:  # needed by the relay and the workers only: raised there
+        dramatiq_credentials_error = str(exc)
     return Settings(
+        dramatiq_credentials_error=dramatiq_credentials_error,
         database_url_origin=DATABASE_URL_VARIABLE if env.get(DATABASE_URL_VARIABLE) else "[database] url",
         database=database,
         adapters=adapters,

@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import todo_views, todos
 from backhalf.db import create_engine
+from backhalf.redaction import redact
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 from ingest.text_table import one_line, printable, table
@@ -214,7 +215,9 @@ def list_table(rows: Sequence[todo_views.TodoRow]) -> list[str]:
             str(r.attempts),
             _utc(r.updated_at),
             printable(r.idempotency_key),
-            one_line(r.last_error),
+            one_line(
+                redact(r.last_error) if r.last_error else r.last_error
+            ),  # rows stored before redaction at the source
         )
         for r in rows
     ]
@@ -232,7 +235,7 @@ def show_lines(todo: todo_views.TodoDetail, events: Sequence[todo_views.TodoEven
         ("updated_at", _utc(todo.updated_at, millis=True) + " UTC"),
         ("dispatched_at", _utc(todo.dispatched_at, millis=True) + (" UTC" if todo.dispatched_at else "")),
         ("lease_until", _utc(todo.lease_until, millis=True) + (" UTC" if todo.lease_until else "")),
-        ("last_error", printable(todo.last_error) if todo.last_error is not None else "-"),
+        ("last_error", printable(redact(todo.last_error)) if todo.last_error is not None else "-"),
     )
     width = max(len(name) for name, _ in fields)
     lines: list[str] = []

@@ -26,6 +26,7 @@ from typing import Any
 
 from backhalf import trace
 from backhalf.db import create_engine
+from backhalf.redaction import redact
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from ingest.text_table import printable
@@ -179,7 +180,7 @@ def text_lines(t: trace.Trail) -> list[str]:
             ("todo", f"{todo.id}: queue {todo.queue}, {todo.status}, attempts {todo.attempts}{note}")
         )
         if todo.last_error:
-            fields.append(("last error", todo.last_error))
+            fields.append(("last error", redact(todo.last_error)))  # older rows: stored unredacted
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         # Errors, keys and ids can carry text from the message: untrusted,

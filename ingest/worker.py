@@ -33,7 +33,7 @@ from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
 from backhalf.worker import Handler, Runner
 from ingest import worker_metrics
-from ingest.config import METRICS_PORT_VARIABLE, Settings
+from ingest.config import LEASE_MARGIN_MIN_MS, METRICS_PORT_VARIABLE, Settings
 from ingest.errors import ConfigError
 from ingest.metrics_http import MetricsServer
 from ingest.worker_metrics import WorkerHeartbeat
@@ -161,7 +161,7 @@ def broker_for(settings: Settings, *, threads: int = 8, queues: Sequence[str] = 
     """dramatiq's Redis broker at ``[dramatiq] url``, its default middleware
     plus Switchboard's, every Redis wait bounded."""
     client = redis.Redis.from_url(
-        settings.dramatiq_url,
+        settings.dramatiq_broker_url(),
         socket_timeout=BROKER_SOCKET_TIMEOUT_S,
         socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
     )
@@ -185,6 +185,7 @@ def exec_workers(
         raise ConfigError("[queues.*]: `switchboard worker` needs at least one queue with a handler")
     for queue in settings.queues.values():
         resolve_handler(queue)  # a handler that cannot be imported stops us here, exit 2
+    settings.dramatiq_broker_url()  # its credentials' variables unset: exit 2 here, not in dramatiq
     chosen = queues or sorted(settings.queues)
     broker_queues = sorted({settings.queues[q].broker_queue for q in chosen})
     # dramatiq reads its idle poll bound (worker_timeout) from its environment only.
@@ -201,12 +202,26 @@ def exec_workers(
                               "dramatiq_worker_timeout": str(settings.dramatiq_idle_poll_ms),
                               **worker_metrics.prepare(settings)}  # fmt: skip
     argv = [sys.executable, "-m", "dramatiq", "ingest.worker_app", "--processes", str(processes),
-            "--threads", str(threads), "--queues", *broker_queues]  # fmt: skip
+            "--threads", str(threads), "--queues", *broker_queues,
+            "--worker-shutdown-timeout", str(shutdown_timeout_ms(settings, chosen))]  # fmt: skip
     if settings.metrics.port:
         # The endpoint: a process of dramatiq's own, summing the workers' files.
         argv += ["--fork-function", worker_metrics.FORK_FUNCTION]
     log.info("workers_starting", processes=processes, threads=threads, queues=broker_queues)
     os.execve(sys.executable, argv, dict(env))  # noqa: S606 - our interpreter, fixed arguments, no shell
+
+
+# dramatiq's own default: ten minutes for running handlers to finish on SIGTERM.
+DRAMATIQ_SHUTDOWN_TIMEOUT_MS = 600_000
+
+
+def shutdown_timeout_ms(settings: Settings, queues: Sequence[str]) -> int:
+    """How long a graceful stop waits for running handlers: dramatiq's ten
+    minutes, or longer if a queue's time limit is (its handlers would be
+    abandoned mid-run otherwise). A supervisor's stop timeout must exceed it
+    (ops/systemd/switchboard-worker.service: TimeoutStopSec)."""
+    longest = max((settings.queues[q].time_limit_ms for q in queues), default=0)
+    return max(DRAMATIQ_SHUTDOWN_TIMEOUT_MS, longest + LEASE_MARGIN_MIN_MS)
 
 
 def app_broker() -> RedisBroker:

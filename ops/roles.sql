@@ -86,6 +86,8 @@ $roles$;
 -- The migrator creates the schema in public (PostgreSQL 15 took CREATE on
 -- public from PUBLIC); the others only use it. CONNECT on the database is
 -- PUBLIC's by default; where it was revoked, grant it to the five roles.
+-- Before 15, PUBLIC could create in public: taken back here (a no-op on 15+).
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE, CREATE ON SCHEMA public TO switchboard_migrator;
 GRANT USAGE ON SCHEMA public
     TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_auditor;

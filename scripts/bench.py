@@ -328,22 +328,41 @@ class Scraper:
 
 def bench_metrics_overhead(
     workdir: Path, pg: Any, r: redis.Redis, redis_url: str, n: int, batch_size: int
-) -> tuple[list[float], list[float]]:
+) -> dict[bool, list[tuple[float, float]]]:
     """Ingest + ack with metrics off and on, interleaved, the order swapped
     every round (off-on, on-off, ...), so that drift in the machine's load
-    and whatever the first run of a pair pays fall on both alike."""
-    off: list[float] = []
-    on: list[float] = []
+    and whatever the first run of a pair pays fall on both alike. Each run:
+    (msg/s, the ingester's and acker's CPU per message in us). The CPU is
+    the steadier figure on a shared machine: throughput also moves with
+    whatever else runs."""
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for i in range(METRICS_ROUNDS):
-        pair = ((False, off), (True, on))
-        for metrics, into in pair if i % 2 == 0 else pair[::-1]:
+        for metrics in (False, True) if i % 2 == 0 else (True, False):
             name = f"metrics{i}{'on' if metrics else 'off'}"
-            rate, _rss, _cpu = bench_switchboard(
+            rate, _rss, cpu_us = bench_switchboard(
                 workdir, fresh_db(pg, name), r, redis_url, n, batch_size, {}, metrics=metrics, run=name
             )
             pg.drop_database(name)
-            into.append(rate)
-    return off, on
+            runs[metrics].append((rate, cpu_us["ingester"] + cpu_us["acker"]))
+    return runs
+
+
+def print_metrics_overhead(runs: dict[bool, list[tuple[float, float]]], n: int) -> None:
+    def median(metrics: bool, i: int) -> float:
+        return statistics.median(run[i] for run in runs[metrics])
+
+    print(
+        f"  metrics on / off, throughput    {median(True, 0) / median(False, 0):>10.3f}x"
+        f"  (medians of {METRICS_ROUNDS} runs of {n:,} each, interleaved; scraped every"
+        f" {SCRAPE_INTERVAL_S:g} s)"
+    )
+    print(
+        f"  metrics on / off, CPU per msg   {median(True, 1) / median(False, 1):>10.3f}x"
+        f"  (ingester + acker: off {median(False, 1):.1f} us, on {median(True, 1):.1f} us)"
+    )
+    for metrics in (False, True):
+        figures = ", ".join(f"{rate:,.0f} msg/s {cpu:.1f} us" for rate, cpu in runs[metrics])
+        print(f"    {'on ' if metrics else 'off'} runs: {figures}")
 
 
 def bench_backlog(
@@ -750,15 +769,8 @@ def main(argv: list[str] | None = None) -> int:
                 "  CPU per message                 " + ", ".join(f"{k} {v:.0f} us" for k, v in cpu_us.items())
             )
             metrics_n = max(n, METRICS_MIN_MESSAGES)
-            off, on = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
-            print(
-                f"  metrics on / off                {statistics.median(on) / statistics.median(off):>10.3f}x"
-                f"  (medians of {METRICS_ROUNDS} runs of {metrics_n:,}, interleaved: off"
-                f" {statistics.median(off):,.0f}, on {statistics.median(on):,.0f} msg/s;"
-                f" scraped every {SCRAPE_INTERVAL_S:g} s)"
-            )
-            print("    runs, msg/s                  off " + ", ".join(f"{x:,.0f}" for x in off))
-            print("                                 on  " + ", ".join(f"{x:,.0f}" for x in on))
+            runs = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
+            print_metrics_overhead(runs, metrics_n)
             latencies = bench_latency(
                 base, fresh_db(pg, "lat"), r, rs.url, args.rate, latency_s, args.batch_size
             )

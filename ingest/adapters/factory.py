@@ -17,6 +17,10 @@ TRANSPORTS: Mapping[str, Mapping[str, ModeImplementation]] = {"redis": redis.MOD
 
 
 def _implementation(config: AdapterConfig) -> ModeImplementation:
+    if config.credentials_error is not None:
+        # Its username_env / password_env unset: said where the broker is
+        # needed (ingest, ack, status), not by every verb that loads the config.
+        raise ConfigError(config.credentials_error)
     implementation = TRANSPORTS.get(config.transport, {}).get(config.mode)
     if implementation is None:
         raise ConfigError(

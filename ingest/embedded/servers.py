@@ -523,16 +523,16 @@ class RedisServer(_ServerProcess):
         """Write a config for a free port; appendfsync="always" makes kill -9 lose
         nothing. The default user needs ``password`` (generated when None).
         ``aclfile``: the users file the server loads at start (``ACL LOAD``
-        re-reads it); Valkey then ignores ``requirepass``, so the default user
-        stays as the file leaves it and ``url`` carries no password."""
+        re-reads it); Valkey then ignores ``requirepass`` and the file's
+        ``user default`` line governs the default user: ``password`` is then
+        the one that line gives it, for ``url`` (None: the file leaves the
+        default user without one, which only a test of that may want)."""
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
         base_dir = Path(base_dir).resolve()
         _private_dir(base_dir)
         if aclfile is None:
             password = password or generate_password()
-        elif password is not None:
-            raise ValueError("password and aclfile exclude each other: the ACL file governs the default user")
         server = cls(base_dir, free_port(), redis_binary(), password)
         text = (
             f'bind 127.0.0.1\nport {server.port}\ndir "{base_dir}"\ndaemonize no\n'

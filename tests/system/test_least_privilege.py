@@ -102,9 +102,12 @@ def roles_db(servers: ServerUrls) -> Iterator[RoleDatabase]:
 
 @pytest.fixture
 def acl_redis() -> Iterator[RedisServer]:
-    """A Valkey whose users are the shipped file's (and the untouched default user)."""
+    """A Valkey whose users are the shipped file's, the default user's included
+    (its password the file's, as every user's: ``password_for``)."""
     base = temp_base("switchboard-acl-")
-    server = RedisServer.create(base, aclfile=acl_file_as_shipped(base / "users.acl"))
+    server = RedisServer.create(
+        base, aclfile=acl_file_as_shipped(base / "users.acl"), password=password_for("default")
+    )
     try:
         server.start()
         yield server
@@ -113,8 +116,8 @@ def acl_redis() -> Iterator[RedisServer]:
 
 
 def _redis_as(server: RedisServer, user: str | None, db_number: int = 0) -> str:
-    """The server's URL as ``user`` (None: with no credentials at all)."""
-    credentials = "" if user is None else f"{user}:{password_for(user)}@"
+    """The server's URL as ``user`` (None: the default user, the file's admin)."""
+    credentials = f"{user or 'default'}:{password_for(user or 'default')}@"
     return f"redis://{credentials}127.0.0.1:{server.port}/{db_number}"
 
 

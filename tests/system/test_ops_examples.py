@@ -32,9 +32,12 @@ N = 50
 
 @pytest.fixture
 def acl_redis() -> Iterator[RedisServer]:
-    """A Valkey whose users are the shipped file's (and the untouched default user)."""
+    """A Valkey whose users are the shipped file's, the default user's included
+    (its password the file's, as every user's: ``password_for``)."""
     base = temp_base("switchboard-acl-")
-    server = RedisServer.create(base, aclfile=acl_file_as_shipped(base / "users.acl"))
+    server = RedisServer.create(
+        base, aclfile=acl_file_as_shipped(base / "users.acl"), password=password_for("default")
+    )
     try:
         server.start()
         yield server
@@ -59,7 +62,7 @@ def _example_config(path: Path, db_url: str, server: RedisServer) -> Path:
     adapters = []
     for adapter in example["adapters"]:
         user = f"switchboard-{adapter['mode']}"
-        url = server.url.replace("redis://", f"redis://{user}:{password_for(user)}@", 1)
+        url = f"redis://{user}:{password_for(user)}@127.0.0.1:{server.port}/0"
         adapters.append({**adapter, "url": url})
     database = {k: v for k, v in example["database"].items() if k != "url"}
     return write_config(

@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio.connection import parse_url
 
 from ingest import config
+from ingest.adapters.factory import make_acknowledger
 from ingest.config import from_mapping, load
 from ingest.errors import ConfigError
 
@@ -593,25 +594,50 @@ def test_dramatiqs_credentials_come_from_the_environment() -> None:
 
 
 @pytest.mark.parametrize(
-    ("raw", "env", "message"),
+    ("raw", "message"),
     [
-        ({"adapters": [adapter(password_env="ORDERS_PW")]}, {},
-         "adapter 'orders': key 'password_env': the environment variable 'ORDERS_PW' is not set or empty"),
-        ({"adapters": [adapter(username_env="ORDERS_USER")]}, {"ORDERS_USER": ""},
-         "adapter 'orders': key 'username_env': the environment variable 'ORDERS_USER' is not set or empty"),
-        ({"adapters": [adapter(password_env="not a name")]}, {},
+        ({"adapters": [adapter(password_env="not a name")]},
          "adapter 'orders': key 'password_env' must name an environment variable: letters, digits and _"
          " (got 'not a name')"),
-        ({"adapters": [adapter()], "dramatiq": {"password_env": "DQ_PW"}}, {},
-         "[dramatiq]: key 'password_env': the environment variable 'DQ_PW' is not set or empty"),
-        ({"adapters": [adapter()], "dramatiq": {"username_env": 5}}, {},
+        ({"adapters": [adapter()], "dramatiq": {"username_env": 5}},
          "[dramatiq]: key 'username_env' must name an environment variable: letters, digits and _ (got 5)"),
     ],
 )  # fmt: skip
-def test_a_missing_credential_variable_names_the_adapter_key_and_variable(
-    raw: dict[str, Any], env: dict[str, str], message: str
-) -> None:
+def test_a_bad_credential_key_is_refused_at_load(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        from_mapping({"database": DB, **raw}, {**env, "OTHER": SECRET_PW})
+        from_mapping({"database": DB, **raw}, {"OTHER": SECRET_PW})
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("raw", "env", "message"),
+    [
+        ([adapter(password_env="ORDERS_PW")], {},
+         "adapter 'orders': key 'password_env': the environment variable 'ORDERS_PW' is not set or empty"),
+        ([adapter(username_env="ORDERS_USER")], {"ORDERS_USER": ""},
+         "adapter 'orders': key 'username_env': the environment variable 'ORDERS_USER' is not set or empty"),
+    ],
+)  # fmt: skip
+def test_an_unset_credential_variable_is_an_error_where_the_broker_is_needed(
+    raw: list[dict[str, Any]], env: dict[str, str], message: str
+) -> None:
+    """Loaded by every verb, needed by those that connect to the broker
+    (ingest, ack, status): `migrate`, `worker` and the rest run without the
+    ingester's and acker's variables, which live in their own env files."""
+    settings = from_mapping({"database": DB, "adapters": raw}, {**env, "OTHER": SECRET_PW})
+    with pytest.raises(ConfigError) as info:
+        make_acknowledger(settings.adapters[0])
     assert str(info.value) == message
     assert SECRET_PW not in str(info.value)
+
+
+def test_an_unset_dramatiq_credential_is_an_error_for_the_relay_and_workers_only() -> None:
+    raw = {"database": DB, "adapters": [adapter()], "dramatiq": {"password_env": "DQ_PW"}}
+    settings = from_mapping(raw, {})
+    make_acknowledger(settings.adapters[0])  # the acks need no dramatiq
+    with pytest.raises(ConfigError) as info:
+        settings.dramatiq_broker_url()
+    assert (
+        str(info.value)
+        == "[dramatiq]: key 'password_env': the environment variable 'DQ_PW' is not set or empty"
+    )

@@ -142,3 +142,15 @@ def test_an_idle_client_cannot_hold_the_endpoint_open_at_close() -> None:
 
 def _request_threads() -> int:
     return sum(1 for t in threading.enumerate() if "process_request" in t.name)
+
+
+def test_a_workers_graceful_stop_waits_for_its_longest_time_limit() -> None:
+    """dramatiq abandons running handlers after its shutdown timeout (ten
+    minutes by default): a queue allowed longer runs must be waited for."""
+    from ingest.config import from_mapping
+    from ingest.worker import DRAMATIQ_SHUTDOWN_TIMEOUT_MS, shutdown_timeout_ms
+
+    queues = {"short": {"handler": "m:f"}, "long": {"handler": "m:g", "time_limit_ms": 3_600_000}}
+    settings = from_mapping({"database": {"url": "postgresql://u@h/d"}, "queues": queues}, {})
+    assert shutdown_timeout_ms(settings, ["short"]) == DRAMATIQ_SHUTDOWN_TIMEOUT_MS + 2_000
+    assert shutdown_timeout_ms(settings, ["short", "long"]) > 3_600_000

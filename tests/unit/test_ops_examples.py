@@ -52,3 +52,13 @@ def test_the_acl_file_is_user_lines_only_and_grants_the_example_configs_sources(
         else:
             assert f"~{adapter.source}" in rules
             assert "resetchannels" in rules
+
+
+def test_the_acl_file_gives_the_default_user_a_password() -> None:
+    """Loading an aclfile without a ``user default`` line resets the default
+    user to ``nopass ~* &* +@all`` and Valkey ignores ``requirepass``: the
+    shipped file would open a protected server to anyone."""
+    (line,) = [x for x in ACL_USERS.read_text().splitlines() if x.startswith("user default ")]
+    rules = line.split()[2:]
+    assert "nopass" not in rules
+    assert ">CHANGE-ME" in rules or "off" in rules
