@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf.replay import InboxRow
+from backhalf.replay import InboxRow, inbox_row_query
 from schema import inbox
 
 # A time bound: a moment, or an age (that long before the database's now(),
@@ -103,17 +103,7 @@ async def replay_candidates(conn: AsyncConnection, where: ReplayFilter, *, limit
     ``ix_inbox_rejected``, so the rows read are the rejected ones only,
     however big the inbox (no index on stored_at is needed, nor wanted on
     the hot insert path)."""
-    query = sa.select(
-        inbox.c.id,
-        inbox.c.adapter,
-        inbox.c.idempotency_key,
-        inbox.c.source_message_id,
-        inbox.c.status,
-        inbox.c.ack_state,
-        inbox.c.deliveries,
-        inbox.c.error,
-        inbox.c.stored_at,
-    ).where(inbox.c.status == "rejected")
+    query = inbox_row_query().where(inbox.c.status == "rejected")
     if where.adapter is not None:
         query = query.where(inbox.c.adapter == where.adapter)
     if where.since is not None:

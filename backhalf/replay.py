@@ -9,9 +9,11 @@ was acked long ago; nothing is asked of it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
@@ -40,6 +42,11 @@ class InboxRow:
     stored_at: datetime
 
 
+def inbox_row_query() -> sa.Select[Any]:
+    """The columns of an :class:`InboxRow`, in its order."""
+    return sa.select(*(inbox.c[f.name] for f in dataclasses.fields(InboxRow)))
+
+
 async def list_rows(
     conn: AsyncConnection,
     *,
@@ -48,17 +55,7 @@ async def list_rows(
     adapter: str | None = None,
     limit: int = 100,
 ) -> list[InboxRow]:
-    query = sa.select(
-        inbox.c.id,
-        inbox.c.adapter,
-        inbox.c.idempotency_key,
-        inbox.c.source_message_id,
-        inbox.c.status,
-        inbox.c.ack_state,
-        inbox.c.deliveries,
-        inbox.c.error,
-        inbox.c.stored_at,
-    )
+    query = inbox_row_query()
     if rejected:
         query = query.where(inbox.c.status == "rejected")
     if unacked:

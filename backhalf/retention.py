@@ -111,6 +111,16 @@ def _count(cte: Any, *where: Any) -> Any:
     return sa.select(sa.func.count()).select_from(cte).where(*where).scalar_subquery()
 
 
+def _summary(scan: Any, edge: Any) -> list[Any]:
+    """What every batch reports of its scan: rows read, the last id, where
+    the walk met rows newer than its cutoff."""
+    return [
+        _count(scan).label("scanned"),
+        sa.select(sa.func.max(scan.c.id)).scalar_subquery().label("last_id"),
+        edge.label("edge_id"),
+    ]
+
+
 def _batch(row: Any, deleted: dict[str, int]) -> Batch:
     return Batch(
         scanned=row.scanned,
@@ -174,11 +184,7 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False
         )
         .cte("mine")
     )
-    summary = [
-        _count(scan).label("scanned"),
-        sa.select(sa.func.max(scan.c.id)).scalar_subquery().label("last_id"),
-        edge.label("edge_id"),
-    ]
+    summary = _summary(scan, edge)
     if dry_run:
         return sa.select(
             *summary,
@@ -291,11 +297,7 @@ def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
         )
         .cte("mine")
     )
-    summary = [
-        _count(scan).label("scanned"),
-        sa.select(sa.func.max(scan.c.id)).scalar_subquery().label("last_id"),
-        edge.label("edge_id"),
-    ]
+    summary = _summary(scan, edge)
     if dry_run:
         return sa.select(
             *summary,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from ingest.embedded.servers import RedisServer, temp_base
 
 ACL_USERS = Path(__file__).parents[2] / "ops" / "redis-users.acl"
 PLACEHOLDER = ">CHANGE-ME"
@@ -29,3 +33,18 @@ def acl_file_as_shipped(target: Path) -> Path:
         lines.append(line)
     target.write_text("".join(lines))
     return target
+
+
+@contextmanager
+def shipped_acl_redis() -> Iterator[RedisServer]:
+    """A Valkey whose users are the shipped file's, the default user's included
+    (its password the file's, as every user's: ``password_for``)."""
+    base = temp_base("switchboard-acl-")
+    server = RedisServer.create(
+        base, aclfile=acl_file_as_shipped(base / "users.acl"), password=password_for("default")
+    )
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()

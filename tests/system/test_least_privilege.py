@@ -29,9 +29,9 @@ from sqlalchemy.engine import make_url
 from backhalf.db import libpq_url
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.processes import wait_for, wait_ready
-from ingest.embedded.servers import RedisServer, temp_base
+from ingest.embedded.servers import RedisServer
 from tests.support import db, handlers
-from tests.support.acl import acl_file_as_shipped, password_for
+from tests.support.acl import password_for, shipped_acl_redis
 from tests.support.config import stream_adapter, write_config
 from tests.support.downstream import QUEUE, statuses
 from tests.support.processes import Processes, assert_clean_exit, switchboard
@@ -102,17 +102,8 @@ def roles_db(servers: ServerUrls) -> Iterator[RoleDatabase]:
 
 @pytest.fixture
 def acl_redis() -> Iterator[RedisServer]:
-    """A Valkey whose users are the shipped file's, the default user's included
-    (its password the file's, as every user's: ``password_for``)."""
-    base = temp_base("switchboard-acl-")
-    server = RedisServer.create(
-        base, aclfile=acl_file_as_shipped(base / "users.acl"), password=password_for("default")
-    )
-    try:
-        server.start()
+    with shipped_acl_redis() as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 def _redis_as(server: RedisServer, user: str | None, db_number: int = 0) -> str:

@@ -16,10 +16,11 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from backhalf.heartbeats import HEARTBEAT_TTL_S
 from ingest.embedded.processes import SwitchboardProcess, wait_for
 from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY
 from tests.support.config import stream_adapter
-from tests.support.db import scalar
+from tests.support.db import query, scalar
 from tests.support.downstream import QUEUE, dramatiq_url, statuses, stop_all
 from tests.support.processes import Processes, switchboard
 
@@ -196,12 +197,21 @@ def test_status_names_a_dead_ingester_until_a_new_one_replaces_it(
     assert len(served["ack"]) == 1
     assert served["dead"] == []
 
-    ingester.kill()  # SIGKILL: no stop is recorded, the row goes silent
-    ingester.wait(30)
-
     def status_now() -> tuple[int, str]:
         result = switchboard("--config", str(config), "status")
         return result.returncode, result.stdout
+
+    ingester.kill()  # SIGKILL: no stop is recorded, the row goes silent
+    ingester.wait(30)
+    assert status_now()[0] == EXIT_OK  # silent for less than the TTL: not dead yet
+    # The TTL's 15 s, passed at once: the dead row's clock moved back (the
+    # live acker's is refreshed by its next beat anyway).
+    query(
+        db_url,
+        "UPDATE processes SET seen_at = seen_at - make_interval(secs => %(s)s),"
+        " started_at = started_at - make_interval(secs => %(s)s) WHERE role = 'ingest'",
+        {"s": HEARTBEAT_TTL_S + 1},
+    )
 
     wait_for(lambda: status_now()[0] == EXIT_UNHEALTHY, timeout_s=40, what="status to see the dead ingester")
     code, text = status_now()

@@ -18,9 +18,9 @@ import redis
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.config import write_config
 from ingest.embedded.processes import wait_for, wait_ready
-from ingest.embedded.servers import RedisServer, temp_base
+from ingest.embedded.servers import RedisServer
 from tests.support import db
-from tests.support.acl import acl_file_as_shipped, password_for
+from tests.support.acl import password_for, shipped_acl_redis
 from tests.support.processes import Processes, assert_clean_exit, switchboard
 from tests.support.streams import produce, xpending
 
@@ -32,17 +32,8 @@ N = 50
 
 @pytest.fixture
 def acl_redis() -> Iterator[RedisServer]:
-    """A Valkey whose users are the shipped file's, the default user's included
-    (its password the file's, as every user's: ``password_for``)."""
-    base = temp_base("switchboard-acl-")
-    server = RedisServer.create(
-        base, aclfile=acl_file_as_shipped(base / "users.acl"), password=password_for("default")
-    )
-    try:
-        server.start()
+    with shipped_acl_redis() as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 def _as(server: RedisServer, user: str, password: str | None = None) -> redis.Redis:
