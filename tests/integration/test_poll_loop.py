@@ -91,7 +91,9 @@ async def test_store_failure_backs_off_and_redelivers_from_pending(engine: Async
         await wait_until(lambda: adapter.reads >= 4)  # retried, from the pending set
         assert scalar(db_url, "SELECT count(*) FROM inbox") == 0  # the whole batch rolled back
         assert set(adapter.pending) == {"1-0", "2-0"}
-        query(db_url, "DROP TRIGGER fail_todo ON todos")
+        # Off the event loop: DROP TRIGGER waits for the loop's transaction
+        # to end, which a blocked event loop would never let it do.
+        await asyncio.to_thread(query, db_url, "DROP TRIGGER fail_todo ON todos")
         await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM todos") == 2)
     finally:
         stop.set()
