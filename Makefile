@@ -65,9 +65,16 @@ test: lint typecheck wheel-check
 	echo "tests/system: exit $$system; tests/unit + tests/integration: exit $$fast_rc"; \
 	test $$system -eq 0 && test $$fast_rc -eq 0
 
-# Throughput and latency beside a raw-insert and a naive-consumer baseline, on
-# servers of its own; BENCH_ARGS=--quick for a short run.
-bench: install
+# Throughput and latency beside a raw-insert and a naive-consumer baseline and
+# the FastStream peers, on servers of its own; BENCH_ARGS=--quick for a short
+# run, BENCH_ARGS=--peers for the peers alone.
+# The FastStream peers' packages (the bench extra), into the same environment.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
 
 format: install

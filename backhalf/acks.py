@@ -1,5 +1,11 @@
 """Ack intents, seen from the acker and from list recovery.
 
+Two ways to an ack owed: a stream entry acked on store is found by its
+``inbox.ack_xid`` from the adapter's cursor (``claim_by_cursor``, then
+``mark_by_cursor`` after the broker ack); every other one (list copies,
+ack_after "complete", rows stored before migration 0008) by its ``ack_queue``
+row (``claim``).
+
 ``claim`` runs inside the acker's transaction and marks the rows acked in the
 same statement; the row locks are held while the broker ack is sent, so
 several ackers split the work, and the mark becomes visible only if the
@@ -10,7 +16,9 @@ commit leaves the rows pending, to be acked again (broker acks are idempotent).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf import queries
@@ -18,16 +26,100 @@ from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import AckStateError
 from backhalf.records import AckClaim, PendingIntent
 
+log = structlog.get_logger(__name__)
 
-async def claim(conn: AsyncConnection, adapters: Sequence[str], limit: int) -> list[AckClaim]:
-    """Claim up to ``limit`` committed intents and mark them acked, uncommitted."""
+
+async def claim(
+    conn: AsyncConnection, adapters: Sequence[str], limit: int, *, planned: bool = False
+) -> list[AckClaim]:
+    """Claim up to ``limit`` committed intents and mark them acked, uncommitted.
+    ``planned``: the transaction ran the claim plan already (claim_by_cursor)."""
     with wrap_driver_errors(AckStateError, "claiming ack intents failed"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
-            await cur.execute(queries.CLAIM_PLAN)
+            if not planned:
+                await cur.execute(queries.CLAIM_PLAN)
             await cur.execute(queries.CLAIM_ACKS, {"adapters": list(adapters), "limit": limit})
             rows = await cur.fetchall()
     return list(map(AckClaim._make, rows))
+
+
+@dataclass(frozen=True, slots=True)
+class CursorClaim:
+    """Stream acks claimed through the adapter's cursor (``cursor_acks``),
+    and where the cursor moves once they are acked: past the last one, or,
+    when the claim took every row owed (fewer than its limit), to the
+    snapshot's xmin, below which no row can appear any more."""
+
+    claims: list[AckClaim]
+    xmin: int
+    to: tuple[int, int]
+    # A transaction at or above the xmin has ended: rows it stored may be
+    # owed and not claimable until the transactions below it end (usually
+    # within milliseconds), so the acker looks again soon, not at its poll.
+    held: bool = False
+
+
+async def claim_by_cursor(conn: AsyncConnection, adapter: str, limit: int) -> CursorClaim | None:
+    """The first statement of the acker's transaction: lock ``adapter``'s
+    cursor and claim up to ``limit`` acks owed behind the snapshot's xmin.
+    None: another acker holds the cursor. Resets a cursor found ahead of
+    the database's transaction ids (a restore into a new cluster) and claims
+    nothing this time."""
+    with wrap_driver_errors(AckStateError, f"adapter {adapter}: claiming acks by cursor failed"):
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            # Planned as the queue's claim is (queries.sql, claim_plan): an
+            # index walk in cursor order that stops at the limit, not a bitmap
+            # scan and a sort of every row owed.
+            await cur.execute(queries.CLAIM_PLAN)
+            await cur.execute(queries.CURSOR_ACKS, {"adapter": adapter, "limit": limit})
+            rows = await cur.fetchall()
+            if not rows:
+                return None
+            at, xmin, held = int(rows[0][0]), int(rows[0][1]), bool(rows[0][2])
+            if at > xmin:
+                await cur.execute(queries.RESET_ACK_CURSOR, {"adapter": adapter})
+                restamped = await cur.fetchone()
+                log.warning(
+                    "ack_cursor_reset",
+                    adapter=adapter,
+                    cursor_xid=at,
+                    xmin=xmin,
+                    restamped=int(restamped[0]) if restamped else 0,
+                    detail="the ack cursor was ahead of the database's transaction ids (restored into a"
+                    " new cluster?): pending rows stamped again, cursor back to the start",
+                )
+                return CursorClaim([], xmin, (0, 0))
+    claims = [
+        AckClaim(int(row[3]), row[4], row[5], row[6], row[7], row[8], int(row[9]), None)
+        for row in rows
+        if row[3] is not None
+    ]
+    if len(claims) < limit:
+        return CursorClaim(claims, xmin, (xmin, 0), held)
+    last = rows[-1]
+    return CursorClaim(claims, xmin, (int(last[10]), int(last[3])), held)
+
+
+async def mark_by_cursor(conn: AsyncConnection, adapter: str, claimed: CursorClaim) -> int:
+    """After the broker ack, in the claim's transaction: mark the cursor's
+    claims acked and move the cursor; return how many were marked."""
+    with wrap_driver_errors(AckStateError, f"adapter {adapter}: marking acks by cursor failed"):
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(
+                queries.MARK_CURSOR_ACKS,
+                {
+                    "adapter": adapter,
+                    "ids": [c.inbox_id for c in claimed.claims],
+                    "xmin": claimed.xmin,
+                    "to_xid": claimed.to[0],
+                    "to_id": claimed.to[1],
+                },
+            )
+            row = await cur.fetchone()
+    return int(row[0]) if row else 0
 
 
 async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str) -> list[PendingIntent]:

@@ -105,6 +105,9 @@ CLAIM_PLAN = _block("claim_plan")
 CLAIM_ACKS = _block("claim_acks")
 LOCK_PENDING_COPIES = _block("lock_pending_copies")
 OWED_NATIVE = _block("owed_native")
+CURSOR_ACKS = _block("cursor_acks")
+RESET_ACK_CURSOR = _block("reset_ack_cursor")
+MARK_CURSOR_ACKS = _block("mark_cursor_acks")
 
 # The todo lifecycle (backhalf.todos): the relay, the workers, the rescuer,
 # the operator's cancel and retry.

@@ -106,6 +106,14 @@ def _ack_state(batch: StoreBatch) -> str:
     return "none" if batch.ack.kind == "none" else "pending"
 
 
+def _by_cursor(batch: StoreBatch) -> bool:
+    """Stream entries acked on store are found by the acker's cursor
+    (``inbox.ack_xid``), not queued: no ``ack_queue`` row is written and
+    deleted for each (issue 16). List copies need the queue's copy
+    bookkeeping, and acks waiting for their todo its ``waiting_for``."""
+    return batch.ack.kind == "xack" and batch.ack_after == "store"
+
+
 async def _pending_copies(cur: Cursor, batch: StoreBatch, records: list[InboxRecord]) -> PendingCopies:
     """List copies: the pending row of each (key, processing list), locked, to merge into."""
     ack_keys = sorted({k for r in records if (k := _ack_key(r, batch.ack.key)) is not None})
@@ -175,6 +183,7 @@ async def _write(
             "ack_group": batch.ack.group,
             "ack_after": batch.ack_after,
             "ack_state": _ack_state(batch),
+            "by_cursor": _by_cursor(batch),
             "keys": [r.idempotency_key for r in writing],
             "ids": [r.source_message_id for r in writing],
             "bodies": [r.body for r in writing],
@@ -182,24 +191,32 @@ async def _write(
             "payloads": [
                 None if r.error is not None or r.idempotency_key in known else r.payload for r in writing
             ],
-            "ack_keys": [_ack_key(r, batch.ack.key) for r in writing],
-            "entry_ids": [r.ack_entry_id for r in writing],
-            "copies": [r.ack_copies for r in writing],
-            "deliveries": [r.deliveries for r in writing],
-            "errors": [r.error for r in writing],
-            # Only a rejected oversize message has them: NULL arrays (no
-            # per-message dumping) unless one in the batch does; unnest pads
-            # a missing array with NULLs.
-            **_prefix_columns(writing),
+            **_uncommon_columns(writing, batch.ack.key),
         },
     )
     return await cur.fetchall()
 
 
-def _prefix_columns(writing: list[InboxRecord]) -> dict[str, list[Any] | None]:
-    if all(r.body_size is None for r in writing):
-        return {"sizes": None, "digests": None}
-    return {"sizes": [r.body_size for r in writing], "digests": [r.body_sha256 for r in writing]}
+def _uncommon_columns(writing: list[InboxRecord], default_ack_key: str | None) -> dict[str, Any]:
+    """The columns most batches hold one value in, each as a NULL array
+    unless a message of this batch differs (queries.sql, store_rows_cte):
+    unnest pads a NULL array with NULLs, and the statement fills in the
+    common value. Dumping arrays is much of the ingester's CPU."""
+    entry_is_id = all(r.ack_entry_id == r.source_message_id for r in writing)  # a stream entry's own id
+    return {
+        "ack_key": default_ack_key,
+        "ack_keys": None
+        if all(r.ack_key is None for r in writing)
+        else [_ack_key(r, default_ack_key) for r in writing],
+        "entry_is_id": entry_is_id,
+        "entry_ids": None if entry_is_id else [r.ack_entry_id for r in writing],
+        "copies": None if all(r.ack_copies == 1 for r in writing) else [r.ack_copies for r in writing],
+        "deliveries": None if all(r.deliveries == 1 for r in writing) else [r.deliveries for r in writing],
+        "errors": None if all(r.error is None for r in writing) else [r.error for r in writing],
+        # Only a rejected oversize message has them.
+        "sizes": None if all(r.body_size is None for r in writing) else [r.body_size for r in writing],
+        "digests": None if all(r.body_size is None for r in writing) else [r.body_sha256 for r in writing],
+    }
 
 
 @dataclass(slots=True)

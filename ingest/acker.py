@@ -3,9 +3,11 @@
 Woken by NOTIFY (sent by the store, delivered only on commit) with a polling
 fallback, so a lost notification or a dropped LISTEN connection delays acks by
 at most ``poll_interval_ms``. Each drain is one transaction per adapter:
-claim pending intents and mark them acked in one statement (``FOR UPDATE SKIP
-LOCKED``: several ackers split the work), send one broker ack per target per
-batch, commit. A crash or a broker error before the commit leaves the rows
+claim the stream acks owed through the adapter's cursor (one acker at a time
+holds it) and the queued intents, marking the queued ones acked in the same
+statement (``FOR UPDATE SKIP LOCKED``: several ackers split the work), send
+one broker ack per target per batch, mark the cursor's rows and move it,
+commit. A crash or a broker error before the commit leaves the rows
 pending; they are acked again, which brokers treat as a no-op.
 
 Which adapters: the config's; with none in the config (no config file), every
@@ -57,6 +59,9 @@ log = structlog.get_logger(__name__)
 # Without a notification for this long, prove the LISTEN connection is alive.
 LISTEN_PROBE_INTERVAL_S = 10.0
 LISTEN_PROBE_TIMEOUT_S = 5.0
+# The first look again at stream acks the cursor could not take yet; doubled
+# while they stay held, up to the poll interval.
+HELD_RETRY_S = 0.005
 # Without adapters in the config: how often the adapters table is read again.
 REGISTRY_REFRESH_S = 5.0
 
@@ -69,24 +74,44 @@ async def drain_adapter(
     deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
 ) -> int:
     """One claim-ack-mark transaction for one adapter; return how many intents
-    were discharged. Per adapter, so one broker being down stalls no other.
+    were discharged (``_drain``)."""
+    drained, _held = await _drain(engine, adapter, acknowledger, limit, deadline_ms)
+    return drained
+
+
+async def _drain(
+    engine: AsyncEngine, adapter: str, acknowledger: Acknowledger, limit: int, deadline_ms: int
+) -> tuple[int, bool]:
+    """One claim-ack-mark transaction for one adapter; return how many intents
+    were discharged, and whether stream acks may be owed that the cursor
+    could not take yet (``CursorClaim.held``). Per adapter, so one broker being down stalls no other.
     Past the deadline the marks are lost with the connection and the rows
-    stay pending: they are acked again, a no-op at the broker."""
+    stay pending: they are acked again, a no-op at the broker.
+
+    Both claims, each up to ``limit``: the cursor's first (its snapshot's
+    xmin must not be held back by this transaction's own id), then the
+    queue's, so neither kind can starve the other."""
     started = time.perf_counter()
     async with within_deadline(engine.begin(), deadline_ms, f"adapter {adapter}: ack drain") as conn:
-        claims = await acks.claim(conn, [adapter], limit)
+        by_cursor = await acks.claim_by_cursor(conn, adapter, limit)
+        claims = await acks.claim(conn, [adapter], limit, planned=True)
+        if by_cursor is not None:
+            claims = by_cursor.claims + claims
+        held = by_cursor is not None and by_cursor.held
         if not claims:
-            return 0
+            return 0, held  # committed: a cursor made or reset by the claim stays
         failpoints.hit("acker_after_select")
         await acknowledger.ack(claims)
         failpoints.hit("acker_after_xack")
+        if by_cursor is not None and by_cursor.claims:
+            await acks.mark_by_cursor(conn, adapter, by_cursor)
     await acknowledger.acked(claims)
     if m.on():
         m.ACKED.labels(adapter).inc(len(claims))
         m.ACK_SECONDS.labels(adapter).observe(time.perf_counter() - started)
         m.ACK_BATCH.labels(adapter).observe(len(claims))
     log.info("acks_sent", adapter=adapter, acked=len(claims))
-    return len(claims)
+    return len(claims), held
 
 
 async def drain_once(
@@ -117,6 +142,7 @@ async def drain_loop(
     """Drain every adapter until stop. ``refresh``, if given, runs every
     ``refresh_interval_s`` and may add acknowledgers to ``acknowledgers``."""
     loop = asyncio.get_running_loop()
+    held_wait_s = HELD_RETRY_S
     retries: dict[str, Retry] = {}
     retry_at: dict[str, float] = {}
     next_refresh = loop.time() + refresh_interval_s
@@ -129,12 +155,14 @@ async def drain_loop(
             except Exception as exc:  # noqa: BLE001 - the acknowledgers we have go on; next time
                 log_failure(log, "adapters_refresh_failed", exc, retry_in_s=refresh_interval_s)
         wake.clear()  # set again by any NOTIFY that arrives while we drain
-        more_waiting = False
+        more_waiting = held = drained_any = False
         for adapter, acknowledger in list(acknowledgers.items()):
             if loop.time() < retry_at.get(adapter, 0.0) or stop.is_set():
                 continue
             try:
-                drained = await drain_adapter(engine, adapter, acknowledger, settings.batch_size, deadline_ms)
+                drained, adapter_held = await _drain(
+                    engine, adapter, acknowledger, settings.batch_size, deadline_ms
+                )
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
                 m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
                 retry = retries.setdefault(
@@ -145,8 +173,17 @@ async def drain_loop(
             if adapter in retries:
                 retries[adapter].succeeded()
             more_waiting |= drained >= settings.batch_size
+            held |= adapter_held
+            drained_any |= drained > 0
+        # Acks the cursor could not take yet (a transaction below a committed
+        # store's was still running) are looked for again soon: usually that
+        # transaction ends within milliseconds, and no NOTIFY says when. The
+        # wait doubles while rounds find nothing (a long transaction costs one
+        # empty claim per poll interval) and starts over after one that did.
+        poll_s = settings.poll_interval_ms / 1000
+        held_wait_s = min(held_wait_s * 2, poll_s) if held and not drained_any else HELD_RETRY_S
         if not more_waiting:
-            timeout_s = settings.poll_interval_ms / 1000
+            timeout_s = min(poll_s, held_wait_s) if held else poll_s
             upcoming = [t - loop.time() for t in retry_at.values() if t > loop.time()]
             if refresh is not None:
                 upcoming.append(max(0.0, next_refresh - loop.time()))

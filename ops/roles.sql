@@ -107,7 +107,7 @@ BEGIN
     END IF;
 
     -- Start from nothing, so a grant taken out of this file is revoked by its next run.
-    REVOKE ALL ON adapters, inbox, ack_queue, events, todos, todo_events, delivery_attempts,
+    REVOKE ALL ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events, delivery_attempts,
                   stream_groups, processes, alembic_version
         FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_auditor;
     REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
@@ -137,10 +137,11 @@ BEGIN
     GRANT SELECT,
           INSERT (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                   ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after, ack_state,
-                  deliveries, status, error, todo_id, event_id),
+                  deliveries, status, error, todo_id, event_id, ack_xid),
           -- merge_inbox_body, and a redelivery's ON CONFLICT update (ack_state
-          -- and acked_at only back to pending: the policies below).
-          UPDATE (ack_copies, deliveries, consumer, ack_key, ack_group, ack_state, acked_at)
+          -- and acked_at only back to pending: the policies below; ack_xid
+          -- for the acker's cursor to meet the row again).
+          UPDATE (ack_copies, deliveries, consumer, ack_key, ack_group, ack_state, acked_at, ack_xid)
         ON inbox TO switchboard_ingester;
     -- Queues acks; the UPDATE grant is for row locks only (policy below).
     GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for),
@@ -158,7 +159,10 @@ BEGIN
     -- the pruner (backhalf.retention) deletes what retention allows; status
     -- reads every table.
     GRANT SELECT ON adapters, events, stream_groups, delivery_attempts TO switchboard_acker;
-    GRANT SELECT, UPDATE (ack_state, acked_at), DELETE ON inbox TO switchboard_acker;
+    -- ack_xid: reset_ack_cursor, after a restore into a new cluster.
+    GRANT SELECT, UPDATE (ack_state, acked_at, ack_xid), DELETE ON inbox TO switchboard_acker;
+    -- cursor_acks makes an adapter's cursor on first use, and moves it.
+    GRANT SELECT, INSERT, UPDATE (xid, inbox_id, moved_at) ON ack_cursors TO switchboard_acker;
     GRANT SELECT, UPDATE (waiting_for), DELETE ON ack_queue TO switchboard_acker;
     GRANT SELECT, UPDATE (status, dispatched_at, updated_at, lease_until, rescues, last_error), DELETE
         ON todos TO switchboard_acker;

@@ -194,6 +194,12 @@ inbox = sa.Table(
     sa.Column("todo_id", sa.BigInteger),
     sa.Column("event_id", sa.BigInteger),
     sa.Column("stored_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    # A stream entry's ack owed now (xack, ack_after "store"), found by the
+    # acker's cursor instead of an ack_queue row (issue 16): the id of the
+    # transaction that stored it, or asked for its ack again
+    # (``pg_current_xact_id()``, 64 bits, never wraps). NULL: the ack, if
+    # any, goes through ack_queue.
+    sa.Column("ack_xid", sa.BigInteger),
     sa.CheckConstraint(_one_of("ack_kind", ACK_KINDS), name="ack_kind"),
     sa.CheckConstraint(_one_of("ack_after", ACK_AFTER), name="ack_after"),
     sa.CheckConstraint(_one_of("ack_state", ACK_STATES), name="ack_state"),
@@ -214,6 +220,15 @@ sa.Index(
     inbox.c.idempotency_key,
     unique=True,
     postgresql_where=INBOX_NATIVE_PREDICATE,
+)
+# The acker's cursor walks an adapter's rows in (ack_xid, id) order. The
+# acker's mark changes neither column, so it stays a HOT update.
+sa.Index(
+    "ix_inbox_ack_cursor",
+    inbox.c.adapter,
+    inbox.c.ack_xid,
+    inbox.c.id,
+    postgresql_where=inbox.c.ack_xid.isnot(None),
 )
 # There is no index on inbox.todo_id: the audit views join the other way,
 # through the todos primary key, and every index entry costs on the hot insert.
@@ -259,6 +274,20 @@ sa.Index(
 )
 # List recovery locks a processing list's pending intents by ack_key.
 sa.Index("ix_ack_queue_lrem_ack_key", ack_queue.c.ack_key, postgresql_where=ack_queue.c.ack_kind == "lrem")
+
+# Per adapter, how far the acker has acked rows found by ``inbox.ack_xid``:
+# every row before (xid, inbox_id) in (ack_xid, id) order is acked. Only
+# transactions below a snapshot's xmin are read past, and all of those have
+# ended, so no row can commit behind the cursor (docs/architecture.md, "The
+# ack cursor"). Locked by the acker that advances it.
+ack_cursors = sa.Table(
+    "ack_cursors",
+    metadata,
+    sa.Column("adapter", sa.Text, sa.ForeignKey(adapters.c.name), primary_key=True),
+    sa.Column("xid", sa.BigInteger, nullable=False),
+    sa.Column("inbox_id", sa.BigInteger, nullable=False),
+    sa.Column("moved_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+)
 
 # Where each consumer group Switchboard created started, as an entry id
 # (``start_id = "$"`` resolved to the stream's last id at creation), so a

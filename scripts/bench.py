@@ -21,6 +21,12 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    ``--downstream`` runs this part alone.
 6. metrics (issue 14): ingest + ack with ``[metrics]`` off and on (each
    endpoint scraped every second), runs interleaved, the ratio of medians.
+7. peers (issue 16): Switchboard's ingest + ack beside what a capable user
+   writes with FastStream (scripts/bench_faststream.py): batched stream
+   subscribers, one and two, with and without Switchboard's bookkeeping,
+   writing Switchboard's own tables; interleaved rounds, the order rotated,
+   the ratio per round. ``--peers`` runs this part alone; with
+   ``--stock-postgres`` on PostgreSQL's default settings.
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -161,9 +167,18 @@ def bench_naive(url: str, r: redis.Redis, n: int) -> float:
 INGEST_OVERRIDES: dict[str, int] = {}
 
 
+# The bench's messages are under 100 bytes. At the default max_message_bytes
+# (1 MiB) the in-flight bound (512 MiB) lets a read ask for 512 at most, not
+# batch_size: a user with small messages sizes the bound to them (README,
+# "Memory is bounded by bytes"), as the bench does. Measured: 15.6-17.6k msg/s
+# at the default against 18.5-20.1k with full batches (issue 16).
+MAX_MESSAGE_BYTES = 64 * 1024
+
+
 def write_config(path: Path, db_url: str, redis_url: str, batch_size: int, metrics_port: int = 0) -> Path:
     adapter = {"name": "bench", "mode": "stream", "source": STREAM, "group": GROUP, "queue": "bench",
-               "batch_size": batch_size, "block_ms": 100, "url": redis_url}  # fmt: skip
+               "batch_size": batch_size, "block_ms": 100, "url": redis_url,
+               "max_message_bytes": MAX_MESSAGE_BYTES}  # fmt: skip
     written = config.write_config(
         path,
         database_url=db_url,
@@ -672,6 +687,103 @@ def print_downstream(base: Path, pg: Any, rs: Any, n: int, batch_size: int, rate
         )
 
 
+# --- 7. the FastStream peers (issue 16) -------------------------------------------------
+
+# (label, subscribers, bookkeeping): what a capable user writes with FastStream.
+PEERS = (
+    ("faststream 1 sub", 1, False),
+    ("faststream 2 subs", 2, False),
+    ("faststream 2 subs + bookkeeping", 2, True),
+)
+PEER_ROUNDS = 4
+
+
+def bench_peer(
+    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, subscribers: int, bookkeeping: bool,
+    servers: dict[str, int], run: str,
+) -> tuple[float, dict[str, float]]:  # fmt: skip
+    """The FastStream peer (scripts/bench_faststream.py) draining the same
+    pre-loaded stream. Its clock starts when it is told to go, after its
+    imports and connections, as Switchboard's starts when its adapter is
+    enabled; it stops when every entry is XACKed. The bookkeeping peer's
+    marks are then waited for, outside the clock, as Switchboard's are."""
+    import subprocess
+
+    preload(r, n)
+    argv = [
+        sys.executable, str(ROOT / "scripts" / "bench_faststream.py"), "--database", libpq_url(url),
+        "--redis", redis_url, "--stream", STREAM, "--group", GROUP, "--subscribers", str(subscribers),
+    ]  # fmt: skip
+    if bookkeeping:
+        argv.append("--bookkeeping")
+    log = (workdir / f"{run}.log").open("wb")
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)  # noqa: S603
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline()  # bounded: the process dies with an error, closing its stdout
+        if line.strip() != b"ready":
+            raise SystemExit(f"bench: the peer {run} did not start (said {line!r}); log in {workdir}")
+        pids = {"peer": proc.pid, **servers}
+        cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
+        started = time.perf_counter()
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        wait_for(
+            lambda: stream_drained(r), timeout_s=600, what=f"{run}: every entry XACKed", interval_s=POLL_S
+        )
+        elapsed = time.perf_counter() - started
+        cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
+        if bookkeeping:
+            wait_for(lambda: acked_count(url) == n, timeout_s=30, what=f"{run}: every inbox row marked acked")
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+    return n / elapsed, cpu_us
+
+
+def bench_peers(workdir: Path, pg: Any, rs: Any, n: int, batch_size: int, rounds: int) -> None:
+    """Switchboard (ingest + ack) and each FastStream peer, drained from the
+    same pre-loaded stream in fresh databases, interleaved over ``rounds``
+    rounds, the order rotated each round; Switchboard's msg/s divided by each
+    peer's of the same round."""
+    r = redis.Redis.from_url(rs.url)
+    servers = {"postgres": pg.pid, "redis": rs.pid}
+    names = ["switchboard", *(label for label, _, _ in PEERS)]
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    print(f"  FastStream peers: {n:,} messages per run, {rounds} rounds, order rotated each round")
+    for i in range(rounds):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
+            db = f"peer{i}_{names.index(name)}"
+            url = fresh_db(pg, db)
+            if name == "switchboard":
+                rate, _rss, cpu = bench_switchboard(workdir, url, r, rs.url, n, batch_size, servers, run=db)
+            else:
+                _, subscribers, bookkeeping = next(p for p in PEERS if p[0] == name)
+                rate, cpu = bench_peer(workdir, url, r, rs.url, n, subscribers, bookkeeping, servers, db)
+            pg.drop_database(db)
+            rates[name].append(rate)
+            cpus[name].append(cpu)
+        sb = rates["switchboard"][-1]
+        print(f"    round {i + 1}: switchboard {sb:,.0f} msg/s; " + ", ".join(
+            f"{label} {rates[label][-1]:,.0f} ({sb / rates[label][-1]:.2f}x)" for label, _, _ in PEERS
+        ))  # fmt: skip
+    for label, _, _ in PEERS:
+        ratios = [a / b for a, b in zip(rates["switchboard"], rates[label], strict=True)]
+        print(f"  switchboard / {label:<32} median {statistics.median(ratios):.2f}x"
+              f"  (min {min(ratios):.2f}x, max {max(ratios):.2f}x)")  # fmt: skip
+    for name in names:
+        medians = {k: statistics.median(c[k] for c in cpus[name]) for k in cpus[name][0]}
+        print(f"    CPU per message, {name:<32} " + ", ".join(f"{k} {v:.1f} us" for k, v in medians.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -694,6 +806,17 @@ def main(argv: list[str] | None = None) -> int:
         help="only the downstream figures: a bare dramatiq drain beside Switchboard end to end",
     )
     parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="only Switchboard beside the FastStream peers (issue 16), in interleaved rounds",
+    )
+    parser.add_argument("--rounds", type=int, default=PEER_ROUNDS, help="rounds of the peer comparison")
+    parser.add_argument(
+        "--stock-postgres",
+        action="store_true",
+        help="PostgreSQL on its default settings (but listen_addresses): shared_buffers 128MB",
+    )
+    parser.add_argument(
         "--done-rates",
         type=lambda text: [int(x) for x in text.split(",")],
         default=[500],
@@ -710,6 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     # Sized like a small production server rather than the test suite's
     # 16 MB: a million-message run must not measure cache thrashing.
     pg_conf = "track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n"
+    if args.stock_postgres:  # the defaults the embedded server overrides, set back
+        pg_conf = "shared_buffers = 128MB\nmax_connections = 100\n"
     with embedded_servers(
         "switchboard-bench-", appendfsync="everysec", postgres_conf=pg_conf, keep_base=args.keep_logs
     ) as servers:
@@ -737,6 +862,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"  {name} RSS after 10%: {first:.0f} MB, at the end: {last:.0f} MB,"
                         f" max {top:.0f} MB ({(top / first - 1) * 100:+.1f}%)"
                     )
+                return 0
+            if args.peers:
+                print(f"bench: {os.cpu_count()} CPUs, the FastStream peers only, batch {args.batch_size}"
+                      f"{', stock PostgreSQL' if args.stock_postgres else ''}")  # fmt: skip
+                bench_peers(base, pg, rs, args.messages or 50_000, args.batch_size, args.rounds)
                 return 0
             if args.downstream:
                 down_n = args.messages or 5000
@@ -768,6 +898,10 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 "  CPU per message                 " + ", ".join(f"{k} {v:.0f} us" for k, v in cpu_us.items())
             )
+            # Issue 16: beside the FastStream peers, 50,000 messages per run
+            # (its measurements' size), at least three rounds.
+            peer_n = args.messages or (20_000 if args.quick else 50_000)
+            bench_peers(base, pg, rs, peer_n, args.batch_size, max(3, args.rounds))
             metrics_n = max(n, METRICS_MIN_MESSAGES)
             runs = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
             print_metrics_overhead(runs, metrics_n)

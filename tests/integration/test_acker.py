@@ -10,7 +10,7 @@ import pytest
 import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import queries, registry
+from backhalf import acks, queries, registry
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
 from ingest.acker import drain_loop, drain_once
@@ -23,11 +23,13 @@ from tests.support.db import libpq, query, scalar
 STREAM, GROUP = "orders", "switchboard"
 
 
-def settings(db_url: str, redis_url: str) -> Settings:
+def settings(db_url: str, redis_url: str, consumer: str = "c1") -> Settings:
     raw = {
         "database": {"url": db_url},
         "redis": {"url": redis_url},
-        "adapters": [{"name": "orders", "source": STREAM, "group": GROUP, "consumer": "c1", "block_ms": 50}],
+        "adapters": [
+            {"name": "orders", "source": STREAM, "group": GROUP, "consumer": consumer, "block_ms": 50}
+        ],
     }
     return from_mapping(raw, {})
 
@@ -234,14 +236,16 @@ async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
     # already claimed (deleted, still in heap and index until VACUUM): the
     # claim must read about ``limit`` queue rows, not all of them. Planned
     # from default estimates, it used to scan every row, deleted ones too,
-    # join each to inbox and sort them all, on every claim.
+    # join each to inbox and sort them all, on every claim. (Queued: acks
+    # that waited for their todos, released; acks on store take the cursor.)
     records = [
         InboxRecord(f"redis:orders:{i}-0", f"{i}-0", b"{}", "{}", ack_entry_id=f"{i}-0") for i in range(4000)
     ]
     async with engine.begin() as conn:
-        await store(conn, StoreBatch("orders", "orders", "c1", "store", AckTarget("xack", STREAM, GROUP),
+        await store(conn, StoreBatch("orders", "orders", "c1", "complete", AckTarget("xack", STREAM, GROUP),
                                      Provenance("queue", "queue", False, "redis acl: default"),
                                      records))  # fmt: skip
+    query(db_url, "UPDATE ack_queue SET waiting_for = NULL")
     with psycopg.connect(libpq(db_url)) as conn:
         with conn.transaction():
             conn.execute(queries.CLAIM_PLAN)
@@ -261,3 +265,186 @@ async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
     # The walk (100) plus the DELETE's probe of each picked row (100).
     assert rows_read <= 2 * 100, scans
     assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 3000  # the EXPLAIN's claim rolled back
+
+
+async def test_the_cursor_claim_walks_its_index_in_order_and_stops_at_its_limit(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    # The same for acks on store, found by the adapter's cursor: 4,000 stored
+    # in one new, never analyzed database, 1,000 of them acked and passed by
+    # the cursor; a claim of 100 reads about 100 index entries of
+    # ix_inbox_ack_cursor, in order, never a bitmap scan and a sort of every
+    # row owed (planned from default estimates without the claim plan, it
+    # was that: 32 ms instead of 1 for 20,000 owed).
+    records = [
+        InboxRecord(f"redis:orders:{i}-0", f"{i}-0", b"{}", "{}", ack_entry_id=f"{i}-0") for i in range(4000)
+    ]
+    async with engine.begin() as conn:
+        await store(conn, StoreBatch("orders", "orders", "c1", "store", AckTarget("xack", STREAM, GROUP),
+                                     Provenance("queue", "queue", False, "redis acl: default"),
+                                     records))  # fmt: skip
+    assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 0  # no queue row for any of them
+    async with engine.begin() as conn:
+        claimed = await acks.claim_by_cursor(conn, "orders", 1000)
+        assert claimed is not None
+        assert len(claimed.claims) == 1000
+        assert await acks.mark_by_cursor(conn, "orders", claimed) == 1000
+    assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 1000
+    with psycopg.connect(libpq(db_url)) as conn, conn.transaction():
+        conn.execute(queries.CLAIM_PLAN)
+        (plan,) = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + queries.CURSOR_ACKS, {"adapter": "orders", "limit": 100}
+        ).fetchone()  # type: ignore[misc]
+        raise psycopg.Rollback()
+    scans = _scans_of(plan[0]["Plan"], "inbox")
+    assert [s["Node Type"] for s in scans] == ["Index Scan"], scans
+    assert scans[0]["Index Name"] == "ix_inbox_ack_cursor", scans
+    assert int(scans[0]["Actual Rows"]) * int(scans[0]["Actual Loops"]) == 100, scans
+
+
+async def test_a_row_committed_late_is_not_skipped_by_the_ack_cursor(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    # The cursor's one way to lose an ack: a store that began first (its
+    # transaction id and inbox ids lower) commits after a later store's rows
+    # were acked and the cursor moved past them. Entries 1 and 2 are stored
+    # in a transaction left open, entry 3 in one that commits; an acker
+    # following ids or commit order would ack 3 and move past 1 and 2.
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    for i in range(3):
+        r.xadd(STREAM, {"body": f'{{"n": {i}}}'})
+    acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
+    try:
+        conn, tx = await consume_into_open_transaction(engine, s, 2)
+        # Another consumer: c1 would read its own pending entries 1 and 2 first.
+        await consume_and_commit(engine, settings(db_url, redis_url, "c2"), 1)
+        assert scalar(db_url, "SELECT count(*) FROM inbox") == 1
+        # The open transaction holds the snapshot's xmin: entry 3 waits for it.
+        assert await drain_once(engine, acknowledgers, 100) == 0
+        assert r.xpending(STREAM, GROUP)["pending"] == 3
+        await tx.commit()
+        await conn.close()
+        assert await drain_once(engine, acknowledgers, 100) == 3
+    finally:
+        for a in acknowledgers.values():
+            await a.close()
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+    assert query(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked' AND acked_at IS NOT NULL") == [
+        (3,)
+    ]
+    assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 0
+
+
+async def test_a_row_asked_for_again_after_the_claim_read_it_stays_owed(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    # A redelivery stores the entry again between the cursor's claim and its
+    # mark (its upsert takes a new ack_xid): the mark must leave that row
+    # pending, and the cursor meet it again, or the redelivery's ack (the
+    # entry pending in the group again) would never be sent.
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    r.xadd(STREAM, {"body": "{}"})
+    await consume_and_commit(engine, s, 1)
+    async with engine.begin() as conn:
+        claimed = await acks.claim_by_cursor(conn, "orders", 100)
+        assert claimed is not None
+        assert len(claimed.claims) == 1
+        # The store's upsert of the redelivery, committed meanwhile.
+        query(db_url, "UPDATE inbox SET ack_state = 'pending', ack_xid = pg_current_xact_id()::text::int8")
+        assert await acks.mark_by_cursor(conn, "orders", claimed) == 0
+    assert scalar(db_url, "SELECT ack_state FROM inbox") == "pending"
+    acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
+    try:
+        assert await drain_once(engine, acknowledgers, 100) == 1
+    finally:
+        await acknowledgers["orders"].close()
+    assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+
+
+async def test_a_cursor_ahead_of_the_database_is_reset_and_no_ack_is_lost(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    # A database restored into a new cluster (pg_dump) counts transaction
+    # ids from low again: the cursor, and rows stamped before the dump, are
+    # ahead of every new id. Here one entry is stored (a small id), then the
+    # cursor and a second, pending row are pushed far ahead, as a restore
+    # leaves them. The acker resets the cursor, stamps the row again, and
+    # acks both; nothing waits for the new cluster's ids to catch up.
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    for i in range(2):
+        r.xadd(STREAM, {"body": f'{{"n": {i}}}'})
+    await consume_and_commit(engine, s, 2)
+    ahead = 10**15
+    # fmt: off
+    query(db_url, "INSERT INTO ack_cursors (adapter, xid, inbox_id) VALUES ('orders', %(x)s, 0)",
+          {"x": ahead})
+    query(db_url, "UPDATE inbox SET ack_xid = %(x)s + 1 WHERE id = (SELECT max(id) FROM inbox)", {"x": ahead})
+    # fmt: on
+    acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
+    try:
+        assert await drain_once(engine, acknowledgers, 100) == 0  # the reset
+        assert scalar(db_url, "SELECT xid FROM ack_cursors") == 0
+        assert await drain_once(engine, acknowledgers, 100) == 2
+    finally:
+        await acknowledgers["orders"].close()
+    stamped = query(db_url, "SELECT ack_state, ack_xid < %(x)s FROM inbox", {"x": ahead})
+    assert stamped == [("acked", True)] * 2
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+
+
+async def test_a_second_acker_leaves_the_cursor_to_the_first(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    r.xadd(STREAM, {"body": "{}"})
+    await consume_and_commit(engine, s, 1)
+    # The cursor made and committed (a claim of nothing): a second acker would
+    # wait for the first's uncommitted insert of it, once, on first use.
+    query(db_url, "INSERT INTO ack_cursors (adapter, xid, inbox_id) VALUES ('orders', 0, 0)")
+    async with engine.begin() as first, engine.begin() as second:
+        held = await acks.claim_by_cursor(first, "orders", 100)
+        assert held is not None
+        assert len(held.claims) == 1
+        assert await acks.claim_by_cursor(second, "orders", 100) is None  # locked: skipped, never waited for
+
+
+async def test_acks_held_back_by_a_transaction_are_sent_when_it_ends_not_at_the_next_poll(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    # A transaction below a committed store's holds the cursor's xmin, and
+    # its end sends no NOTIFY (not a store: a heartbeat, the relay, a
+    # worker's state change). The acker must look again soon by itself. Its
+    # poll interval here is 10 minutes: without that, the ack waits for it,
+    # and the bounded wait below fails.
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    r.xadd(STREAM, {"body": "{}"})
+    blocker = await psycopg.AsyncConnection.connect(libpq(db_url), connect_timeout=10)
+    live = StreamAcknowledger(s.adapters[0])
+    stop, wake = asyncio.Event(), asyncio.Event()
+    acker_settings = s.acker.__class__(poll_interval_ms=600_000)
+    await blocker.execute("SELECT pg_current_xact_id()")  # an id of its own, below the store's
+    await consume_and_commit(engine, s, 1)
+    # The loop's first drain finds the row held; it makes the cursor, which
+    # says it ran (there was none before).
+    task = asyncio.create_task(drain_loop(engine, {"orders": live}, acker_settings, wake, stop))
+    try:
+        async with asyncio.timeout(30):
+            while not scalar(db_url, "SELECT count(*) FROM ack_cursors"):  # noqa: ASYNC110 - polling PostgreSQL
+                await asyncio.sleep(0.02)
+        assert r.xpending(STREAM, GROUP)["pending"] == 1
+        await blocker.commit()
+        async with asyncio.timeout(30):
+            while r.xpending(STREAM, GROUP)["pending"]:  # noqa: ASYNC110 - polling Redis
+                await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await task
+        await live.close()
+        await blocker.close()
+    assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"

@@ -306,6 +306,12 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
             ingester,
             "UPDATE ack_queue SET waiting_for = NULL WHERE inbox_id = %(inbox)s",
         ),
+        # ... or move an adapter's ack cursor past acks owed.
+        "ingester UPDATE ack_cursors": (ingester, "UPDATE ack_cursors SET xid = xid + 1000"),
+        "ingester INSERT ack_cursors": (
+            ingester,
+            "INSERT INTO ack_cursors (adapter, xid, inbox_id) VALUES ('orders', 9223372036854775807, 0)",
+        ),
         "ingester UPDATE adapters.enabled": (ingester, "UPDATE adapters SET enabled = false"),
         "ingester UPDATE todos.status": (ingester, "UPDATE todos SET status = 'done' WHERE id = %(todo)s"),
         # The worker touches no inbox row and creates no todo.
@@ -324,6 +330,7 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
             worker,
             "UPDATE ack_queue SET waiting_for = waiting_for + 1 WHERE inbox_id = %(inbox)s",
         ),
+        "worker UPDATE ack_cursors": (worker, "UPDATE ack_cursors SET xid = xid + 1000"),
         # The auditor reads the audit views and nothing else.
         "auditor SELECT inbox": (auditor, "SELECT count(*) FROM inbox"),
         "auditor SELECT todos": (auditor, "SELECT count(*) FROM todos"),

@@ -297,7 +297,7 @@ def test_a_planted_password_reaches_no_output_while_everything_fails(
             with redis.Redis.from_url(secret_servers.redis_url(), socket_timeout=10) as r:
                 r.xadd(STREAM, {"body": json.dumps({"order": 2})})
             wait_for(
-                lambda: scalar(db_url, "SELECT count(*) FROM ack_queue") == 1,
+                lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'pending'") == 1,
                 timeout_s=30,
                 what="the second entry stored, its ack owed",
             )

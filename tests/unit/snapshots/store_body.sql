@@ -27,11 +27,12 @@ ev AS (
 written AS (
     INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                        ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
-                       ack_state, deliveries, status, error, todo_id, event_id)
+                       ack_state, deliveries, status, error, todo_id, event_id, ack_xid)
     SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
-           %(ack_kind)s, u.ak, %(ack_group)s, u.e, u.c, %(ack_after)s,
-           %(ack_state)s, u.d, CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
-           ev.todo_id, ev.id
+           %(ack_kind)s, coalesce(u.ak, %(ack_key)s), %(ack_group)s,
+           CASE WHEN %(entry_is_id)s THEN u.m ELSE u.e END, coalesce(u.c, 1), %(ack_after)s,
+           %(ack_state)s, coalesce(u.d, 1), CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
+           ev.todo_id, ev.id, CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END
     FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
     ORDER BY u.n
     RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id,
@@ -50,7 +51,7 @@ queued AS (
            CASE WHEN ack_after = 'complete' AND (inserted OR todo_id IN (SELECT id FROM still_active))
                 THEN todo_id END
     FROM written
-    WHERE ack_state = 'pending'
+    WHERE ack_state = 'pending' AND NOT %(by_cursor)s
     ON CONFLICT (inbox_id) DO NOTHING
 )
 SELECT u.k, w.inserted, ev.id, ev.todo_id, t.created
