@@ -61,11 +61,11 @@ class CursorClaim:
 
 
 async def claim_by_cursor(conn: AsyncConnection, adapter: str, limit: int) -> CursorClaim | None:
-    """The first statement of the acker's transaction: lock ``adapter``'s
-    cursor and claim up to ``limit`` acks owed behind the snapshot's xmin.
-    None: another acker holds the cursor. Resets a cursor found ahead of
-    the database's transaction ids (a restore into a new cluster) and claims
-    nothing this time."""
+    """The acker transaction's first claim: if anything is owed (an
+    unlocked look first), lock ``adapter``'s cursor and claim up to
+    ``limit`` acks owed behind the snapshot's xmin. None: another acker
+    holds the cursor. Resets a cursor made by another cluster or ahead of
+    this one's transaction ids (a restore) and claims nothing this time."""
     with wrap_driver_errors(AckStateError, f"adapter {adapter}: claiming acks by cursor failed"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
@@ -73,12 +73,19 @@ async def claim_by_cursor(conn: AsyncConnection, adapter: str, limit: int) -> Cu
             # index walk in cursor order that stops at the limit, not a bitmap
             # scan and a sort of every row owed.
             await cur.execute(queries.CLAIM_PLAN)
+            # Unlocked first: an empty claim takes no transaction id, and its
+            # commit writes no WAL.
+            await cur.execute(queries.CURSOR_PEEK, {"adapter": adapter})
+            peek = await cur.fetchone()
+            held = bool(peek and peek[1])
+            if peek is not None and not peek[0]:
+                return CursorClaim([], 0, (0, 0), held)
             await cur.execute(queries.CURSOR_ACKS, {"adapter": adapter, "limit": limit})
             rows = await cur.fetchall()
             if not rows:
                 return None
-            at, xmin, held = int(rows[0][0]), int(rows[0][1]), bool(rows[0][2])
-            if at > xmin:
+            at, xmin, reset = int(rows[0][0]), int(rows[0][1]), bool(rows[0][2])
+            if reset:
                 await cur.execute(queries.RESET_ACK_CURSOR, {"adapter": adapter})
                 restamped = await cur.fetchone()
                 log.warning(
@@ -87,10 +94,10 @@ async def claim_by_cursor(conn: AsyncConnection, adapter: str, limit: int) -> Cu
                     cursor_xid=at,
                     xmin=xmin,
                     restamped=int(restamped[0]) if restamped else 0,
-                    detail="the ack cursor was ahead of the database's transaction ids (restored into a"
-                    " new cluster?): pending rows stamped again, cursor back to the start",
+                    detail="the ack cursor was made by another cluster, or is ahead of this one's"
+                    " transaction ids (a restore into a new cluster): pending rows stamped again",
                 )
-                return CursorClaim([], xmin, (0, 0))
+                return CursorClaim([], xmin, (xmin, 0), held)
     claims = [
         AckClaim(int(row[3]), row[4], row[5], row[6], row[7], row[8], int(row[9]), None)
         for row in rows
@@ -134,7 +141,7 @@ async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str)
 
 
 async def owed_native(conn: AsyncConnection, adapter: str, keys: Sequence[str]) -> set[str]:
-    """Of these stream entries' keys, the ones stored with their ack queued."""
+    """Of these stream entries' keys, the ones stored with their ack pending."""
     with wrap_driver_errors(AckStateError, f"adapter {adapter}: reading owed acks"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:

@@ -320,8 +320,8 @@ DELETE FROM delivery_attempts WHERE adapter = %(adapter)s AND idempotency_key = 
 -- name: claim_plan
 -- Run before cursor_acks and claim_acks, in the claim's own transaction only
 -- (``true``: local to it), in one round trip; it takes no transaction id, so
--- cursor_acks's snapshot is still the transaction's first that counts: plan the claim on the queue's primary key in id
--- order, whatever the statistics, so the scan stops after ``limit`` rows.
+-- cursor_acks's snapshot is still the transaction's first that counts:
+-- plan the claim on the queue's primary key in id order, whatever the statistics, so the scan stops after ``limit`` rows.
 -- Without statistics (a new database draining a backlog) PostgreSQL took the
 -- queue for a few hundred rows and chose a bitmap scan, or a sequential scan,
 -- joined every row to inbox and sorted them all. Deleted rows stay in the
@@ -368,6 +368,38 @@ RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
           CASE WHEN ack_kind = 'lrem' THEN body END AS body
 
 
+-- name: cursor_peek
+-- Before cursor_acks, unlocked: is there anything for the cursor to do? A
+-- claim that locks the cursor row takes a transaction id, and its commit a
+-- WAL flush, so an acker looking every few milliseconds for acks held back
+-- must not lock when nothing is owed. ``work``: no cursor yet, a cursor
+-- from another cluster or ahead of this snapshot's xmax (a restore), or an
+-- owed row below the xmin. ``held``: a transaction at or above the xmin has
+-- ended (the snapshot's range holds more ids than are still running), so
+-- rows may be owed that no claim can take yet; the acker looks again soon.
+-- Both are read from one snapshot, so the cursor read is never newer than
+-- the snapshot it is compared with.
+WITH c AS (
+    SELECT xid, inbox_id, cluster FROM ack_cursors WHERE adapter = %(adapter)s
+), h AS (
+    SELECT pg_snapshot_xmin(s)::text::int8 AS xmin, pg_snapshot_xmax(s)::text::int8 AS xmax,
+           pg_snapshot_xmax(s)::text::int8 - pg_snapshot_xmin(s)::text::int8
+               > (SELECT count(*) FROM pg_snapshot_xip(s)) AS held
+    FROM pg_current_snapshot() AS s
+)
+SELECT NOT EXISTS (SELECT 1 FROM c)
+       OR EXISTS (SELECT 1 FROM c WHERE c.cluster <> (SELECT system_identifier::text FROM pg_control_system())
+                                     OR c.xid > h.xmax)
+       OR EXISTS (SELECT 1 FROM c CROSS JOIN LATERAL (
+                      SELECT 1 FROM inbox
+                      WHERE adapter = %(adapter)s AND ack_xid IS NOT NULL
+                        AND (ack_xid, id) > (c.xid, c.inbox_id) AND ack_xid < h.xmin AND ack_state = 'pending'
+                      ORDER BY ack_xid, id
+                      LIMIT 1) AS owed),
+       h.held
+FROM h
+
+
 -- name: cursor_acks
 -- The acker's other claim (docs/architecture.md, "The ack cursor"): an
 -- adapter's stream entries whose ack is owed now, found by ``ack_xid``, the
@@ -377,42 +409,41 @@ RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
 -- ack_xid and can never land behind the cursor, however late it commits.
 -- The cost: a long transaction anywhere in the database holds the acks of
 -- every row stored after it back until it ends (their age shows in
--- switchboard_oldest_unacked_age_seconds; past the claim sweep's idle time
--- the sweep finds them owed, and leaves them).
+-- switchboard_oldest_unacked_age_seconds; the claim sweep finds them owed,
+-- and leaves them).
 --
--- Run as the first statement of the acker's transaction, before it has a
--- transaction id of its own to hold its own snapshot's xmin back. The
--- cursor row is made on first use and locked (SKIP LOCKED: a second acker
--- of the adapter leaves the cursor to the first, and claims only from the
--- queue, getting no row here). Otherwise the answer starts with the
--- cursor's position, the snapshot's xmin and whether rows may be held back
--- behind it, then the rows claimed (none: one row of NULLs); the mark (mark_cursor_acks) moves the cursor after the
--- XACK. A cursor ahead of the xmin means the database was restored into a
--- new cluster, whose ids start low again (reset_ack_cursor).
+-- Run before the transaction has an id of its own (only claim_plan and
+-- cursor_peek before it), which would hold its own snapshot's xmin back.
+-- The cursor row is made on first use, stamped with the cluster's system
+-- identifier, and locked (SKIP LOCKED: a second acker of the adapter leaves
+-- the cursor to the first, and claims only from the queue, getting no row
+-- here). Otherwise the answer starts with the cursor's position, the
+-- snapshot's xmin, and whether the cursor must be reset (reset_ack_cursor):
+-- made by another cluster, or ahead of this transaction's own id, which
+-- the lock has just assigned and which is above every id of a transaction
+-- that wrote the cursor's newest version (FOR UPDATE returns the newest
+-- version, which can be newer than the snapshot, so the snapshot's xmin
+-- would not do). Then the rows claimed (none: one row of NULLs); the mark
+-- (mark_cursor_acks) moves the cursor after the XACK.
 --
--- The walk runs once, on ix_inbox_ack_cursor from the cursor onwards, in its
--- order, and stops at the limit: it holds the rows not acked yet and little
--- else, the acked ones being behind the cursor.
+-- The walk runs once, on ix_inbox_ack_cursor from the cursor onwards, in
+-- its order, and stops at the limit. Behind the cursor the index holds the
+-- adapter's acked rows, which the walk never reads.
 WITH opened AS (
-    INSERT INTO ack_cursors (adapter, xid, inbox_id) VALUES (%(adapter)s, 0, 0)
+    INSERT INTO ack_cursors (adapter, xid, inbox_id, cluster)
+    VALUES (%(adapter)s, 0, 0, (SELECT system_identifier::text FROM pg_control_system()))
     ON CONFLICT (adapter) DO NOTHING
-    RETURNING xid, inbox_id
+    RETURNING xid, inbox_id, cluster
 ), locked AS (
-    SELECT xid, inbox_id FROM ack_cursors WHERE adapter = %(adapter)s FOR UPDATE SKIP LOCKED
+    SELECT xid, inbox_id, cluster FROM ack_cursors WHERE adapter = %(adapter)s FOR UPDATE SKIP LOCKED
 ), c AS (
-    SELECT xid, inbox_id FROM opened UNION ALL SELECT xid, inbox_id FROM locked
-), snap AS (
-    SELECT pg_current_snapshot() AS s
+    SELECT xid, inbox_id, cluster FROM opened UNION ALL SELECT xid, inbox_id, cluster FROM locked
 ), h AS (
-    -- held: a transaction at or above the xmin has ended (the snapshot's
-    -- range holds more ids than are still running), so rows may be owed
-    -- that this claim cannot take yet; the acker looks again soon.
-    SELECT pg_snapshot_xmin(s)::text::int8 AS xmin,
-           pg_snapshot_xmax(s)::text::int8 - pg_snapshot_xmin(s)::text::int8
-               > (SELECT count(*) FROM pg_snapshot_xip(s)) AS held
-    FROM snap
+    SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8 AS xmin
 )
-SELECT c.xid, h.xmin, h.held,
+SELECT c.xid, h.xmin,
+       c.cluster <> (SELECT system_identifier::text FROM pg_control_system())
+           OR c.xid > pg_current_xact_id()::text::int8 AS reset,
        i.id, i.adapter, i.ack_kind, i.ack_key, i.ack_group, i.ack_entry_id, i.ack_copies, i.ack_xid
 FROM c CROSS JOIN h
 LEFT JOIN LATERAL (
@@ -425,23 +456,23 @@ LEFT JOIN LATERAL (
 
 
 -- name: reset_ack_cursor
--- The cursor ahead of the snapshot's xmin (cursor_acks): impossible on a
--- cluster that kept its history, where xmin never goes back, so the
+-- A cursor made by another cluster, or ahead of this cluster's ids: the
 -- database was restored into a new cluster (pg_dump), which counts ids from
 -- low again. Rows stamped by the old cluster would wait until its ids catch
--- up, and rows stamped by the new one lie behind the cursor. So every
--- pending row of
--- the adapter stamped ahead of this cluster's ids takes this transaction's
--- id, and the cursor goes back to the start, so both kinds of rows are
--- found again; the acked ones are skipped (ack_state). Rare, and a walk of
--- the adapter's part of ix_inbox_ack_cursor.
+-- up, and rows stamped by the new one may lie behind the cursor. So every
+-- pending row of the adapter takes this transaction's id, and the cursor
+-- moves to this snapshot's xmin, below that id: every owed row is found
+-- again, and no walk from the start re-reads the acked history. Rare; one
+-- walk of the adapter's rows in ix_inbox_ack_cursor.
 WITH restamped AS (
     UPDATE inbox SET ack_xid = pg_current_xact_id()::text::int8
-    WHERE adapter = %(adapter)s AND ack_xid IS NOT NULL
-      AND ack_xid >= pg_snapshot_xmin(pg_current_snapshot())::text::int8 AND ack_state = 'pending'
+    WHERE adapter = %(adapter)s AND ack_xid IS NOT NULL AND ack_state = 'pending'
     RETURNING id
 ), reset AS (
-    UPDATE ack_cursors SET xid = 0, inbox_id = 0, moved_at = now() WHERE adapter = %(adapter)s
+    UPDATE ack_cursors
+    SET xid = pg_snapshot_xmin(pg_current_snapshot())::text::int8, inbox_id = 0, moved_at = now(),
+        cluster = (SELECT system_identifier::text FROM pg_control_system())
+    WHERE adapter = %(adapter)s
 )
 SELECT count(*) FROM restamped
 

@@ -162,7 +162,7 @@ BEGIN
     -- ack_xid: reset_ack_cursor, after a restore into a new cluster.
     GRANT SELECT, UPDATE (ack_state, acked_at, ack_xid), DELETE ON inbox TO switchboard_acker;
     -- cursor_acks makes an adapter's cursor on first use, and moves it.
-    GRANT SELECT, INSERT, UPDATE (xid, inbox_id, moved_at) ON ack_cursors TO switchboard_acker;
+    GRANT SELECT, INSERT, UPDATE (xid, inbox_id, cluster, moved_at) ON ack_cursors TO switchboard_acker;
     GRANT SELECT, UPDATE (waiting_for), DELETE ON ack_queue TO switchboard_acker;
     GRANT SELECT, UPDATE (status, dispatched_at, updated_at, lease_until, rescues, last_error), DELETE
         ON todos TO switchboard_acker;
@@ -209,10 +209,14 @@ BEGIN
 
     CREATE POLICY switchboard_read ON inbox FOR SELECT
         TO switchboard_ingester, switchboard_acker USING (true);
+    -- ack_xid only ever the storing transaction's own id: an older one
+    -- would put the row behind the acker's cursor, its ack never sent.
     CREATE POLICY switchboard_ingester_insert ON inbox FOR INSERT TO switchboard_ingester
-        WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL);
+        WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL
+                    AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8));
     CREATE POLICY switchboard_ingester_update ON inbox FOR UPDATE TO switchboard_ingester
-        USING (true) WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL);
+        USING (true) WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL
+                                 AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8));
     CREATE POLICY switchboard_acker_update ON inbox FOR UPDATE TO switchboard_acker
         USING (true) WITH CHECK (true);
     CREATE POLICY switchboard_acker_delete ON inbox FOR DELETE TO switchboard_acker USING (true);

@@ -283,9 +283,14 @@ sa.Index("ix_ack_queue_lrem_ack_key", ack_queue.c.ack_key, postgresql_where=ack_
 ack_cursors = sa.Table(
     "ack_cursors",
     metadata,
-    sa.Column("adapter", sa.Text, sa.ForeignKey(adapters.c.name), primary_key=True),
+    # No foreign key to adapters: an acker configured with an adapter no
+    # ingester has registered yet still drains its queued acks.
+    sa.Column("adapter", sa.Text, primary_key=True),
     sa.Column("xid", sa.BigInteger, nullable=False),
     sa.Column("inbox_id", sa.BigInteger, nullable=False),
+    # The cluster's system identifier: a cursor from another cluster (a
+    # restore with pg_dump, whose ids start low again) is reset.
+    sa.Column("cluster", sa.Text, nullable=False),
     sa.Column("moved_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
 )
 

@@ -36,8 +36,8 @@ def upgrade() -> None:
         sa.Column('adapter', sa.Text(), nullable=False),
         sa.Column('xid', sa.BigInteger(), nullable=False),
         sa.Column('inbox_id', sa.BigInteger(), nullable=False),
+        sa.Column('cluster', sa.Text(), nullable=False),
         sa.Column('moved_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
-        sa.ForeignKeyConstraint(['adapter'], ['adapters.name'], name=op.f('fk_ack_cursors_adapter_adapters')),
         sa.PrimaryKeyConstraint('adapter', name=op.f('pk_ack_cursors')),
     )
 

@@ -380,14 +380,15 @@ async def test_a_cursor_ahead_of_the_database_is_reset_and_no_ack_is_lost(
     await consume_and_commit(engine, s, 2)
     ahead = 10**15
     # fmt: off
-    query(db_url, "INSERT INTO ack_cursors (adapter, xid, inbox_id) VALUES ('orders', %(x)s, 0)",
+    query(db_url, "INSERT INTO ack_cursors (adapter, xid, inbox_id, cluster)"
+                  " SELECT 'orders', %(x)s, 0, system_identifier::text FROM pg_control_system()",
           {"x": ahead})
     query(db_url, "UPDATE inbox SET ack_xid = %(x)s + 1 WHERE id = (SELECT max(id) FROM inbox)", {"x": ahead})
     # fmt: on
     acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
     try:
         assert await drain_once(engine, acknowledgers, 100) == 0  # the reset
-        assert scalar(db_url, "SELECT xid FROM ack_cursors") == 0
+        assert scalar(db_url, "SELECT xid FROM ack_cursors") < ahead
         assert await drain_once(engine, acknowledgers, 100) == 2
     finally:
         await acknowledgers["orders"].close()
@@ -405,7 +406,8 @@ async def test_a_second_acker_leaves_the_cursor_to_the_first(
     await consume_and_commit(engine, s, 1)
     # The cursor made and committed (a claim of nothing): a second acker would
     # wait for the first's uncommitted insert of it, once, on first use.
-    query(db_url, "INSERT INTO ack_cursors (adapter, xid, inbox_id) VALUES ('orders', 0, 0)")
+    query(db_url, "INSERT INTO ack_cursors (adapter, xid, inbox_id, cluster)"
+                  " SELECT 'orders', 0, 0, system_identifier::text FROM pg_control_system()")  # fmt: skip
     async with engine.begin() as first, engine.begin() as second:
         held = await acks.claim_by_cursor(first, "orders", 100)
         assert held is not None
@@ -448,3 +450,50 @@ async def test_acks_held_back_by_a_transaction_are_sent_when_it_ends_not_at_the_
         await live.close()
         await blocker.close()
     assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
+
+
+async def test_a_cursor_made_by_another_cluster_is_reset_and_no_ack_is_lost(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    # A restore into a new cluster whose ids have already passed the old
+    # cursor: the cursor is not ahead, but rows this cluster stored with
+    # smaller ids lie behind it. The cluster's identifier tells.
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    r.xadd(STREAM, {"body": "{}"})
+    await consume_and_commit(engine, s, 1)
+    # fmt: off
+    query(db_url, "INSERT INTO ack_cursors (adapter, xid, inbox_id, cluster)"
+                  " SELECT 'orders', ack_xid + 1, 0, 'another cluster' FROM inbox")
+    # fmt: on
+    acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
+    try:
+        assert await drain_once(engine, acknowledgers, 100) == 0  # the reset
+        assert await drain_once(engine, acknowledgers, 100) == 1
+    finally:
+        await acknowledgers["orders"].close()
+    assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
+    assert scalar(db_url, "SELECT cluster FROM ack_cursors") != "another cluster"
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+
+
+async def test_a_claim_with_nothing_owed_takes_no_transaction_id(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    # The acker looks again every few milliseconds while acks are held back:
+    # a look that finds nothing must not lock the cursor (a transaction id,
+    # and a WAL flush at its commit, each time).
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    r.xadd(STREAM, {"body": "{}"})
+    await consume_and_commit(engine, s, 1)
+    acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
+    try:
+        assert await drain_once(engine, acknowledgers, 100) == 1
+        async with engine.begin() as conn:
+            claimed = await acks.claim_by_cursor(conn, "orders", 100)
+            assert claimed is not None
+            assert claimed.claims == []
+            assert (await conn.exec_driver_sql("SELECT pg_current_xact_id_if_assigned()")).scalar() is None
+    finally:
+        await acknowledgers["orders"].close()

@@ -306,7 +306,11 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
             ingester,
             "UPDATE ack_queue SET waiting_for = NULL WHERE inbox_id = %(inbox)s",
         ),
-        # ... or move an adapter's ack cursor past acks owed.
+        # ... or move an adapter's ack cursor past acks owed, or a row behind it.
+        "ingester UPDATE inbox ack_xid behind the cursor": (
+            ingester,
+            "UPDATE inbox SET ack_xid = 1 WHERE id = %(inbox)s",
+        ),
         "ingester UPDATE ack_cursors": (ingester, "UPDATE ack_cursors SET xid = xid + 1000"),
         "ingester INSERT ack_cursors": (
             ingester,
