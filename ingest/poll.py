@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -559,6 +560,11 @@ class PollLoop:
         if self._stop.is_set():
             return []
         read = asyncio.create_task(self._adapter.read(count), name=f"read:{self._cfg.name}")
+        # Cancelled itself (a prefetch abandoned at stop) just as the read
+        # failed, this coroutine never reaches read.result(): the read's error
+        # would be logged at garbage collection as never retrieved, with a
+        # traceback. It is the rewind's business, as any failed read's.
+        read.add_done_callback(_retrieved)
         stopped = asyncio.create_task(self._stop.wait(), name=f"stop-wait:{self._cfg.name}")
         try:
             await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -604,3 +610,10 @@ class PollLoop:
         self._count(result, time.perf_counter() - began)
         self._found_stored = result.redelivered > 0
         return result
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Mark a finished task's error as retrieved (its owner handles it, or
+    was cancelled and abandoned it)."""
+    if not task.cancelled():
+        task.exception()

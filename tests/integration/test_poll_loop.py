@@ -4,6 +4,7 @@ flag, failure handling and a clean stop."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from dataclasses import replace
 
@@ -11,8 +12,10 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import registry
+from ingest.adapters.base import Delivery
 from ingest.adapters.memory import MemoryAdapter
 from ingest.config import IngestSettings, from_mapping
+from ingest.errors import BrokerError
 from ingest.lifecycle import leftover_tasks
 from ingest.poll import PollLoop
 from tests.support.db import query, scalar
@@ -118,3 +121,36 @@ async def test_a_batch_over_max_batch_bytes_is_stored_in_several_transactions(
     assert adapter.reads >= 1
     assert scalar(db_url, "SELECT count(DISTINCT xmin::text) FROM todos") >= 3
     assert query(db_url, "SELECT count(DISTINCT idempotency_key) FROM inbox") == [(10,)]
+
+
+class _FailingRead(MemoryAdapter):
+    """A read that fails once its caller has been cancelled meanwhile."""
+
+    async def read(self, max_count: int) -> list[Delivery]:
+        raise BrokerError("adapter mem: reading mem: Connection closed by server.")
+
+
+async def test_a_read_failing_as_its_caller_is_cancelled_is_not_left_unretrieved(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    # Seen in CI: at stop the prefetch was cancelled just as its read failed
+    # (Redis closed the connection); the read's error was never retrieved,
+    # and asyncio logged it with a traceback at garbage collection.
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        poll = PollLoop(_FailingRead("mem", []), config(db_url), engine, FAST, asyncio.Event())
+        caller = asyncio.create_task(poll._read_unless_stopped(10))
+        await asyncio.sleep(0)  # the caller waits on the read; the read fails as the cancel lands
+        caller.cancel()
+        await asyncio.wait({caller})
+        assert caller.cancelled()
+        del caller, poll  # the read task goes with the caller's frame
+        for _ in range(3):
+            gc.collect()
+            await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert [c for c in reported if "never retrieved" in str(c.get("message"))] == []
