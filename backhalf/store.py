@@ -203,6 +203,7 @@ def _uncommon_columns(writing: list[InboxRecord], default_ack_key: str | None) -
     unnest pads a NULL array with NULLs, and the statement fills in the
     common value. Dumping arrays is much of the ingester's CPU."""
     entry_is_id = all(r.ack_entry_id == r.source_message_id for r in writing)  # a stream entry's own id
+    whole = all(r.body_size is None for r in writing)  # no body stored as a prefix
     return {
         "ack_key": default_ack_key,
         "ack_keys": None
@@ -214,8 +215,8 @@ def _uncommon_columns(writing: list[InboxRecord], default_ack_key: str | None) -
         "deliveries": None if all(r.deliveries == 1 for r in writing) else [r.deliveries for r in writing],
         "errors": None if all(r.error is None for r in writing) else [r.error for r in writing],
         # Only a rejected oversize message has them.
-        "sizes": None if all(r.body_size is None for r in writing) else [r.body_size for r in writing],
-        "digests": None if all(r.body_size is None for r in writing) else [r.body_sha256 for r in writing],
+        "sizes": None if whole else [r.body_size for r in writing],
+        "digests": None if whole else [r.body_sha256 for r in writing],
     }
 
 

@@ -57,6 +57,16 @@ async def consume_and_commit(engine: AsyncEngine, s: Settings, n: int) -> None:
     await conn.close()
 
 
+async def drain_twice(engine: AsyncEngine, s: Settings) -> tuple[int, int]:
+    """Two drains by one stream acker (limit 100): what each discharged."""
+    acknowledger = StreamAcknowledger(s.adapters[0])
+    try:
+        first = await drain_once(engine, {"orders": acknowledger}, 100)
+        return first, await drain_once(engine, {"orders": acknowledger}, 100)
+    finally:
+        await acknowledger.close()
+
+
 async def test_xack_only_after_the_todo_is_committed(
     engine: AsyncEngine, db_url: str, redis_url: str
 ) -> None:
@@ -466,12 +476,7 @@ async def test_a_cursor_made_by_another_cluster_is_reset_and_no_ack_is_lost(
     query(db_url, "INSERT INTO ack_cursors (adapter, xid, inbox_id, cluster)"
                   " SELECT 'orders', ack_xid + 1, 0, 'another cluster' FROM inbox")
     # fmt: on
-    acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
-    try:
-        assert await drain_once(engine, acknowledgers, 100) == 0  # the reset
-        assert await drain_once(engine, acknowledgers, 100) == 1
-    finally:
-        await acknowledgers["orders"].close()
+    assert await drain_twice(engine, s) == (0, 1)  # the reset, then the ack
     assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
     assert scalar(db_url, "SELECT cluster FROM ack_cursors") != "another cluster"
     assert r.xpending(STREAM, GROUP)["pending"] == 0
