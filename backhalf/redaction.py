@@ -5,7 +5,7 @@ It lives in the back half because the back half stores error text (a
 handler's exception becomes ``todos.last_error``, which ``todos``, ``trace``
 and the audit views show), and a handler's client library may put its
 connection string, password included, in an exception's message. The
-processes' log processor (``ingest.logs``) uses the same function.
+processes' log processor (``ingest.observe.logs``) uses the same function.
 """
 
 from __future__ import annotations

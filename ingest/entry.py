@@ -32,7 +32,7 @@ def main() -> int:
     if conflict is not None:
         print(f"switchboard: {conflict}", file=sys.stderr)
         return EXIT_CONFIG
-    from ingest.cli import main as cli_main
+    from ingest.cli.main import main as cli_main
 
     return cli_main()
 

@@ -9,7 +9,7 @@ straight from SQL and Redis.
 
 Stopped by SIGTERM or SIGINT, it stops everything it started and removes its
 temporary directory, then exits 128 + the signal's number. Killed outright
-(SIGKILL), its servers and processes die with it (``ingest.children``);
+(SIGKILL), its servers and processes die with it (``ingest.processes.children``);
 its directory stays until the next demo starts and removes it. A server that
 cannot start is one line on stderr and exit 1, with nothing left behind.
 """

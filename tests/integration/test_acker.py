@@ -13,11 +13,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import acks, queries, registry
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
-from ingest.acker import drain_loop, drain_once
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import Settings, from_mapping
 from ingest.errors import AckError
-from ingest.poll import to_record
+from ingest.processes.acker import drain_loop, drain_once
+from ingest.processes.poll import to_record
 from tests.support.db import libpq, query, scalar
 
 STREAM, GROUP = "orders", "switchboard"

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-from ingest import cli, inbox_command, trace_command
+from ingest.cli import inbox as inbox_command
+from ingest.cli import main as cli
+from ingest.cli import trace as trace_command
 from ingest.config import Settings, from_mapping
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from tests.support import db

@@ -9,10 +9,10 @@ import threading
 import redis
 
 from backhalf.db import DatabaseSettings, create_engine
-from ingest.acker import run_acker
 from ingest.config import from_mapping
-from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
+from ingest.processes.acker import run_acker
+from ingest.processes.ingester import run_ingester
 from tests.support.acl import acl_rules
 from tests.support.db import query, scalar
 from tests.support.servers import as_redis_user

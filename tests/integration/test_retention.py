@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import retention
 from backhalf.db import libpq_url
 from ingest.config import Settings, from_mapping
-from ingest.prune import Pruner, Walk, prune_loop, walks
+from ingest.processes.prune import Pruner, Walk, prune_loop, walks
 from tests.support import db
 
 DAY = timedelta(days=1)

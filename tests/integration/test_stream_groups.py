@@ -16,7 +16,7 @@ from backhalf.db import DatabaseSettings, create_engine
 from backhalf.db_errors import DatabaseUnusable
 from backhalf.errors import StoreError
 from backhalf.stream_groups import GroupStartLedger, StreamGroup
-from ingest.ingester import register_adapters
+from ingest.processes.ingester import register_adapters
 from tests.support import db
 from tests.support.in_process import settings
 from tests.support.servers import ServerUrls

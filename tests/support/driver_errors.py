@@ -1,5 +1,5 @@
 """Driver errors as SQLAlchemy raises them, for unit tests of the classifiers
-(backhalf.db_errors, ingest.cli_errors)."""
+(backhalf.db_errors, ingest.cli.errors)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ingest.acker import run_acker
 from ingest.config import Settings, from_mapping
-from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
+from ingest.processes.acker import run_acker
+from ingest.processes.ingester import run_ingester
 
 JOBS = "jobs"
 

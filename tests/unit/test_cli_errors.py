@@ -1,4 +1,4 @@
-"""The CLI boundary's one line per failure (``ingest.cli_errors.explain``);
+"""The CLI boundary's one line per failure (``ingest.cli.errors.explain``);
 the real processes meet these in tests/system/test_cli_errors.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import redis.exceptions
 from sqlalchemy import exc as sa_exc
 
 from backhalf.errors import BackhalfError, DeadlineExceeded
-from ingest.cli_errors import Failure, explain
+from ingest.cli.errors import Failure, explain
 from ingest.config import from_mapping
 from ingest.errors import BrokerError, ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE

@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 from backhalf.replay import InboxRow
 from backhalf.todo_views import TodoDetail, TodoEvent, TodoRow
-from ingest import todos_command
-from ingest.inbox_command import inbox_table
+from ingest.cli import todos as todos_command
+from ingest.cli.inbox import inbox_table
 
 
 def row(id_: int, key: str, error: str | None, **kw: object) -> InboxRow:

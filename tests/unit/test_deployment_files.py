@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ingest import cli
+from ingest.cli import main as cli
 from ingest.config import DATABASE_URL_VARIABLE, REDIS_URL_VARIABLE, load
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE
 from tests.support import yaml_subset
@@ -263,7 +263,9 @@ for package in (ingest, backhalf, schema):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         # The embedded kit is not in production; __main__ runs the CLI;
         # worker_app builds a broker from a config when imported.
-        if not info.name.startswith(("ingest.embedded", "ingest.worker_app", "ingest.__main__")):
+        if not info.name.startswith(
+            ("ingest.embedded", "ingest.processes.worker_app", "ingest.worker_app", "ingest.__main__")
+        ):
             importlib.import_module(info.name)
 import hiredis, psycopg, regex, jsonschema
 from psycopg.pq import version

@@ -10,8 +10,8 @@ import sys
 import pytest
 import structlog
 
-from ingest import logs
-from ingest.logs import redact
+from ingest.observe import logs
+from ingest.observe.logs import redact
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_uncaught_tracebacks_are_printed_redacted() -> None:
     """In a process of its own: the hooks are process-wide."""
     program = (
         "import threading\n"
-        "from ingest import logs\n"
+        "from ingest.observe import logs\n"
         "logs.redact_uncaught_tracebacks()\n"
         "def boom():\n"
         "    raise ValueError('thread: redis://u:topsecret8@h/0')\n"

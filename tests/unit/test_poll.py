@@ -7,7 +7,7 @@ from typing import Any
 
 from ingest.adapters.base import Delivery
 from ingest.config import from_mapping
-from ingest.poll import to_record
+from ingest.processes.poll import to_record
 
 
 class _Broken:

@@ -7,10 +7,11 @@ import pytest
 
 from backhalf.normalize import BodyFormat
 from backhalf.registry import AdapterRow
-from ingest import registered, status
+from ingest.adapters import registered
 from ingest.config import DEFAULT_REDIS_URL, from_mapping
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY
+from ingest.observe import status
 
 
 def entry(name: str, **kw: object) -> dict[str, object]:

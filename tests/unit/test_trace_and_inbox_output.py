@@ -12,9 +12,10 @@ import pytest
 from backhalf.inbox_views import escape_like
 from backhalf.todo_views import TodoDetail, TodoEvent, TodoRow
 from backhalf.trace import EventTrail, InboxTrail, Trail
-from ingest import cli, todos_command
-from ingest.inbox_command import body_view, time_bound
-from ingest.trace_command import text_lines, timeline, xadd_time
+from ingest.cli import main as cli
+from ingest.cli import todos as todos_command
+from ingest.cli.inbox import body_view, time_bound
+from ingest.cli.trace import text_lines, timeline, xadd_time
 
 T = datetime(2026, 12, 1, 10, 0, 0, tzinfo=UTC)
 MS = timedelta(milliseconds=1)

@@ -10,7 +10,7 @@ import redis
 
 from backhalf.db import DatabaseSettings, create_engine
 from ingest.adapters.redis.lists import ListAdapter, processing_key
-from ingest.poll import ledger_for
+from ingest.processes.poll import ledger_for
 from tests.support.db import query, scalar
 from tests.support.in_process import JOBS, list_adapter, pipeline, settings, wait_until
 

@@ -25,9 +25,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import todo_views, todos
 from backhalf.db import create_engine
 from backhalf.redaction import redact
+from ingest.cli.text_table import one_line, printable, table
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
-from ingest.text_table import one_line, printable, table
 from schema import ACTIVE_TODO_STATUSES, TODO_STATUSES
 
 # ``todo_events.detail`` of an operator's change.

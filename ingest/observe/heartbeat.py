@@ -28,7 +28,7 @@ from ingest.adapters.base import PullAdapter
 from ingest.config import AdapterConfig, Settings
 from ingest.errors import BrokerError, log_failure
 from ingest.lifecycle import wait_stop
-from ingest.metrics_http import Liveness, MetricsServer
+from ingest.observe.metrics_http import Liveness, MetricsServer
 
 log = structlog.get_logger(__name__)
 

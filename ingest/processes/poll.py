@@ -31,10 +31,10 @@ from backhalf.normalize import RawForm, body_payload, fields_payload, raw_body, 
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter, pull_provenance
-from ingest.commits import Commits
 from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import EXPECTED_FAILURES, BrokerError, error_kind
 from ingest.lifecycle import Backoff, Retry, cancel_and_wait, wait_stop
+from ingest.processes.commits import Commits
 
 log = structlog.get_logger(__name__)
 

@@ -27,9 +27,9 @@ from typing import Any
 from backhalf import trace
 from backhalf.db import create_engine
 from backhalf.redaction import redact
+from ingest.cli.text_table import printable
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
-from ingest.text_table import printable
 
 _PROG = "switchboard trace"
 # A Redis stream entry id as stored: milliseconds, a dash, a sequence number.

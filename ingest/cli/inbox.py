@@ -33,10 +33,10 @@ from backhalf import inbox_views, replay
 from backhalf.db import create_engine
 from backhalf.normalize import body_payload
 from ingest.adapters.base import FAMILY, TRUST_MODE
+from ingest.cli.text_table import one_line, printable, table
 from ingest.config import Settings
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
-from ingest.text_table import one_line, printable, table
 
 _PROG = "switchboard inbox"
 DEFAULT_REPLAY_LIMIT = 100

@@ -31,7 +31,7 @@ from backhalf.db import create_engine
 from backhalf.heartbeats import ProcessRow
 from backhalf.redaction import redact
 from backhalf.registry import AdapterRow
-from ingest import registered
+from ingest.adapters import registered
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
 from ingest.errors import BrokerError, ConfigError

@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 
 # One redaction for log lines, messages and stored errors; re-exported, as
-# callers know it as ingest.logs.redact.
+# callers know it as ingest.observe.logs.redact.
 from backhalf.redaction import redact as redact
 
 _PLAIN = (str, int, float, bool, type(None))

@@ -44,15 +44,15 @@ from backhalf.dispatch import Dispatcher, Enqueuer
 from backhalf.errors import DeadlineExceeded
 from backhalf.queries import ACK_CHANNEL
 from backhalf.registry import AdapterRow
-from ingest import registered
+from ingest.adapters import registered
 from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.errors import ConfigError, error_kind, log_failure
 from ingest.lifecycle import Backoff, Retry, wait_either, wait_stop
-from ingest.metrics_http import Liveness
-from ingest.observe import database_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
-from ingest.prune import prune_loop, walks
+from ingest.observe.heartbeat import database_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
+from ingest.observe.metrics_http import Liveness
+from ingest.processes.prune import prune_loop, walks
 
 log = structlog.get_logger(__name__)
 

@@ -23,9 +23,9 @@ from ingest.adapters.base import FAMILY, AdapterBuilder, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import Settings
 from ingest.lifecycle import Backoff, Retry
-from ingest.metrics_http import Liveness
-from ingest.observe import broker_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
-from ingest.poll import PollLoop
+from ingest.observe.heartbeat import broker_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
+from ingest.observe.metrics_http import Liveness
+from ingest.processes.poll import PollLoop
 
 log = structlog.get_logger(__name__)
 

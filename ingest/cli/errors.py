@@ -19,7 +19,7 @@ traceback (redacted, like every log line).
 
 A message never holds a password: the database is named by host, port,
 database name and user, read from the parsed URL, and any driver text in it
-goes through :func:`ingest.logs.redact`.
+goes through :func:`ingest.observe.logs.redact`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from backhalf.errors import BackhalfError, DeadlineExceeded
 from ingest.config import Settings
 from ingest.errors import ConfigError, IngestError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE
-from ingest.logs import redact
+from ingest.observe.logs import redact
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The ``switchboard`` command: parse the arguments, load the settings, run
 one verb. Every failure a user can cause, bad arguments included, ends as one
-line and an exit code (:mod:`ingest.cli_errors`); nothing a user did shows a
+line and an exit code (:mod:`ingest.cli.errors`); nothing a user did shows a
 traceback, and nothing shows a password."""
 
 from __future__ import annotations
@@ -20,23 +20,20 @@ import structlog
 
 from backhalf import db_errors, failpoints, migrate, registry
 from backhalf.db import create_engine, redact_url
-from ingest import (
-    cli_errors,
-    inbox_command,
-    logs,
-    prune_command,
-    signals,
-    status,
-    text_table,
-    todos_command,
-    trace_command,
-)
-from ingest.acker import run_acker
+from ingest import signals
+from ingest.cli import errors as cli_errors
+from ingest.cli import inbox as inbox_command
+from ingest.cli import prune as prune_command
+from ingest.cli import text_table
+from ingest.cli import todos as todos_command
+from ingest.cli import trace as trace_command
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK, EXIT_UNHEALTHY
-from ingest.ingester import run_ingester
 from ingest.lifecycle import leftover_tasks
+from ingest.observe import logs, status
+from ingest.processes.acker import run_acker
+from ingest.processes.ingester import run_ingester
 from ingest.signals import stop_on_signals
 
 log = structlog.get_logger("switchboard")
@@ -299,7 +296,7 @@ def _dispatch(args: argparse.Namespace, settings: Settings, env: Mapping[str, st
     if args.verb == "prune":
         return asyncio.run(prune_command.run(settings, args))
     if args.verb == "worker":
-        from ingest.worker import exec_workers  # dramatiq: only for this verb
+        from ingest.processes.worker import exec_workers  # dramatiq: only for this verb
 
         path = Path(getattr(args, "config", None) or env.get("SWITCHBOARD_CONFIG") or DEFAULT_CONFIG_PATH)
         exec_workers(path, settings, processes=args.processes, threads=args.threads, queues=args.queues)

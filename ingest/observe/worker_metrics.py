@@ -33,17 +33,17 @@ from sqlalchemy.exc import SQLAlchemyError
 from backhalf import heartbeats
 from backhalf import metrics as m
 from backhalf.db import create_sync_engine
-from ingest import logs
 from ingest.config import Settings, load
 from ingest.errors import ConfigError, error_kind, log_failure
-from ingest.metrics_http import HealthReport, MetricsServer
+from ingest.observe import logs
+from ingest.observe.metrics_http import HealthReport, MetricsServer
 
 log = structlog.get_logger(__name__)
 
 CONFIG_VARIABLE = "SWITCHBOARD_CONFIG"
 MULTIPROC_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 PROCESSES_VARIABLE = "SWITCHBOARD_WORKER_PROCESSES"
-FORK_FUNCTION = "ingest.worker_metrics:serve"
+FORK_FUNCTION = "ingest.observe.worker_metrics:serve"
 JOIN_TIMEOUT_S = 10.0
 
 

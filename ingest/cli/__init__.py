@@ -1,0 +1,1 @@
+"""The ``switchboard`` command: one module per verb (``main`` parses and dispatches)."""

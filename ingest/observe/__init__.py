@@ -1,0 +1,1 @@
+"""What lets operators see the processes: logs, metrics, heartbeats, ``status``."""

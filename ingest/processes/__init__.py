@@ -1,0 +1,1 @@
+"""The long-running processes: the ingester (poll loops), the acker, the dramatiq workers."""
