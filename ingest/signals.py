@@ -10,10 +10,15 @@ exit codes.
   one was recorded early); a second one exits at once with ``EXIT_FORCED``.
 * Short commands restore the default handlers (:func:`restore_default_handlers`),
   so Ctrl-C acts at once as usual.
+* At exit, once the last exit callback has run, stop signals still handled
+  here are ignored (:func:`_ignore_while_finalizing`): CPython's finalization
+  resets every Python-level handler to the default action while it still has
+  a second or so of work to do, and a signal then would kill the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -36,9 +41,13 @@ def _record(signum: int, _frame: FrameType | None) -> None:
 
 
 def record_early() -> None:
-    """Record stop signals that arrive while the process is still importing."""
+    """Record stop signals that arrive while the process is still importing;
+    and, from the interpreter's finalization on, ignore those still handled here."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, _record)
+    # Registered before the heavy imports register theirs, so run after them
+    # (exit callbacks run last registered, first run).
+    atexit.register(_ignore_while_finalizing)
 
 
 def stop_requested_early() -> bool:
@@ -84,6 +93,26 @@ def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
             signal.signal(sig, _after_the_loop(stop))
+
+
+def _ignore_while_finalizing() -> None:
+    """Ignore the stop signals this module still handles, for what is left of the exit.
+
+    After the exit callbacks, ``Py_FinalizeEx`` flushes stdio and then
+    (``_PySignal_Fini``) puts back the default action of every signal with a
+    Python-level handler, before the garbage collection and module teardown
+    that follow (about a second for ``ingest`` under ``-X dev``): a second
+    SIGTERM or SIGINT in that stretch killed the process (exit -15 or -2 to
+    its supervisor) although its graceful stop had finished (issue 23). An
+    ignored signal is left ignored there. Nothing is left to stop by then
+    but the interpreter's own teardown, so the exit code stays that of the
+    run; a teardown that hangs is for SIGKILL, as any hang is. Up to here
+    (threads joined, exit callbacks) a second signal still exits 130.
+    Handlers not installed here (short commands' default ones, the demo's)
+    are left as they are."""
+    for sig in STOP_SIGNALS:
+        if getattr(signal.getsignal(sig), "__module__", None) == __name__:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _after_the_loop(stop: asyncio.Event) -> Callable[[int, FrameType | None], None]:

@@ -11,7 +11,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from ingest.embedded.processes import wait_for
+from ingest.embedded.processes import wait_for, wait_ready
+from ingest.exit_codes import EXIT_FORCED, EXIT_OK
 from tests.support.config import stream_adapter
 from tests.support.db import libpq, scalar
 from tests.support.oracle import assert_clean_end, wait_all_acked
@@ -90,3 +91,54 @@ def test_sigterm_while_a_store_transaction_is_open_exits_0_with_nothing_half_don
     restarted = procs.start("ingest", config, name="ingester-1")
     wait_all_acked(db_url, redis_url, 100, timeout_s=60, what="redelivery after the restart")
     assert_clean_end(db_url, redis_url, ids, restarted, acker)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for the signal (its SigCgt mask),
+    False once it is gone. An interpreter that has begun finalizing no longer
+    has one: its handlers went back to the default action, or are ignored."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) & (1 << (signum - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/PID/status")
+@pytest.mark.parametrize(
+    ("verb", "stopped", "signum"),
+    [
+        ("ingest", "ingester_stopped", signal.SIGTERM),
+        ("ingest", "ingester_stopped", signal.SIGINT),
+        ("ack", "acker_stopped", signal.SIGTERM),
+        ("ack", "acker_stopped", signal.SIGINT),
+    ],
+    ids=["ingest-SIGTERM", "ingest-SIGINT", "ack-SIGTERM", "ack-SIGINT"],
+)
+def test_a_second_stop_signal_after_the_graceful_stop_exits_0_or_130_not_by_the_signal(
+    procs: Processes, make_config: Callable[..., Path], verb: str, stopped: str, signum: signal.Signals
+) -> None:
+    """Issue 23, as a supervisor did it: stop, see the stopped line, send the
+    same signal again: the process died by it (exit -15 or -2), 4 times in 4.
+
+    After the stopped line the interpreter finalizes for about a second,
+    having put back the default action of every signal it handled. The
+    second signal is sent as soon as the process no longer catches it (or
+    has exited): the start of that stretch, where a plain "wait for the line,
+    signal" lands nearly always too."""
+    proc = procs.start(verb, make_config(stream_adapter(STREAM)), name=f"{verb}-1")
+    wait_ready(proc)
+    proc.signal(signum)
+    wait_for(lambda: proc.events(stopped), timeout_s=15, what=stopped)
+    wait_for(
+        lambda: not _catches(proc.pid, signum),
+        timeout_s=15,
+        what=f"{verb} to stop catching {signum.name} (finalizing) or exit",
+        interval_s=0.001,
+    )
+    if proc.alive():
+        proc.signal(signum)
+    code = proc.wait(timeout_s=15)
+    assert code in (EXIT_OK, EXIT_FORCED), f"{verb} exited {code} after a second {signum.name}"
+    assert proc.events(stopped)
