@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ingest.errors import EXPECTED_FAILURES, log_failure
 
@@ -77,6 +77,17 @@ class Backoff:
         self._attempt = 0
 
 
+class BackoffSettings(Protocol):
+    """The backoff keys of a settings section (``[ingest]``, ``[acker]``);
+    named here so that this module needs no import of the config."""
+
+    @property
+    def backoff_initial_ms(self) -> int: ...
+
+    @property
+    def backoff_max_ms(self) -> int: ...
+
+
 class Retry:
     """How a loop retries: each failure is logged (see
     :func:`ingest.errors.log_failure`) with its ``attempt`` and ``retry_in_s``,
@@ -95,6 +106,18 @@ class Retry:
         self._backoff = backoff
         self._log = log
         self._expected = expected
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: BackoffSettings,
+        log: FilteringBoundLogger,
+        *,
+        expected: tuple[type[BaseException], ...] = EXPECTED_FAILURES,
+    ) -> Retry:
+        """The retry of every loop that backs off: a fresh backoff from the
+        section's ``backoff_initial_ms`` and ``backoff_max_ms``."""
+        return cls(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log, expected=expected)
 
     def failed(self, event: str, exc: BaseException, **fields: Any) -> float:
         """Log the failure; return how long to wait before the next attempt."""

@@ -8,6 +8,7 @@ import random
 import structlog
 
 from backhalf.errors import StoreError
+from ingest.config import from_mapping
 from ingest.lifecycle import Backoff, Retry
 
 
@@ -103,3 +104,17 @@ async def test_back_off_waits_the_delay_out_or_until_stop() -> None:
         assert loop.time() - started < 5, "stop ends the wait"
     assert [e["event"] for e in logged] == ["register_failed", "register_failed"]
     assert logged[1]["retry_in_s"] >= 30
+
+
+def test_a_loops_retry_is_made_from_its_sections_backoff_keys() -> None:
+    settings = from_mapping(
+        {"database": {"url": "postgresql://db/x"}, "acker": {"backoff_initial_ms": 40, "backoff_max_ms": 80}},
+        {},
+    )
+    retry = Retry.from_settings(settings.acker, structlog.get_logger("t"), expected=(OSError,))
+    with structlog.testing.capture_logs() as logged:
+        delays = [retry.failed("ack_failed", ConnectionRefusedError("refused")) for _ in range(4)]
+        retry.failed("ack_failed", _store_error())
+    assert 0.02 <= delays[0] <= 0.04
+    assert all(d <= 0.08 for d in delays), "capped at backoff_max_ms"
+    assert [e["log_level"] for e in logged] == ["warning"] * 4 + ["error"]
