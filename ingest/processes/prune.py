@@ -43,7 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import retention
 from backhalf.db import within_deadline
 from ingest.config import AckerSettings, Settings
-from ingest.lifecycle import Backoff, Retry, wait_stop
+from ingest.lifecycle import Retry, wait_stop
 
 log = structlog.get_logger(__name__)
 
@@ -130,6 +130,41 @@ class _WalkState:
     cursor: int = 0
     held: set[int] = field(default_factory=set)
     swept_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Tally:
+    """One run of a unit's walks: their results, and when progress is next
+    reported (every ``progress_interval_s``, if there is a ``progress``)."""
+
+    results: dict[str, WalkResult]
+    progress: Progress | None
+    progress_interval_s: float
+    started: float = field(default_factory=time.monotonic)
+    next_progress: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.next_progress = self.started + self.progress_interval_s
+
+    def account(self, batch_started: float, scanned: int, by_owner: dict[str, dict[str, int]]) -> None:
+        """One batch done: ``scanned`` rows read, ``by_owner`` the rows deleted per walk and table."""
+        now = time.monotonic()
+        for name, result in self.results.items():
+            result.longest_batch_s = max(result.longest_batch_s, now - batch_started)
+            result.batches += 1
+            result.scanned += scanned
+            result.add(by_owner.get(name, {}))
+        if self.progress is not None and now >= self.next_progress:
+            self.next_progress = now + self.progress_interval_s
+            for result in self.results.values():
+                result.elapsed_s = now - self.started
+                self.progress(result)
+
+    def ended(self, finished: bool, *, full_sweep: bool = False, held: int = 0) -> list[WalkResult]:
+        for result in self.results.values():
+            result.finished, result.full_sweep, result.held = finished, full_sweep, held
+            result.elapsed_s = time.monotonic() - self.started
+        return list(self.results.values())
 
 
 @dataclass(slots=True)
@@ -244,50 +279,36 @@ class Pruner:
         # One result per walk; what the unit's batches share (rows read,
         # batches, time) is the same on each.
         results = {w.name: WalkResult(w, dict.fromkeys(TABLES[w.kind], 0)) for w in unit}
-        started = time.monotonic()
-        next_progress = started + progress_interval_s
+        tally = _Tally(results, progress, progress_interval_s)
+        if unit[0].kind == "attempts":
+            return await self._walk_attempts(unit[0], tally, stop, dry_run)
+        return await self._walk_by_cursor(unit, tally, stop, dry_run)
 
-        def account(batch_started: float, scanned: int, by_owner: dict[str, dict[str, int]]) -> None:
-            nonlocal next_progress
-            now = time.monotonic()
-            for name, result in results.items():
-                result.longest_batch_s = max(result.longest_batch_s, now - batch_started)
-                result.batches += 1
-                result.scanned += scanned
-                result.add(by_owner.get(name, {}))
-            if progress is not None and now >= next_progress:
-                next_progress = now + progress_interval_s
-                for result in results.values():
-                    result.elapsed_s = now - started
-                    progress(result)
+    async def _paused(self, stop: asyncio.Event | None) -> bool:
+        """The pause between batches (autovacuum and replicas catch up);
+        True: stop was asked for."""
+        if stop is None:
+            await asyncio.sleep(self.pause_ms / 1000)
+            return False
+        return await wait_stop(stop, self.pause_ms / 1000)
 
-        async def paused() -> bool:
-            """The pause between batches (autovacuum and replicas catch up);
-            True: stop was asked for."""
-            if stop is None:
-                await asyncio.sleep(self.pause_ms / 1000)
-                return False
-            return await wait_stop(stop, self.pause_ms / 1000)
+    async def _walk_attempts(
+        self, walk: Walk, tally: _Tally, stop: asyncio.Event | None, dry_run: bool
+    ) -> list[WalkResult]:
+        after = ""
+        while True:
+            batch_started = time.monotonic()
+            page = await self._attempts_batch(walk, after, dry_run)
+            tally.account(batch_started, page.scanned, {walk.name: {"delivery_attempts": page.old}})
+            if page.last_key is None or page.scanned < self.batch_size:
+                return tally.ended(True)
+            after = page.last_key
+            if await self._paused(stop):
+                return tally.ended(False)
 
-        def ended(finished: bool, *, full_sweep: bool = False, held: int = 0) -> list[WalkResult]:
-            for result in results.values():
-                result.finished, result.full_sweep, result.held = finished, full_sweep, held
-                result.elapsed_s = time.monotonic() - started
-            return list(results.values())
-
-        walk = unit[0]
-        if walk.kind == "attempts":
-            after = ""
-            while True:
-                batch_started = time.monotonic()
-                page = await self._attempts_batch(walk, after, dry_run)
-                account(batch_started, page.scanned, {walk.name: {"delivery_attempts": page.old}})
-                if page.last_key is None or page.scanned < self.batch_size:
-                    return ended(True)
-                after = page.last_key
-                if await paused():
-                    return ended(False)
-
+    async def _walk_by_cursor(
+        self, unit: tuple[Walk, ...], tally: _Tally, stop: asyncio.Event | None, dry_run: bool
+    ) -> list[WalkResult]:
         # A dry run counts everything from the first id and leaves the
         # acker's walk as it was.
         state = _WalkState() if dry_run else self._state.setdefault(unit, _WalkState())
@@ -296,18 +317,8 @@ class Pruner:
         if full_sweep:
             # Starting from the first id finds every held row again.
             state.cursor, state.held, state.swept_at = 0, set(), now
-        # First the rows the walk holds, by id: one long-held row costs one
-        # probe a run, not a re-read of everything after it.
-        pending = sorted(state.held)
-        for i in range(0, len(pending), self.batch_size):
-            chunk = pending[i : i + self.batch_size]
-            batch_started = time.monotonic()
-            batch = await self._batch(unit, ids=chunk, dry_run=dry_run)
-            state.held.difference_update(chunk)
-            state.held.update(batch.held_ids)
-            account(batch_started, batch.scanned, batch.by_owner)
-            if await paused():
-                return ended(False, full_sweep=full_sweep, held=len(state.held))
+        if not await self._recheck_held(unit, state, tally, stop, dry_run):
+            return tally.ended(False, full_sweep=full_sweep, held=len(state.held))
         while True:
             batch_started = time.monotonic()
             batch = await self._batch(unit, cursor=state.cursor, dry_run=dry_run)
@@ -316,11 +327,34 @@ class Pruner:
                 state.cursor = batch.last_id if batch.edge_id is None else batch.edge_id - 1
             room = max(self.held_limit - len(state.held), 0)
             state.held.update(batch.held_ids[:room])
-            account(batch_started, batch.scanned, batch.by_owner)
+            tally.account(batch_started, batch.scanned, batch.by_owner)
             if batch.edge_id is not None or batch.scanned < self.batch_size:
-                return ended(True, full_sweep=full_sweep, held=len(state.held))
-            if await paused():
-                return ended(False, full_sweep=full_sweep, held=len(state.held))
+                return tally.ended(True, full_sweep=full_sweep, held=len(state.held))
+            if await self._paused(stop):
+                return tally.ended(False, full_sweep=full_sweep, held=len(state.held))
+
+    async def _recheck_held(
+        self,
+        unit: tuple[Walk, ...],
+        state: _WalkState,
+        tally: _Tally,
+        stop: asyncio.Event | None,
+        dry_run: bool,
+    ) -> bool:
+        """The rows the walk holds, by id, first: one long-held row costs one
+        probe a run, not a re-read of everything after it. False: stop was
+        asked for."""
+        pending = sorted(state.held)
+        for i in range(0, len(pending), self.batch_size):
+            chunk = pending[i : i + self.batch_size]
+            batch_started = time.monotonic()
+            batch = await self._batch(unit, ids=chunk, dry_run=dry_run)
+            state.held.difference_update(chunk)
+            state.held.update(batch.held_ids)
+            tally.account(batch_started, batch.scanned, batch.by_owner)
+            if await self._paused(stop):
+                return False
+        return True
 
 
 async def prune_loop(engine: AsyncEngine, settings: Settings, stop: asyncio.Event) -> None:
@@ -340,7 +374,7 @@ async def prune_loop(engine: AsyncEngine, settings: Settings, stop: asyncio.Even
         interval_ms=acker.prune_interval_ms,
         batch_size=acker.prune_batch_size,
     )
-    retry = Retry(Backoff(acker.backoff_initial_ms, acker.backoff_max_ms), log)
+    retry = Retry.from_settings(acker, log)
     while not stop.is_set():
         try:
             await pruner.run(stop)
