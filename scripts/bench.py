@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import redis
@@ -132,7 +132,8 @@ def bench_naive(url: str, r: redis.Redis, n: int) -> float:
     done = 0
     with psycopg.connect(libpq_url(url)) as conn:
         while done < n:
-            resp = r.xreadgroup(GROUP, "naive", {STREAM: ">"}, count=1, block=1000)
+            # [[stream, [(id, fields)]]]: RESP2's shape, which this client answers in.
+            resp = cast("list[list[Any]]", r.xreadgroup(GROUP, "naive", {STREAM: ">"}, count=1, block=1000))
             if not resp:
                 continue
             entry_id, fields = resp[0][1][0]
@@ -251,7 +252,7 @@ def stream_drained(r: redis.Redis) -> bool:
     because polling PostgreSQL while measuring it would bill the polls (a
     count over a growing table) to the pipeline."""
     (group,) = r.xinfo_groups(STREAM)
-    return group["lag"] == 0 and group["pending"] == 0
+    return bool(group["lag"] == 0 and group["pending"] == 0)
 
 
 def acked_count(url: str) -> int:

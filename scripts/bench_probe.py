@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the raw samples here")
     parser.add_argument("--pg-conf", action="append", default=[], help="extra postgresql.conf line")
     args = parser.parse_args(argv)
-    n = args.messages
+    n: int = args.messages
 
     pg_conf = "track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n"
     pg_conf += "log_checkpoints = on\nlog_autovacuum_min_duration = 0\n"
@@ -203,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         def done() -> bool:
             (group,) = r.xinfo_groups(bench.STREAM)
             if args.no_acker:
-                return group["lag"] == 0 and "batch_stored" in ingester.raw_log() and _stored_all()
-            return group["lag"] == 0 and group["pending"] == 0
+                return bool(group["lag"] == 0 and "batch_stored" in ingester.raw_log() and _stored_all())
+            return bool(group["lag"] == 0 and group["pending"] == 0)
 
         def _stored_all() -> bool:
             lines = [ln for ln in ingester.raw_log().splitlines() if "batch_stored" in ln]
-            return sum(json.loads(ln)["messages"] for ln in lines) >= n
+            stored: int = sum(json.loads(ln)["messages"] for ln in lines)
+            return stored >= n
 
         while not done():
             (group,) = r.xinfo_groups(bench.STREAM)

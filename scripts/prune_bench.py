@@ -109,7 +109,10 @@ def explain_one_batch(url: str) -> None:
         "cursor": 0,
         "limit": AckerSettings().prune_batch_size,
     }
-    compiled = retention._INBOX[("stored", False)].compile(dialect=postgresql.dialect())
+    # (status, dry_run, by_ids): the cursor walk of stored rows. SQLAlchemy's
+    # psycopg dialect takes **kwargs unannotated.
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    compiled = retention._INBOX[("stored", False, False)].compile(dialect=dialect)
     state = compiled.construct_expanded_state(values)
     with psycopg.connect(libpq_url(url)) as conn:
         plan = conn.execute(

@@ -4,6 +4,8 @@ acked, concurrent ackers split the work, broker failures leave rows pending."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractContextManager
+from typing import Any, TypeAlias, cast
 
 import psycopg
 import pytest
@@ -21,6 +23,12 @@ from ingest.processes.poll import to_record
 from tests.support.db import libpq, query, scalar
 
 STREAM, GROUP = "orders", "switchboard"
+
+# conn.transaction() as what it is: a block that swallows psycopg.Rollback.
+# Typed as a generator context manager, whose exit returns "bool | None", it
+# reads to mypy as swallowing nothing, and what follows "raise
+# psycopg.Rollback()" in it as unreachable.
+RollbackSwallowed: TypeAlias = "AbstractContextManager[psycopg.Transaction, bool]"
 
 
 def settings(db_url: str, redis_url: str, consumer: str = "c1") -> Settings:
@@ -210,8 +218,8 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
         await psycopg.AsyncConnection.connect(url, connect_timeout=10) as storer,
         await psycopg.AsyncConnection.connect(url, connect_timeout=10) as acker,
     ):
-        for conn in (storer, acker):
-            await conn.execute("SET statement_timeout = '10s'")
+        for pg in (storer, acker):
+            await pg.execute("SET statement_timeout = '10s'")
         await storer.execute("UPDATE inbox SET deliveries = deliveries + 1, ack_state = 'pending'")
         async with acker.cursor() as cur:
             await cur.execute(queries.CLAIM_ACKS, {"adapters": ["orders"], "limit": 10})
@@ -231,10 +239,10 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
     assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
 
 
-def _scans_of(plan: dict[str, object], relation: str) -> list[dict[str, object]]:
+def _scans_of(plan: dict[str, Any], relation: str) -> list[dict[str, Any]]:
     """Every node of an EXPLAIN (FORMAT JSON) plan that reads ``relation``."""
     found = [plan] if plan.get("Relation Name") == relation and "Scan" in str(plan["Node Type"]) else []
-    for child in plan.get("Plans", []):  # type: ignore[attr-defined]
+    for child in plan.get("Plans", []):
         found += _scans_of(child, relation)
     return found
 
@@ -262,7 +270,7 @@ async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
             claimed = conn.execute(queries.CLAIM_ACKS, {"adapters": ["orders"], "limit": 1000}).fetchall()
         assert len(claimed) == 1000
         assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 3000
-        with conn.transaction():
+        with cast(RollbackSwallowed, conn.transaction()):
             conn.execute(queries.CLAIM_PLAN)
             (plan,) = conn.execute(
                 "EXPLAIN (ANALYZE, FORMAT JSON) " + queries.CLAIM_ACKS, {"adapters": ["orders"], "limit": 100}
@@ -271,7 +279,7 @@ async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
     scans = _scans_of(plan[0]["Plan"], "ack_queue")
     assert scans, plan
     assert {s["Node Type"] for s in scans} <= {"Index Scan", "Index Only Scan"}, scans
-    rows_read = sum(int(s["Actual Rows"]) * int(s["Actual Loops"]) for s in scans)  # type: ignore[call-overload]
+    rows_read = sum(int(s["Actual Rows"]) * int(s["Actual Loops"]) for s in scans)
     # The walk (100) plus the DELETE's probe of each picked row (100).
     assert rows_read <= 2 * 100, scans
     assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 3000  # the EXPLAIN's claim rolled back
@@ -300,9 +308,9 @@ async def test_the_cursor_claim_walks_its_index_in_order_and_stops_at_its_limit(
         assert len(claimed.claims) == 1000
         assert await acks.mark_by_cursor(conn, "orders", claimed) == 1000
     assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 1000
-    with psycopg.connect(libpq(db_url)) as conn, conn.transaction():
-        conn.execute(queries.CLAIM_PLAN)
-        (plan,) = conn.execute(
+    with psycopg.connect(libpq(db_url)) as pg, cast(RollbackSwallowed, pg.transaction()):
+        pg.execute(queries.CLAIM_PLAN)
+        (plan,) = pg.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + queries.CURSOR_ACKS, {"adapter": "orders", "limit": 100}
         ).fetchone()  # type: ignore[misc]
         raise psycopg.Rollback()

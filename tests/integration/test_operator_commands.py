@@ -164,7 +164,7 @@ async def test_replay_by_filter_dry_run_then_exactly_the_matching_rows(
 
     argv = ("--adapter", "orders", "--since", "1h", "--until", "1m", "--error-contains", "SCHEMA_mismatch")
     assert await command(settings, "inbox", "replay", *argv) == EXIT_OK
-    out = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()
     stored = dict(
         db.query(
             db_url,
@@ -173,7 +173,7 @@ async def test_replay_by_filter_dry_run_then_exactly_the_matching_rows(
     )
     assert stored == {ids["percent"]: {"n": 2}, ids["plain"]: {"n": 5}}
     todo_of = dict(db.query(db_url, "SELECT id, todo_id FROM inbox WHERE status = 'stored'"))
-    assert out == [
+    assert lines == [
         f"inbox row {ids['percent']}: stored, todo {todo_of[ids['percent']]}",
         f"inbox row {ids['plain']}: stored, todo {todo_of[ids['plain']]}",
         "replayed 2 of 2 rows",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import cast
 
 import redis
 
@@ -23,10 +24,10 @@ STREAM = "orders"  # the key ops/redis-users.acl grants
 async def test_stream_to_acked_todos_with_acl_identity_and_no_leaks(db_url: str, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     # The least-privilege user of ops/redis-users.acl, renamed: proof it suffices.
-    r.execute_command("ACL", "SETUSER", "deploy-bot", *acl_rules("switchboard-stream", "bot-pw"))
+    r.execute_command("ACL", "SETUSER", "deploy-bot", *acl_rules("switchboard-stream", "bot-pw"))  # type: ignore[no-untyped-call]
     try:
         bot_url = as_redis_user(redis_url, "deploy-bot", "bot-pw")
-        ids = [r.xadd(STREAM, {"body": f'{{"n": {i}}}'}).decode() for i in range(250)]
+        ids = [cast(bytes, r.xadd(STREAM, {"body": f'{{"n": {i}}}'})).decode() for i in range(250)]
         settings = from_mapping(
             {
                 "database": {"url": db_url},

@@ -11,9 +11,11 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from backhalf import migrate
-from backhalf.db import libpq_url as libpq  # the tests' short name for it
+from backhalf.db import libpq_url
 
 TEMPLATE = "switchboard_template"
+
+libpq = libpq_url  # the tests' short name for it, which they import from here
 
 
 def with_database(url: str, name: str) -> str:
@@ -49,7 +51,7 @@ def drop_test_database(admin_url: str, url: str) -> None:
 
 def query(url: str, statement: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
     with psycopg.connect(libpq(url), autocommit=True, connect_timeout=10) as conn:
-        cur = conn.execute(statement, params)  # type: ignore[arg-type]
+        cur = conn.execute(statement, params)
         return cur.fetchall() if cur.description is not None else []
 
 

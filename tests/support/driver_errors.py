@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import psycopg
 from sqlalchemy import exc as sa_exc
 
 
 def wrapped(orig: Exception) -> sa_exc.DBAPIError:
     """As SQLAlchemy raises it: the driver's error as ``orig``."""
-    return sa_exc.DBAPIError.instance("SELECT 1", {}, orig, psycopg.Error)
+    # A DBAPIError when orig is a psycopg.Error, as every caller's is; typed as
+    # its base, StatementError, which it is for any other orig.
+    return cast(sa_exc.DBAPIError, sa_exc.DBAPIError.instance("SELECT 1", {}, orig, psycopg.Error))
 
 
 def at_connect(text: str, host: str = "127.0.0.1", port: int = 5432) -> psycopg.OperationalError:

@@ -27,7 +27,7 @@ def config_urls() -> tuple[Callable[[str], str], Callable[[str], str]]:
 
 
 @pytest.fixture
-def runs_db(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def runs_db(db_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """``handler_runs`` in the test database, which the workers' handlers reach
     through the environment they inherit."""
     url = libpq(db_url)

@@ -66,7 +66,7 @@ BACKLOG = 300  # written before the first start, which says start_id = "$"
 
 def _started_group(ingester: SwitchboardProcess, creations: int = 1) -> dict[str, object]:
     """Until the ingester has created the group ``creations`` times; the last creation's event."""
-    events = wait_for(
+    events: list[dict[str, object]] = wait_for(
         lambda: len(ingester.events("group_created")) >= creations and ingester.events("group_created"),
         timeout_s=30,
         what=f"{ingester.log_path.name}: group_created x{creations}",

@@ -80,7 +80,10 @@ def test_each_process_exports_what_reached_postgresql_and_redis(
     for verb, port in ports.items():
         # The worker's endpoint is a process dramatiq starts once its
         # workers are up: it may be a moment behind them.
-        wait_for(lambda port=port: healthz(port)[0] == 200, timeout_s=60, what=f"{verb}'s /healthz")
+        def healthy(port: int = port) -> bool:
+            return healthz(port)[0] == 200
+
+        wait_for(healthy, timeout_s=60, what=f"{verb}'s /healthz")
         code, body = healthz(port)
         assert (code, body["status"]) == (200, "ok"), (verb, body)
 
@@ -92,11 +95,15 @@ def test_each_process_exports_what_reached_postgresql_and_redis(
         for chunk in range(5):
             for text in bodies[chunk * 10 : chunk * 10 + 10]:
                 r.xadd(STREAM, {"body": text})
+
             # The counter moves while the ingester works (not only at the end).
-            wait_for(
-                lambda n=chunk * 10 + 10: (
+            def counted(n: int = chunk * 10 + 10) -> bool:
+                return (
                     sample(scrape(ports["ingest"]), "switchboard_messages_stored_total", adapter=STREAM) >= n
-                ),
+                )
+
+            wait_for(
+                counted,
                 timeout_s=30,
                 what=f"{chunk * 10 + 10} stored by the metrics",
             )

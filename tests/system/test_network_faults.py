@@ -5,8 +5,9 @@ sent, before its reply (the outcome is unknown to the ingester)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,7 @@ def ingester_through_proxy(
 ) -> tuple[SwitchboardProcess, SwitchboardProcess]:
     """An acker on PostgreSQL directly and an ingester through the proxy,
     started in that order."""
-    adapters = [stream_adapter(STREAM, batch_size=50)]
+    adapters: list[Mapping[str, Any]] = [stream_adapter(STREAM, batch_size=50)]
     ingest_config = write_config(
         tmp_path / "ingest.toml",
         database_url=with_secret_db(proxy.url_for(db_url)),

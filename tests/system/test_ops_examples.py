@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ def _example_config(path: Path, db_url: str, server: RedisServer) -> Path:
     """The example config, pointed at the test's servers, each adapter with its
     mode's user in its own ``url``; every other value as shipped."""
     example: dict[str, Any] = tomllib.loads(EXAMPLE_CONFIG.read_text())
-    adapters = []
+    adapters: list[Mapping[str, Any]] = []
     for adapter in example["adapters"]:
         user = f"switchboard-{adapter['mode']}"
         url = f"redis://{user}:{password_for(user)}@127.0.0.1:{server.port}/0"

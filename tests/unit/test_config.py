@@ -292,7 +292,8 @@ class Section:
 
 def test_whether_a_number_may_be_fractional_comes_from_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config, "IngestSettings", Section)
-    assert from_mapping({"database": DB, "ingest": {"ratio": 2.5}}, {}).ingest == Section(ratio=2.5)
+    ingest: object = from_mapping({"database": DB, "ingest": {"ratio": 2.5}}, {}).ingest  # a Section
+    assert ingest == Section(ratio=2.5)
     with pytest.raises(ConfigError) as info:
         from_mapping({"database": DB, "ingest": {"grace_s": 2.5}}, {})
     assert str(info.value) == "[ingest]: key 'grace_s': must be a positive integer (got 2.5)"

@@ -3,12 +3,14 @@ versus transient (back off, retry)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import psycopg
 import psycopg.errors
 import pytest
 from sqlalchemy import exc as sa_exc
 
-from backhalf.db_errors import MIGRATE_HINT, DatabaseUnusable, classify, is_transient
+from backhalf.db_errors import MIGRATE_HINT, DatabaseProblem, DatabaseUnusable, classify, is_transient
 from backhalf.errors import DeadlineExceeded, StoreError
 from tests.support.driver_errors import at_connect, wrapped
 
@@ -64,7 +66,7 @@ def test_permanent_errors_are_named_with_what_to_do(error: Exception, kind: str,
         assert (problem.kind, problem.sqlstate) == (kind, sqlstate)
         assert "\n" not in problem.message
     if kind in ("not_migrated", "no_such_database"):
-        assert MIGRATE_HINT in problem.message
+        assert MIGRATE_HINT in cast(DatabaseProblem, problem).message  # not None: asserted in the loop
 
 
 @pytest.mark.parametrize(

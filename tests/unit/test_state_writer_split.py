@@ -21,7 +21,7 @@ def end(todo_id: int) -> _End:
 
 
 def test_distinct_todos_go_in_one_batch() -> None:
-    batch = [start(1), end(2), start(3)]
+    batch: list[_Start | _End] = [start(1), end(2), start(3)]
     starts, ends, later = _split(batch)
     assert [s.todo_id for s in starts] == [1, 3]
     assert ends == [batch[1]]
@@ -29,7 +29,7 @@ def test_distinct_todos_go_in_one_batch() -> None:
 
 
 def test_a_second_change_of_a_todo_waits_for_the_next_batch() -> None:
-    batch = [start(1), start(1), end(2), start(2), start(1)]
+    batch: list[_Start | _End] = [start(1), start(1), end(2), start(2), start(1)]
     starts, ends, later = _split(batch)
     assert starts == [batch[0]]
     assert ends == [batch[2]]

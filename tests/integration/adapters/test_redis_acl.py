@@ -20,7 +20,7 @@ async def test_least_privilege_acl_users_suffice(
     mode: str, db_url: str, redis_url: str, r: redis.Redis
 ) -> None:
     source = "jobs" if mode == "list" else "notifications"  # the names ops/redis-users.acl grants
-    r.execute_command("ACL", "SETUSER", "least", *acl_rules(f"switchboard-{mode}", "pw"))
+    r.execute_command("ACL", "SETUSER", "least", *acl_rules(f"switchboard-{mode}", "pw"))  # type: ignore[no-untyped-call]
     try:
         url = as_redis_user(redis_url, "least", "pw")
         adapter = {"name": source, "mode": mode, "source": source, "url": url, "block_ms": 100,

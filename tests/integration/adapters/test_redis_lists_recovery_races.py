@@ -70,7 +70,7 @@ def pending_matches_list(db_url: str, r: redis.Redis) -> None:
     pending: dict[bytes, int] = {}
     for body, copies in query(db_url, "SELECT body, ack_copies FROM inbox WHERE ack_state = 'pending'"):
         pending[bytes(body)] = pending.get(bytes(body), 0) + copies
-    on_list: dict[bytes, int] = {}
+    on_list: dict[bytes | str, int] = {}  # bytes: the client does not decode
     for body in r.lrange(P1, 0, -1):
         on_list[body] = on_list.get(body, 0) + 1
     assert pending == on_list
