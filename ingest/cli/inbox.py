@@ -7,8 +7,9 @@ every rejected row) replays the rejected rows it matches, oldest first, at
 most ``--limit``, after ``--after-id`` if given (the next page: the hint
 printed when more rows match names the id); ``--dry-run`` says what each
 would do and writes nothing.
-Each row is its own transaction (:func:`backhalf.replay.replay`), so one
-that fails leaves the others replayed; the exit code is 1 if any failed. A
+The replays are :mod:`ingest.actions.inbox`, each row its own transaction,
+so one that fails leaves the others replayed; this module formats their
+outcomes, each row's line as it is done; the exit code is 1 if any failed. A
 replay by filter with no filter at all is refused (exit 2): "every rejected
 row" is a decision, spelled ``--all-rejected``.
 """
@@ -31,15 +32,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import inbox_views, replay
 from backhalf.db import create_engine
-from backhalf.normalize import body_payload
-from ingest.adapters.base import FAMILY, TRUST_MODE
+from ingest.actions import inbox as inbox_actions
+from ingest.actions.inbox import DEFAULT_REPLAY_LIMIT
+from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
 from ingest.config import Settings
-from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 
 _PROG = "switchboard inbox"
-DEFAULT_REPLAY_LIMIT = 100
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(s|m|h|d|w)$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 _FILTERS = ("adapter", "since", "until", "error_contains")
@@ -150,7 +150,9 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
         if args.ids:
             failed = 0
             for inbox_id in args.ids:
-                failed += not await _replay_one(engine, settings, inbox_id)
+                outcome = await inbox_actions.replay_one(engine, settings, inbox_id)
+                failed += isinstance(outcome, Refused)
+                _print_replayed(outcome)
             return EXIT_FAILURE if failed else EXIT_OK
         return await _replay_matching(engine, settings, args)
     finally:
@@ -192,33 +194,29 @@ def inbox_table(rows: Sequence[replay.InboxRow]) -> list[str]:
 # -- replay ----------------------------------------------------------------------
 
 
-def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
-    cfg = settings.adapter(adapter)
-    # The adapter's current rules, schema included: a replay after the schema
-    # was fixed checks against the fixed one.
-    return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes, cfg.body_schema)
+def _print_replayed(outcome: inbox_actions.ReplayOutcome) -> None:
+    if isinstance(outcome, Refused):
+        print(f"{_PROG}: {outcome.reason}", file=sys.stderr)
+    else:
+        print(f"inbox row {outcome.inbox_id}: stored, todo {outcome.todo_id}")
 
 
-async def _replay_one(engine: AsyncEngine, settings: Settings, inbox_id: int) -> bool:
-    """Replay one row in its own transaction; print its line; True if stored."""
-    try:
-        async with engine.begin() as conn:
-            todo_id = await replay.replay(
-                conn,
-                inbox_id,
-                queue_for=lambda name: settings.adapter(name).queue,
-                normalize_for=lambda name: _normalizer(settings, name),
-                family=FAMILY,  # every configured adapter is a pull adapter
-                trust_mode=TRUST_MODE,
-            )
-    except replay.ReplayError as exc:  # its message names the row
-        print(f"{_PROG}: {exc}", file=sys.stderr)
-        return False
-    except ConfigError as exc:
-        print(f"{_PROG}: inbox row {inbox_id}: {exc}", file=sys.stderr)
-        return False
-    print(f"inbox row {inbox_id}: stored, todo {todo_id}")
-    return True
+def _print_checked(row: replay.InboxRow, outcome: inbox_actions.DryRunOutcome) -> None:
+    head = f"inbox row {row.id} ({row.adapter}, stored {_utc(row.stored_at)}, {one_line(row.error)})"
+    if isinstance(outcome, inbox_actions.Gone):
+        print(f"{head}: gone since it was selected")
+    elif isinstance(outcome, inbox_actions.WouldRefuse):
+        print(f"{head}: would fail: {outcome.reason}")
+    else:
+        print(f"{head}: would be stored")
+
+
+def _print_row(done: inbox_actions.RowOutcome) -> None:
+    outcome = done.outcome
+    if isinstance(outcome, inbox_actions.Replayed | Refused):
+        _print_replayed(outcome)
+    else:
+        _print_checked(done.row, outcome)
 
 
 async def _replay_matching(engine: AsyncEngine, settings: Settings, args: argparse.Namespace) -> int:
@@ -229,16 +227,12 @@ async def _replay_matching(engine: AsyncEngine, settings: Settings, args: argpar
         error_contains=args.error_contains,
         after_id=args.after_id,
     )
-    limit = args.limit or DEFAULT_REPLAY_LIMIT
-    async with engine.connect() as conn:
-        # One more than the limit: to say that more rows match.
-        rows = await inbox_views.replay_candidates(conn, where, limit=limit + 1)
-    more = len(rows) > limit
-    rows = rows[:limit]
+    selection = await inbox_actions.select_rejected(engine, where, limit=args.limit or DEFAULT_REPLAY_LIMIT)
+    rows, limit = selection.rows, selection.limit
     if not rows:
         print("no rejected inbox rows match")
         return EXIT_OK
-    if more:
+    if selection.more:
         # The next page starts after the last row taken: re-running without
         # --after-id would take the same oldest rows again, and if they keep
         # failing, never reach the rest.
@@ -246,40 +240,22 @@ async def _replay_matching(engine: AsyncEngine, settings: Settings, args: argpar
             f"more than {limit} rows match: the {limit} oldest are taken (--limit), up to inbox row"
             f" {rows[-1].id}; for the rest, run again with the same filters and --after-id {rows[-1].id}"
         )
-    if args.dry_run:
-        return await _dry_run(engine, settings, rows)
-    stored = 0
-    for row in rows:
-        stored += await _replay_one(engine, settings, row.id)
-    failed = len(rows) - stored
-    print(f"replayed {stored} of {len(rows)} rows" + (f" ({failed} failed)" if failed else ""))
-    return EXIT_FAILURE if failed else EXIT_OK
-
-
-async def _dry_run(engine: AsyncEngine, settings: Settings, rows: Sequence[replay.InboxRow]) -> int:
-    """Each row's fate under the adapter's current rules, by the very checks a
-    replay makes (:func:`backhalf.replay.check`); read-only."""
-    passing = 0
-    for row in rows:
-        async with engine.connect() as conn:
-            detail = await inbox_views.get_row(conn, row.id)
-        head = f"inbox row {row.id} ({row.adapter}, stored {_utc(row.stored_at)}, {one_line(row.error)})"
-        if detail is None:
-            print(f"{head}: gone since it was selected")
-            continue
-        try:
-            normalize = _normalizer(settings, detail.adapter)
-            replay.check(detail.id, detail.status, detail.body, detail.body_size, detail.error, normalize)
-        except (replay.ReplayError, ConfigError) as exc:
-            print(f"{head}: would fail: {exc}")
-        else:
-            passing += 1
-            print(f"{head}: would be stored")
-    print(
-        f"dry run: {len(rows)} rows match, {passing} would be stored, {len(rows) - passing} would fail;"
-        " nothing was changed"
+    # Each row's line as it is done, not all at the end: an interrupted run
+    # has said which rows it replayed.
+    report = await inbox_actions.replay_selection(
+        engine, settings, selection, dry_run=args.dry_run, on_row=_print_row
     )
-    return EXIT_OK
+    if report.dry_run:
+        print(
+            f"dry run: {report.matched} rows match, {report.stored} would be stored,"
+            f" {report.failed} would fail; nothing was changed"
+        )
+        return EXIT_OK
+    print(
+        f"replayed {report.stored} of {report.matched} rows"
+        + (f" ({report.failed} failed)" if report.failed else "")
+    )
+    return EXIT_FAILURE if report.failed else EXIT_OK
 
 
 # -- show ------------------------------------------------------------------------

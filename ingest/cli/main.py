@@ -18,13 +18,13 @@ from typing import NoReturn
 
 import structlog
 
-from backhalf import db_errors, failpoints, migrate, registry
-from backhalf.db import create_engine, redact_url
+from backhalf import db_errors, failpoints, migrate
+from backhalf.db import redact_url
 from ingest import signals
+from ingest.cli import adapters as adapters_command
 from ingest.cli import errors as cli_errors
 from ingest.cli import inbox as inbox_command
 from ingest.cli import prune as prune_command
-from ingest.cli import text_table
 from ingest.cli import todos as todos_command
 from ingest.cli import trace as trace_command
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
@@ -94,12 +94,7 @@ def _parser() -> argparse.ArgumentParser:
         "--consumer", help="consumer name for every adapter (default: config, else host name)"
     )
     acker = verbs.add_parser("ack", parents=[common], help="run the acker (committed ack intents -> broker)")
-    adapters = verbs.add_parser("adapters", parents=[common], help="list, enable or disable adapters")
-    adapter_verbs = adapters.add_subparsers(dest="adapters_verb", required=True, metavar="ACTION")
-    adapter_verbs.add_parser("list", parents=[common], help="registered adapters and their flag")
-    for action in ("enable", "disable"):
-        p = adapter_verbs.add_parser(action, parents=[common], help=f"{action} an adapter at runtime")
-        p.add_argument("name")
+    adapters_command.add_parser(verbs, common)
     inbox_command.add_parser(verbs, common, _positive_int)
     worker = verbs.add_parser("worker", parents=[common], help="run dramatiq workers for the todos")
     worker.add_argument("--processes", type=_positive_int, default=2, help="worker processes (2)")
@@ -164,40 +159,6 @@ def _run(coro_fn: Callable[[asyncio.Event], Awaitable[None]]) -> int:
         log.error("threads_leaked", threads=threads)
         return EXIT_FAILURE
     return code
-
-
-async def _adapters_command(settings: Settings, args: argparse.Namespace) -> int:
-    engine = create_engine(settings.database)
-    try:
-        async with engine.begin() as conn:
-            if args.adapters_verb == "list":
-                rows = await registry.list_adapters(conn)
-                if not rows:
-                    print("no adapters registered (start `switchboard ingest` once)")
-                    return EXIT_OK
-                table = [
-                    (
-                        r.name,
-                        "enabled" if r.enabled else "disabled",
-                        f"{r.family}/{r.transport}/{r.mode}",
-                        str(r.settings.get("source")),
-                    )
-                    for r in rows
-                ]
-                print("\n".join(text_table.table(("NAME", "STATE", "KIND", "SOURCE"), table)))
-                return EXIT_OK
-            enabled = args.adapters_verb == "enable"
-            if not await registry.set_enabled(conn, args.name, enabled):
-                print(
-                    f"switchboard adapters: no adapter named {args.name!r} is registered"
-                    " (see `switchboard adapters list`)",
-                    file=sys.stderr,
-                )
-                return EXIT_FAILURE
-            print(f"{args.name}: {'enabled' if enabled else 'disabled'}")
-            return EXIT_OK
-    finally:
-        await engine.dispose()
 
 
 async def _status_command(settings: Settings, as_json: bool) -> int:
@@ -284,7 +245,7 @@ def _dispatch(args: argparse.Namespace, settings: Settings, env: Mapping[str, st
     if args.verb == "ack":
         return _until_stopped("ack", settings, lambda stop: run_acker(settings, stop))
     if args.verb == "adapters":
-        return asyncio.run(_adapters_command(settings, args))
+        return asyncio.run(adapters_command.run(settings, args))
     if args.verb == "status":
         return asyncio.run(_status_command(settings, args.json))
     if args.verb == "inbox":

@@ -1,11 +1,10 @@
 """``switchboard todos list / show / retry / cancel``: the operators' view of
 the todos and their ``todo_events`` history, and their two actions.
 
-Each id of a retry or cancel is its own transaction: the todo's row is
-locked, its status checked (and for a retry, that no other active todo holds
-its (queue, key)), then the change and its ``todo_events`` row are written
-(:mod:`backhalf.todos`). A refused id is one line on stderr naming it and
-why; the others go ahead; the exit code is 1 if any was refused.
+Retry and cancel are :mod:`ingest.actions.todos`, one transaction per id;
+this module formats their outcomes. A refused id is one line on stderr
+naming it and why; the others go ahead; the exit code is 1 if any was
+refused.
 """
 
 from __future__ import annotations
@@ -18,32 +17,19 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-import psycopg
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import todo_views, todos
+from backhalf import todo_views
 from backhalf.db import create_engine
 from backhalf.redaction import redact
+from ingest.actions import todos as todo_actions
+from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
-from schema import ACTIVE_TODO_STATUSES, TODO_STATUSES
-
-# ``todo_events.detail`` of an operator's change.
-RETRIED_BY_OPERATOR = "retried by an operator"
-CANCELLED_BY_OPERATOR = "cancelled by an operator"
-
-# What ``retry_todos`` takes back to pending (its SQL says the same).
-RETRYABLE_STATUSES = ("failed", "cancelled")
-# The partial unique index that allows one active todo per (queue, key).
-ACTIVE_KEY_INDEX = "uq_todos_queue_key_active"
+from schema import TODO_STATUSES
 
 _PROG = "switchboard todos"
-
-
-class Refused(Exception):
-    """An id the action is not for; its message names the todo and why."""
 
 
 def add_parser(verbs: Any, common: argparse.ArgumentParser, positive_int: Callable[[str], int]) -> None:
@@ -79,14 +65,15 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
             return await _list(engine, args)
         if args.todos_verb == "show":
             return await _show(engine, args.id, as_json=args.json)
-        act = _retry_one if args.todos_verb == "retry" else _cancel_one
+        act = todo_actions.retry if args.todos_verb == "retry" else todo_actions.cancel
         refused = 0
         for todo_id in dict.fromkeys(args.ids):  # each id once, in the order given
-            try:
-                print(await act(engine, todo_id))
-            except Refused as exc:
+            outcome = await act(engine, todo_id)
+            if isinstance(outcome, Refused):
                 refused += 1
-                print(f"{_PROG} {args.todos_verb}: {exc}", file=sys.stderr)
+                print(f"{_PROG} {args.todos_verb}: {outcome.reason}", file=sys.stderr)
+            else:
+                print(_done_line(outcome))
         return EXIT_FAILURE if refused else EXIT_OK
     finally:
         await engine.dispose()
@@ -119,73 +106,15 @@ async def _show(engine: AsyncEngine, todo_id: int, *, as_json: bool) -> int:
     return EXIT_OK
 
 
-async def _retry_one(engine: AsyncEngine, todo_id: int) -> str:
-    state: todo_views.TodoState | None = None
-    try:
-        async with engine.begin() as conn:
-            state = await todo_views.lock_todo(conn, todo_id)
-            if state is None:
-                raise Refused(f"todo {todo_id} does not exist")
-            if state.status not in RETRYABLE_STATUSES:
-                raise Refused(
-                    f"todo {todo_id} is {state.status}, not failed or cancelled: only those can be retried"
-                )
-            holder = await todo_views.active_holder(
-                conn, state.queue, state.idempotency_key, other_than=todo_id
-            )
-            if holder is not None:
-                raise Refused(_held_by(state, holder))
-            retried = await todos.retry(conn, [todo_id], RETRIED_BY_OPERATOR)
-            if retried != [todo_id]:  # not expected: its row is locked since the check
-                raise Refused(f"todo {todo_id} was not retried (its status changed meanwhile)")
-    except IntegrityError as exc:
-        if state is None or not _violates_active_key(exc):
-            raise
-        # An active todo with the same key was committed between the check
-        # and the UPDATE (the store creating one for a redelivery): the
-        # transaction is rolled back; say who holds the key now.
-        async with engine.connect() as conn:
-            holder = await todo_views.active_holder(
-                conn, state.queue, state.idempotency_key, other_than=todo_id
-            )
-        if holder is None:
-            raise Refused(
-                f"todo {todo_id} was not retried: another todo with queue {state.queue!r} and key"
-                f" {state.idempotency_key!r} was active at that moment; try again"
-            ) from exc
-        raise Refused(_held_by(state, holder)) from exc
-    return f"todo {todo_id}: pending again (was {state.status}), attempts reset to 0"
-
-
-def _held_by(state: todo_views.TodoState, holder: todo_views.TodoState) -> str:
-    return (
-        f"todo {state.id} was not retried: todo {holder.id} ({holder.status}) is the active todo of"
-        f" queue {state.queue!r} and key {state.idempotency_key!r}, and a key has one active todo at"
-        f" a time (cancel todo {holder.id}, or let it finish, first)"
-    )
-
-
-def _violates_active_key(exc: IntegrityError) -> bool:
-    orig = exc.orig
-    return isinstance(orig, psycopg.errors.UniqueViolation) and orig.diag.constraint_name == ACTIVE_KEY_INDEX
-
-
-async def _cancel_one(engine: AsyncEngine, todo_id: int) -> str:
-    async with engine.begin() as conn:
-        state = await todo_views.lock_todo(conn, todo_id)
-        if state is None:
-            raise Refused(f"todo {todo_id} does not exist")
-        if state.status not in ACTIVE_TODO_STATUSES:
-            raise Refused(
-                f"todo {todo_id} is {state.status}, already finished:"
-                " only pending, dispatched or running todos can be cancelled"
-            )
-        cancelled = await todos.cancel(conn, [todo_id], CANCELLED_BY_OPERATOR)
-        if cancelled != [todo_id]:  # not expected: its row is locked since the check
-            raise Refused(f"todo {todo_id} was not cancelled (its status changed meanwhile)")
-    if state.status == "running":
-        return f"todo {todo_id}: cancelled (was running: its handler finishes, and its result is discarded)"
-    return f"todo {todo_id}: cancelled (was {state.status})"
+def _done_line(outcome: todo_actions.Retried | todo_actions.Cancelled) -> str:
+    if isinstance(outcome, todo_actions.Retried):
+        return f"todo {outcome.todo_id}: pending again (was {outcome.was}), attempts reset to 0"
+    if outcome.was == "running":
+        return (
+            f"todo {outcome.todo_id}: cancelled (was running: its handler finishes, and its result is"
+            " discarded)"
+        )
+    return f"todo {outcome.todo_id}: cancelled (was {outcome.was})"
 
 
 def _json_value(value: object) -> str:
