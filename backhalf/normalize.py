@@ -152,6 +152,41 @@ def body_payload(
     return _json_payload(text, schema)
 
 
+class FieldMap(dict[bytes, bytes]):
+    """A message that came as named fields instead of one body (a stream
+    entry without its body field; headers-only messages elsewhere): its
+    payload is a JSON object of strings, whatever the adapter's ``format``."""
+
+    __slots__ = ()
+
+
+# What a transport hands over as a message's content.
+Content = bytes | FieldMap
+
+
+def content_size(content: Content) -> int:
+    """A message's bytes as read (its body, or its fields' keys and values)."""
+    if isinstance(content, bytes):
+        return len(content)
+    return sum(len(k) + len(v) for k, v in content.items())
+
+
+def raw_form(content: Content, max_message_bytes: int) -> RawForm:
+    """The inbox's copy of a message's content (``raw_body`` or ``raw_field_map``)."""
+    if isinstance(content, bytes):
+        return raw_body(content, max_message_bytes)
+    return raw_field_map(content, max_message_bytes)
+
+
+def content_payload(
+    content: Content, fmt: BodyFormat, max_message_bytes: int, schema: BodySchema | None = None
+) -> str:
+    """The todo's payload (JSON text) of a message's content, or :class:`PoisonMessage`."""
+    if isinstance(content, bytes):
+        return body_payload(content, fmt, max_message_bytes, schema)
+    return fields_payload(content, max_message_bytes, schema)
+
+
 def fields_payload(
     fields: Mapping[bytes, bytes], max_message_bytes: int, schema: BodySchema | None = None
 ) -> str:

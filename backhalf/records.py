@@ -7,7 +7,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-AckKind = Literal["xack", "lrem", "none"]
+# An ack kind is a transport's own word, registered by its folder under
+# ingest/adapters (ModeImplementation.ack_kind); the back half stores it and
+# knows only NO_ACK, the kind of messages nothing acknowledges.
+AckKind = str
+NO_ACK: AckKind = "none"
+# Who sends a transport's acks: the acker, from committed intents, where any
+# process may ack (a stream's XACK, a JetStream reply subject, an SQS receipt
+# handle); or the consuming process itself, strictly after its commit, where
+# an ack is bound to the channel that received the message (AMQP).
+AckParty = Literal["acker", "consumer"]
 # Who delivered a message: pulled from a broker, or pushed to us (a webhook).
 Family = Literal["queue", "push"]  # schema.tables.EVENT_FAMILIES
 
@@ -16,14 +25,25 @@ Family = Literal["queue", "push"]  # schema.tables.EVENT_FAMILIES
 class AckTarget:
     """Where the acks of one batch go; the same for every message of a batch.
 
-    ``xack``: ``key`` is the stream, ``group`` the consumer group.
-    ``lrem``: ``key`` is the consumer's processing list.
-    ``none``: nothing to acknowledge (pub/sub).
+    ``kind`` names the transport's acknowledger; ``key`` and ``group`` are
+    its coordinates (a stream and its consumer group, a processing list),
+    read only by that acknowledger. ``NO_ACK``: nothing to acknowledge.
+
+    ``by_cursor``: the intents are acked by their reference alone, so once
+    stored (``ack_after = "store"``) the acker finds them by its cursor over
+    committed rows (``inbox.ack_xid``) instead of an ``ack_queue`` row each.
+    Intents that need the queue's copy bookkeeping (identical bodies on one
+    list) say False.
     """
 
     kind: AckKind
     key: str | None = None
     group: str | None = None
+    by_cursor: bool = False
+
+    @property
+    def needs_ack(self) -> bool:
+        return self.kind != NO_ACK
 
 
 class InboxRecord(NamedTuple):
@@ -40,7 +60,7 @@ class InboxRecord(NamedTuple):
     body: bytes
     payload: str | None  # JSON text; None when rejected
     error: str | None = None
-    ack_entry_id: str | None = None
+    ack_ref: str | None = None  # the transport's handle for this message (ingest.adapters.base.Delivery)
     ack_copies: int = 1
     deliveries: int = 1
     ack_key: str | None = None  # None: the batch's AckTarget.key
@@ -111,7 +131,8 @@ class StoreResult:
 
 @dataclass(frozen=True, slots=True)
 class PendingIntent:
-    """A pending LREM intent on a processing list, locked by list recovery."""
+    """A pending intent on one ack key that discharges copies of one body (a
+    processing list's), locked by the recovery that reconciles the copies."""
 
     inbox_id: int
     idempotency_key: str
@@ -129,6 +150,6 @@ class AckClaim(NamedTuple):
     kind: AckKind
     key: str | None
     group: str | None
-    entry_id: str | None
+    ref: str | None  # the transport's handle for this message (Delivery.ack_ref)
     copies: int
-    body: bytes | None  # only for lrem
+    body: bytes | None  # only for intents that name their message by its body

@@ -103,15 +103,16 @@ async def _store(cur: Cursor, batch: StoreBatch, records: list[InboxRecord], *, 
 
 
 def _ack_state(batch: StoreBatch) -> str:
-    return "none" if batch.ack.kind == "none" else "pending"
+    return "pending" if batch.ack.needs_ack else "none"
 
 
 def _by_cursor(batch: StoreBatch) -> bool:
-    """Stream entries acked on store are found by the acker's cursor
-    (``inbox.ack_xid``), not queued: no ``ack_queue`` row is written and
-    deleted for each (issue 16). List copies need the queue's copy
-    bookkeeping, and acks waiting for their todo its ``waiting_for``."""
-    return batch.ack.kind == "xack" and batch.ack_after == "store"
+    """Intents acked by their reference alone and owed on store are found by
+    the acker's cursor (``inbox.ack_xid``), not queued: no ``ack_queue`` row
+    is written and deleted for each (issue 16). Copies of one body need the
+    queue's copy bookkeeping, and acks waiting for their todo its
+    ``waiting_for``."""
+    return batch.ack.by_cursor and batch.ack_after == "store"
 
 
 async def _pending_copies(cur: Cursor, batch: StoreBatch, records: list[InboxRecord]) -> PendingCopies:
@@ -202,15 +203,16 @@ def _uncommon_columns(writing: list[InboxRecord], default_ack_key: str | None) -
     unless a message of this batch differs (queries.sql, store_rows_cte):
     unnest pads a NULL array with NULLs, and the statement fills in the
     common value. Dumping arrays is much of the ingester's CPU."""
-    entry_is_id = all(r.ack_entry_id == r.source_message_id for r in writing)  # a stream entry's own id
+    ref_is_id = all(r.ack_ref == r.source_message_id for r in writing)  # the message's own id
     whole = all(r.body_size is None for r in writing)  # no body stored as a prefix
     return {
         "ack_key": default_ack_key,
         "ack_keys": None
         if all(r.ack_key is None for r in writing)
         else [_ack_key(r, default_ack_key) for r in writing],
-        "entry_is_id": entry_is_id,
-        "entry_ids": None if entry_is_id else [r.ack_entry_id for r in writing],
+        # Parameters named after the column that keeps the ref (ack_entry_id).
+        "entry_is_id": ref_is_id,
+        "entry_ids": None if ref_is_id else [r.ack_ref for r in writing],
         "copies": None if all(r.ack_copies == 1 for r in writing) else [r.ack_copies for r in writing],
         "deliveries": None if all(r.deliveries == 1 for r in writing) else [r.deliveries for r in writing],
         "errors": None if all(r.error is None for r in writing) else [r.error for r in writing],

@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
-from backhalf.records import AckClaim, AckTarget, Family, PendingIntent, Provenance
+from backhalf.normalize import Content
+from backhalf.records import AckClaim, AckKind, AckParty, AckTarget, Family, PendingIntent, Provenance
 from backhalf.stream_groups import StreamGroup
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FAMILY",
     "TRUST_MODE",
+    "AckIntentView",
     "AckTarget",
     "Acknowledger",
     "AdapterBuilder",
@@ -66,20 +68,27 @@ T = TypeVar("T")
 class Delivery(NamedTuple):
     """One message as the broker handed it over, not yet normalized.
 
-    Exactly one of ``body`` (the whole message, or a stream entry's body field)
-    and ``fields`` (a stream entry without that field) is set, unless ``lost``:
-    the broker still had the id pending but the message itself was deleted or
-    trimmed, which the back half records instead of acking silently.
+    ``body`` is the message's content: its bytes, or a
+    :class:`~backhalf.normalize.FieldMap` where it came as named fields. It
+    is None only when ``lost``: the broker still had the message pending but
+    the message itself was deleted, which the back half records instead of
+    acking silently.
+
+    The ack intent is opaque to everyone but the transport's acknowledger:
+    ``ack_ref`` is the broker's handle for this one message (whatever its
+    acknowledger needs: an entry id, a reply subject, a receipt handle),
+    ``ack_key`` overrides the batch's :class:`AckTarget` key (a recovered
+    processing list), ``ack_copies`` counts the deliveries one intent
+    discharges (identical bodies merged).
 
     A NamedTuple, built per message: see ``backhalf.records.InboxRecord``.
     """
 
     idempotency_key: str
     message_id: str | None
-    body: bytes | None = None
-    fields: Mapping[bytes, bytes] | None = None
-    ack_entry_id: str | None = None
-    ack_key: str | None = None  # overrides the adapter's ack target (a recovered list)
+    body: Content | None = None
+    ack_ref: str | None = None
+    ack_key: str | None = None
     ack_copies: int = 1
     lost: bool = False
     deliveries: int = 1
@@ -230,7 +239,24 @@ class AdapterBuilder(Protocol):
 
 
 class ModeImplementation(NamedTuple):
-    """What a transport registers for one mode: how to build each side."""
+    """What a transport registers for one mode: how to build each side, the
+    ack kind its intents carry, and who sends its acks (:data:`AckParty`:
+    the acker from committed intents, or the consuming process after its
+    commit where acks are bound to the receiving channel)."""
 
     adapter: AdapterBuilder
     acknowledger: Callable[[AdapterConfig], Acknowledger]
+    ack_kind: AckKind
+    acked_by: AckParty = "acker"
+
+
+class AckIntentView(NamedTuple):
+    """An ack intent as the inbox keeps it, for its transport to put in words
+    (``trace``): the columns ``ack_kind``, ``ack_key``, ``ack_group``,
+    ``ack_entry_id`` (the ref) and ``ack_copies``."""
+
+    kind: str
+    key: str | None
+    group: str | None
+    ref: str | None
+    copies: int

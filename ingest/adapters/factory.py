@@ -1,19 +1,62 @@
 """The one place a transport and mode are chosen: adapter and acknowledger per config.
 
-Each transport registers its modes once (``ingest.adapters.redis.MODES``);
-the poll loop, the acker and ``status`` never branch on either.
+Transports are named here and imported only when an adapter uses one (the
+way kombu loads its transports by alias): a deployment that uses only Redis
+imports no other broker's client. Each transport is a folder under
+``ingest/adapters/`` whose package registers its modes in ``MODES`` and says
+how its ack intents read (``describe_ack``); its client library is an install
+extra, and a missing one is a one-line config error naming the extra. The
+poll loop, the acker and ``status`` never branch on a transport or a mode.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
+from types import ModuleType
+from typing import NamedTuple, Protocol, cast
 
-from ingest.adapters import redis
-from ingest.adapters.base import Acknowledger, GroupStarts, ModeImplementation, PullAdapter
+from ingest.adapters.base import AckIntentView, Acknowledger, GroupStarts, ModeImplementation, PullAdapter
 from ingest.config import AdapterConfig
 from ingest.errors import ConfigError
 
-TRANSPORTS: Mapping[str, Mapping[str, ModeImplementation]] = {"redis": redis.MODES}
+
+class Transport(NamedTuple):
+    """A transport's package, and the install extra that brings its client
+    (None: the client is a dependency of Switchboard itself)."""
+
+    module: str
+    extra: str | None = None
+
+
+# Redis's client is a base dependency: dramatiq's broker is a Redis too.
+TRANSPORTS: Mapping[str, Transport] = {"redis": Transport("ingest.adapters.redis")}
+
+
+class TransportPackage(Protocol):
+    """What a transport's package exports."""
+
+    MODES: Mapping[str, ModeImplementation]
+
+    def describe_ack(self, intent: AckIntentView) -> str: ...
+
+
+def transport(name: str, *, adapter: str | None = None) -> TransportPackage:
+    """The package of transport ``name``, imported now; a ConfigError naming
+    the adapter and the extra when it is unknown or its client is missing."""
+    where = f"adapter {adapter!r}: " if adapter else ""
+    known = TRANSPORTS.get(name)
+    if known is None:
+        raise ConfigError(f"{where}key 'transport' = {name!r} is not one of {sorted(TRANSPORTS)}")
+    try:
+        module: ModuleType = importlib.import_module(known.module)
+    except ImportError as exc:
+        extra = known.extra
+        install = f"pip install 'switchboard-ingest[{extra}]'" if extra else "reinstall Switchboard"
+        raise ConfigError(
+            f"{where}transport {name!r} needs its client library ({exc.name or exc}): {install}"
+        ) from exc
+    return cast("TransportPackage", module)
 
 
 def _implementation(config: AdapterConfig) -> ModeImplementation:
@@ -21,11 +64,19 @@ def _implementation(config: AdapterConfig) -> ModeImplementation:
         # Its username_env / password_env unset: said where the broker is
         # needed (ingest, ack, status), not by every verb that loads the config.
         raise ConfigError(config.credentials_error)
-    implementation = TRANSPORTS.get(config.transport, {}).get(config.mode)
+    implementation = transport(config.transport, adapter=config.name).MODES.get(config.mode)
     if implementation is None:
         raise ConfigError(
             f"adapter {config.name!r}: key 'mode' = {config.mode!r} is not implemented"
             f" for transport {config.transport!r}"
+        )
+    if implementation.acked_by != "acker":
+        # The consuming process acking after its commit (AMQP's channel-bound
+        # acks) is declared by the interface; the poll loop's side of it comes
+        # with the first transport that needs it (issue 28).
+        raise ConfigError(
+            f"adapter {config.name!r}: mode {config.mode!r} acks in the consuming process,"
+            " which this version does not drive yet"
         )
     return implementation
 
@@ -39,3 +90,16 @@ def make_adapter(config: AdapterConfig, *, group_starts: GroupStarts | None) -> 
 
 def make_acknowledger(config: AdapterConfig) -> Acknowledger:
     return _implementation(config).acknowledger(config)
+
+
+def describe_ack(transport_name: str | None, intent: AckIntentView) -> str:
+    """An ack intent as its transport would send it (``trace``), e.g.
+    ``XACK orders switchboard 1-0``; the bare intent where the transport is
+    unknown here or its client is not installed."""
+    plain = f"{intent.kind} {intent.key or '-'} {intent.group or '-'} {intent.ref or '-'}"
+    if transport_name is None or transport_name not in TRANSPORTS:
+        return plain
+    try:
+        return transport(transport_name).describe_ack(intent)
+    except ConfigError:
+        return plain

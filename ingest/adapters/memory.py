@@ -36,7 +36,9 @@ class MemoryAdapter:
 
     @property
     def ack_target(self) -> AckTarget:
-        return AckTarget("xack", self.name, "memory")
+        # The inbox's check constraint still lists the kinds the schema knows
+        # (schema/tables.py ACK_KINDS): the fake acks like a stream.
+        return AckTarget("xack", self.name, "memory", by_cursor=True)
 
     @property
     def identity(self) -> str:
@@ -58,8 +60,7 @@ class MemoryAdapter:
             batch, self._queue = self._queue[:max_count], self._queue[max_count:]
             self.pending.update(batch)
         return [
-            Delivery(native_key("mem", self.name, mid), mid, body=body, ack_entry_id=mid)
-            for mid, body in batch
+            Delivery(native_key("mem", self.name, mid), mid, body=body, ack_ref=mid) for mid, body in batch
         ]
 
     def stored(self) -> None:
@@ -82,5 +83,5 @@ class MemoryAdapter:
 
     def ack(self, claims: list[AckClaim]) -> None:
         for c in claims:
-            if c.entry_id is not None:
-                self.pending.pop(c.entry_id, None)
+            if c.ref is not None:
+                self.pending.pop(c.ref, None)

@@ -27,6 +27,8 @@ from typing import Any
 from backhalf import trace
 from backhalf.db import create_engine
 from backhalf.redaction import redact
+from ingest.adapters.base import AckIntentView
+from ingest.adapters.factory import describe_ack
 from ingest.cli.text_table import printable
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
@@ -143,11 +145,8 @@ def offset(at: datetime, first: datetime) -> str:
 
 
 def _ack_command(row: trace.InboxTrail) -> str:
-    if row.ack_kind == "xack":
-        return f"XACK {row.ack_key} {row.ack_group} {row.ack_entry_id}"
-    if row.ack_kind == "lrem":
-        return f"LREM {row.ack_key} {row.ack_copies} <body>"
-    return "none (pub/sub: nothing to ack)"
+    intent = AckIntentView(row.ack_kind, row.ack_key, row.ack_group, row.ack_entry_id, row.ack_copies)
+    return describe_ack(row.transport, intent)
 
 
 def text_lines(t: trace.Trail) -> list[str]:

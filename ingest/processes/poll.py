@@ -27,7 +27,7 @@ from backhalf import attempts as delivery_attempts
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.db_errors import is_transient
 from backhalf.errors import DeadlineExceeded, PoisonMessage, StoreError
-from backhalf.normalize import RawForm, body_payload, fields_payload, raw_body, raw_field_map
+from backhalf.normalize import RawForm, content_payload, content_size, raw_form
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter, pull_provenance
@@ -55,21 +55,16 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
     limit = config.max_message_bytes
     error: str | None = None
     payload: str | None = None
-    if delivery.lost:
+    if delivery.lost or delivery.body is None:
         raw, error = RawForm(b""), LOST_BEFORE_INGEST
-    elif delivery.body is not None:
-        raw = raw_body(delivery.body, limit)
     else:
-        raw = raw_field_map(delivery.fields or {}, limit)
+        raw = raw_form(delivery.body, limit)
     if error is None and raw.truncated:
         # Stored as a prefix, with the full size and digest beside it.
         error = f"too_large: {raw.size} bytes exceeds max_message_bytes={limit}"
-    if error is None:
+    if error is None and delivery.body is not None:
         try:
-            if delivery.body is not None:
-                payload = body_payload(delivery.body, config.format, limit, config.body_schema)
-            else:
-                payload = fields_payload(delivery.fields or {}, limit, config.body_schema)
+            payload = content_payload(delivery.body, config.format, limit, config.body_schema)
         except PoisonMessage as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - one message's failure is its own, never its batch's
@@ -83,7 +78,7 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
         body=raw.body,
         payload=payload,
         error=error,
-        ack_entry_id=delivery.ack_entry_id,
+        ack_ref=delivery.ack_ref,
         ack_key=delivery.ack_key,
         ack_copies=delivery.ack_copies,
         deliveries=delivery.deliveries,
@@ -93,10 +88,8 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
 
 
 def delivery_size(delivery: Delivery) -> int:
-    """A message's bytes as read (its body, or its fields' keys and values)."""
-    if delivery.body is not None:
-        return len(delivery.body)
-    return sum(len(k) + len(v) for k, v in (delivery.fields or {}).items())
+    """A message's bytes as read."""
+    return 0 if delivery.body is None else content_size(delivery.body)
 
 
 def ledger_for(

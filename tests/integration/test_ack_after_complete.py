@@ -35,14 +35,20 @@ def entry(n: int, payload: str | None = '{"n": 1}', *, deliveries: int = 1) -> I
         b"{}",
         payload,
         error,
-        ack_entry_id=entry_id,
+        ack_ref=entry_id,
         deliveries=deliveries,
     )
 
 
 def stream_batch(*records: InboxRecord) -> StoreBatch:
     return StoreBatch(
-        "orders", "orders", "c1", "complete", AckTarget("xack", "orders", "switchboard"), PULLED, records
+        "orders",
+        "orders",
+        "c1",
+        "complete",
+        AckTarget("xack", "orders", "switchboard", by_cursor=True),
+        PULLED,
+        records,
     )
 
 

@@ -23,6 +23,7 @@ from ingest.processes.poll import to_record
 from tests.support.db import libpq, query, scalar
 
 STREAM, GROUP = "orders", "switchboard"
+STREAM_ACK = AckTarget("xack", STREAM, GROUP, by_cursor=True)
 
 # conn.transaction() as what it is: a block that swallows psycopg.Rollback.
 # Typed as a generator context manager, whose exit returns "bool | None", it
@@ -199,7 +200,7 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
     row while the store waits for that queue row: a deadlock. The store's two
     steps run here as two statements of one transaction, so the claim lands
     between them every time."""
-    record = InboxRecord("redis:orders:1-0", "1-0", b"{}", "{}", ack_entry_id="1-0")
+    record = InboxRecord("redis:orders:1-0", "1-0", b"{}", "{}", ack_ref="1-0")
     async with engine.begin() as conn:
         await store(
             conn,
@@ -208,7 +209,7 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
                 "orders",
                 "c1",
                 "store",
-                AckTarget("xack", STREAM, GROUP),
+                AckTarget("xack", STREAM, GROUP, by_cursor=True),
                 Provenance("queue", "queue", False, "x"),
                 [record],
             ),
@@ -257,10 +258,10 @@ async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
     # join each to inbox and sort them all, on every claim. (Queued: acks
     # that waited for their todos, released; acks on store take the cursor.)
     records = [
-        InboxRecord(f"redis:orders:{i}-0", f"{i}-0", b"{}", "{}", ack_entry_id=f"{i}-0") for i in range(4000)
+        InboxRecord(f"redis:orders:{i}-0", f"{i}-0", b"{}", "{}", ack_ref=f"{i}-0") for i in range(4000)
     ]
     async with engine.begin() as conn:
-        await store(conn, StoreBatch("orders", "orders", "c1", "complete", AckTarget("xack", STREAM, GROUP),
+        await store(conn, StoreBatch("orders", "orders", "c1", "complete", STREAM_ACK,
                                      Provenance("queue", "queue", False, "redis acl: default"),
                                      records))  # fmt: skip
     query(db_url, "UPDATE ack_queue SET waiting_for = NULL")
@@ -295,10 +296,10 @@ async def test_the_cursor_claim_walks_its_index_in_order_and_stops_at_its_limit(
     # row owed (planned from default estimates without the claim plan, it
     # was that: 32 ms instead of 1 for 20,000 owed).
     records = [
-        InboxRecord(f"redis:orders:{i}-0", f"{i}-0", b"{}", "{}", ack_entry_id=f"{i}-0") for i in range(4000)
+        InboxRecord(f"redis:orders:{i}-0", f"{i}-0", b"{}", "{}", ack_ref=f"{i}-0") for i in range(4000)
     ]
     async with engine.begin() as conn:
-        await store(conn, StoreBatch("orders", "orders", "c1", "store", AckTarget("xack", STREAM, GROUP),
+        await store(conn, StoreBatch("orders", "orders", "c1", "store", STREAM_ACK,
                                      Provenance("queue", "queue", False, "redis acl: default"),
                                      records))  # fmt: skip
     assert scalar(db_url, "SELECT count(*) FROM ack_queue") == 0  # no queue row for any of them

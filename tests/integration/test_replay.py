@@ -26,7 +26,7 @@ def rec(entry_id: str, *, rejected: bool = False) -> InboxRecord:
 
 
 async def store_one(engine: AsyncEngine, adapter: str, record: InboxRecord) -> None:
-    ack = AckTarget("xack", "orders", "switchboard")
+    ack = AckTarget("xack", "orders", "switchboard", by_cursor=True)
     async with engine.begin() as conn:
         await store(conn, StoreBatch(adapter, "orders", "c1", "store", ack, PULLED, [record]))
 

@@ -28,7 +28,7 @@ def rec(entry_id: str, payload: str | None = '{"n": 1}', error: str | None = Non
         body=(payload or "raw").encode(),
         payload=payload,
         error=error,
-        ack_entry_id=entry_id,
+        ack_ref=entry_id,
     )
 
 
@@ -41,7 +41,7 @@ def batch(*records: InboxRecord, adapter: str = "orders", provenance: Provenance
         queue="orders",
         consumer="c1",
         ack_after="store",
-        ack=AckTarget("xack", "orders", "switchboard"),
+        ack=AckTarget("xack", "orders", "switchboard", by_cursor=True),
         provenance=provenance,
         records=records,
     )
@@ -291,7 +291,7 @@ async def test_a_lost_entry_report_on_a_stored_id_is_a_redelivery(engine: AsyncE
         body=b"",
         payload=None,
         error="lost_before_ingest: the entry was deleted or trimmed while still pending",
-        ack_entry_id="1-0",
+        ack_ref="1-0",
         deliveries=2,
     )
     async with engine.begin() as conn:

@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 
 from backhalf.db import MAX_OVERFLOW
-from ingest.adapters.factory import TRANSPORTS
+from ingest.adapters.factory import transport
 from ingest.config import load
 from ingest.processes.ingester import connections_needed, warn_if_pool_small
 from tests.support.acl import ACL_USERS
@@ -27,7 +27,7 @@ class _Adapter:
 def test_the_example_config_gives_the_ingester_the_pool_its_adapters_need() -> None:
     settings = load(EXAMPLE_CONFIG, {})
     adapters = [
-        _Adapter(TRANSPORTS[a.transport][a.mode].adapter.overlapping_commits)  # type: ignore[attr-defined]
+        _Adapter(transport(a.transport).MODES[a.mode].adapter.overlapping_commits)  # type: ignore[attr-defined]
         for a in settings.adapters
     ]
     assert sorted(a.mode for a in settings.adapters) == ["list", "pubsub", "stream"]

@@ -23,7 +23,7 @@ def test_any_failure_to_normalize_one_message_is_its_rejection() -> None:
     raw = {"name": "orders", "source": "orders"}
     cfg = from_mapping({"database": {"url": "postgresql://x@y/z"}, "adapters": [raw]}, {}).adapters[0]
     cfg = dataclasses.replace(cfg, body_schema=_Broken())  # type: ignore[arg-type]
-    rec = to_record(Delivery("redis:orders:1-0", "1-0", body=b'{"x": 1}', ack_entry_id="1-0"), cfg)
+    rec = to_record(Delivery("redis:orders:1-0", "1-0", body=b'{"x": 1}', ack_ref="1-0"), cfg)
     assert rec.payload is None
     assert rec.error == "normalize_failed: RuntimeError: the validator's own bug"
     assert rec.body == b'{"x": 1}'

@@ -42,6 +42,9 @@ from ingest.config import AdapterConfig
 from ingest.errors import AckError
 from ingest.lifecycle import wait_stop
 
+# This mode's ack kind, registered in ingest.adapters.redis.MODES.
+ACK_KIND = "lrem"
+
 log = structlog.get_logger(__name__)
 
 # A recovery lock is held from counting a list until the store of what the
@@ -100,7 +103,7 @@ class ListAdapter(RedisEndpoint):
 
     @property
     def ack_target(self) -> AckTarget:
-        return AckTarget("lrem", self._processing)
+        return AckTarget(ACK_KIND, self._processing)
 
     async def start(self) -> None:
         with redis_errors(self.name, f"start-up on {self._cfg.source}"):

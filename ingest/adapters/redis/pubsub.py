@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from backhalf.keys import body_key
-from backhalf.records import AckTarget
+from backhalf.records import NO_ACK, AckTarget
 from ingest.adapters.base import Delivery, GroupStarts, OpenLedger, Unconfirmed
 from ingest.adapters.redis.common import RedisEndpoint, redis_errors
 from ingest.config import AdapterConfig
@@ -37,7 +37,7 @@ class PubSubAdapter(RedisEndpoint):
 
     @property
     def ack_target(self) -> AckTarget:
-        return AckTarget("none")
+        return AckTarget(NO_ACK)
 
     async def start(self) -> None:
         with redis_errors(self.name, f"SUBSCRIBE {self._cfg.source}"):

@@ -32,6 +32,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from backhalf.keys import native_key
+from backhalf.normalize import FieldMap
 from backhalf.records import AckClaim, AckTarget
 from backhalf.stream_groups import StreamGroup
 from ingest.adapters.base import Delivery, GroupStarts, OpenLedger, Unconfirmed
@@ -46,6 +47,9 @@ from ingest.adapters.redis.common import (
 )
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, GroupMissing
+
+# This mode's ack kind, registered in ingest.adapters.redis.MODES.
+ACK_KIND = "xack"
 
 log = structlog.get_logger(__name__)
 
@@ -128,7 +132,7 @@ class StreamAdapter(RedisEndpoint):
 
     @property
     def ack_target(self) -> AckTarget:
-        return AckTarget("xack", self._cfg.source, self._cfg.group)
+        return AckTarget(ACK_KIND, self._cfg.source, self._cfg.group, by_cursor=True)
 
     async def start(self) -> None:
         await self._ensure_group()
@@ -374,7 +378,7 @@ class StreamAdapter(RedisEndpoint):
         if flat is not None and len(flat) == 2 and flat[0] == self._body_field:
             entry_id = raw_id.decode()
             key = native_key(self._cfg.key_prefix, self._cfg.source, entry_id)
-            return Delivery(key, entry_id, body=flat[1], ack_entry_id=entry_id, deliveries=deliveries)
+            return Delivery(key, entry_id, body=flat[1], ack_ref=entry_id, deliveries=deliveries)
         return self._delivery(raw_id, _field_map(flat), deliveries)
 
     def _delivery(
@@ -383,11 +387,11 @@ class StreamAdapter(RedisEndpoint):
         entry_id = as_text(raw_id)
         key = native_key(self._cfg.key_prefix, self._cfg.source, entry_id)
         if not fields:  # XADD needs a field, so an empty entry was deleted or trimmed
-            return Delivery(key, entry_id, ack_entry_id=entry_id, lost=True)
+            return Delivery(key, entry_id, ack_ref=entry_id, lost=True)
         body = fields.get(self._body_field)
         if body is not None:
-            return Delivery(key, entry_id, body=body, ack_entry_id=entry_id, deliveries=deliveries)
-        return Delivery(key, entry_id, fields=fields, ack_entry_id=entry_id, deliveries=deliveries)
+            return Delivery(key, entry_id, body=body, ack_ref=entry_id, deliveries=deliveries)
+        return Delivery(key, entry_id, body=FieldMap(fields), ack_ref=entry_id, deliveries=deliveries)
 
     def stored(self) -> None:
         self._unconfirmed_lost.confirmed()
@@ -432,9 +436,9 @@ class StreamAcknowledger:
     async def ack(self, claims: Sequence[AckClaim]) -> None:
         targets: dict[tuple[str, str], list[str]] = {}
         for c in claims:
-            if c.key is None or c.group is None or c.entry_id is None:
+            if c.key is None or c.group is None or c.ref is None:
                 raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete xack intent")
-            targets.setdefault((c.key, c.group), []).append(c.entry_id)
+            targets.setdefault((c.key, c.group), []).append(c.ref)
         for (stream, group), ids in targets.items():
             what = f"XACK {stream} {group} ({len(ids)} ids)"
             with tolerating(RedisErrorKind.NOGROUP, self._name, what, error=AckError) as reply:

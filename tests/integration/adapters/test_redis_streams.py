@@ -11,6 +11,7 @@ import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.errors import StoreError
+from backhalf.normalize import FieldMap
 from backhalf.records import AckClaim, AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
 from backhalf.stream_groups import GroupStartLedger, StreamGroup
@@ -91,7 +92,7 @@ async def test_group_is_created_with_mkstream_at_start_id_zero(cfg, r, adapters)
     assert a.identity == "redis acl: default"
     d = deliveries[0]
     assert d.idempotency_key == f"redis:{STREAM}:{d.message_id}"
-    assert d.ack_entry_id == d.message_id
+    assert d.ack_ref == d.message_id
 
 
 async def test_missing_stream_is_created_empty(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
@@ -158,8 +159,8 @@ async def test_entry_without_body_field_is_its_field_map(cfg, r, adapters) -> No
     a = StreamAdapter(cfg())
     adapters.append(a)
     (d,) = await a.read(10)
-    assert d.body is None
-    assert d.fields == {b"order": b"7", b"sku": b"A"}
+    assert isinstance(d.body, FieldMap)
+    assert d.body == {b"order": b"7", b"sku": b"A"}
 
 
 async def test_deleted_group_raises_group_missing_then_recovers(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
@@ -322,8 +323,8 @@ async def test_a_group_destroyed_before_anything_recorded_its_start_loses_nothin
     was destroyed while it was stopped: nothing on record and no group, but
     the inbox holds its entries, so the group existed. Recreated at 0, not at
     the configured "$", which would skip what was written meanwhile."""
-    stored = InboxRecord("redis:orders:1-0", "1-0", b"{}", "{}", ack_entry_id="1-0")
-    ack = AckTarget("xack", STREAM, GROUP)
+    stored = InboxRecord("redis:orders:1-0", "1-0", b"{}", "{}", ack_ref="1-0")
+    ack = AckTarget("xack", STREAM, GROUP, by_cursor=True)
     pulled = Provenance("queue", "queue", False, None)
     async with engine.begin() as conn:
         await store(conn, StoreBatch("orders", "orders", "c1", "store", ack, pulled, [stored]))

@@ -1,0 +1,74 @@
+"""The adapter contract (``contract.AdapterContract``) for every Redis mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from ingest.adapters.base import PullAdapter
+from ingest.adapters.redis.lists import processing_key
+from tests.integration.adapters.contract import NAME, SOURCE, AdapterContract
+from tests.support.in_process import wait_until
+
+GROUP = "switchboard"
+
+
+@pytest.fixture
+def registered() -> tuple[tuple[str, str], ...]:
+    return ()  # the pipeline registers its adapter itself
+
+
+class TestStreamContract(AdapterContract):
+    def adapter_table(self) -> dict[str, Any]:
+        return {"mode": "stream", "group": GROUP, "consumer": "c1"}
+
+    async def produce(self, r: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
+        for body in messages:
+            r.xadd(SOURCE, {"body": body})
+
+    def unacked(self, r: redis.Redis) -> int:
+        try:
+            return int(r.xpending(SOURCE, GROUP)["pending"])
+        except redis.ResponseError:  # no group yet: nothing delivered
+            return 0
+
+
+class TestListContract(AdapterContract):
+    native_ids = False
+
+    def adapter_table(self) -> dict[str, Any]:
+        return {"mode": "list", "consumer": "c1"}
+
+    async def produce(self, r: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
+        for body in messages:
+            r.lpush(SOURCE, body)  # LPUSH producers get FIFO order
+
+    def unacked(self, r: redis.Redis) -> int:
+        return int(r.llen(processing_key(SOURCE, "c1")))
+
+
+class TestPubSubContract(AdapterContract):
+    redelivers = False
+    acks = False
+    native_ids = False
+
+    def adapter_table(self) -> dict[str, Any]:
+        return {"mode": "pubsub", "delivery": "at-most-once"}
+
+    async def wait_listening(self, r: redis.Redis) -> None:
+        await wait_until(lambda: r.pubsub_numsub(SOURCE)[0][1] >= 1)
+
+    async def produce(self, r: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
+        if adapter is not None:
+            await adapter.read(1)  # subscribes; nothing published yet
+            await self.wait_listening(r)
+        for body in messages:
+            r.publish(SOURCE, body)
+
+    def unacked(self, r: redis.Redis) -> int:
+        return 0  # pub/sub keeps nothing
+
+
+assert NAME  # the adapter under test is named contract.NAME in every mode

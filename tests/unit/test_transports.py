@@ -1,0 +1,59 @@
+"""Transports are loaded by name, when an adapter uses one; a missing client
+is one config error naming the install extra; an intent reads in its
+transport's words, and plainly where the transport is unknown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ingest.adapters import factory
+from ingest.adapters.base import AckIntentView
+from ingest.errors import ConfigError
+
+
+def test_a_transport_whose_client_is_missing_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(
+        factory.TRANSPORTS,
+        "nats",
+        factory.Transport("ingest.adapters.no_such_transport_client", extra="nats"),
+    )
+    with pytest.raises(ConfigError) as raised:
+        factory.transport("nats", adapter="events")
+    message = str(raised.value)
+    assert message.startswith("adapter 'events': transport 'nats' needs its client library")
+    assert "pip install 'switchboard-ingest[nats]'" in message
+    assert "\n" not in message
+
+
+def test_an_unknown_transport_is_a_config_error_naming_the_known_ones() -> None:
+    with pytest.raises(
+        ConfigError, match=r"adapter 'x': key 'transport' = 'kafka' is not one of \['redis'\]"
+    ):
+        factory.transport("kafka", adapter="x")
+
+
+def test_only_the_transport_an_adapter_uses_is_imported() -> None:
+    """In a fresh interpreter: the factory imports no transport until asked."""
+    program = (
+        "import sys\n"
+        "import ingest.adapters.factory as f\n"
+        "assert 'ingest.adapters.redis' not in sys.modules, 'imported before use'\n"
+        "f.transport('redis')\n"
+        "assert 'ingest.adapters.redis' in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_intent_reads_in_its_transports_words() -> None:
+    stream = AckIntentView("xack", "orders", "switchboard", "1-0", 1)
+    assert factory.describe_ack("redis", stream) == "XACK orders switchboard 1-0"
+    assert factory.describe_ack("redis", AckIntentView("lrem", "jobs:processing:c1", None, None, 2)) == (
+        "LREM jobs:processing:c1 2 <body>"
+    )
+    assert factory.describe_ack(None, stream) == "xack orders switchboard 1-0"
