@@ -130,8 +130,8 @@ async def mark_by_cursor(conn: AsyncConnection, adapter: str, claimed: CursorCla
 
 
 async def lock_pending_copies(conn: AsyncConnection, adapter: str, ack_key: str) -> list[PendingIntent]:
-    """Lock the pending LREM intents on one processing list until the caller's
-    transaction ends, and return them."""
+    """Lock the pending intents that count copies of one body on ``ack_key``
+    (a processing list's) until the caller's transaction ends, and return them."""
     with wrap_driver_errors(AckStateError, f"adapter {adapter}: locking pending copies on {ack_key}"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
