@@ -17,6 +17,9 @@ adapter registered later (an ingester started after the acker) is acked too.
 At start-up the acker reads the table either way: a permanent database error
 there (schema missing, login refused, no such database) stops it with
 ``DatabaseUnusable``; a transient one is retried with backoff.
+
+The process runs in the skeleton (``ingest.processes.skeleton``): the engine,
+the heartbeat and gauges, the TaskGroup and the shutdown deadline are its.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import Any
 
 import psycopg
 import structlog
@@ -33,13 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks, db_errors, failpoints, heartbeats, registry
 from backhalf import metrics as m
-from backhalf.db import (
-    DEFAULT_TRANSACTION_DEADLINE_MS,
-    DatabaseSettings,
-    create_engine,
-    libpq_url,
-    within_deadline,
-)
+from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, DatabaseSettings, libpq_url, within_deadline
 from backhalf.dispatch import Dispatcher, Enqueuer
 from backhalf.errors import DeadlineExceeded
 from backhalf.queries import ACK_CHANNEL
@@ -49,10 +47,10 @@ from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.errors import ConfigError, error_kind, log_failure
-from ingest.lifecycle import Backoff, Retry, wait_either, wait_stop
-from ingest.observe.heartbeat import database_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
-from ingest.observe.metrics_http import Liveness
+from ingest.lifecycle import Retry, wait_either, wait_stop
+from ingest.observe.heartbeat import database_gauges_loop
 from ingest.processes.prune import prune_loop, walks
+from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
 log = structlog.get_logger(__name__)
 
@@ -165,9 +163,7 @@ async def drain_loop(
                 )
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
                 m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
-                retry = retries.setdefault(
-                    adapter, Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
-                )
+                retry = retries.setdefault(adapter, Retry.from_settings(settings, log))
                 retry_at[adapter] = loop.time() + retry.failed("ack_failed", exc, adapter=adapter)
                 continue
             if adapter in retries:
@@ -228,7 +224,7 @@ async def registered_at_start(
     """The ``adapters`` table, read at start-up, retrying while the database
     is away; None if stop was requested first. A permanent error raises
     ``DatabaseUnusable``."""
-    retry = Retry(Backoff(settings.acker.backoff_initial_ms, settings.acker.backoff_max_ms), log)
+    retry = Retry.from_settings(settings.acker, log)
     while not stop.is_set():
         try:
             deadline_ms = settings.database.transaction_deadline_ms
@@ -247,11 +243,7 @@ async def _listen_loop(
     with backoff; never the only path."""
     # LISTEN is an optimisation: whatever ends it is retried; the driver's and
     # the network's errors are warnings, anything else a bug with its traceback.
-    retry = Retry(
-        Backoff(settings.backoff_initial_ms, settings.backoff_max_ms),
-        log,
-        expected=(psycopg.Error, TimeoutError, OSError),
-    )
+    retry = Retry.from_settings(settings, log, expected=(psycopg.Error, TimeoutError, OSError))
     while not stop.is_set():
         try:
             async with await psycopg.AsyncConnection.connect(
@@ -285,50 +277,39 @@ def _set_all(events: Sequence[asyncio.Event]) -> None:
         event.set()
 
 
-async def relay_loop(
-    dispatcher: Dispatcher,
+async def dispatch_loop(
+    step: Callable[[], Awaitable[int]],
     settings: AckerSettings,
-    wake: asyncio.Event,
     stop: asyncio.Event,
+    *,
+    failed_event: str,
+    interval_s: float,
+    wake: asyncio.Event | None = None,
     tick: Callable[[], None] = lambda: None,
 ) -> None:
-    """Dispatch committed todos until stop: woken by the store's NOTIFY (a
-    commit may have created todos), polling as a fallback; failures are
-    logged, backed off and retried, never the end of the loop."""
-    retry = Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
+    """The relay (``step`` dispatches committed todos; woken by the store's
+    NOTIFY, as a commit may have created todos) and the rescue (``step``
+    dispatches stuck todos again, or fails them; no ``wake``) until stop.
+    After a short batch, wait ``interval_s`` (or for ``wake``); after a full
+    one, go on at once. Failures are logged as ``failed_event``, backed off
+    and retried, never the end of the loop."""
+    retry = Retry.from_settings(settings, log)
     while not stop.is_set():
         tick()
-        wake.clear()
+        if wake is not None:
+            wake.clear()
         try:
-            dispatched = await dispatcher.relay_once()
+            dispatched = await step()
         except Exception as exc:  # noqa: BLE001 - the database, the broker or a bug: back off, go on
             m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
-            await retry.back_off(stop, "dispatch_failed", exc)
+            await retry.back_off(stop, failed_event, exc)
             continue
         retry.succeeded()
         if dispatched < settings.dispatch_batch_size:
-            await wait_either(wake, stop, settings.poll_interval_ms / 1000)
-
-
-async def rescue_loop(
-    dispatcher: Dispatcher,
-    settings: AckerSettings,
-    stop: asyncio.Event,
-    tick: Callable[[], None] = lambda: None,
-) -> None:
-    """Every ``rescue_interval_ms``: stuck todos dispatched again (or failed)."""
-    retry = Retry(Backoff(settings.backoff_initial_ms, settings.backoff_max_ms), log)
-    while not stop.is_set():
-        tick()
-        try:
-            rescued = await dispatcher.rescue_once()
-        except Exception as exc:  # noqa: BLE001 - as the relay
-            m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
-            await retry.back_off(stop, "rescue_failed", exc)
-            continue
-        retry.succeeded()
-        if rescued < settings.dispatch_batch_size:
-            await wait_stop(stop, settings.rescue_interval_ms / 1000)
+            if wake is None:
+                await wait_stop(stop, interval_s)
+            else:
+                await wait_either(wake, stop, interval_s)
 
 
 async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> None:
@@ -339,33 +320,46 @@ async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> N
 async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
     """With no adapters in the config, those of the adapters table, their
     broker at ``settings.redis_url``."""
-    liveness = new_liveness()
-    with serving(settings, liveness):
-        await _run_acker(settings, stop, liveness)
+    await run_process(settings, stop, lambda engine: _Acker(settings, engine))
 
 
-async def _run_acker(settings: Settings, stop: asyncio.Event, liveness: Liveness) -> None:
-    engine = create_engine(settings.database)
-    acknowledgers: dict[str, Acknowledger] = {cfg.name: make_acknowledger(cfg) for cfg in settings.adapters}
-    wake = asyncio.Event()
-    relay_wake = asyncio.Event()
-    dispatcher: Dispatcher | None = None
-    if settings.queues:
-        dispatcher = Dispatcher(
-            engine,
-            settings.queues,
-            Enqueuer(settings.dramatiq_broker_url()),
-            batch_size=settings.acker.dispatch_batch_size,
-            dispatch_timeout_ms=settings.acker.dispatch_timeout_ms,
-            deadline_ms=settings.database.transaction_deadline_ms,
-        )
-    try:
-        rows = await registered_at_start(engine, settings, stop)
+class _Acker(ProcessBody):
+    """The ack drain, woken by LISTEN; beside it, with ``[queues.*]``, the
+    relay and the rescue, and with ``retain_*`` keys, the pruner."""
+
+    role = "ack"
+    stopped_event = "acker_stopped"
+    overdue_field = "tasks"
+
+    def __init__(self, settings: Settings, engine: AsyncEngine) -> None:
+        self.shutdown_timeout_s = settings.acker.shutdown_timeout_s
+        self._settings = settings
+        self._engine = engine
+        self._acknowledgers: dict[str, Acknowledger] = {
+            cfg.name: make_acknowledger(cfg) for cfg in settings.adapters
+        }
+        self._refresh: Callable[[], Awaitable[object]] | None = None
+        self._dispatcher: Dispatcher | None = None
+        if settings.queues:
+            self._dispatcher = Dispatcher(
+                engine,
+                settings.queues,
+                Enqueuer(settings.dramatiq_broker_url()),
+                batch_size=settings.acker.dispatch_batch_size,
+                dispatch_timeout_ms=settings.acker.dispatch_timeout_ms,
+                deadline_ms=settings.database.transaction_deadline_ms,
+            )
+        # The slot: what a restart of this process serves again (see
+        # backhalf.heartbeats); the adapters acked can grow (the table).
+        self._served_queues = sorted(settings.queues) if self._dispatcher is not None else []
+        self._slot = heartbeats.slot([cfg.name for cfg in settings.adapters], self._served_queues)
+
+    async def start(self, process: Process) -> bool:
+        rows = await registered_at_start(self._engine, self._settings, process.stop)
         if rows is None:
-            return
-        refresh: Callable[[], Awaitable[object]] | None = None
-        if not settings.adapters:
-            table = RegisteredAcknowledgers(acknowledgers, settings.redis_url)
+            return False
+        if not self._settings.adapters:
+            table = RegisteredAcknowledgers(self._acknowledgers, self._settings.redis_url)
             table.adopt(rows)
             if not rows:
                 log.warning(
@@ -373,98 +367,90 @@ async def _run_acker(settings: Settings, stop: asyncio.Event, liveness: Liveness
                     hint="each adapter `switchboard ingest` registers is acked"
                     f" within {REGISTRY_REFRESH_S:g} s",
                 )
-            deadline_ms = settings.database.transaction_deadline_ms
 
             def refresh_table() -> Awaitable[None]:
-                return table.refresh(engine, deadline_ms)
+                return table.refresh(self._engine, process.deadline_ms)
 
-            refresh = refresh_table
+            self._refresh = refresh_table
+        return True
+
+    def spawn(self, process: Process) -> None:
+        settings, stop = self._settings, process.stop
+        wake, relay_wake = asyncio.Event(), asyncio.Event()
+        listener = process.beside(
+            _listen_loop(settings.database, settings.acker, [wake, relay_wake], stop), "listen"
+        )
+        # The listener may sit in notifies() for up to the probe interval;
+        # it holds no state worth finishing, so stop cancels it.
+        process.beside(_stop_listener(listener, stop), "listen-stopper")
         poll_s = settings.acker.poll_interval_ms / 1000
-        async with asyncio.TaskGroup() as tg:
-            listener = tg.create_task(
-                _listen_loop(settings.database, settings.acker, [wake, relay_wake], stop), name="listen"
-            )
-            # The listener may sit in notifies() for up to the probe interval;
-            # it holds no state worth finishing, so stop cancels it.
-            tg.create_task(_stop_listener(listener, stop), name="listen-stopper")
-            drain = tg.create_task(
-                drain_loop(
-                    engine,
-                    acknowledgers,
-                    settings.acker,
-                    wake,
-                    stop,
-                    settings.database.transaction_deadline_ms,
-                    refresh=refresh,
-                    tick=liveness.watch("drain", loop_bound_s(settings, poll_s)),
-                ),
-                name="drain",
-            )
-            loops = [drain]
-            if settings.acker.prune_interval_ms > 0 and walks(settings):
-                # Retention: bounded batches on a connection of its own.
-                loops.append(tg.create_task(prune_loop(engine, settings, stop), name="prune"))
-            if dispatcher is not None:
-                # The outbox: committed todos to dramatiq, and stuck ones again.
-                relay_tick = liveness.watch("relay", loop_bound_s(settings, poll_s))
-                loops.append(
-                    tg.create_task(
-                        relay_loop(dispatcher, settings.acker, relay_wake, stop, relay_tick), name="relay"
-                    )
+        drain = drain_loop(
+            self._engine,
+            self._acknowledgers,
+            settings.acker,
+            wake,
+            stop,
+            process.deadline_ms,
+            refresh=self._refresh,
+            tick=process.watch("drain", poll_s),
+        )
+        process.work(drain, "drain")
+        if settings.acker.prune_interval_ms > 0 and walks(settings):
+            # Retention: bounded batches on a connection of its own.
+            process.work(prune_loop(self._engine, settings, stop), "prune")
+        if self._dispatcher is not None:
+            self._spawn_dispatch(process, self._dispatcher, relay_wake)
+        else:
+            log.info("dispatch_off", reason="no [queues.*] in the config: todos are not dispatched")
+        for cfg in settings.adapters:
+            if settings.queues and cfg.queue not in settings.queues:
+                log.warning(
+                    "queue_not_served",
+                    adapter=cfg.name,
+                    queue=cfg.queue,
+                    detail=f"no [queues.{cfg.queue}] in the config: its todos stay pending",
                 )
-                rescue_s = settings.acker.rescue_interval_ms / 1000
-                rescue_tick = liveness.watch("rescue", loop_bound_s(settings, rescue_s))
-                loops.append(
-                    tg.create_task(rescue_loop(dispatcher, settings.acker, stop, rescue_tick), name="rescue")
-                )
-            else:
-                log.info("dispatch_off", reason="no [queues.*] in the config: todos are not dispatched")
-            deadline_ms = settings.database.transaction_deadline_ms
-            # The slot: what a restart of this process serves again (see
-            # backhalf.heartbeats); the adapters acked can grow (the table).
-            served_queues = sorted(settings.queues) if dispatcher is not None else []
-            slot = heartbeats.slot([cfg.name for cfg in settings.adapters], served_queues)
 
-            def detail() -> dict[str, object]:
-                return {"adapters": sorted(acknowledgers), "queues": served_queues, "slot": slot}
+    def _spawn_dispatch(self, process: Process, dispatcher: Dispatcher, relay_wake: asyncio.Event) -> None:
+        """The outbox: committed todos to dramatiq, and stuck ones again."""
+        acker = self._settings.acker
+        poll_s, rescue_s = acker.poll_interval_ms / 1000, acker.rescue_interval_ms / 1000
+        relay = dispatch_loop(
+            dispatcher.relay_once,
+            acker,
+            process.stop,
+            failed_event="dispatch_failed",
+            interval_s=poll_s,
+            wake=relay_wake,
+            tick=process.watch("relay", poll_s),
+        )
+        process.work(relay, "relay")
+        rescue = dispatch_loop(
+            dispatcher.rescue_once,
+            acker,
+            process.stop,
+            failed_event="rescue_failed",
+            interval_s=rescue_s,
+            tick=process.watch("rescue", rescue_s),
+        )
+        process.work(rescue, "rescue")
 
-            loops.append(
-                tg.create_task(
-                    heartbeat_loop(engine, "ack", detail, liveness, stop, deadline_ms=deadline_ms),
-                    name="heartbeat",
-                )
-            )
-            if settings.metrics.port:
-                loops.append(
-                    tg.create_task(
-                        database_gauges_loop(
-                            engine,
-                            lambda: list(acknowledgers),
-                            settings.metrics.refresh_interval_ms / 1000,
-                            stop,
-                            deadline_ms=deadline_ms,
-                        ),
-                        name="database-gauges",
-                    )
-                )
-            for cfg in settings.adapters:
-                if settings.queues and cfg.queue not in settings.queues:
-                    log.warning(
-                        "queue_not_served",
-                        adapter=cfg.name,
-                        queue=cfg.queue,
-                        detail=f"no [queues.{cfg.queue}] in the config: its todos stay pending",
-                    )
-            await stop.wait()
-            _done, running = await asyncio.wait(loops, timeout=settings.acker.shutdown_timeout_s)
-            if running:
-                log.error("shutdown_deadline_exceeded", tasks=sorted(t.get_name() for t in running))
-                for task in running:
-                    task.cancel()
-    finally:
-        if dispatcher is not None:
-            dispatcher.close()
-        for a in acknowledgers.values():
+    def detail(self) -> Mapping[str, Any]:
+        return {"adapters": sorted(self._acknowledgers), "queues": self._served_queues, "slot": self._slot}
+
+    def gauges(self, process: Process, interval_s: float) -> tuple[str, Job]:
+        acknowledgers = self._acknowledgers
+        loop = database_gauges_loop(
+            self._engine,
+            lambda: list(acknowledgers),
+            interval_s,
+            process.stop,
+            deadline_ms=process.deadline_ms,
+        )
+        return "database-gauges", loop
+
+    async def close(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.close()
+        for a in self._acknowledgers.values():
             await a.close()
-        await engine.dispose()
-        log.info("acker_stopped")

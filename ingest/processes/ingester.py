@@ -1,31 +1,33 @@
 """``switchboard ingest``: one poll loop per enabled adapter in a TaskGroup.
 
-Shutdown order, under one deadline (``shutdown_timeout_s``): stop is set, each
-loop abandons its read and finishes the store it is in, the loops return,
-adapters close their connections, the engine is disposed. Loops still running
-at the deadline are cancelled.
+Run in the process skeleton (``ingest.processes.skeleton``). Shutdown order,
+under one deadline (``shutdown_timeout_s``): stop is set, each loop abandons
+its read and finishes the store it is in, the loops return, adapters close
+their connections, the engine is disposed. Loops still running at the
+deadline are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import db_errors, heartbeats, registry, stream_groups
-from backhalf.db import MAX_OVERFLOW, create_engine, within_deadline
+from backhalf.db import MAX_OVERFLOW, within_deadline
 from backhalf.errors import DeadlineExceeded
 from backhalf.stream_groups import GroupStartLedger
 from ingest.adapters.base import FAMILY, AdapterBuilder, PullAdapter
 from ingest.adapters.factory import make_adapter
-from ingest.config import Settings
-from ingest.lifecycle import Backoff, Retry
-from ingest.observe.heartbeat import broker_gauges_loop, heartbeat_loop, loop_bound_s, new_liveness, serving
-from ingest.observe.metrics_http import Liveness
+from ingest.config import AdapterConfig, Settings
+from ingest.lifecycle import Retry
+from ingest.observe.heartbeat import broker_gauges_loop
 from ingest.processes.poll import PollLoop
+from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
 log = structlog.get_logger(__name__)
 
@@ -35,7 +37,7 @@ async def register_adapters(engine: AsyncEngine, settings: Settings, stop: async
     Return False if stop was requested first. A permanent error (the schema
     missing, the login refused, no such database) raises DatabaseUnusable:
     waiting would not fix it."""
-    retry = Retry(Backoff(settings.ingest.backoff_initial_ms, settings.ingest.backoff_max_ms), log)
+    retry = Retry.from_settings(settings.ingest, log)
     while not stop.is_set():
         try:
             deadline_ms = settings.database.transaction_deadline_ms
@@ -89,75 +91,72 @@ async def run_ingester(
     *,
     adapter_factory: AdapterBuilder = make_adapter,
 ) -> None:
-    liveness = new_liveness()
-    with serving(settings, liveness):
-        await _run_ingester(settings, stop, adapter_factory, liveness)
+    await run_process(settings, stop, lambda engine: _Ingester(settings, engine, adapter_factory))
 
 
-async def _run_ingester(
-    settings: Settings, stop: asyncio.Event, adapter_factory: AdapterBuilder, liveness: Liveness
-) -> None:
-    engine = create_engine(settings.database)
-    adapters: list[PullAdapter] = []
-    deadline_ms = settings.database.transaction_deadline_ms
-    try:
-        if not await register_adapters(engine, settings, stop):
-            return
-        group_starts = GroupStartLedger(engine, deadline_ms)
-        adapters = [adapter_factory(cfg, group_starts=group_starts) for cfg in settings.adapters]
-        warn_if_pool_small(adapters, settings)
-        async with asyncio.TaskGroup() as tg:
-            pairs = list(zip(adapters, settings.adapters, strict=True))
-            polls = {
-                cfg.name: PollLoop(
-                    a,
-                    cfg,
-                    engine,
-                    settings.ingest,
-                    stop,
-                    deadline_ms=deadline_ms,
-                    tick=liveness.watch(
-                        f"poll:{cfg.name}",
-                        loop_bound_s(settings, max(cfg.block_ms, settings.ingest.enabled_refresh_ms) / 1000),
-                    ),
-                )
-                for a, cfg in pairs
-            }
-            loops = [tg.create_task(polls[cfg.name].run(), name=f"poll:{cfg.name}") for _a, cfg in pairs]
-            # Heartbeats and the like: they end on stop by themselves.
-            for a, cfg in pairs:
-                tg.create_task(a.run_background(stop), name=f"background:{cfg.name}")
-            names = [cfg.name for cfg in settings.adapters]
-            consumers = sorted({cfg.consumer for cfg in settings.adapters})
-            # The slot: what a restart of this process reads again (see backhalf.heartbeats).
-            detail = {"adapters": names, "consumers": consumers, "slot": heartbeats.slot(names, consumers)}
-            observers = [
-                tg.create_task(
-                    heartbeat_loop(engine, "ingest", lambda: detail, liveness, stop, deadline_ms=deadline_ms),
-                    name="heartbeat",
-                )
-            ]
-            if settings.metrics.port:
-                observers.append(tg.create_task(
-                    broker_gauges_loop(
-                        pairs,
-                        lambda name: polls[name].enabled,
-                        settings.metrics.refresh_interval_ms / 1000,
-                        stop,
-                    ),
-                    name="broker-gauges",
-                ))  # fmt: skip
-            await stop.wait()
-            # The observers end on stop too, within the same deadline.
-            _done, running = await asyncio.wait(
-                [*loops, *observers], timeout=settings.ingest.shutdown_timeout_s
+class _Ingester(ProcessBody):
+    """The adapters registered, then a poll loop per adapter, each adapter's
+    background task (its heartbeats and the like) beside it."""
+
+    role = "ingest"
+    stopped_event = "ingester_stopped"
+    overdue_field = "loops"
+
+    def __init__(self, settings: Settings, engine: AsyncEngine, adapter_factory: AdapterBuilder) -> None:
+        self.shutdown_timeout_s = settings.ingest.shutdown_timeout_s
+        self._settings = settings
+        self._engine = engine
+        self._adapter_factory = adapter_factory
+        self._adapters: list[PullAdapter] = []
+        self._polls: dict[str, PollLoop] = {}
+        names = [cfg.name for cfg in settings.adapters]
+        consumers = sorted({cfg.consumer for cfg in settings.adapters})
+        # The slot: what a restart of this process reads again (see backhalf.heartbeats).
+        self._detail = {"adapters": names, "consumers": consumers, "slot": heartbeats.slot(names, consumers)}
+
+    async def start(self, process: Process) -> bool:
+        settings = self._settings
+        if not await register_adapters(self._engine, settings, process.stop):
+            return False
+        group_starts = GroupStartLedger(self._engine, process.deadline_ms)
+        self._adapters = [self._adapter_factory(cfg, group_starts=group_starts) for cfg in settings.adapters]
+        warn_if_pool_small(self._adapters, settings)
+        return True
+
+    def _pairs(self) -> list[tuple[PullAdapter, AdapterConfig]]:
+        return list(zip(self._adapters, self._settings.adapters, strict=True))
+
+    def spawn(self, process: Process) -> None:
+        settings = self._settings
+        pairs = self._pairs()
+        self._polls = {
+            cfg.name: PollLoop(
+                a,
+                cfg,
+                self._engine,
+                settings.ingest,
+                process.stop,
+                deadline_ms=process.deadline_ms,
+                tick=process.watch(
+                    f"poll:{cfg.name}", max(cfg.block_ms, settings.ingest.enabled_refresh_ms) / 1000
+                ),
             )
-            if running:
-                log.error("shutdown_deadline_exceeded", loops=sorted(t.get_name() for t in running))
-                for task in running:
-                    task.cancel()
-    finally:
-        for a in adapters:
+            for a, cfg in pairs
+        }
+        for _a, cfg in pairs:
+            process.work(self._polls[cfg.name].run(), name=f"poll:{cfg.name}")
+        # Heartbeats and the like: they end on stop by themselves.
+        for a, cfg in pairs:
+            process.beside(a.run_background(process.stop), name=f"background:{cfg.name}")
+
+    def detail(self) -> Mapping[str, Any]:
+        return self._detail
+
+    def gauges(self, process: Process, interval_s: float) -> tuple[str, Job]:
+        polls = self._polls
+        loop = broker_gauges_loop(self._pairs(), lambda name: polls[name].enabled, interval_s, process.stop)
+        return "broker-gauges", loop
+
+    async def close(self) -> None:
+        for a in self._adapters:
             await a.close()
-        await engine.dispose()
-        log.info("ingester_stopped")
