@@ -243,21 +243,7 @@ def render(
         if procs:
             lines += render_processes(procs)
         return "\n".join(lines)
-    lines = []
-    for r in report:
-        lines.append(f"{r['adapter']} ({_text(r['mode'])} {_text(r['source'])}): {_verdict(r)}")
-        for key, value in r.items():
-            if key in _IN_HEADER or key == "processes":
-                continue
-            shown = f"{value} s" if key == "oldest_unacked_age_s" and value is not None else _text(value)
-            lines.append(f"  {key:<22} {shown}")
-        served = r.get("processes") or {}
-        for role in ("ingest", "ack", "worker"):
-            lines.append(f"  {role + ' alive':<22} {', '.join(served.get(role, [])) or 'none'}")
-        if served.get("dead"):
-            lines.append(f"  {'DEAD':<22} {'; '.join(served['dead'])}")
-        if served.get("not_running"):
-            lines.append(f"  {'not running':<22} no {', no '.join(served['not_running'])} process alive")
+    lines = [line for r in report for line in _render_adapter(r)]
     if procs is not None:
         lines += render_processes(procs)
     bad = unhealthy(report)
@@ -266,3 +252,21 @@ def render(
     if procs is not None and dead(procs):
         lines.append(f"dead processes: {', '.join(_label(p) for p in dead(procs))}")
     return "\n".join(lines)
+
+
+def _render_adapter(r: Mapping[str, Any]) -> list[str]:
+    """One adapter's report: its header with the verdict, a line a key, then the processes serving it."""
+    lines = [f"{r['adapter']} ({_text(r['mode'])} {_text(r['source'])}): {_verdict(r)}"]
+    for key, value in r.items():
+        if key in _IN_HEADER or key == "processes":
+            continue
+        shown = f"{value} s" if key == "oldest_unacked_age_s" and value is not None else _text(value)
+        lines.append(f"  {key:<22} {shown}")
+    served = r.get("processes") or {}
+    for role in ("ingest", "ack", "worker"):
+        lines.append(f"  {role + ' alive':<22} {', '.join(served.get(role, [])) or 'none'}")
+    if served.get("dead"):
+        lines.append(f"  {'DEAD':<22} {'; '.join(served['dead'])}")
+    if served.get("not_running"):
+        lines.append(f"  {'not running':<22} no {', no '.join(served['not_running'])} process alive")
+    return lines
