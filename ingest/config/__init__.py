@@ -47,8 +47,9 @@ class Key:
     """How an :class:`AdapterConfig` attribute is read from an ``[[adapters]]``
     table; its type and default are the rest of its definition.
 
-    Every key is accepted in every mode; ``modes`` says where it applies, and
-    so where it is published. ``parse`` replaces the check that follows from
+    ``modes`` says where a key applies: given for another mode it is an
+    error naming the adapter and the key, and only where it applies is it
+    published. ``parse`` replaces the check that follows from
     the type (``int``: an integer within ``minimum`` and ``maximum``; ``str``: a
     non-empty string), for keys whose values are a choice. ``rule`` runs after
     the key, given or not, with the values read so far: a rule across keys."""
@@ -702,6 +703,13 @@ def _adapter(
     table = {"url": default_redis_url, "queue": name, **raw}  # the defaults that depend on the rest
     values: dict[str, Any] = {}
     for s in settings:
+        if s.name in raw and "mode" in values and values["mode"] not in s.key.modes:
+            # DESIGN.md 6b: a key that does not apply to the adapter's mode
+            # is an error naming it, never silently ignored.
+            raise ConfigError(
+                f"{label}: key {s.name!r} does not apply to mode = {values['mode']!r}"
+                f" (it applies to mode {' or '.join(repr(m) for m in s.key.modes)})"
+            )
         if s.name in table:
             values[s.attr] = s.parse(f"{label}: key {s.name!r}", table[s.name])
         elif s.required:  # refused, with what was expected

@@ -211,7 +211,7 @@ def test_a_stream_adapter_publishes_its_claim_interval() -> None:
 
 
 def test_a_list_adapter_publishes_its_reap_interval_and_nothing_of_streams() -> None:
-    raw = adapter(mode="list", group="g", reap_interval_ms=250)
+    raw = adapter(mode="list", reap_interval_ms=250)
     public = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters[0].public_settings()
     assert (public["reap_interval_ms"], public["heartbeat_ttl_ms"]) == (250, 30_000)
     assert set(public) == COMMON_PUBLIC | {"heartbeat_ttl_ms", "reap_interval_ms"}
@@ -226,22 +226,54 @@ def test_a_pubsub_adapter_publishes_its_delivery_and_never_the_url() -> None:
     assert public["format"] == "json"
 
 
+_MODE_KEYS = {
+    "stream": {"group": "g", "start_id": "$", "body_field": "b", "claim_idle_ms": 1, "claim_interval_ms": 1},
+    "list": {"heartbeat_ttl_ms": 1000, "reap_interval_ms": 1},
+    "pubsub": {"delivery": "at-most-once"},
+}
+
+
 @pytest.mark.parametrize("mode", ["stream", "list", "pubsub"])
-def test_every_key_is_accepted_in_every_mode(mode: str, tmp_path: Path) -> None:
+def test_each_mode_takes_the_common_keys_and_its_own(mode: str, tmp_path: Path) -> None:
     (tmp_path / "s.json").write_text('{"type": "object"}')
     raw = adapter(
-        mode=mode, transport="redis", group="g", consumer="c", ack_after="store", batch_size=10_000,
-        block_ms=1, claim_idle_ms=1, claim_interval_ms=1, start_id="$", key_prefix="p", body_field="b",
-        format="text", max_message_bytes=1, url="unix:///tmp/r.sock", delivery="at-most-once",
-        heartbeat_ttl_ms=1000, reap_interval_ms=1, max_deliveries=3, schema="s.json", schema_timeout_ms=1,
+        mode=mode, transport="redis", consumer="c", ack_after="store", batch_size=10_000,
+        block_ms=1, key_prefix="p", format="text", max_message_bytes=1, url="unix:///tmp/r.sock",
+        max_deliveries=3, schema="s.json", schema_timeout_ms=1,
         retain_acked_days=1, retain_rejected_days=2, username_env="U", password_env="P",
+        **_MODE_KEYS[mode],
     )  # fmt: skip
-    assert set(raw) == EVERY_KEY
+    assert set().union(*(set(adapter(**keys)) for keys in _MODE_KEYS.values())) | set(raw) == EVERY_KEY
     a = from_mapping({"database": DB, "adapters": [raw]}, {"U": "u", "P": "p"}, tmp_path).adapters[0]
-    assert (a.mode, a.group, a.heartbeat_ttl_ms, a.delivery, a.redis_url) == (
-        mode, "g", 1000, "at-most-once", "unix://u:p@/tmp/r.sock",
-    )  # fmt: skip
+    assert (a.mode, a.key_prefix, a.redis_url) == (mode, "p", "unix://u:p@/tmp/r.sock")
     assert a.body_schema is not None
+
+
+@pytest.mark.parametrize(
+    ("mode", "key", "applies_to"),
+    [
+        ("list", "group", "'stream'"),
+        ("pubsub", "claim_idle_ms", "'stream'"),
+        ("stream", "reap_interval_ms", "'list'"),
+        ("stream", "delivery", "'pubsub'"),
+    ],
+)
+def test_a_key_of_another_mode_is_an_error_naming_adapter_and_key(
+    mode: str, key: str, applies_to: str
+) -> None:
+    """DESIGN.md 6b: a key that does not apply to the adapter's transport and
+    mode is a config error naming it (it used to be accepted and ignored)."""
+    extra = {"delivery": "at-most-once"} if mode == "pubsub" else {}
+    raw = adapter(
+        mode=mode,
+        **extra,
+        **{key: _MODE_KEYS["stream" if key != "reap_interval_ms" else "list"].get(key, "at-most-once")},
+    )
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "adapters": [raw]}, {})
+    assert str(info.value) == (
+        f"adapter 'orders': key {key!r} does not apply to mode = {mode!r} (it applies to mode {applies_to})"
+    )
 
 
 def test_the_unknown_key_message_lists_every_allowed_key() -> None:
@@ -260,7 +292,7 @@ def test_the_unknown_key_message_lists_every_allowed_key() -> None:
          "adapter 'orders': key 'batch_size' must be at most 10000"),
         ({"adapters": [adapter(block_ms=2.5)]},
          "adapter 'orders': key 'block_ms': must be an integer >= 1 (got 2.5)"),
-        ({"adapters": [adapter(heartbeat_ttl_ms=999)]},
+        ({"adapters": [adapter(mode="list", heartbeat_ttl_ms=999)]},
          "adapter 'orders': key 'heartbeat_ttl_ms': must be an integer >= 1000 (got 999)"),
         ({"adapters": [adapter(max_deliveries=2)]},
          "adapter 'orders': key 'max_deliveries': must be an integer >= 3 (got 2)"),
