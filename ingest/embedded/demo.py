@@ -22,7 +22,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -195,82 +195,131 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
         acker = processes.start("ack", config, name="acker")
         ingester = processes.start("ingest", config, name="ingester-1")
         worker = processes.start("worker", config, name="worker")
-        killed = False
-        chunk = 100
-        for start in range(0, messages, chunk):
-            pipe = r.pipeline(transaction=False)
-            for i in range(start, min(start + chunk, messages)):
-                body = {"order_id": i, "sku": f"SKU-{i % 17}", "qty": 1 + i % 5}
-                pipe.xadd(STREAM, {"body": json.dumps(body)})
-            pipe.execute()
-            time.sleep(0.02)
-            if not killed and start >= messages // 3:
-                wait_for(
-                    lambda: _running(acker, ingester) and _scalar(db, TODOS_SQL) > 0,  # noqa: B023 - called here
-                    timeout_s=WAIT_TIMEOUT_S,
-                    what="the first todos",
-                )
-                ingester.kill()
-                killed = True
-                pending = r.xpending(STREAM, "switchboard")["pending"]
-                _say(
-                    f"demo: SIGKILLed the ingester mid-stream: {_scalar(db, TODOS_SQL)} todos committed, "
-                    f"{pending} entries pending in Redis"
-                )
-                ingester = processes.start("ingest", config, name="ingester-1")
-                _say("demo: restarted the ingester (same consumer name: it re-reads its own PEL)")
+
+        def restart() -> SwitchboardProcess:
+            return processes.start("ingest", config, name="ingester-1")
+
+        ingester = _produce(r, db, messages, acker, ingester, restart)
         _say(f"demo: produced {messages} messages to stream {STREAM!r}")
-        wait_for(
-            lambda: _running(acker, ingester) and _scalar(db, ACKED_SQL) >= messages,
-            timeout_s=WAIT_TIMEOUT_S,
-            what="every message acked",
-        )
-        wait_for(
-            lambda: _running(acker, ingester) and r.xpending(STREAM, "switchboard")["pending"] == 0,
-            timeout_s=WAIT_TIMEOUT_S,
-            what="an empty PEL",
-        )
-        wait_for(
-            lambda: _running(acker, ingester, worker) and _scalar(db, DONE_SQL) >= messages,
-            timeout_s=WAIT_TIMEOUT_S,
-            what="every todo done by the workers",
-        )
+        _wait_drained(r, db, messages, acker, ingester, worker)
         codes = {
             "ingester-1": ingester.stop(PROCESS_STOP_TIMEOUT_S),
             "acker": acker.stop(PROCESS_STOP_TIMEOUT_S),
             "worker": worker.stop(PROCESS_STOP_TIMEOUT_S),
         }
-        row = db.execute(SUMMARY_SQL).fetchone()
-        assert row is not None
-        todos, distinct, inbox_rows, acked, redeliveries, events = row
-        pending = r.xpending(STREAM, "switchboard")["pending"]
-        _say()
-        _say(f"  messages produced       {messages}")
-        _say(f"  todos created           {todos}")
-        _say(f"  duplicates              {todos - distinct}")
-        _say(f"  events recorded         {events}")
-        _say(f"  inbox rows              {inbox_rows}")
-        _say(f"  acked (XACK)            {acked}")
-        _say(f"  redeliveries deduped    {redeliveries}")
-        _say(f"  pending in Redis (PEL)  {pending}")
-        done, retried = _scalar(db, DONE_SQL), _scalar(db, RETRIED_SQL)
-        _say(f"  todos done (workers)    {done}")
-        _say(f"  done after a retry      {retried}")
-        _say(f"  exit codes on SIGTERM   {codes}")
-        key_row = db.execute(TRAIL_KEY_SQL).fetchone()
-        if key_row:
-            _say(f"\n  audit trail of {key_row[0]} (audit_message_trail):")
-            cur = db.execute(TRAIL_SQL, {"key": key_row[0]})
-            names = [c.name for c in cur.description or ()]
-            for trail in cur.fetchall():
-                for name, value in zip(names, trail, strict=True):
-                    _say(f"    {name:<18} {value}")
-        retried_trail = db.execute(RETRIED_TRAIL_SQL).fetchall()
-        if retried_trail:
-            _say("\n  todo_events of a todo that failed once (todos show ID prints it too):")
-            for from_status, to_status, detail in retried_trail:
-                _say(f"    {from_status or '(new)':<10} -> {to_status:<10} {detail}")
-        ok = todos == messages == distinct == done and acked == inbox_rows and pending == 0
-        ok = ok and all(c == 0 for c in codes.values())
+        ok = _report(r, db, messages, codes)
         _say(f"\ndemo: {'OK: no loss, no duplicate' if ok else 'FAILED'}")
         return EXIT_OK if ok else EXIT_FAILURE
+
+
+def _produce(
+    r: redis.Redis,
+    db: psycopg.Connection[Any],
+    messages: int,
+    acker: SwitchboardProcess,
+    ingester: SwitchboardProcess,
+    restart: Callable[[], SwitchboardProcess],
+) -> SwitchboardProcess:
+    """Produce the orders in chunks; a third of the way in, SIGKILL the
+    ingester once and start it again. Return the ingester running now."""
+    killed = False
+    chunk = 100
+    for start in range(0, messages, chunk):
+        pipe = r.pipeline(transaction=False)
+        for i in range(start, min(start + chunk, messages)):
+            body = {"order_id": i, "sku": f"SKU-{i % 17}", "qty": 1 + i % 5}
+            pipe.xadd(STREAM, {"body": json.dumps(body)})
+        pipe.execute()
+        time.sleep(0.02)
+        if not killed and start >= messages // 3:
+            ingester = _kill_and_restart(r, db, acker, ingester, restart)
+            killed = True
+    return ingester
+
+
+def _kill_and_restart(
+    r: redis.Redis,
+    db: psycopg.Connection[Any],
+    acker: SwitchboardProcess,
+    ingester: SwitchboardProcess,
+    restart: Callable[[], SwitchboardProcess],
+) -> SwitchboardProcess:
+    wait_for(
+        lambda: _running(acker, ingester) and _scalar(db, TODOS_SQL) > 0,
+        timeout_s=WAIT_TIMEOUT_S,
+        what="the first todos",
+    )
+    ingester.kill()
+    pending = r.xpending(STREAM, "switchboard")["pending"]
+    _say(
+        f"demo: SIGKILLed the ingester mid-stream: {_scalar(db, TODOS_SQL)} todos committed, "
+        f"{pending} entries pending in Redis"
+    )
+    restarted = restart()
+    _say("demo: restarted the ingester (same consumer name: it re-reads its own PEL)")
+    return restarted
+
+
+def _wait_drained(
+    r: redis.Redis,
+    db: psycopg.Connection[Any],
+    messages: int,
+    acker: SwitchboardProcess,
+    ingester: SwitchboardProcess,
+    worker: SwitchboardProcess,
+) -> None:
+    wait_for(
+        lambda: _running(acker, ingester) and _scalar(db, ACKED_SQL) >= messages,
+        timeout_s=WAIT_TIMEOUT_S,
+        what="every message acked",
+    )
+    wait_for(
+        lambda: _running(acker, ingester) and r.xpending(STREAM, "switchboard")["pending"] == 0,
+        timeout_s=WAIT_TIMEOUT_S,
+        what="an empty PEL",
+    )
+    wait_for(
+        lambda: _running(acker, ingester, worker) and _scalar(db, DONE_SQL) >= messages,
+        timeout_s=WAIT_TIMEOUT_S,
+        what="every todo done by the workers",
+    )
+
+
+def _report(r: redis.Redis, db: psycopg.Connection[Any], messages: int, codes: dict[str, int]) -> bool:
+    """Print what happened, from SQL and Redis; True: no loss, no duplicate, clean exits."""
+    row = db.execute(SUMMARY_SQL).fetchone()
+    assert row is not None
+    todos, distinct, inbox_rows, acked, redeliveries, events = row
+    pending = r.xpending(STREAM, "switchboard")["pending"]
+    _say()
+    _say(f"  messages produced       {messages}")
+    _say(f"  todos created           {todos}")
+    _say(f"  duplicates              {todos - distinct}")
+    _say(f"  events recorded         {events}")
+    _say(f"  inbox rows              {inbox_rows}")
+    _say(f"  acked (XACK)            {acked}")
+    _say(f"  redeliveries deduped    {redeliveries}")
+    _say(f"  pending in Redis (PEL)  {pending}")
+    done, retried = _scalar(db, DONE_SQL), _scalar(db, RETRIED_SQL)
+    _say(f"  todos done (workers)    {done}")
+    _say(f"  done after a retry      {retried}")
+    _say(f"  exit codes on SIGTERM   {codes}")
+    _say_trails(db)
+    ok = todos == messages == distinct == done and acked == inbox_rows and pending == 0
+    return ok and all(c == 0 for c in codes.values())
+
+
+def _say_trails(db: psycopg.Connection[Any]) -> None:
+    key_row = db.execute(TRAIL_KEY_SQL).fetchone()
+    if key_row:
+        _say(f"\n  audit trail of {key_row[0]} (audit_message_trail):")
+        cur = db.execute(TRAIL_SQL, {"key": key_row[0]})
+        names = [c.name for c in cur.description or ()]
+        for trail in cur.fetchall():
+            for name, value in zip(names, trail, strict=True):
+                _say(f"    {name:<18} {value}")
+    retried_trail = db.execute(RETRIED_TRAIL_SQL).fetchall()
+    if retried_trail:
+        _say("\n  todo_events of a todo that failed once (todos show ID prints it too):")
+        for from_status, to_status, detail in retried_trail:
+            _say(f"    {from_status or '(new)':<10} -> {to_status:<10} {detail}")
