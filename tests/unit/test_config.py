@@ -226,7 +226,7 @@ def test_a_pubsub_adapter_publishes_its_delivery_and_never_the_url() -> None:
     assert public["format"] == "json"
 
 
-_MODE_KEYS = {
+_MODE_KEYS: dict[str, dict[str, Any]] = {
     "stream": {"group": "g", "start_id": "$", "body_field": "b", "claim_idle_ms": 1, "claim_interval_ms": 1},
     "list": {"heartbeat_ttl_ms": 1000, "reap_interval_ms": 1},
     "pubsub": {"delivery": "at-most-once"},
