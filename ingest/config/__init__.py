@@ -436,8 +436,12 @@ class IngestSettings:
     # Bytes of messages one adapter may hold read and not yet committed (the
     # batch read ahead plus the commits in flight). A read asks for at most
     # as many messages as fit at max_message_bytes each, so memory is bounded
-    # by bytes whatever the messages' sizes, not by batch_size alone.
-    max_inflight_bytes: int = 512 * 1024 * 1024
+    # by bytes whatever the messages' sizes, not by batch_size alone. Each
+    # byte held costs 2 to 6.5 bytes of RSS (its decoded text beside it), so
+    # the default keeps a backlog of 1 MiB messages under 1 GiB, half of a
+    # 2 GiB host (512 MiB took 1.2 to 3.3 GiB; docs/operating.md, "Memory is
+    # bounded by bytes"; tests/unit/test_inflight_bound.py).
+    max_inflight_bytes: int = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

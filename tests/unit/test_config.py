@@ -89,7 +89,7 @@ def test_max_inflight_bytes_must_hold_one_message_of_every_adapter() -> None:
         {},
     )
     assert ok.ingest.max_inflight_bytes == 1024
-    assert config.IngestSettings().max_inflight_bytes == 512 * 1024 * 1024
+    assert config.IngestSettings().max_inflight_bytes == 128 * 1024 * 1024
     with pytest.raises(ConfigError, match=r"'max_inflight_bytes' \(1024\) must be at least adapter 'orders'"):
         from_mapping({"database": DB, "ingest": {"max_inflight_bytes": 1024}, "adapters": [adapter()]}, {})
 
