@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from redis.asyncio.connection import parse_url
@@ -13,6 +13,7 @@ from redis.asyncio.connection import parse_url
 from ingest import config
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import from_mapping, load
+from ingest.config.keys import Key, Section
 from ingest.errors import ConfigError
 
 DB = {"url": "postgresql://sb@localhost/sb"}
@@ -317,17 +318,16 @@ def test_messages_are_word_for_word(raw: dict[str, Any], message: str) -> None:
 
 
 @dataclass(frozen=True)
-class Section:
-    grace_s: int = 1  # named like seconds, declared whole
-    ratio: float = 0.5  # named like a count, declared fractional
+class Numbers:
+    grace_s: Annotated[int, Key(minimum=None, doc="named like seconds, declared whole")] = 1
+    ratio: Annotated[float, Key(minimum=None, doc="named like a count, declared fractional")] = 0.5
 
 
-def test_whether_a_number_may_be_fractional_comes_from_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "IngestSettings", Section)
-    ingest: object = from_mapping({"database": DB, "ingest": {"ratio": 2.5}}, {}).ingest  # a Section
-    assert ingest == Section(ratio=2.5)
+def test_whether_a_number_may_be_fractional_comes_from_its_type() -> None:
+    numbers = Section("[ingest]", Numbers)
+    assert Numbers(**numbers.read("[ingest]", {"ratio": 2.5})) == Numbers(ratio=2.5)
     with pytest.raises(ConfigError) as info:
-        from_mapping({"database": DB, "ingest": {"grace_s": 2.5}}, {})
+        numbers.read("[ingest]", {"grace_s": 2.5})
     assert str(info.value) == "[ingest]: key 'grace_s': must be a positive integer (got 2.5)"
     acker = from_mapping({"database": DB, "acker": {"shutdown_timeout_s": 2.5}}, {}).acker
     assert acker.shutdown_timeout_s == 2.5
@@ -674,3 +674,88 @@ def test_an_unset_dramatiq_credential_is_an_error_for_the_relay_and_workers_only
         str(info.value)
         == "[dramatiq]: key 'password_env': the environment variable 'DQ_PW' is not set or empty"
     )
+
+
+# --- every table read the same way, from its definitions (issue 23) -----------
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"database": {**DB, "bogus": 1}},
+         "[database]: unknown key 'bogus' (allowed: lock_timeout_ms, pool_size, statement_timeout_ms,"
+         " tcp_user_timeout_ms, transaction_deadline_ms, url)"),
+        ({"redis": {"bogus": 1}}, "[redis]: unknown key 'bogus' (allowed: url)"),
+        ({"ingest": {"bogus": 1}},
+         "[ingest]: unknown key 'bogus' (allowed: backoff_initial_ms, backoff_max_ms, commits_in_flight,"
+         " enabled_refresh_ms, max_batch_bytes, max_inflight_bytes, shutdown_timeout_s)"),
+        ({"acker": {"bogus": 1}},
+         "[acker]: unknown key 'bogus' (allowed: backoff_initial_ms, backoff_max_ms, batch_size,"
+         " dispatch_batch_size, dispatch_timeout_ms, poll_interval_ms, prune_batch_size, prune_interval_ms,"
+         " prune_pause_ms, rescue_interval_ms, shutdown_timeout_s)"),
+        ({"queues": {"q": {"handler": "m:f", "bogus": 1}}},
+         "[queues.q]: unknown key 'bogus' (allowed: dramatiq_queue, handler, lease_margin_ms, max_attempts,"
+         " max_backoff_ms, min_backoff_ms, retain_done_days, retain_failed_days, time_limit_ms)"),
+        ({"dramatiq": {"bogus": 1}},
+         "[dramatiq]: unknown key 'bogus' (allowed: idle_poll_ms, password_env, url, username_env)"),
+        ({"metrics": {"bogus": 1}},
+         "[metrics]: unknown key 'bogus' (allowed: address, port, refresh_interval_ms)"),
+        ({"database": {}}, "[database]: key 'url' is required (or set SWITCHBOARD_DATABASE_URL)"),
+        ({"database": {"url": ""}}, "[database]: key 'url' is required (or set SWITCHBOARD_DATABASE_URL)"),
+        ({"database": {**DB, "pool_size": 0}},
+         "[database]: key 'pool_size': must be an integer >= 1 (got 0)"),
+        ({"acker": {"prune_batch_size": 50_001}},
+         "[acker]: key 'prune_batch_size' must be at most 50000 (got 50001)"),
+        ({"acker": {"prune_interval_ms": -1}},
+         "[acker]: key 'prune_interval_ms': must be a positive integer (got -1)"),
+        ({"acker": {"prune_pause_ms": False}},
+         "[acker]: key 'prune_pause_ms': must be a positive integer (got False)"),
+        ({"queues": {"q": {}}},
+         "[queues.q]: key 'handler' is required ('module:function' that does the todos)"),
+        ({"queues": {"q": {"handler": "m:f", "lease_margin_ms": 1999}}},
+         "[queues.q]: key 'lease_margin_ms': must be an integer >= 2000 (got 1999)"),
+        ({"queues": {"q": {"handler": "m:f", "dramatiq_queue": ""}}},
+         "[queues.q]: key 'dramatiq_queue': must be a non-empty string (got '')"),
+        ({"queues": {"q": {"handler": "m:f", "retain_done_days": 0}}},
+         "[queues.q]: key 'retain_done_days' must be a number of days, > 0 and <= 36500 (got 0)"),
+        ({"dramatiq": {"idle_poll_ms": 0}},
+         "[dramatiq]: key 'idle_poll_ms': must be an integer >= 1 (got 0)"),
+        ({"dramatiq": {"url": "http://d"}},
+         "[dramatiq]: key 'url' must be a redis://, rediss:// or unix:// URL"),
+        ({"queues": []}, "[queues]: must be a table"),
+        ({"queues": {"q": 1}}, "[queues.q]: must be a table"),
+        ({"adapters": {}}, "[[adapters]]: must be an array of tables"),
+    ],
+)  # fmt: skip
+def test_each_table_is_checked_from_its_definitions_word_for_word(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, **raw}, {})
+    assert str(info.value) == message
+
+
+def test_a_zero_that_means_off_is_kept_and_the_metrics_port_variable_is_checked_after_the_file() -> None:
+    s = from_mapping({"database": DB, "acker": {"prune_interval_ms": 0, "prune_pause_ms": 0}}, {})
+    assert (s.acker.prune_interval_ms, s.acker.prune_pause_ms) == (0, 0)
+    with pytest.raises(ConfigError) as info:  # the file's port is checked, though the variable overrides it
+        from_mapping({"database": DB, "metrics": {"port": -1}}, {"SWITCHBOARD_METRICS_PORT": "9000"})
+    assert str(info.value) == "[metrics]: key 'port' must be 0..65535 (got -1)"
+    # The database and broker variables take their key's place: the file's is not read.
+    env = {"SWITCHBOARD_DATABASE_URL": "postgresql://x@db/y", "SWITCHBOARD_REDIS_URL": "redis://r/0"}
+    s = from_mapping({"database": {"url": "mysql://x"}, "redis": {"url": "http://x"}}, env)
+    assert (s.database.url, s.redis_url) == ("postgresql+psycopg://x@db/y", "redis://r/0")
+
+
+@dataclass(frozen=True)
+class Unkeyed:
+    keyed: Annotated[int, Key(doc="a key")] = 1
+    forgotten: int = 2
+
+
+def test_a_setting_without_a_definition_is_refused_when_its_table_is_first_read() -> None:
+    with pytest.raises(TypeError, match=r"Unkeyed\.forgotten: a setting needs a Key"):
+        _ = Section("[unkeyed]", Unkeyed).settings
+    with pytest.raises(TypeError, match="must name each field once"):
+        _ = Section("[unkeyed]", Unkeyed, keys={"keyed": Key(doc="a key")}).settings
+    assert [s.name for s in Section("[u]", Unkeyed, keys={"keyed": Key(), "forgotten": None}).settings] == [
+        "keyed"
+    ]

@@ -1,0 +1,409 @@
+"""``[[adapters]]``: one table per adapter, read by the definitions of
+:class:`AdapterConfig` (the modes each key applies to, its bounds, its
+check), as every other table is (:mod:`ingest.config.keys`)."""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
+from backhalf.keys import DEFAULT_PREFIX
+from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
+from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, string
+from ingest.config.urls import check_redis_url, env_name, with_credentials
+from ingest.errors import ConfigError
+
+MODES = ("stream", "list", "pubsub")
+STREAM = ("stream",)
+LIST = ("list",)
+PUBSUB = ("pubsub",)
+DEFAULT_BROKER = "the default broker (`SWITCHBOARD_REDIS_URL`, else `[redis] url`)"
+RETENTION = "([Retention](operating.md#retention))"
+CREDENTIALS = "([security.md](security.md#broker-passwords-from-the-environment))"
+
+
+def _mode(where: str, value: Any) -> str:
+    if value not in MODES:
+        raise ConfigError(f"{where} must be one of {', '.join(MODES)} (got {value!r})")
+    return str(value)
+
+
+def _delivery(where: str, value: Any) -> str:
+    if value not in ("at-least-once", "at-most-once"):
+        raise ConfigError(f'{where} must be "at-least-once" or "at-most-once" (got {value!r})')
+    return str(value)
+
+
+def _pubsub_is_at_most_once(label: str, values: Mapping[str, Any]) -> None:
+    if values["mode"] == "pubsub" and values["delivery"] != "at-most-once":
+        raise ConfigError(
+            f'{label}: key \'delivery\' must be "at-most-once" for mode = "pubsub": pub/sub has no '
+            "redelivery and loses messages published while the ingester is down"
+        )
+
+
+def _transport(where: str, value: Any) -> str:
+    if value != "redis":
+        raise ConfigError(f'{where} must be "redis" (got {value!r})')
+    return "redis"
+
+
+def _ack_after(where: str, value: Any) -> str:
+    if value not in ("store", "complete"):
+        raise ConfigError(f'{where} must be "store" or "complete" (got {value!r})')
+    return str(value)
+
+
+def _complete_needs_an_ack(label: str, values: Mapping[str, Any]) -> None:
+    if values["mode"] == "pubsub" and values["ack_after"] == "complete":
+        raise ConfigError(
+            f'{label}: key \'ack_after\' = "complete" does not apply to mode = "pubsub": a pub/sub'
+            " message has no broker ack to defer"
+        )
+
+
+def _format(where: str, value: Any) -> BodyFormat:
+    try:
+        return BodyFormat(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where} must be json, text or bytes (got {value!r})") from exc
+
+
+_START_ID = re.compile(r"\$|\d+(-\d+)?")
+
+
+def _start_id(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not _START_ID.fullmatch(value):
+        raise ConfigError(f"{where} must be '0', '$' or a stream id (got {value!r})")
+    return value
+
+
+# Retention (issue 14). A stream entry id is deduplicated only while its inbox
+# row exists, so an adapter's rows are kept at least as long as its broker can
+# deliver the entry again: twice its claim (stream) or reap (list) cycle, and
+# never under an hour. Twice, because a cycle is the bound on when a stuck
+# entry is taken again, not on when that delivery is stored; the hour covers
+# what no key bounds: a consumer frozen (a GC pause, SIGSTOP, a VM migration)
+# with a batch it read before another consumer claimed, stored and acked it,
+# which it stores when it wakes, and the store's own deadline.
+DAY_MS = 86_400_000
+RETENTION_FLOOR_MS = 3_600_000
+RETENTION_HORIZON_FACTOR = 2
+
+
+def redelivery_horizon_ms(values: Mapping[str, Any]) -> tuple[int, str]:
+    """How long after its delivery an adapter's broker may deliver a message
+    again, and from which keys: the claim cycle of a stream, the reap cycle of
+    a list (pub/sub never redelivers)."""
+    if values["mode"] == "stream":
+        return values["claim_idle_ms"] + values["claim_interval_ms"], "claim_idle_ms + claim_interval_ms"
+    if values["mode"] == "list":
+        return values["heartbeat_ttl_ms"] + values["reap_interval_ms"], "heartbeat_ttl_ms + reap_interval_ms"
+    return 0, "no redelivery (pub/sub)"
+
+
+def _retention_rule(key: str) -> Rule:
+    def covers_redelivery(label: str, values: Mapping[str, Any]) -> None:
+        days = values.get(key)
+        if days is None:
+            return
+        horizon_ms, keys = redelivery_horizon_ms(values)
+        minimum_ms = max(RETENTION_HORIZON_FACTOR * horizon_ms, RETENTION_FLOOR_MS)
+        if days * DAY_MS < minimum_ms:
+            raise ConfigError(
+                f"{label}: key {key!r} ({days:g} days) is shorter than the adapter can redeliver: an entry"
+                f" is deduplicated only while its inbox row is kept, and {keys} is {horizon_ms} ms; keep"
+                f" rows at least {RETENTION_HORIZON_FACTOR}x that and at least"
+                f" {RETENTION_FLOOR_MS // 60_000} minutes ({minimum_ms / DAY_MS:.6g} days)"
+            )
+
+    return covers_redelivery
+
+
+def _retention(key: str, doc: str) -> Key:
+    return Key(
+        parse=days, rule=_retention_rule(key), doc=doc, default_doc="none: kept forever", type_doc=DAYS_TYPE
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterConfig:
+    """One ``[[adapters]]`` table. The attributes are declared in the order
+    their keys are checked: of several errors in a table, the first declared
+    is reported."""
+
+    name: Annotated[str, Key(public=False, doc="the adapter's name, one per adapter")]
+    mode: Annotated[  # its own column
+        str,
+        Key(public=False, parse=_mode, doc="`stream`, `list` or `pubsub` ([transports.md](transports.md))"),
+    ] = "stream"
+    delivery: Annotated[
+        str | None,
+        Key(
+            PUBSUB,
+            parse=_delivery,
+            rule=_pubsub_is_at_most_once,
+            doc="`at-most-once`, required for pub/sub"
+            " ([transports.md](transports.md#pubsub-mode--pubsub-loss-tolerant-only))",
+        ),
+    ] = None
+    transport: Annotated[str, Key(public=False, parse=_transport, doc="the broker's kind: `redis`")] = (
+        "redis"  # its own column
+    )
+    ack_after: Annotated[
+        Literal["store", "complete"],
+        Key(
+            parse=_ack_after,
+            rule=_complete_needs_an_ack,
+            doc="`store`, or `complete`: the broker ack waits for the todo to finish, see"
+            " [Workers](workers.md#acking-on-completion-ack_after--complete); not for pub/sub, which has"
+            " no ack",
+        ),
+    ] = "store"
+    format: Annotated[
+        BodyFormat,
+        Key(
+            parse=_format, doc="`json`, `text` or `bytes`: how the body is read ([messages.md](messages.md))"
+        ),
+    ] = BodyFormat.JSON
+    start_id: Annotated[
+        str,
+        Key(
+            STREAM,
+            parse=_start_id,
+            doc="where a new group starts: `0` consumes the backlog, `$` new only, or a stream id"
+            " ([transports.md](transports.md#where-a-streams-group-starts-start_id))",
+        ),
+    ] = "0"
+    group: Annotated[str, Key(STREAM, doc="the consumer group, created (MKSTREAM) when missing")] = (
+        "switchboard"
+    )
+    consumer: Annotated[
+        str,
+        Key(doc="unique per ingester process; `ingest --consumer` overrides it", default_doc="the host name"),
+    ] = field(default_factory=socket.gethostname)
+    key_prefix: Annotated[str, Key(doc="idempotency keys: `{key_prefix}:{source}:{entry-id}`")] = (
+        DEFAULT_PREFIX
+    )
+    body_field: Annotated[
+        str, Key(STREAM, doc="the field holding the message; entries without it are taken as their field map")
+    ] = "body"
+    batch_size: Annotated[int, Key(maximum=10_000, doc="messages read at most per batch")] = 500
+    block_ms: Annotated[
+        int,
+        Key(
+            doc="how long a read waits for its first message (`XREADGROUP BLOCK`, `BLMOVE`'s timeout,"
+            " pub/sub's wait)"
+        ),
+    ] = 1000
+    claim_idle_ms: Annotated[
+        int, Key(STREAM, doc="claim (XCLAIM) entries idle longer than this (keep well above ack lag)")
+    ] = 60_000
+    claim_interval_ms: Annotated[int, Key(STREAM, doc="how often the claim sweep runs")] = 5_000
+    max_message_bytes: Annotated[
+        int, Key(doc="a larger message is rejected `too_large` ([messages.md](messages.md))")
+    ] = DEFAULT_MAX_MESSAGE_BYTES
+    heartbeat_ttl_ms: Annotated[
+        int, Key(LIST, minimum=1000, doc="a consumer silent this long is dead; its processing list is reaped")
+    ] = 30_000
+    max_deliveries: Annotated[
+        int, Key(minimum=3, doc="delivered this often and never stored: rejected as poison")
+    ] = 10
+    reap_interval_ms: Annotated[int, Key(LIST, doc="how often dead consumers' lists are checked")] = 5_000
+    source: Annotated[str, Key(doc="stream key, list key or channel")]
+    redis_url: Annotated[
+        str,
+        Key(
+            public=False,
+            toml="url",
+            parse=check_redis_url,
+            doc="the adapter's own broker; never published in `adapters.settings`",
+            default_doc=DEFAULT_BROKER,
+        ),
+    ]
+    # The broker's user name and password from these environment variables
+    # (never from the TOML), in place of the url's; not published.
+    username_env: Annotated[
+        str | None,
+        Key(
+            public=False,
+            parse=env_name,
+            doc=f"the variable holding the broker's user name, in place of the url's {CREDENTIALS}",
+        ),
+    ] = None
+    password_env: Annotated[
+        str | None,
+        Key(
+            public=False,
+            parse=env_name,
+            doc=f"the variable holding the broker's password, in place of the url's {CREDENTIALS}",
+        ),
+    ] = None
+    queue: Annotated[str, Key(doc="the todo queue", default_doc="the adapter's `name`")]
+    schema: Annotated[
+        str | None,
+        Key(
+            parse=string,
+            doc="a JSON Schema file the body must satisfy, else it is poison; relative to the config file,"
+            ' its references resolved at start-up ([messages.md](messages.md)); not for `format = "bytes"`',
+        ),
+    ] = None
+    # So a producer cannot stall the ingester.
+    schema_timeout_ms: Annotated[
+        int, Key(doc="a body whose validation takes longer is rejected (`validation_timeout`)")
+    ] = DEFAULT_SCHEMA_TIMEOUT_MS
+    # Retention (the acker's pruner, `switchboard prune`), checked against
+    # the redelivery horizon above.
+    retain_acked_days: Annotated[
+        float | None,
+        _retention(
+            "retain_acked_days", f"days stored rows whose ack is done are kept, with their events {RETENTION}"
+        ),
+    ] = None
+    retain_rejected_days: Annotated[
+        float | None,
+        _retention(
+            "retain_rejected_days",
+            "days rejected (poison, lost) rows are kept, with their events (longer: operators replay"
+            f" them) {RETENTION}",
+        ),
+    ] = None
+    body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
+    # Why ``redis_url`` lacks its credentials (a username_env / password_env
+    # unset), raised by whatever connects to the broker; None: complete.
+    credentials_error: Annotated[str | None, Derived()] = field(default=None, compare=False, repr=False)
+
+    def public_settings(self) -> dict[str, Any]:
+        """What goes into ``adapters.settings``: the settings that apply to
+        this adapter's mode, never the broker URL; an unset ``schema`` is left
+        out."""
+        public: dict[str, Any] = {}
+        for s in ADAPTERS.settings:
+            value = getattr(self, s.attr)
+            if s.key.public and s.key.applies_to(self.mode) and value is not None:
+                public[s.name] = value.value if isinstance(value, Enum) else value
+        return public
+
+
+ADAPTERS = Section(
+    "[[adapters]]",
+    AdapterConfig,
+    intro="One table per adapter. The modes are explained in [transports.md](transports.md), and what"
+    " becomes of a message in [messages.md](messages.md). A key applies to the modes its row names: given"
+    " for another mode it is an error.",
+)
+
+
+def adapter_keys() -> frozenset[str]:
+    """The keys of an ``[[adapters]]`` table."""
+    return ADAPTERS.names()
+
+
+def read_adapter(
+    table: Mapping[str, Any], redis_url: str, env: Mapping[str, str] | None = None
+) -> AdapterConfig:
+    """One ``[[adapters]]`` table, read and checked as a config file's are;
+    ``redis_url`` where it names no ``url``. A ``schema`` path is taken
+    relative to the working directory."""
+    return _adapter(0, table, redis_url, Path.cwd(), env or {})
+
+
+def read_adapters(
+    raw: Mapping[str, Any], default_redis_url: str, base_dir: Path, env: Mapping[str, str]
+) -> tuple[AdapterConfig, ...]:
+    """The file's ``[[adapters]]``, each read, then checked against the others."""
+    tables = raw.get("adapters", [])
+    if not isinstance(tables, list):
+        raise ConfigError("[[adapters]]: must be an array of tables")
+    adapters = tuple(_adapter(i, a, default_redis_url, base_dir, env) for i, a in enumerate(tables))
+    names = [a.name for a in adapters]
+    for n in names:
+        if names.count(n) > 1:
+            raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
+    _check_one_reader_each(adapters)
+    return adapters
+
+
+def _adapter(
+    index: int, raw: Any, default_redis_url: str, base_dir: Path, env: Mapping[str, str]
+) -> AdapterConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"adapters[{index}]: must be a table")
+    name = raw.get("name")
+    label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{index}]"
+    # The defaults that depend on the rest.
+    values = ADAPTERS.read(label, raw, defaults={"url": default_redis_url, "queue": name})
+    try:
+        values["redis_url"] = with_credentials(
+            label,
+            values["redis_url"],
+            env,
+            username_env=values["username_env"],
+            password_env=values["password_env"],
+        )
+    except ConfigError as exc:
+        # Only the processes that connect to this broker need the variables
+        # (the ingester's and the acker's, per role): raised when one does.
+        values["credentials_error"] = str(exc)
+    return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
+
+
+def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
+    """``schema``: a JSON Schema file, relative to the config file's directory,
+    its references resolved now (never while messages arrive)."""
+    if values["schema"] is None:
+        return {}
+    path = Path(values["schema"])
+    if values["format"] is BodyFormat.BYTES:
+        raise ConfigError(f"{label}: key 'schema' cannot apply to format = \"bytes\" (nothing is decoded)")
+    path = path if path.is_absolute() else base_dir / path
+    try:
+        body_schema = BodySchema.load(path, timeout_ms=values["schema_timeout_ms"])
+        return {"schema": str(path), "body_schema": body_schema}
+    except SchemaFileError as exc:
+        raise ConfigError(f"{label}: key 'schema': {exc}") from exc
+
+
+def _broker_identity(url: str) -> tuple[str, ...]:
+    """Which server and database a broker URL reaches, whoever logs in."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return ("unix", parts.path)
+    db = parts.path.strip("/") or "0"
+    for item in parts.query.split("&"):
+        key, _, value = item.partition("=")
+        if key == "db":
+            db = value
+    return (parts.hostname or "localhost", str(parts.port or 6379), db)
+
+
+def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
+    """Two adapters reading one stream with one consumer group (or one list)
+    split its messages between them at random, and after a crash a message
+    can reach both, as work in two queues: refused. Fan-out on a stream is
+    distinct groups; pub/sub delivers every message to every subscriber."""
+    readers: dict[tuple[str, ...], AdapterConfig] = {}
+    for a in adapters:
+        if a.mode == "stream":
+            what = (a.mode, *_broker_identity(a.redis_url), a.source, a.group)
+            key, read = "group", f"stream {a.source!r} with group {a.group!r}"
+            hint = "fan-out needs a distinct group"
+        elif a.mode == "list":
+            what = (a.mode, *_broker_identity(a.redis_url), a.source)
+            key, read = "source", f"list {a.source!r}"
+            hint = "one adapter per list; run more ingesters for more consumers"
+        else:
+            continue
+        first = readers.setdefault(what, a)
+        if first is not a:
+            raise ConfigError(
+                f"adapter {a.name!r}: key {key!r}: adapter {first.name!r} already reads {read}"
+                f" on the same broker; {hint}"
+            )

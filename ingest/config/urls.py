@@ -1,0 +1,159 @@
+"""URLs and broker credentials: checked at load, and never echoed.
+
+A database URL must be PostgreSQL for psycopg 3, a broker URL one redis-py
+reads as meant; a broker's user name and password may come from environment
+variables the config names (:func:`with_credentials`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from redis.asyncio.connection import parse_url
+from sqlalchemy.engine import make_url
+
+from backhalf.db import normalize_url
+from ingest.config.keys import string
+from ingest.errors import ConfigError
+
+# Messages about a URL never quote it, nor any piece of it: a password with an
+# unencoded reserved character is split at that character by every parser, so
+# a "host" or "port" read from such a URL may be part of the password.
+_ENCODE_RULE = (
+    "a reserved character in the password must be percent-encoded"
+    " (@ as %40, / as %2F, ? as %3F, # as %23, % as %25, a space as %20)"
+)
+
+
+def _url_shape_problem(url: str) -> str | None:
+    """Why ``url`` cannot be split into its parts as intended, or None."""
+    if any(c.isspace() for c in url):
+        return f"contains whitespace; {_ENCODE_RULE}"
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError: a port that is no number, or out of range
+    except ValueError:
+        return f"has a port that is not a number, or {_ENCODE_RULE}"
+    # An unencoded '?' or '#' in the password moves the rest of the URL, its
+    # '@' included, into the query or the fragment.
+    moved = (parts.path, parts.query, parts.fragment)
+    if parts.netloc.count("@") > 1 or any("@" in piece for piece in moved):
+        return _ENCODE_RULE
+    return None
+
+
+# What redis-py reads from a URL's query (redis.asyncio.connection.parse_url, with
+# which it builds its connections); TLS options only for rediss://. Any other
+# key would reach the connection as an unexpected keyword and fail there.
+_REDIS_QUERY = frozenset(
+    {
+        "db", "socket_timeout", "socket_connect_timeout", "socket_read_size", "socket_keepalive",
+        "retry_on_timeout", "max_connections", "health_check_interval", "timeout", "protocol",
+        "client_name",
+    }
+)  # fmt: skip
+_REDIS_TLS_QUERY = frozenset(
+    {
+        "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+        "ssl_password", "ssl_check_hostname", "ssl_min_version", "ssl_include_verify_flags",
+        "ssl_exclude_verify_flags",
+    }
+)  # fmt: skip
+
+
+def _redis_query_problem(url: str) -> str | None:
+    """A query parameter redis-py would not take, or take badly; never named
+    from the URL itself, which may hold a piece of a password."""
+    parts = urlsplit(url)
+    allowed = _REDIS_QUERY | (_REDIS_TLS_QUERY if parts.scheme == "rediss" else frozenset())
+    keys = {item.partition("=")[0] for item in parts.query.split("&") if item}
+    if keys - allowed:
+        return f"has a query parameter redis-py does not take (allowed: {', '.join(sorted(allowed))})"
+    try:
+        parse_url(url)
+    except ValueError:
+        return "has a query parameter whose value redis-py cannot read (a number or a boolean)"
+    return None
+
+
+def check_redis_url(where: str, value: Any) -> str:
+    """A broker URL, checked without ever echoing it: ``where`` names where
+    it came from (a config key, or the environment variable)."""
+    url = string(where, value)
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL")
+    problem = _url_shape_problem(url) or _redis_query_problem(url)
+    if problem is not None:
+        raise ConfigError(f"{where} is not a valid URL: {problem}")
+    return url
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_name(where: str, value: Any) -> str:
+    """The name of an environment variable (a name, never a secret: quoted)."""
+    if not isinstance(value, str) or not _ENV_NAME.fullmatch(value):
+        raise ConfigError(f"{where} must name an environment variable: letters, digits and _ (got {value!r})")
+    return value
+
+
+def with_credentials(
+    where: str, url: str, env: Mapping[str, str], *, username_env: str | None, password_env: str | None
+) -> str:
+    """``url`` with its user name and password taken from the variables
+    named, so a broker password need not be written in the config file. A
+    variable unset or empty is an error naming ``where``, the key and the
+    variable, never a value. Each is percent-encoded into the URL, so any
+    character may be in it."""
+    if username_env is None and password_env is None:
+        return url
+
+    def read(key: str, variable: str) -> str:
+        value = env.get(variable)
+        if not value:
+            raise ConfigError(
+                f"{where}: key {key!r}: the environment variable {variable!r} is not set or empty"
+            )
+        return quote(value, safe="")
+
+    parts = urlsplit(url)
+    userinfo, at, hostinfo = parts.netloc.rpartition("@")
+    # What the URL gives stays as it is written (already percent-encoded).
+    user, _, password = userinfo.partition(":") if at else ("", "", "")
+    if username_env is not None:
+        user = read("username_env", username_env)
+    if password_env is not None:
+        password = read("password_env", password_env)
+    userinfo = user + (f":{password}" if password else "")
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{hostinfo}" if userinfo else hostinfo))
+
+
+def database_url(where: str, value: Any) -> str:
+    """A PostgreSQL URL in its psycopg 3 form, checked without echoing it."""
+    url = string(where, value)
+    if any(c.isspace() for c in url):
+        raise ConfigError(f"{where} is not a valid URL: contains whitespace; {_ENCODE_RULE}")
+    try:
+        parsed = make_url(url)
+    except Exception as exc:  # SQLAlchemy's URL parser raises several types; their texts quote the URL
+        raise ConfigError(
+            f"{where} is not a database URL ({type(exc).__name__}): the form is"
+            f" postgresql://USER:PASSWORD@HOST:PORT/DATABASE, and {_ENCODE_RULE}"
+        ) from exc
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
+        # The scheme is letters, digits and "+.-": no secret in it.
+        raise ConfigError(
+            f"{where} must be a PostgreSQL URL (postgresql://USER:PASSWORD@HOST:PORT/DATABASE),"
+            f" not {parsed.drivername}://"
+        )
+    if parsed.drivername not in ("postgresql", "postgres", "postgresql+psycopg"):
+        raise ConfigError(
+            f"{where} must use the psycopg 3 driver (postgresql:// or postgresql+psycopg://),"
+            f" not {parsed.drivername}://"
+        )
+    if "@" in (parsed.host or "") or "@" in (parsed.database or ""):
+        raise ConfigError(f"{where} is not a valid URL: {_ENCODE_RULE}")
+    return normalize_url(url)
