@@ -57,7 +57,7 @@ CROSS JOIN LATERAL (
 SELECT p.idempotency_key, p.ack_key, p.id FROM unnest(%(keys)b::text[]) AS u(k)
 CROSS JOIN LATERAL (
     SELECT i.idempotency_key, i.ack_key, i.id FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
-    WHERE q.adapter = %(adapter)s AND q.idempotency_key = u.k AND q.ack_kind = 'lrem'
+    WHERE q.adapter = %(adapter)s AND q.idempotency_key = u.k AND q.by_body
       AND q.ack_key = ANY(%(ack_keys)b::text[])
     FOR UPDATE
 ) AS p
@@ -247,10 +247,11 @@ still_active AS (
     FOR SHARE
 ),
 queued AS (
-    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for)
+    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body)
     SELECT id, adapter, ack_kind, ack_key, idempotency_key,
            CASE WHEN ack_after = 'complete' AND (inserted OR todo_id IN (SELECT id FROM still_active))
-                THEN todo_id END
+                THEN todo_id END,
+           %(by_body)s
     FROM written
     WHERE ack_state = 'pending' AND NOT %(by_cursor)s
     ON CONFLICT (inbox_id) DO NOTHING
@@ -360,12 +361,12 @@ WITH picked AS (
     FOR UPDATE SKIP LOCKED
 ), claimed AS (
     DELETE FROM ack_queue WHERE inbox_id IN (SELECT inbox_id FROM picked)
-    RETURNING inbox_id
+    RETURNING inbox_id, by_body
 )
 UPDATE inbox SET ack_state = 'acked', acked_at = statement_timestamp()
 FROM claimed WHERE inbox.id = claimed.inbox_id
 RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
-          CASE WHEN ack_kind = 'lrem' THEN body END AS body
+          CASE WHEN claimed.by_body THEN body END AS body
 
 
 -- name: cursor_peek
@@ -514,7 +515,7 @@ CROSS JOIN LATERAL (
 -- List recovery: the pending copies on one processing list, locked with the
 -- same row locks the acker takes, so LRANGE and these counts agree.
 SELECT i.id, i.idempotency_key, i.ack_copies FROM ack_queue q JOIN inbox i ON i.id = q.inbox_id
-WHERE q.adapter = %(adapter)s AND q.ack_key = %(ack_key)s AND q.ack_kind = 'lrem'
+WHERE q.adapter = %(adapter)s AND q.ack_key = %(ack_key)s AND q.by_body
 ORDER BY i.id
 FOR UPDATE
 

@@ -185,6 +185,8 @@ async def _write(
             "ack_after": batch.ack_after,
             "ack_state": _ack_state(batch),
             "by_cursor": _by_cursor(batch),
+            # Keyed by body (no native id): copies of one body merge (ack_queue.by_body).
+            "by_body": not native,
             "keys": [r.idempotency_key for r in writing],
             "ids": [r.source_message_id for r in writing],
             "bodies": [r.body for r in writing],

@@ -144,7 +144,7 @@ BEGIN
           UPDATE (ack_copies, deliveries, consumer, ack_key, ack_group, ack_state, acked_at, ack_xid)
         ON inbox TO switchboard_ingester;
     -- Queues acks; the UPDATE grant is for row locks only (policy below).
-    GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for),
+    GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body),
           UPDATE (waiting_for)
         ON ack_queue TO switchboard_ingester;
     GRANT SELECT, INSERT (adapter, idempotency_key, attempts), UPDATE (attempts, last_attempt_at), DELETE

@@ -11,7 +11,6 @@ console entry (``ingest.entry``) tells this package from that one.
 from typing import Final
 
 from schema.tables import (
-    ACK_KINDS,
     ACK_STATES,
     ACTIVE_TODO_STATUSES,
     INBOX_STATUSES,
@@ -31,7 +30,6 @@ from schema.views import VIEWS
 SWITCHBOARD_SCHEMA: Final = True
 
 __all__ = [
-    "ACK_KINDS",
     "ACK_STATES",
     "ACTIVE_TODO_STATUSES",
     "INBOX_STATUSES",

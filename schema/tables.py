@@ -37,7 +37,6 @@ NAMING_CONVENTION = {
 
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
-ACK_KINDS = ("xack", "lrem", "none")
 ACK_STATES = ("pending", "acked", "none")
 ACK_AFTER = ("store", "complete")
 INBOX_STATUSES = ("stored", "rejected")
@@ -178,8 +177,11 @@ inbox = sa.Table(
     sa.Column("body_size", sa.BigInteger),  # escaped, a field map can pass 2 GiB
     sa.Column("body_sha256", BYTEA),
     # The ack intent: what the acker must tell the broker once this row is
-    # committed. Stream: XACK ack_key ack_group ack_entry_id. List: LREM
-    # ack_key ack_copies <body>. Pub/sub: nothing.
+    # committed, read only by the transport that registered ``ack_kind``
+    # (ingest/adapters/<transport>): Redis streams XACK ack_key ack_group
+    # ack_entry_id (the ref), lists LREM ack_key ack_copies <body>, pub/sub
+    # 'none'. Kinds are the transports' words: no constraint lists them
+    # (issue 23, migration 0009).
     sa.Column("ack_kind", sa.Text, nullable=False),
     sa.Column("ack_key", sa.Text),
     sa.Column("ack_group", sa.Text),
@@ -200,7 +202,6 @@ inbox = sa.Table(
     # (``pg_current_xact_id()``, 64 bits, never wraps). NULL: the ack, if
     # any, goes through ack_queue.
     sa.Column("ack_xid", sa.BigInteger),
-    sa.CheckConstraint(_one_of("ack_kind", ACK_KINDS), name="ack_kind"),
     sa.CheckConstraint(_one_of("ack_after", ACK_AFTER), name="ack_after"),
     sa.CheckConstraint(_one_of("ack_state", ACK_STATES), name="ack_state"),
     sa.CheckConstraint(_one_of("status", INBOX_STATUSES), name="status"),
@@ -253,7 +254,10 @@ ack_queue = sa.Table(
     # NULL: the ack is owed now, and the acker claims it. A waiting row is
     # still pending for list mode's copy bookkeeping and the claim sweep.
     sa.Column("waiting_for", sa.BigInteger),
-    sa.CheckConstraint(_one_of("ack_kind", ("xack", "lrem")), name="ack_kind"),
+    # The intent names its message by its body (a row without a native id:
+    # a list item), so copies of one body on one key merge into one row and
+    # recovery reconciles counts against them.
+    sa.Column("by_body", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 # The acker's claim walks only acks owed now, in id order, never over the
 # ones waiting for a todo (however many a backlog holds).
@@ -270,10 +274,10 @@ sa.Index(
     ack_queue.c.idempotency_key,
     ack_queue.c.ack_key,
     unique=True,
-    postgresql_where=ack_queue.c.ack_kind == "lrem",
+    postgresql_where=ack_queue.c.by_body,
 )
 # List recovery locks a processing list's pending intents by ack_key.
-sa.Index("ix_ack_queue_lrem_ack_key", ack_queue.c.ack_key, postgresql_where=ack_queue.c.ack_kind == "lrem")
+sa.Index("ix_ack_queue_body_ack_key", ack_queue.c.ack_key, postgresql_where=ack_queue.c.by_body)
 
 # Per adapter, how far the acker has acked rows found by ``inbox.ack_xid``:
 # every row before (xid, inbox_id) in (ack_xid, id) order is acked. Only

@@ -36,9 +36,7 @@ class MemoryAdapter:
 
     @property
     def ack_target(self) -> AckTarget:
-        # The inbox's check constraint still lists the kinds the schema knows
-        # (schema/tables.py ACK_KINDS): the fake acks like a stream.
-        return AckTarget("xack", self.name, "memory", by_cursor=True)
+        return AckTarget("memory", self.name, "memory", by_cursor=True)
 
     @property
     def identity(self) -> str:

@@ -56,10 +56,11 @@ still_active AS (
     FOR SHARE
 ),
 queued AS (
-    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for)
+    INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body)
     SELECT id, adapter, ack_kind, ack_key, idempotency_key,
            CASE WHEN ack_after = 'complete' AND (inserted OR todo_id IN (SELECT id FROM still_active))
-                THEN todo_id END
+                THEN todo_id END,
+           %(by_body)s
     FROM written
     WHERE ack_state = 'pending' AND NOT %(by_cursor)s
     ON CONFLICT (inbox_id) DO NOTHING
