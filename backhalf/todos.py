@@ -65,7 +65,7 @@ RESCUED_STALE = "rescued: dispatched with no progress (its message was lost)"
 
 @dataclass(frozen=True, slots=True)
 class Todo:
-    """What a handler is called with (a contract: README, DESIGN.md section 7)."""
+    """What a handler is called with (a contract: docs/workers.md, DESIGN.md section 7)."""
 
     id: int
     queue: str

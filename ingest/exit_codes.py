@@ -1,4 +1,4 @@
-"""The process exit codes, named once (README: "Exit codes")."""
+"""The process exit codes, named once (docs/cli.md, "Exit codes")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A public name kept (README, "Workers"): an application that runs its own
+"""A public name kept (README, docs/workers.md): an application that runs its own
 dramatiq workers adds ``ingest.worker.SwitchboardMiddleware`` to its broker.
 The workers live in :mod:`ingest.processes.worker`."""
 

@@ -1,4 +1,4 @@
-"""A public name kept (README, "Workers"): ``python -m dramatiq
+"""A public name kept (README, docs/workers.md): ``python -m dramatiq
 ingest.worker_app`` runs the workers of ``SWITCHBOARD_CONFIG`` as
 ``switchboard worker`` does; the module is :mod:`ingest.processes.worker_app`."""
 

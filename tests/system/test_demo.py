@@ -35,7 +35,7 @@ def test_demo_runs_the_whole_pipeline_on_embedded_servers() -> None:
 
 def test_demo_ignores_the_callers_switchboard_environment() -> None:
     """A user who exported SWITCHBOARD_DATABASE_URL for production (as the
-    README's "Running it" does) and runs the demo: its processes use the
+    README's "A minimal deployment" does) and runs the demo: its processes use the
     demo's own servers, never the database or Redis the environment names."""
     elsewhere = {
         "SWITCHBOARD_DATABASE_URL": "postgresql://someone@127.0.0.1:1/production",
