@@ -60,10 +60,6 @@ def transport(name: str, *, adapter: str | None = None) -> TransportPackage:
 
 
 def _implementation(config: AdapterConfig) -> ModeImplementation:
-    if config.credentials_error is not None:
-        # Its username_env / password_env unset: said where the broker is
-        # needed (ingest, ack, status), not by every verb that loads the config.
-        raise ConfigError(config.credentials_error)
     implementation = transport(config.transport, adapter=config.name).MODES.get(config.mode)
     if implementation is None:
         raise ConfigError(

@@ -27,6 +27,7 @@ from ingest.config.adapter import AdapterConfig as AdapterConfig
 from ingest.config.adapter import adapter_keys as adapter_keys
 from ingest.config.adapter import read_adapter as read_adapter
 from ingest.config.keys import DAYS_TYPE, Key, Section, check_keys, days, string, table
+from ingest.config.urls import BrokerUrl as BrokerUrl
 from ingest.config.urls import check_redis_url as check_redis_url
 from ingest.config.urls import database_url, env_name
 from ingest.config.urls import with_credentials as with_credentials
@@ -344,6 +345,7 @@ METRICS = Section(
 )
 # Every table, in the order of the config reference.
 SECTIONS = (DATABASE, REDIS, ADAPTERS, INGEST, ACKER, QUEUES, DRAMATIQ, METRICS)
+_DEFAULT_BROKER = BrokerUrl(DEFAULT_REDIS_URL)
 _TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics", "dramatiq"}
 
 
@@ -355,25 +357,17 @@ class Settings:
     acker: AckerSettings = AckerSettings()
     queues: Mapping[str, QueueConfig] = field(default_factory=dict)
     metrics: MetricsSettings = MetricsSettings()
-    # dramatiq's broker: [dramatiq] url, else the default broker (redis_url).
-    dramatiq_url: str = DEFAULT_REDIS_URL
+    # dramatiq's broker: [dramatiq] url, else the default broker (redis_url),
+    # with its credentials; wanted by the relay and the workers only.
+    dramatiq_broker: BrokerUrl = _DEFAULT_BROKER
     # [dramatiq] idle_poll_ms (DramatiqSettings).
     dramatiq_idle_poll_ms: int = DEFAULT_IDLE_POLL_MS
-    # Why dramatiq_url lacks its credentials (see dramatiq_broker_url); None: complete.
-    dramatiq_credentials_error: str | None = None
     # Where ``database.url`` came from, for messages: the variable or the key.
     database_url_origin: str = "[database] url"
     # The broker of adapters that name none: SWITCHBOARD_REDIS_URL, else
     # [redis] url, else the default; also that of adapters known only from
     # the adapters table (``ack`` and ``status`` with no adapters configured).
     redis_url: str = DEFAULT_REDIS_URL
-
-    def dramatiq_broker_url(self) -> str:
-        """``dramatiq_url``, for what connects to it (the relay, the workers):
-        a ConfigError if its username_env / password_env is unset."""
-        if self.dramatiq_credentials_error is not None:
-            raise ConfigError(self.dramatiq_credentials_error)
-        return self.dramatiq_url
 
     def adapter(self, name: str) -> AdapterConfig:
         for a in self.adapters:
@@ -410,18 +404,10 @@ def _dramatiq(raw: Mapping[str, Any], redis_url: str, env: Mapping[str, str]) ->
     section = DramatiqSettings(
         **DRAMATIQ.read("[dramatiq]", table(raw, "dramatiq"), defaults={"url": redis_url})
     )
-    read = {"dramatiq_idle_poll_ms": section.idle_poll_ms, "dramatiq_url": section.url}
-    try:
-        read["dramatiq_url"] = with_credentials(
-            "[dramatiq]",
-            section.url,
-            env,
-            username_env=section.username_env,
-            password_env=section.password_env,
-        )
-    except ConfigError as exc:  # needed by the relay and the workers only: raised there
-        read["dramatiq_credentials_error"] = str(exc)
-    return read
+    broker = BrokerUrl.resolve(
+        "[dramatiq]", section.url, env, username_env=section.username_env, password_env=section.password_env
+    )
+    return {"dramatiq_broker": broker, "dramatiq_idle_poll_ms": section.idle_poll_ms}
 
 
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None = None) -> Settings:

@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
 from backhalf.keys import DEFAULT_PREFIX
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, string
-from ingest.config.urls import check_redis_url, env_name, with_credentials
+from ingest.config.urls import BrokerUrl, check_redis_url, env_name
 from ingest.errors import ConfigError
 
 MODES = ("stream", "list", "pubsub")
@@ -218,14 +217,17 @@ class AdapterConfig:
     ] = 10
     reap_interval_ms: Annotated[int, Key(LIST, doc="how often dead consumers' lists are checked")] = 5_000
     source: Annotated[str, Key(doc="stream key, list key or channel")]
-    redis_url: Annotated[
-        str,
+    # The URL as read; its credentials, from the variables below, are added
+    # after the table is read (see BrokerUrl).
+    broker: Annotated[
+        BrokerUrl,
         Key(
             public=False,
             toml="url",
             parse=check_redis_url,
             doc="the adapter's own broker; never published in `adapters.settings`",
             default_doc=DEFAULT_BROKER,
+            type_doc="string",
         ),
     ]
     # The broker's user name and password from these environment variables
@@ -276,9 +278,6 @@ class AdapterConfig:
         ),
     ] = None
     body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
-    # Why ``redis_url`` lacks its credentials (a username_env / password_env
-    # unset), raised by whatever connects to the broker; None: complete.
-    credentials_error: Annotated[str | None, Derived()] = field(default=None, compare=False, repr=False)
 
     def public_settings(self) -> dict[str, Any]:
         """What goes into ``adapters.settings``: the settings that apply to
@@ -340,18 +339,11 @@ def _adapter(
     label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{index}]"
     # The defaults that depend on the rest.
     values = ADAPTERS.read(label, raw, defaults={"url": default_redis_url, "queue": name})
-    try:
-        values["redis_url"] = with_credentials(
-            label,
-            values["redis_url"],
-            env,
-            username_env=values["username_env"],
-            password_env=values["password_env"],
-        )
-    except ConfigError as exc:
-        # Only the processes that connect to this broker need the variables
-        # (the ingester's and the acker's, per role): raised when one does.
-        values["credentials_error"] = str(exc)
+    # Only the processes that connect to this broker need the variables (the
+    # ingester's and the acker's, per role): a missing one is raised when one does.
+    values["broker"] = BrokerUrl.resolve(
+        label, values["broker"], env, username_env=values["username_env"], password_env=values["password_env"]
+    )
     return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
 
 
@@ -371,19 +363,6 @@ def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[
         raise ConfigError(f"{label}: key 'schema': {exc}") from exc
 
 
-def _broker_identity(url: str) -> tuple[str, ...]:
-    """Which server and database a broker URL reaches, whoever logs in."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return ("unix", parts.path)
-    db = parts.path.strip("/") or "0"
-    for item in parts.query.split("&"):
-        key, _, value = item.partition("=")
-        if key == "db":
-            db = value
-    return (parts.hostname or "localhost", str(parts.port or 6379), db)
-
-
 def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
     """Two adapters reading one stream with one consumer group (or one list)
     split its messages between them at random, and after a crash a message
@@ -392,11 +371,11 @@ def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
     readers: dict[tuple[str, ...], AdapterConfig] = {}
     for a in adapters:
         if a.mode == "stream":
-            what = (a.mode, *_broker_identity(a.redis_url), a.source, a.group)
+            what = (a.mode, *a.broker.identity(), a.source, a.group)
             key, read = "group", f"stream {a.source!r} with group {a.group!r}"
             hint = "fan-out needs a distinct group"
         elif a.mode == "list":
-            what = (a.mode, *_broker_identity(a.redis_url), a.source)
+            what = (a.mode, *a.broker.identity(), a.source)
             key, read = "source", f"list {a.source!r}"
             hint = "one adapter per list; run more ingesters for more consumers"
         else:

@@ -2,12 +2,14 @@
 
 A database URL must be PostgreSQL for psycopg 3, a broker URL one redis-py
 reads as meant; a broker's user name and password may come from environment
-variables the config names (:func:`with_credentials`)."""
+variables the config names (:func:`with_credentials`); a URL whose variables
+are unset is a :class:`BrokerUrl` that raises, not a URL without them."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -157,3 +159,70 @@ def database_url(where: str, value: Any) -> str:
     if "@" in (parsed.host or "") or "@" in (parsed.database or ""):
         raise ConfigError(f"{where} is not a valid URL: {_ENCODE_RULE}")
     return normalize_url(url)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BrokerUrl:
+    """A broker's URL, completed with the credentials its ``username_env`` /
+    ``password_env`` name, or the ConfigError built at load when one of those
+    variables is unset or empty (it names the adapter or ``[dramatiq]``, the
+    key and the variable, never a value).
+
+    Only the processes that connect to a broker need its variables: ``migrate``
+    and ``worker`` run without the ingester's and acker's, so a missing one is
+    no error until :meth:`url` is asked, by whatever connects. There is no
+    other way to the URL: nothing can read one that lacks its credentials
+    without that error. The repr shows neither."""
+
+    _url: str  # without the credentials when _missing is set
+    _missing: ConfigError | None = field(default=None)
+
+    @classmethod
+    def resolve(
+        cls,
+        where: str,
+        url: str,
+        env: Mapping[str, str],
+        *,
+        username_env: str | None,
+        password_env: str | None,
+    ) -> BrokerUrl:
+        """``url`` with the credentials of :func:`with_credentials`, or the
+        error it raises, kept for :meth:`url`."""
+        try:
+            return cls(
+                with_credentials(where, url, env, username_env=username_env, password_env=password_env)
+            )
+        except ConfigError as exc:
+            return cls(url, exc)
+
+    def url(self) -> str:
+        """The complete URL, for what connects to the broker; a ConfigError
+        (exit 2) if a credential variable was unset at load."""
+        if self._missing is not None:
+            raise self._missing.with_traceback(None)
+        return self._url
+
+    def identity(self) -> tuple[str, ...]:
+        """Which server and database the URL reaches, whoever logs in."""
+        parts = urlsplit(self._url)
+        if parts.scheme == "unix":
+            return ("unix", parts.path)
+        db = parts.path.strip("/") or "0"
+        for item in parts.query.split("&"):
+            key, _, value = item.partition("=")
+            if key == "db":
+                db = value
+        return (parts.hostname or "localhost", str(parts.port or 6379), db)
+
+    def _compared(self) -> tuple[str, str | None]:
+        return self._url, None if self._missing is None else str(self._missing)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BrokerUrl) and self._compared() == other._compared()
+
+    def __hash__(self) -> int:
+        return hash(self._compared())
+
+    def __repr__(self) -> str:
+        return "BrokerUrl(complete)" if self._missing is None else f"BrokerUrl(missing: {self._missing})"

@@ -344,7 +344,7 @@ class _Acker(ProcessBody):
             self._dispatcher = Dispatcher(
                 engine,
                 settings.queues,
-                Enqueuer(settings.dramatiq_broker_url()),
+                Enqueuer(settings.dramatiq_broker.url()),
                 batch_size=settings.acker.dispatch_batch_size,
                 dispatch_timeout_ms=settings.acker.dispatch_timeout_ms,
                 deadline_ms=settings.database.transaction_deadline_ms,

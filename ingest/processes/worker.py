@@ -161,7 +161,7 @@ def broker_for(settings: Settings, *, threads: int = 8, queues: Sequence[str] = 
     """dramatiq's Redis broker at ``[dramatiq] url``, its default middleware
     plus Switchboard's, every Redis wait bounded."""
     client = redis.Redis.from_url(
-        settings.dramatiq_broker_url(),
+        settings.dramatiq_broker.url(),
         socket_timeout=BROKER_SOCKET_TIMEOUT_S,
         socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
     )
@@ -185,7 +185,7 @@ def exec_workers(
         raise ConfigError("[queues.*]: `switchboard worker` needs at least one queue with a handler")
     for queue in settings.queues.values():
         resolve_handler(queue)  # a handler that cannot be imported stops us here, exit 2
-    settings.dramatiq_broker_url()  # its credentials' variables unset: exit 2 here, not in dramatiq
+    settings.dramatiq_broker.url()  # its credentials' variables unset: exit 2 here, not in dramatiq
     chosen = queues or sorted(settings.queues)
     broker_queues = sorted({settings.queues[q].broker_queue for q in chosen})
     # dramatiq reads its idle poll bound (worker_timeout) from its environment only.

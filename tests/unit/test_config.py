@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import pytest
 from redis.asyncio.connection import parse_url
@@ -38,7 +40,7 @@ def test_environment_overrides_database_and_default_redis() -> None:
     env = {"SWITCHBOARD_DATABASE_URL": "postgresql://x@db/y", "SWITCHBOARD_REDIS_URL": "redis://r:1/2"}
     s = from_mapping({"database": DB, "adapters": [adapter()]}, env)
     assert s.database.url == "postgresql+psycopg://x@db/y"
-    assert s.adapters[0].redis_url == "redis://r:1/2"
+    assert s.adapters[0].broker.url() == "redis://r:1/2"
 
 
 @pytest.mark.parametrize(
@@ -246,7 +248,7 @@ def test_each_mode_takes_the_common_keys_and_its_own(mode: str, tmp_path: Path) 
     )  # fmt: skip
     assert set().union(*(set(adapter(**keys)) for keys in _MODE_KEYS.values())) | set(raw) == EVERY_KEY
     a = from_mapping({"database": DB, "adapters": [raw]}, {"U": "u", "P": "p"}, tmp_path).adapters[0]
-    assert (a.mode, a.key_prefix, a.redis_url) == (mode, "p", "unix://u:p@/tmp/r.sock")
+    assert (a.mode, a.key_prefix, a.broker.url()) == (mode, "p", "unix://u:p@/tmp/r.sock")
     assert a.body_schema is not None
 
 
@@ -415,7 +417,9 @@ def test_redis_urls_that_parse_as_meant_are_accepted() -> None:
         "redis://cache:6379/0?socket_timeout=2.5&health_check_interval=10",
     ):
         assert from_mapping({"database": DB, "redis": {"url": url}}, {}).adapters == ()
-        assert from_mapping({"database": DB, "adapters": [adapter(url=url)]}, {}).adapters[0].redis_url == url
+        assert (
+            from_mapping({"database": DB, "adapters": [adapter(url=url)]}, {}).adapters[0].broker.url() == url
+        )
 
 
 def test_where_the_database_url_came_from_is_kept_for_messages() -> None:
@@ -438,9 +442,9 @@ def test_queues_are_read_with_their_defaults_and_checked() -> None:
         "myapp.handlers:handle_order", 7, 600_000, "orders", "switchboard:orders",
     )  # fmt: skip
     assert q.lease_ms == 600_000 + 30_000
-    assert s.dramatiq_url == "redis://r:1/0"  # the default broker unless [dramatiq] url says
+    assert s.dramatiq_broker.url() == "redis://r:1/0"  # the default broker unless [dramatiq] url says
     other = from_mapping({"database": DB, "dramatiq": {"url": "redis://d:2/3"}}, {})
-    assert other.dramatiq_url == "redis://d:2/3"
+    assert other.dramatiq_broker.url() == "redis://d:2/3"
 
 
 @pytest.mark.parametrize(
@@ -593,8 +597,8 @@ def test_an_adapters_broker_credentials_come_from_the_environment() -> None:
     raw = adapter(url="redis://cache:6379/0", username_env="ORDERS_USER", password_env="ORDERS_PW")
     env = {"ORDERS_USER": "switchboard-ingester", "ORDERS_PW": SECRET_PW}
     a = from_mapping({"database": DB, "adapters": [raw]}, env).adapters[0]
-    assert a.redis_url == "redis://switchboard-ingester:s3cr%40t%2Fpw%3F%23%25%20x@cache:6379/0"
-    parsed = parse_url(a.redis_url)  # what redis-py connects with
+    assert a.broker.url() == "redis://switchboard-ingester:s3cr%40t%2Fpw%3F%23%25%20x@cache:6379/0"
+    parsed = parse_url(a.broker.url())  # what redis-py connects with
     assert (parsed["username"], parsed["password"], parsed["host"], parsed["db"]) == (
         "switchboard-ingester", SECRET_PW, "cache", 0,
     )  # fmt: skip
@@ -609,9 +613,9 @@ def test_a_password_from_the_environment_keeps_the_urls_user_or_the_default_url(
     with_user = adapter(url="redis://deploy@cache:6379/0", password_env="PW")
     inherited = {**adapter(password_env="PW"), "name": "jobs", "mode": "list", "source": "jobs"}
     a, b = from_mapping({"database": DB, "adapters": [with_user, inherited]}, env).adapters
-    assert a.redis_url == "redis://deploy:p@cache:6379/0"
-    assert b.redis_url == "redis://:p@cache/0"  # the default user's password
-    assert parse_url(b.redis_url)["password"] == "p"
+    assert a.broker.url() == "redis://deploy:p@cache:6379/0"
+    assert b.broker.url() == "redis://:p@cache/0"  # the default user's password
+    assert parse_url(b.broker.url())["password"] == "p"
 
 
 def test_dramatiqs_credentials_come_from_the_environment() -> None:
@@ -621,9 +625,9 @@ def test_dramatiqs_credentials_come_from_the_environment() -> None:
         "dramatiq": {"url": "redis://cache/1", "username_env": "DQ_USER", "password_env": "DQ_PW"},
     }
     s = from_mapping(raw, {"DQ_USER": "switchboard-dramatiq", "DQ_PW": SECRET_PW})
-    assert parse_url(s.dramatiq_url)["username"] == "switchboard-dramatiq"
-    assert parse_url(s.dramatiq_url)["password"] == SECRET_PW
-    assert s.adapters[0].redis_url == "redis://localhost:6379/0"  # only dramatiq's
+    assert parse_url(s.dramatiq_broker.url())["username"] == "switchboard-dramatiq"
+    assert parse_url(s.dramatiq_broker.url())["password"] == SECRET_PW
+    assert s.adapters[0].broker.url() == "redis://localhost:6379/0"  # only dramatiq's
 
 
 @pytest.mark.parametrize(
@@ -669,11 +673,46 @@ def test_an_unset_dramatiq_credential_is_an_error_for_the_relay_and_workers_only
     settings = from_mapping(raw, {})
     make_acknowledger(settings.adapters[0])  # the acks need no dramatiq
     with pytest.raises(ConfigError) as info:
-        settings.dramatiq_broker_url()
+        settings.dramatiq_broker.url()
     assert (
         str(info.value)
         == "[dramatiq]: key 'password_env': the environment variable 'DQ_PW' is not set or empty"
     )
+
+
+def test_a_broker_url_lacking_its_credentials_is_no_string_in_the_settings() -> None:
+    """Errors are errors, not strings in a valid object: a broker's URL is
+    reached only through ``BrokerUrl.url()``, which raises the error built at
+    load when a variable is unset; the settings hold no URL of an adapter or
+    of dramatiq as a string, and their repr shows neither URL nor secret."""
+    raw = {
+        "database": DB,
+        "adapters": [
+            adapter(url="redis://deploy:file-pw@cache:6379/0", password_env="ORDERS_PW"),
+            adapter(name="b", source="b", queue="b", url="redis://cache:6379/2", password_env="B_PW"),
+        ],
+        "dramatiq": {"url": "redis://dq@cache/1", "password_env": "DQ_PW"},
+    }
+    s = from_mapping(raw, {"B_PW": SECRET_PW})
+    missing, complete = s.adapters
+    for value in (missing, complete, s):
+        held = [getattr(value, f.name) for f in dataclasses.fields(value)]
+        assert not [v for v in held if isinstance(v, str) and "cache" in v]
+    printed = repr(s)
+    assert [word for word in ("cache", "file-pw", SECRET_PW) if word in printed] == []
+    message = "adapter 'orders': key 'password_env': the environment variable 'ORDERS_PW' is not set or empty"
+    assert repr(missing.broker) == f"BrokerUrl(missing: {message})"
+    for _ in range(2):  # the error built at load, each time the URL is asked for
+        with pytest.raises(ConfigError) as info:
+            missing.broker.url()
+        assert str(info.value) == message
+    assert missing.broker.identity() == ("cache", "6379", "0")  # which broker needs no credentials
+    assert complete.broker.url() == f"redis://:{quote(SECRET_PW, safe='')}@cache:6379/2"
+    assert repr(complete.broker) == "BrokerUrl(complete)"
+    with pytest.raises(ConfigError, match=r"^\[dramatiq\]: key 'password_env': .*'DQ_PW'"):
+        s.dramatiq_broker.url()
+    assert from_mapping(raw, {"B_PW": SECRET_PW}) == s  # equal when loaded alike
+    assert from_mapping(raw, {"B_PW": SECRET_PW, "ORDERS_PW": "x"}) != s
 
 
 # --- every table read the same way, from its definitions (issue 23) -----------

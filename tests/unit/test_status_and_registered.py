@@ -66,7 +66,7 @@ def row(mode: str, settings: dict[str, object], family: str = "queue") -> Adapte
 def test_a_registered_adapter_is_rebuilt_from_its_public_settings(table: dict[str, object]) -> None:
     cfg = from_mapping({"database": {"url": "postgresql://db/x"}, "adapters": [table]}, {}).adapters[0]
     rebuilt = registered.adapter_config(row(cfg.mode, cfg.public_settings()), "redis://elsewhere:6379/1")
-    assert rebuilt.redis_url == "redis://elsewhere:6379/1"
+    assert rebuilt.broker.url() == "redis://elsewhere:6379/1"
     for attr in (
         "name",
         "mode",

@@ -82,7 +82,7 @@ class ListAdapter(RedisEndpoint):
 
     def __init__(self, config: AdapterConfig, *, group_starts: GroupStarts | None = None) -> None:
         # ``group_starts`` is unused: a list has no consumer group to record.
-        super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
+        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
         self._cfg = config
         self._processing = processing_key(config.source, config.consumer)
         self._consumers_key = f"{config.source}:consumers"
@@ -310,7 +310,7 @@ class ListAcknowledger:
 
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
-        self._client = connect(config.redis_url)
+        self._client = connect(config.broker.url())
 
     async def ack(self, claims: Sequence[AckClaim]) -> None:
         pipe = self._client.pipeline(transaction=False)

@@ -29,7 +29,7 @@ class PubSubAdapter(RedisEndpoint):
 
     def __init__(self, config: AdapterConfig, *, group_starts: GroupStarts | None = None) -> None:
         # ``group_starts`` is unused: a channel has no consumer group to record.
-        super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
+        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
         self._cfg = config
         self._pubsub: Any = None
         self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()

@@ -113,7 +113,7 @@ class StreamAdapter(RedisEndpoint):
     overlapping_commits = True
 
     def __init__(self, config: AdapterConfig, *, group_starts: GroupStarts | None = None) -> None:
-        super().__init__(config.name, config.redis_url, block_ms=config.block_ms)
+        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
         self._cfg = config
         self._group_starts: GroupStarts = group_starts or _Unrecorded()
         self._body_field = config.body_field.encode()
@@ -431,7 +431,7 @@ class StreamAcknowledger:
 
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
-        self._client = connect(config.redis_url)
+        self._client = connect(config.broker.url())
 
     async def ack(self, claims: Sequence[AckClaim]) -> None:
         targets: dict[tuple[str, str], list[str]] = {}
