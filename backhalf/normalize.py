@@ -166,25 +166,25 @@ Content = bytes | FieldMap
 
 def content_size(content: Content) -> int:
     """A message's bytes as read (its body, or its fields' keys and values)."""
-    if isinstance(content, bytes):
-        return len(content)
-    return sum(len(k) + len(v) for k, v in content.items())
+    if isinstance(content, FieldMap):
+        return sum(len(k) + len(v) for k, v in content.items())
+    return len(content)
 
 
 def raw_form(content: Content, max_message_bytes: int) -> RawForm:
     """The inbox's copy of a message's content (``raw_body`` or ``raw_field_map``)."""
-    if isinstance(content, bytes):
-        return raw_body(content, max_message_bytes)
-    return raw_field_map(content, max_message_bytes)
+    if isinstance(content, FieldMap):
+        return raw_field_map(content, max_message_bytes)
+    return raw_body(bytes(content), max_message_bytes)
 
 
 def content_payload(
     content: Content, fmt: BodyFormat, max_message_bytes: int, schema: BodySchema | None = None
 ) -> str:
     """The todo's payload (JSON text) of a message's content, or :class:`PoisonMessage`."""
-    if isinstance(content, bytes):
-        return body_payload(content, fmt, max_message_bytes, schema)
-    return fields_payload(content, max_message_bytes, schema)
+    if isinstance(content, FieldMap):
+        return fields_payload(content, max_message_bytes, schema)
+    return body_payload(bytes(content), fmt, max_message_bytes, schema)
 
 
 def fields_payload(

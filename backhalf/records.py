@@ -32,14 +32,18 @@ class AckTarget:
     ``by_cursor``: the intents are acked by their reference alone, so once
     stored (``ack_after = "store"``) the acker finds them by its cursor over
     committed rows (``inbox.ack_xid``) instead of an ``ack_queue`` row each.
-    Intents that need the queue's copy bookkeeping (identical bodies on one
-    list) say False.
+    ``by_body``: the intents name their message by its body (a list item:
+    LREM removes copies of a value), so copies of one body on one key merge
+    into one queued intent that counts them (``ack_queue.by_body``), and the
+    acknowledger is handed the body. The two exclude each other: counting
+    copies needs the queue.
     """
 
     kind: AckKind
     key: str | None = None
     group: str | None = None
     by_cursor: bool = False
+    by_body: bool = False
 
     @property
     def needs_ack(self) -> bool:

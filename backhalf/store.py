@@ -69,6 +69,12 @@ async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:
     native = {r.source_message_id is not None for r in records}
     if len(native) != 1:
         raise StoreError(f"adapter {batch.adapter}: a batch mixes messages with and without native ids")
+    if batch.ack.by_body and (batch.ack.by_cursor or True in native):
+        # Copies are counted on the queue, of messages keyed by their body.
+        raise StoreError(
+            f"adapter {batch.adapter}: ack target {batch.ack.kind!r} counts copies of a body,"
+            " so its messages must be keyed by body and queued, not found by the cursor"
+        )
     with wrap_driver_errors(StoreError, f"adapter {batch.adapter}: storing {len(records)} messages failed"):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
@@ -185,8 +191,7 @@ async def _write(
             "ack_after": batch.ack_after,
             "ack_state": _ack_state(batch),
             "by_cursor": _by_cursor(batch),
-            # Keyed by body (no native id): copies of one body merge (ack_queue.by_body).
-            "by_body": not native,
+            "by_body": batch.ack.by_body,
             "keys": [r.idempotency_key for r in writing],
             "ids": [r.source_message_id for r in writing],
             "bodies": [r.body for r in writing],

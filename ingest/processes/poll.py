@@ -33,7 +33,7 @@ from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter, pull_provenance
 from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import EXPECTED_FAILURES, BrokerError, error_kind
-from ingest.lifecycle import Backoff, Retry, cancel_and_wait, wait_stop
+from ingest.lifecycle import Retry, cancel_and_wait, wait_stop
 from ingest.processes.commits import Commits
 
 log = structlog.get_logger(__name__)
@@ -55,8 +55,10 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
     limit = config.max_message_bytes
     error: str | None = None
     payload: str | None = None
-    if delivery.lost or delivery.body is None:
+    if delivery.lost:
         raw, error = RawForm(b""), LOST_BEFORE_INGEST
+    elif delivery.body is None:  # an adapter's bug, kept as this message's own failure
+        raw, error = RawForm(b""), "normalize_failed: the adapter delivered no content"
     else:
         raw = raw_form(delivery.body, limit)
     if error is None and raw.truncated:
@@ -187,11 +189,7 @@ class PollLoop:
         depth = self._settings.commits_in_flight if self._adapter.overlapping_commits else 1
         # Every failure that reaches the retry is logged as a warning: a bug
         # was logged just before, with its traceback, as poll_step_crashed.
-        retry = Retry(
-            Backoff(self._settings.backoff_initial_ms, self._settings.backoff_max_ms),
-            self._log,
-            expected=(Exception,),
-        )
+        retry = Retry.from_settings(self._settings, self._log, expected=(Exception,))
         self._log.info("poll_loop_started", broker=self._adapter.broker)
         while not self._stop.is_set():
             self._tick()

@@ -123,20 +123,30 @@ async def run_process(
     liveness = new_liveness()
     with serving(settings, liveness):
         engine = create_engine(settings.database)
-        body = build(engine)
-        process = Process(settings, engine, liveness, stop)
+        body: ProcessBody | None = None
         try:
-            if not await body.start(process):
-                return
-            async with asyncio.TaskGroup() as tg:
-                process.group = tg
-                _spawn_all(body, process)
-                await stop.wait()
-                await _join(process.working, body)
+            # A body that cannot be built (a config error found on the way)
+            # still leaves no engine behind; it logs no stopped line, as it
+            # never started.
+            body = build(engine)
+            await _run_body(body, Process(settings, engine, liveness, stop))
         finally:
-            await body.close()
             await engine.dispose()
-            log.info(body.stopped_event)
+            if body is not None:
+                log.info(body.stopped_event)
+
+
+async def _run_body(body: ProcessBody, process: Process) -> None:
+    try:
+        if not await body.start(process):
+            return
+        async with asyncio.TaskGroup() as tg:
+            process.group = tg
+            _spawn_all(body, process)
+            await process.stop.wait()
+            await _join(process.working, body)
+    finally:
+        await body.close()
 
 
 def _spawn_all(body: ProcessBody, process: Process) -> None:

@@ -54,7 +54,9 @@ def stream_batch(*records: InboxRecord) -> StoreBatch:
 
 def list_batch(processing: str, body: bytes = b'{"job": 1}') -> StoreBatch:
     record = InboxRecord("redis:jobs:" + "ab" * 32, None, body, body.decode(), ack_key=processing)
-    return StoreBatch("jobs", "jobs", "c1", "complete", AckTarget("lrem", processing, None), PULLED, [record])
+    return StoreBatch(
+        "jobs", "jobs", "c1", "complete", AckTarget("lrem", processing, None, by_body=True), PULLED, [record]
+    )
 
 
 async def claim(engine: AsyncEngine, adapter: str = "orders") -> list[int]:

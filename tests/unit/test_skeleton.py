@@ -105,3 +105,29 @@ async def test_tasks_are_spawned_only_inside_the_task_group() -> None:
     with pytest.raises(RuntimeError, match=r"ProcessBody\.spawn"):
         process.work(job, name="early")
     job.close()
+
+
+async def test_a_body_that_cannot_be_built_still_disposes_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine is made before the body (the body is built on it): a build
+    that fails, a config error found on the way, leaves no pool behind and
+    logs no stopped line, as the process never started."""
+    made: list[AsyncEngine] = []
+
+    def build(engine: AsyncEngine) -> ProcessBody:
+        made.append(engine)
+        raise RuntimeError("no such acknowledger")
+
+    disposed: list[AsyncEngine] = []
+
+    async def dispose(self: AsyncEngine, close: bool = True) -> None:
+        disposed.append(self)
+
+    monkeypatch.setattr(AsyncEngine, "dispose", dispose)
+    with (
+        structlog.testing.capture_logs() as logged,
+        pytest.raises(RuntimeError, match="no such acknowledger"),
+    ):
+        await run_process(SETTINGS, asyncio.Event(), build)
+    assert disposed == made
+    assert len(made) == 1
+    assert not [e for e in logged if e["event"] == "test_stopped"]

@@ -103,7 +103,7 @@ class ListAdapter(RedisEndpoint):
 
     @property
     def ack_target(self) -> AckTarget:
-        return AckTarget(ACK_KIND, self._processing)
+        return AckTarget(ACK_KIND, self._processing, by_body=True)
 
     async def start(self) -> None:
         with redis_errors(self.name, f"start-up on {self._cfg.source}"):

@@ -21,6 +21,8 @@ def registered() -> tuple[tuple[str, str], ...]:
 
 
 class TestStreamContract(AdapterContract):
+    backlog_figure = ("stream_length", 7)
+
     def adapter_table(self) -> dict[str, Any]:
         return {"mode": "stream", "group": GROUP, "consumer": "c1"}
 
@@ -37,6 +39,7 @@ class TestStreamContract(AdapterContract):
 
 class TestListContract(AdapterContract):
     native_ids = False
+    backlog_figure = ("list_length", 7)
 
     def adapter_table(self) -> dict[str, Any]:
         return {"mode": "list", "consumer": "c1"}
@@ -53,6 +56,7 @@ class TestPubSubContract(AdapterContract):
     redelivers = False
     acks = False
     native_ids = False
+    backlog_figure = ("subscribers", 1)  # pub/sub keeps no backlog: its listener is the figure
 
     def adapter_table(self) -> dict[str, Any]:
         return {"mode": "pubsub", "delivery": "at-most-once"}

@@ -42,7 +42,7 @@ def batch(records: list[InboxRecord], ack_key: str) -> StoreBatch:
         JOBS,
         "c1",
         "store",
-        AckTarget("lrem", ack_key),
+        AckTarget("lrem", ack_key, by_body=True),
         Provenance("queue", "queue", False, "redis acl: x"),
         records,
     )
