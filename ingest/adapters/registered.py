@@ -23,11 +23,14 @@ _NOT_FROM_SETTINGS = frozenset({"name", "mode", "transport", "url", "schema"})
 def adapter_config(row: AdapterRow, redis_url: str) -> AdapterConfig:
     """The config of a registered adapter, its broker at ``redis_url``, read
     by the config's own definitions (ingest.config.read_adapter). Settings
-    this version does not know are ignored; ill-typed ones, or a missing
-    ``source``, are a ConfigError naming the adapter."""
+    this version does not know are ignored, and so are those that do not
+    apply to the row's mode: rows registered before issue 23 published every
+    key in every mode, and a stored row is data, not a config to refuse.
+    Ill-typed settings, or a missing ``source``, are a ConfigError naming
+    the adapter."""
     if row.family != FAMILY:
         raise ConfigError(f"registered adapter {row.name!r}: family {row.family!r} has no broker")
-    keys = adapter_keys() - _NOT_FROM_SETTINGS
+    keys = adapter_keys(row.mode) - _NOT_FROM_SETTINGS
     table = {k: v for k, v in row.settings.items() if k in keys}
     table |= {"name": row.name, "mode": row.mode, "transport": row.transport}
     try:

@@ -300,9 +300,11 @@ ADAPTERS = Section(
 )
 
 
-def adapter_keys() -> frozenset[str]:
-    """The keys of an ``[[adapters]]`` table."""
-    return ADAPTERS.names()
+def adapter_keys(mode: str | None = None) -> frozenset[str]:
+    """The keys of an ``[[adapters]]`` table; with ``mode``, those that apply to it."""
+    if mode is None:
+        return ADAPTERS.names()
+    return frozenset(s.name for s in ADAPTERS.settings if s.key.applies_to(mode))
 
 
 def read_adapter(

@@ -102,6 +102,18 @@ def test_settings_this_version_does_not_know_are_ignored() -> None:
     assert registered.adapter_config(row("stream", {"source": "s", "shiny_new_key": 1}), DEFAULT_REDIS_URL)
 
 
+def test_a_row_registered_when_every_key_was_published_in_every_mode_is_rebuilt() -> None:
+    """Before issue 23 a list adapter's row also held the stream keys; the
+    config now refuses those for a list, but a stored row is data: ack and
+    status must still rebuild it (they would skip the adapter's acks)."""
+    old_settings = {
+        "source": "jobs", "group": "switchboard", "start_id": "0", "claim_idle_ms": 60_000,
+        "claim_interval_ms": 5_000, "body_field": "body", "heartbeat_ttl_ms": 30_000,
+    }  # fmt: skip
+    rebuilt = registered.adapter_config(row("list", old_settings), DEFAULT_REDIS_URL)
+    assert (rebuilt.mode, rebuilt.source, rebuilt.heartbeat_ttl_ms) == ("list", "jobs", 30_000)
+
+
 def test_the_default_broker_is_the_environments_then_the_files() -> None:
     """The broker of adapters known only from the adapters table."""
     db = {"url": "postgresql://sb@localhost/sb"}
