@@ -13,6 +13,7 @@ from backhalf.registry import AdapterRow
 from ingest.actions import adapters as actions
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import table
+from ingest.cli.verb import Verb, in_loop
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 
@@ -58,3 +59,6 @@ def _print_list(rows: Sequence[AdapterRow]) -> int:
     ]
     print("\n".join(table(("NAME", "STATE", "KIND", "SOURCE"), cells)))
     return EXIT_OK
+
+
+VERB = Verb(add_parser, in_loop(run))

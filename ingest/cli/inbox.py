@@ -23,7 +23,7 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -36,6 +36,7 @@ from ingest.actions import inbox as inbox_actions
 from ingest.actions.inbox import DEFAULT_REPLAY_LIMIT
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
+from ingest.cli.verb import Verb, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 
@@ -74,7 +75,7 @@ def time_bound(text: str) -> datetime | timedelta:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def add_parser(verbs: Any, common: argparse.ArgumentParser, positive_int: Callable[[str], int]) -> None:
+def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
     inbox_cmd = verbs.add_parser(
         "inbox", parents=[common], help="list and show inbox rows; replay rejected ones"
     )
@@ -379,3 +380,6 @@ def _json_value(value: object) -> str:
     if isinstance(value, datetime):
         return value.astimezone(UTC).isoformat()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+VERB = Verb(add_parser, in_loop(run))

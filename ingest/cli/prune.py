@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from backhalf.db import create_engine
+from ingest.cli.verb import Verb, in_loop
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK
 from ingest.processes.prune import TABLES, Pruner, WalkResult, walks
@@ -97,3 +98,6 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
     for owner, tables in owners.items():
         print(f"{owner}: {verb} " + ", ".join(f"{table} {n}" for table, n in tables.items()))
     return EXIT_OK
+
+
+VERB = Verb(add_parser, in_loop(run))

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,6 +25,7 @@ from backhalf.redaction import redact
 from ingest.actions import todos as todo_actions
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
+from ingest.cli.verb import Verb, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 from schema import TODO_STATUSES
@@ -32,7 +33,7 @@ from schema import TODO_STATUSES
 _PROG = "switchboard todos"
 
 
-def add_parser(verbs: Any, common: argparse.ArgumentParser, positive_int: Callable[[str], int]) -> None:
+def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
     todos_cmd = verbs.add_parser("todos", parents=[common], help="list and show todos; retry or cancel them")
     actions = todos_cmd.add_subparsers(dest="todos_verb", required=True, metavar="ACTION")
     listing = actions.add_parser("list", parents=[common], help="todos, newest first")
@@ -185,3 +186,6 @@ def show_lines(todo: todo_views.TodoDetail, events: Sequence[todo_views.TodoEven
     ]
     lines.extend(f"  {line}" for line in table(("CREATED_AT (UTC)", "CHANGE", "DETAIL"), cells))
     return lines
+
+
+VERB = Verb(add_parser, in_loop(run))

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +30,7 @@ from backhalf.redaction import redact
 from ingest.adapters.base import AckIntentView
 from ingest.adapters.factory import describe_ack
 from ingest.cli.text_table import printable
+from ingest.cli.verb import Verb, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 
@@ -46,7 +47,7 @@ class Step:
     what: str
 
 
-def add_parser(verbs: Any, common: argparse.ArgumentParser, positive_int: Callable[[str], int]) -> None:
+def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
     p = verbs.add_parser(
         "trace", parents=[common], help="the whole trail of one message (inbox, event, todo, ack), timed"
     )
@@ -228,3 +229,6 @@ def lines_of(found: Sequence[trace.Trail]) -> list[str]:
             out.append("")
         out.extend(text_lines(t))
     return out
+
+
+VERB = Verb(add_parser, in_loop(run))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic.script import ScriptDirectory
 
 from alembic import command
-from backhalf import migrate
+from backhalf import migrate, queries
 from schema import VIEWS
 from tests.support import db
 from tests.support.servers import ServerUrls
@@ -64,3 +64,36 @@ def test_todo_dedup_index_predicate_matches_the_store_conflict_target(db_url: st
     assert "UNIQUE" in indexdef
     assert "(queue, idempotency_key)" in indexdef
     assert "'pending'::text, 'dispatched'::text, 'running'::text" in indexdef
+
+
+def test_0009_marks_the_queued_list_acks_by_body_and_the_claim_still_hands_out_their_bodies(
+    servers: ServerUrls,
+) -> None:
+    """Acks queued before 0009 are acked after it: a list copy's queue row
+    gets ``by_body`` (so recovery and the merge still see it, and the claim
+    returns the body LREM needs), a stream entry's does not."""
+    url = db.create_test_database(servers.database, migrated=False)
+    try:
+        migrate.upgrade(url, "0008")
+        db.query(url, "INSERT INTO adapters (name, family, transport, mode) VALUES ('a', 'queue', 'redis', 'list')")
+        for key, kind, ack_key, group, entry in (
+            ("redis:jobs:" + "ab" * 32, "lrem", "jobs:processing:c1", None, None),
+            ("redis:orders:1-0", "xack", "orders", "switchboard", "1-0"),
+        ):
+            db.query(
+                url,
+                "WITH i AS (INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind,"
+                " ack_key, ack_group, ack_entry_id, ack_state, status)"
+                " VALUES ('a', %(key)s, %(entry)s, '\\x7b7d', %(kind)s, %(ack_key)s, %(group)s, %(entry)s,"
+                " 'pending', 'stored') RETURNING id, adapter, ack_kind, ack_key, idempotency_key)"
+                " INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)"
+                " SELECT id, adapter, ack_kind, ack_key, idempotency_key FROM i",
+                {"key": key, "kind": kind, "ack_key": ack_key, "group": group, "entry": entry},
+            )
+        migrate.upgrade(url)
+        assert dict(db.query(url, "SELECT ack_kind, by_body FROM ack_queue")) == {"lrem": True, "xack": False}
+        claimed = db.query(url, queries.CLAIM_ACKS, {"adapters": ["a"], "limit": 10})
+        bodies = {row[2]: row[-1] for row in claimed}  # ack_kind -> the body handed to the acknowledger
+        assert bodies == {"lrem": b"{}", "xack": None}
+    finally:
+        db.drop_test_database(servers.database, url)

@@ -1,0 +1,27 @@
+"""``switchboard ack``: the acker, committed ack intents to the broker and
+new todos to dramatiq."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from ingest.cli.running import run_until_stopped
+from ingest.cli.verb import Subparsers, Verb, add_metrics_port
+from ingest.config import Settings
+from ingest.processes.acker import run_acker
+
+
+def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = verbs.add_parser(
+        "ack", parents=[common], help="run the acker (committed ack intents -> broker)"
+    )
+    add_metrics_port(parser)
+    return parser
+
+
+def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:
+    return run_until_stopped("ack", settings, lambda stop: run_acker(settings, stop))
+
+
+VERB = Verb(add_parser, run, process=True, own_signals=True)

@@ -1,0 +1,31 @@
+"""``switchboard demo``: the whole pipeline on embedded PostgreSQL and Redis,
+no set-up and no config file (the ``embedded`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from ingest.cli.verb import Subparsers, Verb, positive_int
+from ingest.config import Settings
+
+
+def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = verbs.add_parser(
+        "demo", help="the whole pipeline on embedded PostgreSQL and Redis"
+    )
+    parser.add_argument("--messages", type=positive_int, default=5000, help="how many messages to produce")
+    return parser
+
+
+def standalone(args: argparse.Namespace) -> int:
+    from ingest.embedded.demo import run as run_demo  # embedded servers are an optional extra
+
+    return run_demo(messages=args.messages)
+
+
+def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:
+    return standalone(args)
+
+
+VERB = Verb(add_parser, run, standalone=standalone)

@@ -1,0 +1,28 @@
+"""``switchboard status [--json]``: per adapter the broker's and the
+database's view and a verdict; exit ``EXIT_UNHEALTHY`` when one is unhealthy."""
+
+from __future__ import annotations
+
+import argparse
+
+from ingest.cli.verb import Subparsers, Verb, in_loop
+from ingest.config import Settings
+from ingest.observe import status
+
+
+def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = verbs.add_parser(
+        "status", parents=[common], help="backlog, pending acks and todos per adapter"
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+async def run(settings: Settings, args: argparse.Namespace) -> int:
+    procs = await status.collect_processes(settings)
+    report = await status.collect(settings, procs)
+    print(status.render(report, args.json, procs))
+    return status.exit_code(report, procs)
+
+
+VERB = Verb(add_parser, in_loop(run))
