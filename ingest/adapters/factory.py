@@ -81,7 +81,16 @@ def make_adapter(config: AdapterConfig, *, group_starts: GroupStarts | None) -> 
     """``group_starts``: where a stream adapter records the groups it creates.
     Always said: the ingester passes PostgreSQL's; ``status``, which creates
     no group, None."""
-    return _implementation(config).adapter(config, group_starts=group_starts)
+    implementation = _implementation(config)
+    adapter = implementation.adapter(config, group_starts=group_starts)
+    if adapter.ack_target.kind != implementation.ack_kind:
+        # A transport's bug: the kind it registered names the acknowledger
+        # the acker will choose for what this adapter stores.
+        raise TypeError(
+            f"transport {config.transport!r} mode {config.mode!r} registered ack kind"
+            f" {implementation.ack_kind!r} but its adapter says {adapter.ack_target.kind!r}"
+        )
+    return adapter
 
 
 def make_acknowledger(config: AdapterConfig) -> Acknowledger:
@@ -93,9 +102,16 @@ def describe_ack(transport_name: str | None, intent: AckIntentView) -> str:
     ``XACK orders switchboard 1-0``; the bare intent where the transport is
     unknown here or its client is not installed."""
     plain = f"{intent.kind} {intent.key or '-'} {intent.group or '-'} {intent.ref or '-'}"
-    if transport_name is None or transport_name not in TRANSPORTS:
-        return plain
-    try:
-        return transport(transport_name).describe_ack(intent)
-    except ConfigError:
-        return plain
+    # An adapter no longer registered has no transport on record: the one
+    # that registered the intent's kind puts it in words.
+    names = [transport_name] if transport_name is not None else list(TRANSPORTS)
+    for name in names:
+        if name not in TRANSPORTS:
+            continue
+        try:
+            package = transport(name)
+        except ConfigError:  # its client is not installed here
+            continue
+        if transport_name is not None or any(m.ack_kind == intent.kind for m in package.MODES.values()):
+            return package.describe_ack(intent)
+    return plain

@@ -56,4 +56,6 @@ def test_an_intent_reads_in_its_transports_words() -> None:
     assert factory.describe_ack("redis", AckIntentView("lrem", "jobs:processing:c1", None, None, 2)) == (
         "LREM jobs:processing:c1 2 <body>"
     )
-    assert factory.describe_ack(None, stream) == "xack orders switchboard 1-0"
+    # A row whose adapter is registered no more: the kind's own transport says it.
+    assert factory.describe_ack(None, stream) == "XACK orders switchboard 1-0"
+    assert factory.describe_ack(None, AckIntentView("shiny", "k", None, "r", 1)) == "shiny k - r"
