@@ -75,7 +75,9 @@ def test_0009_marks_the_queued_list_acks_by_body_and_the_claim_still_hands_out_t
     url = db.create_test_database(servers.database, migrated=False)
     try:
         migrate.upgrade(url, "0008")
-        db.query(url, "INSERT INTO adapters (name, family, transport, mode) VALUES ('a', 'queue', 'redis', 'list')")
+        db.query(
+            url, "INSERT INTO adapters (name, family, transport, mode) VALUES ('a', 'queue', 'redis', 'list')"
+        )
         for key, kind, ack_key, group, entry in (
             ("redis:jobs:" + "ab" * 32, "lrem", "jobs:processing:c1", None, None),
             ("redis:orders:1-0", "xack", "orders", "switchboard", "1-0"),
