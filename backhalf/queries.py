@@ -8,7 +8,7 @@ written as complete CTEs (blocks named ``*_cte``) and composed here with
 :func:`_with`, at CTE boundaries only: the two store writes share all but the
 inbox insert, and every statement that creates todos embeds the one
 ``todos_create_cte`` (``backhalf.todos`` owns it). The composed statements
-are rendered to ``tests/unit/snapshots/`` so that they can be read whole.
+are rendered to ``tests/unit/backhalf/snapshots/`` so that they can be read whole.
 
 A block the file lacks, or one it has that nothing here uses, fails the
 import.

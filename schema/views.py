@@ -1,7 +1,7 @@
 """Audit views: the SQL-level answers an operator asks for (DESIGN.md section 4).
 
 The DDL is static text (no runtime values). A migration carries a frozen copy
-of the statements it applied; ``tests/integration/test_migrations.py`` checks
+of the statements it applied; ``tests/integration/backhalf/test_migrations.py`` checks
 each view here against the newest migration that defines it.
 """
 

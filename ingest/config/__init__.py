@@ -145,7 +145,7 @@ class IngestSettings:
     # byte held costs 2 to 6.5 bytes of RSS (its decoded text beside it), so
     # the default keeps a backlog of 1 MiB messages under 1 GiB, half of a
     # 2 GiB host (512 MiB took 1.2 to 3.3 GiB; docs/operating.md, "Memory is
-    # bounded by bytes"; tests/unit/test_inflight_bound.py).
+    # bounded by bytes"; tests/unit/config/test_inflight_bound.py).
     max_inflight_bytes: Annotated[
         int,
         _positive(

@@ -4,7 +4,7 @@ of the config file (key, type with its bounds, default, meaning; for
 default and :class:`~ingest.config.keys.Key`.
 
 It lives in ``docs/configuration.md`` between two marker comments, the
-hand-written prose around it; ``tests/unit/test_config_reference.py`` fails
+hand-written prose around it; ``tests/unit/config/test_config_reference.py`` fails
 when the two differ. ::
 
     python -m ingest.config.reference           # print the generated block

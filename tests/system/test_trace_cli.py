@@ -2,7 +2,7 @@
 ``ingest``, ``ack`` and ``worker`` processes carried a message all the way;
 every figure they print is checked against PostgreSQL. The other paths of
 these commands (not found, replay by filter) run in-process:
-tests/integration/test_operator_commands.py."""
+tests/integration/actions/test_operator_commands.py."""
 
 from __future__ import annotations
 

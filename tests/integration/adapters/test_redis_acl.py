@@ -1,5 +1,5 @@
 """The least-privilege ACL users of ops/redis-users.acl suffice for the list
-and pub/sub modes (the stream mode: tests/integration/test_pipeline_in_process.py;
+and pub/sub modes (the stream mode: tests/integration/processes/test_pipeline_in_process.py;
 the file loaded as an aclfile, every mode in real processes:
 tests/system/test_ops_examples.py)."""
 

@@ -1,8 +1,8 @@
 """backhalf/queries.sql and its composition: every composed statement can be
-read whole in tests/unit/snapshots/, and the shared blocks stay shared.
+read whole in tests/unit/backhalf/snapshots/, and the shared blocks stay shared.
 
 After a deliberate change to queries.sql, rewrite the snapshots with
-``SWITCHBOARD_UPDATE_SNAPSHOTS=1 pytest tests/unit/test_queries.py`` and review
+``SWITCHBOARD_UPDATE_SNAPSHOTS=1 pytest tests/unit/backhalf/test_queries.py`` and review
 their diff: it is the change PostgreSQL will see.
 """
 

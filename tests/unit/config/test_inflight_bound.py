@@ -18,7 +18,7 @@ from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES
 from ingest.config import IngestSettings
 
 MIB = 1024 * 1024
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 
 IDLE_AND_STORE_MIB = 160  # the idle process (86 MiB) and the store transactions' copies
 WORST_RSS_PER_BYTE_HELD = 6.2  # text outside the BMP, the worst case measured

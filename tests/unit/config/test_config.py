@@ -184,7 +184,7 @@ def test_list_and_pubsub_modes_are_accepted() -> None:
 
 
 def test_the_shipped_example_config_loads() -> None:
-    s = load(Path(__file__).parents[2] / "ops" / "switchboard.example.toml", {})
+    s = load(Path(__file__).parents[3] / "ops" / "switchboard.example.toml", {})
     assert [(a.name, a.mode) for a in s.adapters] == [
         ("orders", "stream"),
         ("jobs", "list"),

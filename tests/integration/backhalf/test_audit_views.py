@@ -142,7 +142,7 @@ def test_a_minute_filter_reaches_both_scans_of_the_inbox(filled: str) -> None:
 
 
 def test_every_example_query_of_ops_audit_sql_runs(filled: str) -> None:
-    text = (Path(__file__).parents[2] / "ops" / "audit.sql").read_text()
+    text = (Path(__file__).parents[3] / "ops" / "audit.sql").read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
     statements = [s.strip() for s in code.split(";") if s.strip()]
     assert len(statements) >= 10

@@ -19,7 +19,7 @@ from backhalf import metrics
 from ingest.embedded.processes import wait_for
 from ingest.observe.metrics_http import Liveness, MetricsServer
 
-DASHBOARD = Path(__file__).parents[2] / "ops" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).parents[3] / "ops" / "grafana-dashboard.json"
 
 
 def exported_names() -> dict[str, str]:

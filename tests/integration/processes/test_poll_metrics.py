@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import metrics
 from ingest.adapters.memory import MemoryAdapter
 from ingest.processes.poll import PollLoop
-from tests.integration.test_poll_loop import FAST, config, wait_until
+from tests.integration.processes.test_poll_loop import FAST, config, wait_until
 from tests.support.db import query, scalar
 
 
