@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ingest.processes.children import die_with_parent
+from ingest.processes.children import die_with_parent, held_stop_signals
 
 PROCESS_TIMEOUT_S = 30.0
 
@@ -182,16 +182,19 @@ class Processes:
     ) -> SwitchboardProcess:
         """An ingester is started with ``name`` as its consumer name."""
         incarnation = sum(1 for p in self.all if p.log_path.name.startswith(f"{name}."))
-        proc = SwitchboardProcess(
-            verb,
-            config,
-            self._log_dir / f"{name}.{incarnation}.log",
-            consumer=name if verb == "ingest" else None,
-            failpoints=failpoints,
-            env=env,
-            strict=self._strict,
-        )
-        self.all.append(proc)
+        # A stop signal that raises (the demo's) waits until the process is
+        # kept in ``all``, where the clean-up finds it.
+        with held_stop_signals():
+            proc = SwitchboardProcess(
+                verb,
+                config,
+                self._log_dir / f"{name}.{incarnation}.log",
+                consumer=name if verb == "ingest" else None,
+                failpoints=failpoints,
+                env=env,
+                strict=self._strict,
+            )
+            self.all.append(proc)
         return proc
 
     def logs_text(self) -> str:

@@ -13,12 +13,13 @@ thread exits. So it is armed only for children started from the main thread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -48,8 +49,31 @@ def die_with_parent() -> dict[str, Any]:
         prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the signal was armed
             os.kill(os.getpid(), sigkill)
+        # The child starts with the stop signals deliverable, whatever the
+        # parent held while it started it (held_stop_signals).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
     return {"preexec_fn": arm}
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT held back (blocked) while a child is started and
+    recorded, then delivered: a stop handler that raises (the demo's) can
+    otherwise land between the fork and the caller keeping the child, which
+    no clean-up would then stop. Only where ``die_with_parent`` arms the
+    child, which unblocks them again in the child before exec."""
+    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def end_with_parent(parent: int, sig: signal.Signals = signal.SIGKILL) -> None:
