@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -81,6 +82,14 @@ class AdapterContract:
         }
         return settings(db_url, redis_url, table)
 
+    def one_by_one(self, db_url: str, redis_url: str) -> Settings:
+        """One message a batch, one commit at a time: the inbox ids then show
+        the read order. Inside a batch the store writes rows in key order,
+        its lock order (backhalf/queries.sql), and overlapping commits (a
+        stream's commits_in_flight) take their ids in commit order."""
+        s = self.settings(db_url, redis_url, batch_size=1)
+        return replace(s, ingest=replace(s.ingest, commits_in_flight=1))
+
     def config(self, db_url: str, redis_url: str) -> AdapterConfig:
         (cfg,) = self.settings(db_url, redis_url).adapters
         return cfg
@@ -112,9 +121,7 @@ class AdapterContract:
         self, db_url: str, redis_url: str, r: redis.Redis
     ) -> None:
         sent = bodies(30)
-        # One message a batch shows the read order: inside a batch the store
-        # writes rows in key order, its lock order (backhalf/queries.sql).
-        await self.run_until_stored(self.settings(db_url, redis_url, batch_size=1), r, sent, acker=True)
+        await self.run_until_stored(self.one_by_one(db_url, redis_url), r, sent, acker=True)
         rows = query(db_url, "SELECT body, status, source_message_id, idempotency_key FROM inbox ORDER BY id")
         assert [bytes(b) for b, *_ in rows] == sent
         assert {status for _, status, _, _ in rows} == {"stored"}
@@ -198,7 +205,7 @@ class AdapterContract:
         self, db_url: str, redis_url: str, r: redis.Redis
     ) -> None:
         sent = [b'{"ok": 1}', b"{not json", b'{"ok": 2}']
-        await self.run_until_stored(self.settings(db_url, redis_url, batch_size=1), r, sent, acker=True)
+        await self.run_until_stored(self.one_by_one(db_url, redis_url), r, sent, acker=True)
         rows = query(db_url, "SELECT body, status, error, ack_state FROM inbox ORDER BY id")
         assert [(bytes(b), st) for b, st, _, _ in rows] == [
             (sent[0], "stored"), (sent[1], "rejected"), (sent[2], "stored")
