@@ -40,13 +40,12 @@ __all__ = [
     "AckTarget",
     "Acknowledger",
     "AdapterBuilder",
+    "ConsumerLedger",
     "Delivery",
-    "GroupStarts",
     "ModeImplementation",
     "OpenLedger",
     "PendingCopies",
     "PullAdapter",
-    "StreamGroup",
     "Unconfirmed",
 ]
 
@@ -104,30 +103,34 @@ class PendingCopies(Protocol):
 OpenLedger = Callable[[], AbstractAsyncContextManager[PendingCopies]]
 
 
-class GroupStarts(Protocol):
-    """Where the start of each consumer group Switchboard creates is recorded
-    (``backhalf.stream_groups.GroupStartLedger``: PostgreSQL's
-    ``stream_groups``), so a group destroyed later is recreated where it
-    first started, not at a configured ``$`` that by then means "later"."""
+class ConsumerLedger(Protocol):
+    """What PostgreSQL keeps for a transport's durable consumers
+    (``backhalf.stream_groups.GroupStartLedger``): where each one Switchboard
+    created started, so one destroyed later is recreated where it first
+    started, not at a configured "new messages only" that by then means
+    "later"; and what the inbox says of their messages. A durable consumer is
+    named by broker, stream and consumer name (a Redis stream's consumer
+    group; a JetStream stream's durable consumer). Modes without one ignore
+    it."""
 
-    async def recorded(self, group: StreamGroup, *, adapter: str) -> str | None:
-        """The start on record for ``group``, or None."""
+    async def recorded(self, consumer: StreamGroup, *, adapter: str) -> str | None:
+        """The start on record for ``consumer``, or None."""
         ...
 
-    async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
-        """Record ``start_id`` unless a start is on record already (the first
+    async def record(self, consumer: StreamGroup, start: str, *, adapter: str) -> str:
+        """Record ``start`` unless a start is on record already (the first
         record wins); return the start on record, committed on return."""
         ...
 
     async def stored_before(self, adapter: str) -> bool:
-        """Whether the inbox holds stream entries of ``adapter``: its group
-        existed before, even if nothing recorded where it started."""
+        """Whether the inbox holds messages of ``adapter`` with native ids:
+        its consumer existed before, even if nothing recorded where it started."""
         ...
 
     async def acks_owed(self, adapter: str, keys: Sequence[str]) -> set[str]:
-        """Of these entries' keys, the ones stored with their ack queued (owed
-        now, or waiting for their todo): the claim sweep leaves those to the
-        acker instead of delivering them again."""
+        """Of these messages' keys, the ones stored with their ack queued (owed
+        now, or waiting for their todo): a sweep that takes over idle
+        messages leaves those to the acker instead of delivering them again."""
         ...
 
 
@@ -231,11 +234,11 @@ class Unconfirmed(Generic[T]):
 
 
 class AdapterBuilder(Protocol):
-    """How a mode builds its adapter. ``group_starts`` is for modes with a
-    consumer group (streams) and ignored by the others; with None a stream
-    adapter records nothing (``status``, which never creates a group)."""
+    """How a mode builds its adapter. ``ledger`` is for modes with a durable
+    consumer (streams) and ignored by the others; with None such an adapter
+    records nothing (``status``, which never creates a consumer)."""
 
-    def __call__(self, config: AdapterConfig, /, *, group_starts: GroupStarts | None) -> PullAdapter: ...
+    def __call__(self, config: AdapterConfig, /, *, ledger: ConsumerLedger | None) -> PullAdapter: ...
 
 
 class ModeImplementation(NamedTuple):

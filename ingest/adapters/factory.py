@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import NamedTuple, Protocol, cast
 
-from ingest.adapters.base import AckIntentView, Acknowledger, GroupStarts, ModeImplementation, PullAdapter
+from ingest.adapters.base import AckIntentView, Acknowledger, ConsumerLedger, ModeImplementation, PullAdapter
 from ingest.config import AdapterConfig
 from ingest.errors import ConfigError
 
@@ -77,12 +77,12 @@ def _implementation(config: AdapterConfig) -> ModeImplementation:
     return implementation
 
 
-def make_adapter(config: AdapterConfig, *, group_starts: GroupStarts | None) -> PullAdapter:
-    """``group_starts``: where a stream adapter records the groups it creates.
+def make_adapter(config: AdapterConfig, *, ledger: ConsumerLedger | None) -> PullAdapter:
+    """``ledger``: where a stream adapter records the groups it creates.
     Always said: the ingester passes PostgreSQL's; ``status``, which creates
     no group, None."""
     implementation = _implementation(config)
-    adapter = implementation.adapter(config, group_starts=group_starts)
+    adapter = implementation.adapter(config, ledger=ledger)
     if adapter.ack_target.kind != implementation.ack_kind:
         # A transport's bug: the kind it registered names the acknowledger
         # the acker will choose for what this adapter stores.

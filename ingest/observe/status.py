@@ -42,7 +42,7 @@ NOT_IN_CONFIG = "not checked: not in the config file (its broker URL is stored n
 
 async def _broker_view(cfg: AdapterConfig) -> Mapping[str, object]:
     try:
-        adapter = make_adapter(cfg, group_starts=None)  # describe() only: no group is created
+        adapter = make_adapter(cfg, ledger=None)  # describe() only: no group is created
     except ConfigError as exc:
         return {"broker_error": f"cannot be checked: {exc}"}
     try:

@@ -118,8 +118,8 @@ class _Ingester(ProcessBody):
         settings = self._settings
         if not await register_adapters(self._engine, settings, process.stop):
             return False
-        group_starts = GroupStartLedger(self._engine, process.deadline_ms)
-        self._adapters = [self._adapter_factory(cfg, group_starts=group_starts) for cfg in settings.adapters]
+        ledger = GroupStartLedger(self._engine, process.deadline_ms)
+        self._adapters = [self._adapter_factory(cfg, ledger=ledger) for cfg in settings.adapters]
         warn_if_pool_small(self._adapters, settings)
         return True
 

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 
 from backhalf.keys import body_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import Delivery, GroupStarts, OpenLedger, Unconfirmed
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
 from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect, redis_errors
 from ingest.config import AdapterConfig
 from ingest.errors import AckError
@@ -80,8 +80,8 @@ class ListAdapter(RedisEndpoint):
 
     overlapping_commits = False
 
-    def __init__(self, config: AdapterConfig, *, group_starts: GroupStarts | None = None) -> None:
-        # ``group_starts`` is unused: a list has no consumer group to record.
+    def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
+        # ``ledger`` is unused: a list has no consumer group to record.
         super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
         self._cfg = config
         self._processing = processing_key(config.source, config.consumer)

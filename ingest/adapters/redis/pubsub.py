@@ -17,7 +17,7 @@ from typing import Any
 
 from backhalf.keys import body_key
 from backhalf.records import NO_ACK, AckTarget
-from ingest.adapters.base import Delivery, GroupStarts, OpenLedger, Unconfirmed
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
 from ingest.adapters.redis.common import RedisEndpoint, redis_errors
 from ingest.config import AdapterConfig
 
@@ -27,8 +27,8 @@ class PubSubAdapter(RedisEndpoint):
 
     overlapping_commits = False
 
-    def __init__(self, config: AdapterConfig, *, group_starts: GroupStarts | None = None) -> None:
-        # ``group_starts`` is unused: a channel has no consumer group to record.
+    def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
+        # ``ledger`` is unused: a channel has no consumer group to record.
         super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
         self._cfg = config
         self._pubsub: Any = None

@@ -35,7 +35,7 @@ from backhalf.keys import native_key
 from backhalf.normalize import FieldMap
 from backhalf.records import AckClaim, AckTarget
 from backhalf.stream_groups import StreamGroup
-from ingest.adapters.base import Delivery, GroupStarts, OpenLedger, Unconfirmed
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
 from ingest.adapters.redis.common import (
     RedisEndpoint,
     RedisErrorKind,
@@ -83,7 +83,7 @@ EMPTY_STREAM_START = "0-0"
 
 
 class _Unrecorded:
-    """:class:`GroupStarts` that keeps nothing: an adapter built without a
+    """:class:`ConsumerLedger` that keeps nothing: an adapter built without a
     ledger (``status``, which never creates a group; adapter tests) creates
     groups at ``start_id`` and recreates them there."""
 
@@ -112,10 +112,10 @@ class StreamAdapter(RedisEndpoint):
 
     overlapping_commits = True
 
-    def __init__(self, config: AdapterConfig, *, group_starts: GroupStarts | None = None) -> None:
+    def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
         self._cfg = config
-        self._group_starts: GroupStarts = group_starts or _Unrecorded()
+        self._ledger: ConsumerLedger = ledger or _Unrecorded()
         self._body_field = config.body_field.encode()
         self._client.set_response_callback("XREADGROUP", _raw_reply)
         self._started = False
@@ -157,7 +157,7 @@ class StreamAdapter(RedisEndpoint):
         """
         cfg = self._cfg
         fields = {"adapter": self.name, "stream": cfg.source, "group": cfg.group, "broker": self.broker}
-        start_id = await self._group_starts.recorded(self._group, adapter=self.name)
+        start_id = await self._ledger.recorded(self._group, adapter=self.name)
         if start_id is None:
             # A group that exists with nothing on record (someone else's, or
             # one made before the stream_groups table), or one that existed
@@ -167,7 +167,7 @@ class StreamAdapter(RedisEndpoint):
             # since (or pending unstored in a lost PEL) is lost. Its
             # last-delivered id or a configured "$" could lose both.
             exists = await self._group_exists()
-            unknown = exists or self._group_lost or await self._group_starts.stored_before(self.name)
+            unknown = exists or self._group_lost or await self._ledger.stored_before(self.name)
             if unknown:
                 log.warning(
                     "group_start_not_recorded",
@@ -178,7 +178,7 @@ class StreamAdapter(RedisEndpoint):
                     " are deduplicated)",
                 )
             start = EMPTY_STREAM_START if unknown else await self._resolved_start()
-            start_id = await self._group_starts.record(self._group, start, adapter=self.name)
+            start_id = await self._ledger.record(self._group, start, adapter=self.name)
             log.info("group_start_recorded", **fields, start_id=start_id)
             if exists:
                 self._group_lost = False
@@ -314,7 +314,7 @@ class StreamAdapter(RedisEndpoint):
         # todo ends with ack_after = "complete"): not delivered again. An
         # entry waiting for a long todo stays idle in the PEL; without this,
         # every sweep would claim and re-store it.
-        owed = await self._group_starts.acks_owed(
+        owed = await self._ledger.acks_owed(
             self.name, [native_key(cfg.key_prefix, cfg.source, i) for i in ids]
         )
         if owed:

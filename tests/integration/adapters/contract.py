@@ -95,7 +95,7 @@ class AdapterContract:
         return cfg
 
     async def started(self, db_url: str, redis_url: str) -> PullAdapter:
-        adapter = make_adapter(self.config(db_url, redis_url), group_starts=None)
+        adapter = make_adapter(self.config(db_url, redis_url), ledger=None)
         await adapter.start()
         return adapter
 

@@ -235,8 +235,8 @@ async def test_lost_report_survives_a_failed_store(cfg, r, adapters) -> None:  #
     assert await claimer.read(10) == []  # stored this time: not reported again
 
 
-async def test_group_recreated_after_nogroup_starts_at_its_recorded_start(cfg, r, adapters, ledger) -> None:  # type: ignore[no-untyped-def]
-    a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+async def test_group_recreated_after_noledger_at_its_recorded_start(cfg, r, adapters, ledger) -> None:  # type: ignore[no-untyped-def]
+    a = StreamAdapter(cfg(start_id="$"), ledger=ledger)
     adapters.append(a)
     await a.read(10)  # no stream yet: created empty, its start recorded as 0-0
     r.delete(STREAM)
@@ -251,7 +251,7 @@ async def test_dollar_start_is_recorded_as_an_entry_id_and_a_destroyed_group_rec
     cfg, r, adapters, ledger, db_url
 ) -> None:
     backlog = [r.xadd(STREAM, {"body": b"{}"}).decode() for _ in range(3)]
-    a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+    a = StreamAdapter(cfg(start_id="$"), ledger=ledger)
     adapters.append(a)
     assert await a.read(10) == []  # the backlog is excluded
     assert _recorded(db_url) == [("orders", a.broker, STREAM, GROUP, backlog[-1])]
@@ -270,13 +270,13 @@ async def test_a_missing_group_on_record_is_created_at_the_record_at_start_up(  
     cfg, r, adapters, ledger, db_url
 ) -> None:
     ids = [r.xadd(STREAM, {"body": b"{}"}).decode() for _ in range(4)]
-    first = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+    first = StreamAdapter(cfg(start_id="$"), ledger=ledger)
     adapters.append(first)
     await first.read(10)
     r.xgroup_destroy(STREAM, GROUP)  # while no ingester runs
     more = r.xadd(STREAM, {"body": b"{}"}).decode()
     # A new process, whose config now says "0": the record wins over both.
-    restarted = StreamAdapter(cfg(start_id="0"), group_starts=ledger)
+    restarted = StreamAdapter(cfg(start_id="0"), ledger=ledger)
     adapters.append(restarted)
     assert [d.message_id for d in await restarted.read(10)] == [more]
     assert _recorded(db_url)[0][4] == ids[-1]
@@ -286,11 +286,11 @@ async def test_the_first_record_wins_over_a_second_consumer_and_a_changed_config
     cfg, r, adapters, ledger, db_url
 ) -> None:
     first_id = r.xadd(STREAM, {"body": b"{}"}).decode()
-    a = StreamAdapter(cfg(start_id="$", consumer="a"), group_starts=ledger)
+    a = StreamAdapter(cfg(start_id="$", consumer="a"), ledger=ledger)
     adapters.append(a)
     await a.read(10)
     r.xadd(STREAM, {"body": b"{}"})
-    b = StreamAdapter(cfg(start_id="$", consumer="b"), group_starts=ledger)
+    b = StreamAdapter(cfg(start_id="$", consumer="b"), ledger=ledger)
     adapters.append(b)
     await b.read(10)
     assert [row[4] for row in _recorded(db_url)] == [first_id]
@@ -304,7 +304,7 @@ async def test_a_group_created_by_someone_else_is_not_recorded_and_recreated_at_
     deduplicated there), whatever the configured start_id says."""
     early = r.xadd(STREAM, {"body": b"{}"}).decode()
     r.xgroup_create(STREAM, GROUP, id="0")  # not Switchboard: nothing on record
-    a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+    a = StreamAdapter(cfg(start_id="$"), ledger=ledger)
     adapters.append(a)
     assert [d.message_id for d in await a.read(10)] == [early]
     assert [row[4] for row in _recorded(db_url)] == ["0-0"]  # unknown: recorded at the stream's start
@@ -329,7 +329,7 @@ async def test_a_group_destroyed_before_anything_recorded_its_start_loses_nothin
     async with engine.begin() as conn:
         await store(conn, StoreBatch("orders", "orders", "c1", "store", ack, pulled, [stored]))
     written = r.xadd(STREAM, {"body": b"{}"}).decode()  # while it was stopped
-    a = StreamAdapter(cfg(start_id="$"), group_starts=ledger)
+    a = StreamAdapter(cfg(start_id="$"), ledger=ledger)
     adapters.append(a)
     assert [d.message_id for d in await a.read(10)] == [written]
     assert [row[4] for row in _recorded(db_url)] == ["0-0"]
@@ -338,7 +338,7 @@ async def test_a_group_destroyed_before_anything_recorded_its_start_loses_nothin
 async def test_a_failed_record_creates_no_group_and_is_retried(cfg, r, adapters, ledger) -> None:  # type: ignore[no-untyped-def]
     r.xadd(STREAM, {"body": b"{}"})
     failing = _FailingOnce(ledger)
-    a = StreamAdapter(cfg(start_id="$"), group_starts=failing)
+    a = StreamAdapter(cfg(start_id="$"), ledger=failing)
     adapters.append(a)
     with pytest.raises(StoreError, match="adapter orders: recording"):
         await a.read(10)
@@ -355,7 +355,7 @@ async def test_dollar_start_works_under_the_least_privilege_acl_user(  # type: i
     try:
         r.xadd(STREAM, {"body": b"{}"})
         a = StreamAdapter(cfg(start_id="$", url=as_redis_user(redis_url, "least", "pw")),
-                          group_starts=ledger)  # fmt: skip
+                          ledger=ledger)  # fmt: skip
         adapters.append(a)
         assert await a.read(10) == []  # XINFO STREAM resolved "$"
         later = r.xadd(STREAM, {"body": b"{}"}).decode()
