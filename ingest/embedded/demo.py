@@ -36,6 +36,7 @@ from ingest.embedded.config import write_config
 from ingest.embedded.processes import Processes, SwitchboardProcess, WaitTimedOut, wait_for
 from ingest.embedded.servers import embedded_servers, remove_abandoned
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
+from ingest.signals import STOP_SIGNALS
 
 PREFIX = "switchboard-demo-"
 STREAM = "orders"
@@ -98,21 +99,18 @@ class Stopped(Exception):
         self.signum = signum
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
 @contextlib.contextmanager
 def _stop_signals_raise() -> Iterator[None]:
     """SIGTERM and SIGINT raise ``Stopped`` once; while the clean-up runs, a
     second one is ignored (the clean-up is bounded: each wait has a deadline)."""
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        for sig in _STOP_SIGNALS:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         raise Stopped(signum)
 
-    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
-    for sig in _STOP_SIGNALS:
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     try:
         yield

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ingest.signals import STOP_SIGNALS
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -51,12 +53,9 @@ def die_with_parent() -> dict[str, Any]:
             os.kill(os.getpid(), sigkill)
         # The child starts with the stop signals deliverable, whatever the
         # parent held while it started it (held_stop_signals).
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     return {"preexec_fn": arm}
-
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -69,7 +68,7 @@ def held_stop_signals() -> Iterator[None]:
     if _PRCTL is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
