@@ -5,6 +5,7 @@
     BackhalfError
      ├── PoisonMessage      control flow: this message can never become a todo
      ├── StoreError         a store transaction failed (driver error attached as __cause__)
+     ├── ChangeRefused      the database refused one change for its data: never retried
      ├── AckStateError      reading or marking ack intents failed
      ├── DeadlineExceeded   a transaction got no reply within its client-side deadline
      ├── PruneError         a retention batch failed (driver error attached as __cause__)
@@ -40,6 +41,12 @@ class PoisonMessage(BackhalfError):
 
 class StoreError(BackhalfError):
     """Storing a batch failed; nothing of it was committed."""
+
+
+class ChangeRefused(BackhalfError):
+    """The database refused one todo's state change for the data it carries
+    (an id out of range, a text it cannot store): written again, it would
+    fail again, so it is not (unlike :class:`StoreError`)."""
 
 
 class AckStateError(BackhalfError):

@@ -111,6 +111,13 @@ FINISHED = Counter(
     " (exported by the process that ended them; operators' cancels are in todo_events only).",
     ["queue", "status"],
 )
+MESSAGES_REFUSED = Counter(
+    "switchboard_worker_messages_refused_total",
+    "dramatiq messages a worker refused without running a handler or retrying them: not one todo id"
+    " (bad_arguments), not this worker's (other_queue), a todo of another queue (todo_of_another_queue),"
+    " or a start the database refused for its data (start_refused).",
+    ["queue", "reason"],
+)
 ATTEMPTS_FAILED = Counter(
     "switchboard_todo_attempts_failed_total", "Handler runs that raised (retried or final).", ["queue"]
 )

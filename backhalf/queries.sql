@@ -561,6 +561,11 @@ SELECT count(*) FROM marked
 -- that a batch with no ack to release is one round trip and one implicit
 -- transaction on an autocommit connection.
 --
+-- A start names the queue whose actor received the message, and takes only
+-- a todo of that queue: a dramatiq message is a hint, never an authority
+-- (a message naming another queue's todo is answered 'foreign' and runs no
+-- handler; docs/security.md, "The workers' messages").
+--
 -- A start takes its todo only if it is still to run (pending, dispatched,
 -- or running on a lease that expired, its worker dead, with attempts left:
 -- one without is the rescuer's to fail); otherwise its message is skipped (a
@@ -591,11 +596,11 @@ WITH e AS (
                          %(errors)b::text[], %(details)b::text[])
         AS e(id, token, to_status, error, detail)
 ), s AS (
-    SELECT * FROM unnest(%(start_ids)b::int8[], %(start_tokens)b::uuid[], %(lease_s)b::float8[],
-                         %(max_attempts)b::int4[])
-        AS s(id, token, lease_s, max_attempts)
+    SELECT * FROM unnest(%(start_ids)b::int8[], %(start_queues)b::text[], %(start_tokens)b::uuid[],
+                         %(lease_s)b::float8[], %(max_attempts)b::int4[])
+        AS s(id, queue, token, lease_s, max_attempts)
 ), locked AS (
-    SELECT t.id, t.status, t.lease_until, t.attempts, t.run_token FROM todos t
+    SELECT t.id, t.queue, t.status, t.lease_until, t.attempts, t.run_token FROM todos t
     WHERE t.id IN (SELECT id FROM e UNION ALL SELECT id FROM s)
     ORDER BY t.id
     FOR UPDATE SKIP LOCKED
@@ -613,7 +618,7 @@ WITH e AS (
     FROM locked l LEFT JOIN e ON e.id = l.id LEFT JOIN s ON s.id = l.id
     WHERE t.id = l.id
       AND ((e.id IS NOT NULL AND l.status = 'running' AND l.run_token = e.token)
-           OR (s.id IS NOT NULL
+           OR (s.id IS NOT NULL AND s.queue = l.queue
                AND (l.status IN ('pending', 'dispatched')
                     OR (l.status = 'running' AND l.lease_until < now() AND l.attempts < s.max_attempts
                         AND l.run_token IS DISTINCT FROM s.token))))
@@ -630,11 +635,13 @@ SELECT s.id, coalesce(c.queue, mine.queue), coalesce(c.payload, mine.payload)::t
        coalesce(c.idempotency_key, mine.idempotency_key), coalesce(c.attempts, mine.attempts),
        coalesce(c.lease_until, mine.lease_until),
        CASE WHEN l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id = s.id) THEN 'busy'
+            WHEN l.queue <> s.queue THEN %(foreign)s
             ELSE l.status END AS found
 FROM s
 LEFT JOIN locked l ON l.id = s.id
 LEFT JOIN changed c ON c.id = s.id
-LEFT JOIN todos mine ON c.id IS NULL AND l.status = 'running' AND l.run_token = s.token AND mine.id = s.id
+LEFT JOIN todos mine ON c.id IS NULL AND l.status = 'running' AND l.run_token = s.token
+                        AND l.queue = s.queue AND mine.id = s.id
 UNION ALL
 SELECT e.id, NULL, NULL, NULL, NULL, NULL,
        CASE WHEN c.id IS NOT NULL THEN 'ended' ELSE 'busy' END

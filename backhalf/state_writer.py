@@ -29,7 +29,11 @@ commit that succeeded: each start carries its run's token, so a start
 written again finds its own run and is answered as started; an end written
 again finds its run ended and is answered as discarded (the state is right;
 only the log line says less). Once the retries are spent, each waiting
-thread gets :class:`StoreError`. A transaction that gets no answer within
+thread gets :class:`StoreError`. A batch the database refuses for the data
+of a change in it (SQLSTATE classes 22 and 23, or the driver refusing a
+parameter) is not written again as it was: it is halved until the change is
+alone, which is answered :class:`ChangeRefused` (never retried), and every
+other change of the batch is written. A transaction that gets no answer within
 the deadline is cancelled by the watchdog; a thread that times out waiting
 for a change the writer has not taken yet withdraws it (a withdrawn change
 is never written).
@@ -53,7 +57,7 @@ from sqlalchemy import Engine, PoolProxiedConnection
 from sqlalchemy.exc import SQLAlchemyError
 
 from backhalf import todos
-from backhalf.errors import StoreError
+from backhalf.errors import ChangeRefused, StoreError
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -73,11 +77,12 @@ IDLE_WAKE_S = 1.0
 
 @dataclass(slots=True)
 class _Start:
-    todo_id: int
-    token: uuid.UUID  # the run's, kept across retries of its batch
-    lease_s: float
-    max_attempts: int
+    request: todos.StartRequest  # its token is the run's, kept across retries of its batch
     answer: Future[todos.Started] = field(default_factory=Future)
+
+    @property
+    def todo_id(self) -> int:
+        return self.request.todo_id
 
 
 @dataclass(slots=True)
@@ -127,13 +132,14 @@ class StateWriter:
 
     # -- the worker threads' side ---------------------------------------------------------
 
-    def start(self, todo_id: int, lease_s: float, max_attempts: int) -> todos.Started:
-        """Start todo ``todo_id``, committed on return (``found`` says why
-        not, if it is not to run)."""
+    def start(self, todo_id: int, queue: str, lease_s: float, max_attempts: int) -> todos.Started:
+        """Start todo ``todo_id`` of ``queue``, committed on return (``found``
+        says why not, if it is not to run: ``todos.FOREIGN`` for a todo of
+        another queue)."""
         token = uuid.uuid4()  # one per run: a retry of its batch keeps it
 
         def request() -> tuple[_Start, Future[todos.Started]]:
-            change = _Start(todo_id, token, lease_s, max_attempts)
+            change = _Start(todos.StartRequest(todo_id, queue, token, lease_s, max_attempts))
             return change, change.answer
 
         return self._ask(request, lambda started: started.found == todos.BUSY, f"todo {todo_id}: starting it")
@@ -196,6 +202,11 @@ class StateWriter:
             return answer.result(timeout=bound_s)
         except FutureTimeout as exc:
             raise StoreError(f"{what}: no answer from the state writer within {2 * bound_s:.0f} s") from exc
+
+    @property
+    def queued(self) -> int:
+        """Changes waiting for the writer to take them into a batch."""
+        return self._queue.qsize()
 
     def close(self) -> None:
         """Write what is queued, then stop; later changes are refused."""
@@ -262,7 +273,12 @@ class StateWriter:
                 time.sleep(delay_s)
             try:
                 held, busy, started = self._transaction(starts, ends)
-            except (psycopg.Error, SQLAlchemyError) as exc:
+            except Exception as exc:
+                if refused_for_its_data(exc):
+                    self._isolate(starts, ends, exc)
+                    return
+                if not isinstance(exc, psycopg.Error | SQLAlchemyError):
+                    raise
                 self._discard_connection()
                 error = StoreError(
                     f"writing {len(starts)} starts and {len(ends)} ends of todos: {type(exc).__name__}: {exc}"
@@ -283,6 +299,26 @@ class StateWriter:
         for end in ends:
             end.answer.set_exception(error)
 
+    def _isolate(self, starts: list[_Start], ends: list[_End], exc: BaseException) -> None:
+        """The database refused the batch for the data of a change in it (an
+        id out of range, a text it cannot store): that change alone is
+        answered with :class:`ChangeRefused` and never written again, and the
+        others are written without it, the batch halved until the change is
+        alone (a few more commits, for a batch that has one)."""
+        changes: list[_Start | _End] = [*starts, *ends]
+        if len(changes) == 1:
+            todo_id = _todo_of(changes[0])
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("todo_state_refused", todo_id=todo_id, error=reason)
+            refused = ChangeRefused(f"todo {todo_id}: the database refused its state change: {reason}")
+            refused.__cause__ = exc
+            changes[0].answer.set_exception(refused)
+            return
+        half = len(changes) // 2
+        for part in (changes[:half], changes[half:]):
+            starts_part = [c for c in part if isinstance(c, _Start)]
+            self._write_one(starts_part, [c for c in part if isinstance(c, _End)])
+
     def _transaction(
         self, starts: Sequence[_Start], ends: Sequence[_End]
     ) -> tuple[set[int], set[int], list[todos.Started]]:
@@ -294,7 +330,7 @@ class StateWriter:
             return todos.write_states(
                 pg,
                 [e.ending for e in ends],
-                [(s.todo_id, s.token, s.lease_s, s.max_attempts) for s in starts],
+                [s.request for s in starts],
                 release=self._releases,
             )
         finally:
@@ -346,6 +382,31 @@ class StateWriter:
             except (psycopg.Error, OSError) as exc:
                 # The server is out of reach too: TCP's timeouts end the batch.
                 log.warning("todo_states_cancel_failed", error=f"{type(exc).__name__}: {exc}")
+
+
+# SQLSTATE classes of a change's own data: data exception (a text holding
+# NUL, a number out of range) and integrity constraint violation.
+DATA_ERROR_CLASSES = frozenset({"22", "23"})
+
+
+def refused_for_its_data(exc: BaseException) -> bool:
+    """Whether the database (or the driver, dumping the parameters) refused
+    a statement for the data it was given: written again, it fails again.
+    Anything else (a connection lost, a timeout, a cancel, a server shutting
+    down) may pass, and is retried."""
+    if isinstance(exc, psycopg.DataError | psycopg.IntegrityError | UnicodeError | OverflowError):
+        return True
+    if isinstance(exc, psycopg.Error):
+        return (exc.sqlstate or "")[:2] in DATA_ERROR_CLASSES
+    return False
+
+
+def _todo_of(change: _Start | _End) -> int:
+    if isinstance(change, _Start):
+        return change.todo_id
+    todo = change.ending.run.todo
+    assert todo is not None
+    return todo.id
 
 
 def _split(batch: Sequence[_Start | _End]) -> tuple[list[_Start], list[_End], list[_Start | _End]]:

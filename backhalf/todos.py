@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -127,9 +127,11 @@ async def rescue(
 
 TERMINAL = frozenset({"done", "failed", "cancelled"})
 # write_states' answers beside a todo's status: an end that held its todo;
-# a start whose row another transaction holds (it did not wait).
+# a start whose row another transaction holds (it did not wait); a start
+# naming a todo of another queue (its message is refused, never run).
 ENDED = "ended"
 BUSY = "busy"
+FOREIGN = "foreign"
 
 
 async def release_acks(cur: psycopg.AsyncCursor[Any], ids: Sequence[int]) -> None:
@@ -138,6 +140,18 @@ async def release_acks(cur: psycopg.AsyncCursor[Any], ids: Sequence[int]) -> Non
     statement that did (``release_acks`` in queries.sql says why)."""
     if ids:
         await cur.execute(queries.RELEASE_ACKS, {"ids": list(ids), "channel": queries.ACK_CHANNEL})
+
+
+class StartRequest(NamedTuple):
+    """One start, as :func:`write_states` takes it: the todo, the queue whose
+    actor received its message (a todo of another queue is not started),
+    the run's token, the lease and the queue's attempts."""
+
+    todo_id: int
+    queue: str
+    token: uuid.UUID
+    lease_s: float
+    max_attempts: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,12 +175,12 @@ async def release_orphaned_acks(cur: psycopg.AsyncCursor[Any], limit: int) -> in
 def write_states(
     pg: psycopg.Connection[Any],
     endings: Sequence[Ending],
-    starts: Sequence[tuple[int, uuid.UUID, float, int]],
+    starts: Sequence[StartRequest],
     *,
     release: bool = True,
 ) -> tuple[set[int], set[int], list[Started]]:
     """Workers' state changes, committed on return: runs ended and todos
-    started, (id, the run's token, lease seconds, max_attempts), every id
+    started (:class:`StartRequest`), every id
     distinct, in one statement (``write_states``); then, if ``release`` and
     a run ended, the broker acks waiting for the todos that ended
     (``release_acks``: a statement of its own after it, in the same
@@ -188,11 +202,13 @@ def write_states(
         "to_status": [e.to_status for e in endings],
         "errors": [e.error for e in endings],
         "details": [e.detail for e in endings],
-        "start_ids": [i for i, _, _, _ in starts],
-        "start_tokens": [t for _, t, _, _ in starts],
-        "lease_s": [float(s) for _, _, s, _ in starts],
-        "max_attempts": [m for _, _, _, m in starts],
+        "start_ids": [s.todo_id for s in starts],
+        "start_queues": [s.queue for s in starts],
+        "start_tokens": [s.token for s in starts],
+        "lease_s": [float(s.lease_s) for s in starts],
+        "max_attempts": [s.max_attempts for s in starts],
         "start_detail": STARTED,
+        "foreign": FOREIGN,
     }
     releasing = release and bool(terminal)
     # One statement alone on an autocommit connection commits by itself; a
@@ -207,7 +223,7 @@ def write_states(
     busy: set[int] = set()
     answers: dict[int, Started] = {}
     end_ids = set(ids)  # distinct from the starts' (the writer's rule)
-    tokens = {i: t for i, t, _, _ in starts}
+    tokens = {s.todo_id: s.token for s in starts}
     for tid, queue, payload, key, attempts, lease_until, found in rows:
         if int(tid) in end_ids:
             (held if found == ENDED else busy).add(int(tid))
@@ -216,12 +232,15 @@ def write_states(
         else:
             todo = Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts))
             answers[int(tid)] = Started(todo, found, tokens[int(tid)], lease_until)
-    return held, busy, [answers[i] for i, _, _, _ in starts]
+    return held, busy, [answers[s.todo_id] for s in starts]
 
 
-def start(pg: psycopg.Connection[Any], todo_id: int, lease_s: float, max_attempts: int) -> Started:
-    """One worker's claim of its todo, committed (:func:`write_states` of one)."""
-    _, _, (started,) = write_states(pg, [], [(todo_id, uuid.uuid4(), lease_s, max_attempts)])
+def start(
+    pg: psycopg.Connection[Any], todo_id: int, lease_s: float, max_attempts: int, *, queue: str
+) -> Started:
+    """One worker's claim of its todo of ``queue``, committed (:func:`write_states` of one)."""
+    request = StartRequest(todo_id, queue, uuid.uuid4(), lease_s, max_attempts)
+    _, _, (started,) = write_states(pg, [], [request])
     return started
 
 

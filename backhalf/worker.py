@@ -3,7 +3,9 @@
 The todo's state in PostgreSQL is the truth; dramatiq's message is only the
 wake-up call (it carries the todo's id). A run:
 
-1. **starts** the todo (``todos.start``): running, its attempt counted, a
+1. **starts** the todo of the actor's queue (``todos.start``; a todo of
+   another queue is refused, as is any message whose start the database
+   refuses for its data, never retried): running, its attempt counted, a
    lease of ``time_limit_ms + lease_margin_ms``; or skips the message if the
    todo is not to run (done, failed, cancelled, running under a live lease:
    a redelivery or a rescued copy), so no message ever runs a finished todo
@@ -36,6 +38,7 @@ import structlog
 from dramatiq.middleware import TimeLimitExceeded
 
 from backhalf import metrics, todos
+from backhalf.errors import ChangeRefused
 from backhalf.queues import QueueConfig
 from backhalf.redaction import redact
 from backhalf.state_writer import StateWriter
@@ -63,10 +66,18 @@ class Runner:
         todo's lease decides whether that delivery runs)."""
         queue, handler = self._handlers[queue_name]
         bound = log.bind(todo_id=todo_id, queue=queue_name)
-        started = self._writer.start(todo_id, queue.lease_ms / 1000, queue.max_attempts)
+        try:
+            started = self._writer.start(todo_id, queue_name, queue.lease_ms / 1000, queue.max_attempts)
+        except ChangeRefused as exc:
+            # Never retried: the same message would be refused again.
+            refused(queue_name, "start_refused", bound, error=str(exc))
+            return
         todo = started.todo
         if todo is None:
-            bound.info("todo_skipped", status=started.found)
+            if started.found == todos.FOREIGN:
+                refused(queue_name, "todo_of_another_queue", bound)
+            else:
+                bound.info("todo_skipped", status=started.found)
             return
         bound = bound.bind(attempt=todo.attempt)
         began = time.perf_counter()
@@ -117,6 +128,14 @@ class Runner:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def refused(queue_name: str, reason: str, bound: Any, **fields: Any) -> None:
+    """A message for this queue's actor that runs no handler and is not
+    retried: logged and counted (``switchboard_worker_messages_refused_total``)."""
+    bound.warning("message_refused", reason=reason, **fields)
+    if metrics.on():
+        metrics.MESSAGES_REFUSED.labels(queue_name, reason).inc()
 
 
 def _call(handler: Handler, todo: todos.Todo, time_limit_s: float) -> None:

@@ -17,7 +17,7 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,24 @@ import dramatiq
 import redis
 import structlog
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.common import q_name
+from dramatiq.middleware import (
+    AgeLimit,
+    Callbacks,
+    Pipelines,
+    Retries,
+    ShutdownNotifications,
+    SkipMessage,
+    TimeLimit,
+)
+from dramatiq.results import Results
 
 from backhalf import heartbeats, metrics
 from backhalf.db import create_sync_engine
 from backhalf.errors import StoreError
 from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
-from backhalf.worker import Handler, Runner
+from backhalf.worker import Handler, Runner, refused
 from ingest.config import LEASE_MARGIN_MIN_MS, METRICS_PORT_VARIABLE, Settings
 from ingest.errors import ConfigError
 from ingest.observe import worker_metrics
@@ -85,6 +96,7 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         self._runner: Runner | None = None
         self._runner_lock = threading.Lock()  # the first messages arrive on several threads at once
         self._handlers = {name: (q, resolve_handler(q)) for name, q in settings.queues.items()}
+        self._by_actor = {q.actor_name: q for q in settings.queues.values()}
         self._heartbeat: WorkerHeartbeat | None = None
 
     def declare(self, broker: dramatiq.Broker) -> None:
@@ -93,10 +105,6 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         for name, (queue, _handler) in self._handlers.items():
             if queue.actor_name in broker.actors:
                 continue
-
-            def run(todo_id: int, _queue: str = name) -> None:
-                self._runner_for().run(_queue, todo_id)
-
             dramatiq.actor(
                 broker=broker,
                 actor_name=queue.actor_name,
@@ -111,7 +119,39 @@ class SwitchboardMiddleware(dramatiq.Middleware):
                 min_backoff=queue.min_backoff_ms,
                 max_backoff=queue.max_backoff_ms,
                 time_limit=queue.time_limit_ms,
-            )(run)
+            )(self._actor_function(name))
+
+    def _actor_function(self, queue_name: str) -> Callable[[int], None]:
+        """The actor of one queue: one todo id, its queue bound here, never
+        an argument (before_process_message has refused any other shape)."""
+
+        def run(todo_id: int) -> None:
+            self._runner_for().run(queue_name, todo_id)
+
+        return run
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        """A message for a Switchboard actor is a hint, never an authority:
+        one not shaped as the relay sends them (one todo id, on its queue's
+        dramatiq queue, for a queue this worker serves) runs nothing and is
+        not retried; options that would override the queue's settings are
+        dropped. Runs before dramatiq's own middleware reads them (the
+        middleware is the broker's first: :meth:`after_process_boot`)."""
+        queue = self._by_actor.get(message.actor_name)
+        if queue is None:
+            return
+        reason = message_refusal(message, queue, self._served)
+        if reason is not None:
+            refused(queue.name, reason, log.bind(queue=queue.name, message_id=message.message_id),
+                    argument_types=[type(a).__name__ for a in message.args[:3]],
+                    keywords=len(message.kwargs))  # fmt: skip
+            raise SkipMessage(reason)
+        overrides = [key for key in message.options if key not in DRAMATIQ_BOOKKEEPING]
+        for key in overrides:
+            del message.options[key]
+        if overrides:
+            log.warning("message_options_ignored", queue=queue.name, message_id=message.message_id,
+                        options=sorted(str(k)[:40] for k in overrides)[:10])  # fmt: skip
 
     def _runner_for(self) -> Runner:
         with self._runner_lock:
@@ -128,6 +168,15 @@ class SwitchboardMiddleware(dramatiq.Middleware):
             return self._runner
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
+        readers = [type(m).__name__ for m in broker.middleware[: broker.middleware.index(self)]
+                   if isinstance(m, OPTION_READERS)]  # fmt: skip
+        if readers:
+            # Their before_process_message would read a message's overrides
+            # (a time limit, retries) before this one drops them.
+            raise ConfigError(
+                f"SwitchboardMiddleware must come before dramatiq's {', '.join(readers)} on the broker:"
+                " broker.add_middleware(SwitchboardMiddleware(...), before=type(broker.middleware[0]))"
+            )
         self.declare(broker)
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
@@ -150,6 +199,28 @@ class SwitchboardMiddleware(dramatiq.Middleware):
                 self._runner = None
 
 
+# The options dramatiq itself puts on a message (its retries' count and
+# traceback, a delay's eta, the Redis broker's id): kept. Any other option a
+# message carries would override its queue's settings (time_limit,
+# max_retries, backoff, max_age, callbacks, pipelines): dropped.
+DRAMATIQ_BOOKKEEPING = frozenset({"retries", "traceback", "requeue_timestamp", "eta", "redis_message_id"})
+# dramatiq's middleware that read a message's options.
+OPTION_READERS = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries, Results)
+# A todo id is a PostgreSQL bigint.
+MAX_TODO_ID = 2**63 - 1
+
+
+def message_refusal(message: Any, queue: QueueConfig, served: Sequence[str]) -> str | None:
+    """Why a message for ``queue``'s actor must not run, or None: the relay
+    sends exactly one todo id, on the queue's own dramatiq queue."""
+    args, kwargs = message.args, message.kwargs
+    if kwargs or len(args) != 1 or type(args[0]) is not int or not 1 <= args[0] <= MAX_TODO_ID:
+        return "bad_arguments"
+    if q_name(message.queue_name) != queue.broker_queue or queue.name not in served:
+        return "other_queue"
+    return None
+
+
 def _retry_when(max_attempts: int) -> Any:
     def retry_when(retries_so_far: int, exc: BaseException) -> bool:
         return isinstance(exc, StoreError) or retries_so_far < max_attempts - 1
@@ -166,7 +237,8 @@ def broker_for(settings: Settings, *, threads: int = 8, queues: Sequence[str] = 
         socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
     )
     broker = RedisBroker(client=client)  # type: ignore[no-untyped-call]
-    broker.add_middleware(SwitchboardMiddleware(settings, threads=threads, queues=queues))
+    first = type(broker.middleware[0]) if broker.middleware else None
+    broker.add_middleware(SwitchboardMiddleware(settings, threads=threads, queues=queues), before=first)
     return broker
 
 

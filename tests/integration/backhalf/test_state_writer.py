@@ -11,10 +11,12 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from backhalf import todos
 from backhalf.db import DatabaseSettings, create_sync_engine
-from backhalf.state_writer import StateWriter
+from backhalf.errors import ChangeRefused
+from backhalf.state_writer import StateWriter, refused_for_its_data
 from ingest.embedded.processes import wait_for
 from tests.support.db import libpq, query, scalar
 
@@ -41,7 +43,7 @@ def writer(db_url: str) -> Iterator[StateWriter]:
 def test_changes_are_committed_when_they_return(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    started = writer.start(todo_ids[0], 60, 5)
+    started = writer.start(todo_ids[0], "q", 60, 5)
     assert started.todo is not None
     assert scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == "running"
     assert writer.end(todos.Ending(started, "done", None, "done"))
@@ -49,7 +51,7 @@ def test_changes_are_committed_when_they_return(
         ("dispatched", "running"),
         ("running", "done"),
     ]
-    assert writer.start(todo_ids[0], 60, 5).found == "done"  # a redelivery: skipped
+    assert writer.start(todo_ids[0], "q", 60, 5).found == "done"  # a redelivery: skipped
 
 
 def test_a_row_held_elsewhere_holds_up_no_other_change(
@@ -62,13 +64,13 @@ def test_a_row_held_elsewhere_holds_up_no_other_change(
     with psycopg.connect(libpq(db_url)) as relay:
         relay.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (blocked,))
         answers: list[todos.Started] = []
-        waiting = threading.Thread(target=lambda: answers.append(writer.start(blocked, 60, 5)))
+        waiting = threading.Thread(target=lambda: answers.append(writer.start(blocked, "q", 60, 5)))
         waiting.start()
         wait_for(lambda: writer.busy_answers >= 1, timeout_s=10, what="the held row's start answered busy")
         # The other start returns while the relay still holds its row: a
         # writer that waited for the row would hold it up until the commit
         # below, which comes only after it.
-        other = writer.start(free, 60, 5)
+        other = writer.start(free, "q", 60, 5)
         assert other.todo is not None
         assert waiting.is_alive(), "the held row's start returned before the row was free"
         relay.commit()
@@ -86,9 +88,10 @@ def test_a_start_written_again_finds_its_own_run(db_url: str, todo_ids: list[int
     attempt."""
     token = uuid.uuid4()
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
-        _, _, (first,) = todos.write_states(conn, [], [(todo_ids[0], token, 60, 5)])
-        _, _, (again,) = todos.write_states(conn, [], [(todo_ids[0], token, 60, 5)])
-        _, _, (other,) = todos.write_states(conn, [], [(todo_ids[0], uuid.uuid4(), 60, 5)])
+        mine = todos.StartRequest(todo_ids[0], "q", token, 60, 5)
+        _, _, (first,) = todos.write_states(conn, [], [mine])
+        _, _, (again,) = todos.write_states(conn, [], [mine])
+        _, _, (other,) = todos.write_states(conn, [], [mine._replace(token=uuid.uuid4())])
     assert first.todo is not None
     assert again.todo == first.todo
     assert again.token == first.token
@@ -100,13 +103,97 @@ def test_a_start_written_again_finds_its_own_run(db_url: str, todo_ids: list[int
 def test_a_connection_killed_under_it_is_replaced(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    assert writer.start(todo_ids[0], 60, 5).todo is not None
+    assert writer.start(todo_ids[0], "q", 60, 5).todo is not None
     with psycopg.connect(libpq(db_url), autocommit=True) as admin:
         killed = admin.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
             " WHERE application_name = 'switchboard-worker'"
         ).fetchone()
     assert killed == (1,)
-    started = writer.start(todo_ids[1], 60, 5)  # the first try fails on the dead connection; the retry works
+    # The first try fails on the dead connection; the retry works.
+    started = writer.start(todo_ids[1], "q", 60, 5)
     assert started.todo is not None
     assert scalar(db_url, "SELECT count(*) FROM todos WHERE status = 'running'") == 2
+
+
+def test_a_start_for_a_todo_of_another_queue_is_refused(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    """The statement checks the queue: a message of another queue's actor
+    naming this todo starts nothing (the todo is as it was)."""
+    assert writer.start(todo_ids[0], "other", 60, 5) == todos.Started(None, todos.FOREIGN)
+    assert query(db_url, "SELECT status, attempts FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == [
+        ("dispatched", 0)
+    ]
+    assert scalar(db_url, "SELECT count(*) FROM todo_events") == 0
+
+
+def test_a_change_the_database_refuses_for_its_data_fails_alone(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    """An end whose error text PostgreSQL cannot store (a NUL), in one batch
+    with a good end: the good one is written, the bad one refused at once
+    (ChangeRefused, no retry of the batch). The batch is made certain by
+    holding the writer's previous batch on a table lock until both changes
+    are queued behind it."""
+    runs = [writer.start(i, "q", 60, 5) for i in todo_ids]
+    locker = psycopg.connect(libpq(db_url))
+    answers: dict[int, object] = {}
+
+    def end(run: todos.Started, status: str, error: str | None) -> None:
+        assert run.todo is not None
+        try:
+            answers[run.todo.id] = writer.end(todos.Ending(run, status, error, status))
+        except ChangeRefused as exc:
+            answers[run.todo.id] = exc
+
+    with capture_logs() as logs:
+        try:
+            locker.execute("LOCK TABLE todo_events IN EXCLUSIVE MODE")
+            threads = [threading.Thread(target=end, args=(runs[0], "done", None))]
+            threads[0].start()
+            wait_for(
+                lambda: scalar(db_url, "SELECT count(*) FROM pg_locks WHERE NOT granted") == 1,
+                timeout_s=10,
+                what="the first batch waiting for the lock",
+            )
+            threads += [
+                threading.Thread(target=end, args=(runs[1], "failed", "bad\x00text")),
+                threading.Thread(target=end, args=(runs[2], "done", None)),
+            ]
+            for t in threads[1:]:
+                t.start()
+            wait_for(lambda: writer.queued == 2, timeout_s=10, what="both ends queued behind it")
+        finally:
+            locker.commit()
+            locker.close()
+        for t in threads:
+            t.join(timeout=30)
+    assert answers[todo_ids[0]] is True
+    assert answers[todo_ids[2]] is True
+    assert isinstance(answers[todo_ids[1]], ChangeRefused)
+    assert query(db_url, "SELECT id, status FROM todos ORDER BY id") == [
+        (todo_ids[0], "done"), (todo_ids[1], "running"), (todo_ids[2], "done"),
+    ]  # fmt: skip
+    events = [e["event"] for e in logs]
+    assert "todo_states_retried" not in events
+    assert events.count("todo_state_refused") == 1
+
+
+@pytest.mark.parametrize(
+    ("exc", "refused"),
+    [
+        (psycopg.errors.CharacterNotInRepertoire("invalid byte sequence for encoding UTF8: 0x00"), True),
+        (psycopg.errors.NumericValueOutOfRange("bigint out of range"), True),
+        (psycopg.errors.UniqueViolation("duplicate key"), True),
+        (psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes"), True),
+        (UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed"), True),
+        (psycopg.OperationalError("server closed the connection unexpectedly"), False),
+        (psycopg.errors.QueryCanceled("canceling statement due to user request"), False),
+        (psycopg.errors.AdminShutdown("terminating connection due to administrator command"), False),
+        (psycopg.errors.SerializationFailure("could not serialize access"), False),
+    ],
+)
+def test_what_is_refused_for_its_data(exc: BaseException, refused: bool) -> None:
+    """Written again, a data error fails again; the others may pass."""
+    assert refused_for_its_data(exc) is refused

@@ -25,7 +25,7 @@ def todo_id(db_url: str) -> int:
 
 def start(db_url: str, todo_id: int, lease_s: float = 60, max_attempts: int = 5) -> todos.Started:
     with psycopg.connect(libpq(db_url)) as conn:
-        return todos.start(conn, todo_id, lease_s, max_attempts)
+        return todos.start(conn, todo_id, lease_s, max_attempts, queue="q")
 
 
 def end(db_url: str, run: todos.Started, to_status: str = "done") -> bool:

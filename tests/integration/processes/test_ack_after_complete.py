@@ -69,8 +69,9 @@ async def claim(engine: AsyncEngine, adapter: str = "orders") -> list[int]:
 
 def run_to(db_url: str, todo_id: int, to_status: str) -> None:
     """A worker's run of the todo, from start to ``to_status``."""
+    queue = scalar(db_url, "SELECT queue FROM todos WHERE id = %(t)s", {"t": todo_id})
     with psycopg.connect(libpq(db_url)) as conn:
-        run = todos.start(conn, todo_id, 60, 5)
+        run = todos.start(conn, todo_id, 60, 5, queue=queue)
     with psycopg.connect(libpq(db_url)) as conn:
         assert todos.end_run(conn, run, to_status, error=None, detail=to_status)
 
@@ -99,7 +100,7 @@ async def test_cancel_and_the_rescuers_failure_release_the_ack(engine: AsyncEngi
     async with engine.begin() as conn:
         assert await todos.cancel(conn, [todo_1], "cancelled by an operator") == [todo_1]
     with psycopg.connect(libpq(db_url)) as conn:
-        todos.start(conn, todo_2, 60, 1)
+        todos.start(conn, todo_2, 60, 1, queue="orders")
     query(
         db_url, "UPDATE todos SET lease_until = now() - interval '1 second' WHERE id = %(t)s", {"t": todo_2}
     )
@@ -174,7 +175,7 @@ async def test_a_redelivery_racing_its_todos_end_is_owed_at_once(engine: AsyncEn
         await acks.claim(conn, ["orders"], 10)
         await todos.retry(conn, [todo_id], "retried by an operator")
     with psycopg.connect(libpq(db_url)) as pg:
-        run = todos.start(pg, todo_id, 60, 5)
+        run = todos.start(pg, todo_id, 60, 5, queue="orders")
     ender = psycopg.connect(libpq(db_url))
     try:
         held, _, _ = todos.write_states(ender, [todos.Ending(run, "done", None, "done")], [])  # committed
@@ -236,7 +237,7 @@ async def test_an_end_racing_a_store_deduped_to_its_todo_still_releases_it(
         create_sync_engine(DatabaseSettings(url=db_url), pool_size=1), deadline_ms=10_000, threads=2
     )
     try:
-        run = writer.start(todo_id, 60, 5)
+        run = writer.start(todo_id, "jobs", 60, 5)
         conn = await engine.connect()
         try:
             tx = await conn.begin()
@@ -270,7 +271,7 @@ async def test_the_rescuer_releases_acks_a_worker_left_waiting(engine: AsyncEngi
         await store(conn, stream_batch(entry(1), entry(2)))
     (todo_1, _todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
     with psycopg.connect(libpq(db_url)) as conn:
-        run = todos.start(conn, todo_1, 60, 5)
+        run = todos.start(conn, todo_1, 60, 5, queue="orders")
         held, _, _ = todos.write_states(conn, [todos.Ending(run, "done", None, "done")], [], release=False)
     assert held == {todo_1}
     assert await claim(engine) == []
