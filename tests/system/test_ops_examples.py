@@ -141,3 +141,36 @@ def test_the_shipped_acl_users_are_refused_what_they_are_not_granted(acl_redis: 
     finally:
         for client in (stream, lst, pubsub):
             client.close()
+
+
+def test_producers_write_their_sources_and_cannot_reach_dramatiq(acl_redis: RedisServer) -> None:
+    """The producers' user (issue 32): it adds to the sources, and can neither
+    enqueue a dramatiq message (dramatiq's keys, its scripts, its database)
+    nor touch what the consumers and the acker do."""
+    producer = _as(acl_redis, "switchboard-producer")
+    dramatiq_user = _as(acl_redis, "switchboard-dramatiq")
+    try:
+        producer.xadd("orders", {"body": "{}"})
+        producer.lpush("jobs", "{}")
+        producer.publish("notifications", "{}")
+        refused: list[tuple[str, ...]] = [
+            ("HSET", "dramatiq:orders.msgs", "m1", "{}"),  # a dramatiq message, enqueued by hand
+            ("RPUSH", "dramatiq:orders", "m1"),
+            ("EVALSHA", "0" * 40, "0"),  # dramatiq's dispatch script
+            ("SELECT", "1"),  # dramatiq's own database
+            ("XACK", "orders", "switchboard", "0-1"),  # the acker's
+            ("XREADGROUP", "GROUP", "switchboard", "c1", "STREAMS", "orders", ">"),  # the ingester's
+            ("XADD", "elsewhere", "*", "body", "{}"),  # a stream not its own
+            ("DEL", "orders"),
+        ]
+        for command in refused:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                producer.execute_command(*command)
+        # dramatiq's own user has its database, and only dramatiq's keys there.
+        dramatiq_user.execute_command("SELECT", "1")
+        dramatiq_user.hset("dramatiq:orders.msgs", "m1", "{}")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            dramatiq_user.xadd("orders", {"body": "{}"})
+    finally:
+        producer.close()
+        dramatiq_user.close()

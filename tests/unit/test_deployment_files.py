@@ -423,7 +423,10 @@ def test_compose_runs_every_process_on_the_servers(compose: dict[str, Any]) -> N
         assert (OPS / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
         config = svc["environment"]["SWITCHBOARD_CONFIG"]
         assert svc["configs"] == [{"source": "switchboard_toml", "target": config}]
-        assert svc["env_file"] == "switchboard.env"
+        # Each long-running process with its own Redis users' file (issue 32).
+        assert svc["env_file"] == (
+            "switchboard.env" if verb == "migrate" else ["switchboard.env", f"secrets/{verb}.env"]
+        )
         args = parse_cli(["--config", config, *svc["command"]])
         assert args.verb == verb
     assert services["migrate"]["restart"] == "no"
@@ -435,6 +438,7 @@ def test_compose_runs_every_process_on_the_servers(compose: dict[str, Any]) -> N
         }
     assert services["postgres"]["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
     assert "valkey-cli ping" in services["valkey"]["healthcheck"]["test"][1]
+    assert services["valkey"]["secrets"] == ["valkey_conf", "redis_users"]
 
 
 def test_compose_health_checks_read_each_process_healthz(compose: dict[str, Any]) -> None:
@@ -455,7 +459,7 @@ def test_compose_keeps_every_secret_in_files_outside_it(compose: dict[str, Any])
         if not line.lstrip().startswith("#"):
             assert not _INLINE_SECRET.search(line), f"compose.yaml:{number}: {line.strip()}"
     secrets = compose["secrets"]
-    assert set(secrets) == {"postgres_password", "valkey_conf"}
+    assert set(secrets) == {"postgres_password", "valkey_conf", "redis_users"}
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     assert "ops/secrets/" in ignored
     assert "ops/switchboard.env" in ignored
@@ -477,3 +481,17 @@ def test_the_compose_processes_config_loads_and_serves_healthz() -> None:
     assert settings.metrics.address == "127.0.0.1"
     assert [a.name for a in settings.adapters] == ["orders"]
     assert set(settings.queues) == {"orders"}
+    # The users of ops/redis-users.acl, from each process's own variables;
+    # dramatiq on a database of its own.
+    env = {
+        "SWITCHBOARD_BROKER_USER": "switchboard-ingester",
+        "SWITCHBOARD_BROKER_PASSWORD": "p1",
+        "SWITCHBOARD_DRAMATIQ_USER": "switchboard-dramatiq",
+        "SWITCHBOARD_DRAMATIQ_PASSWORD": "p2",
+    }
+    full = load(path, env)
+    assert full.dramatiq_broker.url() == "redis://switchboard-dramatiq:p2@valkey:6379/1"
+    acl = (OPS / "redis-users.acl").read_text()
+    for user in (*env.values(), "switchboard-acker", "switchboard-producer"):
+        if user.startswith("switchboard-"):
+            assert f"user {user} on " in acl
