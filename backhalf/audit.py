@@ -53,3 +53,47 @@ async def message_trail(conn: AsyncConnection, idempotency_key: str) -> list[dic
         .order_by(_trail_view.c.inbox_id)
     )
     return [dict(r._mapping) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class HorizonHolder:
+    """The oldest transaction of this database still holding a transaction
+    id: stream acks stored after it wait for it to end (queries.sql,
+    ``ack_horizon_cte``). A session's state and age are shown only to its
+    own role (or pg_read_all_stats): None otherwise."""
+
+    kind: str  # "session" or "prepared transaction"
+    name: str  # the session's pid, or the prepared transaction's gid
+    user: str | None
+    ids_behind: int  # transaction ids begun since it took its own
+    open_for: timedelta | None
+    state: str | None
+
+    def describe(self) -> str:
+        what = f"{self.kind} {self.name}" if self.kind != "session" else f"pid {self.name}"
+        facts = [f"user {self.user}" if self.user else None, self.state,
+                 f"open {self.open_for.total_seconds():.0f} s" if self.open_for is not None else None,
+                 f"{self.ids_behind} transaction ids behind"]  # fmt: skip
+        return f"{what} ({', '.join(f for f in facts if f)})"
+
+
+# No value comes from outside: the statement has no parameter.
+_HOLDER = sa.text(
+    "SELECT 'session' AS kind, pid::text AS name, usename AS who, age(backend_xid) AS behind,"
+    " now() - xact_start AS open_for, state"
+    " FROM pg_stat_activity"
+    " WHERE backend_xid IS NOT NULL AND datname = current_database() AND pid <> pg_backend_pid()"
+    " UNION ALL"
+    " SELECT 'prepared transaction', gid, owner::text, age(transaction), now() - prepared, NULL"
+    " FROM pg_prepared_xacts WHERE database = current_database()"
+    " ORDER BY behind DESC LIMIT 1"
+)
+
+
+async def ack_horizon_holder(conn: AsyncConnection) -> HorizonHolder | None:
+    """The oldest transaction of this database with an id of its own, or None."""
+    row = (await conn.execute(_HOLDER)).first()
+    if row is None:
+        return None
+    kind, name, who, behind, open_for, state = row
+    return HorizonHolder(str(kind), str(name), who, int(behind), open_for, state)

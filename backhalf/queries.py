@@ -105,8 +105,9 @@ CLAIM_PLAN = _block("claim_plan")
 CLAIM_ACKS = _block("claim_acks")
 LOCK_PENDING_COPIES = _block("lock_pending_copies")
 OWED_NATIVE = _block("owed_native")
-CURSOR_PEEK = _block("cursor_peek")
-CURSOR_ACKS = _block("cursor_acks")
+# The horizon first: the cursor's statements read one snapshot.
+CURSOR_PEEK = _with("ack_horizon_cte", "cursor_peek_cte", then="cursor_peek")
+CURSOR_ACKS = _with("ack_horizon_cte", "cursor_acks_cte", then="cursor_acks")
 RESET_ACK_CURSOR = _block("reset_ack_cursor")
 MARK_CURSOR_ACKS = _block("mark_cursor_acks")
 
@@ -126,6 +127,8 @@ COMPOSED: dict[str, str] = {
     "store_native": STORE_NATIVE,
     "store_body": STORE_BODY,
     "create_todo": CREATE_TODO,
+    "cursor_peek": CURSOR_PEEK,
+    "cursor_acks": CURSOR_ACKS,
 }
 
 if _unused := sorted(set(_BLOCKS) - _used):

@@ -369,7 +369,35 @@ RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
           CASE WHEN claimed.by_body THEN body END AS body
 
 
--- name: cursor_peek
+-- name: ack_horizon_cte
+-- Where the ack cursor may walk to (``h.xmin``): below the oldest transaction
+-- still running that may write this database's rows, as of this statement's
+-- snapshot. Every transaction below it has ended, so a row stored later has
+-- a larger ack_xid and can never land behind the cursor. Transaction ids are
+-- the cluster's, so the snapshot's own xmin is held back by a transaction in
+-- any database, even one Switchboard's roles cannot reach; one that
+-- pg_stat_activity shows with an id in another database cannot write a row
+-- here and is passed over (datid and backend_xid are shown for every
+-- session, whatever the role). Any other (this database's, a prepared
+-- transaction, one that ended after the snapshot, one not shown) bounds the
+-- walk, as the snapshot's xmin does. ``running``: those transactions, for
+-- the peek's ``held``. The comparison is of the ids' low 32 bits
+-- (backend_xid is an xid): ids running at once are less than 2^31 apart.
+h AS (
+    SELECT snap.xmax, coalesce(min(ours.xid), snap.xmax) AS xmin, count(ours.xid) AS running
+    FROM (SELECT s, pg_snapshot_xmax(s)::text::int8 AS xmax FROM pg_current_snapshot() AS s) AS snap
+    LEFT JOIN LATERAL (
+        SELECT x::text::int8 AS xid FROM pg_snapshot_xip(snap.s) AS x
+        WHERE x::text::int8 %% 4294967296 NOT IN (
+            SELECT a.backend_xid::text::int8 FROM pg_stat_activity AS a
+            WHERE a.backend_xid IS NOT NULL
+              AND a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database()))
+    ) AS ours ON true
+    GROUP BY snap.xmax
+)
+
+
+-- name: cursor_peek_cte
 -- Before cursor_acks, unlocked: is there anything for the cursor to do? A
 -- claim that locks the cursor row takes a transaction id, and its commit a
 -- WAL flush, so an acker looking every few milliseconds for acks held back
@@ -380,14 +408,13 @@ RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
 -- rows may be owed that no claim can take yet; the acker looks again soon.
 -- Both are read from one snapshot, so the cursor read is never newer than
 -- the snapshot it is compared with.
-WITH c AS (
+c AS (
     SELECT xid, inbox_id, cluster FROM ack_cursors WHERE adapter = %(adapter)s
-), h AS (
-    SELECT pg_snapshot_xmin(s)::text::int8 AS xmin, pg_snapshot_xmax(s)::text::int8 AS xmax,
-           pg_snapshot_xmax(s)::text::int8 - pg_snapshot_xmin(s)::text::int8
-               > (SELECT count(*) FROM pg_snapshot_xip(s)) AS held
-    FROM pg_current_snapshot() AS s
 )
+
+
+-- name: cursor_peek
+-- The peek's answer (cursor_peek_cte above says what it asks).
 SELECT NOT EXISTS (SELECT 1 FROM c)
        OR EXISTS (SELECT 1 FROM c WHERE c.cluster <> (SELECT system_identifier::text FROM pg_control_system())
                                      OR c.xid > h.xmax)
@@ -397,11 +424,11 @@ SELECT NOT EXISTS (SELECT 1 FROM c)
                         AND (ack_xid, id) > (c.xid, c.inbox_id) AND ack_xid < h.xmin AND ack_state = 'pending'
                       ORDER BY ack_xid, id
                       LIMIT 1) AS owed),
-       h.held
+       h.xmax - h.xmin > h.running AS held
 FROM h
 
 
--- name: cursor_acks
+-- name: cursor_acks_cte
 -- The acker's other claim (docs/architecture.md, "The ack cursor"): an
 -- adapter's stream entries whose ack is owed now, found by ``ack_xid``, the
 -- id of the transaction that stored them, from where the adapter's cursor
@@ -430,7 +457,7 @@ FROM h
 -- The walk runs once, on ix_inbox_ack_cursor from the cursor onwards, in
 -- its order, and stops at the limit. Behind the cursor the index holds the
 -- adapter's acked rows, which the walk never reads.
-WITH opened AS (
+opened AS (
     INSERT INTO ack_cursors (adapter, xid, inbox_id, cluster)
     VALUES (%(adapter)s, 0, 0, (SELECT system_identifier::text FROM pg_control_system()))
     ON CONFLICT (adapter) DO NOTHING
@@ -439,9 +466,11 @@ WITH opened AS (
     SELECT xid, inbox_id, cluster FROM ack_cursors WHERE adapter = %(adapter)s FOR UPDATE SKIP LOCKED
 ), c AS (
     SELECT xid, inbox_id, cluster FROM opened UNION ALL SELECT xid, inbox_id, cluster FROM locked
-), h AS (
-    SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8 AS xmin
 )
+
+
+-- name: cursor_acks
+-- The claim's answer (cursor_acks_cte above says what it takes).
 SELECT c.xid, h.xmin,
        c.cluster <> (SELECT system_identifier::text FROM pg_control_system())
            OR c.xid > pg_current_xact_id()::text::int8 AS reset,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from backhalf import audit, heartbeats, registry
@@ -121,6 +122,7 @@ async def collect(settings: Settings, procs: Sequence[ProcessRow] = ()) -> list[
             rows = {r.name: r for r in await registry.list_adapters(conn)}
             counts = await audit.adapter_counts(conn)
             todo_counts = await audit.todos_by_status(conn)
+            holder = await audit.ack_horizon_holder(conn)
     finally:
         await engine.dispose()
     entries: list[_Entry] = [_Entry(cfg.name, rows.get(cfg.name), cfg) for cfg in settings.adapters]
@@ -165,6 +167,7 @@ async def collect(settings: Settings, procs: Sequence[ProcessRow] = ()) -> list[
                 **(broker or {}),
                 "pending_acks": c.pending_acks if c else 0,
                 "oldest_unacked_age_s": round(age.total_seconds(), 3) if age is not None else None,
+                **_held_by(age, holder),
                 "stored": c.stored if c else 0,
                 "rejected": c.rejected if c else 0,
                 "acked": c.acked if c else 0,
@@ -173,6 +176,17 @@ async def collect(settings: Settings, procs: Sequence[ProcessRow] = ()) -> list[
             }
         )
     return report
+
+
+# An ack owed this long, with a transaction of this database holding an id:
+# that transaction is named, for stream acks wait for it to end.
+HELD_ACK_REPORT_S = 10.0
+
+
+def _held_by(age: timedelta | None, holder: audit.HorizonHolder | None) -> dict[str, str]:
+    if age is None or holder is None or age.total_seconds() < HELD_ACK_REPORT_S:
+        return {}
+    return {"acks_held_by": holder.describe()}
 
 
 def unhealthy(report: Sequence[Mapping[str, Any]]) -> list[str]:

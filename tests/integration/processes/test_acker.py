@@ -4,15 +4,17 @@ acked, concurrent ackers split the work, broker failures leave rows pending."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from contextlib import AbstractContextManager
 from typing import Any, TypeAlias, cast
 
 import psycopg
 import pytest
 import redis
+from psycopg import conninfo, sql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import acks, queries, registry
+from backhalf import acks, audit, queries, registry
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
@@ -511,3 +513,61 @@ async def test_a_claim_with_nothing_owed_takes_no_transaction_id(
             assert (await conn.exec_driver_sql("SELECT pg_current_xact_id_if_assigned()")).scalar() is None
     finally:
         await acknowledgers["orders"].close()
+
+
+async def test_a_transaction_in_another_database_holds_no_ack_back(
+    engine: AsyncEngine, db_url: str, redis_url: str
+) -> None:
+    """Issue 32: a role with no grant here, idle in a transaction of its own
+    in another database of the cluster, holds the snapshot's xmin (ids are
+    the cluster's), but can write no row here: the cursor passes it by. Any
+    role, however unprivileged, sees its database and id in pg_stat_activity
+    (the fact the horizon rests on), so the acker's own role does too."""
+    suffix = uuid.uuid4().hex[:8]
+    other_db, stranger, onlooker = f"other_{suffix}", f"stranger_{suffix}", f"onlooker_{suffix}"
+    admin = libpq(db_url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(other_db)))
+        for role in (stranger, onlooker):
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD 'pw'").format(sql.Identifier(role)))
+    s = settings(db_url, redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    r.xadd(STREAM, {"body": "{}"})
+    acknowledgers = {"orders": StreamAcknowledger(s.adapters[0])}
+    idle = psycopg.connect(conninfo.make_conninfo(admin, dbname=other_db, user=stranger, password="pw"))
+    try:
+        xid = int(str(idle.execute("SELECT pg_current_xact_id()").fetchone()[0]))  # type: ignore[index]
+        await consume_and_commit(engine, s, 1)
+        with psycopg.connect(conninfo.make_conninfo(admin, user=onlooker, password="pw")) as look:
+            seen = look.execute(
+                "SELECT datname, backend_xid::text FROM pg_stat_activity WHERE usename = %(u)s",
+                {"u": stranger},
+            ).fetchall()
+        assert seen == [(other_db, str(xid % 2**32))]
+        assert await drain_once(engine, acknowledgers, 100) == 1
+        assert r.xpending(STREAM, GROUP)["pending"] == 0
+        assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
+    finally:
+        idle.close()
+        for a in acknowledgers.values():
+            await a.close()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(other_db)))
+            for role in (stranger, onlooker):
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+async def test_status_names_the_transaction_holding_acks_back(engine: AsyncEngine, db_url: str) -> None:
+    """A transaction of this database with an id of its own holds the stream
+    acks stored after it: `status` names it (its pid, user and age)."""
+    async with engine.connect() as conn:
+        assert await audit.ack_horizon_holder(conn) is None
+    with psycopg.connect(libpq(db_url)) as blocker:
+        blocker.execute("SELECT pg_current_xact_id()")
+        pid = blocker.info.backend_pid
+        async with engine.connect() as conn:
+            holder = await audit.ack_horizon_holder(conn)
+        assert holder is not None
+        assert (holder.kind, holder.name) == ("session", str(pid))
+        assert holder.describe().startswith(f"pid {pid} (user ")
+        assert "idle in transaction" in holder.describe()

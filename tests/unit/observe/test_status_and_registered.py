@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from backhalf import audit
 from backhalf.normalize import BodyFormat
 from backhalf.registry import AdapterRow
 from ingest.adapters import registered
@@ -122,3 +125,15 @@ def test_the_default_broker_is_the_environments_then_the_files() -> None:
     assert from_mapping(file, {}).redis_url == "redis://cache:6379/1"
     env = {"SWITCHBOARD_REDIS_URL": "rediss://h:6380/2"}
     assert from_mapping(file, env).redis_url == "rediss://h:6380/2"
+
+
+def test_the_transaction_holding_acks_is_named_once_an_ack_waits_long() -> None:
+    holder = audit.HorizonHolder("session", "4242", "app", 1532, timedelta(seconds=20), "idle in transaction")
+    shown = "pid 4242 (user app, idle in transaction, open 20 s, 1532 transaction ids behind)"
+    assert status._held_by(timedelta(seconds=30), holder) == {"acks_held_by": shown}
+    assert status._held_by(timedelta(seconds=1), holder) == {}  # an ack just stored: nothing held
+    assert status._held_by(None, holder) == {}
+    assert status._held_by(timedelta(seconds=30), None) == {}
+    unseen = audit.HorizonHolder("session", "7", None, 9, None, None)  # another role's session
+    assert unseen.describe() == "pid 7 (9 transaction ids behind)"
+    assert "acks_held_by" in status.render([entry("orders", acks_held_by=shown)], as_json=False)
