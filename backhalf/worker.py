@@ -38,6 +38,7 @@ import structlog
 from dramatiq.middleware import TimeLimitExceeded
 
 from backhalf import metrics, todos
+from backhalf.bounded_text import cut, storable
 from backhalf.errors import ChangeRefused
 from backhalf.queues import QueueConfig
 from backhalf.redaction import redact
@@ -96,7 +97,7 @@ class Runner:
         counting = metrics.on()
         if counting:
             metrics.RUN_SECONDS.labels(queue_name).observe(time.perf_counter() - began)
-        if self._writer.end(todos.Ending(started, "done", None, "done")):
+        if self._end(todos.Ending(started, "done", None, "done")):
             if counting:
                 metrics.FINISHED.labels(queue_name, "done").inc()
             # Debug: a line per success would cost each todo a write to the
@@ -108,15 +109,13 @@ class Runner:
     def _failed(self, queue: QueueConfig, started: todos.Started, exc: BaseException, bound: Any) -> None:
         todo = started.todo
         assert todo is not None
-        # Stored, then shown by `todos` and `trace`: a client library's error
-        # may carry its connection string, password included.
-        error = redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]
+        error = stored_error(exc)
         final = todo.attempt >= queue.max_attempts
         to_status = "failed" if final else "dispatched"
         detail = f"attempt {todo.attempt} of {queue.max_attempts} failed" + (
             "" if final else "; retried after backoff"
         )
-        held = self._writer.end(todos.Ending(started, to_status, error, detail))
+        held = self._end(todos.Ending(started, to_status, error, detail))
         if not held:
             bound.warning("todo_result_discarded", reason="cancelled or rescued while it ran", error=error)
         elif final:
@@ -126,8 +125,31 @@ class Runner:
         else:
             bound.warning("todo_attempt_failed", error=error, max_attempts=queue.max_attempts)
 
+    def _end(self, ending: todos.Ending) -> bool:
+        """End the run; if the database refuses the end for its data, end it
+        once more with an error saying so (the todo keeps a readable
+        reason, and its run is not left holding it until its lease ends)."""
+        try:
+            return self._writer.end(ending)
+        except ChangeRefused as exc:
+            error = storable(f"the database refused this run's outcome as written: {exc}")[:MAX_ERROR_CHARS]
+            return self._writer.end(todos.Ending(ending.run, ending.to_status, error, ending.detail))
+
     def close(self) -> None:
         self._writer.close()
+
+
+def stored_error(exc: BaseException) -> str:
+    """What ``last_error`` and the log keep of a handler's error: cut first
+    (it may be a megabyte, echoing the input), then redacted (a client
+    library's error may carry its connection string, password included),
+    then storable by PostgreSQL (no NUL, no unpaired surrogate): whatever
+    the error holds, its todo records it."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises is still an error
+        text = f"{type(exc).__name__}: (its message could not be printed)"
+    return storable(redact(cut(text, MAX_ERROR_CHARS)))[:MAX_ERROR_CHARS]
 
 
 def refused(queue_name: str, reason: str, bound: Any, **fields: Any) -> None:

@@ -21,26 +21,34 @@ import structlog
 
 # One redaction for log lines, messages and stored errors; re-exported, as
 # callers know it as ingest.observe.logs.redact.
+from backhalf.bounded_text import cut
 from backhalf.redaction import redact as redact
 
 _PLAIN = (str, int, float, bool, type(None))
 
 
+# A log field keeps this much of a long string (a traceback's end included),
+# cut before redaction runs over it: an error echoing a megabyte of input
+# would otherwise cost every pattern a megabyte, and every log line.
+LOG_VALUE_MAX_CHARS = 16_384
+LOG_VALUE_TAIL_CHARS = 4_096
+
+
 def _redact_value(value: Any) -> Any:
-    """Strings redacted; containers item by item; an exception as
+    """Strings cut, then redacted; containers item by item; an exception as
     ``Type: message``; any other object by its repr, when that carries a
     credential (a renderer would print the repr)."""
     if isinstance(value, str):
-        return redact(value)
+        return redact(cut(value, LOG_VALUE_MAX_CHARS, tail=LOG_VALUE_TAIL_CHARS))
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, BaseException):
-        return redact(f"{type(value).__name__}: {value}")
+        return _redact_value(f"{type(value).__name__}: {value}")
     if isinstance(value, Mapping):
         return {k: _redact_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_redact_value(v) for v in value]
-    text = repr(value)
+    text = cut(repr(value), LOG_VALUE_MAX_CHARS, tail=LOG_VALUE_TAIL_CHARS)
     cleaned = redact(text)
     return value if cleaned == text else cleaned
 
@@ -56,7 +64,9 @@ def redact_credentials(
 def _print_redacted(
     kind: type[BaseException], exc: BaseException, tb: TracebackType | None, thread: str | None = None
 ) -> None:
-    text = "".join(traceback.format_exception(kind, exc, tb))
+    text = cut(
+        "".join(traceback.format_exception(kind, exc, tb)), LOG_VALUE_MAX_CHARS, tail=LOG_VALUE_TAIL_CHARS
+    )
     where = f"in thread {thread}: " if thread else ""
     print(f"{where}{redact(text)}", end="", file=sys.stderr)
 

@@ -43,15 +43,29 @@ class Planned(Exception):
 
 def scripted(todo: Todo) -> None:
     """Does what the payload says: ``fail_times`` (fail the first N runs),
-    ``always_fail``, ``sleep_s`` (after recording the start)."""
+    ``always_fail``, ``sleep_s`` (after recording the start), ``raise`` (one
+    of :data:`ERROR_TEXTS`, every run)."""
     payload: dict[str, Any] = todo.payload if isinstance(todo.payload, dict) else {}
     _record(todo, "started")
     if payload.get("sleep_s"):
         time.sleep(float(payload["sleep_s"]))
+    if payload.get("raise"):
+        _record(todo, "failed")
+        raise Planned(ERROR_TEXTS[str(payload["raise"])])
     if payload.get("always_fail") or todo.attempt <= int(payload.get("fail_times", 0)):
         _record(todo, "failed")
         raise Planned(f"planned failure of run {todo.attempt}")
     _record(todo, "done")
+
+
+# Errors built from input, as real handlers raise them (``"raise": NAME``):
+# what PostgreSQL's text refuses, what UTF-8 cannot encode, a megabyte of
+# letters (a slow path for a careless pattern).
+ERROR_TEXTS = {
+    "nul": "bad byte \x00 in the input",
+    "surrogate": "bad input \udcff here",
+    "huge": "echoed input: " + "a" * 1_000_000,
+}
 
 
 async def scripted_async(todo: Todo) -> None:
