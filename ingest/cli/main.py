@@ -19,7 +19,7 @@ import structlog
 from backhalf import failpoints
 from backhalf.db import redact_url
 from ingest import signals
-from ingest.cli import ack, adapters, demo, inbox, migrate, prune, status, todos, trace, worker
+from ingest.cli import ack, adapters, demo, help_pages, inbox, migrate, prune, status, todos, trace, worker
 from ingest.cli import errors as cli_errors
 from ingest.cli import ingest as ingest_verb
 from ingest.cli.verb import Verb
@@ -81,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
     for verb in VERBS.values():
         verb.add_parser(verbs, common)
+    help_pages.describe(parser)
     return parser
 
 

@@ -1,0 +1,44 @@
+"""Every command's --help (issue 24): what it does, an example that parses,
+the environment it reads."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from ingest.cli import help_pages as help
+from ingest.cli.main import _parser
+
+
+def test_every_command_has_a_description_and_an_example() -> None:
+    paths = [path for path, _, _ in help.commands(_parser())]
+    assert sorted(paths) == sorted(help.EXAMPLES)
+    for path, command, line in help.commands(_parser()):
+        assert line, f"{path}: no one-line help"
+        assert command.description == line
+        assert help.EXAMPLES[path] in (command.epilog or "")
+
+
+@pytest.mark.parametrize("path", sorted(help.EXAMPLES))
+def test_each_example_parses_as_its_own_command(path: str) -> None:
+    words = shlex.split(help.EXAMPLES[path])
+    assert words[0] == "switchboard"
+    args = _parser().parse_args(words[1:])
+    assert args.verb == path.split()[0]
+
+
+def test_the_help_pages_name_the_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["todos", "list", "--help"])
+    page = capsys.readouterr().out
+    assert "todos, newest first" in page
+    assert "switchboard todos list --queue orders --status failed" in page
+    for variable in ("SWITCHBOARD_CONFIG", "SWITCHBOARD_DATABASE_URL", "SWITCHBOARD_REDIS_URL"):
+        assert variable in page
+
+
+def test_the_top_page_names_the_environment_too(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--help"])
+    assert "SWITCHBOARD_DATABASE_URL" in capsys.readouterr().out
