@@ -57,6 +57,14 @@ CONFIG_VARIABLE = worker_metrics.CONFIG_VARIABLE
 QUEUES_VARIABLE = "SWITCHBOARD_WORKER_QUEUES"
 
 
+# What makes a handler's module importable by the workers: the current
+# directory is not searched (`switchboard` is an installed script).
+IMPORT_HINT = (
+    "install the package that holds it into the Python that runs switchboard (pip install -e .),"
+    " or put its directory on PYTHONPATH"
+)
+
+
 def resolve_handler(queue: QueueConfig) -> Handler:
     """``module:function``: the function, or an existing dramatiq actor's own
     function (the queue's settings then apply, not the actor's options)."""
@@ -67,7 +75,10 @@ def resolve_handler(queue: QueueConfig) -> Handler:
         for part in attr.split("."):
             target = getattr(target, part)
     except ImportError as exc:
-        raise ConfigError(f"{where}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"{where}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+            f" ({IMPORT_HINT}; this Python is {sys.executable})"
+        ) from exc
     except AttributeError as exc:
         raise ConfigError(f"{where}: {module_name!r} has no {attr!r}") from exc
     if isinstance(target, dramatiq.Actor):

@@ -260,3 +260,6 @@ def test_worker_config_errors_stop_it_at_once(
     assert "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("switchboard")]
     assert line.startswith(f"switchboard worker: config error: {message}")
+    if "cannot import" in message:  # and how to make it importable (issue 24)
+        assert "PYTHONPATH" in line
+        assert "pip install" in line
