@@ -34,6 +34,14 @@ Two things a producer must not be able to do through a body (issue 11.10 and
   included, for as long as it takes. What cannot be interrupted is a
   single keyword's own work between two checks: one ``enum``/``const``
   comparison is one walk of the value.
+
+What a rejection says carries no message content (issue 32.6): it reaches
+the inbox's ``error``, which the auditor's ``audit_rejected`` view shows,
+and the logs. jsonschema's messages quote the failing value (``'4111 1111
+1111 1111' is not of type 'integer'``), so a ``schema_mismatch`` is told
+from the error's structure instead (:func:`_mismatch`): where (the JSON
+path, each key the schema itself does not hold shown as ``*``), which
+keyword failed, and the schema's own value for it, never the body's.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from http.client import HTTPException
 from pathlib import Path
 from types import ModuleType
@@ -62,8 +70,13 @@ if TYPE_CHECKING:
     from jsonschema.protocols import Validator
     from referencing.jsonschema import SchemaRegistry, SchemaResource
 
-# An error message quotes the failing value, which may be most of the body.
+# A rejection's detail is cut here (a path 64 deep, a long schema value).
 MAX_DETAIL_CHARS = 300
+# The schema's value for the failing keyword (an enum, a pattern) is cut here.
+MAX_EXPECTED_CHARS = 120
+# A key in a rejection's path that the schema does not hold: the body's own
+# text, never shown.
+HIDDEN_KEY = "*"
 # A body's validation running longer is poison (validation_timeout); the
 # adapter's schema_timeout_ms.
 DEFAULT_SCHEMA_TIMEOUT_MS = 1000
@@ -328,15 +341,85 @@ def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> It
     """``uniqueItems`` in linear time. jsonschema's compares every pair once
     the items cannot be sorted (any array of objects): 8,000 objects took
     tens of seconds. Same verdict as jsonschema's; the message names the two
-    items, since it is cut at MAX_DETAIL_CHARS and jsonschema's begins with
-    the whole array."""
+    items by index, never by value (jsonschema's begins with the whole
+    array), and a rejection quotes it (:func:`_mismatch`)."""
     if not unique or not validator.is_type(instance, "array"):
         return
     repeat = _first_repeat(instance)
     if repeat is not None:
         from jsonschema.exceptions import ValidationError
 
-        yield ValidationError(f"has non-unique elements: items {repeat[0]} and {repeat[1]} are equal")
+        yield ValidationError(f"items {repeat[0]} and {repeat[1]} are equal")
+
+
+# What a schema's value for a keyword may be for a rejection to quote it.
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _schema_strings(documents: Iterable[Any]) -> frozenset[str]:
+    """Every string the schema's documents hold, as a key or a value. A key
+    of the body that is one of them is the schema's word, not the body's
+    content, and a rejection's path may show it."""
+    found: set[str] = set()
+    todo = list(documents)
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            found.add(item)
+        elif isinstance(item, dict):
+            found.update(key for key in item if isinstance(key, str))
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return frozenset(found)
+
+
+def _shown_path(path: Iterable[str | int], known: frozenset[str]) -> str:
+    """A JSON Pointer (RFC 6901) to the failing value: array indexes and the
+    keys the schema holds as they are, any other key as HIDDEN_KEY."""
+    steps = []
+    for step in path:
+        if isinstance(step, int):
+            steps.append(str(step))
+        elif step in known:
+            steps.append(step.replace("~", "~0").replace("/", "~1"))
+        else:
+            steps.append(HIDDEN_KEY)
+    return "/" + "/".join(steps)
+
+
+def _schema_value(value: Any) -> str | None:
+    """The schema's value for a keyword as JSON, when it is a plain value or
+    a list of them (a type, a bound, a pattern, an enum, ``false``), cut to
+    MAX_EXPECTED_CHARS; None for a sub-schema or a list of them."""
+    if not isinstance(value, _PLAIN) and not (
+        isinstance(value, list) and all(isinstance(v, _PLAIN) for v in value)
+    ):
+        return None
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
+    return text if len(text) <= MAX_EXPECTED_CHARS else text[:MAX_EXPECTED_CHARS] + "..."
+
+
+def _mismatch(error: ValidationError, known: frozenset[str]) -> str:
+    """A schema_mismatch's detail, from the error's structure, never its
+    message (jsonschema's quote the value): where, which keyword failed, and
+    what the schema asks there. ``at /order_id: keyword type failed (schema:
+    "integer")``."""
+    where = _shown_path(error.absolute_path, known)
+    keyword, expected = error.validator, error.validator_value
+    if not isinstance(keyword, str):  # a schema that is ``false``
+        return f"at {where}: the schema allows no value here (false)"
+    if keyword == "required" and isinstance(expected, list) and isinstance(error.instance, dict):
+        # The names come from the schema; the body's own keys are not listed.
+        missing = [name for name in expected if isinstance(name, str) and name not in error.instance]
+        return f"at {where}: keyword required failed (missing: {_schema_value(missing)})"
+    if keyword == "uniqueItems":  # always _unique_items (see _limited): its message names indexes only
+        return f"at {where}: keyword uniqueItems failed ({error.message})"
+    shown = _schema_value(expected)
+    return f"at {where}: keyword {keyword} failed" + ("" if shown is None else f" (schema: {shown})")
 
 
 @functools.cache
@@ -673,6 +756,7 @@ class BodySchema:
         registry: SchemaRegistry = Registry(retrieve=_refuse_at_run_time)  # type: ignore[call-arg]
         registry = registry.with_resources(crawl.retrieved.items()).crawl()
         self._validator = _limited(base)(root, registry=registry)
+        self._known = _schema_strings([root, *(r.contents for r in crawl.retrieved.values())])
         self.source = source
         self.timeout_ms = timeout_ms
         self._timeout_s = timeout_ms / 1000
@@ -704,7 +788,9 @@ class BodySchema:
         )
 
     def check(self, value: Any) -> None:
-        """Raise ``PoisonMessage('schema_mismatch', ...)`` unless ``value`` conforms.
+        """Raise ``PoisonMessage('schema_mismatch', ...)`` unless ``value``
+        conforms, naming where and which keyword failed, never the value
+        (:func:`_mismatch`).
 
         A validator that fails on the value itself (a number beyond the float
         range, kept as a ``Decimal``, against a float ``multipleOf``: a
@@ -730,15 +816,16 @@ class BodySchema:
                 "and nothing is fetched later",
             ) from exc
         except (ArithmeticError, TypeError, ValueError) as exc:
-            detail = f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
-            raise PoisonMessage("schema_error", f"the validator failed on this body: {detail}") from exc
+            # Its class only: the exception's text may quote the value.
+            raise PoisonMessage(
+                "schema_error", f"the validator failed on this body ({type(exc).__name__})"
+            ) from exc
         finally:
             if not clock.ended:
                 clock.at = previous
         if error is None:
             return
-        where = "/" + "/".join(str(p) for p in error.absolute_path)
-        message = error.message
-        if len(message) > MAX_DETAIL_CHARS:
-            message = message[:MAX_DETAIL_CHARS] + "..."
-        raise PoisonMessage("schema_mismatch", f"at {where}: {message}")
+        detail = _mismatch(error, self._known)
+        if len(detail) > MAX_DETAIL_CHARS:
+            detail = detail[:MAX_DETAIL_CHARS] + "..."
+        raise PoisonMessage("schema_mismatch", detail)

@@ -27,7 +27,7 @@ from backhalf import attempts as delivery_attempts
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.db_errors import is_transient
 from backhalf.errors import DeadlineExceeded, PoisonMessage, StoreError
-from backhalf.normalize import RawForm, content_payload, content_size, raw_form
+from backhalf.normalize import RawForm, content_payload, content_size, raw_form, refusal
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter, pull_provenance
@@ -61,6 +61,7 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
         raw, error = RawForm(b""), "normalize_failed: the adapter delivered no content"
     else:
         raw = raw_form(delivery.body, limit)
+        error = refusal(delivery.body)  # a field map of too many fields, never decoded
     if error is None and raw.truncated:
         # Stored as a prefix, with the full size and digest beside it.
         error = f"too_large: {raw.size} bytes exceeds max_message_bytes={limit}"

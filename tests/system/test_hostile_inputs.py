@@ -71,23 +71,31 @@ def test_new_messages_on_reused_entry_ids_become_todos_of_their_own(
 def test_oversize_messages_are_stored_as_a_bounded_prefix_with_size_and_digest(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
 ) -> None:
-    """A 4 MiB body and a 200,000-field entry against max_message_bytes =
-    1024: rejected, and what the inbox keeps is the first 4096 bytes of each
-    (the field map's JSON form, whose control bytes take six bytes each),
-    with the full length and sha256 beside it."""
+    """A 4 MiB body, a 1,000-field entry and a 200,000-field entry against
+    max_message_bytes = 1024: rejected, and what the inbox keeps is the
+    first 4096 bytes of each (the field map's JSON form, whose control bytes
+    take six bytes each), with the full length and sha256 beside it. The
+    200,000 fields are refused by their count (issue 32.8), never decoded:
+    their length and digest are of the fields' bytes as read."""
     big = b'"' + b"x" * (4 * 1024 * 1024) + b'"'
-    fields = {f"f{i}".encode(): b"\x01" for i in range(200_000)}
+    fields = {f"f{i}".encode(): b"\x01" for i in range(1_000)}
+    wide = {f"f{i}".encode(): b"\x01" for i in range(200_000)}
     with redis.Redis.from_url(redis_url, socket_timeout=30) as r:
         big_id = r.xadd(STREAM, {"body": big}).decode()
         fields_id = r.xadd(STREAM, fields).decode()
+        wide_id = r.xadd(STREAM, wide).decode()
         ok_id = r.xadd(STREAM, {"body": b'{"ok": true}'}).decode()
     config = make_config(stream_adapter(STREAM, batch_size=10, max_message_bytes=1024))
     ingester = procs.start("ingest", config, name="ingester-1")
     acker = procs.start("ack", config, name="acker-1")
-    wait_for(lambda: acked(db_url) == 3 and xpending(redis_url, STREAM) == 0, timeout_s=60, what="all acked")
+    wait_for(lambda: acked(db_url) == 4 and xpending(redis_url, STREAM) == 0, timeout_s=60, what="all acked")
     assert_clean_exit(ingester, ingester.terminate())
     assert_clean_exit(acker, acker.terminate())
     raw = raw_fields(fields)
+    flat = [piece for field in wide.items() for piece in field]
+    wide_digest = hashlib.sha256(
+        b"".join(len(piece).to_bytes(8, "little") for piece in flat) + b"".join(flat)
+    ).digest()
     rows = query(
         db_url,
         "SELECT source_message_id, status, body, body_size, body_sha256, error FROM inbox ORDER BY id",
@@ -95,13 +103,15 @@ def test_oversize_messages_are_stored_as_a_bounded_prefix_with_size_and_digest(
     assert [(m, s, len(b), size, digest) for m, s, b, size, digest, _ in rows] == [
         (big_id, "rejected", REJECTED_PREFIX_BYTES, len(big), hashlib.sha256(big).digest()),
         (fields_id, "rejected", REJECTED_PREFIX_BYTES, len(raw), hashlib.sha256(raw).digest()),
+        (wide_id, "rejected", REJECTED_PREFIX_BYTES, sum(map(len, flat)), wide_digest),
         (ok_id, "stored", 12, None, None),
     ]
     assert rows[0][2] == big[:REJECTED_PREFIX_BYTES]
     assert rows[1][2] == raw[:REJECTED_PREFIX_BYTES]
-    assert [e.split(":")[0] for *_, e in rows[:2]] == ["too_large", "too_large"]
+    assert rows[2][2] == raw_fields(dict(list(wide.items())[:1_000]))[:REJECTED_PREFIX_BYTES]
+    assert [e.split(":")[0] for *_, e in rows[:3]] == ["too_large", "too_large", "too_many_fields"]
     stored = scalar(db_url, "SELECT sum(octet_length(body)) FROM inbox")
-    assert stored <= 2 * REJECTED_PREFIX_BYTES + 12
+    assert stored <= 3 * REJECTED_PREFIX_BYTES + 12
 
 
 def memory_kib(pid: int, field: str) -> int:

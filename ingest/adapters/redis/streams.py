@@ -32,7 +32,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from backhalf.keys import native_key
-from backhalf.normalize import FieldMap
+from backhalf.normalize import MAX_FIELDS, FieldMap, RefusedFieldMap
 from backhalf.records import AckClaim, AckTarget
 from backhalf.stream_groups import StreamGroup
 from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
@@ -107,6 +107,17 @@ def _field_map(flat: Sequence[bytes] | None) -> dict[bytes, bytes] | None:
     return dict(zip(it, it, strict=True))
 
 
+def _last_value(flat: Sequence[bytes], field: bytes) -> bytes | None:
+    """The value of ``field``'s last occurrence in a flat field list (the one
+    a map of it keeps), found without building the map."""
+    names = flat[0::2]
+    try:
+        at = len(names) - 1 - names[::-1].index(field)
+    except ValueError:
+        return None
+    return flat[2 * at + 1]
+
+
 class StreamAdapter(RedisEndpoint):
     """A :class:`ingest.adapters.base.PullAdapter` over one stream and consumer group."""
 
@@ -117,7 +128,10 @@ class StreamAdapter(RedisEndpoint):
         self._cfg = config
         self._ledger: ConsumerLedger = ledger or _Unrecorded()
         self._body_field = config.body_field.encode()
+        # Both replies as Redis sent them: an entry's field list is counted
+        # before any of it is made a map (_delivery_flat).
         self._client.set_response_callback("XREADGROUP", _raw_reply)
+        self._client.set_response_callback("XCLAIM", _raw_reply)
         self._started = False
         self._history_cursor: str | None = "0"  # None: own PEL fully re-read
         self._claim_cursor = "-"
@@ -327,16 +341,16 @@ class StreamAdapter(RedisEndpoint):
             pipe.xrange(cfg.source, entry_id, entry_id, count=1)
         exists = [bool(found) for found in await pipe.execute()]
         live = [i for i, present in zip(ids, exists, strict=True) if present]
-        claimed: list[tuple[bytes, Mapping[bytes, bytes] | None]] = []  # XCLAIM's reply, parsed
+        claimed: list[Entry] = []  # XCLAIM's raw reply: (id, flat field list) as XREADGROUP's
         if live:
             reply: Any = await self._client.xclaim(
                 cfg.source, cfg.group, cfg.consumer, cfg.claim_idle_ms, list(live)
             )
-            claimed = list(reply)
+            claimed = [(entry[0], entry[1]) for entry in reply or () if entry is not None]
         got = {as_text(entry_id) for entry_id, _ in claimed}
         deliveries = [
-            self._delivery(entry_id, fields, delivered.get(as_text(entry_id), 2))
-            for entry_id, fields in claimed
+            self._delivery_flat(entry_id, flat, delivered.get(as_text(entry_id), 2))
+            for entry_id, flat in claimed
         ]
         # Deleted before we looked: still in the PEL, reported here.
         gone = [i for i, present in zip(ids, exists, strict=True) if not present]
@@ -379,7 +393,20 @@ class StreamAdapter(RedisEndpoint):
             entry_id = raw_id.decode()
             key = native_key(self._cfg.key_prefix, self._cfg.source, entry_id)
             return Delivery(key, entry_id, body=flat[1], ack_ref=entry_id, deliveries=deliveries)
+        if flat is not None and len(flat) > 2 * MAX_FIELDS:
+            return self._delivery_refused(raw_id, flat, deliveries)
         return self._delivery(raw_id, _field_map(flat), deliveries)
+
+    def _delivery_refused(self, raw_id: bytes, flat: Sequence[bytes], deliveries: int) -> Delivery:
+        """An entry of more than MAX_FIELDS fields, counted from the reply and
+        never made a map: its body field's value if it has one (the other
+        fields are ignored, as always), else a field map refused by its count
+        (rejected ``too_many_fields``, stored and acked like any rejection)."""
+        entry_id = as_text(raw_id)
+        key = native_key(self._cfg.key_prefix, self._cfg.source, entry_id)
+        body = _last_value(flat, self._body_field)
+        content = RefusedFieldMap(flat) if body is None else body
+        return Delivery(key, entry_id, body=content, ack_ref=entry_id, deliveries=deliveries)
 
     def _delivery(
         self, raw_id: bytes | str, fields: Mapping[bytes, bytes] | None, deliveries: int = 1

@@ -48,10 +48,10 @@ def test_conforming_body_passes_and_keeps_its_text() -> None:
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
-        (b'{"order_id": 7}', "at /: 'qty' is a required property"),
-        (b'{"order_id": "7", "qty": 1}', "at /order_id: '7' is not of type 'integer'"),
-        (b'{"order_id": 7, "qty": -0.5}', "at /qty: -0.5 is less than the minimum of 0"),
-        (b"[1, 2]", "is not of type 'object'"),
+        (b'{"order_id": 7}', 'at /: keyword required failed (missing: ["qty"])'),
+        (b'{"order_id": "7", "qty": 1}', 'at /order_id: keyword type failed (schema: "integer")'),
+        (b'{"order_id": 7, "qty": -0.5}', "at /qty: keyword minimum failed (schema: 0)"),
+        (b"[1, 2]", 'at /: keyword type failed (schema: "object")'),
     ],
 )
 def test_nonconforming_body_is_poison_naming_where(body: bytes, needle: str) -> None:
@@ -75,7 +75,7 @@ def test_text_bodies_and_field_maps_are_checked_as_decoded() -> None:
         body_payload(b"abcd", BodyFormat.TEXT, LIMIT, short)
     fields = schema({"type": "object", "required": ["sku"]})
     assert json.loads(fields_payload({b"sku": b"A1"}, LIMIT, fields)) == {"sku": "A1"}
-    with pytest.raises(PoisonMessage, match="'sku' is a required property"):
+    with pytest.raises(PoisonMessage, match=r'keyword required failed \(missing: \["sku"\]\)'):
         fields_payload({b"other": b"1"}, LIMIT, fields)
 
 
@@ -287,7 +287,7 @@ def test_relative_references_resolve_against_the_schema_file_at_load(tmp_path: P
     for referenced in ("parts/line.json", "common/defs.json"):
         (tmp_path / referenced).unlink()  # read at load: never needed again
     orders.check({"sku": "A1"})
-    with pytest.raises(PoisonMessage, match=r"^schema_mismatch: at /sku: 'a1' does not match"):
+    with pytest.raises(PoisonMessage, match=r"^schema_mismatch: at /sku: keyword pattern failed"):
         orders.check({"sku": "a1"})
 
 
@@ -375,14 +375,15 @@ def test_unique_items_is_json_equality(items: list[Any], unique: bool) -> None:
         schema(UNIQUE).check(items)
     else:
         with pytest.raises(
-            PoisonMessage, match=r"^schema_mismatch: at /: has non-unique elements: items 0 and 1 are equal$"
+            PoisonMessage,
+            match=r"^schema_mismatch: at /: keyword uniqueItems failed \(items 0 and 1 are equal\)$",
         ):
             schema(UNIQUE).check(items)
 
 
 def test_unique_items_compares_numbers_beyond_the_float_range() -> None:
     body_payload(b"[1e400, 1e401]", BodyFormat.JSON, LIMIT, schema(UNIQUE))
-    with pytest.raises(PoisonMessage, match="has non-unique elements"):
+    with pytest.raises(PoisonMessage, match="keyword uniqueItems failed"):
         body_payload(b"[1e400, 1E+400]", BodyFormat.JSON, LIMIT, schema(UNIQUE))
 
 
@@ -405,7 +406,7 @@ def test_unique_items_over_8000_objects_compares_no_pair(monkeypatch: pytest.Mon
     orders = schema(UNIQUE)
     orders.check(items)
     duplicate = {"tags": [0, "x"], "name": "n0", "id": 0.0}  # items[0], its keys reordered, id a float
-    with pytest.raises(PoisonMessage, match="has non-unique elements: items 0 and 8000 are equal"):
+    with pytest.raises(PoisonMessage, match="items 0 and 8000 are equal"):
         orders.check([*items, duplicate])
     assert calls == 0
 
@@ -606,22 +607,23 @@ def test_ordinary_patterns_still_validate() -> None:
         "skus",
     )
     skus.check({"sku": "AB-12", "x-note": "fine"})
-    for body, needle in (
-        ({"sku": "ab-12"}, r"^schema_mismatch: at /sku: 'ab-12' does not match '\^\[A-Z\]\{2\}-\\\\d\+\$'$"),
-        ({"sku": "AB-12", "x-note": 5}, r"^schema_mismatch: at /x-note: 5 is not of type 'string'$"),
+    for body, expected in (
+        ({"sku": "ab-12"}, r'schema_mismatch: at /sku: keyword pattern failed (schema: "^[A-Z]{2}-\\d+$")'),
+        # A key only the body holds is not shown: it is the body's content.
+        ({"sku": "AB-12", "x-note": 5}, 'schema_mismatch: at /*: keyword type failed (schema: "string")'),
         (
             {"sku": "AB-12", "note": "x"},
-            r"^schema_mismatch: at /: 'note' does not match any of the regexes: '\^x-'$",
+            "schema_mismatch: at /: keyword additionalProperties failed (schema: false)",
         ),
     ):
-        with pytest.raises(PoisonMessage, match=needle):
+        with pytest.raises(PoisonMessage) as info:
             skus.check(body)
+        assert str(info.value) == expected
     tagged = BodySchema({"patternProperties": {"^t[0-9]$": True}, "unevaluatedProperties": False}, "tags")
     tagged.check({"t1": 1, "t2": 2})
-    with pytest.raises(
-        PoisonMessage, match=r"^schema_mismatch: at /: Unevaluated properties are not allowed"
-    ):
+    with pytest.raises(PoisonMessage) as info:
         tagged.check({"t1": 1, "tx": 2})
+    assert str(info.value) == "schema_mismatch: at /: keyword unevaluatedProperties failed (schema: false)"
 
 
 def test_a_pattern_that_does_not_compile_is_refused_at_load() -> None:
