@@ -7,13 +7,27 @@ the last heartbeat; else 503, with a JSON body saying which did not. The
 server runs in a thread of its own (stdlib ``wsgiref``), so a scrape never
 waits on the event loop; :meth:`MetricsServer.close` stops and joins it and
 every request thread, so nothing outlives the process's body.
+
+Slow clients cannot take the endpoint (issue 32): each connection has a
+thread of its own and two deadlines counted from its accept, whatever it
+sends: its head within ``HEAD_TIMEOUT_S``, its whole exchange within
+``REQUEST_TIMEOUT_S`` (a trickled byte never extends either, as a
+per-``recv`` timeout would). A full server, or a client at its share
+(``MAX_PER_CLIENT``), makes room for a newcomer by cutting the oldest
+connection still sending its head: a probe, whose head comes in one packet,
+is admitted and answered even while trickling clients hold every slot, and
+even from their own address (a local attacker and a local probe are both
+127.0.0.1). ``close`` shuts every open connection's socket, so it is
+bounded however the clients behave.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
-import socketserver
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,14 +42,28 @@ from ingest.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
-SERVER_STOP_TIMEOUT_S = 5.0
-# A client that connects and sends nothing (or reads nothing) is dropped
-# after this: a request thread never outlives it, so close() is bounded.
-REQUEST_TIMEOUT_S = 5.0
-# Requests served at once; more are refused at accept (a scraper and a probe
-# or two are the expected load, not a crowd).
-MAX_CONNECTIONS = 8
 HealthReport = tuple[bool, dict[str, Any]]
+
+# How long close() waits for the server's loop and then for the requests it
+# has cut short (their sockets are shut first, so each ends at once).
+SERVER_STOP_TIMEOUT_S = 5.0
+# A request's head (request line and headers) must have arrived this long
+# after its connection was accepted; a scraper or a probe sends it in one
+# packet. A client that trickles it a byte at a time is cut here: its slot
+# is free again within this, whatever it sends.
+HEAD_TIMEOUT_S = 2.0
+# The whole exchange, accept to the last byte of the answer: a client that
+# reads its answer slowly is cut here.
+REQUEST_TIMEOUT_S = 5.0
+# A head longer than this is no scrape: the connection is cut.
+MAX_HEAD_BYTES = 16 * 1024
+# Requests served at once (a scraper and a probe or two are the expected
+# load, not a crowd), and at most this many of them from one address.
+MAX_CONNECTIONS = 8
+MAX_PER_CLIENT = 4
+# Connections cut but not yet gone (their threads end at once) and the live
+# ones together never pass this: threads are bounded even under a flood.
+MAX_THREADS = 2 * MAX_CONNECTIONS
 
 
 class Liveness:
@@ -101,38 +129,191 @@ class Liveness:
         return ok, {"status": "ok" if ok else "unhealthy", "database": database, "loops": loops}
 
 
-class _QuietHandler(WSGIRequestHandler):
-    timeout = REQUEST_TIMEOUT_S  # socketserver sets it on the connection
+class _Connection:
+    """One accepted connection: its deadlines, and whether its head is still
+    being read (only such a connection is ever cut to make room). Its
+    ``shut`` and ``reading_head`` change under the server's lock."""
+
+    __slots__ = ("accepted", "deadline", "head_deadline", "host", "reading_head", "shut", "sock")
+
+    def __init__(self, sock: socket.socket, host: str) -> None:
+        self.sock, self.host = sock, host
+        self.accepted = time.monotonic()
+        self.head_deadline = self.accepted + HEAD_TIMEOUT_S
+        self.deadline = self.accepted + REQUEST_TIMEOUT_S
+        self.reading_head = True
+        self.shut = False
+
+    def shut_down(self) -> None:
+        """Wake whatever the connection's thread waits for (a recv returns
+        end of file, a send fails): called under the server's lock, while
+        the connection is registered, so its socket is not closed yet."""
+        if not self.shut:
+            self.shut = True
+            with contextlib.suppress(OSError):  # the peer went first
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Cut(ConnectionAbortedError):
+    """The connection passed a deadline or its head's size: it is dropped
+    quietly (wsgiref, too, takes ConnectionAbortedError as a client gone)."""
+
+
+class _HeadReader(io.RawIOBase):
+    """The request's socket as a raw stream whose every read is bounded by
+    what is left of the connection's deadline (the head's while the head is
+    read): trickled bytes never extend it, as a per-recv timeout would."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self._head_bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        conn = self._conn
+        view = memoryview(buffer).cast("B")
+        if conn.reading_head:
+            room = MAX_HEAD_BYTES - self._head_bytes
+            if room <= 0:
+                raise _Cut("request head too large")
+            view = view[:room]
+        left = (conn.head_deadline if conn.reading_head else conn.deadline) - time.monotonic()
+        if left <= 0:
+            raise _Cut("request deadline passed")
+        try:
+            conn.sock.settimeout(left)
+            n = conn.sock.recv_into(view)
+        except TimeoutError as exc:
+            raise _Cut("request deadline passed") from exc
+        if conn.reading_head:
+            self._head_bytes += n
+        return n
+
+
+class _AnswerWriter(io.BufferedIOBase):
+    """The request's socket as a raw stream whose writes end by the
+    connection's deadline (a socket timeout bounds a whole ``sendall``)."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        left = self._conn.deadline - time.monotonic()
+        if left <= 0:
+            raise _Cut("request deadline passed")
+        try:
+            self._conn.sock.settimeout(left)
+            self._conn.sock.sendall(data)
+        except TimeoutError as exc:
+            raise _Cut("request deadline passed") from exc
+        return len(data)
+
+
+class _Handler(WSGIRequestHandler):
+    """wsgiref's handler over a :class:`_Connection`'s bounded streams."""
+
+    server: _Server
+
+    def __init__(self, conn: _Connection, client_address: Any, server: _Server) -> None:
+        self.conn = conn
+        super().__init__(conn.sock, client_address, server)
+
+    def setup(self) -> None:
+        self.connection = self.request
+        self.rfile = io.BufferedReader(_HeadReader(self.conn))
+        self.wfile = _AnswerWriter(self.conn)
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers: the head is in
+        self.server.head_read(self.conn)
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged: one line every few seconds says nothing."""
 
 
-class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
-    # Not daemon threads: server_close() joins them (block_on_close), each
-    # bounded by REQUEST_TIMEOUT_S.
-    daemon_threads = False
+class _Server(WSGIServer):
+    """wsgiref's server with a thread per connection, each bounded by its
+    deadlines, and admission by :meth:`_admit` (see :class:`MetricsServer`)."""
+
     allow_reuse_address = True
+    request_queue_size = MAX_THREADS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._open: dict[_Connection, threading.Thread] = {}
+        self._closing = False
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: refused, not queued
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
+        conn = _Connection(request, str(client_address[0]))
+        thread = threading.Thread(
+            target=self._serve, args=(conn, client_address), name="metrics-http-request", daemon=True
+        )
+        with self._lock:
+            admitted = not self._closing and self._admit(conn)
+            if admitted:
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had: refused like a crowd
+                    admitted = False
+                else:
+                    self._open[conn] = thread
+        if not admitted:
+            self.shutdown_request(request)  # refused, not queued
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def _admit(self, conn: _Connection) -> bool:
+        """Room for ``conn`` (under the lock): a client at its share, or a
+        full server, makes room by cutting the oldest connection still
+        sending its head (the share's own, else that of the client holding
+        the most); a connection whose head is in is never cut. Refused only
+        when every slot is answering, or too many cut ones are still going."""
+        if len(self._open) >= MAX_THREADS:
+            return False
+        live = [c for c in self._open if not c.shut]
+        held: dict[str, int] = {}
+        for c in live:
+            held[c.host] = held.get(c.host, 0) + 1
+        if held.get(conn.host, 0) >= MAX_PER_CLIENT:
+            candidates = [c for c in live if c.host == conn.host and c.reading_head]
+        elif len(live) >= MAX_CONNECTIONS:
+            candidates = [c for c in live if c.reading_head]
+        else:
+            return True
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda c: (-held[c.host], c.accepted))
+        victim.shut_down()
+        return True
+
+    def head_read(self, conn: _Connection) -> None:
+        with self._lock:
+            conn.reading_head = False
+
+    def _serve(self, conn: _Connection, client_address: Any) -> None:
         try:
-            super().process_request_thread(request, client_address)
+            _Handler(conn, client_address, self)
+        except OSError:
+            pass  # a client cut, gone, or too slow: nothing to say
+        except Exception as exc:  # the endpoint goes on; a bug is logged with its traceback
+            log.exception("metrics_request_failed", error=type(exc).__name__)
         finally:
-            self._slots.release()
+            with self._lock:  # before the socket is closed: shut_down never meets a reused descriptor
+                self._open.pop(conn, None)
+            self.shutdown_request(conn.sock)
+
+    def cut_all(self) -> list[threading.Thread]:
+        """Admit no more, shut every open connection; their threads."""
+        with self._lock:
+            self._closing = True
+            for conn in self._open:
+                conn.shut_down()
+            return list(self._open.values())
 
 
 def wsgi_app(
@@ -172,7 +353,7 @@ class MetricsServer:
     ) -> None:
         try:
             self._server = make_server(
-                address, port, wsgi_app(health, registry), _ThreadingServer, handler_class=_QuietHandler
+                address, port, wsgi_app(health, registry), _Server, handler_class=_Handler
             )
         except OSError as exc:
             # A config problem: another process has the port (two processes
@@ -192,6 +373,16 @@ class MetricsServer:
             log.info("metrics_listening", address=address, port=self.port)
 
     def close(self) -> None:
+        """Stop accepting, cut every open connection, join the threads:
+        within ``SERVER_STOP_TIMEOUT_S`` (a request thread still inside the
+        app then is left, a daemon thread, and said in the log)."""
+        deadline = time.monotonic() + SERVER_STOP_TIMEOUT_S
         self._server.shutdown()  # returns once serve_forever has (within its poll interval)
-        self._thread.join(SERVER_STOP_TIMEOUT_S)
-        self._server.server_close()  # joins the request threads
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        threads = self._server.cut_all()
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._server.server_close()
+        left = sum(1 for thread in threads if thread.is_alive())
+        if left:
+            log.warning("metrics_requests_abandoned", requests=left, waited_s=SERVER_STOP_TIMEOUT_S)

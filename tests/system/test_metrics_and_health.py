@@ -6,7 +6,9 @@ reached PostgreSQL and Redis."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -19,10 +21,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from backhalf.heartbeats import HEARTBEAT_TTL_S
 from ingest.embedded.processes import SwitchboardProcess, wait_for
 from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY
+from ingest.observe.metrics_http import HEAD_TIMEOUT_S, MAX_CONNECTIONS
 from tests.support.config import stream_adapter
 from tests.support.db import query, scalar
 from tests.support.downstream import QUEUE, dramatiq_url, statuses, stop_all
-from tests.support.processes import Processes, switchboard
+from tests.support.processes import Processes, assert_clean_exit, switchboard
+from tests.support.trickle import Tricklers
 
 pytestmark = pytest.mark.system
 STREAM = "orders"
@@ -247,3 +251,45 @@ def test_a_metrics_port_in_use_is_a_config_error(procs: Processes, make_config: 
         result = switchboard("--config", str(config), "ingest", "--metrics-port", str(port))
     assert result.returncode == 2
     assert "in use" in result.stderr
+
+
+# Issue 32: what a probe may take with slow clients connected, and what the
+# ingester's stop may take with them (it exits in about a second without).
+PROBE_BOUND_S = 6.0
+STOP_BOUND_S = 10.0
+
+
+def test_slow_clients_neither_starve_healthz_nor_hold_the_process_at_sigterm(
+    procs: Processes, make_config: Callable[..., Path]
+) -> None:
+    """Trickling clients (a byte of a request head every half second, never
+    its end, reconnecting when cut) on every slot, from the probe's own
+    address and another: /healthz is answered within the bound, again and
+    again, and SIGTERM ends the ingester within its bound. Before, eight of
+    them made every probe fail and kept the ingester alive as long as they
+    trickled."""
+    port = free_port()
+    config = make_config(stream_adapter(STREAM))
+    ingester = procs.start("ingest", config, name="ingest-1", env={"SWITCHBOARD_METRICS_PORT": str(port)})
+    wait_for(lambda: healthz(port)[0] == 200, timeout_s=60, what="the ingester's /healthz")
+    with Tricklers(port, 2 * MAX_CONNECTIONS, sources=("127.0.0.1", "127.0.0.2")) as crowd:
+        wait_for(lambda: crowd.open_now() >= MAX_CONNECTIONS, timeout_s=10, what="the slow clients in")
+        # Probes over more than two head deadlines: the crowd is cut and back meanwhile.
+        until = time.monotonic() + 2 * HEAD_TIMEOUT_S + 1
+        probes = 0
+        while time.monotonic() < until:
+            start = time.monotonic()
+            code, body = healthz(port)
+            took = time.monotonic() - start
+            assert (code, body.get("status")) == (200, "ok"), (code, body, took)
+            assert took < PROBE_BOUND_S
+            probes += 1
+            time.sleep(0.2)
+        assert probes >= 10
+        assert crowd.cuts > 0  # they were there, and kept coming back
+        start = time.monotonic()
+        ingester.signal(signal.SIGTERM)
+        code = ingester.wait(timeout_s=STOP_BOUND_S)  # raises if it outlives the bound
+        stopped_in = time.monotonic() - start
+    assert_clean_exit(ingester, code)  # no request thread left behind either
+    assert stopped_in < STOP_BOUND_S

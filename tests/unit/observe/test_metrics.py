@@ -141,7 +141,7 @@ def test_an_idle_client_cannot_hold_the_endpoint_open_at_close() -> None:
 
 
 def _request_threads() -> int:
-    return sum(1 for t in threading.enumerate() if "process_request" in t.name)
+    return sum(1 for t in threading.enumerate() if t.name == "metrics-http-request")
 
 
 def test_a_workers_graceful_stop_waits_for_its_longest_time_limit() -> None:
