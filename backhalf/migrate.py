@@ -22,6 +22,24 @@ MIGRATIONS_PACKAGE = "backhalf._migrations"
 SOURCE_TREE_MIGRATIONS = Path(__file__).resolve().parent.parent / "alembic"
 
 
+# How long ``migrate`` waits for another migrate's advisory lock by default.
+MIGRATION_LOCK_WAIT_MS = 60_000
+
+
+class MigrationLocked(BackhalfError):
+    """Another session held the migration lock for the whole wait: another
+    ``switchboard migrate`` still running (or stuck), named by its backend pid."""
+
+    def __init__(self, waited_s: float, holder_pid: int | None) -> None:
+        holder = f" (PostgreSQL backend pid {holder_pid})" if holder_pid is not None else ""
+        super().__init__(
+            f"another migrate{holder} holds the migration lock: gave up after {waited_s:g} s;"
+            " run migrate again once it has finished (or end that session if it is stuck),"
+            " or wait longer with --lock-wait"
+        )
+        self.holder_pid = holder_pid
+
+
 class MigrationsMissing(BackhalfError):
     """Neither the installed migrations package nor a source tree's ``alembic/`` folder was found."""
 
@@ -39,17 +57,22 @@ def script_location() -> Path:
     return Path(str(env)).parent
 
 
-def alembic_config(database_url: str) -> Config:
+def alembic_config(database_url: str, *, lock_wait_s: float | None = None) -> Config:
     config = Config()
     config.set_main_option("script_location", str(script_location()))
     # Passed as an attribute, not an ini option: ini interpolation would
     # mangle a '%' in a password, and the URL never touches a file.
     config.attributes["database_url"] = database_url
+    if lock_wait_s is not None:
+        config.attributes["lock_wait_ms"] = int(lock_wait_s * 1000)
     return config
 
 
-def upgrade(database_url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(database_url), revision)
+def upgrade(database_url: str, revision: str = "head", *, lock_wait_s: float | None = None) -> None:
+    """Upgrade to ``revision``; another migrate holding the migration lock
+    for longer than ``lock_wait_s`` (``MIGRATION_LOCK_WAIT_MS``) raises
+    :class:`MigrationLocked`."""
+    command.upgrade(alembic_config(database_url, lock_wait_s=lock_wait_s), revision)
 
 
 def check(database_url: str) -> None:
