@@ -12,7 +12,7 @@ from backhalf.state_writer import _End, _split, _Start
 
 
 def start(todo_id: int) -> _Start:
-    return _Start(todo_id, uuid.uuid4(), 60.0, 5)
+    return _Start(todos.StartRequest(todo_id, "q", uuid.uuid4(), 60.0, 5))
 
 
 def end(todo_id: int) -> _End:
