@@ -10,6 +10,7 @@ an exception message carries a connection string.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import traceback
@@ -53,11 +54,22 @@ def _redact_value(value: Any) -> Any:
     return value if cleaned == text else cleaned
 
 
+# A field named as a secret (log.info(..., token=...)) is masked whatever
+# its value looks like: redaction of the text alone sees no key.
+_SECRET_FIELD = re.compile(
+    r"(?:^|_)(?:password|passwd|pwd|secret|token|api_?key|authorization|credentials?|signature)$",
+    re.IGNORECASE,
+)
+
+
 def redact_credentials(
     _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
     for key, value in event_dict.items():
-        event_dict[key] = _redact_value(value)
+        if isinstance(key, str) and _SECRET_FIELD.search(key) and value not in (None, ""):
+            event_dict[key] = "***"
+        else:
+            event_dict[key] = _redact_value(value)
     return event_dict
 
 

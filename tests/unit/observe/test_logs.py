@@ -154,3 +154,15 @@ def test_uncaught_tracebacks_are_printed_redacted() -> None:
     assert "ConnectionError: main: postgresql://app:***@db/x" in result.stderr
     for secret in ("topsecret8", "S3cr", "tPart9"):
         assert secret not in result.stderr
+
+
+@pytest.mark.parametrize("key", ["token", "password", "api_key", "client_secret", "Authorization", "db_pwd"])
+def test_a_field_named_as_a_secret_is_masked(key: str) -> None:
+    event = logs.redact_credentials(None, "info", {"event": "x", key: "abc123"})
+    assert event[key] == "***"
+
+
+@pytest.mark.parametrize("key", ["tokens", "password_env", "secretary", "keys"])
+def test_a_field_only_near_a_secret_name_is_kept(key: str) -> None:
+    event = logs.redact_credentials(None, "info", {"event": "x", key: "abc123"})
+    assert event[key] == "abc123"
