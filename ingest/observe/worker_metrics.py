@@ -5,10 +5,17 @@ operators can see them: a heartbeat thread in each worker process, and the
 dramatiq runs several worker processes; one port cannot be bound by each.
 So the workers run prometheus-client's multiprocess mode: each process
 writes its figures to files in ``PROMETHEUS_MULTIPROC_DIR`` (a directory
-private to this port, set by :func:`prepare` before dramatiq starts), and
+of this run's own, made by :func:`prepare` before dramatiq starts), and
 the fork process (:func:`serve`) sums them on every scrape. Its ``/healthz``
 is healthy while the database answers and as many worker processes of this
 dramatiq main process heartbeat as were asked for.
+
+The directory is made with ``tempfile.mkdtemp`` (issue 32): a fresh name
+no other local user can guess or make first (a fixed name per port could
+be, and the worker then refused to start), private (0700). It records the
+process that will be dramatiq's main one (``switchboard worker`` execs it,
+keeping its pid), so a later start deletes the directories of runs that
+have ended and never those of a deployment still running.
 """
 
 from __future__ import annotations
@@ -56,31 +63,65 @@ def load_app_settings() -> Settings:
     return load(path, os.environ)
 
 
-def multiproc_dir(port: int) -> Path:
-    """One directory per metrics port and user: the port is this host's
-    only worker deployment on it, so its files are this deployment's."""
-    return Path(tempfile.gettempdir()) / f"switchboard-metrics-{os.getuid()}-{port}"
+MULTIPROC_PREFIX = "switchboard-metrics-"
+# In each run's directory: "<pid> <start time>" of dramatiq's main process.
+OWNER_FILE = "owner"
+
+
+def _started_at(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, from /proc), None
+    if it is gone or a zombie: with the pid, it tells a process from a
+    later one given the same pid."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat_line.rpartition(")")[2].split()  # after "pid (comm)"
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _owner_tag(pid: int) -> str:
+    return f"{pid} {_started_at(pid) or '-'}"
+
+
+def remove_ended_runs(base: Path | None = None) -> list[Path]:
+    """Delete this user's run directories (``MULTIPROC_PREFIX*`` in the temp
+    directory) whose main process has ended; return them. Another user's,
+    a symlink, one naming no owner (a run still being set up, or an older
+    version's), and a running one's stay."""
+    removed = []
+    for path in (base or Path(tempfile.gettempdir())).glob(f"{MULTIPROC_PREFIX}*"):
+        try:
+            info = path.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            pid_text, _, started = (path / OWNER_FILE).read_text().partition(" ")
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if _owner_tag(pid) == f"{pid} {started}":
+            continue  # still running
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def prepare(settings: Settings) -> dict[str, str]:
     """The environment dramatiq's processes need for metrics (empty when
-    off): the directory made private and emptied of an earlier run's files."""
+    off): a new private directory for this run's files, owned by this
+    process (dramatiq's main one once exec'd); ended runs' are deleted."""
     if not settings.metrics.port:
         return {}
-    path = multiproc_dir(settings.metrics.port)
+    remove_ended_runs()
     try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:
-        info = path.lstat()
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise ConfigError(
-                f"[metrics]: {path} exists and is not a directory of this user's: remove it"
-            ) from None
-        shutil.rmtree(path)
-        try:
-            path.mkdir(mode=0o700)
-        except FileExistsError as exc:  # another user took the name meanwhile
-            raise ConfigError(f"[metrics]: {path} was created by someone else meanwhile: remove it") from exc
+        path = Path(tempfile.mkdtemp(prefix=f"{MULTIPROC_PREFIX}{settings.metrics.port}-"))  # 0700
+        with (path / OWNER_FILE).open("x") as owner:
+            owner.write(_owner_tag(os.getpid()))
+    except OSError as exc:
+        raise ConfigError(
+            f"[metrics]: cannot make the workers' metrics directory in {tempfile.gettempdir()}"
+            f" ({exc.strerror}): set TMPDIR to a directory this user can write"
+        ) from exc
     return {MULTIPROC_VARIABLE: str(path)}
 
 

@@ -273,8 +273,9 @@ def exec_workers(
     broker_queues = sorted({settings.queues[q].broker_queue for q in chosen})
     # dramatiq reads its idle poll bound (worker_timeout) from its environment only.
     if settings.metrics.port:
-        # Before prepare(), which empties the metrics directory: a port in
-        # use is a running deployment's, whose files must stay.
+        # Before prepare() makes this run's metrics directory: a port in use
+        # (a running deployment's, whose directory prepare() leaves alone)
+        # stops us here, exit 2.
         _check_port_free(settings)
     env: Mapping[str, str] = {**os.environ, CONFIG_VARIABLE: str(config_path.resolve()),
                               "SWITCHBOARD_WORKER_THREADS": str(threads),
