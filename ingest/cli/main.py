@@ -26,7 +26,7 @@ from ingest.cli.verb import Verb
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK, EXIT_UNHEALTHY
-from ingest.observe import logs
+from ingest.observe import logs, transport
 
 # Every verb, one module each, registered one way, in the order `--help` lists them.
 VERBS: Mapping[str, Verb] = {
@@ -123,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if verb.process:
         log.info("starting", verb=args.verb, database=redact_url(settings.database.url))
     try:
+        if verb.process:  # a warning per server reached without TLS over the network
+            transport.warn_plaintext(settings, args.verb, env)
         return verb.run(args, settings, env)
     except Exception as exc:  # noqa: BLE001 - the CLI boundary: every failure ends here
         return _failed(args.verb, settings, exc)

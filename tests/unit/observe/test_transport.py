@@ -1,0 +1,159 @@
+"""Issue 32, item 9: a warning at start for each server reached without TLS
+over the network; loopback and unix sockets exempt; no credential in it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from ingest.config import Settings, from_mapping
+from ingest.observe.transport import (
+    Plaintext,
+    broker_plaintext,
+    database_plaintext,
+    plaintext_servers,
+    warn_plaintext,
+)
+
+PASSWORD = "s3cret-never-logged"
+
+
+@pytest.mark.parametrize(
+    ("url", "env", "expected"),
+    [
+        (f"postgresql://u:{PASSWORD}@db.internal:5433/x", {}, [("db.internal", 5433, "sslmode=prefer")]),
+        (f"postgresql://u:{PASSWORD}@db.internal/x", {}, [("db.internal", 5432, "sslmode=prefer")]),
+        ("postgresql://u@10.1.2.3/x?sslmode=disable", {}, [("10.1.2.3", 5432, "sslmode=disable")]),
+        ("postgresql://u@10.1.2.3/x?sslmode=allow", {}, [("10.1.2.3", 5432, "sslmode=allow")]),
+        ("postgresql://u@[2001:db8::1]:6432/x", {}, [("2001:db8::1", 6432, "sslmode=prefer")]),
+        # A name is never resolved: remote, even one that is this host.
+        ("postgresql://u@db/x?hostaddr=10.0.0.9", {}, [("10.0.0.9", 5432, "sslmode=prefer")]),
+        (
+            "postgresql://u@db.internal/x",
+            {"PGSSLMODE": "disable"},
+            [("db.internal", 5432, "sslmode=disable")],
+        ),
+        # The environment's host, when the URL names none.
+        ("postgresql://u@/x", {"PGHOST": "db.internal"}, [("db.internal", 5432, "sslmode=prefer")]),
+        # TLS required: no warning.
+        ("postgresql://u@db.internal/x?sslmode=require", {}, []),
+        ("postgresql://u@db.internal/x?sslmode=verify-ca", {}, []),
+        ("postgresql://u@db.internal/x?sslmode=verify-full&sslrootcert=/ca.pem", {}, []),
+        ("postgresql://u@db.internal/x", {"PGSSLMODE": "verify-full"}, []),
+        ("postgresql://u@db.internal/x?gssencmode=require", {}, []),
+        # Local: no warning.
+        ("postgresql://u@127.0.0.1/x", {}, []),
+        ("postgresql://u@127.0.0.2:5433/x", {}, []),
+        ("postgresql://u@localhost/x", {}, []),
+        ("postgresql://u@[::1]/x", {}, []),
+        ("postgresql://u@/x", {}, []),  # libpq's unix socket
+        ("postgresql://u@/x?host=/var/run/postgresql", {}, []),
+        ("postgresql://u@db/x?hostaddr=127.0.0.1", {}, []),
+    ],
+)
+def test_the_database_is_plaintext_when_remote_and_tls_is_not_required(
+    url: str, env: dict[str, str], expected: list[tuple[str, int, str]]
+) -> None:
+    found = database_plaintext(url.replace("postgresql://", "postgresql+psycopg://"), env)
+    assert [(p.host, p.port, p.tls) for p in found] == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (f"redis://default:{PASSWORD}@cache.internal:6380/0", ("cache.internal", 6380)),
+        ("redis://10.0.0.5", ("10.0.0.5", 6379)),
+        ("redis://[2001:db8::5]:6379/0", ("2001:db8::5", 6379)),
+        ("rediss://cache.internal:6380/0?ssl_ca_certs=/ca.pem", None),
+        ("redis://127.0.0.1:6379/0", None),
+        ("redis://localhost", None),
+        ("redis://[::1]:6379", None),
+        ("redis:///0", None),  # redis-py's default host, localhost
+        ("unix:///run/redis.sock", None),
+    ],
+)
+def test_a_broker_is_plaintext_when_remote_and_not_rediss(url: str, expected: tuple[str, int] | None) -> None:
+    found = broker_plaintext(url)
+    assert (None if found is None else (found.host, found.port)) == expected
+
+
+def _settings(**raw: Any) -> Settings:
+    return from_mapping(
+        {
+            "database": {"url": f"postgresql://sb:{PASSWORD}@db.internal:5432/sb"},
+            "adapters": [
+                {
+                    "name": "orders",
+                    "mode": "stream",
+                    "source": "orders",
+                    "url": f"redis://u:{PASSWORD}@a.internal",
+                },
+                {
+                    "name": "refunds",
+                    "mode": "stream",
+                    "source": "refunds",
+                    "url": f"redis://u:{PASSWORD}@a.internal",
+                },
+                {"name": "local", "mode": "stream", "source": "local", "url": "redis://127.0.0.1:6379/0"},
+                {"name": "tls", "mode": "stream", "source": "tls", "url": "rediss://b.internal:6380/0"},
+            ],
+            "queues": {"orders": {"handler": "tests.support.handlers:scripted"}},
+            "dramatiq": {"url": f"redis://u:{PASSWORD}@d.internal:6379/1"},
+            **raw,
+        },
+        {},
+    )
+
+
+def _found(settings: Settings, verb: str) -> dict[str, Plaintext]:
+    return {f"{p.server} {p.host}": p for p in plaintext_servers(settings, verb, {})}
+
+
+def test_each_process_is_warned_of_the_servers_it_reaches() -> None:
+    settings = _settings()
+    ingest = _found(settings, "ingest")
+    assert sorted(ingest) == ["broker a.internal", "database db.internal"]
+    # One warning for one server, naming every adapter on it.
+    assert ingest["broker a.internal"].used_by == ("adapter 'orders'", "adapter 'refunds'")
+    assert ingest["database db.internal"].used_by == ("[database] url",)
+    # The acker also relays to dramatiq; the workers reach dramatiq and the database only.
+    assert sorted(_found(settings, "ack")) == [
+        "broker a.internal",
+        "broker d.internal",
+        "database db.internal",
+    ]
+    assert sorted(_found(settings, "worker")) == ["broker d.internal", "database db.internal"]
+
+
+def test_the_warning_is_structured_and_carries_no_credential() -> None:
+    with capture_logs() as logged:
+        warn_plaintext(_settings(), "ingest", {})
+    warnings = [e for e in logged if e["event"] == "plaintext_connection"]
+    assert [(e["log_level"], e["server"], e["host"], e["port"]) for e in warnings] == [
+        ("warning", "database", "db.internal", 5432),
+        ("warning", "broker", "a.internal", 6379),
+    ]
+    assert warnings[0]["tls"] == "sslmode=prefer"
+    assert warnings[1]["tls"] == "redis://"
+    assert "sslmode=verify-full" in warnings[0]["hint"]
+    assert "rediss://" in warnings[1]["hint"]
+    assert PASSWORD not in repr(logged)
+
+
+def test_nothing_is_said_when_every_server_is_local_or_encrypted() -> None:
+    settings = from_mapping(
+        {
+            "database": {"url": "postgresql://sb@127.0.0.1:5432/sb?sslmode=disable"},
+            "adapters": [
+                {"name": "orders", "mode": "stream", "source": "orders", "url": "redis://127.0.0.1"}
+            ],
+            "dramatiq": {"url": "rediss://d.internal:6380/1"},
+        },
+        {},
+    )
+    with capture_logs() as logged:
+        for verb in ("ingest", "ack", "worker"):
+            warn_plaintext(settings, verb, {})
+    assert logged == []
