@@ -3,7 +3,9 @@ and the reading of them that ``switchboard status`` reports.
 
 A process is *alive* while its row is fresh (seen within ``ttl_s``) and not
 stopped, and *stuck* when fresh but its own loops are not (``detail.healthy``
-false: it beats, but a loop hangs). It is *dead* when its row is neither
+false: it beats, but a loop hangs), *failing* when fresh but a server it
+needs has failed every try for a while (``detail.failing``: dramatiq's
+Redis for the relay or the workers, named with the error). It is *dead* when its row is neither
 stopped nor fresh and no newer process of the same role, on the same host
 and in the same *slot* (``detail.slot``: what it serves, say the adapters
 and consumer names of an ingester, so ``ingest@2``'s restart does not hide
@@ -94,7 +96,7 @@ class ProcessRow:
     started_at: datetime
     seen_at: datetime
     stopped_at: datetime | None
-    state: str  # alive | stuck | dead | stopped | replaced
+    state: str  # alive | stuck | failing | dead | stopped | replaced
     silent_s: float  # since its last heartbeat
 
 
@@ -114,6 +116,8 @@ async def list_processes(conn: AsyncConnection, ttl_s: float = HEARTBEAT_TTL_S) 
     state = sa.case(
         (processes.c.stopped_at.isnot(None), "stopped"),
         (sa.and_(fresh, processes.c.detail["healthy"].as_boolean().is_(sa.false())), "stuck"),
+        # A server it needs keeps failing (heartbeat detail "failing").
+        (sa.and_(fresh, processes.c.detail.has_key("failing")), "failing"),
         (fresh, "alive"),
         (replaced, "replaced"),
         else_="dead",

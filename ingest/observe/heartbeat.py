@@ -95,8 +95,12 @@ async def heartbeat_loop(
     bound = log.bind(role=role, instance=str(instance))
     beaten = False
     while not stop.is_set():
-        # Judged by its loops only: the database half of /healthz is this very beat.
+        # Judged by its loops only: the database half of /healthz is this very
+        # beat. A server it needs that keeps failing is named (status shows it).
+        failing = liveness.failing()
         described = {**detail(), "healthy": not liveness.loops_stuck()}
+        if failing:
+            described["failing"] = failing
         try:
             async with within_deadline(engine.begin(), deadline_ms, "writing the heartbeat") as conn:
                 await conn.execute(heartbeats.beat_statement(instance, role, host, pid, described))

@@ -66,10 +66,17 @@ MAX_PER_CLIENT = 4
 MAX_THREADS = 2 * MAX_CONNECTIONS
 
 
+# A server the process needs (dramatiq's Redis, for the relay) failing every
+# try for this long makes the process unhealthy: a blip is retried, a wrong
+# password or a server gone is said.
+SERVER_FAILING_AFTER_S = 10.0
+
+
 class Liveness:
-    """What ``/healthz`` reads: each loop's last tick, and whether the
-    database answered. Ticked from the event loop, read from the server's
-    thread: guarded by a lock (a tick is one assignment under it)."""
+    """What ``/healthz`` reads: each loop's last tick, whether the database
+    answered, and the other servers the process needs that keep failing.
+    Ticked from the event loop, read from the server's thread: guarded by a
+    lock (a tick is one assignment under it)."""
 
     def __init__(self, *, database_stale_s: float) -> None:
         self._lock = threading.Lock()
@@ -78,6 +85,27 @@ class Liveness:
         self._database_stale_s = database_stale_s
         self._database_at: float | None = None
         self._database_error: str | None = None
+        # server -> (failing since, the last error): cleared by an answer.
+        self._servers: dict[str, tuple[float, str]] = {}
+
+    def server_failed(self, server: str, error: str) -> None:
+        """A try to reach ``server`` (say ``dramatiq broker at host:port``)
+        failed with ``error`` (no credential in either)."""
+        now = time.monotonic()
+        with self._lock:
+            since = self._servers.get(server, (now, error))[0]
+            self._servers[server] = (since, error)
+
+    def server_answered(self, server: str) -> None:
+        with self._lock:
+            self._servers.pop(server, None)
+
+    def failing(self) -> dict[str, str]:
+        """Servers failing every try for ``SERVER_FAILING_AFTER_S`` or more,
+        with their last error."""
+        now = time.monotonic()
+        with self._lock:
+            return {s: e for s, (since, e) in self._servers.items() if now - since >= SERVER_FAILING_AFTER_S}
 
     def watch(self, name: str, stale_after_s: float) -> Callable[[], None]:
         """Register a loop; return the tick it calls at every turn."""
@@ -125,8 +153,12 @@ class Liveness:
         }
         if error is not None:
             database["last_error"] = error
-        ok = database["ok"] and all(v["ok"] for v in loops.values())
-        return ok, {"status": "ok" if ok else "unhealthy", "database": database, "loops": loops}
+        failing = self.failing()
+        ok = database["ok"] and all(v["ok"] for v in loops.values()) and not failing
+        report = {"status": "ok" if ok else "unhealthy", "database": database, "loops": loops}
+        if failing:
+            report["failing"] = failing
+        return ok, report
 
 
 class _Connection:

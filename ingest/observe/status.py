@@ -79,7 +79,17 @@ def _label(p: ProcessRow) -> str:
     return f"{p.role} {p.host}:{p.pid}{named}"
 
 
-FAILING = ("dead", "stuck")
+FAILING = ("dead", "stuck", "failing")
+
+
+def _why(p: ProcessRow) -> str:
+    """Why a process is in FAILING, in a few words."""
+    if p.state == "dead":
+        return f"silent {p.silent_s:.0f} s"
+    if p.state == "failing":
+        failing = p.detail.get("failing") or {}
+        return "; ".join(f"{server} failing: {redact(str(error))}" for server, error in failing.items())
+    return f"its loops stuck, seen {p.silent_s:.0f} s"
 
 
 def _processes_of(procs: Sequence[ProcessRow], adapter: str, queue: str) -> dict[str, Any]:
@@ -93,12 +103,8 @@ def _processes_of(procs: Sequence[ProcessRow], adapter: str, queue: str) -> dict
         role: [_label(p) for p in mine if p.role == role and p.state == "alive"]
         for role in ("ingest", "ack", "worker")
     }
-    out["dead"] = [
-        f"{_label(p)}, {'silent' if p.state == 'dead' else 'its loops stuck, seen'} {p.silent_s:.0f} s"
-        for p in mine
-        if p.state in FAILING
-    ]
-    running = {p.role for p in mine if p.state in ("alive", "stuck")}
+    out["dead"] = [f"{_label(p)}, {_why(p)}" for p in mine if p.state in FAILING]
+    running = {p.role for p in mine if p.state in ("alive", "stuck", "failing")}
     out["not_running"] = sorted({p.role for p in mine} - running)
     return out
 
@@ -215,6 +221,8 @@ def render_processes(procs: Sequence[ProcessRow]) -> list[str]:
             f"  {p.role:<7} {state:<8} {p.host}:{p.pid:<8} last seen {p.silent_s:.0f} s ago"
             f"  {', '.join(what or [])}"
         )
+        for server, error in (p.detail.get("failing") or {}).items():
+            lines.append(f"           {server}: {redact(str(error))}")
     return lines
 
 

@@ -28,6 +28,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import structlog
@@ -49,6 +50,8 @@ from ingest.config import AckerSettings, Settings
 from ingest.errors import ConfigError, error_kind, log_failure
 from ingest.lifecycle import Retry, wait_either, wait_stop
 from ingest.observe.heartbeat import database_gauges_loop
+from ingest.observe.logs import redact
+from ingest.observe.metrics_http import Liveness
 from ingest.processes.prune import prune_loop, walks
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
@@ -286,13 +289,16 @@ async def dispatch_loop(
     interval_s: float,
     wake: asyncio.Event | None = None,
     tick: Callable[[], None] = lambda: None,
+    broker: tuple[str, Liveness] | None = None,
 ) -> None:
     """The relay (``step`` dispatches committed todos; woken by the store's
     NOTIFY, as a commit may have created todos) and the rescue (``step``
     dispatches stuck todos again, or fails them; no ``wake``) until stop.
     After a short batch, wait ``interval_s`` (or for ``wake``); after a full
     one, go on at once. Failures are logged as ``failed_event``, backed off
-    and retried, never the end of the loop."""
+    and retried, never the end of the loop. ``broker``: the name of
+    dramatiq's broker and the liveness told when it fails or answers (a
+    broker that keeps failing makes the process unhealthy, named)."""
     retry = Retry.from_settings(settings, log)
     while not stop.is_set():
         tick()
@@ -301,15 +307,29 @@ async def dispatch_loop(
         try:
             dispatched = await step()
         except Exception as exc:  # noqa: BLE001 - the database, the broker or a bug: back off, go on
-            m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
+            kind = error_kind(exc)
+            m.ERRORS.labels("ack", kind, m.error_class(exc)).inc()
+            if broker is not None and kind == "broker":
+                cause = exc.__cause__ or exc  # the client's own error: what the operator acts on
+                broker[1].server_failed(broker[0], redact(f"{type(cause).__name__}: {cause}"))
             await retry.back_off(stop, failed_event, exc)
             continue
+        if broker is not None:
+            broker[1].server_answered(broker[0])
         retry.succeeded()
         if dispatched < settings.dispatch_batch_size:
             if wake is None:
                 await wait_stop(stop, interval_s)
             else:
                 await wait_either(wake, stop, interval_s)
+
+
+def broker_name(url: str) -> str:
+    """``dramatiq broker at host:port/db``: where it is, never who logs in."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"dramatiq broker at {parts.path}"
+    return f"dramatiq broker at {parts.hostname}:{parts.port or 6379}{parts.path}"
 
 
 async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> None:
@@ -423,6 +443,7 @@ class _Acker(ProcessBody):
             interval_s=poll_s,
             wake=relay_wake,
             tick=process.watch("relay", poll_s),
+            broker=(broker_name(self._settings.dramatiq_broker.url()), process.liveness),
         )
         process.work(relay, "relay")
         rescue = dispatch_loop(

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -293,3 +294,39 @@ def test_slow_clients_neither_starve_healthz_nor_hold_the_process_at_sigterm(
         stopped_in = time.monotonic() - start
     assert_clean_exit(ingester, code)  # no request thread left behind either
     assert stopped_in < STOP_BOUND_S
+
+
+def test_a_dramatiq_broker_the_relay_cannot_use_makes_the_acker_unhealthy(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
+) -> None:
+    """Issue 24: `[dramatiq] url` without the password Redis needs. The relay
+    fails every try: /healthz answers 503 naming the broker and the error,
+    `status` calls the acker failing with the same words and exits
+    unhealthy; no password anywhere."""
+    parts = urlsplit(dramatiq_url(redis_url))
+    wrong = f"redis://default:not-the-password@{parts.hostname}:{parts.port}{parts.path}"
+    config = make_config(stream_adapter(STREAM), queues={STREAM: QUEUE}, dramatiq_url=wrong)
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        r.xadd(STREAM, {"body": "{}"})
+    port = free_port()
+    procs.start("ingest", config, name="ingest-1")
+    acker = procs.start("ack", config, name="ack-1", env={"SWITCHBOARD_METRICS_PORT": str(port)})
+    broker = f"dramatiq broker at {parts.hostname}:{parts.port}{parts.path}"
+
+    def failing() -> bool:
+        code, body = healthz(port)
+        return code == 503 and broker in dict(body.get("failing") or {})  # type: ignore[call-overload]
+
+    wait_for(failing, timeout_s=60, what="/healthz naming the failing broker")
+    _, body = healthz(port)
+    assert "AuthenticationError" in str(body["failing"])
+
+    def status_failing() -> bool:
+        return switchboard("--config", str(config), "status").returncode == EXIT_UNHEALTHY
+
+    wait_for(status_failing, timeout_s=60, what="status unhealthy")
+    shown = switchboard("--config", str(config), "status")
+    assert f"{broker} failing: " in shown.stdout
+    assert "FAILING" in shown.stdout
+    assert "not-the-password" not in shown.stdout + shown.stderr + json.dumps(body)
+    assert "not-the-password" not in acker.raw_log()
