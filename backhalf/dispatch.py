@@ -61,7 +61,10 @@ class Enqueuer:
         from dramatiq.brokers.redis import RedisBroker
 
         client = redis.Redis.from_url(
-            url, socket_timeout=BROKER_SOCKET_TIMEOUT_S, socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S
+            url,
+            socket_timeout=BROKER_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
+            driver_info=None,  # no CLIENT SETINFO: ops/redis-users.acl does not grant it (Redis 7.0 lacks it)
         )
         # No middleware: the actors' options (retries, time limit) apply
         # where the message is processed, in the workers' broker.

@@ -246,6 +246,7 @@ def broker_for(settings: Settings, *, threads: int = 8, queues: Sequence[str] = 
         settings.dramatiq_broker.url(),
         socket_timeout=BROKER_SOCKET_TIMEOUT_S,
         socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
+        driver_info=None,  # no CLIENT SETINFO: ops/redis-users.acl does not grant it (Redis 7.0 lacks it)
     )
     broker = RedisBroker(client=client)  # type: ignore[no-untyped-call]
     first = type(broker.middleware[0]) if broker.middleware else None

@@ -7,6 +7,7 @@ grant is refused."""
 from __future__ import annotations
 
 import json
+import subprocess
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -18,9 +19,9 @@ import redis
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.config import write_config
 from ingest.embedded.processes import wait_for, wait_ready
-from ingest.embedded.servers import RedisServer
-from tests.support import db
-from tests.support.acl import password_for, shipped_acl_redis
+from ingest.embedded.servers import RedisServer, free_port
+from tests.support import db, debian_redis
+from tests.support.acl import acl_file_as_shipped, password_for, shipped_acl_redis
 from tests.support.processes import Processes, assert_clean_exit, switchboard
 from tests.support.streams import produce, xpending
 
@@ -118,6 +119,50 @@ def test_the_example_config_runs_under_the_shipped_acl_users(
     logs = procs.logs_text()
     assert "pool_smaller_than_needed" not in logs  # the example's pool fits its adapters
     assert "NOPERM" not in logs
+    # Not one command refused, the clients' own hello included (no CLIENT
+    # SETINFO: the file grants it to no one, for it must load on Redis 7.0).
+    with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as admin:
+        denied = admin.acl_log()
+    assert denied == [], denied
+
+
+def test_the_shipped_acl_file_loads_on_debians_redis_70(tmp_path: Path) -> None:
+    """Issue 24: Debian 12's redis-server is 7.0, which refuses a rule for a
+    command it lacks (``+client|setinfo``, 7.2's) and will not start. The
+    file as shipped (passwords set) loads there, and every user logs in."""
+    binary, env = debian_redis.redis_70()
+    acl = acl_file_as_shipped(tmp_path / "users.acl")
+    port = free_port()
+    argv = [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(tmp_path), "--aclfile", str(acl)]  # fmt: skip
+    log_path = tmp_path / "redis.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        users = [line.split()[1] for line in acl.read_text().splitlines() if line.startswith("user ")]
+
+        def logs_in(user: str) -> bool:
+            try:
+                with _on_port(port, user) as client:
+                    return bool(client.ping())
+            except redis.exceptions.ConnectionError:
+                return server.poll() is not None  # it died: stop waiting, the assert below says so
+
+        wait_for(lambda: logs_in("default"), timeout_s=30, what="Redis 7.0 answering")
+        assert server.poll() is None, log_path.read_text(errors="replace")
+        with _on_port(port, "default") as admin:
+            assert "7.0" in str(admin.info("server")["redis_version"])[:3]
+        for user in users:
+            with _on_port(port, user) as client:
+                assert client.acl_whoami() == user
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def _on_port(port: int, user: str) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, username=user, password=password_for(user),
+                       socket_timeout=10, driver_info=None)  # fmt: skip
 
 
 def test_the_shipped_acl_users_are_refused_what_they_are_not_granted(acl_redis: RedisServer) -> None:
@@ -165,9 +210,9 @@ def test_producers_write_their_sources_and_cannot_reach_dramatiq(acl_redis: Redi
         ]
         for command in refused:
             with pytest.raises(redis.exceptions.NoPermissionError):
-                producer.execute_command(*command)
+                producer.execute_command(*command)  # type: ignore[no-untyped-call]
         # dramatiq's own user has its database, and only dramatiq's keys there.
-        dramatiq_user.execute_command("SELECT", "1")
+        dramatiq_user.execute_command("SELECT", "1")  # type: ignore[no-untyped-call]
         dramatiq_user.hset("dramatiq:orders.msgs", "m1", "{}")
         with pytest.raises(redis.exceptions.NoPermissionError):
             dramatiq_user.xadd("orders", {"body": "{}"})

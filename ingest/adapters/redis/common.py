@@ -141,6 +141,9 @@ def connect(url: str, *, block_ms: int = 0) -> aioredis.Redis:
         # One attempt: the poll loop owns backoff and logging, so a dead server
         # is reported at once instead of after hidden retries.
         retry=Retry(NoBackoff(), 0),
+        # No CLIENT SETINFO: Redis 7.0 has no such command, and the ACL users
+        # of ops/redis-users.acl (which must load there) are not granted it.
+        driver_info=None,
     )
 
 
