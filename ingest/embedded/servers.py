@@ -20,16 +20,20 @@ this module create is private (umask 077: data directories, the AOF, the
 logs, the config holding the password).
 
 PostgreSQL refuses to run as root. Under root the cluster is initialised and
-run as the existing unprivileged user ``nobody`` (with no supplementary
-groups), the data directory is chowned to it, and the base directory we were
-handed (and ``temp_base``'s) is opened to 0o711 so ``nobody`` can traverse
-to the data directory, though not list it; that is the only widening, and
-only under root. The base directory must sit under a world-traversable path
-such as the one ``tempfile.mkdtemp()`` returns (``temp_base``). Where
-``nobody`` cannot reach the binaries themselves (a
-clone in root's home directory, mode 0700, holds the virtual environment and
-so pgserver's), the installation is copied into the base directory first and
-run from there; it goes when the base directory does.
+run as a system user of its own, ``switchboard-pg`` (``PG_SYSTEM_USER``,
+made with ``useradd --system`` the first time, with no home, no login shell
+and no supplementary groups), never the shared ``nobody``: the processes of
+whatever else runs as ``nobody`` (an NFS-squashed client, another daemon)
+could otherwise signal our postmaster and read its data directory. The data
+directory is chowned to that user, and the base directory we were handed
+(and ``temp_base``'s) is opened to 0o711 so it can traverse to the data
+directory, though not list it; that is the only widening, and only under
+root. The base directory must sit under a world-traversable path such as
+the one ``tempfile.mkdtemp()`` returns (``temp_base``). Where that user
+cannot reach the binaries themselves (a clone in root's home directory,
+mode 0700, holds the virtual environment and so pgserver's), the
+installation is copied into the base directory first and run from there; it
+goes when the base directory does.
 
 Every server is started to die with us (``ingest.processes.children``): a
 parent killed with SIGKILL leaves no server running. A server that cannot
@@ -85,9 +89,12 @@ class PortTaken(RuntimeError):
 PORT_ATTEMPTS = 3
 
 
-# Under root, what 'nobody' needs of a directory on the way to its data
-# directory: to pass through it, not to list it.
+# Under root, what PostgreSQL's own user needs of a directory on the way to
+# its data directory: to pass through it, not to list it.
 _TRAVERSE_ONLY = 0o711
+# PostgreSQL's user when we run as root: a system user of its own.
+PG_SYSTEM_USER = "switchboard-pg"
+USERADD_TIMEOUT_S = 30.0
 # Children create their files private: PostgreSQL sets this mask itself,
 # Valkey does not (its AOF and log were 0644).
 _PRIVATE_UMASK = 0o077
@@ -229,7 +236,7 @@ def _copy_installation(bindir: Path, target: Path) -> Path:
     (``$ORIGIN/../../../pgserver.libs``), so both keep their places relative
     to each other: ``target/<package>/<installation>`` and
     ``target/<package>.libs``. About 35 MB for pgserver, copied only when
-    'nobody' could not reach the original.
+    PostgreSQL's user under root could not reach the original.
     """
     installation, package = bindir.parent, bindir.parent.parent
     copy = target / package.name / installation.name
@@ -244,6 +251,60 @@ def _copy_installation(bindir: Path, target: Path) -> Path:
             executable = stat.S_IXGRP | stat.S_IXOTH
             path.chmod(mode | readable | (executable if path.is_dir() or mode & stat.S_IXUSR else 0))
     return copy / bindir.name
+
+
+def _useradd(name: str) -> None:
+    """Create the system user ``name`` with a group of its own, no home, no
+    login shell. Another process creating it meanwhile is no error; a passwd
+    file locked by one is waited for, within ``USERADD_TIMEOUT_S``."""
+    command = ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+               "--shell", "/usr/sbin/nologin", "--comment", "Switchboard's embedded PostgreSQL",
+               name]  # fmt: skip
+    deadline = time.monotonic() + USERADD_TIMEOUT_S
+    while True:
+        try:
+            done = subprocess.run(  # noqa: S603 - the system's useradd, fixed arguments
+                command, capture_output=True, text=True, timeout=USERADD_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(
+                f"cannot create the system user {name!r} for PostgreSQL (as root it runs as a user of its"
+                f" own): {type(exc).__name__}: {exc}; create it (useradd --system {name}) or run as another"
+                " user"
+            ) from exc
+        if done.returncode == 0 or _user_exists(name):  # 9: made meanwhile by another process
+            return
+        # 10: /etc/passwd locked by another useradd (another test session's).
+        if done.returncode != 10 or time.monotonic() > deadline:
+            said = (done.stderr or done.stdout).strip().splitlines()
+            raise RuntimeError(
+                f"cannot create the system user {name!r} for PostgreSQL (as root it runs as a user of its"
+                f" own): useradd exit {done.returncode}: {said[-1] if said else 'no output'}; create it"
+                f" (useradd --system {name}) or run as another user"
+            )
+        time.sleep(0.1)
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def postgres_system_user() -> pwd.struct_passwd:
+    """PostgreSQL's user under root (``PG_SYSTEM_USER``), created if missing;
+    never a user with uid or gid 0."""
+    if not _user_exists(PG_SYSTEM_USER):
+        _useradd(PG_SYSTEM_USER)
+    user = pwd.getpwnam(PG_SYSTEM_USER)
+    if user.pw_uid == 0 or user.pw_gid == 0:
+        raise RuntimeError(
+            f"the system user {PG_SYSTEM_USER!r} has uid {user.pw_uid} and gid {user.pw_gid}: PostgreSQL"
+            " needs an unprivileged user of its own; give it another uid and gid"
+        )
+    return user
 
 
 def redis_binary() -> Path:
@@ -288,9 +349,10 @@ class PostgresServer(_ServerProcess):
         self.log_path = base_dir / "postgres.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self._as_user: dict[str, Any] = {}  # extra Popen arguments
+        self._owner: pwd.struct_passwd | None = None  # PostgreSQL's user under root
         if os.geteuid() == 0:
-            gid = pwd.getpwnam("nobody").pw_gid
-            self._as_user = {"user": "nobody", "group": gid, "extra_groups": []}
+            self._owner = postgres_system_user()
+            self._as_user = {"user": self._owner.pw_uid, "group": self._owner.pw_gid, "extra_groups": []}
 
     @classmethod
     def create(
@@ -302,12 +364,12 @@ class PostgresServer(_ServerProcess):
         base_dir = Path(base_dir).resolve()
         _private_dir(base_dir)
         server = cls(base_dir, free_port(), bindir or postgres_bindir(), password)
-        if server._as_user:
+        if server._owner is not None:
             base_dir.chmod(_TRAVERSE_ONLY)  # only the directory we were handed
             if blocked := _untraversable_ancestor(base_dir):
                 raise RuntimeError(
-                    f"PostgreSQL cannot run in {base_dir}: as root it runs as 'nobody', who cannot "
-                    f"enter {blocked}; use a temporary directory others can enter (TMPDIR=/tmp)"
+                    f"PostgreSQL cannot run in {base_dir}: as root it runs as {PG_SYSTEM_USER!r}, who"
+                    f" cannot enter {blocked}; use a temporary directory others can enter (TMPDIR=/tmp)"
                 )
             if _untraversable_ancestor(server.bindir / "postgres") is not None:
                 server.bindir = _copy_installation(server.bindir, base_dir / "pginstall")
@@ -327,10 +389,9 @@ class PostgresServer(_ServerProcess):
         try:
             with _private_file(pwfile, "w") as f:
                 f.write(server.password + "\n")
-            if server._as_user:
-                nobody = pwd.getpwnam("nobody")
+            if server._owner is not None:
                 for path in (server.pgdata, pwfile):
-                    os.chown(path, nobody.pw_uid, nobody.pw_gid)
+                    os.chown(path, server._owner.pw_uid, server._owner.pw_gid)
             subprocess.run(  # noqa: S603 - bundled binary, arguments built here
                 initdb,
                 cwd=base_dir,
@@ -689,8 +750,9 @@ def _owner_tag(pid: int) -> str:
 
 
 def temp_base(prefix: str) -> Path:
-    """A new temporary directory (0700; traversable by 'nobody', PostgreSQL's
-    user, only under root), holding its owner's pid and start time (``OWNER_FILE``)."""
+    """A new temporary directory (0700; traversable by others, for
+    PostgreSQL's own user, only under root), holding its owner's pid and
+    start time (``OWNER_FILE``)."""
     base = Path(tempfile.mkdtemp(prefix=prefix))  # 0700
     with _private_file(base / OWNER_FILE, "w") as owner:
         owner.write(_owner_tag(os.getpid()))

@@ -178,7 +178,7 @@ def test_a_server_that_cannot_start_is_one_line_and_leaves_no_folder(
     """Its port taken: one line on stderr naming the server and the cause, exit
     1, nothing left in the temporary directory and nothing left running."""
     tmp = Path(tempfile.mkdtemp(prefix="switchboard-test-tmp-"))
-    tmp.chmod(0o755)  # PostgreSQL runs as 'nobody' under root
+    tmp.chmod(0o755)  # PostgreSQL runs as a user of its own under root
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

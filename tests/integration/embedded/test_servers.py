@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import os
+import pwd
+import secrets
 import shutil
 import socket
+import subprocess
+import threading
 from pathlib import Path
 
 import psycopg
@@ -21,8 +25,8 @@ def test_postgres_starts_from_binaries_only_their_owner_can_reach(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A clone in root's home directory (0700) holds the virtual environment,
-    and so pgserver's binaries, where 'nobody' (PostgreSQL's user when we run
-    as root) cannot reach them. The server still starts, and its base
+    and so pgserver's binaries, where PostgreSQL's own user (when we run as
+    root) cannot reach them. The server still starts, and its base
     directory, copy included, is gone after cleanup."""
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
@@ -118,8 +122,8 @@ def test_the_servers_take_no_login_without_their_password_and_keep_their_files_p
         aof = list((rs.base_dir / "appendonlydir").iterdir())
         assert aof
         assert all(path.exists() for path in (pg.log_path, rs.log_path, rs.config_path))
-        # Under root PostgreSQL runs as 'nobody', who must pass through the
-        # two directories above its data directory (but may not list them).
+        # Under root PostgreSQL runs as a user of its own, who must pass through
+        # the two directories above its data directory (but may not list them).
         traversed = {owned.base, pg.base_dir} if os.geteuid() == 0 else set()
         checked = 0
         for path in [owned.base, *owned.base.rglob("*")]:
@@ -129,3 +133,71 @@ def test_the_servers_take_no_login_without_their_password_and_keep_their_files_p
             assert _others_may(path) & ~allowed == 0, f"{path}: mode {path.lstat().st_mode:o}"
             checked += 1
         assert checked > 20  # pgdata's files were walked, not an empty folder
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if _status(int(entry.name)).get("PPid") == str(pid):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL changes user only when started by root")
+def test_under_root_postgres_runs_as_a_user_of_its_own_not_nobody() -> None:
+    """Issue 32, item 9: the shared 'nobody' could signal the postmaster and
+    read the data directory from any process of its; the dedicated system
+    user is no one else's, has no login shell and no supplementary group."""
+    with servers.embedded_servers("switchboard-test-pguser-") as owned:
+        pg = owned.postgres
+        user = pwd.getpwnam(servers.PG_SYSTEM_USER)
+        assert user.pw_uid not in (0, pwd.getpwnam("nobody").pw_uid)
+        assert user.pw_gid != 0
+        assert user.pw_shell.endswith("nologin")
+        with psycopg.connect(libpq_url(pg.url()), connect_timeout=5) as conn:
+            backend = conn.info.backend_pid
+            for pid in (pg.pid, backend, *_children(pg.pid)):
+                status = _status(pid)
+                assert status["Uid"].split() == [str(user.pw_uid)] * 4, (pid, status["Uid"])
+                assert status["Gid"].split() == [str(user.pw_gid)] * 4, (pid, status["Gid"])
+                assert status["Groups"] == "", (pid, status["Groups"])
+        for path in (pg.pgdata, *pg.pgdata.iterdir()):
+            assert path.lstat().st_uid == user.pw_uid, path
+        assert pg.base_dir.lstat().st_uid == 0  # the kit's own directory stays root's
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating a system user needs root")
+def test_the_system_user_is_made_once_however_many_processes_ask_at_once() -> None:
+    """Test sessions side by side may each find the user missing: one makes
+    it, the others' useradd fails (user exists, or /etc/passwd locked), and
+    every one of them goes on. A throwaway name, removed after."""
+    name = f"sb-pg-test-{secrets.token_hex(3)}"
+    errors: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            servers._useradd(name)
+        except BaseException as exc:  # raised again in the test's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(servers.USERADD_TIMEOUT_S + 10)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        made = pwd.getpwnam(name)
+        assert made.pw_uid != 0
+        assert made.pw_dir == "/nonexistent"
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, timeout=30, check=False)
