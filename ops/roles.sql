@@ -1,4 +1,4 @@
--- Least-privilege PostgreSQL roles for Switchboard (issue 15).
+-- Least-privilege PostgreSQL roles for Switchboard (issues 15 and 32).
 --
 -- Run it as a superuser (or a role with CREATEROLE that owns the database),
 -- connected to Switchboard's database, twice: once before the first
@@ -13,9 +13,7 @@
 --
 -- The roles (ops/README.md has the table of what each may do):
 --
---   switchboard_migrator  LOGIN: owns the schema; runs `switchboard migrate`
---                         and the operator commands (adapters enable/disable,
---                         inbox replay, todos retry/cancel).
+--   switchboard_migrator  LOGIN: owns the schema; runs `switchboard migrate`.
 --   switchboard_ingester  NOLOGIN group: `switchboard ingest`.
 --   switchboard_acker     NOLOGIN group: `switchboard ack` (acks, the dispatch
 --                         relay, the rescuer, the pruner), `switchboard prune`,
@@ -23,6 +21,10 @@
 --                         (trace, inbox list/show, todos list/show); a member
 --                         of the auditor, for the views `status` reads.
 --   switchboard_worker    NOLOGIN group: `switchboard worker`.
+--   switchboard_operator  NOLOGIN group: the operator's actions (adapters
+--                         enable/disable, inbox replay, todos retry/cancel),
+--                         from the CLI or a console, and the read-only
+--                         commands and `status`; a member of the auditor.
 --   switchboard_auditor   NOLOGIN group: SELECT on the audit_* views only.
 --
 -- and one login user per group, switchboard_<group>_login, created without a
@@ -32,20 +34,69 @@
 -- would belong to the member.
 --
 -- Column grants are where the table grant would allow more than the code
--- does. Two rules cannot be said with grants and are row-level security
--- policies on inbox and ack_queue (the migrator owns both tables, so RLS does
--- not apply to it, nor to the audit views, which run with its rights):
+-- does. What no grant can say, which rows and which changes of a row, is
+-- said by row-level security policies on inbox, ack_queue, todos,
+-- todo_events, events and processes. RLS binds every role but the tables'
+-- owner: not the migrator, nor the audit views, which run with its rights.
+-- In a policy, USING is read on the row as it was (and, for UPDATE, also
+-- decides which rows a FOR UPDATE / FOR SHARE lock sees: a row it refuses
+-- is skipped, not an error), WITH CHECK on the row as written (refused:
+-- SQLSTATE 42501). A change is a pair (status before, status after): where
+-- a policy needs the status before, it reads the row in the statement's
+-- snapshot (`SELECT ... FROM todos o WHERE o.id = todos.id`), which is the
+-- row as it was before the statement, even inside a statement whose CTEs
+-- change it (one primary-key probe per row written). A row changed by a
+-- commit between the statement's snapshot and its lock is read as it was
+-- at the snapshot. The pairs allow the common case, the relay's commit
+-- (pending -> dispatched) landing under a worker's start of the same todo
+-- (its message overtook the commit): both are the worker's starts. A rarer
+-- one, an operator's retry landing under a start of the todo it retries,
+-- is refused once and written again by its caller (the workers' state
+-- writer writes again a batch refused for other than its data). A done
+-- todo never changes again, so a todo done at the snapshot is done.
 --
--- * The ingester must write ack_state and acked_at: a redelivered stream
---   entry asks for its ack again (store_inbox_native_cte sets ack_state back
---   to 'pending' and acked_at to NULL). So it may write them only that way:
---   its INSERT and UPDATE policies refuse a row with ack_state 'acked' or an
---   acked_at (SQLSTATE 42501): only the acker marks acks.
--- * The ingester locks ack_queue rows (FOR UPDATE in existing_body_pending
---   and lock_pending_copies), and a row lock needs UPDATE on one column; its
---   UPDATE policy lets it lock and refuses every write (WITH CHECK false).
---   The worker and the acker only ever release a waiting ack (waiting_for to
---   NULL, release_acks and release_orphaned_acks), and may do nothing else.
+-- * The ingester writes ack_state and acked_at only to ask for an ack again
+--   (store_inbox_native_cte: ack_state back to 'pending', acked_at NULL), and
+--   'none' only for a row whose ack_kind is 'none'; an ack_xid only its own
+--   transaction's id (an older one would put the row behind the acker's
+--   cursor); and never a pending row's ack target (ack_key, ack_group), which
+--   would send its ack to an entry never stored. It locks ack_queue rows (FOR
+--   UPDATE in existing_body_pending, lock_pending_copies; a row lock needs
+--   UPDATE on one column) and writes none. It deletes only todos,
+--   todo_events and events its own transaction inserted (the store's undo,
+--   delete_todos and delete_events): `xmin` is the inserting transaction's
+--   id, compared with pg_current_xact_id(), so the store must not write them
+--   in a subtransaction (SAVEPOINT: a subtransaction has an id of its own);
+--   a todo also has its created_at equal to this transaction's now(), since
+--   the ingester's dedup (a no-op UPDATE of the active todo) gives an
+--   existing todo a new xmin too.
+-- * The todos' state changes, by role (backhalf/queries.sql, "The todo
+--   lifecycle"): the acker only pending -> dispatched (the relay), dispatched
+--   -> dispatched and running -> dispatched or failed (the rescuer); the
+--   worker only pending, dispatched or running -> running (a start) and
+--   running -> done, failed or dispatched (an end); the operator only
+--   pending, dispatched or running -> cancelled and failed or cancelled ->
+--   pending (and the no-op update of inbox replay's dedup). Nobody moves a
+--   done todo. A todo_events row must be one of its role's pairs, of a todo
+--   whose status could make that change; a creation row (NULL -> pending)
+--   only for a todo the snapshot does not hold yet (the one its statement
+--   creates).
+-- * Deletes: the acker (the pruner, backhalf.retention) deletes todos only
+--   when terminal and no ack waits for them, their todo_events only when the
+--   todo is terminal or gone, inbox rows only with their ack done ('acked' or
+--   'none') and no ack_queue row; ack_queue rows only when claimed (owed now).
+-- * Acks waiting for a todo (ack_after = "complete") are released (waiting_for
+--   to NULL, release_acks, release_orphaned_acks) only when the todo has ended.
+-- * The operator's inbox replay makes only a 'rejected' row 'stored', with
+--   its todo and event; its event is never `verified`.
+-- * processes: each process role inserts and updates only rows of its own
+--   `role` (ingest, ack, worker); any of them deletes a row stopped or silent
+--   for a day (backhalf.heartbeats.FORGET_AFTER_S), and no other.
+--
+-- Every policy this file makes is named switchboard_*: each run drops every
+-- policy of that name on Switchboard's tables and makes them again, so a run
+-- leaves exactly these (a policy of your own for a role of your own: give
+-- it another name).
 --
 -- LISTEN/NOTIFY and pg_advisory_lock (migrate's lock) need no grant.
 
@@ -65,6 +116,9 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_worker') THEN
         CREATE ROLE switchboard_worker NOLOGIN;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_operator') THEN
+        CREATE ROLE switchboard_operator NOLOGIN;
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_auditor') THEN
         CREATE ROLE switchboard_auditor NOLOGIN;
     END IF;
@@ -77,6 +131,9 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_worker_login') THEN
         CREATE ROLE switchboard_worker_login LOGIN IN ROLE switchboard_worker;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_operator_login') THEN
+        CREATE ROLE switchboard_operator_login LOGIN IN ROLE switchboard_operator;
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_auditor_login') THEN
         CREATE ROLE switchboard_auditor_login LOGIN IN ROLE switchboard_auditor;
     END IF;
@@ -85,20 +142,21 @@ $roles$;
 
 -- The migrator creates the schema in public (PostgreSQL 15 took CREATE on
 -- public from PUBLIC); the others only use it. CONNECT on the database is
--- PUBLIC's by default; where it was revoked, grant it to the five roles.
+-- PUBLIC's by default; where it was revoked, grant it to the six roles.
 -- Before 15, PUBLIC could create in public: taken back here (a no-op on 15+).
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE, CREATE ON SCHEMA public TO switchboard_migrator;
 GRANT USAGE ON SCHEMA public
-    TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_auditor;
--- `switchboard status` (the acker's) reads the audit views too.
-GRANT switchboard_auditor TO switchboard_acker;
+    TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator, switchboard_auditor;
+-- `switchboard status` (the acker's, and the operator's) reads the audit views too.
+GRANT switchboard_auditor TO switchboard_acker, switchboard_operator;
 
 
 -- The grants, per table, for the tables `switchboard migrate` created.
 DO $grants$
 DECLARE
     view_name name;
+    pol record;
 BEGIN
     IF to_regclass('public.inbox') IS NULL THEN
         RAISE NOTICE 'no Switchboard tables yet: roles created; run `switchboard migrate` as'
@@ -109,12 +167,15 @@ BEGIN
     -- Start from nothing, so a grant taken out of this file is revoked by its next run.
     REVOKE ALL ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events, delivery_attempts,
                   stream_groups, processes, alembic_version
-        FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_auditor;
+        FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
+             switchboard_auditor;
     REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
-        FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_auditor;
+        FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
+             switchboard_auditor;
 
     -- Every process role: its heartbeat row (backhalf.heartbeats), and the
-    -- rows a day silent it deletes; `status` reads them all.
+    -- rows a day silent it deletes; `status` reads them all. Whose rows: the
+    -- policies below.
     GRANT SELECT, INSERT, DELETE, UPDATE (seen_at, detail, stopped_at) ON processes
         TO switchboard_ingester, switchboard_acker, switchboard_worker;
     -- Every process reads the migration version at start (not migrated: exit 3).
@@ -183,6 +244,27 @@ BEGIN
     GRANT SELECT (waiting_for, adapter), UPDATE (waiting_for) ON ack_queue TO switchboard_worker;
     GRANT USAGE ON SEQUENCE todo_events_id_seq TO switchboard_worker;
 
+    -- The operator (ingest.actions): reads every table (trace, inbox and
+    -- todos list/show, adapters list, status); flips an adapter's `enabled`
+    -- (registry.set_enabled); replays a rejected inbox row (backhalf.replay:
+    -- the row locked, a todo created or deduped with its 'pending' log row,
+    -- an event, the row made 'stored'); retries and cancels todos
+    -- (retry_todos, cancel_todos, then release_acks). No ack, no delete.
+    GRANT SELECT ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events, delivery_attempts,
+                    stream_groups, processes, alembic_version
+        TO switchboard_operator;
+    GRANT UPDATE (enabled, updated_at) ON adapters TO switchboard_operator;
+    GRANT UPDATE (status, error, todo_id, event_id) ON inbox TO switchboard_operator;
+    GRANT INSERT (family, adapter, trust_mode, verified, verify_detail, idempotency_key, source_message_id,
+                  payload, todo_id)
+        ON events TO switchboard_operator;
+    GRANT INSERT (queue, idempotency_key, payload), UPDATE (status, attempts, lease_until, dispatched_at,
+                                                             updated_at)
+        ON todos TO switchboard_operator;
+    GRANT INSERT (todo_id, from_status, to_status, detail) ON todo_events TO switchboard_operator;
+    GRANT UPDATE (waiting_for) ON ack_queue TO switchboard_operator;
+    GRANT USAGE ON SEQUENCE events_id_seq, todos_id_seq, todo_events_id_seq TO switchboard_operator;
+
     -- The auditor: the audit views, which read the tables with their owner's
     -- rights; every audit_* view migrations have made so far.
     FOR view_name IN
@@ -192,43 +274,210 @@ BEGIN
         EXECUTE format('GRANT SELECT ON %I TO switchboard_auditor', view_name);
     END LOOP;
 
-    -- Row-level rules (the header says why). Policies are dropped and
-    -- created again, so a run always leaves exactly these.
+    -- Row-level rules (the header says why). Every switchboard_* policy is
+    -- dropped and made again, so a run always leaves exactly these, whatever
+    -- an earlier version of this file made.
     ALTER TABLE inbox ENABLE ROW LEVEL SECURITY;
     ALTER TABLE ack_queue ENABLE ROW LEVEL SECURITY;
-    DROP POLICY IF EXISTS switchboard_read ON inbox;
-    DROP POLICY IF EXISTS switchboard_ingester_insert ON inbox;
-    DROP POLICY IF EXISTS switchboard_ingester_update ON inbox;
-    DROP POLICY IF EXISTS switchboard_acker_update ON inbox;
-    DROP POLICY IF EXISTS switchboard_acker_delete ON inbox;
-    DROP POLICY IF EXISTS switchboard_read ON ack_queue;
-    DROP POLICY IF EXISTS switchboard_ingester_insert ON ack_queue;
-    DROP POLICY IF EXISTS switchboard_ingester_lock ON ack_queue;
-    DROP POLICY IF EXISTS switchboard_release ON ack_queue;
-    DROP POLICY IF EXISTS switchboard_acker_delete ON ack_queue;
+    ALTER TABLE todos ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE todo_events ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE events ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE processes ENABLE ROW LEVEL SECURITY;
+    FOR pol IN
+        SELECT tablename, policyname FROM pg_policies
+        WHERE schemaname = 'public' AND left(policyname, length('switchboard_')) = 'switchboard_'
+    LOOP
+        EXECUTE format('DROP POLICY %I ON %I', pol.policyname, pol.tablename);
+    END LOOP;
 
+    -- inbox.
     CREATE POLICY switchboard_read ON inbox FOR SELECT
-        TO switchboard_ingester, switchboard_acker USING (true);
-    -- ack_xid only ever the storing transaction's own id: an older one
-    -- would put the row behind the acker's cursor, its ack never sent.
+        TO switchboard_ingester, switchboard_acker, switchboard_operator USING (true);
+    -- The store's rows: never acked, 'none' only for what nothing acks, and
+    -- ack_xid only the storing transaction's own id.
     CREATE POLICY switchboard_ingester_insert ON inbox FOR INSERT TO switchboard_ingester
-        WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL
+        WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL AND (ack_state = 'none') = (ack_kind = 'none')
                     AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8));
+    -- merge_inbox_body and a redelivery (store_inbox_native_cte): the same,
+    -- and a row whose ack is pending keeps its ack target.
     CREATE POLICY switchboard_ingester_update ON inbox FOR UPDATE TO switchboard_ingester
-        USING (true) WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL
-                                 AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8));
+        USING (true)
+        WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL AND (ack_state = 'none') = (ack_kind = 'none')
+                    AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8)
+                    AND NOT EXISTS (SELECT FROM inbox o
+                                    WHERE o.id = inbox.id AND o.ack_state = 'pending'
+                                      AND (o.ack_key IS DISTINCT FROM inbox.ack_key
+                                           OR o.ack_group IS DISTINCT FROM inbox.ack_group)));
+    -- claim_acks and mark_cursor_acks mark pending rows acked, with their
+    -- time; reset_ack_cursor re-stamps pending ones. Any row: the pruner
+    -- locks the acked rows it deletes.
     CREATE POLICY switchboard_acker_update ON inbox FOR UPDATE TO switchboard_acker
-        USING (true) WITH CHECK (true);
-    CREATE POLICY switchboard_acker_delete ON inbox FOR DELETE TO switchboard_acker USING (true);
+        USING (true)
+        WITH CHECK ((ack_state = 'acked' AND acked_at IS NOT NULL)
+                    OR (ack_state = 'pending' AND acked_at IS NULL));
+    -- The pruner: only rows whose ack is done and no longer queued
+    -- (backhalf.retention's own condition, ACK_DONE_STATES).
+    CREATE POLICY switchboard_acker_delete ON inbox FOR DELETE TO switchboard_acker
+        USING (ack_state IN ('acked', 'none')
+               AND NOT EXISTS (SELECT FROM ack_queue q WHERE q.inbox_id = inbox.id));
+    -- Inbox replay: a rejected row becomes 'stored', with its todo and event.
+    -- Any row may be locked: replay locks before it reads the status.
+    CREATE POLICY switchboard_operator_replay ON inbox FOR UPDATE TO switchboard_operator
+        USING (true)
+        WITH CHECK (status = 'stored' AND error IS NULL AND todo_id IS NOT NULL AND event_id IS NOT NULL
+                    AND EXISTS (SELECT FROM inbox o WHERE o.id = inbox.id AND o.status = 'rejected'));
 
+    -- ack_queue.
     CREATE POLICY switchboard_read ON ack_queue FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_worker USING (true);
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator USING (true);
     CREATE POLICY switchboard_ingester_insert ON ack_queue FOR INSERT TO switchboard_ingester
         WITH CHECK (true);
     CREATE POLICY switchboard_ingester_lock ON ack_queue FOR UPDATE TO switchboard_ingester
         USING (true) WITH CHECK (false);
-    CREATE POLICY switchboard_release ON ack_queue FOR UPDATE TO switchboard_acker, switchboard_worker
-        USING (true) WITH CHECK (waiting_for IS NULL);
-    CREATE POLICY switchboard_acker_delete ON ack_queue FOR DELETE TO switchboard_acker USING (true);
+    -- release_acks (worker, operator's cancel, rescuer) and
+    -- release_orphaned_acks: an ack waiting for a todo that has ended.
+    CREATE POLICY switchboard_release ON ack_queue FOR UPDATE
+        TO switchboard_acker, switchboard_worker, switchboard_operator
+        USING (EXISTS (SELECT FROM todos t
+                       WHERE t.id = ack_queue.waiting_for AND t.status IN ('done', 'failed', 'cancelled')))
+        WITH CHECK (waiting_for IS NULL);
+    -- claim_acks locks and deletes acks owed now, and only those.
+    CREATE POLICY switchboard_acker_claim ON ack_queue FOR UPDATE TO switchboard_acker
+        USING (waiting_for IS NULL) WITH CHECK (waiting_for IS NULL);
+    CREATE POLICY switchboard_acker_delete ON ack_queue FOR DELETE TO switchboard_acker
+        USING (waiting_for IS NULL);
+
+    -- todos. An UPDATE policy's USING is true where the role locks rows of
+    -- any status (write_states locks the todo its message names, whatever
+    -- its status, to answer with it; the pruner locks terminal todos; an
+    -- operator's retry and cancel lock before they read): its WITH CHECK
+    -- holds it to its pairs.
+    CREATE POLICY switchboard_read ON todos FOR SELECT
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator USING (true);
+    CREATE POLICY switchboard_create ON todos FOR INSERT TO switchboard_ingester, switchboard_operator
+        WITH CHECK (status = 'pending');
+    -- The dedup's no-op update, and store_ack_queue_cte's FOR SHARE: active todos.
+    CREATE POLICY switchboard_ingester_update ON todos FOR UPDATE TO switchboard_ingester
+        USING (status IN ('pending', 'dispatched', 'running'))
+        WITH CHECK (status IN ('pending', 'dispatched', 'running'));
+    -- The store's undo: todos this transaction created.
+    CREATE POLICY switchboard_ingester_delete ON todos FOR DELETE TO switchboard_ingester
+        USING (xmin = pg_current_xact_id()::xid AND created_at = now() AND status = 'pending');
+    CREATE POLICY switchboard_acker_update ON todos FOR UPDATE TO switchboard_acker
+        USING (true)
+        WITH CHECK (EXISTS (SELECT FROM todos o WHERE o.id = todos.id
+                              AND (o.status, todos.status) IN (('pending', 'dispatched'),
+                                                               ('dispatched', 'dispatched'),
+                                                               ('running', 'dispatched'),
+                                                               ('running', 'failed'))));
+    -- The pruner (backhalf.retention): terminal todos no ack waits for.
+    CREATE POLICY switchboard_acker_delete ON todos FOR DELETE TO switchboard_acker
+        USING (status IN ('done', 'failed', 'cancelled')
+               AND NOT EXISTS (SELECT FROM ack_queue q WHERE q.waiting_for = todos.id));
+    CREATE POLICY switchboard_worker_update ON todos FOR UPDATE TO switchboard_worker
+        USING (true)
+        WITH CHECK (EXISTS (SELECT FROM todos o WHERE o.id = todos.id
+                              AND (o.status, todos.status) IN (('pending', 'running'),
+                                                               ('dispatched', 'running'),
+                                                               ('running', 'running'),
+                                                               ('running', 'done'),
+                                                               ('running', 'failed'),
+                                                               ('running', 'dispatched'))));
+    -- Cancel, retry, and inbox replay's dedup (a no-op update of an active todo).
+    CREATE POLICY switchboard_operator_update ON todos FOR UPDATE TO switchboard_operator
+        USING (true)
+        WITH CHECK (EXISTS (SELECT FROM todos o WHERE o.id = todos.id
+                              AND (o.status, todos.status) IN (('pending', 'cancelled'),
+                                                               ('dispatched', 'cancelled'),
+                                                               ('running', 'cancelled'),
+                                                               ('failed', 'pending'),
+                                                               ('cancelled', 'pending'),
+                                                               ('pending', 'pending'),
+                                                               ('dispatched', 'dispatched'),
+                                                               ('running', 'running'))));
+
+    -- todo_events: each row one of its role's changes, of a todo whose status
+    -- (read in the snapshot: before the statement's own change) could make
+    -- that change. Not its from_status itself: a worker's start takes the
+    -- status it locks, which may be newer than its snapshot (the relay's
+    -- commit, pending -> dispatched, landing in between).
+    CREATE POLICY switchboard_read ON todo_events FOR SELECT
+        TO switchboard_ingester, switchboard_acker, switchboard_operator USING (true);
+    -- todos_create_cte's 'pending' row: of the todo its statement creates,
+    -- which the snapshot does not hold yet.
+    CREATE POLICY switchboard_created ON todo_events FOR INSERT TO switchboard_ingester, switchboard_operator
+        WITH CHECK (from_status IS NULL AND to_status = 'pending'
+                    AND NOT EXISTS (SELECT FROM todos t WHERE t.id = todo_events.todo_id));
+    CREATE POLICY switchboard_acker_insert ON todo_events FOR INSERT TO switchboard_acker
+        WITH CHECK ((from_status, to_status) IN (('pending', 'dispatched'), ('dispatched', 'dispatched'),
+                                                 ('running', 'dispatched'), ('running', 'failed'))
+                    AND EXISTS (SELECT FROM todos t WHERE t.id = todo_events.todo_id
+                                  AND (t.status, todo_events.to_status) IN (('pending', 'dispatched'),
+                                                                           ('dispatched', 'dispatched'),
+                                                                           ('running', 'dispatched'),
+                                                                           ('running', 'failed'))));
+    CREATE POLICY switchboard_worker_insert ON todo_events FOR INSERT TO switchboard_worker
+        WITH CHECK ((from_status, to_status) IN (('pending', 'running'), ('dispatched', 'running'),
+                                                 ('running', 'running'), ('running', 'done'),
+                                                 ('running', 'failed'), ('running', 'dispatched'))
+                    AND EXISTS (SELECT FROM todos t WHERE t.id = todo_events.todo_id
+                                  AND (t.status, todo_events.to_status) IN (('pending', 'running'),
+                                                                           ('dispatched', 'running'),
+                                                                           ('running', 'running'),
+                                                                           ('running', 'done'),
+                                                                           ('running', 'failed'),
+                                                                           ('running', 'dispatched'))));
+    CREATE POLICY switchboard_operator_insert ON todo_events FOR INSERT TO switchboard_operator
+        WITH CHECK ((from_status, to_status) IN (('pending', 'cancelled'), ('dispatched', 'cancelled'),
+                                                 ('running', 'cancelled'), ('failed', 'pending'),
+                                                 ('cancelled', 'pending'))
+                    AND EXISTS (SELECT FROM todos t WHERE t.id = todo_events.todo_id
+                                  AND (t.status, todo_events.to_status) IN (('pending', 'cancelled'),
+                                                                           ('dispatched', 'cancelled'),
+                                                                           ('running', 'cancelled'),
+                                                                           ('failed', 'pending'),
+                                                                           ('cancelled', 'pending'))));
+    -- The store's undo (delete_todos): the rows this transaction inserted.
+    CREATE POLICY switchboard_ingester_delete ON todo_events FOR DELETE TO switchboard_ingester
+        USING (xmin = pg_current_xact_id()::xid);
+    -- The pruner: the history of a todo that is terminal, or gone.
+    CREATE POLICY switchboard_acker_delete ON todo_events FOR DELETE TO switchboard_acker
+        USING (NOT EXISTS (SELECT FROM todos t
+                           WHERE t.id = todo_events.todo_id
+                             AND t.status IN ('pending', 'dispatched', 'running')));
+
+    -- events.
+    CREATE POLICY switchboard_read ON events FOR SELECT
+        TO switchboard_ingester, switchboard_acker, switchboard_operator USING (true);
+    CREATE POLICY switchboard_ingester_insert ON events FOR INSERT TO switchboard_ingester WITH CHECK (true);
+    -- Inbox replay's event is never verified: the operator vouches for nothing.
+    CREATE POLICY switchboard_operator_insert ON events FOR INSERT TO switchboard_operator
+        WITH CHECK (NOT verified);
+    -- The store's undo (delete_events): the rows this transaction inserted.
+    CREATE POLICY switchboard_ingester_delete ON events FOR DELETE TO switchboard_ingester
+        USING (xmin = pg_current_xact_id()::xid);
+    -- The pruner deletes an inbox row's event with it (retention's walk
+    -- holds the inbox row; no index leads from an event to it).
+    CREATE POLICY switchboard_acker_delete ON events FOR DELETE TO switchboard_acker USING (true);
+
+    -- processes: each process role its own rows (`role`); the day-silent
+    -- clean-up (backhalf.heartbeats.forget_statement, FORGET_AFTER_S) anyone's.
+    CREATE POLICY switchboard_read ON processes FOR SELECT
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator USING (true);
+    CREATE POLICY switchboard_ingester_insert ON processes FOR INSERT TO switchboard_ingester
+        WITH CHECK (role = 'ingest');
+    CREATE POLICY switchboard_ingester_update ON processes FOR UPDATE TO switchboard_ingester
+        USING (role = 'ingest') WITH CHECK (role = 'ingest');
+    CREATE POLICY switchboard_acker_insert ON processes FOR INSERT TO switchboard_acker
+        WITH CHECK (role = 'ack');
+    CREATE POLICY switchboard_acker_update ON processes FOR UPDATE TO switchboard_acker
+        USING (role = 'ack') WITH CHECK (role = 'ack');
+    CREATE POLICY switchboard_worker_insert ON processes FOR INSERT TO switchboard_worker
+        WITH CHECK (role = 'worker');
+    CREATE POLICY switchboard_worker_update ON processes FOR UPDATE TO switchboard_worker
+        USING (role = 'worker') WITH CHECK (role = 'worker');
+    CREATE POLICY switchboard_forget ON processes FOR DELETE
+        TO switchboard_ingester, switchboard_acker, switchboard_worker
+        USING (stopped_at < now() - interval '1 day' OR seen_at < now() - interval '1 day');
 END
 $grants$;

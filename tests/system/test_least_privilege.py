@@ -14,17 +14,12 @@ the database URL of its own login user and the broker user of its role.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 import redis
-from psycopg import errors, sql
-from sqlalchemy.engine import make_url
 
 from backhalf.db import libpq_url
 from ingest.adapters.redis.lists import processing_key
@@ -35,69 +30,25 @@ from tests.support.acl import password_for, shipped_acl_redis
 from tests.support.config import stream_adapter, write_config
 from tests.support.downstream import QUEUE, statuses
 from tests.support.processes import Processes, assert_clean_exit, switchboard
+from tests.support.roles import (
+    INSUFFICIENT_PRIVILEGE,
+    RoleDatabase,
+    role_database,
+    run_roles_sql,
+    sqlstate,
+)
 from tests.support.servers import ServerUrls
 from tests.support.streams import produce, xpending
 
 pytestmark = pytest.mark.system
 
-ROLES_SQL = Path(__file__).parents[2] / "ops" / "roles.sql"
-ROLES = ("migrator", "ingester", "acker", "worker", "auditor")
-# A test password, one for every login user: a constant, never a log line.
-LOGIN_PASSWORD = "least-privilege-test-pw"
 N = 20
-INSUFFICIENT_PRIVILEGE = "42501"
-
-
-@dataclass(frozen=True)
-class RoleDatabase:
-    admin_url: str  # the superuser, on the test's database
-    prefix: str  # replaces the file's "switchboard_"
-
-    def role(self, name: str) -> str:
-        return f"{self.prefix}_{name}"
-
-    def login(self, name: str) -> str:
-        """The login user of a role (the migrator logs in as itself)."""
-        return self.role(name) if name == "migrator" else self.role(f"{name}_login")
-
-    def url(self, name: str) -> str:
-        parsed = make_url(self.admin_url).set(username=self.login(name), password=LOGIN_PASSWORD)
-        return parsed.render_as_string(hide_password=False)
-
-
-def _roles_sql(prefix: str) -> str:
-    """The file as written, its role (and policy) names prefixed for this run:
-    every name the file gives starts with ``switchboard_``, no table's does."""
-    return ROLES_SQL.read_text().replace("switchboard_", f"{prefix}_")
-
-
-def _run_roles_sql(url: str, prefix: str) -> None:
-    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
-        conn.execute(_roles_sql(prefix))  # a whole file, no parameters
 
 
 @pytest.fixture
 def roles_db(servers: ServerUrls) -> Iterator[RoleDatabase]:
-    prefix = f"sb{uuid.uuid4().hex[:10]}"
-    url = db.create_test_database(servers.database, migrated=False)
-    rdb = RoleDatabase(url, prefix)
-    try:
-        _run_roles_sql(url, prefix)  # before migrate: the roles, no table grants yet
-        with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
-            for name in ROLES:
-                conn.execute(
-                    sql.SQL("ALTER ROLE {} PASSWORD {}").format(
-                        sql.Identifier(rdb.login(name)), sql.Literal(LOGIN_PASSWORD)
-                    )
-                )
+    with role_database(servers.database) as rdb:
         yield rdb
-    finally:
-        db.drop_test_database(servers.database, url)
-        # The database held every object and grant of these roles: they can go now.
-        with psycopg.connect(libpq_url(servers.database), autocommit=True, connect_timeout=10) as conn:
-            for name in ROLES:
-                for role in {rdb.login(name), rdb.role(name)}:
-                    conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
 
 
 @pytest.fixture
@@ -152,19 +103,10 @@ def _config(path: Path, rdb: RoleDatabase, role: str, server: RedisServer) -> Pa
         database_url=rdb.url(role),
         redis_url=broker,
         adapters=adapters,
-        queues={"orders": QUEUE, "jobs": QUEUE},
+        # retain_done_days: the pruner's todo walk, under the acker's policies.
+        queues={"orders": {**QUEUE, "retain_done_days": 1}, "jobs": {**QUEUE, "retain_done_days": 1}},
         dramatiq_url=_redis_as(server, "switchboard-dramatiq", 1),
     )
-
-
-def _sqlstate(url: str, statement: str, params: dict[str, Any] | None = None) -> str | None:
-    """The SQLSTATE the statement fails with as ``url``'s user, None if it succeeds."""
-    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
-        try:
-            conn.execute(statement, params)
-        except errors.Error as exc:
-            return exc.sqlstate
-    return None
 
 
 def test_the_pipeline_runs_under_the_shipped_roles_and_users(
@@ -175,8 +117,8 @@ def test_the_pipeline_runs_under_the_shipped_roles_and_users(
     assert db.scalar(roles_db.admin_url, "SELECT tableowner FROM pg_tables WHERE tablename = 'inbox'") == (
         roles_db.role("migrator")
     )
-    _run_roles_sql(roles_db.admin_url, roles_db.prefix)  # after migrate: the grants
-    _run_roles_sql(roles_db.admin_url, roles_db.prefix)  # and again: it is idempotent
+    run_roles_sql(roles_db.admin_url, roles_db.prefix)  # after migrate: the grants
+    run_roles_sql(roles_db.admin_url, roles_db.prefix)  # and again: it is idempotent
     handlers.create_runs_table(libpq_url(roles_db.admin_url))
     configs = {
         role: _config(tmp_path / f"{role}.toml", roles_db, role, acl_redis)
@@ -227,6 +169,23 @@ def test_the_pipeline_runs_under_the_shipped_roles_and_users(
     for command in (("trace", key), ("inbox", "list")):  # trace reads every table of a message
         done = switchboard("--config", str(configs["acker"]), *command, env=_broker_env("acker"))
         assert done.returncode == 0, done.stdout + done.stderr
+    # Retention under the acker's row policies: everything here is acked and
+    # done, so once older than its retention it all goes, with its events and
+    # todo_events (the policies let the pruner take exactly that).
+    db.query(admin, "UPDATE inbox SET stored_at = stored_at - interval '2 days'")
+    db.query(
+        admin,
+        "UPDATE todos SET created_at = created_at - interval '2 days',"
+        " updated_at = updated_at - interval '2 days'",
+    )
+    aged = switchboard("--config", str(configs["acker"]), "prune", env=_broker_env("acker"))
+    assert aged.returncode == 0, aged.stdout + aged.stderr
+    left = db.query(
+        admin,
+        "SELECT (SELECT count(*) FROM inbox), (SELECT count(*) FROM events), (SELECT count(*) FROM todos),"
+        " (SELECT count(*) FROM todo_events)",
+    )
+    assert left == [(0, 0, 0, 0)]  # inbox, events, todos, todo_events
 
     for proc in (ingester, acker):
         assert_clean_exit(proc, proc.stop())
@@ -234,19 +193,20 @@ def test_the_pipeline_runs_under_the_shipped_roles_and_users(
     with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as r:
         # Valkey logs every command or key an ACL refused, swallowed or not.
         assert r.acl_log() == []
-    logs = procs.logs_text() + status.stdout + status.stderr + prune.stdout + prune.stderr
+    logs = procs.logs_text() + "".join(c.stdout + c.stderr for c in (status, prune, aged))
     for user in ("switchboard-ingester", "switchboard-acker"):  # from the environment only
         assert password_for(user) not in logs
         assert all(password_for(user) not in path.read_text() for path in configs.values())
     assert "NOPERM" not in logs
     assert "permission denied" not in logs
     assert "InsufficientPrivilege" not in logs
+    assert "row-level security" not in logs
 
 
 def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> None:
     migrated = switchboard("migrate", env={"SWITCHBOARD_DATABASE_URL": roles_db.url("migrator")})
     assert migrated.returncode == 0, migrated.stdout + migrated.stderr
-    _run_roles_sql(roles_db.admin_url, roles_db.prefix)
+    run_roles_sql(roles_db.admin_url, roles_db.prefix)
     admin = roles_db.admin_url
     # One stored message, its ack queued and waiting: what each role might tamper with.
     db.query(
@@ -344,7 +304,7 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
         "ingester CREATE TABLE": (ingester, "CREATE TABLE sneaky (id int)"),
         "acker DROP TABLE": (acker, "DROP TABLE todos"),
     }
-    got = {what: _sqlstate(url, statement, ids) for what, (url, statement) in refused.items()}
+    got = {what: sqlstate(url, statement, ids) for what, (url, statement) in refused.items()}
     assert got == dict.fromkeys(refused, INSUFFICIENT_PRIVILEGE)
     # Nothing reached the tables.
     assert db.query(admin, "SELECT ack_state, acked_at FROM inbox") == [("pending", None)]
@@ -354,21 +314,21 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
 
     # What each is granted works: the auditor's views, the ingester's
     # re-request of an ack, the worker's release, the acker's mark.
-    assert _sqlstate(auditor, "SELECT * FROM audit_unacked") is None
+    assert sqlstate(auditor, "SELECT * FROM audit_unacked") is None
     assert db.query(auditor, "SELECT adapter FROM audit_unacked") == [("orders",)]
     assert (
-        _sqlstate(
+        sqlstate(
             ingester, "UPDATE inbox SET ack_state = 'pending', acked_at = NULL WHERE id = %(inbox)s", ids
         )
         is None
     )
     db.query(admin, "UPDATE todos SET status = 'done' WHERE id = %(todo)s", ids)
     assert (
-        _sqlstate(worker, "UPDATE ack_queue SET waiting_for = NULL WHERE waiting_for = %(todo)s", ids) is None
+        sqlstate(worker, "UPDATE ack_queue SET waiting_for = NULL WHERE waiting_for = %(todo)s", ids) is None
     )
     assert db.query(admin, "SELECT waiting_for FROM ack_queue") == [(None,)]
     marked = "UPDATE inbox SET ack_state = 'acked', acked_at = now() WHERE id = %(inbox)s"
-    assert _sqlstate(acker, marked, ids) is None
+    assert sqlstate(acker, marked, ids) is None
     assert db.query(admin, "SELECT ack_state FROM inbox") == [("acked",)]
     # A redelivery of the entry asks for its ack again, as store_inbox_native_cte
     # does (an upsert on the native key), and may not mark it acked that way.
@@ -379,8 +339,8 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
         " ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL"
         " DO UPDATE SET deliveries = inbox.deliveries + 1, ack_state = {state}, acked_at = NULL"
     )
-    assert _sqlstate(ingester, redelivery.format(state="'acked'")) == INSUFFICIENT_PRIVILEGE
-    assert _sqlstate(ingester, redelivery.format(state="'pending'")) is None
+    assert sqlstate(ingester, redelivery.format(state="'acked'")) == INSUFFICIENT_PRIVILEGE
+    assert sqlstate(ingester, redelivery.format(state="'pending'")) is None
     assert db.query(admin, "SELECT ack_state, acked_at, deliveries FROM inbox") == [("pending", None, 2)]
 
 

@@ -1,0 +1,1098 @@
+"""Least privilege, row by row (issue 32): under the shipped PostgreSQL roles
+(``ops/roles.sql``), each role may make only the changes its own process
+makes. Grants say which columns; the file's row-level security policies say
+which rows and which changes: the todos' state changes each role writes (a
+pair, status before and after), the history rows it logs, the deletes the
+pruner and the store's undo make, the ack targets and acks, whose
+``processes`` rows.
+
+Each forbidden change is one case, run as the role's login user, as real SQL
+against one seeded database: refused with SQLSTATE 42501 (a privilege, or a
+policy's WITH CHECK: "new row violates row-level security policy"), or, where
+a policy's USING hides the row from an UPDATE or DELETE, affecting no row;
+either way every table is as it was. The changes the processes do make are
+cases too (rolled back), and so are the operator's CLI commands, the store's
+undo and the heartbeats, run as the roles that make them. The whole pipeline
+under these roles is ``test_least_privilege.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from psycopg import errors, sql
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from backhalf import heartbeats, todos
+from backhalf.db import libpq_url
+from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
+from backhalf.store import store
+from ingest.embedded.processes import wait_for
+from tests.support import db
+from tests.support.config import stream_adapter, write_config
+from tests.support.downstream import QUEUE
+from tests.support.processes import switchboard
+from tests.support.roles import (
+    INSUFFICIENT_PRIVILEGE,
+    RoleDatabase,
+    migrate_and_grant,
+    role_database,
+    run_roles_sql,
+)
+from tests.support.servers import ServerUrls
+
+pytestmark = pytest.mark.system
+
+REFUSED = f"SQLSTATE {INSUFFICIENT_PRIVILEGE}"
+NO_ROW = 0  # a policy's USING hid every row the statement named
+
+# Every table a forbidden change could reach, as the superuser reads it.
+TABLES = (
+    "SELECT * FROM adapters ORDER BY name",
+    "SELECT * FROM todos ORDER BY id",
+    "SELECT * FROM todo_events ORDER BY id",
+    "SELECT * FROM inbox ORDER BY id",
+    "SELECT * FROM ack_queue ORDER BY inbox_id",
+    "SELECT * FROM events ORDER BY id",
+    "SELECT * FROM processes ORDER BY instance",
+)
+
+
+def _tables(url: str) -> list[list[tuple[Any, ...]]]:
+    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
+        return [conn.execute(statement).fetchall() for statement in TABLES]
+
+
+# The seed: one todo in each status (and two an ack waits for), their
+# creation rows, inbox rows with their ack pending, acked, queued or none, an
+# event, and a heartbeat row of each process role plus one silent for days.
+SEED_TODOS = {
+    "pending": ("k-pending", "pending"),
+    "dispatched": ("k-dispatched", "dispatched"),
+    "running": ("k-running", "running"),
+    "done": ("k-done", "done"),
+    "failed": ("k-failed", "failed"),
+    "cancelled": ("k-cancelled", "cancelled"),
+    "held": ("k-held", "running"),  # an ack waits for it (ack_after = "complete")
+    "awaited": ("k-awaited", "done"),  # ended, its waiting ack not released yet
+}
+
+
+def _seed(url: str) -> dict[str, Any]:
+    ids: dict[str, Any] = {}
+    db.query(url, "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')")
+    for name, (key, status) in SEED_TODOS.items():
+        ids[name] = db.scalar(
+            url,
+            "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, lease_until, run_token,"
+            " dispatched_at)"
+            " VALUES ('orders', %(key)s, '{}', %(status)s, %(attempts)s,"
+            " CASE WHEN %(running)s THEN now() + interval '1 day' END, %(token)s, now())"
+            " RETURNING id",
+            {
+                "key": key,
+                "status": status,
+                "attempts": 0 if status in ("pending", "dispatched") else 1,
+                "running": status == "running",
+                "token": uuid.uuid4() if status == "running" else None,
+            },
+        )
+        db.query(
+            url,
+            "INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+            " VALUES (%(id)s, NULL, 'pending', 'created')",
+            {"id": ids[name]},
+        )
+    inbox = (
+        # name, key, ack_kind, ack_state, acked
+        ("inbox_pending", "k-pending", "xack", "pending", False),
+        ("inbox_awaited", "k-awaited", "xack", "pending", False),
+        ("inbox_acked", "k-done", "xack", "acked", True),
+        ("inbox_acked_queued", "k-failed", "xack", "acked", True),
+        ("inbox_none", "k-cancelled", "none", "none", False),
+        ("inbox_rejected", "k-rejected", "xack", "acked", True),
+    )
+    for n, (name, key, kind, state, acked) in enumerate(inbox, start=1):
+        ids[name] = db.scalar(
+            url,
+            "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key,"
+            " ack_group, ack_entry_id, ack_after, ack_state, acked_at, status, error, todo_id)"
+            " VALUES ('orders', %(key)s, %(entry)s, '\\x7b7d', %(kind)s, 'orders', 'switchboard', %(entry)s,"
+            " 'complete', %(state)s, CASE WHEN %(acked)s THEN now() END, %(status)s, %(error)s, %(todo)s)"
+            " RETURNING id",
+            {
+                "key": key,
+                "entry": f"{n}-0",
+                "kind": kind,
+                "state": state,
+                "acked": acked,
+                "status": "rejected" if name == "inbox_rejected" else "stored",
+                "error": "schema: $.n: required" if name == "inbox_rejected" else None,
+                "todo": None if name == "inbox_rejected" else ids[key.removeprefix("k-")],
+            },
+        )
+    for inbox_name, waiting_for in (
+        ("inbox_pending", ids["held"]),
+        ("inbox_awaited", ids["awaited"]),
+        ("inbox_acked_queued", None),
+    ):
+        db.query(
+            url,
+            "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for)"
+            " SELECT id, adapter, ack_kind, ack_key, idempotency_key, %(waiting)s FROM inbox"
+            " WHERE id = %(id)s",
+            {"id": ids[inbox_name], "waiting": waiting_for},
+        )
+    ids["event"] = db.scalar(
+        url,
+        "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, source_message_id,"
+        " payload, todo_id) VALUES ('queue', 'orders', 'queue', false, 'k-pending', '1-0', '{}', %(todo)s)"
+        " RETURNING id",
+        {"todo": ids["pending"]},
+    )
+    for name, role, silent_days in (
+        ("ingest", "ingest", 0),
+        ("ack", "ack", 0),
+        ("worker", "worker", 0),
+        ("stale", "worker", 2),
+    ):
+        ids[f"process_{name}"] = uuid.uuid4()
+        db.query(
+            url,
+            "INSERT INTO processes (instance, role, host, pid, seen_at)"
+            " VALUES (%(instance)s, %(role)s, 'h1', 1, now() - make_interval(days => %(days)s))",
+            {"instance": ids[f"process_{name}"], "role": role, "days": silent_days},
+        )
+    return ids
+
+
+@pytest.fixture(scope="module")
+def seeded(servers: ServerUrls) -> Iterator[tuple[RoleDatabase, dict[str, Any]]]:
+    with role_database(servers.database) as rdb:
+        migrate_and_grant(rdb)
+        yield rdb, _seed(rdb.admin_url)
+
+
+@dataclass(frozen=True)
+class Sql:
+    """A statement and the values it binds beside the seeded ids."""
+
+    text: str
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    role: str
+    statement: Sql | str
+    expect: str | int  # REFUSED, or the rows affected
+    before: tuple[Sql | str, ...] = ()  # run first, in the same transaction
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _execute(cur: psycopg.Cursor[Any], statement: Sql | str, ids: Mapping[str, Any]) -> None:
+    sql_ = statement if isinstance(statement, Sql) else Sql(statement)
+    cur.execute(sql_.text, {**ids, **sql_.values})
+
+
+def _attempt(url: str, case: Case, ids: dict[str, Any]) -> str | int:
+    """Run the case in a transaction of its own: "SQLSTATE ..." if refused,
+    else the rows its statement affected. Committed only if it changed no
+    row (so "unchanged" is read after a commit), rolled back otherwise."""
+    with psycopg.connect(libpq_url(url), connect_timeout=10) as conn:
+        try:
+            with conn.cursor() as cur:
+                for statement in case.before:
+                    _execute(cur, statement, ids)
+                _execute(cur, case.statement, ids)
+                rows = cur.rowcount
+        except errors.Error as exc:
+            conn.rollback()
+            return f"SQLSTATE {exc.sqlstate}"
+        if rows == 0:
+            conn.commit()
+        else:
+            conn.rollback()
+        return rows
+
+
+# ``todo`` names a seeded id (a parameter of its own); statuses are bound.
+def _set_status(status: str, todo: str) -> Sql:
+    return Sql(
+        f"UPDATE todos SET status = %(to_status)s, updated_at = now() WHERE id = %({todo})s",
+        {"to_status": status},
+    )
+
+
+def _log(from_status: str | None, to_status: str, todo: str) -> Sql:
+    return Sql(
+        "INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+        f" VALUES (%({todo})s, %(from_status)s, %(to_status)s, 'forged')",
+        {"from_status": from_status, "to_status": to_status},
+    )
+
+
+def _redelivery(ack_key: str, ack_group: str, entry: str = "1-0", key: str = "k-pending") -> Sql:
+    """store_inbox_native_cte's upsert of a stream entry stored already."""
+    return Sql(
+        "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key, ack_group,"
+        " ack_entry_id, ack_state, status) VALUES ('orders', %(key)s, %(entry)s, '\\x7b7d', 'xack',"
+        " %(ack_key)s, %(ack_group)s, %(entry)s, 'pending', 'stored')"
+        " ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL"
+        " DO UPDATE SET deliveries = inbox.deliveries + 1, ack_key = excluded.ack_key,"
+        " ack_group = excluded.ack_group, ack_state = 'pending', acked_at = NULL, ack_xid = NULL",
+        {"key": key, "entry": entry, "ack_key": ack_key, "ack_group": ack_group},
+    )
+
+
+# The ingester's dedup: the no-op update of the active todo with its key.
+DEDUP = (
+    "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k-pending', '{}')"
+    " ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')"
+    " DO UPDATE SET updated_at = todos.updated_at"
+)
+# todos_create_cte: a todo and its creation row, in one statement.
+CREATE = (
+    "WITH t AS (INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k-new', '{}')"
+    " RETURNING id) INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+    " SELECT id, NULL, 'pending', 'created' FROM t"
+)
+EVENT = (
+    "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload)"
+    " VALUES ('queue', 'orders', 'queue', false, 'k-new', '{}')"
+)
+
+
+def _beat(instance: str, role: str) -> Sql:
+    """A heartbeat (backhalf.heartbeats.beat_statement), as ``role``, onto
+    the row of the seeded ``instance``."""
+    return Sql(
+        "INSERT INTO processes (instance, role, host, pid)"
+        f" VALUES (%({instance})s, %(process_role)s, 'h1', 1)"
+        " ON CONFLICT (instance) DO UPDATE SET seen_at = now(), detail = excluded.detail",
+        {"process_role": role},
+    )
+
+
+PROCESS_ROLES = {"ingester": "ingest", "acker": "ack", "worker": "worker"}
+
+FORBIDDEN = [
+    # The acker (relay, rescuer) moves todos to dispatched or failed only, and
+    # never one that ended: nothing it does finishes, cancels or revives work.
+    Case("acker sets a pending todo done", "acker", _set_status("done", "pending"), REFUSED),
+    Case("acker sets a running todo done", "acker", _set_status("done", "running"), REFUSED),
+    Case("acker cancels a running todo", "acker", _set_status("cancelled", "running"), REFUSED),
+    Case("acker sets a done todo back to pending", "acker", _set_status("pending", "done"), REFUSED),
+    Case("acker dispatches a done todo again", "acker", _set_status("dispatched", "done"), REFUSED),
+    Case("acker dispatches a cancelled todo again", "acker", _set_status("dispatched", "cancelled"), REFUSED),
+    Case("acker fails a pending todo", "acker", _set_status("failed", "pending"), REFUSED),
+    Case("acker deletes an active todo", "acker", "DELETE FROM todos WHERE id = %(pending)s", NO_ROW),
+    Case("acker deletes a running todo", "acker", "DELETE FROM todos WHERE id = %(running)s", NO_ROW),
+    Case(
+        "acker deletes a todo an ack waits for", "acker", "DELETE FROM todos WHERE id = %(awaited)s", NO_ROW
+    ),
+    # The worker starts (to running) and ends (from running) runs.
+    Case("worker sets a pending todo done", "worker", _set_status("done", "pending"), REFUSED),
+    Case("worker sets a dispatched todo failed", "worker", _set_status("failed", "dispatched"), REFUSED),
+    Case("worker cancels a running todo", "worker", _set_status("cancelled", "running"), REFUSED),
+    Case("worker sets a done todo back to pending", "worker", _set_status("pending", "done"), REFUSED),
+    Case("worker starts a done todo again", "worker", _set_status("running", "done"), REFUSED),
+    Case("worker starts a cancelled todo", "worker", _set_status("running", "cancelled"), REFUSED),
+    Case("worker dispatches a failed todo again", "worker", _set_status("dispatched", "failed"), REFUSED),
+    Case("worker deletes a todo", "worker", "DELETE FROM todos WHERE id = %(done)s", REFUSED),
+    # The ingester creates todos and dedups to active ones; it deletes only
+    # the todos its own transaction created (the store's undo).
+    Case(
+        "ingester touches a done todo",
+        "ingester",
+        "UPDATE todos SET updated_at = now() WHERE id = %(done)s",
+        NO_ROW,
+    ),
+    Case(
+        "ingester deletes a todo it did not create",
+        "ingester",
+        "DELETE FROM todos WHERE id = %(pending)s",
+        NO_ROW,
+    ),
+    Case("ingester deletes a done todo", "ingester", "DELETE FROM todos WHERE id = %(done)s", NO_ROW),
+    Case(
+        "ingester dedups to a todo, then deletes it",
+        "ingester",
+        "DELETE FROM todos WHERE id = %(pending)s",
+        NO_ROW,
+        before=(DEDUP,),
+    ),
+    # The operator cancels active todos and retries failed or cancelled ones.
+    Case("operator sets a done todo back to pending", "operator", _set_status("pending", "done"), REFUSED),
+    Case("operator cancels a done todo", "operator", _set_status("cancelled", "done"), REFUSED),
+    Case("operator sets a pending todo done", "operator", _set_status("done", "pending"), REFUSED),
+    Case("operator dispatches a todo", "operator", _set_status("dispatched", "pending"), REFUSED),
+    Case("operator deletes a todo", "operator", "DELETE FROM todos WHERE id = %(done)s", REFUSED),
+    # todo_events: each role logs its own changes only, of a todo in the
+    # status the row says it left; nobody rewrites history.
+    Case("ingester forges an end", "ingester", _log("running", "done", "running"), REFUSED),
+    Case("ingester logs a creation of an existing todo", "ingester", _log(None, "pending", "done"), REFUSED),
+    Case("acker forges an end", "acker", _log("running", "done", "running"), REFUSED),
+    Case("acker forges a revival", "acker", _log("done", "pending", "done"), REFUSED),
+    Case("acker logs a rescue of a todo not running", "acker", _log("running", "failed", "pending"), REFUSED),
+    Case("acker logs a creation", "acker", _log(None, "pending", "pending"), REFUSED),
+    Case("acker logs a dispatch of a done todo", "acker", _log("pending", "dispatched", "done"), REFUSED),
+    Case("worker forges a skipped run", "worker", _log("pending", "done", "pending"), REFUSED),
+    Case("worker logs an end of a todo not running", "worker", _log("running", "done", "pending"), REFUSED),
+    Case("worker forges a cancel", "worker", _log("running", "cancelled", "running"), REFUSED),
+    Case("worker logs a start of a done todo", "worker", _log("pending", "running", "done"), REFUSED),
+    Case("operator forges an end", "operator", _log("running", "done", "running"), REFUSED),
+    Case("operator logs a retry of a done todo", "operator", _log("done", "pending", "done"), REFUSED),
+    Case("operator logs a cancel of a done todo", "operator", _log("pending", "cancelled", "done"), REFUSED),
+    Case(
+        "ingester deletes a todo's history",
+        "ingester",
+        "DELETE FROM todo_events WHERE todo_id = %(pending)s",
+        NO_ROW,
+    ),
+    Case(
+        "acker deletes an active todo's history",
+        "acker",
+        "DELETE FROM todo_events WHERE todo_id = %(running)s",
+        NO_ROW,
+    ),
+    Case("worker deletes history", "worker", "DELETE FROM todo_events WHERE todo_id = %(done)s", REFUSED),
+    Case("acker rewrites history", "acker", "UPDATE todo_events SET to_status = 'done'", REFUSED),
+    # The ingester's inbox writes: a pending row keeps its ack target, and
+    # only what nothing acks is 'none'.
+    Case(
+        "ingester repoints a pending ack's stream",
+        "ingester",
+        "UPDATE inbox SET ack_key = 'elsewhere' WHERE id = %(inbox_pending)s",
+        REFUSED,
+    ),
+    Case(
+        "ingester repoints a pending ack's group",
+        "ingester",
+        "UPDATE inbox SET ack_group = 'elsewhere' WHERE id = %(inbox_pending)s",
+        REFUSED,
+    ),
+    Case(
+        "ingester repoints a pending ack by a redelivery",
+        "ingester",
+        _redelivery("orders", "elsewhere"),
+        REFUSED,
+    ),
+    Case(
+        "ingester drops a pending ack (ack_state none)",
+        "ingester",
+        "UPDATE inbox SET ack_state = 'none' WHERE id = %(inbox_pending)s",
+        REFUSED,
+    ),
+    Case(
+        "ingester drops an acked row's ack (ack_state none)",
+        "ingester",
+        "UPDATE inbox SET ack_state = 'none', acked_at = NULL WHERE id = %(inbox_acked)s",
+        REFUSED,
+    ),
+    Case(
+        "ingester stores a stream entry that is never acked",
+        "ingester",
+        "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key, ack_group,"
+        " ack_entry_id, ack_state, status) VALUES ('orders', 'k-new', '9-0', '\\x7b7d', 'xack', 'orders',"
+        " 'switchboard', '9-0', 'none', 'stored')",
+        REFUSED,
+    ),
+    # The acker marks acks; it deletes only rows whose ack is done.
+    Case(
+        "acker deletes a row whose ack is pending",
+        "acker",
+        "DELETE FROM inbox WHERE id = %(inbox_pending)s",
+        NO_ROW,
+    ),
+    Case(
+        "acker deletes a row whose ack is still queued",
+        "acker",
+        "DELETE FROM inbox WHERE id = %(inbox_acked_queued)s",
+        NO_ROW,
+    ),
+    Case(
+        "acker marks a pending ack as never owed",
+        "acker",
+        "UPDATE inbox SET ack_state = 'none' WHERE id = %(inbox_pending)s",
+        REFUSED,
+    ),
+    Case(
+        "acker marks an ack without its time",
+        "acker",
+        "UPDATE inbox SET ack_state = 'acked' WHERE id = %(inbox_pending)s",
+        REFUSED,
+    ),
+    # The operator's replay turns a rejected row into a stored one, no other.
+    Case(
+        "operator relinks a stored row",
+        "operator",
+        "UPDATE inbox SET todo_id = %(done)s, event_id = %(event)s, status = 'stored', error = NULL"
+        " WHERE id = %(inbox_pending)s",
+        REFUSED,
+    ),
+    Case(
+        "operator stores a rejected row without a todo",
+        "operator",
+        "UPDATE inbox SET status = 'stored', error = NULL WHERE id = %(inbox_rejected)s",
+        REFUSED,
+    ),
+    Case(
+        "operator marks an ack",
+        "operator",
+        "UPDATE inbox SET ack_state = 'acked' WHERE id = %(inbox_pending)s",
+        REFUSED,
+    ),
+    Case(
+        "operator deletes an inbox row", "operator", "DELETE FROM inbox WHERE id = %(inbox_acked)s", REFUSED
+    ),
+    # Acks waiting for a todo are released when it ends, not before; the
+    # acker deletes only the acks it claims (owed now).
+    *(
+        Case(
+            f"{role} releases an ack whose todo is running",
+            role,
+            "UPDATE ack_queue SET waiting_for = NULL WHERE waiting_for = %(held)s",
+            NO_ROW,
+        )
+        for role in ("worker", "acker", "operator")
+    ),
+    Case(
+        "acker deletes an ack that waits for its todo",
+        "acker",
+        "DELETE FROM ack_queue WHERE inbox_id = %(inbox_pending)s",
+        NO_ROW,
+    ),
+    Case(
+        "acker makes an owed ack wait",
+        "acker",
+        "UPDATE ack_queue SET waiting_for = %(held)s WHERE inbox_id = %(inbox_acked_queued)s",
+        REFUSED,
+    ),
+    Case(
+        "worker makes an ack wait for another todo",
+        "worker",
+        "UPDATE ack_queue SET waiting_for = %(held)s WHERE inbox_id = %(inbox_awaited)s",
+        REFUSED,
+    ),
+    Case(
+        "operator deletes an ack",
+        "operator",
+        "DELETE FROM ack_queue WHERE inbox_id = %(inbox_awaited)s",
+        REFUSED,
+    ),
+    # events: the ingester deletes only its own transaction's (the store's
+    # undo); a replay's event is never verified.
+    Case("ingester deletes an event", "ingester", "DELETE FROM events WHERE id = %(event)s", NO_ROW),
+    Case(
+        "operator vouches for an event",
+        "operator",
+        "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload)"
+        " VALUES ('queue', 'orders', 'queue', true, 'k-forged', '{}')",
+        REFUSED,
+    ),
+    Case("worker deletes an event", "worker", "DELETE FROM events WHERE id = %(event)s", REFUSED),
+    # processes: each process role its own rows; only day-silent ones go.
+    *(
+        case
+        for role, own in PROCESS_ROLES.items()
+        for other in sorted(set(PROCESS_ROLES.values()) - {own})
+        for case in (
+            Case(
+                f"{role} edits a heartbeat of {other}",
+                role,
+                "UPDATE processes SET seen_at = now(), stopped_at = now()"
+                f" WHERE instance = %(process_{other})s",
+                NO_ROW,
+            ),
+            Case(
+                f"{role} deletes a live heartbeat of {other}",
+                role,
+                f"DELETE FROM processes WHERE instance = %(process_{other})s",
+                NO_ROW,
+            ),
+            Case(
+                f"{role} writes a heartbeat as {other}",
+                role,
+                Sql(
+                    "INSERT INTO processes (instance, role, host, pid)"
+                    " VALUES (gen_random_uuid(), %(process_role)s, 'h1', 1)",
+                    {"process_role": other},
+                ),
+                REFUSED,
+            ),
+            Case(
+                f"{role} beats onto a row of {other}",
+                role,
+                _beat(f"process_{other}", own),
+                REFUSED,
+            ),
+        )
+    ),
+    Case(
+        "ingester deletes its own live heartbeat",
+        "ingester",
+        "DELETE FROM processes WHERE instance = %(process_ingest)s",
+        NO_ROW,
+    ),
+    Case(
+        "operator writes a heartbeat",
+        "operator",
+        "INSERT INTO processes (instance, role, host, pid) VALUES (gen_random_uuid(), 'ack', 'h1', 1)",
+        REFUSED,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", FORBIDDEN, ids=str)
+def test_each_forbidden_change_is_refused(seeded: tuple[RoleDatabase, dict[str, Any]], case: Case) -> None:
+    rdb, ids = seeded
+    before = _tables(rdb.admin_url)
+    assert _attempt(rdb.url(case.role), case, ids) == case.expect
+    assert _tables(rdb.admin_url) == before  # nothing reached a table
+
+
+def _start(from_status: str, todo: str) -> Sql:
+    """write_states' start, as one statement: the todo running, logged."""
+    return Sql(
+        "WITH logged AS (INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+        f" VALUES (%({todo})s, %(from_status)s, 'running', 'started'))"
+        " UPDATE todos SET status = 'running', attempts = attempts + 1, rescues = 0,"
+        " lease_until = now() + interval '1 minute', run_token = gen_random_uuid(), updated_at = now()"
+        f" WHERE id = %({todo})s",
+        {"from_status": from_status},
+    )
+
+
+def _change(from_status: str, to_status: str, todo: str) -> Sql:
+    """A change and its todo_events row, in one statement, as the processes write them."""
+    log, change = _log(from_status, to_status, todo), _set_status(to_status, todo)
+    return Sql(f"WITH logged AS ({log.text}) {change.text}", {**log.values, **change.values})
+
+
+ALLOWED = [
+    # What the processes do, each as its own statement (rolled back): the
+    # policies above leave them room.
+    Case("worker starts a pending todo", "worker", _start("pending", "pending"), 1),
+    Case("worker starts a dispatched todo", "worker", _start("dispatched", "dispatched"), 1),
+    Case("worker starts a running todo again (lease expired)", "worker", _start("running", "running"), 1),
+    *(
+        Case(f"worker ends a run: {status}", "worker", _change("running", status, "running"), 1)
+        for status in ("done", "failed", "dispatched")
+    ),
+    Case(
+        "worker locks a done todo it is asked to start",
+        "worker",
+        "SELECT 1 FROM todos WHERE id = %(done)s FOR UPDATE",
+        1,
+    ),
+    Case("acker dispatches a pending todo", "acker", _change("pending", "dispatched", "pending"), 1),
+    Case("acker rescues a dispatched todo", "acker", _change("dispatched", "dispatched", "dispatched"), 1),
+    Case("acker rescues a running todo", "acker", _change("running", "dispatched", "running"), 1),
+    Case("acker fails a running todo out of attempts", "acker", _change("running", "failed", "running"), 1),
+    Case("acker prunes a done todo", "acker", "DELETE FROM todos WHERE id = %(done)s", 1),
+    Case(
+        "acker prunes a done todo's history", "acker", "DELETE FROM todo_events WHERE todo_id = %(done)s", 1
+    ),
+    Case("acker prunes an acked row", "acker", "DELETE FROM inbox WHERE id = %(inbox_acked)s", 1),
+    Case("acker prunes a row that needs no ack", "acker", "DELETE FROM inbox WHERE id = %(inbox_none)s", 1),
+    Case("acker prunes an event", "acker", "DELETE FROM events WHERE id = %(event)s", 1),
+    Case(
+        "acker marks an ack",
+        "acker",
+        "UPDATE inbox SET ack_state = 'acked', acked_at = statement_timestamp() WHERE id = %(inbox_pending)s",
+        1,
+    ),
+    Case(
+        "acker claims an owed ack",
+        "acker",
+        "DELETE FROM ack_queue WHERE inbox_id IN (SELECT inbox_id FROM ack_queue WHERE waiting_for IS NULL"
+        " FOR UPDATE SKIP LOCKED)",
+        1,
+    ),
+    *(
+        Case(
+            f"{role} releases an ack whose todo ended",
+            role,
+            "UPDATE ack_queue SET waiting_for = NULL WHERE waiting_for = %(awaited)s",
+            1,
+        )
+        for role in ("worker", "acker", "operator")
+    ),
+    Case("operator cancels a running todo", "operator", _change("running", "cancelled", "running"), 1),
+    Case("operator retries a failed todo", "operator", _change("failed", "pending", "failed"), 1),
+    Case("operator retries a cancelled todo", "operator", _change("cancelled", "pending", "cancelled"), 1),
+    Case("ingester dedups to an active todo", "ingester", DEDUP, 1),
+    Case("ingester creates a todo with its creation row", "ingester", CREATE, 1),
+    Case(
+        "ingester undoes the todo it created",
+        "ingester",
+        "DELETE FROM todos WHERE idempotency_key = 'k-new'",
+        1,
+        before=(CREATE,),
+    ),
+    Case(
+        "ingester undoes the creation row it wrote",
+        "ingester",
+        "DELETE FROM todo_events WHERE todo_id = (SELECT id FROM todos WHERE idempotency_key = 'k-new')",
+        1,
+        before=(CREATE,),
+    ),
+    Case("ingester stores an event", "ingester", EVENT, 1),
+    Case(
+        "ingester undoes the event it stored",
+        "ingester",
+        "DELETE FROM events WHERE idempotency_key = 'k-new'",
+        1,
+        before=(EVENT,),
+    ),
+    Case(
+        "ingester queues an ack",
+        "ingester",
+        "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)"
+        " VALUES (%(inbox_acked)s, 'orders', 'xack', 'orders', 'k-done')",
+        1,
+    ),
+    Case("ingester locks the queued acks", "ingester", "SELECT 1 FROM ack_queue FOR UPDATE", 3),
+    Case("operator creates a todo with its creation row (replay)", "operator", CREATE, 1),
+    Case("operator records a replay's event", "operator", EVENT, 1),
+    Case(
+        "operator stores a rejected row (replay)",
+        "operator",
+        "UPDATE inbox SET status = 'stored', error = NULL, todo_id = %(pending)s, event_id = %(event)s"
+        " WHERE id = %(inbox_rejected)s",
+        1,
+    ),
+    Case(
+        "ingester takes a redelivery of a pending entry", "ingester", _redelivery("orders", "switchboard"), 1
+    ),
+    Case(
+        "ingester asks for an acked entry's ack again",
+        "ingester",
+        _redelivery("orders", "switchboard", entry="3-0", key="k-done"),
+        1,
+    ),
+    *(
+        Case(
+            f"{role} forgets a heartbeat silent for days",
+            role,
+            "DELETE FROM processes WHERE instance = %(process_stale)s",
+            1,
+        )
+        for role in PROCESS_ROLES
+    ),
+    *(
+        Case(
+            f"{role} beats",
+            role,
+            _beat(f"process_{own}", own),
+            1,
+        )
+        for role, own in PROCESS_ROLES.items()
+    ),
+]
+
+
+@pytest.mark.parametrize("case", ALLOWED, ids=str)
+def test_each_change_a_process_makes_is_allowed(
+    seeded: tuple[RoleDatabase, dict[str, Any]], case: Case
+) -> None:
+    rdb, ids = seeded
+    before = _tables(rdb.admin_url)
+    assert _attempt(rdb.url(case.role), case, ids) == case.expect
+    assert _tables(rdb.admin_url) == before  # rolled back
+
+
+@pytest.fixture
+def granted(servers: ServerUrls) -> Iterator[RoleDatabase]:
+    with role_database(servers.database) as rdb:
+        migrate_and_grant(rdb)
+        yield rdb
+
+
+def _entry(entry_id: str) -> InboxRecord:
+    return InboxRecord(f"redis:orders:{entry_id}", entry_id, b'{"n": 1}', '{"n": 1}', ack_ref=entry_id)
+
+
+async def test_the_store_undoes_its_own_rows_as_the_ingester(granted: RoleDatabase) -> None:
+    """A stored entry delivered again after its todo finished: the store's
+    upsert makes a new todo (and event, and history row) before its inbox
+    insert meets the stored row, then deletes them (delete_todos,
+    delete_events): its own transaction's rows, which the policies allow."""
+    admin = granted.admin_url
+    db.query(admin, "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')")
+    batch = StoreBatch(
+        adapter="orders",
+        queue="orders",
+        consumer="c1",
+        ack_after="store",
+        ack=AckTarget("xack", "orders", "switchboard", by_cursor=True),
+        provenance=Provenance("queue", "queue", False, "redis acl: switchboard-ingester"),
+        records=[_entry("1-0")],
+    )
+    engine = create_async_engine(granted.url("ingester"))
+    try:
+        async with engine.begin() as conn:
+            first = await store(conn, batch)
+        db.query(admin, "UPDATE todos SET status = 'done'")
+        async with engine.begin() as conn:
+            again = await store(conn, batch)
+    finally:
+        await engine.dispose()
+    assert (first.new, first.todos_created, again.new, again.redelivered, again.todos_created) == (
+        1,
+        1,
+        0,
+        1,
+        0,
+    )
+    # The undo took effect: one todo, one event, one history row, as before.
+    counts = (
+        "SELECT (SELECT count(*) FROM todos), (SELECT count(*) FROM events),"
+        " (SELECT count(*) FROM todo_events), (SELECT deliveries FROM inbox)"
+    )
+    assert db.query(admin, counts) == [(1, 1, 1, 2)]
+
+
+def test_heartbeats_run_as_each_process_role(granted: RoleDatabase) -> None:
+    """backhalf.heartbeats' own statements: each role beats, stops and reads
+    its rows, and forgets anyone's row a day silent, and no other."""
+    admin = granted.admin_url
+    stale = uuid.uuid4()
+    db.query(
+        admin,
+        "INSERT INTO processes (instance, role, host, pid, seen_at)"
+        " VALUES (%(i)s, 'ack', 'h1', 1, now() - interval '2 days')",
+        {"i": stale},
+    )
+    for role, process_role in PROCESS_ROLES.items():
+        instance = uuid.uuid4()
+        engine = sa.create_engine(granted.url(role))
+        try:
+            with engine.begin() as conn:
+                conn.execute(heartbeats.beat_statement(instance, process_role, "h1", 1, {"slot": role}))
+                conn.execute(heartbeats.beat_statement(instance, process_role, "h1", 1, {"slot": role}))
+                conn.execute(heartbeats.stopped_statement(instance))
+                forgotten = conn.execute(heartbeats.forget_statement()).rowcount
+                seen = conn.execute(sa.select(sa.func.count()).select_from(sa.table("processes"))).scalar()
+        finally:
+            engine.dispose()
+        assert forgotten == (1 if role == "ingester" else 0), role  # the stale row goes once
+        assert seen == list(PROCESS_ROLES).index(role) + 1  # every row: status reads them all
+    assert db.query(admin, "SELECT role, stopped_at IS NOT NULL FROM processes ORDER BY role") == [
+        ("ack", True),
+        ("ingest", True),
+        ("worker", True),
+    ]
+
+
+def test_the_operator_commands_run_as_the_operator(
+    tmp_path: Path, granted: RoleDatabase, servers: ServerUrls
+) -> None:
+    """The CLI's operator actions (adapters enable/disable, todos retry and
+    cancel, inbox replay) and reads, as the operator's login user, not the
+    schema's owner; a refusal still says why."""
+    admin = granted.admin_url
+    db.query(admin, "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')")
+    todo = {
+        status: db.scalar(
+            admin,
+            "INSERT INTO todos (queue, idempotency_key, payload, status)"
+            " VALUES ('orders', %(k)s, '{}', %(s)s) RETURNING id",
+            {"k": f"k-{status}", "s": status},
+        )
+        for status in ("pending", "failed", "done")
+    }
+    waiting = db.scalar(
+        admin,
+        "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key,"
+        " ack_group, ack_entry_id, ack_after, ack_state, status, todo_id) VALUES ('orders', 'k-pending',"
+        " '1-0', '\\x7b7d', 'xack', 'orders', 'switchboard', '1-0', 'complete', 'pending', 'stored', %(t)s)"
+        " RETURNING id",
+        {"t": todo["pending"]},
+    )
+    db.query(
+        admin,
+        "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for)"
+        " VALUES (%(i)s, 'orders', 'xack', 'orders', 'k-pending', %(t)s)",
+        {"i": waiting, "t": todo["pending"]},
+    )
+    rejected = {
+        key: db.scalar(
+            admin,
+            "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key,"
+            " ack_group, ack_entry_id, ack_state, acked_at, status, error) VALUES ('orders', %(k)s, %(m)s,"
+            " %(b)s, 'xack', 'orders', 'switchboard', %(m)s, 'acked', now(), 'rejected',"
+            " 'schema: $.n: required') RETURNING id",
+            {"k": key, "m": entry, "b": json.dumps({"n": 2}).encode()},
+        )
+        for key, entry in (("k-rejected", "5-0"), ("k-failed-again", "6-0"))
+    }
+    # A rejected row whose key has an active todo: the replay dedups to it.
+    dedup_to = db.scalar(
+        admin,
+        "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k-failed-again', '{}')"
+        " RETURNING id",
+    )
+    config = write_config(
+        tmp_path / "operator.toml",
+        database_url=granted.url("operator"),
+        redis_url=servers.redis,
+        adapters=[stream_adapter("orders", url=servers.redis)],
+        queues={"orders": QUEUE},
+    )
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return switchboard("--config", str(config), *args)
+
+    for flag in ("disable", "enable"):
+        done = run("adapters", flag, "orders")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert db.scalar(admin, "SELECT enabled FROM adapters") is (flag == "enable")
+    actions: list[list[str]] = [
+        ["todos", "retry", str(todo["failed"])],
+        ["todos", "cancel", str(todo["pending"])],
+        ["inbox", "replay", str(rejected["k-rejected"]), str(rejected["k-failed-again"])],
+    ]
+    for action in actions:
+        done = run(*action)
+        assert done.returncode == 0, done.stdout + done.stderr
+    statuses = dict(db.query(admin, "SELECT id, status FROM todos"))
+    assert (statuses[todo["failed"]], statuses[todo["pending"]], statuses[todo["done"]]) == (
+        "pending",
+        "cancelled",
+        "done",
+    )
+    # The cancel released the ack that waited for its todo.
+    assert db.query(admin, "SELECT waiting_for FROM ack_queue") == [(None,)]
+    replayed = db.query(
+        admin,
+        "SELECT i.idempotency_key, i.status, i.error, t.status, e.verified"
+        " FROM inbox i JOIN todos t ON t.id = i.todo_id JOIN events e ON e.id = i.event_id"
+        " WHERE i.id = ANY(%(ids)s) ORDER BY i.id",
+        {"ids": list(rejected.values())},
+    )
+    assert replayed == [
+        ("k-rejected", "stored", None, "pending", False),
+        ("k-failed-again", "stored", None, "pending", False),
+    ]
+    deduped = db.scalar(
+        admin, "SELECT todo_id FROM inbox WHERE id = %(i)s", {"i": rejected["k-failed-again"]}
+    )
+    assert deduped == dedup_to
+    history = db.query(
+        admin,
+        "SELECT todo_id, from_status, to_status, detail FROM todo_events ORDER BY id",
+    )
+    assert history == [
+        (todo["failed"], "failed", "pending", "retried by an operator"),
+        (todo["pending"], "pending", "cancelled", "cancelled by an operator"),
+        (
+            db.scalar(admin, "SELECT id FROM todos WHERE idempotency_key = 'k-rejected'"),
+            None,
+            "pending",
+            "created by replay",
+        ),
+    ]
+    # A done todo is neither retried nor cancelled, and the refusal says why
+    # (the operator's lock reads a todo in any status).
+    for verb, reason in (("retry", "is done, not failed or cancelled"), ("cancel", "already finished")):
+        refused = run("todos", verb, str(todo["done"]))
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert reason in refused.stderr
+    # The reads.
+    reads: list[list[str]] = [
+        ["adapters", "list"],
+        ["todos", "list"],
+        ["todos", "show", str(todo["done"])],
+        ["inbox", "list"],
+        ["inbox", "show", str(rejected["k-rejected"])],
+        ["trace", "k-rejected"],
+        ["status"],
+    ]
+    for command in reads:
+        done = run(*command)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "permission denied" not in done.stderr
+
+
+def test_the_rescuer_and_the_workers_own_statements_run_under_their_roles(
+    granted: RoleDatabase,
+) -> None:
+    """backhalf.todos' own functions, as the roles that call them: the
+    rescuer's (rescue, release_orphaned_acks) as the acker, a worker's
+    starts and ends as the worker, including a start of a todo that ended,
+    which its lock must still see (answered with its status, not "busy")."""
+    admin = granted.admin_url
+    todo = {
+        name: db.scalar(
+            admin,
+            "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, lease_until,"
+            " dispatched_at) VALUES ('orders', %(k)s, '{}', %(s)s, %(a)s, %(lease)s, %(dispatched)s)"
+            " RETURNING id",
+            {
+                "k": f"k-{name}",
+                "s": status,
+                "a": attempts,
+                "lease": lease,
+                # Only the stale one waited past stale_s (1 s) for its run.
+                "dispatched": datetime.now(UTC) - timedelta(hours=1 if name == "stale" else 0),
+            },
+        )
+        for name, status, attempts, lease in (
+            ("out_of_attempts", "running", 3, datetime.now(UTC) - timedelta(minutes=1)),
+            ("lease_expired", "running", 1, datetime.now(UTC) - timedelta(minutes=1)),
+            ("stale", "dispatched", 0, None),
+            ("to_fail", "pending", 0, None),
+            ("to_retry", "dispatched", 0, None),
+            ("done", "done", 1, None),
+            ("cancelled", "cancelled", 1, None),
+        )
+    }
+    for inbox_id, waiting_for in ((1, todo["out_of_attempts"]), (2, todo["done"])):
+        db.query(
+            admin,
+            "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for)"
+            " VALUES (%(i)s, 'orders', 'xack', 'orders', %(k)s, %(t)s)",
+            {"i": inbox_id, "k": f"k-{inbox_id}", "t": waiting_for},
+        )
+    moved, orphans = asyncio.run(_rescue_as(granted.url("acker")))
+    assert sorted((i, s) for i, _, s in moved) == sorted(
+        [
+            (todo["out_of_attempts"], "failed"),
+            (todo["lease_expired"], "dispatched"),
+            (todo["stale"], "dispatched"),
+        ]
+    )
+    assert orphans == 1  # the done todo's; the failed one's was released by the rescue
+    assert db.query(admin, "SELECT waiting_for FROM ack_queue") == [(None,), (None,)]
+
+    with psycopg.connect(libpq_url(granted.url("worker")), autocommit=True) as pg:
+        for name, end in (("to_fail", "failed"), ("to_retry", "dispatched")):
+            run = todos.start(pg, todo[name], 60.0, 3, queue="orders")
+            assert run.todo is not None, run
+            assert todos.end_run(pg, run, end, error="planned", detail=end)
+        for name in ("done", "cancelled"):
+            skipped = todos.start(pg, todo[name], 60.0, 3, queue="orders")
+            assert (skipped.todo, skipped.found) == (None, name)
+    assert dict(db.query(admin, "SELECT idempotency_key, status FROM todos")) == {
+        "k-out_of_attempts": "failed",
+        "k-lease_expired": "dispatched",
+        "k-stale": "dispatched",
+        "k-to_fail": "failed",
+        "k-to_retry": "dispatched",
+        "k-done": "done",
+        "k-cancelled": "cancelled",
+    }
+    history = db.query(admin, "SELECT todo_id, from_status, to_status FROM todo_events ORDER BY todo_id, id")
+    assert history == [
+        (todo["out_of_attempts"], "running", "failed"),
+        (todo["lease_expired"], "running", "dispatched"),
+        (todo["stale"], "dispatched", "dispatched"),
+        (todo["to_fail"], "pending", "running"),
+        (todo["to_fail"], "running", "failed"),
+        (todo["to_retry"], "dispatched", "running"),
+        (todo["to_retry"], "running", "dispatched"),
+    ]
+
+
+async def _rescue_as(url: str) -> tuple[list[tuple[int, str, str]], int]:
+    """One pass of the rescuer (backhalf.dispatch), as ``url``'s user."""
+    async with await psycopg.AsyncConnection.connect(libpq_url(url)) as conn:
+        async with conn.cursor() as cur:
+            moved = await todos.rescue(cur, [("orders", 3, 1.0)], 100)
+            orphans = await todos.release_orphaned_acks(cur, 100)
+        await conn.commit()
+    return moved, orphans
+
+
+def test_a_run_leaves_exactly_the_files_policies(granted: RoleDatabase) -> None:
+    """A policy an earlier version of the file made, and this one no longer
+    does (a permissive one would widen every rule above), is dropped by the
+    next run; a policy of another name (an operator's own) is left alone."""
+    admin = granted.admin_url
+    names = "SELECT tablename, policyname FROM pg_policies WHERE schemaname = 'public'"
+    made = set(db.query(admin, names))
+    with psycopg.connect(libpq_url(admin), autocommit=True) as conn:
+        for name in (granted.role("acker_delete_everything"), "site_auditor_read"):
+            conn.execute(
+                sql.SQL("CREATE POLICY {} ON inbox FOR DELETE TO {} USING (true)").format(
+                    sql.Identifier(name), sql.Identifier(granted.role("acker"))
+                )
+            )
+    run_roles_sql(admin, granted.prefix)
+    assert set(db.query(admin, names)) == made | {("inbox", "site_auditor_read")}
+
+
+# write_states' start, shaped as it is, except that it waits for the row
+# lock (write_states skips a locked row, and asks again later).
+START_WAITING = (
+    "WITH locked AS (SELECT id, status FROM todos WHERE id = %(todo)s FOR UPDATE),"
+    " changed AS (UPDATE todos t SET status = 'running', attempts = t.attempts + 1,"
+    " lease_until = now() + interval '1 minute', run_token = gen_random_uuid(), updated_at = now()"
+    " FROM locked l WHERE t.id = l.id AND l.status IN ('pending', 'dispatched')"
+    " RETURNING t.id, l.status AS from_status)"
+    " INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+    " SELECT id, from_status, 'running', 'started' FROM changed"
+)
+
+
+def test_a_start_the_relays_commit_overtakes_is_allowed(granted: RoleDatabase) -> None:
+    """The policies read a todo's status before a change in the statement's
+    snapshot; a worker's start logs the status it locked. When the relay's
+    commit (pending -> dispatched) lands between the two, which a message
+    overtaking that commit makes common, the start is one of the worker's
+    pairs either way and is allowed."""
+    admin = granted.admin_url
+    todo_id = db.scalar(
+        admin,
+        "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k1', '{}') RETURNING id",
+    )
+    with psycopg.connect(libpq_url(granted.url("acker"))) as relay:
+        # mark_dispatched's change, held uncommitted: the relay enqueues first.
+        relay.execute(
+            "WITH logged AS (INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+            " VALUES (%(todo)s, 'pending', 'dispatched', 'dispatched'))"
+            " UPDATE todos SET status = 'dispatched', dispatched_at = now(), updated_at = now()"
+            " WHERE id = %(todo)s",
+            {"todo": todo_id},
+        )
+        with (
+            psycopg.connect(libpq_url(granted.url("worker")), autocommit=True) as worker,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            start = pool.submit(worker.execute, START_WAITING, {"todo": todo_id})
+            wait_for(
+                lambda: (
+                    db.scalar(
+                        admin,
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE usename = %(u)s AND wait_event_type = 'Lock'",
+                        {"u": granted.login("worker")},
+                    )
+                    == 1
+                ),
+                timeout_s=10,
+                what="the worker's start waiting for the relay's row lock",
+            )
+            relay.commit()
+            assert start.result(timeout=10).rowcount == 1
+    assert db.query(admin, "SELECT from_status, to_status FROM todo_events ORDER BY id") == [
+        ("pending", "dispatched"),
+        ("dispatched", "running"),
+    ]
+    assert db.scalar(admin, "SELECT status FROM todos") == "running"
