@@ -138,7 +138,7 @@ class Dispatcher:
         self._enqueuer.close()
 
     async def relay_once(self) -> int:
-        """Dispatch up to a batch of pending todos; return how many."""
+        """Dispatch up to a batch of pending todos of each queue; return how many."""
         what = f"dispatching up to {self._batch_size} todos"
         async with within_deadline(self._engine.begin(), self._deadline_ms, what) as conn:
             with wrap_driver_errors(StoreError, what):

@@ -557,14 +557,26 @@ FOR UPDATE
 
 -- name: claim_pending_todos
 -- The dispatch relay's claim: committed pending todos of the queues it
--- serves, oldest first, locked until its transaction has enqueued them and
--- marked them dispatched. SKIP LOCKED: relays running at once split the work.
--- ``ix_todos_pending`` holds only pending rows, so the walk stops at limit.
-SELECT id, queue FROM todos
-WHERE status = 'pending' AND queue = ANY(%(queues)b::text[])
-ORDER BY id
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED
+-- serves, up to ``limit`` of each queue, oldest first, locked until its
+-- transaction has enqueued them and marked them dispatched. SKIP LOCKED:
+-- relays running at once split the work.
+--
+-- One walk of ``ix_todos_pending`` (queue, id; pending rows only) per
+-- queue, by equality, so each stops at its limit and never reads a
+-- finished todo. Written as one walk over all the queues in id order
+-- (queue = ANY(...) ORDER BY id), PostgreSQL with statistics chose the
+-- primary key instead and filtered every retained done todo out: 110 ms a
+-- claim over 200,000 of them, against about 1 ms. A limit per queue also
+-- keeps one queue's backlog from holding the others' todos back.
+SELECT t.id, t.queue
+FROM unnest(%(queues)b::text[]) AS q(name)
+CROSS JOIN LATERAL (
+    SELECT id, queue FROM todos
+    WHERE status = 'pending' AND queue = q.name
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) AS t
 
 
 -- name: mark_dispatched

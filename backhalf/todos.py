@@ -89,7 +89,8 @@ class Started:
 async def claim_pending(
     cur: psycopg.AsyncCursor[Any], queues: Sequence[str], limit: int
 ) -> list[tuple[int, str]]:
-    """Pending todos of ``queues``, locked until the caller's transaction ends."""
+    """Pending todos of ``queues``, up to ``limit`` of each, oldest first,
+    locked until the caller's transaction ends."""
     await cur.execute(queries.CLAIM_PENDING_TODOS, {"queues": list(queues), "limit": limit})
     return [(int(i), str(q)) for i, q in await cur.fetchall()]
 
