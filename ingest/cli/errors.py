@@ -92,9 +92,15 @@ def _unreachable(error: psycopg.OperationalError) -> str | None:
     return None
 
 
-def _database(exc: BaseException, chain: list[BaseException], settings: Settings) -> Failure | None:
+def _database(
+    exc: BaseException, chain: list[BaseException], settings: Settings, role_hint: str | None
+) -> Failure | None:
     target = database_target(settings)
     problem = db_errors.classify(exc)
+    if problem is not None and problem.kind == "permission_denied" and role_hint is not None:
+        # Not "migrate": the tables are there, this login is another role's.
+        return Failure(f"the database user lacks a privilege this command needs: {role_hint} [{target}]",
+                       EXIT_DATABASE)  # fmt: skip
     if problem is not None:
         return Failure(f"{problem.message} [{target}]", EXIT_DATABASE)
     for e in chain:
@@ -109,11 +115,12 @@ def _database(exc: BaseException, chain: list[BaseException], settings: Settings
     return None
 
 
-def explain(exc: BaseException, settings: Settings) -> Failure | None:
+def explain(exc: BaseException, settings: Settings, role_hint: str | None = None) -> Failure | None:
     """The one line and exit code for ``exc``, raised by a verb run with
-    ``settings``; None if no user could have caused it (a bug)."""
+    ``settings``; None if no user could have caused it (a bug).
+    ``role_hint``: which role's login runs the command, for a privilege refused."""
     chain = db_errors.error_chain(exc)
-    database = _database(exc, chain, settings)
+    database = _database(exc, chain, settings, role_hint)
     if database is not None:
         return database
     for e in chain:

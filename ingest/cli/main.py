@@ -19,7 +19,20 @@ import structlog
 from backhalf import failpoints
 from backhalf.db import redact_url
 from ingest import signals
-from ingest.cli import ack, adapters, demo, help_pages, inbox, migrate, prune, status, todos, trace, worker
+from ingest.cli import (
+    ack,
+    adapters,
+    demo,
+    help_pages,
+    inbox,
+    migrate,
+    prune,
+    roles,
+    status,
+    todos,
+    trace,
+    worker,
+)
 from ingest.cli import errors as cli_errors
 from ingest.cli import ingest as ingest_verb
 from ingest.cli.verb import Verb
@@ -127,13 +140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             transport.warn_plaintext(settings, args.verb, env)
         return verb.run(args, settings, env)
     except Exception as exc:  # noqa: BLE001 - the CLI boundary: every failure ends here
-        return _failed(args.verb, settings, exc)
+        return _failed(args.verb, settings, exc, roles.role_hint(args))
 
 
-def _failed(verb: str, settings: Settings, exc: Exception) -> int:
+def _failed(verb: str, settings: Settings, exc: Exception, role_hint: str | None = None) -> int:
     """One line on stderr and the exit code; a bug also logs its traceback
     (redacted, as every log line is)."""
-    failure = cli_errors.explain(exc, settings)
+    failure = cli_errors.explain(exc, settings, role_hint)
     if failure is None:
         log.error("unexpected_error", verb=verb, exc_info=exc)
         print(

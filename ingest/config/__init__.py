@@ -165,7 +165,10 @@ class AckerSettings:
     # The dispatch relay (inside `switchboard ack`).
     dispatch_batch_size: Annotated[
         int,
-        _positive("todos of each queue relayed to dramatiq per transaction ([Workers](workers.md#dispatch-is-an-outbox))"),
+        _positive(
+            "todos of each queue relayed to dramatiq per transaction"
+            " ([Workers](workers.md#dispatch-is-an-outbox))"
+        ),
     ] = 500
     # The rescuer: a queue's max_backoff_ms is added to the timeout, as a
     # retry waits that long at most.

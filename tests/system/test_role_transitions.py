@@ -39,6 +39,7 @@ from backhalf.db import libpq_url
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
 from ingest.embedded.processes import wait_for
+from ingest.exit_codes import EXIT_DATABASE
 from tests.support import db
 from tests.support.config import stream_adapter, write_config
 from tests.support.downstream import QUEUE
@@ -930,6 +931,15 @@ def test_the_operator_commands_run_as_the_operator(
         done = run(*command)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "permission denied" not in done.stderr
+    # The acker's login, where the operator's is needed: the line names the
+    # role that runs the command, not `switchboard migrate` (issue 24).
+    as_acker = write_config(
+        tmp_path / "acker.toml", database_url=granted.url("acker"), redis_url=servers.redis, adapters=[]
+    )
+    refused = switchboard("--config", str(as_acker), "adapters", "disable", "orders")
+    assert refused.returncode == EXIT_DATABASE, refused.stdout + refused.stderr
+    assert "`switchboard adapters disable` runs as the operator's login" in refused.stderr
+    assert "migrate" not in refused.stderr
 
 
 def test_the_rescuer_and_the_workers_own_statements_run_under_their_roles(

@@ -44,7 +44,7 @@ def broker(redis_url: str) -> Iterator[RedisBroker]:
     client = redis.Redis.from_url(dramatiq_url(redis_url), socket_timeout=10)
     forger = RedisBroker(client=client)  # type: ignore[no-untyped-call]
     yield forger
-    forger.close()  # type: ignore[no-untyped-call]
+    forger.close()
 
 
 def send(broker: RedisBroker, queue_name: str, actor_name: str, *args: Any, **extra: Any) -> None:
