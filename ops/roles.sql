@@ -7,7 +7,8 @@
 -- tables), and again after every `switchboard migrate` (the grants are per
 -- table and per column, which ALTER DEFAULT PRIVILEGES cannot express, so a
 -- migration's new table or column gets its grants from this run). Every
--- statement is idempotent: run it as often as you like.
+-- statement is idempotent: run it as often as you like. Run first after a
+-- migrate as another user, it hands Switchboard's tables to the migrator.
 --
 --   psql "postgresql://admin@db/switchboard" -v ON_ERROR_STOP=1 -f ops/roles.sql
 --
@@ -157,12 +158,34 @@ DO $grants$
 DECLARE
     view_name name;
     pol record;
+    owned record;
 BEGIN
     IF to_regclass('public.inbox') IS NULL THEN
         RAISE NOTICE 'no Switchboard tables yet: roles created; run `switchboard migrate` as'
             ' switchboard_migrator, then this file again for the table grants';
         RETURN;
     END IF;
+
+    -- The order need not be kept: tables a `switchboard migrate` made as
+    -- another role (the database's owner, say, before this file was ever
+    -- run) are handed to the migrator, which must own what it migrates and
+    -- which no policy binds. Switchboard's own tables and audit views only,
+    -- by name (never REASSIGN OWNED, which would take every object of that
+    -- role); a table's sequences and indexes follow it.
+    FOR owned IN
+        SELECT c.relname, c.relkind, pg_get_userbyid(c.relowner) AS owner
+        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v')
+          AND (c.relname IN ('adapters', 'inbox', 'ack_queue', 'ack_cursors', 'events', 'todos', 'todo_events',
+                             'delivery_attempts', 'stream_groups', 'processes', 'alembic_version')
+               OR (c.relkind = 'v' AND c.relname LIKE 'audit\_%'))
+          AND c.relowner <> 'switchboard_migrator'::regrole
+    LOOP
+        EXECUTE format('ALTER %s %I OWNER TO switchboard_migrator',
+                       CASE owned.relkind WHEN 'v' THEN 'VIEW' ELSE 'TABLE' END, owned.relname);
+        RAISE NOTICE 'Switchboard''s % was owned by %: now by switchboard_migrator, which migrates it',
+            owned.relname, owned.owner;
+    END LOOP;
 
     -- Start from nothing, so a grant taken out of this file is revoked by its next run.
     REVOKE ALL ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events, delivery_attempts,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 
@@ -34,6 +35,7 @@ from tests.support.roles import (
     INSUFFICIENT_PRIVILEGE,
     RoleDatabase,
     role_database,
+    roles_sql,
     run_roles_sql,
     sqlstate,
 )
@@ -407,3 +409,33 @@ def test_each_broker_user_is_refused_what_it_is_not_granted(acl_redis: RedisServ
         assert {e["username"] for e in producer.acl_log(count=128)} == {
             "switchboard-ingester", "switchboard-acker", "switchboard-dramatiq",
         }  # fmt: skip
+
+
+def test_the_file_run_after_a_migrate_as_another_role_hands_the_tables_over(roles_db: RoleDatabase) -> None:
+    """Issue 24: "Running it" migrated as the database's owner, then the file
+    was run. Its tables are handed to the migrator (a notice says so), so
+    `switchboard migrate` as the migrator works after it and the grants and
+    policies bind every role as they would have."""
+    first = switchboard("migrate", env={"SWITCHBOARD_DATABASE_URL": roles_db.admin_url})
+    assert first.returncode == 0, first.stdout + first.stderr
+    with psycopg.connect(libpq_url(roles_db.admin_url), autocommit=True, connect_timeout=10) as conn:
+        notices: list[str] = []
+        conn.add_notice_handler(lambda notice: notices.append(str(notice.message_primary)))
+        conn.execute(roles_sql(roles_db.prefix))
+    assert any("todos was owned by" in n for n in notices), notices
+    owners = db.query(
+        roles_db.admin_url,
+        "SELECT DISTINCT pg_get_userbyid(relowner) FROM pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = 'public' AND c.relkind IN ('r', 'v', 'S')",
+    )
+    assert owners == [(roles_db.role("migrator"),)]
+    again = switchboard("migrate", env={"SWITCHBOARD_DATABASE_URL": roles_db.url("migrator")})
+    assert again.returncode == 0, again.stdout + again.stderr
+    # The policies bind the process roles: the acker still cannot finish work.
+    db.query(
+        roles_db.admin_url, "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('q', 'k', '{}')"
+    )
+    refused = sqlstate(roles_db.url("acker"), "UPDATE todos SET status = 'done'")
+    assert refused == INSUFFICIENT_PRIVILEGE
+    assert db.scalar(roles_db.admin_url, "SELECT status FROM todos") == "pending"
