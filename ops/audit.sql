@@ -1,4 +1,6 @@
 -- SQL-level audit questions. The views are created by the migrations.
+-- Every statement reads the audit_* views only, so it runs as the auditor
+-- role of ops/roles.sql (switchboard_auditor_login), which may read nothing else.
 
 -- The trail of one message: inbox -> event -> todo -> ack.
 SELECT * FROM audit_message_trail WHERE idempotency_key = 'redis:orders:1700000000000-0';
@@ -13,9 +15,9 @@ SELECT adapter, idempotency_key, error, deliveries, stored_at FROM audit_rejecte
 SELECT * FROM audit_adapter_counts;
 
 -- The invariant: at most one non-terminal todo per (queue, key). Always empty.
-SELECT queue, idempotency_key, count(*) FROM todos
-WHERE status IN ('pending', 'dispatched', 'running')
-GROUP BY 1, 2 HAVING count(*) > 1;
+SELECT queue, idempotency_key, count(DISTINCT todo_id) FROM audit_message_trail
+WHERE todo_status IN ('pending', 'dispatched', 'running')
+GROUP BY 1, 2 HAVING count(DISTINCT todo_id) > 1;
 
 -- Every inbox row of one stream entry id, whichever adapter read it (the
 -- CLI's `switchboard trace ENTRY_ID` does this through the native key index;
@@ -30,7 +32,7 @@ SELECT * FROM audit_redeliveries ORDER BY redeliveries DESC;
 SELECT adapter, deliveries, inbox_rows FROM audit_delivery_counts ORDER BY adapter, deliveries;
 
 -- The messages delivered most often (poison candidates near max_deliveries).
-SELECT adapter, idempotency_key, deliveries, status, error FROM inbox
+SELECT adapter, idempotency_key, deliveries, inbox_status, error FROM audit_message_trail
 WHERE deliveries > 1 ORDER BY deliveries DESC LIMIT 20;
 
 -- The last hour, per adapter and minute: consumed, deduplicated (by the inbox
@@ -50,6 +52,6 @@ SELECT adapter,
        count(*) AS acked,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM acked_at - stored_at)) AS p50_s,
        percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM acked_at - stored_at)) AS p99_s
-FROM inbox
+FROM audit_message_trail
 WHERE acked_at >= now() - interval '1 hour'
 GROUP BY adapter;

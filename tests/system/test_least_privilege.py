@@ -34,6 +34,7 @@ from tests.support.processes import Processes, assert_clean_exit, switchboard
 from tests.support.roles import (
     INSUFFICIENT_PRIVILEGE,
     RoleDatabase,
+    migrate_and_grant,
     role_database,
     roles_sql,
     run_roles_sql,
@@ -439,3 +440,17 @@ def test_the_file_run_after_a_migrate_as_another_role_hands_the_tables_over(role
     refused = sqlstate(roles_db.url("acker"), "UPDATE todos SET status = 'done'")
     assert refused == INSUFFICIENT_PRIVILEGE
     assert db.scalar(roles_db.admin_url, "SELECT status FROM todos") == "pending"
+
+
+def test_every_query_of_ops_audit_sql_runs_as_the_auditor(roles_db: RoleDatabase) -> None:
+    """Issue 24: the auditor role reads the audit views only, and ops/audit.sql
+    is documented for it: every statement runs under it (a base table read
+    would be refused, 42501)."""
+    migrate_and_grant(roles_db)
+    text = (Path(__file__).parents[2] / "ops" / "audit.sql").read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+    statements = [s.strip() for s in code.split(";") if s.strip()]
+    assert len(statements) >= 10
+    for statement in statements:
+        assert sqlstate(roles_db.url("auditor"), statement) is None, statement
+    assert sqlstate(roles_db.url("auditor"), "SELECT 1 FROM todos") == INSUFFICIENT_PRIVILEGE
