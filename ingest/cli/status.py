@@ -7,6 +7,7 @@ import argparse
 
 from ingest.cli.verb import Subparsers, Verb, in_loop
 from ingest.config import Settings
+from ingest.errors import ConfigError
 from ingest.observe import status
 
 
@@ -18,9 +19,25 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
     return parser
 
 
+def handler_check(settings: Settings) -> status.HandlerCheck:
+    """Whether this Python can import a queue's handler, as a worker would
+    (run here only for a queue no worker serves)."""
+
+    def check(queue: str) -> str | None:
+        from ingest.processes.worker import resolve_handler  # dramatiq's import, only when asked
+
+        try:
+            resolve_handler(settings.queues[queue])
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    return check
+
+
 async def run(settings: Settings, args: argparse.Namespace) -> int:
     procs = await status.collect_processes(settings)
-    report = await status.collect(settings, procs)
+    report = await status.collect(settings, procs, handler_check(settings))
     print(status.render(report, args.json, procs))
     return status.exit_code(report, procs)
 

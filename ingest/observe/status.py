@@ -22,7 +22,7 @@ makes the exit code non-zero too.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -118,10 +118,20 @@ async def collect_processes(settings: Settings) -> list[ProcessRow]:
         await engine.dispose()
 
 
-async def collect(settings: Settings, procs: Sequence[ProcessRow] = ()) -> list[dict[str, Any]]:
+# Why a queue's handler cannot be imported (None: it can), asked of the
+# caller (the CLI, which may import the worker's room).
+HandlerCheck = Callable[[str], str | None]
+
+
+async def collect(
+    settings: Settings, procs: Sequence[ProcessRow] = (), handler_check: HandlerCheck | None = None
+) -> list[dict[str, Any]]:
     """Registered adapters the config does not name are checked at
     ``settings.redis_url`` when the config has no adapters (see the module's
-    docstring). ``procs``: the ``processes`` rows, for each adapter's own."""
+    docstring). ``procs``: the ``processes`` rows, for each adapter's own.
+    ``handler_check``: asked for a configured queue no worker serves, so
+    that a handler no worker could load (a worker stops at start on it) is
+    named, and the adapter unhealthy: its todos pile up."""
     engine = create_engine(settings.database)
     try:
         async with engine.connect() as conn:
@@ -152,9 +162,12 @@ async def collect(settings: Settings, procs: Sequence[ProcessRow] = ()) -> list[
         settings_of = e.row.settings if e.row is not None else {}
         queue = e.cfg.queue if e.cfg else str(settings_of.get("queue", e.name))
         served = _processes_of(procs, e.name, queue)
+        unloadable = None
+        if handler_check is not None and queue in settings.queues and not served["worker"]:
+            unloadable = handler_check(queue)
         if enabled is False:
             healthy = None
-        elif served["dead"]:
+        elif served["dead"] or unloadable is not None:
             healthy = False
         elif broker is not None:
             healthy = "broker_error" not in broker
@@ -178,6 +191,7 @@ async def collect(settings: Settings, procs: Sequence[ProcessRow] = ()) -> list[
                 "rejected": c.rejected if c else 0,
                 "acked": c.acked if c else 0,
                 "todos": todo_counts.get(queue, {}),
+                **({"handler": f"no worker runs and none could: {unloadable}"} if unloadable else {}),
                 "processes": served,
             }
         )

@@ -133,6 +133,25 @@ def test_status_exits_non_zero_when_a_broker_is_unreachable(make_config: Callabl
     assert "broker_error" in report
 
 
+@pytest.mark.parametrize(("handler", "healthy"), [("nope_such_module:handle", False), ("json:loads", True)])
+def test_status_names_a_handler_no_worker_could_load(
+    make_config: Callable[..., Path], handler: str, healthy: bool
+) -> None:
+    """Issue 24: a worker stops at start on a handler it cannot import, while
+    ingest and ack run on and the todos pile up: with no worker serving the
+    queue, status says why none could, with the fix, and exits unhealthy."""
+    config = make_config(stream_adapter("orders"), queues={"orders": {"handler": handler}})
+    result = switchboard("--config", str(config), "status", "--json")
+    (report,) = json.loads(result.stdout)
+    assert report["healthy"] is healthy
+    assert result.returncode == (EXIT_OK if healthy else EXIT_UNHEALTHY), result.stderr
+    if healthy:
+        assert "handler" not in report
+    else:
+        assert "cannot import 'nope_such_module'" in report["handler"]
+        assert "PYTHONPATH" in report["handler"]
+
+
 def test_a_stream_not_made_yet_is_no_broker_failure(make_config: Callable[..., Path]) -> None:
     result = switchboard("--config", str(make_config(stream_adapter("orders"))), "status", "--json")
     assert result.returncode == EXIT_OK, result.stdout
