@@ -75,9 +75,9 @@ def stopped_statement(instance: uuid.UUID) -> sa.Update:
 def alive_children_statement(
     role: str, host: str, parent: int, ttl_s: float = HEARTBEAT_TTL_S
 ) -> sa.Select[Any]:
-    """How many processes of ``role`` on ``host`` whose parent is ``parent``
-    (the dramatiq main process of a worker deployment) are alive."""
-    return sa.select(sa.func.count()).where(
+    """The ``detail`` of each process of ``role`` on ``host`` whose parent is
+    ``parent`` (the dramatiq main process of a worker deployment) alive now."""
+    return sa.select(processes.c.detail).where(
         processes.c.role == role,
         processes.c.host == host,
         processes.c.stopped_at.is_(None),

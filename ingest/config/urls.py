@@ -226,3 +226,12 @@ class BrokerUrl:
 
     def __repr__(self) -> str:
         return "BrokerUrl(complete)" if self._missing is None else f"BrokerUrl(missing: {self._missing})"
+
+
+def broker_name(url: str, what: str = "dramatiq broker") -> str:
+    """``dramatiq broker at host:port/db``: where it is, never who logs in
+    (a health report's and a status line's name for it)."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"{what} at {parts.path}"
+    return f"{what} at {parts.hostname}:{parts.port or 6379}{parts.path}"

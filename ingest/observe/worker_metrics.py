@@ -26,8 +26,9 @@ import socket
 import stat
 import tempfile
 import threading
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ from backhalf.db import create_sync_engine
 from ingest.config import Settings, load
 from ingest.errors import ConfigError, error_kind, log_failure
 from ingest.observe import logs
-from ingest.observe.metrics_http import HealthReport, MetricsServer
+from ingest.observe.logs import redact
+from ingest.observe.metrics_http import SERVER_FAILING_AFTER_S, HealthReport, MetricsServer
 
 log = structlog.get_logger(__name__)
 
@@ -129,22 +131,48 @@ class WorkerHeartbeat:
     """A worker process's heartbeat row, written from a thread of its own
     every ``HEARTBEAT_INTERVAL_S`` (dramatiq's threads are busy with todos)."""
 
-    def __init__(self, settings: Settings, detail: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        detail: Mapping[str, Any],
+        broker: tuple[str, Callable[[], object]] | None = None,
+    ) -> None:
+        """``broker``: dramatiq's broker, by name, and a ping of it, asked at
+        every beat: one that fails every try for ``SERVER_FAILING_AFTER_S``
+        is named in the row (``failing``), which status and /healthz read."""
         self._engine: Engine = create_sync_engine(settings.database, pool_size=1)
         self._instance = uuid.uuid4()
         self._detail = {**detail, "parent": os.getppid()}
+        self._broker = broker
+        self._failing_since: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="switchboard-heartbeat", daemon=True)
+
+    def _failing(self) -> dict[str, str]:
+        """Ping the broker: its error, once it has failed every try for a while."""
+        if self._broker is None:
+            return {}
+        name, ping = self._broker
+        try:
+            ping()
+        except Exception as exc:  # noqa: BLE001 - whatever the client raises is the broker failing
+            now = time.monotonic()
+            self._failing_since = self._failing_since or now
+            if now - self._failing_since >= SERVER_FAILING_AFTER_S:
+                return {name: redact(f"{type(exc).__name__}: {exc}")}
+            return {}
+        self._failing_since = None
+        return {}
 
     def start(self) -> None:
         self._thread.start()
 
     def _beat(self, first: bool) -> None:
+        failing = self._failing()
+        detail = {**self._detail, "failing": failing} if failing else self._detail
         with self._engine.begin() as conn:
             conn.execute(
-                heartbeats.beat_statement(
-                    self._instance, "worker", socket.gethostname(), os.getpid(), self._detail
-                )
+                heartbeats.beat_statement(self._instance, "worker", socket.gethostname(), os.getpid(), detail)
             )
             if first:
                 conn.execute(heartbeats.forget_statement())
@@ -173,10 +201,11 @@ class WorkerHeartbeat:
             self._engine.dispose()
 
 
-def _alive_workers(engine: Engine, parent: int) -> int:
+def _alive_workers(engine: Engine, parent: int) -> list[Mapping[str, Any]]:
+    """The heartbeat details of this deployment's worker processes alive now."""
     with engine.connect() as conn:
         query = heartbeats.alive_children_statement("worker", socket.gethostname(), parent)
-        return int(conn.execute(query).scalar_one())
+        return [dict(detail) for (detail,) in conn.execute(query)]
 
 
 def serve() -> int:
@@ -192,15 +221,18 @@ def serve() -> int:
 
     def health() -> HealthReport:
         try:
-            alive = _alive_workers(engine, parent)
+            workers = _alive_workers(engine, parent)
         except SQLAlchemyError as exc:
             return False, {"status": "unhealthy", "database": {"ok": False, "error": type(exc).__name__}}
-        ok = alive >= expected
-        body = {
+        failing = {k: v for w in workers for k, v in (w.get("failing") or {}).items()}
+        ok = len(workers) >= expected and not failing
+        body: dict[str, Any] = {
             "status": "ok" if ok else "unhealthy",
             "database": {"ok": True},
-            "worker_processes": {"alive": alive, "expected": expected},
+            "worker_processes": {"alive": len(workers), "expected": expected},
         }
+        if failing:
+            body["failing"] = failing
         return ok, body
 
     server = MetricsServer(settings.metrics.address, settings.metrics.port, health, registry)

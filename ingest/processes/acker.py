@@ -28,7 +28,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import psycopg
 import structlog
@@ -47,6 +46,7 @@ from ingest.adapters import registered
 from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
+from ingest.config.urls import broker_name
 from ingest.errors import ConfigError, error_kind, log_failure
 from ingest.lifecycle import Retry, wait_either, wait_stop
 from ingest.observe.heartbeat import database_gauges_loop
@@ -322,14 +322,6 @@ async def dispatch_loop(
                 await wait_stop(stop, interval_s)
             else:
                 await wait_either(wake, stop, interval_s)
-
-
-def broker_name(url: str) -> str:
-    """``dramatiq broker at host:port/db``: where it is, never who logs in."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return f"dramatiq broker at {parts.path}"
-    return f"dramatiq broker at {parts.hostname}:{parts.port or 6379}{parts.path}"
 
 
 async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> None:

@@ -44,6 +44,7 @@ from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
 from backhalf.worker import Handler, Runner, refused
 from ingest.config import LEASE_MARGIN_MIN_MS, METRICS_PORT_VARIABLE, Settings
+from ingest.config.urls import broker_name
 from ingest.errors import ConfigError
 from ingest.observe import worker_metrics
 from ingest.observe.metrics_http import MetricsServer
@@ -192,9 +193,15 @@ class SwitchboardMiddleware(dramatiq.Middleware):
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Its threads consume: the line a supervisor (or a test) waits for."""
+        client = getattr(broker, "client", None)  # a Redis broker's; another broker is not pinged
+        try:
+            name = broker_name(self._settings.dramatiq_broker.url())
+        except ConfigError:  # a broker of the user's own app: [dramatiq]'s credentials unset here
+            name = "dramatiq broker"
         self._heartbeat = WorkerHeartbeat(
             self._settings,
             {"queues": self._served, "threads": self._threads, "slot": heartbeats.slot(self._served)},
+            broker=(name, client.ping) if client is not None else None,
         )
         self._heartbeat.start()
         log.info("worker_ready", queues=sorted(self._settings.queues), threads=self._threads)

@@ -330,3 +330,29 @@ def test_a_dramatiq_broker_the_relay_cannot_use_makes_the_acker_unhealthy(
     assert "FAILING" in shown.stdout
     assert "not-the-password" not in shown.stdout + shown.stderr + json.dumps(body)
     assert "not-the-password" not in acker.raw_log()
+
+
+def test_a_dramatiq_broker_the_workers_cannot_use_makes_them_unhealthy(
+    procs: Processes, make_config: Callable[..., Path], redis_url: str, runs_db: str
+) -> None:
+    """Issue 24: the workers with `[dramatiq] url` lacking the password: their
+    heartbeat names the broker and its error once it has failed every ping
+    for 10 s, the workers' /healthz answers 503 with it, status calls them
+    failing; no password anywhere."""
+    parts = urlsplit(dramatiq_url(redis_url))
+    wrong = f"redis://default:not-the-password@{parts.hostname}:{parts.port}{parts.path}"
+    config = make_config(stream_adapter(STREAM), queues={STREAM: QUEUE}, dramatiq_url=wrong)
+    port = free_port()
+    worker = procs.start("worker", config, name="worker-1", env={"SWITCHBOARD_METRICS_PORT": str(port)})
+    broker = f"dramatiq broker at {parts.hostname}:{parts.port}{parts.path}"
+
+    def failing() -> bool:
+        code, body = healthz(port)
+        return code == 503 and broker in dict(body.get("failing") or {})  # type: ignore[call-overload]
+
+    wait_for(failing, timeout_s=90, what="the workers' /healthz naming the failing broker")
+    shown = switchboard("--config", str(config), "status")
+    assert f"{broker}: AuthenticationError" in shown.stdout
+    assert "FAILING" in shown.stdout
+    assert "not-the-password" not in shown.stdout + shown.stderr + str(healthz(port)[1])
+    assert "not-the-password" not in worker.raw_log()
