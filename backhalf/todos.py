@@ -216,7 +216,7 @@ def write_states(
     # BEGIN and a COMMIT would be two more round trips.
     block = pg.transaction() if releasing or not pg.autocommit else contextlib.nullcontext()
     with block, pg.cursor() as cur:
-        cur.execute(queries.WRITE_STATES, params)
+        cur.execute(queries.WRITE_STATES, params, prepare=True)  # one plan, kept (state_writer)
         rows = cur.fetchall()
         if releasing:
             cur.execute(queries.RELEASE_ACKS, {"ids": terminal, "channel": queries.ACK_CHANNEL})
