@@ -84,8 +84,10 @@ _HOLDER = sa.text(
     " FROM pg_stat_activity"
     " WHERE backend_xid IS NOT NULL AND datname = current_database() AND pid <> pg_backend_pid()"
     " UNION ALL"
+    # A prepared transaction of any database: it is shown by no session,
+    # so it holds the ack cursor back wherever it was prepared.
     " SELECT 'prepared transaction', gid, owner::text, age(transaction), now() - prepared, NULL"
-    " FROM pg_prepared_xacts WHERE database = current_database()"
+    " FROM pg_prepared_xacts"
     " ORDER BY behind DESC LIMIT 1"
 )
 

@@ -19,22 +19,24 @@ from __future__ import annotations
 
 import re
 
-# Whitespace a cut may fall on.
-_SPACE = re.compile(r"\s")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def cut(text: str, limit: int, *, tail: int = 0) -> str:
-    """``text`` if it is at most ``limit`` characters; else its head (and
-    its last ``tail`` characters, when asked: a traceback's last line says
-    what was raised), each cut at whitespace, around a note of what was cut."""
+    """``text`` if it is at most ``limit`` characters; else its head, cut at
+    whitespace (and, when asked, its last whole lines within ``tail``
+    characters: a traceback's last line says what was raised), around a
+    note of what was cut."""
     if len(text) <= limit:
         return text
     head_end = _last_space(text, max(0, limit - tail))
     head = text[:head_end]
     end = ""
     if tail:
-        start = _first_space(text, len(text) - tail)
+        # The tail starts at a line: a key and its value (``Authorization:
+        # Bearer ...``, ``password = x``) share a line, and a tail starting
+        # between them would leave redaction the value without its key.
+        start = text.find("\n", len(text) - tail)
         end = text[start:] if start > head_end else ""
     dropped = len(text) - len(head) - len(end)
     return f"{head} [... {dropped} characters cut ...]{end}"
@@ -44,11 +46,6 @@ def _last_space(text: str, before: int) -> int:
     """The index of the last whitespace before ``before`` (0: none)."""
     found = max(text.rfind(c, 0, before) for c in (" ", "\n", "\t", "\r"))
     return max(found, 0)
-
-
-def _first_space(text: str, at: int) -> int:
-    match = _SPACE.search(text, at)
-    return match.start() if match else len(text)
 
 
 def storable(text: str) -> str:

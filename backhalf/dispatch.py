@@ -59,12 +59,18 @@ class Enqueuer:
     def __init__(self, url: str) -> None:
         import redis
         from dramatiq.brokers.redis import RedisBroker
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         client = redis.Redis.from_url(
             url,
             socket_timeout=BROKER_SOCKET_TIMEOUT_S,
             socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
             driver_info=None,  # no CLIENT SETINFO: ops/redis-users.acl does not grant it (Redis 7.0 lacks it)
+            # One try: the relay's loop retries, and a broker out of reach is
+            # then a broker error within its bound, not the transaction's
+            # deadline passing under hidden retries (read as the database's).
+            retry=Retry(NoBackoff(), 0),
         )
         # No middleware: the actors' options (retries, time limit) apply
         # where the message is processed, in the workers' broker.

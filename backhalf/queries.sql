@@ -605,7 +605,7 @@ SELECT count(*) FROM marked
 -- A start names the queue whose actor received the message, and takes only
 -- a todo of that queue: a dramatiq message is a hint, never an authority
 -- (a message naming another queue's todo is answered 'foreign' and runs no
--- handler; docs/security.md, "The workers' messages").
+-- handler; docs/workers.md, "The message is a hint").
 --
 -- A start takes its todo only if it is still to run (pending, dispatched,
 -- or running on a lease that expired, its worker dead, with attempts left:

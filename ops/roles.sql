@@ -60,7 +60,7 @@
 --   (store_inbox_native_cte: ack_state back to 'pending', acked_at NULL), and
 --   'none' only for a row whose ack_kind is 'none'; an ack_xid only its own
 --   transaction's id (an older one would put the row behind the acker's
---   cursor); and never a pending row's ack stream or list (ack_key), which
+--   cursor); and never a row's ack stream or list (ack_key), which
 --   would send its ack to an entry never stored. It locks ack_queue rows (FOR
 --   UPDATE in existing_body_pending, lock_pending_copies; a row lock needs
 --   UPDATE on one column) and writes none. It deletes only todos,
@@ -322,8 +322,9 @@ BEGIN
         WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL AND (ack_state = 'none') = (ack_kind = 'none')
                     AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8));
     -- merge_inbox_body and a redelivery (store_inbox_native_cte): the same,
-    -- and a row whose ack is pending keeps its ack's stream or list
-    -- (ack_key): repointed, the acker would ack an entry never stored. Its
+    -- and a row keeps its ack's stream or list (ack_key), pending or not (an
+    -- acked row asked for again is pending by the same statement): repointed,
+    -- the acker would ack an entry never stored. Its
     -- group may change: the same entry redelivered through a group renamed
     -- in the config is acked in the group that holds it now.
     CREATE POLICY switchboard_ingester_update ON inbox FOR UPDATE TO switchboard_ingester
@@ -331,8 +332,7 @@ BEGIN
         WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL AND (ack_state = 'none') = (ack_kind = 'none')
                     AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8)
                     AND NOT EXISTS (SELECT FROM inbox o
-                                    WHERE o.id = inbox.id AND o.ack_state = 'pending'
-                                      AND o.ack_key IS DISTINCT FROM inbox.ack_key));
+                                    WHERE o.id = inbox.id AND o.ack_key IS DISTINCT FROM inbox.ack_key));
     -- claim_acks and mark_cursor_acks mark pending rows acked, with their
     -- time; reset_ack_cursor re-stamps pending ones. Any row: the pruner
     -- locks the acked rows it deletes.

@@ -9,6 +9,7 @@ from ingest.cli.verb import Subparsers, Verb, in_loop
 from ingest.config import Settings
 from ingest.errors import ConfigError
 from ingest.observe import status
+from ingest.observe.logs import redact
 
 
 def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,6 +31,9 @@ def handler_check(settings: Settings) -> status.HandlerCheck:
             resolve_handler(settings.queues[queue])
         except ConfigError as exc:
             return str(exc)
+        except Exception as exc:  # noqa: BLE001 - the user's module failed while it was imported
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            return redact(f"[queues.{queue}]: importing its handler raised {type(exc).__name__}: {first}")
         return None
 
     return check

@@ -262,6 +262,13 @@ def _queue(name: str, raw: Any) -> QueueConfig:
             f"{where}: {key} {queue.broker_queue!r} is not a dramatiq queue name (letters, digits, '.', '_',"
             " '-', not starting with a digit, '.' or '-'): set dramatiq_queue"
         )
+    if queue.broker_queue.endswith((".DQ", ".XQ")):
+        # dramatiq's own suffixes: its delay and dead-letter queues.
+        key = "dramatiq_queue" if queue.dramatiq_queue else "the queue's name"
+        raise ConfigError(
+            f"{where}: {key} {queue.broker_queue!r} ends as dramatiq's delay or dead-letter queues do"
+            " ('.DQ', '.XQ'): set another dramatiq_queue"
+        )
     if queue.min_backoff_ms > queue.max_backoff_ms:
         raise ConfigError(
             f"{where}: key 'min_backoff_ms' ({queue.min_backoff_ms}) must not exceed max_backoff_ms"

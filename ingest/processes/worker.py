@@ -25,17 +25,9 @@ import dramatiq
 import redis
 import structlog
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.common import q_name
-from dramatiq.middleware import (
-    AgeLimit,
-    Callbacks,
-    Pipelines,
-    Retries,
-    ShutdownNotifications,
-    SkipMessage,
-    TimeLimit,
-)
-from dramatiq.results import Results
+from dramatiq.middleware import SkipMessage
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from backhalf import heartbeats, metrics
 from backhalf.db import create_sync_engine
@@ -44,11 +36,17 @@ from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
 from backhalf.worker import Handler, Runner, refused
 from ingest.config import LEASE_MARGIN_MIN_MS, METRICS_PORT_VARIABLE, Settings
-from ingest.config.urls import broker_name
 from ingest.errors import ConfigError
 from ingest.observe import worker_metrics
 from ingest.observe.metrics_http import MetricsServer
 from ingest.observe.worker_metrics import WorkerHeartbeat
+from ingest.processes.worker_messages import (
+    OPTION_READERS,
+    GuardedRedisBroker,
+    MiddlewareOrderError,
+    ignored_options,
+    message_refusal,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +107,9 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         self._runner_lock = threading.Lock()  # the first messages arrive on several threads at once
         self._handlers = {name: (q, resolve_handler(q)) for name, q in settings.queues.items()}
         self._by_actor = {q.actor_name: q for q in settings.queues.values()}
+        # What `--queues` chose, as dramatiq sees it: two Switchboard queues
+        # may share a dramatiq queue, whose consumer then gets both's messages.
+        self._served_broker_queues = frozenset(settings.queues[q].broker_queue for q in self._served)
         self._heartbeat: WorkerHeartbeat | None = None
 
     def declare(self, broker: dramatiq.Broker) -> None:
@@ -152,17 +153,20 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         queue = self._by_actor.get(message.actor_name)
         if queue is None:
             return
-        reason = message_refusal(message, queue, self._served)
+        try:
+            reason = message_refusal(message, queue, self._served_broker_queues)
+        except Exception:  # noqa: BLE001 - a shape nothing above foresaw: refused all the same
+            reason = "bad_arguments"
         if reason is not None:
-            refused(queue.name, reason, log.bind(queue=queue.name, message_id=message.message_id),
-                    argument_types=[type(a).__name__ for a in message.args[:3]],
-                    keywords=len(message.kwargs))  # fmt: skip
+            # Types only: the values are the sender's.
+            bound = log.bind(queue=queue.name, message_id=str(message.message_id)[:64])
+            refused(queue.name, reason, bound, argument_types=type(message.args).__name__)
             raise SkipMessage(reason)
-        overrides = [key for key in message.options if key not in DRAMATIQ_BOOKKEEPING]
+        overrides = ignored_options(message.options, queue)
         for key in overrides:
             del message.options[key]
         if overrides:
-            log.warning("message_options_ignored", queue=queue.name, message_id=message.message_id,
+            log.warning("message_options_ignored", queue=queue.name, message_id=str(message.message_id)[:64],
                         options=sorted(str(k)[:40] for k in overrides)[:10])  # fmt: skip
 
     def _runner_for(self) -> Runner:
@@ -180,28 +184,27 @@ class SwitchboardMiddleware(dramatiq.Middleware):
             return self._runner
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
+        self.declare(broker)
+
+    def before_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
+        """Refuse to start behind dramatiq's option readers: their
+        before_process_message would read a message's overrides (a time
+        limit, retries) before this one drops them. A MiddlewareError is the
+        one failure dramatiq's emit_before lets through: the worker stops."""
         readers = [type(m).__name__ for m in broker.middleware[: broker.middleware.index(self)]
                    if isinstance(m, OPTION_READERS)]  # fmt: skip
         if readers:
-            # Their before_process_message would read a message's overrides
-            # (a time limit, retries) before this one drops them.
-            raise ConfigError(
+            raise MiddlewareOrderError(
                 f"SwitchboardMiddleware must come before dramatiq's {', '.join(readers)} on the broker:"
                 " broker.add_middleware(SwitchboardMiddleware(...), before=type(broker.middleware[0]))"
             )
-        self.declare(broker)
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Its threads consume: the line a supervisor (or a test) waits for."""
-        client = getattr(broker, "client", None)  # a Redis broker's; another broker is not pinged
-        try:
-            name = broker_name(self._settings.dramatiq_broker.url())
-        except ConfigError:  # a broker of the user's own app: [dramatiq]'s credentials unset here
-            name = "dramatiq broker"
         self._heartbeat = WorkerHeartbeat(
             self._settings,
             {"queues": self._served, "threads": self._threads, "slot": heartbeats.slot(self._served)},
-            broker=(name, client.ping) if client is not None else None,
+            broker=_pinger(broker),
         )
         self._heartbeat.start()
         log.info("worker_ready", queues=sorted(self._settings.queues), threads=self._threads)
@@ -217,33 +220,33 @@ class SwitchboardMiddleware(dramatiq.Middleware):
                 self._runner = None
 
 
-# The options dramatiq itself puts on a message (its retries' count and
-# traceback, a delay's eta, the Redis broker's id): kept. Any other option a
-# message carries would override its queue's settings (time_limit,
-# max_retries, backoff, max_age, callbacks, pipelines): dropped.
-DRAMATIQ_BOOKKEEPING = frozenset({"retries", "traceback", "requeue_timestamp", "eta", "redis_message_id"})
-# dramatiq's middleware that read a message's options.
-OPTION_READERS = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries, Results)
-# A todo id is a PostgreSQL bigint.
-MAX_TODO_ID = 2**63 - 1
-
-
-def message_refusal(message: Any, queue: QueueConfig, served: Sequence[str]) -> str | None:
-    """Why a message for ``queue``'s actor must not run, or None: the relay
-    sends exactly one todo id, on the queue's own dramatiq queue."""
-    args, kwargs = message.args, message.kwargs
-    if kwargs or len(args) != 1 or type(args[0]) is not int or not 1 <= args[0] <= MAX_TODO_ID:
-        return "bad_arguments"
-    if q_name(message.queue_name) != queue.broker_queue or queue.name not in served:
-        return "other_queue"
-    return None
-
-
 def _retry_when(max_attempts: int) -> Any:
     def retry_when(retries_so_far: int, exc: BaseException) -> bool:
         return isinstance(exc, StoreError) or retries_so_far < max_attempts - 1
 
     return retry_when
+
+
+# A heartbeat's ping of dramatiq's broker: one try, bounded, so a server out
+# of reach delays no beat past its row's freshness.
+PING_TIMEOUT_S = 2.0
+
+
+def _pinger(broker: dramatiq.Broker) -> tuple[str, Callable[[], object]] | None:
+    """dramatiq's Redis broker by name (host:port/db), and a ping of it on a
+    client of its own: one try, within PING_TIMEOUT_S (the broker's own
+    client retries and waits far longer). None for another broker."""
+    client = getattr(broker, "client", None)
+    if not isinstance(client, redis.Redis):
+        return None
+    kwargs = dict(client.connection_pool.connection_kwargs)
+    kwargs.update(socket_timeout=PING_TIMEOUT_S, socket_connect_timeout=PING_TIMEOUT_S,
+                  retry=Retry(NoBackoff(), 0), driver_info=None)  # fmt: skip
+    pool = client.connection_pool.__class__(
+        connection_class=client.connection_pool.connection_class, **kwargs
+    )
+    where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
+    return f"dramatiq broker at {where}", redis.Redis(connection_pool=pool).ping
 
 
 def broker_for(settings: Settings, *, threads: int = 8, queues: Sequence[str] = ()) -> RedisBroker:
@@ -255,7 +258,7 @@ def broker_for(settings: Settings, *, threads: int = 8, queues: Sequence[str] = 
         socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
         driver_info=None,  # no CLIENT SETINFO: ops/redis-users.acl does not grant it (Redis 7.0 lacks it)
     )
-    broker = RedisBroker(client=client)  # type: ignore[no-untyped-call]
+    broker = GuardedRedisBroker(client=client)  # type: ignore[no-untyped-call]
     first = type(broker.middleware[0]) if broker.middleware else None
     broker.add_middleware(SwitchboardMiddleware(settings, threads=threads, queues=queues), before=first)
     return broker

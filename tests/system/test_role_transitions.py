@@ -387,6 +387,15 @@ FORBIDDEN = [
         _redelivery("elsewhere", "switchboard"),
         REFUSED,
     ),
+    # An acked row asked for its ack again, pointed elsewhere in the same
+    # statement (review of issue 32): the old row was not pending.
+    Case(
+        "ingester repoints an acked row as it asks for its ack again",
+        "ingester",
+        "UPDATE inbox SET ack_state = 'pending', acked_at = NULL, ack_key = 'jobs',"
+        " ack_xid = pg_current_xact_id()::text::int8 WHERE id = %(inbox_acked)s",
+        REFUSED,
+    ),
     Case(
         "ingester drops a pending ack (ack_state none)",
         "ingester",

@@ -85,3 +85,15 @@ def test_a_log_field_is_cut_before_it_is_redacted() -> None:
     shown = _redact_value("a" * 1_000_000)
     assert isinstance(shown, str)
     assert len(shown) < LOG_VALUE_MAX_CHARS + 100
+
+
+def test_a_tail_never_starts_between_a_key_and_its_value() -> None:
+    """Review of issue 32: a tail cut at a space kept a bearer token without
+    its "Authorization: Bearer" for redaction to see."""
+    token = "t0k3n" * 8
+    text = "x " * 5000 + f"Authorization: Bearer {token}"
+    for tail in range(20, 80):
+        shown = redact(cut(text, 300, tail=tail))
+        assert token not in shown, tail
+    lines = "x " * 5000 + f"\nheader\nAuthorization: Bearer {token}"
+    assert redact(cut(lines, 300, tail=70)).endswith("Authorization: Bearer ***")

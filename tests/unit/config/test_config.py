@@ -755,6 +755,9 @@ def test_a_broker_url_lacking_its_credentials_is_no_string_in_the_settings() -> 
          "[queues.q]: key 'lease_margin_ms': must be an integer >= 2000 (got 1999)"),
         ({"queues": {"q": {"handler": "m:f", "dramatiq_queue": ""}}},
          "[queues.q]: key 'dramatiq_queue': must be a non-empty string (got '')"),
+        ({"queues": {"q": {"handler": "m:f", "dramatiq_queue": "x.DQ"}}},
+         "[queues.q]: dramatiq_queue 'x.DQ' ends as dramatiq's delay or dead-letter queues do ('.DQ', '.XQ'):"
+         " set another dramatiq_queue"),
         ({"queues": {"q": {"handler": "m:f", "retain_done_days": 0}}},
          "[queues.q]: key 'retain_done_days' must be a number of days, > 0 and <= 36500 (got 0)"),
         ({"dramatiq": {"idle_poll_ms": 0}},

@@ -1,0 +1,154 @@
+"""A dramatiq message for a Switchboard actor is a hint, never an authority
+(issue 32): anyone with dramatiq's Redis password can enqueue one. What the
+workers' middleware refuses (:func:`message_refusal`), which options it
+drops (:func:`ignored_options`), and the broker whose consumers drop a
+message claiming a dramatiq queue other than the one it was read from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import structlog
+from dramatiq.broker import Consumer
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.common import q_name
+from dramatiq.middleware import (
+    AgeLimit,
+    Callbacks,
+    MiddlewareError,
+    Pipelines,
+    Retries,
+    ShutdownNotifications,
+    TimeLimit,
+)
+from dramatiq.results import Results
+
+from backhalf import metrics
+from backhalf.queues import QueueConfig
+
+log = structlog.get_logger(__name__)
+
+# The options dramatiq itself puts on a message (its retries' count and
+# traceback, a delay's eta, the Redis broker's id): kept. Any other option a
+# message carries would override its queue's settings (time_limit,
+# max_retries, backoff, max_age, callbacks, pipelines): dropped.
+DRAMATIQ_BOOKKEEPING = frozenset({"retries", "traceback", "requeue_timestamp", "eta", "redis_message_id"})
+# dramatiq's middleware that read a message's options.
+OPTION_READERS = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries, Results)
+# A todo id is a PostgreSQL bigint.
+MAX_TODO_ID = 2**63 - 1
+
+
+def message_refusal(message: Any, queue: QueueConfig, served: Collection[str]) -> str | None:
+    """Why a message for ``queue``'s actor must not run, or None: the relay
+    sends exactly one todo id, no keywords, on the queue's own dramatiq
+    queue (``served``: the dramatiq queues this worker consumes)."""
+    args, kwargs, options = message.args, message.kwargs, message.options
+    if type(kwargs) is not dict or kwargs or type(options) is not dict:
+        return "bad_arguments"
+    if (
+        type(args) is not tuple
+        or len(args) != 1
+        or type(args[0]) is not int
+        or not 1 <= args[0] <= MAX_TODO_ID
+    ):
+        return "bad_arguments"
+    if type(message.queue_name) is not str or q_name(message.queue_name) != queue.broker_queue:
+        return "other_queue"
+    if queue.broker_queue not in served:
+        return "other_queue"
+    return None
+
+
+def ignored_options(options: dict[str, Any], queue: QueueConfig) -> list[str]:
+    """The options to drop: any that would override the queue's settings, and
+    dramatiq's own bookkeeping when it is not what dramatiq writes (a
+    ``retries`` count outside 0..max_attempts would change the backoff)."""
+    dropped = [key for key in options if key not in DRAMATIQ_BOOKKEEPING]
+    retries = options.get("retries")
+    if "retries" in options and not (type(retries) is int and 0 <= retries <= queue.max_attempts):
+        dropped.append("retries")
+    eta = options.get("eta")
+    if "eta" in options and eta is not None and type(eta) not in (int, float):
+        dropped.append("eta")
+    return dropped
+
+
+class MiddlewareOrderError(MiddlewareError):
+    """SwitchboardMiddleware is behind a middleware that reads message options."""
+
+
+class _QueueGuard(Consumer):
+    """A consumer that drops (acks, logs and counts) a message dramatiq itself
+    cannot handle: one whose body names a dramatiq queue other than the one
+    it was read from (the worker thread looks that name up among its
+    consumers, and a name it does not consume ends the thread: a forged
+    message could stop a worker's threads one by one), or whose fields are
+    not of the types dramatiq assumes (its own log line of a skipped message
+    fails on keywords that are not a dict). Such a message never reaches a
+    worker thread or any middleware."""
+
+    def __init__(self, inner: Consumer, queue_name: str) -> None:
+        self._inner, self._queue_name = inner, queue_name
+
+    def __iter__(self) -> _QueueGuard:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            message = next(self._inner)
+            if message is None or (well_formed(message) and message.queue_name == self._queue_name):
+                return message
+            reason = "other_queue" if well_formed(message) else "bad_arguments"
+            log.warning("message_refused", reason=reason, dramatiq_queue=self._queue_name,
+                        message_id=str(message.message_id)[:64])  # fmt: skip
+            if metrics.on():
+                metrics.MESSAGES_REFUSED.labels(q_name(self._queue_name), reason).inc()
+            self._drop(message)
+
+    def _drop(self, message: Any) -> None:
+        """Ack it by the id dramatiq's enqueue stores it under (the message
+        id, unless its options say otherwise), whatever its options hold."""
+        options = message.options if type(message.options) is dict else {}
+        stored_as = options.get("redis_message_id")
+        if type(stored_as) is not str:
+            stored_as = str(message.message_id)
+        # The message is dramatiq's frozen dataclass: its options are given
+        # the id the ack reads (a forged body may lack it, or not be a dict).
+        object.__setattr__(message._message, "options", {**options, "redis_message_id": stored_as})
+        self._inner.ack(message)
+
+    def ack(self, message: Any) -> None:
+        self._inner.ack(message)
+
+    def nack(self, message: Any) -> None:
+        self._inner.nack(message)
+
+    def requeue(self, messages: Any) -> None:
+        self._inner.requeue(messages)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def well_formed(message: Any) -> bool:
+    """The field types dramatiq assumes of a message it decodes (it checks none)."""
+    return (
+        type(message.queue_name) is str
+        and type(message.actor_name) is str
+        and type(message.args) is tuple
+        and type(message.kwargs) is dict
+        and type(message.options) is dict
+    )
+
+
+class GuardedRedisBroker(RedisBroker):
+    """dramatiq's Redis broker whose consumers drop messages claiming another queue."""
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Consumer:
+        return _QueueGuard(super().consume(queue_name, prefetch, timeout), queue_name)
