@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from contextlib import AbstractContextManager
-from typing import Any, TypeAlias, cast
+from typing import TypeAlias, cast
 
 import psycopg
 import pytest
@@ -23,6 +23,7 @@ from ingest.errors import AckError
 from ingest.processes.acker import drain_loop, drain_once
 from ingest.processes.poll import to_record
 from tests.support.db import libpq, query, scalar
+from tests.support.plans import scans_of
 
 STREAM, GROUP = "orders", "switchboard"
 STREAM_ACK = AckTarget("xack", STREAM, GROUP, by_cursor=True)
@@ -242,14 +243,6 @@ async def test_claim_skips_a_row_a_redelivery_is_requeueing_instead_of_deadlocki
     assert scalar(db_url, "SELECT ack_state FROM inbox") == "acked"
 
 
-def _scans_of(plan: dict[str, Any], relation: str) -> list[dict[str, Any]]:
-    """Every node of an EXPLAIN (FORMAT JSON) plan that reads ``relation``."""
-    found = [plan] if plan.get("Relation Name") == relation and "Scan" in str(plan["Node Type"]) else []
-    for child in plan.get("Plans", []):
-        found += _scans_of(child, relation)
-    return found
-
-
 async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
     engine: AsyncEngine, db_url: str
 ) -> None:
@@ -279,7 +272,7 @@ async def test_the_claim_walks_the_queue_in_order_and_stops_at_its_limit(
                 "EXPLAIN (ANALYZE, FORMAT JSON) " + queries.CLAIM_ACKS, {"adapters": ["orders"], "limit": 100}
             ).fetchone()  # type: ignore[misc]
             raise psycopg.Rollback()
-    scans = _scans_of(plan[0]["Plan"], "ack_queue")
+    scans = scans_of(plan[0]["Plan"], "ack_queue")
     assert scans, plan
     assert {s["Node Type"] for s in scans} <= {"Index Scan", "Index Only Scan"}, scans
     rows_read = sum(int(s["Actual Rows"]) * int(s["Actual Loops"]) for s in scans)
@@ -317,7 +310,7 @@ async def test_the_cursor_claim_walks_its_index_in_order_and_stops_at_its_limit(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + queries.CURSOR_ACKS, {"adapter": "orders", "limit": 100}
         ).fetchone()  # type: ignore[misc]
         raise psycopg.Rollback()
-    scans = _scans_of(plan[0]["Plan"], "inbox")
+    scans = scans_of(plan[0]["Plan"], "inbox")
     assert [s["Node Type"] for s in scans] == ["Index Scan"], scans
     assert scans[0]["Index Name"] == "ix_inbox_ack_cursor", scans
     assert int(scans[0]["Actual Rows"]) * int(scans[0]["Actual Loops"]) == 100, scans

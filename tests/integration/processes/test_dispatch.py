@@ -4,7 +4,6 @@ relay's claim against real PostgreSQL."""
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
@@ -15,6 +14,7 @@ from backhalf import queries
 from backhalf.dispatch import Enqueuer
 from backhalf.queues import QueueConfig
 from tests.support.db import libpq, query
+from tests.support.plans import scans_of
 
 QUEUE = QueueConfig(name="orders", handler="m:f")
 
@@ -51,13 +51,6 @@ def test_a_batch_is_one_pipeline_of_messages_dramatiq_reads_back(redis_url: str)
         enqueuer.close()
 
 
-def _scans_of(plan: dict[str, Any], relation: str) -> list[dict[str, Any]]:
-    found = [plan] if plan.get("Relation Name") == relation and "Scan" in str(plan["Node Type"]) else []
-    for child in plan.get("Plans", []):
-        found += _scans_of(child, relation)
-    return found
-
-
 def test_the_relays_claim_reads_no_finished_todo(db_url: str) -> None:
     """Issue 25: 200,000 done todos retained beside a backlog of pending ones,
     statistics up to date. The claim walks each queue's pending rows in id
@@ -89,7 +82,7 @@ def test_the_relays_claim_reads_no_finished_todo(db_url: str) -> None:
     assert len(rows) == 200  # up to the limit of each queue, oldest first
     oldest = query(db_url, "SELECT min(id) FROM todos WHERE status = 'pending' GROUP BY queue ORDER BY 1")
     assert {i for (i,) in oldest} <= {i for i, _ in rows}
-    scans = _scans_of(plan[0]["Plan"], "todos")
+    scans = scans_of(plan[0]["Plan"], "todos")
     assert {s.get("Index Name") for s in scans} == {"ix_todos_pending"}, scans
     # The claim again (its own locks do not stop it): 100 index entries of
     # each queue read, no done todo.
