@@ -479,7 +479,9 @@ def dramatiq_url(redis_url: str) -> str:
 def bench_bare_dramatiq(
     workdir: Path, redis_url: str, n: int, servers: dict[str, int]
 ) -> tuple[float, dict[str, float]]:
-    """dramatiq alone: n no-op messages pre-loaded, drained by its CLI."""
+    """dramatiq alone: n no-op messages drained by its CLI. The clock starts
+    once its worker processes are ready (start-up apart, as Switchboard's),
+    when the pre-loaded queue is moved in with one RENAME."""
     import subprocess
 
     import dramatiq
@@ -493,9 +495,11 @@ def bench_bare_dramatiq(
         loader.enqueue(
             dramatiq.Message(queue_name="bare", actor_name="bench_noop", args=(i,), kwargs={}, options={})
         )
-    log = (workdir / "bare-dramatiq.log").open("wb")
+    # Held aside while the workers start: their fetch reads this list only.
+    client.rename("dramatiq:bare", "dramatiq:bare.held")
+    log_path = workdir / "bare-dramatiq.log"
+    log = log_path.open("wb")
     env = {**os.environ, "BENCH_DRAMATIQ_URL": url}
-    started = time.perf_counter()
     proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
         [
             sys.executable,
@@ -515,8 +519,15 @@ def bench_bare_dramatiq(
         stderr=subprocess.STDOUT,
     )
     pids = {"dramatiq": proc.pid, "redis": servers["redis"]}
-    cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     try:
+        wait_for(
+            lambda: log_path.read_text(errors="replace").count("Worker process is ready") >= WORKER_PROCESSES,
+            timeout_s=120,
+            what="the bare workers ready",
+        )
+        cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
+        started = time.perf_counter()
+        client.rename("dramatiq:bare.held", "dramatiq:bare")
         wait_for(lambda: client.hlen("dramatiq:bare.msgs") == 0, timeout_s=600, what="the bare drain",
                  interval_s=POLL_S)  # fmt: skip
         elapsed = time.perf_counter() - started
@@ -526,6 +537,68 @@ def bench_bare_dramatiq(
         proc.wait(timeout=60)
         log.close()
         loader.close()
+    return n / elapsed, cpu_us
+
+
+def bench_update_peer(
+    workdir: Path, pg: PostgresServer, redis_url: str, n: int, servers: dict[str, int]
+) -> tuple[float, dict[str, float]]:
+    """The "dramatiq + one UPDATE per message" peer: n jobs in a table of
+    their own, a dramatiq message per job, each handled by one committed
+    UPDATE of its row; the clock and the CPU as the bare drain's."""
+    import subprocess
+
+    import dramatiq
+    from dramatiq.brokers.redis import RedisBroker
+
+    db = pg.create_database("update_peer")
+    with psycopg.connect(libpq_url(db), autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE bench_jobs (id int8 PRIMARY KEY, status text NOT NULL, done_at timestamptz)"
+        )
+        conn.execute("INSERT INTO bench_jobs SELECT g, 'pending', NULL FROM generate_series(1, %s) g", (n,))
+        conn.execute("CHECKPOINT")
+    url = dramatiq_url(redis_url)
+    client = redis.Redis.from_url(url, socket_timeout=10)
+    client.flushdb()
+    loader = RedisBroker(client=client, middleware=[])  # type: ignore[no-untyped-call]
+    for i in range(1, n + 1):
+        loader.enqueue(
+            dramatiq.Message(queue_name="peer", actor_name="bench_update", args=(i,), kwargs={}, options={})
+        )
+    client.rename("dramatiq:peer", "dramatiq:peer.held")
+    log_path = workdir / "update-peer.log"
+    log = log_path.open("wb")
+    env = {**os.environ, "BENCH_DRAMATIQ_URL": url, "BENCH_PEER_DB": libpq_url(db)}
+    proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
+        [sys.executable, "-m", "dramatiq", "scripts.bench_actors", "--processes", str(WORKER_PROCESSES),
+         "--threads", str(WORKER_THREADS), "--queues", "peer"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    pids = {"dramatiq": proc.pid, **servers}
+    try:
+        wait_for(
+            lambda: log_path.read_text(errors="replace").count("Worker process is ready") >= WORKER_PROCESSES,
+            timeout_s=120,
+            what="the peer's workers ready",
+        )
+        cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
+        started = time.perf_counter()
+        client.rename("dramatiq:peer.held", "dramatiq:peer")
+        wait_for(lambda: client.hlen("dramatiq:peer.msgs") == 0, timeout_s=600, what="the peer's drain",
+                 interval_s=POLL_S)  # fmt: skip
+        elapsed = time.perf_counter() - started
+        cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+        loader.close()
+    with psycopg.connect(libpq_url(db), autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM bench_jobs WHERE status = 'done'").fetchone()
+    pg.drop_database("update_peer")
+    if row is None or int(row[0]) != n:
+        raise SystemExit(f"bench: the UPDATE peer finished {row[0] if row else 0} of {n} jobs")
     return n / elapsed, cpu_us
 
 
@@ -541,8 +614,14 @@ ACTIVE_TODOS = (
 
 def todos_active(url: str) -> int:
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        row = conn.execute(ACTIVE_TODOS).fetchone()
-        return int(row[0]) if row else 0
+        return active_on(conn)
+
+
+def active_on(conn: psycopg.Connection[Any]) -> int:
+    """The active todos, on a connection the caller keeps (a wait loop that
+    connected at every poll billed the connections to the run)."""
+    row = conn.execute(ACTIVE_TODOS).fetchone()
+    return int(row[0]) if row else 0
 
 
 def todos_done(url: str) -> int:
@@ -638,26 +717,31 @@ def bench_end_to_end(
     workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, batch_size: int, servers: dict[str, int]
 ) -> tuple[float, dict[str, float]]:
     """Switchboard end to end: entries to todos done by the no-op handler.
-    The clock starts with the workers (as the bare drain's does) and the
-    adapter enabled, and stops when every todo is done and every entry acked."""
+    The clock starts once every process is ready (start-up apart, as the
+    bare drain's) with the adapter enabled, and stops when every todo is
+    done and every entry acked; the CPU is counted over the same span."""
     preload(r, n)
     config_path = e2e_config(workdir, url, redis_url, batch_size, "e2e")
     acker = start("ack", config_path, workdir / "e2e-acker.log")
     ingester = start("ingest", config_path, workdir / "e2e-ingester.log")
-    wait_ready(acker)
-    wait_ready(ingester)
-    started = time.perf_counter()
     worker = SwitchboardProcess("worker", config_path, workdir / "e2e-worker.log", cwd=ROOT)
     pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, **servers}
-    cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
+    watcher = psycopg.connect(libpq_url(url), autocommit=True)
     try:
+        wait_ready(acker)
+        wait_ready(ingester)
+        wait_for(lambda: len(worker.events("worker_ready")) >= WORKER_PROCESSES, timeout_s=120,
+                 what="the workers ready")  # fmt: skip
+        cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
+        started = time.perf_counter()
         set_enabled(url, True)
         # Drained: all n stored (and acked); none active: all finished.
-        wait_for(lambda: stream_drained(r) and todos_active(url) == 0, timeout_s=900, what="every todo done",
+        wait_for(lambda: stream_drained(r) and active_on(watcher) == 0, timeout_s=900, what="every todo done",
                  interval_s=0.1)  # fmt: skip
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
     finally:
+        watcher.close()
         for proc in (worker, ingester, acker):
             proc.terminate()
     done = todos_done(url)
@@ -673,11 +757,15 @@ def print_downstream(base: Path, pg: Any, rs: Any, n: int, batch_size: int, rate
     print(f"  bare dramatiq no-op drain       {bare:>10,.0f} msg/s  ({n} messages,"
           f" {WORKER_PROCESSES} processes x {WORKER_THREADS} threads)")  # fmt: skip
     print("    CPU per message               " + ", ".join(f"{k} {v:.0f} us" for k, v in bare_cpu.items()))
+    peer, peer_cpu = bench_update_peer(base, pg, rs.url, n, servers)
+    print(f"  dramatiq + one UPDATE a message {peer:>10,.0f} msg/s")
+    print("    CPU per message               " + ", ".join(f"{k} {v:.0f} us" for k, v in peer_cpu.items()))
     e2e, e2e_cpu = bench_end_to_end(base, fresh_db(pg, "e2e"), r, rs.url, n, batch_size, servers)
     pg.drop_database("e2e")
     print(f"  switchboard end to end (done)   {e2e:>10,.0f} msg/s")
     print("    CPU per message               " + ", ".join(f"{k} {v:.0f} us" for k, v in e2e_cpu.items()))
     print(f"  ratio to bare dramatiq          {e2e / bare:>10.2f}x")
+    print(f"  ratio to the UPDATE peer        {e2e / peer:>10.2f}x")
     for rate in rates:
         values = bench_done_latency(
             base, fresh_db(pg, "done_latency"), r, rs.url, rate, DONE_SECONDS, batch_size

@@ -25,3 +25,23 @@ if _url:
 
 def noop_handler(todo: Any) -> None:
     """Switchboard's handler: nothing but the lifecycle around it."""
+
+
+# The "dramatiq + one UPDATE per message" peer (issue 25): the cheapest
+# durable state a user would write by hand, one committed UPDATE of the job's
+# row per message, on a connection per worker thread.
+_peer_db = os.environ.get("BENCH_PEER_DB")
+if _url and _peer_db:
+    import threading
+
+    import psycopg
+
+    _local = threading.local()
+    _peer_conninfo: str = _peer_db
+
+    @dramatiq.actor(queue_name="peer", actor_name="bench_update")
+    def update(job_id: int) -> None:
+        conn = getattr(_local, "conn", None)
+        if conn is None:
+            conn = _local.conn = psycopg.connect(_peer_conninfo, autocommit=True)
+        conn.execute("UPDATE bench_jobs SET status = 'done', done_at = now() WHERE id = %s", (job_id,))
