@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from backhalf import migrate  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
+from ingest.config import DEFAULT_IDLE_POLL_MS  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
 from ingest.embedded.servers import PostgresServer, embedded_servers, free_port  # noqa: E402
@@ -467,6 +468,8 @@ def bench_latency(
 # --- 5. downstream ------------------------------------------------------------------------
 
 WORKER_PROCESSES, WORKER_THREADS = 2, 8
+# Switchboard's default [dramatiq] idle_poll_ms, given to the peers' workers too.
+IDLE_POLL_MS = DEFAULT_IDLE_POLL_MS
 # The latency to done is measured for this long at each offered rate
 # (``--done-rates``; issue 12's target: p99 at most 100 ms at 500 msg/s).
 DONE_SECONDS = 6.0
@@ -499,7 +502,10 @@ def bench_bare_dramatiq(
     client.rename("dramatiq:bare", "dramatiq:bare.held")
     log_path = workdir / "bare-dramatiq.log"
     log = log_path.open("wb")
-    env = {**os.environ, "BENCH_DRAMATIQ_URL": url}
+    # The idle poll Switchboard's workers use ([dramatiq] idle_poll_ms): with
+    # dramatiq's own (up to a second), its consumers would sleep through the
+    # start of the clock while the queue is held aside.
+    env = {**os.environ, "BENCH_DRAMATIQ_URL": url, "dramatiq_worker_timeout": str(IDLE_POLL_MS)}
     proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
         [
             sys.executable,
@@ -569,7 +575,8 @@ def bench_update_peer(
     client.rename("dramatiq:peer", "dramatiq:peer.held")
     log_path = workdir / "update-peer.log"
     log = log_path.open("wb")
-    env = {**os.environ, "BENCH_DRAMATIQ_URL": url, "BENCH_PEER_DB": libpq_url(db)}
+    env = {**os.environ, "BENCH_DRAMATIQ_URL": url, "BENCH_PEER_DB": libpq_url(db),
+           "dramatiq_worker_timeout": str(IDLE_POLL_MS)}  # fmt: skip
     proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
         [sys.executable, "-m", "dramatiq", "scripts.bench_actors", "--processes", str(WORKER_PROCESSES),
          "--threads", str(WORKER_THREADS), "--queues", "peer"],
@@ -726,8 +733,9 @@ def bench_end_to_end(
     ingester = start("ingest", config_path, workdir / "e2e-ingester.log")
     worker = SwitchboardProcess("worker", config_path, workdir / "e2e-worker.log", cwd=ROOT)
     pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, **servers}
-    watcher = psycopg.connect(libpq_url(url), autocommit=True)
+    watcher: psycopg.Connection[Any] | None = None
     try:
+        watcher = psycopg.connect(libpq_url(url), autocommit=True)
         wait_ready(acker)
         wait_ready(ingester)
         wait_for(lambda: len(worker.events("worker_ready")) >= WORKER_PROCESSES, timeout_s=120,
@@ -736,12 +744,14 @@ def bench_end_to_end(
         started = time.perf_counter()
         set_enabled(url, True)
         # Drained: all n stored (and acked); none active: all finished.
-        wait_for(lambda: stream_drained(r) and active_on(watcher) == 0, timeout_s=900, what="every todo done",
+        conn = watcher
+        wait_for(lambda: stream_drained(r) and active_on(conn) == 0, timeout_s=900, what="every todo done",
                  interval_s=0.1)  # fmt: skip
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
     finally:
-        watcher.close()
+        if watcher is not None:
+            watcher.close()
         for proc in (worker, ingester, acker):
             proc.terminate()
     done = todos_done(url)

@@ -31,9 +31,8 @@ def handler_check(settings: Settings) -> status.HandlerCheck:
             resolve_handler(settings.queues[queue])
         except ConfigError as exc:
             return str(exc)
-        except Exception as exc:  # noqa: BLE001 - the user's module failed while it was imported
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            return redact(f"[queues.{queue}]: importing its handler raised {type(exc).__name__}: {first}")
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module failed while it was imported
+            return redact(f"[queues.{queue}]: importing its handler raised {type(exc).__name__}")
         return None
 
     return check

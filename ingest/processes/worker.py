@@ -40,6 +40,7 @@ from ingest.errors import ConfigError
 from ingest.observe import worker_metrics
 from ingest.observe.metrics_http import MetricsServer
 from ingest.observe.worker_metrics import WorkerHeartbeat
+from ingest.processes.children import end_with_parent
 from ingest.processes.worker_messages import (
     OPTION_READERS,
     GuardedRedisBroker,
@@ -301,9 +302,21 @@ def exec_workers(
             "--worker-shutdown-timeout", str(shutdown_timeout_ms(settings, chosen))]  # fmt: skip
     if settings.metrics.port:
         # The endpoint: a process of dramatiq's own, summing the workers' files.
-        argv += ["--fork-function", worker_metrics.FORK_FUNCTION]
+        argv += ["--fork-function", METRICS_FORK_FUNCTION]
     log.info("workers_starting", processes=processes, threads=threads, queues=broker_queues)
     os.execve(sys.executable, argv, dict(env))  # noqa: S606 - our interpreter, fixed arguments, no shell
+
+
+# The workers' metrics endpoint: a process dramatiq's main process forks.
+METRICS_FORK_FUNCTION = "ingest.processes.worker:serve_metrics"
+
+
+def serve_metrics() -> int:
+    """dramatiq's fork function: the workers' /metrics and /healthz, ended by
+    the kernel with dramatiq's main process (as its worker processes are): a
+    main process killed outright left it serving, the port held, alone."""
+    end_with_parent(os.getppid())
+    return worker_metrics.serve()
 
 
 # dramatiq's own default: ten minutes for running handlers to finish on SIGTERM.

@@ -64,15 +64,14 @@ def message_refusal(message: Any, queue: QueueConfig, served: Collection[str]) -
 
 def ignored_options(options: dict[str, Any], queue: QueueConfig) -> list[str]:
     """The options to drop: any that would override the queue's settings, and
-    dramatiq's own bookkeeping when it is not what dramatiq writes (a
-    ``retries`` count outside 0..max_attempts would change the backoff)."""
+    a ``retries`` count dramatiq never writes (not a count, or below zero:
+    a negative one zeroes its backoff). A count past ``max_attempts`` is
+    dramatiq's own during a database outage (those retries count no
+    attempt), and its backoff caps it."""
     dropped = [key for key in options if key not in DRAMATIQ_BOOKKEEPING]
     retries = options.get("retries")
-    if "retries" in options and not (type(retries) is int and 0 <= retries <= queue.max_attempts):
+    if "retries" in options and not (type(retries) is int and retries >= 0):
         dropped.append("retries")
-    eta = options.get("eta")
-    if "eta" in options and eta is not None and type(eta) not in (int, float):
-        dropped.append("eta")
     return dropped
 
 
@@ -99,14 +98,27 @@ class _QueueGuard(Consumer):
     def __next__(self) -> Any:
         while True:
             message = next(self._inner)
-            if message is None or (well_formed(message) and message.queue_name == self._queue_name):
+            if message is None:
+                return None
+            reason = self._refusal(message)
+            if reason is None:
                 return message
-            reason = "other_queue" if well_formed(message) else "bad_arguments"
             log.warning("message_refused", reason=reason, dramatiq_queue=self._queue_name,
                         message_id=str(message.message_id)[:64])  # fmt: skip
             if metrics.on():
                 metrics.MESSAGES_REFUSED.labels(q_name(self._queue_name), reason).inc()
             self._drop(message)
+
+    def _refusal(self, message: Any) -> str | None:
+        if not well_formed(message):
+            return "bad_arguments"
+        if message.queue_name != self._queue_name:
+            return "other_queue"
+        if "eta" in message.options and not self._queue_name.endswith(".DQ"):
+            # No dramatiq enqueue puts an eta outside the delay queue: held in
+            # the consumer's memory until then, a few would stop its fetches.
+            return "bad_arguments"
+        return None
 
     def _drop(self, message: Any) -> None:
         """Ack it by the id dramatiq's enqueue stores it under (the message

@@ -356,3 +356,7 @@ def test_a_dramatiq_broker_the_workers_cannot_use_makes_them_unhealthy(
     assert "FAILING" in shown.stdout
     assert "not-the-password" not in shown.stdout + shown.stderr + str(healthz(port)[1])
     assert "not-the-password" not in worker.raw_log()
+    # dramatiq's main process killed outright: its metrics process goes with
+    # it (it was left serving the port alone).
+    worker.kill()
+    wait_for(lambda: healthz(port) == (0, {}), timeout_s=30, what="the workers' endpoint gone with them")
