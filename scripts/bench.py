@@ -479,12 +479,20 @@ def dramatiq_url(redis_url: str) -> str:
     return redis_url.rsplit("/", 1)[0] + "/1" if redis_url.count("/") > 2 else redis_url + "/1"
 
 
-def bench_bare_dramatiq(
-    workdir: Path, redis_url: str, n: int, servers: dict[str, int]
+def drain_dramatiq(
+    workdir: Path,
+    redis_url: str,
+    queue: str,
+    actor: str,
+    ids: range,
+    servers: dict[str, int],
+    env: dict[str, str] | None = None,
 ) -> tuple[float, dict[str, float]]:
-    """dramatiq alone: n no-op messages drained by its CLI. The clock starts
-    once its worker processes are ready (start-up apart, as Switchboard's),
-    when the pre-loaded queue is moved in with one RENAME."""
+    """A message per id to ``actor`` on ``queue``, drained by dramatiq's own
+    CLI (scripts.bench_actors). The queue is loaded first and held aside;
+    the clock starts once the worker processes are ready (start-up apart, as
+    Switchboard's), when one RENAME moves it in. CPU of dramatiq's processes
+    and of ``servers``, per message, over the same span."""
     import subprocess
 
     import dramatiq
@@ -494,48 +502,35 @@ def bench_bare_dramatiq(
     client = redis.Redis.from_url(url, socket_timeout=10)
     client.flushdb()
     loader = RedisBroker(client=client, middleware=[])  # type: ignore[no-untyped-call]
-    for i in range(n):
-        loader.enqueue(
-            dramatiq.Message(queue_name="bare", actor_name="bench_noop", args=(i,), kwargs={}, options={})
-        )
+    for i in ids:
+        loader.enqueue(dramatiq.Message(queue_name=queue, actor_name=actor, args=(i,), kwargs={}, options={}))
     # Held aside while the workers start: their fetch reads this list only.
-    client.rename("dramatiq:bare", "dramatiq:bare.held")
-    log_path = workdir / "bare-dramatiq.log"
+    client.rename(f"dramatiq:{queue}", f"dramatiq:{queue}.held")
+    log_path = workdir / f"{queue}-dramatiq.log"
     log = log_path.open("wb")
     # The idle poll Switchboard's workers use ([dramatiq] idle_poll_ms): with
     # dramatiq's own (up to a second), its consumers would sleep through the
     # start of the clock while the queue is held aside.
-    env = {**os.environ, "BENCH_DRAMATIQ_URL": url, "dramatiq_worker_timeout": str(IDLE_POLL_MS)}
+    full_env = {**os.environ, **(env or {}), "BENCH_DRAMATIQ_URL": url,
+                "dramatiq_worker_timeout": str(IDLE_POLL_MS)}  # fmt: skip
     proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
-        [
-            sys.executable,
-            "-m",
-            "dramatiq",
-            "scripts.bench_actors",
-            "--processes",
-            str(WORKER_PROCESSES),
-            "--threads",
-            str(WORKER_THREADS),
-            "--queues",
-            "bare",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    pids = {"dramatiq": proc.pid, "redis": servers["redis"]}
+        [sys.executable, "-m", "dramatiq", "scripts.bench_actors", "--processes", str(WORKER_PROCESSES),
+         "--threads", str(WORKER_THREADS), "--queues", queue],
+        cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    pids = {"dramatiq": proc.pid, **servers}
+    n = len(ids)
     try:
         wait_for(
             lambda: log_path.read_text(errors="replace").count("Worker process is ready") >= WORKER_PROCESSES,
             timeout_s=120,
-            what="the bare workers ready",
+            what=f"the {queue} workers ready",
         )
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
-        client.rename("dramatiq:bare.held", "dramatiq:bare")
-        wait_for(lambda: client.hlen("dramatiq:bare.msgs") == 0, timeout_s=600, what="the bare drain",
-                 interval_s=POLL_S)  # fmt: skip
+        client.rename(f"dramatiq:{queue}.held", f"dramatiq:{queue}")
+        wait_for(lambda: client.hlen(f"dramatiq:{queue}.msgs") == 0, timeout_s=600,
+                 what=f"the {queue} drain", interval_s=POLL_S)  # fmt: skip
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
     finally:
@@ -544,6 +539,13 @@ def bench_bare_dramatiq(
         log.close()
         loader.close()
     return n / elapsed, cpu_us
+
+
+def bench_bare_dramatiq(
+    workdir: Path, redis_url: str, n: int, servers: dict[str, int]
+) -> tuple[float, dict[str, float]]:
+    """dramatiq alone: n no-op messages drained by its CLI."""
+    return drain_dramatiq(workdir, redis_url, "bare", "bench_noop", range(n), {"redis": servers["redis"]})
 
 
 def bench_update_peer(
@@ -552,11 +554,6 @@ def bench_update_peer(
     """The "dramatiq + one UPDATE per message" peer: n jobs in a table of
     their own, a dramatiq message per job, each handled by one committed
     UPDATE of its row; the clock and the CPU as the bare drain's."""
-    import subprocess
-
-    import dramatiq
-    from dramatiq.brokers.redis import RedisBroker
-
     db = pg.create_database("update_peer")
     with psycopg.connect(libpq_url(db), autocommit=True) as conn:
         conn.execute(
@@ -564,49 +561,14 @@ def bench_update_peer(
         )
         conn.execute("INSERT INTO bench_jobs SELECT g, 'pending', NULL FROM generate_series(1, %s) g", (n,))
         conn.execute("CHECKPOINT")
-    url = dramatiq_url(redis_url)
-    client = redis.Redis.from_url(url, socket_timeout=10)
-    client.flushdb()
-    loader = RedisBroker(client=client, middleware=[])  # type: ignore[no-untyped-call]
-    for i in range(1, n + 1):
-        loader.enqueue(
-            dramatiq.Message(queue_name="peer", actor_name="bench_update", args=(i,), kwargs={}, options={})
-        )
-    client.rename("dramatiq:peer", "dramatiq:peer.held")
-    log_path = workdir / "update-peer.log"
-    log = log_path.open("wb")
-    env = {**os.environ, "BENCH_DRAMATIQ_URL": url, "BENCH_PEER_DB": libpq_url(db),
-           "dramatiq_worker_timeout": str(IDLE_POLL_MS)}  # fmt: skip
-    proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
-        [sys.executable, "-m", "dramatiq", "scripts.bench_actors", "--processes", str(WORKER_PROCESSES),
-         "--threads", str(WORKER_THREADS), "--queues", "peer"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    pids = {"dramatiq": proc.pid, **servers}
-    try:
-        wait_for(
-            lambda: log_path.read_text(errors="replace").count("Worker process is ready") >= WORKER_PROCESSES,
-            timeout_s=120,
-            what="the peer's workers ready",
-        )
-        cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
-        started = time.perf_counter()
-        client.rename("dramatiq:peer.held", "dramatiq:peer")
-        wait_for(lambda: client.hlen("dramatiq:peer.msgs") == 0, timeout_s=600, what="the peer's drain",
-                 interval_s=POLL_S)  # fmt: skip
-        elapsed = time.perf_counter() - started
-        cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
-        loader.close()
+    result = drain_dramatiq(workdir, redis_url, "peer", "bench_update", range(1, n + 1), servers,
+                            env={"BENCH_PEER_DB": libpq_url(db)})  # fmt: skip
     with psycopg.connect(libpq_url(db), autocommit=True) as conn:
         row = conn.execute("SELECT count(*) FROM bench_jobs WHERE status = 'done'").fetchone()
     pg.drop_database("update_peer")
     if row is None or int(row[0]) != n:
         raise SystemExit(f"bench: the UPDATE peer finished {row[0] if row else 0} of {n} jobs")
-    return n / elapsed, cpu_us
+    return result
 
 
 # Todos not finished yet, through the partial indexes of the active states
