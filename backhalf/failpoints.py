@@ -30,6 +30,7 @@ NAMES = frozenset(
         "after_commit",
         "acker_after_select",
         "acker_after_xack",
+        "worker_before_end_commit",
     }
 )
 ACTIONS = frozenset({"kill", "stop", "raise"})

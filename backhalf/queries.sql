@@ -621,7 +621,9 @@ SELECT count(*) FROM marked
 -- dramatiq's retry after its backoff) applies only if its run still holds
 -- the todo: running, on its run's token. A cancelled todo, or one rescued
 -- or retried and started again meanwhile, keeps its state and the late
--- result is discarded.
+-- result is discarded. An end marked ``unrun`` gives back a claim whose
+-- handler never ran (a message the worker had fetched and claimed, then
+-- requeued as it stopped): dispatched again, its attempt not counted.
 --
 -- Every id of a batch is distinct, ends and starts together (the writer
 -- defers a second change of a todo to its next batch): one statement
@@ -634,8 +636,8 @@ SELECT count(*) FROM marked
 -- one per end that held its todo or found it busy.
 WITH e AS (
     SELECT * FROM unnest(%(end_ids)b::int8[], %(end_tokens)b::uuid[], %(to_status)b::text[],
-                         %(errors)b::text[], %(details)b::text[])
-        AS e(id, token, to_status, error, detail)
+                         %(errors)b::text[], %(details)b::text[], %(unrun)b::bool[])
+        AS e(id, token, to_status, error, detail, unrun)
 ), s AS (
     SELECT * FROM unnest(%(start_ids)b::int8[], %(start_queues)b::text[], %(start_tokens)b::uuid[],
                          %(lease_s)b::float8[], %(max_attempts)b::int4[])
@@ -648,7 +650,7 @@ WITH e AS (
 ), changed AS (
     UPDATE todos t
     SET status = coalesce(e.to_status, 'running'),
-        attempts = t.attempts + CASE WHEN s.id IS NULL THEN 0 ELSE 1 END,
+        attempts = t.attempts + CASE WHEN s.id IS NOT NULL THEN 1 WHEN e.unrun THEN -1 ELSE 0 END,
         rescues = CASE WHEN s.id IS NULL THEN t.rescues ELSE 0 END,
         lease_until = CASE WHEN s.id IS NULL THEN NULL
                            ELSE now() + make_interval(secs => s.lease_s) END,
@@ -688,6 +690,18 @@ SELECT e.id, NULL, NULL, NULL, NULL, NULL,
        CASE WHEN c.id IS NOT NULL THEN 'ended' ELSE 'busy' END
 FROM e LEFT JOIN locked l ON l.id = e.id LEFT JOIN changed c ON c.id = e.id
 WHERE c.id IS NOT NULL OR (l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id = e.id))
+
+
+-- name: extend_leases
+-- A claimed todo whose message waited in the worker's prefetch before its
+-- run began gets its lease again from now (docs/workers.md, "Claimed at
+-- fetch"): only its own run's, still running. No state change, so no
+-- todo_events row. Rare (a queue whose handlers are slow), so a statement
+-- of its own.
+UPDATE todos t SET lease_until = now() + make_interval(secs => x.lease_s)
+FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(lease_s)b::float8[]) AS x(id, token, lease_s)
+WHERE t.id = x.id AND t.status = 'running' AND t.run_token = x.token
+RETURNING t.id
 
 
 -- name: rescue_todos

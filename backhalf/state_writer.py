@@ -41,11 +41,12 @@ is never written).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ import structlog
 from sqlalchemy import Engine, PoolProxiedConnection
 from sqlalchemy.exc import SQLAlchemyError
 
-from backhalf import todos
+from backhalf import failpoints, todos
 from backhalf.errors import ChangeRefused, StoreError
 
 log = structlog.get_logger(__name__)
@@ -91,6 +92,21 @@ class _End:
     answer: Future[bool | None] = field(default_factory=Future)  # None: busy
 
 
+@dataclass(slots=True)
+class _Extend:
+    run: todos.Started
+    lease_s: float
+    answer: Future[bool] = field(default_factory=Future)
+
+
+# What a background end (StateWriter.finish) reports to its callback, in
+# the writer's thread once the end is settled: whether its run still held
+# the todo (False: cancelled or rescued meanwhile, the result discarded), or
+# the error that kept it from being written (the todo stays running until
+# its lease expires, then the rescuer runs it again).
+Settled = Callable[[bool | BaseException], None]
+
+
 class StateWriter:
     """The todos' state changes of one worker process, group-committed on one
     connection of ``engine`` (sync; its connect options bound every
@@ -115,7 +131,7 @@ class StateWriter:
         self._linger_s = linger_ms / 1000
         self._deadline_s = deadline_ms / 1000
         self._max_batch = max_batch
-        self._queue: queue.SimpleQueue[_Start | _End] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Start | _End | _Extend] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._conn: PoolProxiedConnection | None = None
         # The running transaction (a sequence number) and its deadline
@@ -158,6 +174,97 @@ class StateWriter:
         assert held is not None
         return held
 
+    def claim(self, requests: Sequence[todos.StartRequest]) -> list[todos.Started | None]:
+        """Start every todo of a batch of fetched messages at once, committed
+        on return, one answer per request in order; None where the start
+        failed (the database refused it, or was out of reach: its run tries
+        alone, :meth:`start`, and says why). A todo whose row another
+        transaction holds is answered ``found = BUSY`` and not asked again
+        here."""
+        changes = [_Start(r) for r in requests]
+        for change in changes:
+            self._submit(change)
+        answers: list[todos.Started | None] = []
+        for change in changes:
+            try:
+                answers.append(self._await(change.answer, f"todo {change.todo_id}: claiming it"))
+            except StoreError:  # ChangeRefused too
+                answers.append(None)
+        return answers
+
+    def finish(self, ending: todos.Ending, settled: Settled) -> None:
+        """End a run in the background: queued for the next batch, and
+        ``settled`` called from the writer's thread once it is committed or
+        given up (a row held elsewhere is asked for again, as :meth:`end`
+        does, from a timer). Never raises: a writer that is closed settles
+        at once with the error."""
+        assert ending.run.todo is not None
+        self._finish(ending, settled, 0)
+
+    def _finish(self, ending: todos.Ending, settled: Settled, busy_tries: int) -> None:
+        change = _End(ending)
+
+        def answered(answer: Future[bool | None]) -> None:
+            if answer.cancelled():
+                settled(StoreError("the state writer withdrew the change"))
+                return
+            error = answer.exception()
+            if error is not None:
+                settled(error)
+                return
+            held = answer.result()
+            if held is not None:
+                settled(held)
+                return
+            self.busy_answers += 1
+            if busy_tries >= len(BUSY_RETRY_DELAYS_S):
+                assert ending.run.todo is not None
+                held_elsewhere = f"todo {ending.run.todo.id}: its row stayed locked by another transaction"
+                settled(StoreError(held_elsewhere))
+                return
+            timer = threading.Timer(BUSY_RETRY_DELAYS_S[busy_tries], self._finish,
+                                    (ending, settled, busy_tries + 1))  # fmt: skip
+            timer.daemon = True
+            timer.start()
+
+        change.answer.add_done_callback(answered)
+        try:
+            self._submit(change)
+        except StoreError as exc:
+            change.answer.set_exception(exc)
+
+    def extend(self, run: todos.Started, lease_s: float) -> bool:
+        """The run's lease again from now (it waited in the prefetch after
+        its claim), committed on return; False if the run no longer holds
+        its todo (rescued or cancelled while it waited: not to run)."""
+        assert run.todo is not None
+        change = _Extend(run, lease_s)
+        self._submit(change)
+        return self._await(change.answer, f"todo {run.todo.id}: extending its lease")
+
+    def end_all(self, endings: Sequence[todos.Ending]) -> list[bool | BaseException]:
+        """Several ends at once (claims given back), each committed or failed
+        on return: whether its run held the todo, or why it was not
+        written. A row held elsewhere is not asked for again (the rescuer
+        sees to the todo once its lease expires)."""
+        changes = [_End(e) for e in endings]
+        try:
+            for change in changes:
+                self._submit(change)
+        except StoreError as exc:
+            for change in changes:
+                change.answer.cancel()  # withdrawn: never written
+            return [exc] * len(changes)
+        answers: list[bool | BaseException] = []
+        for change in changes:
+            try:
+                held = self._await(change.answer, "giving back a claim")
+            except StoreError as exc:
+                answers.append(exc)
+                continue
+            answers.append(StoreError("its row was held by another transaction") if held is None else held)
+        return answers
+
     def _ask(
         self, request: Callable[[], tuple[_Start | _End, Future[T]]], busy: Callable[[T], bool], what: str
     ) -> T:
@@ -182,7 +289,7 @@ class StateWriter:
         """The longest a batch takes: every try within the deadline, plus the waits between them."""
         return self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S)
 
-    def _submit(self, request: _Start | _End) -> None:
+    def _submit(self, request: _Start | _End | _Extend) -> None:
         if self._closing.is_set():
             raise StoreError("the worker is stopping: its state writer is closed")
         self._queue.put(request)
@@ -257,9 +364,13 @@ class StateWriter:
                     if not request.answer.done():
                         request.answer.set_exception(failure)
 
-    def _write(self, batch: list[_Start | _End]) -> None:
+    def _write(self, batch: list[_Start | _End | _Extend]) -> None:
         # Withdrawn changes (their thread timed out) are dropped, never written.
-        pending: list[_Start | _End] = [r for r in batch if r.answer.set_running_or_notify_cancel()]
+        taken = [r for r in batch if r.answer.set_running_or_notify_cancel()]
+        extends = [r for r in taken if isinstance(r, _Extend)]
+        if extends:
+            self._extend(extends)
+        pending: list[_Start | _End] = [r for r in taken if not isinstance(r, _Extend)]
         while pending:
             starts, ends, pending = _split(pending)
             self._write_one(starts, ends)
@@ -272,6 +383,8 @@ class StateWriter:
                             retry_in_s=delay_s)  # fmt: skip
                 time.sleep(delay_s)
             try:
+                if ends:
+                    failpoints.hit("worker_before_end_commit")
                 held, busy, started = self._transaction(starts, ends)
             except Exception as exc:
                 if refused_for_its_data(exc):
@@ -299,6 +412,31 @@ class StateWriter:
         for end in ends:
             end.answer.set_exception(error)
 
+    def _extend(self, extends: list[_Extend]) -> None:
+        """Leases extended in a statement of their own (rare: a claim that
+        waited long), retried as a batch is; a todo locked elsewhere waits
+        for its lock, within the connection's lock timeout."""
+        error: BaseException | None = None
+        for delay_s in (0.0, *RETRY_DELAYS_S):
+            time.sleep(delay_s)
+            try:
+                pg = self._connection()
+                with self._watched():
+                    held = todos.extend_leases(pg, [(x.run, x.lease_s) for x in extends])
+            except (psycopg.Error, SQLAlchemyError) as exc:
+                self._discard_connection()
+                error = exc
+                continue
+            for x in extends:
+                assert x.run.todo is not None
+                x.answer.set_result(x.run.todo.id in held)
+            return
+        failure = StoreError(f"extending {len(extends)} leases: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        log.error("todo_leases_not_extended", runs=len(extends), error=str(failure))
+        for x in extends:
+            x.answer.set_exception(failure)
+
     def _isolate(self, starts: list[_Start], ends: list[_End], exc: BaseException) -> None:
         """The database refused the batch for the data of a change in it (an
         id out of range, a text it cannot store): that change alone is
@@ -323,16 +461,22 @@ class StateWriter:
         self, starts: Sequence[_Start], ends: Sequence[_End]
     ) -> tuple[set[int], set[int], list[todos.Started]]:
         pg = self._connection()
-        with self._lock:
-            self._batch_no += 1
-            self._busy_until = time.monotonic() + self._deadline_s
-        try:
+        with self._watched():
             return todos.write_states(
                 pg,
                 [e.ending for e in ends],
                 [s.request for s in starts],
                 release=self._releases,
             )
+
+    @contextlib.contextmanager
+    def _watched(self) -> Iterator[None]:
+        """A transaction the watchdog cancels past the deadline."""
+        with self._lock:
+            self._batch_no += 1
+            self._busy_until = time.monotonic() + self._deadline_s
+        try:
+            yield
         finally:
             with self._lock:
                 self._busy_until = None
@@ -348,9 +492,14 @@ class StateWriter:
             pg.autocommit = True  # a batch without a release is one statement: its own transaction
             # write_states is prepared once (todos.write_states) and planned
             # once: left to choose, PostgreSQL planned it afresh at every
-            # batch, 0.5-0.7 ms each, more than its execution (issue 25;
-            # PostgreSQL's CPU per todo 840-1190 us before, 690-730 after).
+            # batch, 0.5-0.7 ms each, more than its execution (issue 25).
+            # A plan made once is kept for the connection's life, so it must
+            # not depend on the table's size when it was made: planned on a
+            # new, small todos table, it read every todo (a seq scan, 5 ms a
+            # batch at 8,000 todos, growing with the table). Every statement
+            # of this connection reaches todos by id: index scans only.
             pg.execute("SET plan_cache_mode = force_generic_plan")
+            pg.execute("SET enable_seqscan = off")
         pg = self._conn.driver_connection
         assert isinstance(pg, psycopg.Connection)
         return pg

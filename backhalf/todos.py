@@ -160,9 +160,12 @@ class Ending:
     """One run's end, as :func:`write_states` takes it."""
 
     run: Started
-    to_status: str  # done, failed, or dispatched (for a retry)
+    to_status: str  # done, failed, or dispatched (for a retry, or given back unrun)
     error: str | None
     detail: str
+    # A claim given back before its handler ran (the worker stopping with
+    # it fetched): dispatched again, its attempt not counted.
+    unrun: bool = False
 
 
 async def release_orphaned_acks(cur: psycopg.AsyncCursor[Any], limit: int) -> int:
@@ -203,6 +206,7 @@ def write_states(
         "to_status": [e.to_status for e in endings],
         "errors": [e.error for e in endings],
         "details": [e.detail for e in endings],
+        "unrun": [e.unrun for e in endings],
         "start_ids": [s.todo_id for s in starts],
         "start_queues": [s.queue for s in starts],
         "start_tokens": [s.token for s in starts],
@@ -234,6 +238,18 @@ def write_states(
             todo = Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts))
             answers[int(tid)] = Started(todo, found, tokens[int(tid)], lease_until)
     return held, busy, [answers[s.todo_id] for s in starts]
+
+
+def extend_leases(pg: psycopg.Connection[Any], runs: Sequence[tuple[Started, float]]) -> set[int]:
+    """Each run's lease again from now, ``lease_s`` seconds (``extend_leases``):
+    the todos whose run still held them. One statement; its own transaction
+    on an autocommit connection."""
+    held = [(r.todo.id, r.token, float(s)) for r, s in runs if r.todo is not None and r.token is not None]
+    params = {"ids": [h[0] for h in held], "tokens": [h[1] for h in held], "lease_s": [h[2] for h in held]}
+    block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
+    with block, pg.cursor() as cur:
+        cur.execute(queries.EXTEND_LEASES, params)
+        return {int(i) for (i,) in cur.fetchall()}
 
 
 def start(

@@ -22,8 +22,16 @@ Handlers run at least once: a worker killed mid-run leaves the todo running
 until its lease expires, then the rescuer dispatches it again.
 
 Starts and ends are written by the process's :class:`StateWriter` (one
-group commit for every thread's changes), each committed before the run
-goes on.
+group commit for every thread's changes). Where the worker's broker claims
+at fetch (ingest.processes.worker_claims), the start was made already, for
+the whole fetched batch in one statement, and the run comes with its
+:class:`Claim`; a claim that waited in the prefetch longer than half the
+lease margin has its lease extended before the handler runs. Where the
+broker can hold its ack of the message (``hold``), a successful run's end
+is written in the background and the ack released once it is committed
+(a crash before that leaves the todo running: rescued and run again, at
+least once); a failed run's end is committed before the run returns, as
+dramatiq's retry must find the todo dispatched.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from dramatiq.middleware import TimeLimitExceeded
@@ -50,6 +58,15 @@ log = structlog.get_logger(__name__)
 MAX_ERROR_CHARS = 2000
 
 Handler = Callable[[todos.Todo], Any]
+# Holds the broker's ack of the message being run, returning what releases it.
+Hold = Callable[[], Callable[[], None]]
+
+
+class Claim(NamedTuple):
+    """A start made when the message was fetched, and when (monotonic)."""
+
+    started: todos.Started
+    at: float
 
 
 class Runner:
@@ -60,26 +77,25 @@ class Runner:
         self._writer = writer
         self._handlers = handlers
 
-    def run(self, queue_name: str, todo_id: int) -> None:
-        """Do todo ``todo_id`` once, if it is still to be done. Raises only to
-        ask dramatiq for a retry (an attempt failed and attempts are left) or
-        when the database cannot record the outcome (dramatiq retries; the
-        todo's lease decides whether that delivery runs)."""
+    @property
+    def writer(self) -> StateWriter:
+        return self._writer
+
+    def run(
+        self, queue_name: str, todo_id: int, claim: Claim | None = None, hold: Hold | None = None
+    ) -> None:
+        """Do todo ``todo_id`` once, if it is still to be done (``claim``: its
+        start, made at fetch). Raises only to ask dramatiq for a retry (an
+        attempt failed and attempts are left) or when the database cannot
+        record the outcome (dramatiq retries; the todo's lease decides
+        whether that delivery runs)."""
         queue, handler = self._handlers[queue_name]
         bound = log.bind(todo_id=todo_id, queue=queue_name)
-        try:
-            started = self._writer.start(todo_id, queue_name, queue.lease_ms / 1000, queue.max_attempts)
-        except ChangeRefused as exc:
-            # Never retried: the same message would be refused again.
-            refused(queue_name, "start_refused", bound, error=str(exc))
+        started = self._started(queue, todo_id, claim, bound)
+        if started is None:
             return
         todo = started.todo
-        if todo is None:
-            if started.found == todos.FOREIGN:
-                refused(queue_name, "todo_of_another_queue", bound)
-            else:
-                bound.info("todo_skipped", status=started.found)
-            return
+        assert todo is not None
         bound = bound.bind(attempt=todo.attempt)
         began = time.perf_counter()
         try:
@@ -94,17 +110,66 @@ class Runner:
             if todo.attempt < queue.max_attempts:
                 raise  # dramatiq's Retries runs it again after its backoff
             return
-        counting = metrics.on()
-        if counting:
+        if metrics.on():
             metrics.RUN_SECONDS.labels(queue_name).observe(time.perf_counter() - began)
-        if self._end(todos.Ending(started, "done", None, "done")):
-            if counting:
+        ending = todos.Ending(started, "done", None, "done")
+        if hold is None:
+            self._done(queue_name, bound, self._end(ending))
+            return
+        release = hold()
+
+        def settled(outcome: bool | BaseException) -> None:
+            try:
+                self._done(queue_name, bound, outcome)
+            finally:
+                release()
+
+        self._writer.finish(ending, settled)
+
+    def _started(
+        self, queue: QueueConfig, todo_id: int, claim: Claim | None, bound: Any
+    ) -> todos.Started | None:
+        """The run's start: its claim (its lease extended if it waited long),
+        or a start made now. None when it is not to run (said in the log)."""
+        if claim is None:
+            try:
+                started = self._writer.start(todo_id, queue.name, queue.lease_ms / 1000, queue.max_attempts)
+            except ChangeRefused as exc:
+                # Never retried: the same message would be refused again.
+                refused(queue.name, "start_refused", bound, error=str(exc))
+                return None
+        else:
+            started = claim.started
+        if started.todo is None:
+            if started.found == todos.FOREIGN:
+                refused(queue.name, "todo_of_another_queue", bound)
+            else:
+                bound.info("todo_skipped", status=started.found)
+            return None
+        waited_s = 0.0 if claim is None else time.monotonic() - claim.at
+        # The claim's lease began at fetch: a message that waited behind
+        # slow runs gets it again from now, so the lease covers its whole run.
+        if waited_s > queue.lease_margin_ms / 2000 and not self._writer.extend(
+            started, queue.lease_ms / 1000
+        ):
+            bound.info("todo_skipped", status="claim_lost", waited_s=round(waited_s, 3))
+            return None
+        return started
+
+    def _done(self, queue_name: str, bound: Any, outcome: bool | BaseException) -> None:
+        """A successful run's end, settled: counted and logged."""
+        if outcome is True:
+            if metrics.on():
                 metrics.FINISHED.labels(queue_name, "done").inc()
             # Debug: a line per success would cost each todo a write to the
             # log; todo_events has the record of every one.
             bound.debug("todo_done")
-        else:
+        elif outcome is False:
             bound.warning("todo_result_discarded", reason="cancelled or rescued while it ran")
+        else:
+            # The todo stays running until its lease expires; then the
+            # rescuer dispatches it and it runs again (at least once).
+            bound.error("todo_end_not_written", error=f"{type(outcome).__name__}: {outcome}")
 
     def _failed(self, queue: QueueConfig, started: todos.Started, exc: BaseException, bound: Any) -> None:
         todo = started.todo

@@ -17,8 +17,10 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    (pre-loaded stream -> todos -> dispatched -> the same no-op as a handler
    -> done, every entry XACKed) with ``switchboard worker``, each with its
    CPU per message by process; then XADD -> todo done at the offered rates
-   of ``--done-rates``, with where the time goes step by step.
-   ``--downstream`` runs this part alone.
+   of ``--done-rates``, with where the time goes step by step. The three
+   drains run ``--downstream-rounds`` times (3) interleaved, the order
+   rotated; each figure is the median of its rounds. ``--downstream`` runs
+   this part alone (20,000 messages).
 6. metrics (issue 14): ingest + ack with ``[metrics]`` off and on (each
    endpoint scraped every second), runs interleaved, the ratio of medians.
 7. peers (issue 16): Switchboard's ingest + ack beside what a capable user
@@ -42,6 +44,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -698,6 +701,7 @@ def bench_end_to_end(
     watcher: psycopg.Connection[Any] | None = None
     try:
         watcher = psycopg.connect(libpq_url(url), autocommit=True)
+        watcher.execute("SET enable_seqscan = off")  # its counts read the partial indexes, as the table grows
         wait_ready(acker)
         wait_ready(ingester)
         wait_for(lambda: len(worker.events("worker_ready")) >= WORKER_PROCESSES, timeout_s=120,
@@ -722,22 +726,60 @@ def bench_end_to_end(
     return n / elapsed, cpu_us
 
 
-def print_downstream(base: Path, pg: Any, rs: Any, n: int, batch_size: int, rates: list[int]) -> None:
+# Issue 25: the downstream comparison, interleaved, the median of its rounds.
+DOWNSTREAM_ROUNDS = 3
+
+
+def print_downstream(
+    base: Path, pg: Any, rs: Any, n: int, batch_size: int, rates: list[int], rounds: int = DOWNSTREAM_ROUNDS
+) -> None:
+    """Bare dramatiq, the UPDATE peer and Switchboard end to end, ``rounds``
+    times interleaved (the order rotated each round, so a slow minute of a
+    shared machine falls on each in turn), each figure the median of its
+    rounds and each ratio the median of the rounds' ratios."""
     servers = {"postgres": pg.pid, "redis": rs.pid}
     r = redis.Redis.from_url(rs.url)
-    bare, bare_cpu = bench_bare_dramatiq(base, rs.url, n, servers)
-    print(f"  bare dramatiq no-op drain       {bare:>10,.0f} msg/s  ({n} messages,"
-          f" {WORKER_PROCESSES} processes x {WORKER_THREADS} threads)")  # fmt: skip
-    print("    CPU per message               " + ", ".join(f"{k} {v:.0f} us" for k, v in bare_cpu.items()))
-    peer, peer_cpu = bench_update_peer(base, pg, rs.url, n, servers)
-    print(f"  dramatiq + one UPDATE a message {peer:>10,.0f} msg/s")
-    print("    CPU per message               " + ", ".join(f"{k} {v:.0f} us" for k, v in peer_cpu.items()))
-    e2e, e2e_cpu = bench_end_to_end(base, fresh_db(pg, "e2e"), r, rs.url, n, batch_size, servers)
-    pg.drop_database("e2e")
-    print(f"  switchboard end to end (done)   {e2e:>10,.0f} msg/s")
-    print("    CPU per message               " + ", ".join(f"{k} {v:.0f} us" for k, v in e2e_cpu.items()))
-    print(f"  ratio to bare dramatiq          {e2e / bare:>10.2f}x")
-    print(f"  ratio to the UPDATE peer        {e2e / peer:>10.2f}x")
+
+    def switchboard() -> tuple[float, dict[str, float]]:
+        result = bench_end_to_end(base, fresh_db(pg, "e2e"), r, rs.url, n, batch_size, servers)
+        pg.drop_database("e2e")
+        return result
+
+    runs: dict[str, Callable[[], tuple[float, dict[str, float]]]] = {
+        "bare": lambda: bench_bare_dramatiq(base, rs.url, n, servers),
+        "peer": lambda: bench_update_peer(base, pg, rs.url, n, servers),
+        "switchboard": switchboard,
+    }
+    results: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in runs}
+    order = list(runs)
+    for i in range(rounds):
+        for name in order[i % 3 :] + order[: i % 3]:
+            results[name].append(runs[name]())
+        line = ", ".join(f"{k} {v[-1][0]:,.0f}" for k, v in results.items())
+        print(f"  round {i + 1}: msg/s {line}")
+
+    def median_rate(name: str) -> float:
+        return statistics.median(x for x, _ in results[name])
+
+    def cpu(name: str) -> str:
+        keys = results[name][0][1]
+        return ", ".join(f"{k} {statistics.median(c[k] for _, c in results[name]):.0f} us" for k in keys)
+
+    def ratio(name: str, base_name: str) -> str:
+        each = [a[0] / b[0] for a, b in zip(results[name], results[base_name], strict=True)]
+        spread = f" (rounds {min(each):.2f}-{max(each):.2f})" if len(each) > 1 else ""
+        return f"{statistics.median(each):>10.2f}x{spread}"
+
+    shape = f"{WORKER_PROCESSES} processes x {WORKER_THREADS} threads"
+    print(f"  medians of {rounds} rounds, {n} messages, {shape}:")
+    print(f"  bare dramatiq no-op drain       {median_rate('bare'):>10,.0f} msg/s")
+    print("    CPU per message               " + cpu("bare"))
+    print(f"  dramatiq + one UPDATE a message {median_rate('peer'):>10,.0f} msg/s")
+    print("    CPU per message               " + cpu("peer"))
+    print(f"  switchboard end to end (done)   {median_rate('switchboard'):>10,.0f} msg/s")
+    print("    CPU per message               " + cpu("switchboard"))
+    print(f"  ratio to bare dramatiq          {ratio('switchboard', 'bare')}")
+    print(f"  ratio to the UPDATE peer        {ratio('switchboard', 'peer')}")
     for rate in rates:
         values = bench_done_latency(
             base, fresh_db(pg, "done_latency"), r, rs.url, rate, DONE_SECONDS, batch_size
@@ -885,6 +927,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="R,R",
         help="offered rates (msg/s) at which XADD -> todo done is measured (default: 500)",
     )
+    parser.add_argument(
+        "--downstream-rounds",
+        type=int,
+        default=DOWNSTREAM_ROUNDS,
+        help=f"interleaved rounds of the downstream comparison (default: {DOWNSTREAM_ROUNDS})",
+    )
     args = parser.parse_args(argv)
     if args.commits_in_flight:
         INGEST_OVERRIDES["commits_in_flight"] = args.commits_in_flight
@@ -931,9 +979,11 @@ def main(argv: list[str] | None = None) -> int:
                 bench_peers(base, pg, rs, args.messages or 50_000, args.batch_size, args.rounds)
                 return 0
             if args.downstream:
-                down_n = args.messages or 5000
+                down_n = args.messages or 20_000
                 print(f"bench: {os.cpu_count()} CPUs, downstream only, {down_n} messages")
-                print_downstream(base, pg, rs, down_n, args.batch_size, args.done_rates)
+                print_downstream(
+                    base, pg, rs, down_n, args.batch_size, args.done_rates, args.downstream_rounds
+                )
                 return 0
             print(f"bench: {os.cpu_count()} CPUs, {n} messages (naive: {naive_n}), batch {args.batch_size}")
             raw = bench_raw(fresh_db(pg, "raw"), n)
@@ -975,7 +1025,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {name:<24} at {args.rate}/s  p50 {percentile(values, 50):6.1f} ms  "
                     f"p99 {percentile(values, 99):6.1f} ms  max {max(values):6.1f} ms  (n={len(values)})"
                 )
-            print_downstream(base, pg, rs, max(2000, n // 5), args.batch_size, args.done_rates)
+            down_n = max(2000, n // 5)  # 20,000 in a full run, 4,000 with --quick
+            print_downstream(base, pg, rs, down_n, args.batch_size, args.done_rates, args.downstream_rounds)
         finally:
             if args.keep_logs:
                 print(f"bench: logs kept in {base}")

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,11 @@ from ingest.observe import worker_metrics
 from ingest.observe.metrics_http import MetricsServer
 from ingest.observe.worker_metrics import WorkerHeartbeat
 from ingest.processes.children import end_with_parent
+from ingest.processes.worker_acks import DeferredAcks
+from ingest.processes.worker_claims import FetchClaims
 from ingest.processes.worker_messages import (
     OPTION_READERS,
+    FetchHooks,
     GuardedRedisBroker,
     MiddlewareOrderError,
     ignored_options,
@@ -112,6 +116,13 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         # may share a dramatiq queue, whose consumer then gets both's messages.
         self._served_broker_queues = frozenset(settings.queues[q].broker_queue for q in self._served)
         self._heartbeat: WorkerHeartbeat | None = None
+        # Claims made at fetch, and acks held until a run's end is committed:
+        # only on Switchboard's own broker, whose consumers call them.
+        self._claims = FetchClaims(
+            lambda: self._runner_for().writer, self._by_actor, self._served_broker_queues
+        )
+        self._acks: DeferredAcks | None = None
+        self._current = threading.local()  # the message a worker thread is running
 
     def declare(self, broker: dramatiq.Broker) -> None:
         """One actor per queue; called by the worker process at boot (and by
@@ -140,7 +151,11 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         an argument (before_process_message has refused any other shape)."""
 
         def run(todo_id: int) -> None:
-            self._runner_for().run(queue_name, todo_id)
+            message, self._current.message = getattr(self._current, "message", None), None
+            claim = self._claims.take(message) if message is not None else None
+            acks = self._acks
+            hold = None if acks is None or message is None else partial(acks.hold, message)
+            self._runner_for().run(queue_name, todo_id, claim, hold)
 
         return run
 
@@ -169,6 +184,7 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         if overrides:
             log.warning("message_options_ignored", queue=queue.name, message_id=str(message.message_id)[:64],
                         options=sorted(str(k)[:40] for k in overrides)[:10])  # fmt: skip
+        self._current.message = message  # for the actor: its claim, and its ack held
 
     def _runner_for(self) -> Runner:
         with self._runner_lock:
@@ -199,6 +215,10 @@ class SwitchboardMiddleware(dramatiq.Middleware):
                 f"SwitchboardMiddleware must come before dramatiq's {', '.join(readers)} on the broker:"
                 " broker.add_middleware(SwitchboardMiddleware(...), before=type(broker.middleware[0]))"
             )
+        if isinstance(broker, GuardedRedisBroker):
+            # Before the consumers start (dramatiq adds them after this hook).
+            self._acks = DeferredAcks()
+            broker.hooks = FetchHooks(self._claims.claim, self._claims.give_back, self._acks.ack)
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Its threads consume: the line a supervisor (or a test) waits for."""
@@ -217,8 +237,11 @@ class SwitchboardMiddleware(dramatiq.Middleware):
             self._heartbeat = None
         with self._runner_lock:
             if self._runner is not None:
-                self._runner.close()
+                self._runner.close()  # every end written, its held ack released
                 self._runner = None
+        if self._acks is not None:
+            self._acks.close()
+            self._acks = None
 
 
 def _retry_when(max_attempts: int) -> Any:
@@ -259,7 +282,7 @@ def broker_for(settings: Settings, *, threads: int = 8, queues: Sequence[str] = 
         socket_connect_timeout=BROKER_SOCKET_TIMEOUT_S,
         driver_info=None,  # no CLIENT SETINFO: ops/redis-users.acl does not grant it (Redis 7.0 lacks it)
     )
-    broker = GuardedRedisBroker(client=client)  # type: ignore[no-untyped-call]
+    broker = GuardedRedisBroker(client=client)
     first = type(broker.middleware[0]) if broker.middleware else None
     broker.add_middleware(SwitchboardMiddleware(settings, threads=threads, queues=queues), before=first)
     return broker

@@ -7,9 +7,11 @@ declares the queues' actors at process boot. Logs are Switchboard's
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import dramatiq
 
+from backhalf import failpoints
 from ingest.observe import logs
 from ingest.processes.children import end_with_parent
 from ingest.processes.worker import app_broker
@@ -25,6 +27,7 @@ if main_process is not None and main_process.pid is not None:
     # parent is the fork server, and arming against it is not possible.
     end_with_parent(main_process.pid)
 logs.configure()
+failpoints.configure(os.environ.get("SWITCHBOARD_FAILPOINTS", ""))
 logs.redact_uncaught_tracebacks()
 broker = app_broker()
 dramatiq.set_broker(broker)

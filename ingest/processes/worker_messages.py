@@ -7,7 +7,9 @@ message claiming a dramatiq queue other than the one it was read from.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -87,27 +89,59 @@ class _QueueGuard(Consumer):
     message could stop a worker's threads one by one), or whose fields are
     not of the types dramatiq assumes (its own log line of a skipped message
     fails on keywords that are not a dict). Such a message never reaches a
-    worker thread or any middleware."""
+    worker thread or any middleware.
 
-    def __init__(self, inner: Consumer, queue_name: str) -> None:
-        self._inner, self._queue_name = inner, queue_name
+    It also hands each batch dramatiq's consumer fetched to the broker's
+    ``fetched`` hook at once (the claim at fetch: one statement for the
+    batch), gives the claims of messages requeued unrun back first
+    (``requeued``), and lets the ``acks`` hook hold an ack until the todo's
+    end is committed (ingest.processes.worker_acks)."""
+
+    def __init__(self, inner: Consumer, queue_name: str, hooks: FetchHooks) -> None:
+        self._inner, self._queue_name, self._hooks = inner, queue_name, hooks
+        # Messages of the last fetched batch not handed to dramatiq yet.
+        self._fetched: deque[Any] = deque()
 
     def __iter__(self) -> _QueueGuard:
         return self
 
     def __next__(self) -> Any:
+        if self._fetched:
+            return self._fetched.popleft()
         while True:
             message = next(self._inner)
             if message is None:
                 return None
-            reason = self._refusal(message)
-            if reason is None:
-                return message
-            log.warning("message_refused", reason=reason, dramatiq_queue=self._queue_name,
-                        message_id=str(message.message_id)[:64])  # fmt: skip
-            if metrics.on():
-                metrics.MESSAGES_REFUSED.labels(q_name(self._queue_name), reason).inc()
-            self._drop(message)
+            batch = [m for m in (message, *self._rest_of_batch()) if self._accepted(m)]
+            if not batch:
+                continue
+            if self._hooks.fetched is not None:
+                self._hooks.fetched(batch)
+            self._fetched.extend(batch[1:])
+            return batch[0]
+
+    def _rest_of_batch(self) -> list[Any]:
+        """The messages dramatiq's Redis consumer fetched with this one, from
+        its cache (decoded, as it would one at a time; no network call)."""
+        cache = getattr(self._inner, "message_cache", None)
+        rest = []
+        while cache and cache[0] is not None:
+            message = next(self._inner)
+            if message is None:
+                break
+            rest.append(message)
+        return rest
+
+    def _accepted(self, message: Any) -> bool:
+        reason = self._refusal(message)
+        if reason is None:
+            return True
+        log.warning("message_refused", reason=reason, dramatiq_queue=self._queue_name,
+                    message_id=str(message.message_id)[:64])  # fmt: skip
+        if metrics.on():
+            metrics.MESSAGES_REFUSED.labels(q_name(self._queue_name), reason).inc()
+        self._drop(message)
+        return False
 
     def _refusal(self, message: Any) -> str | None:
         if not well_formed(message):
@@ -133,16 +167,29 @@ class _QueueGuard(Consumer):
         self._inner.ack(message)
 
     def ack(self, message: Any) -> None:
-        self._inner.ack(message)
+        if self._hooks.acks is None:
+            self._inner.ack(message)
+        else:
+            self._hooks.acks(message, self._inner.ack)
 
     def nack(self, message: Any) -> None:
         self._inner.nack(message)
 
-    def requeue(self, messages: Any) -> None:
-        self._inner.requeue(messages)
+    def requeue(self, messages: Iterable[Any]) -> None:
+        listed = list(messages)
+        if self._hooks.requeued is not None and listed:
+            self._hooks.requeued(listed)
+        self._inner.requeue(listed)
 
     def close(self) -> None:
-        self._inner.close()
+        """Requeue what was fetched and not handed on (dramatiq requeues only
+        its work queue), then close."""
+        try:
+            if self._fetched:
+                fetched, self._fetched = list(self._fetched), deque()
+                self.requeue(fetched)
+        finally:
+            self._inner.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -159,8 +206,24 @@ def well_formed(message: Any) -> bool:
     )
 
 
+@dataclass
+class FetchHooks:
+    """What the worker's middleware does as its consumers fetch, requeue and
+    ack (ingest.processes.worker_claims, ingest.processes.worker_acks);
+    unset, the consumers do as dramatiq's own."""
+
+    fetched: Callable[[list[Any]], None] | None = None
+    requeued: Callable[[list[Any]], None] | None = None
+    acks: Callable[[Any, Callable[[Any], None]], None] | None = None
+
+
 class GuardedRedisBroker(RedisBroker):
-    """dramatiq's Redis broker whose consumers drop messages claiming another queue."""
+    """dramatiq's Redis broker whose consumers drop messages claiming another
+    queue, and call its :class:`FetchHooks`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self.hooks = FetchHooks()
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Consumer:
-        return _QueueGuard(super().consume(queue_name, prefetch, timeout), queue_name)
+        return _QueueGuard(super().consume(queue_name, prefetch, timeout), queue_name, self.hooks)
