@@ -493,11 +493,12 @@ class StateWriter:
             # write_states is prepared once (todos.write_states) and planned
             # once: left to choose, PostgreSQL planned it afresh at every
             # batch, 0.5-0.7 ms each, more than its execution (issue 25).
-            # A plan made once is kept for the connection's life, so it must
-            # not depend on the table's size when it was made: planned on a
-            # new, small todos table, it read every todo (a seq scan, 5 ms a
-            # batch at 8,000 todos, growing with the table). Every statement
-            # of this connection reaches todos by id: index scans only.
+            # A plan made once is kept until the table is analyzed again, so
+            # it must not depend on the table's size when it was made:
+            # planned on a new, small todos table, it read every todo (a seq
+            # scan, 5 ms a batch at 8,000 todos in the bench, growing with
+            # the table until autovacuum's next ANALYZE). Every statement of
+            # this connection reaches todos by id: index scans only.
             pg.execute("SET plan_cache_mode = force_generic_plan")
             pg.execute("SET enable_seqscan = off")
         pg = self._conn.driver_connection
