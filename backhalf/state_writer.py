@@ -86,10 +86,41 @@ class _Start:
         return self.request.todo_id
 
 
+class _Settle:
+    """A background end's answer (:meth:`StateWriter.finish`): nobody waits
+    for it, so no Future (its lock and condition cost the worker more than
+    the rest of the hand-off); the writer hands the result to a callback:
+    whether the run held its todo, None (its row was busy), or the error."""
+
+    __slots__ = ("_done", "_then")
+
+    def __init__(self, then: Callable[[bool | BaseException | None], None]) -> None:
+        self._then, self._done = then, False
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, held: bool | None) -> None:
+        self._settle(held)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._settle(exc)
+
+    def _settle(self, outcome: bool | BaseException | None) -> None:
+        self._done = True
+        try:
+            self._then(outcome)
+        except Exception as exc:  # the writer's thread must outlive a callback's bug
+            log.exception("todo_end_callback_failed", error=f"{type(exc).__name__}: {exc}")
+
+
 @dataclass(slots=True)
 class _End:
     ending: todos.Ending
-    answer: Future[bool | None] = field(default_factory=Future)  # None: busy
+    answer: Future[bool | None] | _Settle  # None: busy
 
 
 @dataclass(slots=True)
@@ -166,8 +197,8 @@ class StateWriter:
         assert ending.run.todo is not None
 
         def request() -> tuple[_End, Future[bool | None]]:
-            change = _End(ending)
-            return change, change.answer
+            answer: Future[bool | None] = Future()
+            return _End(ending, answer), answer
 
         what = f"todo {ending.run.todo.id}: recording its run ({ending.to_status})"
         held = self._ask(request, lambda answer: answer is None, what)
@@ -202,17 +233,7 @@ class StateWriter:
         self._finish(ending, settled, 0)
 
     def _finish(self, ending: todos.Ending, settled: Settled, busy_tries: int) -> None:
-        change = _End(ending)
-
-        def answered(answer: Future[bool | None]) -> None:
-            if answer.cancelled():
-                settled(StoreError("the state writer withdrew the change"))
-                return
-            error = answer.exception()
-            if error is not None:
-                settled(error)
-                return
-            held = answer.result()
+        def answered(held: bool | BaseException | None) -> None:
             if held is not None:
                 settled(held)
                 return
@@ -227,7 +248,7 @@ class StateWriter:
             timer.daemon = True
             timer.start()
 
-        change.answer.add_done_callback(answered)
+        change = _End(ending, _Settle(answered))
         try:
             self._submit(change)
         except StoreError as exc:
@@ -247,18 +268,18 @@ class StateWriter:
         on return: whether its run held the todo, or why it was not
         written. A row held elsewhere is not asked for again (the rescuer
         sees to the todo once its lease expires)."""
-        changes = [_End(e) for e in endings]
+        futures: list[Future[bool | None]] = [Future() for _ in endings]
         try:
-            for change in changes:
-                self._submit(change)
+            for ending, future in zip(endings, futures, strict=True):
+                self._submit(_End(ending, future))
         except StoreError as exc:
-            for change in changes:
-                change.answer.cancel()  # withdrawn: never written
-            return [exc] * len(changes)
+            for future in futures:
+                future.cancel()  # withdrawn: never written
+            return [exc] * len(futures)
         answers: list[bool | BaseException] = []
-        for change in changes:
+        for future in futures:
             try:
-                held = self._await(change.answer, "giving back a claim")
+                held = self._await(future, "giving back a claim")
             except StoreError as exc:
                 answers.append(exc)
                 continue
