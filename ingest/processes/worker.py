@@ -319,7 +319,9 @@ def exec_workers(
                               # --metrics-port, for the processes that read the config again
                               METRICS_PORT_VARIABLE: str(settings.metrics.port),
                               "dramatiq_worker_timeout": str(settings.dramatiq_idle_poll_ms),
-                              "dramatiq_queue_prefetch": str(queue_prefetch(threads)),
+                              # a user's own setting of dramatiq's variable stands
+                              "dramatiq_queue_prefetch": os.environ.get("dramatiq_queue_prefetch")  # noqa: SIM112 - dramatiq spells it so
+                              or str(queue_prefetch(threads)),
                               **worker_metrics.prepare(settings)}  # fmt: skip
     argv = [sys.executable, "-m", "dramatiq", "ingest.processes.worker_app", "--processes", str(processes),
             "--threads", str(threads), "--queues", *broker_queues,

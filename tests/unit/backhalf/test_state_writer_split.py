@@ -6,6 +6,7 @@ one of them guessed)."""
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import Future
 
 from backhalf import todos
 from backhalf.state_writer import _End, _split, _Start
@@ -17,7 +18,7 @@ def start(todo_id: int) -> _Start:
 
 def end(todo_id: int) -> _End:
     run = todos.Started(todos.Todo(todo_id, "q", {}, "k", 1), "dispatched", uuid.uuid4())
-    return _End(todos.Ending(run, "done", None, "done"))
+    return _End(todos.Ending(run, "done", None, "done"), Future())
 
 
 def test_distinct_todos_go_in_one_batch() -> None:
