@@ -693,15 +693,25 @@ WHERE c.id IS NOT NULL OR (l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id
 
 
 -- name: extend_leases
--- A claimed todo whose message waited in the worker's prefetch before its
--- run began gets its lease again from now (docs/workers.md, "Claimed at
--- fetch"): only its own run's, still running. No state change, so no
--- todo_events row. Rare (a queue whose handlers are slow), so a statement
--- of its own.
-UPDATE todos t SET lease_until = now() + make_interval(secs => x.lease_s)
-FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(lease_s)b::float8[]) AS x(id, token, lease_s)
-WHERE t.id = x.id AND t.status = 'running' AND t.run_token = x.token
-RETURNING t.id
+-- Claimed todos whose messages wait in the worker's prefetch get their
+-- leases again from now (docs/workers.md, "Claimed at fetch"): only their
+-- own run's, still running. No state change, so no todo_events row. Rare
+-- (a queue whose handlers are slow), so a statement of its own. Like
+-- write_states it waits for no row another transaction holds (the
+-- rescuer's, a cancel's): such a row is answered 'busy'; the others
+-- 'extended', or 'lost' (rescued or cancelled meanwhile: not to run).
+WITH x AS (
+    SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(lease_s)b::float8[]) AS x(id, token, lease_s)
+), locked AS (
+    SELECT t.id FROM todos t WHERE t.id IN (SELECT id FROM x) ORDER BY t.id FOR UPDATE SKIP LOCKED
+), extended AS (
+    UPDATE todos t SET lease_until = now() + make_interval(secs => x.lease_s)
+    FROM x JOIN locked l ON l.id = x.id
+    WHERE t.id = x.id AND t.status = 'running' AND t.run_token = x.token
+    RETURNING t.id
+)
+SELECT x.id, CASE WHEN e.id IS NOT NULL THEN 'extended' WHEN l.id IS NULL THEN 'busy' ELSE 'lost' END
+FROM x LEFT JOIN locked l ON l.id = x.id LEFT JOIN extended e ON e.id = x.id
 
 
 -- name: rescue_todos

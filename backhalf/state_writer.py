@@ -127,7 +127,7 @@ class _End:
 class _Extend:
     run: todos.Started
     lease_s: float
-    answer: Future[bool] = field(default_factory=Future)
+    answer: Future[bool | None] = field(default_factory=Future)  # None: busy
 
 
 # What a background end (StateWriter.finish) reports to its callback, in
@@ -172,6 +172,9 @@ class StateWriter:
         self._busy_until: float | None = None
         # Changes answered busy so far (a row held by another transaction).
         self.busy_answers = 0
+        # Background ends not settled yet (StateWriter.finish), for close().
+        self._background = 0
+        self._background_lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="switchboard-state-writer", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="switchboard-state-watchdog", daemon=True)
         self._thread.start()
@@ -213,8 +216,13 @@ class StateWriter:
         transaction holds is answered ``found = BUSY`` and not asked again
         here."""
         changes = [_Start(r) for r in requests]
-        for change in changes:
-            self._submit(change)
+        try:
+            for change in changes:
+                self._submit(change)
+        except StoreError:
+            for change in changes:
+                change.answer.cancel()  # withdrawn: never written
+            return [None] * len(changes)
         answers: list[todos.Started | None] = []
         for change in changes:
             try:
@@ -228,9 +236,21 @@ class StateWriter:
         ``settled`` called from the writer's thread once it is committed or
         given up (a row held elsewhere is asked for again, as :meth:`end`
         does, from a timer). Never raises: a writer that is closed settles
-        at once with the error."""
+        at once with the error. :meth:`close` waits for every background
+        end to settle."""
         assert ending.run.todo is not None
-        self._finish(ending, settled, 0)
+        with self._background_lock:
+            self._background += 1
+
+        def last(outcome: bool | BaseException) -> None:
+            try:
+                settled(outcome)
+            finally:
+                with self._background_lock:
+                    self._background -= 1
+                    self._background_lock.notify_all()
+
+        self._finish(ending, last, 0)
 
     def _finish(self, ending: todos.Ending, settled: Settled, busy_tries: int) -> None:
         def answered(held: bool | BaseException | None) -> None:
@@ -254,14 +274,15 @@ class StateWriter:
         except StoreError as exc:
             change.answer.set_exception(exc)
 
-    def extend(self, run: todos.Started, lease_s: float) -> bool:
-        """The run's lease again from now (it waited in the prefetch after
-        its claim), committed on return; False if the run no longer holds
-        its todo (rescued or cancelled while it waited: not to run)."""
-        assert run.todo is not None
-        change = _Extend(run, lease_s)
-        self._submit(change)
-        return self._await(change.answer, f"todo {run.todo.id}: extending its lease")
+    def extend(self, runs: Sequence[tuple[todos.Started, float]]) -> list[bool | None]:
+        """Each run's lease again from now (it waited in the prefetch after
+        its claim), committed on return: True if extended, False if the run
+        no longer holds its todo (rescued or cancelled while it waited: not
+        to run), None if another transaction held the row (not waited for)."""
+        changes = [_Extend(run, lease_s) for run, lease_s in runs]
+        for change in changes:
+            self._submit(change)
+        return [self._await(c.answer, "extending the lease of a claimed todo") for c in changes]
 
     def end_all(self, endings: Sequence[todos.Ending]) -> list[bool | BaseException]:
         """Several ends at once (claims given back), each committed or failed
@@ -337,11 +358,26 @@ class StateWriter:
         return self._queue.qsize()
 
     def close(self) -> None:
-        """Write what is queued, then stop; later changes are refused."""
+        """Write what is queued and every background end (one asked for again
+        after a busy answer too), then stop; later changes are refused, and
+        one that slipped in as the writer stopped fails, never left unanswered."""
+        bound_s = self._write_bound_s + sum(BUSY_RETRY_DELAYS_S) + 5
+        with self._background_lock:
+            if not self._background_lock.wait_for(lambda: self._background == 0, timeout=bound_s):
+                log.warning("todo_ends_unsettled", ends=self._background, waited_s=bound_s)
         self._closing.set()
         self._thread.join(timeout=self._write_bound_s + 5)
-        if self._conn is not None and not self._thread.is_alive():
-            self._conn.close()
+        if not self._thread.is_alive():
+            late = StoreError("the worker is stopping: its state writer is closed")
+            while True:
+                try:
+                    change = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if change.answer.set_running_or_notify_cancel():
+                    change.answer.set_exception(late)
+            if self._conn is not None:
+                self._conn.close()
         self._engine.dispose()
 
     # -- the writer thread ------------------------------------------------------------------
@@ -435,8 +471,8 @@ class StateWriter:
 
     def _extend(self, extends: list[_Extend]) -> None:
         """Leases extended in a statement of their own (rare: a claim that
-        waited long), retried as a batch is; a todo locked elsewhere waits
-        for its lock, within the connection's lock timeout."""
+        waited long), retried as a batch is; a row locked elsewhere is
+        answered busy, not waited for."""
         error: BaseException | None = None
         for delay_s in (0.0, *RETRY_DELAYS_S):
             time.sleep(delay_s)
@@ -450,7 +486,7 @@ class StateWriter:
                 continue
             for x in extends:
                 assert x.run.todo is not None
-                x.answer.set_result(x.run.todo.id in held)
+                x.answer.set_result(held.get(x.run.todo.id, False))
             return
         failure = StoreError(f"extending {len(extends)} leases: {type(error).__name__}: {error}")
         failure.__cause__ = error

@@ -240,16 +240,20 @@ def write_states(
     return held, busy, [answers[s.todo_id] for s in starts]
 
 
-def extend_leases(pg: psycopg.Connection[Any], runs: Sequence[tuple[Started, float]]) -> set[int]:
-    """Each run's lease again from now, ``lease_s`` seconds (``extend_leases``):
-    the todos whose run still held them. One statement; its own transaction
-    on an autocommit connection."""
+def extend_leases(
+    pg: psycopg.Connection[Any], runs: Sequence[tuple[Started, float]]
+) -> dict[int, bool | None]:
+    """Each run's lease again from now, ``lease_s`` seconds (``extend_leases``),
+    by todo: True if extended, False if the run no longer holds its todo,
+    None if another transaction held the row (not waited for). One
+    statement; its own transaction on an autocommit connection."""
     held = [(r.todo.id, r.token, float(s)) for r, s in runs if r.todo is not None and r.token is not None]
     params = {"ids": [h[0] for h in held], "tokens": [h[1] for h in held], "lease_s": [h[2] for h in held]}
     block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
     with block, pg.cursor() as cur:
         cur.execute(queries.EXTEND_LEASES, params)
-        return {int(i) for (i,) in cur.fetchall()}
+        answers = {"extended": True, "lost": False, "busy": None}
+        return {int(i): answers[str(found)] for i, found in cur.fetchall()}
 
 
 def start(

@@ -124,7 +124,13 @@ class Runner:
             finally:
                 release()
 
-        self._writer.finish(ending, settled)
+        try:
+            self._writer.finish(ending, settled)
+        except BaseException:
+            # Not handed over (dramatiq's time limit struck in between): the
+            # ack is not held for an end that will never settle.
+            release()
+            raise
 
     def _started(
         self, queue: QueueConfig, todo_id: int, claim: Claim | None, bound: Any
@@ -138,6 +144,10 @@ class Runner:
                 # Never retried: the same message would be refused again.
                 refused(queue.name, "start_refused", bound, error=str(exc))
                 return None
+        elif claim.started.todo is not None and claim.started.todo.id != todo_id:
+            # Not this message's claim (a bookkeeping slip): never run another todo.
+            bound.error("claim_mismatch", claimed=claim.started.todo.id)
+            return None
         else:
             started = claim.started
         if started.todo is None:
@@ -149,9 +159,10 @@ class Runner:
         waited_s = 0.0 if claim is None else time.monotonic() - claim.at
         # The claim's lease began at fetch: a message that waited behind
         # slow runs gets it again from now, so the lease covers its whole run.
-        if waited_s > queue.lease_margin_ms / 2000 and not self._writer.extend(
-            started, queue.lease_ms / 1000
-        ):
+        # False: rescued or cancelled while it waited. None (its row held by
+        # another transaction a moment): run on the lease it has.
+        waited_long = waited_s > queue.lease_margin_ms / 2000
+        if waited_long and self._writer.extend([(started, queue.lease_ms / 1000)]) == [False]:
             bound.info("todo_skipped", status="claim_lost", waited_s=round(waited_s, 3))
             return None
         return started

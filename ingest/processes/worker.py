@@ -186,6 +186,24 @@ class SwitchboardMiddleware(dramatiq.Middleware):
                         options=sorted(str(k)[:40] for k in overrides)[:10])  # fmt: skip
         self._current.message = message  # for the actor: its claim, and its ack held
 
+    def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        self._not_run(message)
+
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: Any = None
+    ) -> None:
+        self._not_run(message)
+
+    def _not_run(self, message: Any) -> None:
+        """A message whose actor did not take its claim (a middleware after
+        this one skipped it, or failed it before the actor ran): the claim is
+        given back, and the thread forgets the message."""
+        if getattr(self._current, "message", None) is message:
+            self._current.message = None
+        claim = self._claims.take(message)
+        if claim is not None:
+            self._claims.give_back_claims([claim])
+
     def _runner_for(self) -> Runner:
         with self._runner_lock:
             if self._runner is None:
@@ -218,7 +236,9 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         if isinstance(broker, GuardedRedisBroker):
             # Before the consumers start (dramatiq adds them after this hook).
             self._acks = DeferredAcks()
-            broker.hooks = FetchHooks(self._claims.claim, self._claims.give_back, self._acks.ack)
+            broker.hooks = FetchHooks(fetched=self._claims.claim, requeued=self._claims.give_back,
+                                      acks=self._acks.ack, nacks=self._acks.forget,
+                                      tick=self._claims.refresh)  # fmt: skip
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Its threads consume: the line a supervisor (or a test) waits for."""

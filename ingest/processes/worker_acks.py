@@ -86,6 +86,13 @@ class DeferredAcks:
                 del self._held[id(message)]
         ack(message)
 
+    def forget(self, message: Any) -> None:
+        """dramatiq rejects the message instead (nack): no ack is owed."""
+        with self._lock:
+            held = self._held.get(id(message))
+            if held is not None and held.message is message:
+                del self._held[id(message)]
+
     @property
     def waiting(self) -> int:
         """Acks held for an end not settled yet, or queued for Redis."""
@@ -119,7 +126,7 @@ class DeferredAcks:
                 if delay_s is None:
                     log.warning("dramatiq_ack_dropped", message_id=str(message.message_id)[:64],
                                 error=f"{type(exc).__name__}: {exc}",
-                                reason="redelivered later; its todo, done, is skipped then")  # fmt: skip
+                                reason="redelivered once this process is gone, then skipped")  # fmt: skip
                     return
                 time.sleep(delay_s)
             except Exception as exc:  # this thread must outlive one bad ack

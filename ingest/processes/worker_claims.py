@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from backhalf import todos
+from backhalf.errors import StoreError
 from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
 from backhalf.worker import Claim
@@ -37,6 +38,8 @@ from ingest.processes.worker_messages import message_refusal
 
 log = structlog.get_logger(__name__)
 
+# How often the consumers look for claims whose leases need extending.
+REFRESH_EVERY_S = 1.0
 # A claim that found rows held by another transaction asks for those again
 # after these waits (37 ms in all), holding the batch back meanwhile.
 BUSY_RETRY_DELAYS_S = (0.002, 0.005, 0.01, 0.02)
@@ -61,6 +64,9 @@ class FetchClaims:
         # is no key itself), kept alive by its entry until a worker thread
         # takes it or it is given back.
         self._claims: dict[int, tuple[Any, Claim]] = {}
+        self._queues = {q.name: q for q in by_actor.values()}
+        # When the claims were last looked at for leases to extend (refresh).
+        self._refreshed = 0.0
 
     def claim(self, messages: Iterable[Any]) -> None:
         """Start the todos of a fetched batch (consumer thread), in one
@@ -111,6 +117,47 @@ class FetchClaims:
             return None
         return queue if refusal is None else None
 
+    def refresh(self) -> None:
+        """Extend the leases of claims still waiting in the prefetch once
+        they are half the lease margin old (any consumer thread, at each
+        turn of its loop; a look at most every REFRESH_EVERY_S): a message
+        behind slow runs could otherwise see its todo rescued, and its
+        attempt spent, before its run began."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._refreshed < REFRESH_EVERY_S:
+                return
+            self._refreshed = now
+            due = [
+                (key, message, claim)
+                for key, (message, claim) in self._claims.items()
+                if self._due(claim, now)
+            ]
+        if not due:
+            return
+        runs = [(claim.started, self._queue_of(claim).lease_ms / 1000) for _, _, claim in due]
+        try:
+            answers = self._writer().extend(runs)
+        except StoreError as exc:
+            log.warning("claim_leases_not_extended", claims=len(due), error=str(exc))
+            return
+        with self._lock:
+            for (key, message, claim), extended in zip(due, answers, strict=True):
+                # Extended: its lease is counted from now. Lost or busy: left
+                # as it is; its run asks again (and skips a lost one).
+                if extended and self._claims.get(key, (None,))[0] is message:
+                    self._claims[key] = (message, Claim(claim.started, now))
+
+    def _queue_of(self, claim: Claim) -> QueueConfig:
+        assert claim.started.todo is not None
+        return self._queues[claim.started.todo.queue]
+
+    def _due(self, claim: Claim, now: float) -> bool:
+        """Claimed more than half its queue's lease margin ago."""
+        return (
+            claim.started.todo is not None and now - claim.at > self._queue_of(claim).lease_margin_ms / 2000
+        )
+
     def take(self, message: Any) -> Claim | None:
         """The claim made for this message, once (worker thread)."""
         with self._lock:
@@ -124,11 +171,15 @@ class FetchClaims:
         until its lease expires; the rescuer then dispatches it."""
         with self._lock:
             entries = [e for e in (self._claims.pop(id(m), None) for m in messages) if e is not None]
-        runs = [claim.started for _, claim in entries if claim.started.todo is not None]
+        self.give_back_claims([claim for _, claim in entries])
+
+    def give_back_claims(self, claims: Iterable[Claim]) -> None:
+        """Claims taken off their messages, given back (see :meth:`give_back`)."""
+        runs = [claim.started for claim in claims if claim.started.todo is not None]
         if not runs:
             return
         endings = [todos.Ending(run, "dispatched", None, GIVEN_BACK, unrun=True) for run in runs]
-        answers = self._writer().end_all(endings)
+        answers = self._writer().end_all(endings)  # never raises: failures are answers
         failed = [a for a in answers if isinstance(a, BaseException)]
         log.info("claims_given_back", todos=len(runs) - len(failed), not_given_back=len(failed),
                  error=f"{type(failed[0]).__name__}: {failed[0]}" if failed else None)  # fmt: skip

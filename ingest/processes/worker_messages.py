@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import redis
 import structlog
 from dramatiq.broker import Consumer
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import q_name
+from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import (
     AgeLimit,
     Callbacks,
@@ -106,6 +109,8 @@ class _QueueGuard(Consumer):
         return self
 
     def __next__(self) -> Any:
+        if self._hooks.tick is not None:
+            self._call(self._hooks.tick, "tick")
         if self._fetched:
             return self._fetched.popleft()
         while True:
@@ -115,10 +120,20 @@ class _QueueGuard(Consumer):
             batch = [m for m in (message, *self._rest_of_batch()) if self._accepted(m)]
             if not batch:
                 continue
-            if self._hooks.fetched is not None:
-                self._hooks.fetched(batch)
+            fetched = self._hooks.fetched
+            if fetched is not None:
+                # A failure leaves the batch unclaimed (each run starts its
+                # own todo): the messages are never lost between the two.
+                self._call(partial(fetched, batch), "fetched")
             self._fetched.extend(batch[1:])
             return batch[0]
+
+    def _call(self, hook: Callable[[], None], name: str) -> None:
+        try:
+            hook()
+        except Exception as exc:  # a hook's bug must not cost the consumer its batch
+            log.exception("consumer_hook_failed", hook=name, dramatiq_queue=self._queue_name,
+                          error=f"{type(exc).__name__}: {exc}")  # fmt: skip
 
     def _rest_of_batch(self) -> list[Any]:
         """The messages dramatiq's Redis consumer fetched with this one, from
@@ -173,21 +188,29 @@ class _QueueGuard(Consumer):
             self._hooks.acks(message, self._inner.ack)
 
     def nack(self, message: Any) -> None:
+        if self._hooks.nacks is not None:
+            self._hooks.nacks(message)  # no ack is held for it any more
         self._inner.nack(message)
 
     def requeue(self, messages: Iterable[Any]) -> None:
         listed = list(messages)
-        if self._hooks.requeued is not None and listed:
-            self._hooks.requeued(listed)
+        requeued = self._hooks.requeued
+        if requeued is not None and listed:
+            self._call(partial(requeued, listed), "requeued")
         self._inner.requeue(listed)
 
     def close(self) -> None:
         """Requeue what was fetched and not handed on (dramatiq requeues only
-        its work queue), then close."""
+        its work queue), then close. A Redis that fails the requeue leaves
+        them in this worker's unacked set, redelivered once it is gone (their
+        claims were given back first): the worker's stop goes on."""
         try:
             if self._fetched:
                 fetched, self._fetched = list(self._fetched), deque()
                 self.requeue(fetched)
+        except (redis.RedisError, BrokerConnectionError) as exc:
+            log.warning("fetched_messages_not_requeued", dramatiq_queue=self._queue_name,
+                        error=f"{type(exc).__name__}: {exc}")  # fmt: skip
         finally:
             self._inner.close()
 
@@ -215,6 +238,9 @@ class FetchHooks:
     fetched: Callable[[list[Any]], None] | None = None
     requeued: Callable[[list[Any]], None] | None = None
     acks: Callable[[Any, Callable[[Any], None]], None] | None = None
+    nacks: Callable[[Any], None] | None = None
+    # Called at each turn of the consumer's loop (at least every idle poll).
+    tick: Callable[[], None] | None = None
 
 
 class GuardedRedisBroker(RedisBroker):

@@ -161,11 +161,11 @@ def test_a_lease_is_extended_only_for_its_own_run(
 ) -> None:
     (started,) = writer.claim([request(todo_ids[0])])
     assert started is not None
-    assert writer.extend(started, 600)
+    assert writer.extend([(started, 600)]) == [True]
     lease_left = "SELECT extract(epoch FROM lease_until - now()) FROM todos WHERE id = %(i)s"
     assert float(scalar(db_url, lease_left, {"i": todo_ids[0]})) > 590
     other_run = todos.Started(started.todo, started.found, uuid.uuid4(), started.lease_until)
-    assert not writer.extend(other_run, 6000)
+    assert writer.extend([(other_run, 6000)]) == [False]
     assert float(scalar(db_url, lease_left, {"i": todo_ids[0]})) < 601
 
 
@@ -233,3 +233,34 @@ def test_the_writers_plan_made_on_a_small_table_still_reads_todos_by_id_once_it_
     answers = writer.claim([request(todo_ids[1]), request(todo_ids[2])])
     assert all(a is not None and a.todo is not None for a in answers)
     assert todos_seq_scans(db_url, writer) == before
+
+
+def test_a_lease_held_by_another_transaction_is_answered_busy_not_waited_for(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    (started,) = writer.claim([request(todo_ids[0])])
+    assert started is not None
+    with psycopg.connect(libpq(db_url)) as holder:
+        holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
+        began = time.monotonic()
+        assert writer.extend([(started, 600)]) == [None]
+        assert time.monotonic() - began < 5  # the connection's lock timeout is far longer
+    assert writer.extend([(started, 600)]) == [True]
+
+
+def test_close_waits_for_a_background_end_asked_for_again(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    """An end answered busy is retried from a timer: closing the writer
+    meanwhile must still write it, not drop it."""
+    (started,) = writer.claim([request(todo_ids[0])])
+    assert started is not None
+    outcome: list[bool | BaseException] = []
+    holder = psycopg.connect(libpq(db_url))
+    holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
+    writer.finish(todos.Ending(started, "done", None, "done"), outcome.append)
+    time.sleep(0.1)  # answered busy at least once by now: a timer will ask again
+    threading.Timer(0.5, holder.close).start()  # the lock goes while close() waits
+    writer.close()
+    assert outcome == [True]
+    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == "done"
