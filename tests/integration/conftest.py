@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import registry
-from backhalf.db import DatabaseSettings, create_engine
+from backhalf.db import DatabaseSettings, create_engine, create_sync_engine
+from backhalf.state_writer import StateWriter
 
 
 @pytest.fixture
@@ -27,3 +28,13 @@ async def engine(db_url: str, registered: tuple[tuple[str, str], ...]) -> AsyncI
             )
     yield eng
     await eng.dispose()
+
+
+@pytest.fixture
+def writer(db_url: str) -> Iterator[StateWriter]:
+    """A worker process's state writer on the test's database, closed after."""
+    w = StateWriter(
+        create_sync_engine(DatabaseSettings(url=db_url), pool_size=1), deadline_ms=10_000, threads=4
+    )
+    yield w
+    w.close()

@@ -63,3 +63,14 @@ def scalar(url: str, statement: str, params: dict[str, Any] | None = None) -> An
 def acked(db_url: str) -> int:
     """Inbox rows whose ack has been discharged."""
     return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"))
+
+
+def insert_todos(url: str, n: int, *, queue: str = "q", status: str = "dispatched") -> list[int]:
+    """``n`` todos of ``queue`` in ``status``, their ids in order."""
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        rows = conn.execute(
+            "INSERT INTO todos (queue, idempotency_key, payload, status)"
+            " SELECT %s, 'k' || g, '{}', %s FROM generate_series(1, %s::int) g RETURNING id",
+            (queue, status, n),
+        ).fetchall()
+    return sorted(int(r[0]) for r in rows)

@@ -10,39 +10,23 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 
 import psycopg
 import pytest
 from structlog.testing import capture_logs
 
 from backhalf import todos
-from backhalf.db import DatabaseSettings, create_sync_engine
 from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
 from backhalf.worker import Claim, Runner
-from tests.support.db import libpq, query, scalar
+from tests.support.db import insert_todos, libpq, query, scalar
 
 QUEUE = QueueConfig(name="q", handler="x:y", time_limit_ms=60_000, lease_margin_ms=4_000, max_attempts=5)
 
 
 @pytest.fixture
 def todo_ids(db_url: str) -> list[int]:
-    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
-        rows = conn.execute(
-            "INSERT INTO todos (queue, idempotency_key, payload, status)"
-            " SELECT 'q', 'k' || g, '{}', 'dispatched' FROM generate_series(1, 4) g RETURNING id"
-        ).fetchall()
-    return sorted(int(r[0]) for r in rows)
-
-
-@pytest.fixture
-def writer(db_url: str) -> Iterator[StateWriter]:
-    w = StateWriter(
-        create_sync_engine(DatabaseSettings(url=db_url), pool_size=1), deadline_ms=10_000, threads=4
-    )
-    yield w
-    w.close()
+    return insert_todos(db_url, 4)
 
 
 def request(todo_id: int, queue: str = "q") -> todos.StartRequest:

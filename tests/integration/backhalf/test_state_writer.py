@@ -7,37 +7,21 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
 
 import psycopg
 import pytest
 from structlog.testing import capture_logs
 
 from backhalf import todos
-from backhalf.db import DatabaseSettings, create_sync_engine
 from backhalf.errors import ChangeRefused
 from backhalf.state_writer import StateWriter, refused_for_its_data
 from ingest.embedded.processes import wait_for
-from tests.support.db import libpq, query, scalar
+from tests.support.db import insert_todos, libpq, query, scalar
 
 
 @pytest.fixture
 def todo_ids(db_url: str) -> list[int]:
-    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
-        rows = conn.execute(
-            "INSERT INTO todos (queue, idempotency_key, payload, status)"
-            " SELECT 'q', 'k' || g, '{}', 'dispatched' FROM generate_series(1, 3) g RETURNING id"
-        ).fetchall()
-    return sorted(int(r[0]) for r in rows)
-
-
-@pytest.fixture
-def writer(db_url: str) -> Iterator[StateWriter]:
-    w = StateWriter(
-        create_sync_engine(DatabaseSettings(url=db_url), pool_size=1), deadline_ms=10_000, threads=4
-    )
-    yield w
-    w.close()
+    return insert_todos(db_url, 3)
 
 
 def test_changes_are_committed_when_they_return(

@@ -6,30 +6,19 @@ runs out, and claims given back unrun."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import psycopg
 import pytest
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
 
-from backhalf.db import DatabaseSettings, create_sync_engine
 from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
 from backhalf.worker import Claim
 from ingest.processes.worker_claims import GIVEN_BACK, FetchClaims
-from tests.support.db import libpq, query, scalar
+from tests.support.db import insert_todos, libpq, query, scalar
 
 QUEUE = QueueConfig(name="q", handler="x:y", time_limit_ms=10_000, lease_margin_ms=4_000)
-
-
-@pytest.fixture
-def writer(db_url: str) -> Iterator[StateWriter]:
-    w = StateWriter(
-        create_sync_engine(DatabaseSettings(url=db_url), pool_size=1), deadline_ms=10_000, threads=4
-    )
-    yield w
-    w.close()
 
 
 @pytest.fixture
@@ -38,13 +27,7 @@ def claims(writer: StateWriter) -> FetchClaims:
 
 
 def messages(db_url: str, n: int) -> list[MessageProxy]:
-    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
-        rows = conn.execute(
-            "INSERT INTO todos (queue, idempotency_key, payload, status)"
-            " SELECT 'q', 'k' || g, '{}', 'dispatched' FROM generate_series(1, %s) g RETURNING id",
-            (n,),
-        ).fetchall()
-    ids = sorted(int(r[0]) for r in rows)
+    ids = insert_todos(db_url, n)
     return [
         MessageProxy(
             Message(
