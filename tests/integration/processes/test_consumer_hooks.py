@@ -97,8 +97,9 @@ def test_a_claim_whose_message_a_later_middleware_skipped_is_given_back(
                         adapters=[stream_adapter(QUEUE)], queues={QUEUE: {"handler": HANDLER}})  # fmt: skip
     middleware = SwitchboardMiddleware(load(path, os.environ), threads=2)
     (todo_id,) = insert_todos(db_url, 1, queue=QUEUE)
-    body = dramatiq.Message(queue_name=QUEUE, actor_name=f"switchboard:{QUEUE}", args=(todo_id,), kwargs={},
-                            options={})  # fmt: skip
+    body: dramatiq.Message[Any] = dramatiq.Message(
+        queue_name=QUEUE, actor_name=f"switchboard:{QUEUE}", args=(todo_id,), kwargs={}, options={}
+    )
     message = MessageProxy(body)
     try:
         middleware._claims.claim([message])
