@@ -33,6 +33,13 @@ def request(todo_id: int, queue: str = "q") -> todos.StartRequest:
     return todos.StartRequest(todo_id, queue, uuid.uuid4(), QUEUE.lease_ms / 1000, QUEUE.max_attempts)
 
 
+def claimed(writer: StateWriter, todo_id: int) -> todos.Started:
+    """Todo ``todo_id`` claimed alone, as a fetch of one message would."""
+    (started,) = writer.claim([request(todo_id)])
+    assert started is not None
+    return started
+
+
 def test_a_fetched_batch_is_claimed_at_once_each_answered(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
@@ -52,8 +59,7 @@ def test_a_fetched_batch_is_claimed_at_once_each_answered(
 def test_a_background_end_is_settled_after_its_commit_even_past_a_held_row(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    (started,) = writer.claim([request(todo_ids[0])])
-    assert started is not None
+    started = claimed(writer, todo_ids[0])
     settled: list[bool | BaseException] = []
     done = threading.Event()
 
@@ -79,8 +85,7 @@ def test_a_background_end_is_settled_after_its_commit_even_past_a_held_row(
 def test_a_background_end_of_a_run_that_lost_its_todo_is_discarded(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    (started,) = writer.claim([request(todo_ids[0])])
-    assert started is not None
+    started = claimed(writer, todo_ids[0])
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         conn.execute("UPDATE todos SET status = 'cancelled' WHERE id = %s", (todo_ids[0],))
     outcome: list[bool | BaseException] = []
@@ -123,8 +128,7 @@ def runner_with(writer: StateWriter, ran: list[int]) -> Runner:
 def test_a_claim_that_waited_long_has_its_lease_again_from_now(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    (started,) = writer.claim([request(todo_ids[0])])
-    assert started is not None
+    started = claimed(writer, todo_ids[0])
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         # As if claimed a minute ago: its lease has nearly run out.
         conn.execute(
@@ -143,8 +147,7 @@ def test_a_claim_that_waited_long_has_its_lease_again_from_now(
 def test_a_lease_is_extended_only_for_its_own_run(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    (started,) = writer.claim([request(todo_ids[0])])
-    assert started is not None
+    started = claimed(writer, todo_ids[0])
     assert writer.extend([(started, 600)]) == [True]
     lease_left = "SELECT extract(epoch FROM lease_until - now()) FROM todos WHERE id = %(i)s"
     assert float(scalar(db_url, lease_left, {"i": todo_ids[0]})) > 590
@@ -156,8 +159,7 @@ def test_a_lease_is_extended_only_for_its_own_run(
 def test_a_claim_that_lost_its_todo_while_it_waited_does_not_run(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    (started,) = writer.claim([request(todo_ids[0])])
-    assert started is not None
+    started = claimed(writer, todo_ids[0])
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         # The rescuer took it back (its lease expired while it waited).
         conn.execute("UPDATE todos SET status = 'dispatched', run_token = NULL WHERE id = %s", (todo_ids[0],))
@@ -172,8 +174,7 @@ def test_a_claim_that_lost_its_todo_while_it_waited_does_not_run(
 def test_a_run_with_a_fresh_claim_makes_no_start_of_its_own(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    (started,) = writer.claim([request(todo_ids[0])])
-    assert started is not None
+    started = claimed(writer, todo_ids[0])
     ran: list[int] = []
     released = threading.Event()
     runner_with(writer, ran).run("q", todo_ids[0], Claim(started, time.monotonic()), lambda: released.set)
@@ -222,8 +223,7 @@ def test_the_writers_plan_made_on_a_small_table_still_reads_todos_by_id_once_it_
 def test_a_lease_held_by_another_transaction_is_answered_busy_not_waited_for(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    (started,) = writer.claim([request(todo_ids[0])])
-    assert started is not None
+    started = claimed(writer, todo_ids[0])
     with psycopg.connect(libpq(db_url)) as holder:
         holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
         began = time.monotonic()
@@ -237,8 +237,7 @@ def test_close_waits_for_a_background_end_asked_for_again(
 ) -> None:
     """An end answered busy is retried from a timer: closing the writer
     meanwhile must still write it, not drop it."""
-    (started,) = writer.claim([request(todo_ids[0])])
-    assert started is not None
+    started = claimed(writer, todo_ids[0])
     outcome: list[bool | BaseException] = []
     holder = psycopg.connect(libpq(db_url))
     holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
