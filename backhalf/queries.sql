@@ -168,7 +168,10 @@ ev AS (
 -- ``ack_xid`` (``by_cursor``: stream entries acked on store): the storing
 -- transaction's id, by which the acker finds the row (cursor_acks); a
 -- redelivery asking for its ack again takes this transaction's, so the
--- cursor, which has passed the old one, meets the row again.
+-- cursor, which has passed the old one, meets the row again. It also takes
+-- the newest delivery's ack ref: a JetStream reply subject names one
+-- delivery, and the newest is the one sure to ack (a Redis entry id is the
+-- same in every delivery).
 --
 -- The same insert as store_inbox_body_cte plus the ON CONFLICT clause
 -- (tests/unit/test_queries.py holds them to that).
@@ -188,6 +191,7 @@ written AS (
                   consumer = excluded.consumer,
                   ack_key = excluded.ack_key,
                   ack_group = excluded.ack_group,
+                  ack_entry_id = excluded.ack_entry_id,
                   ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
                   acked_at = NULL,
                   ack_xid = excluded.ack_xid

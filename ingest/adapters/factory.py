@@ -30,7 +30,10 @@ class Transport(NamedTuple):
 
 
 # Redis's client is a base dependency: dramatiq's broker is a Redis too.
-TRANSPORTS: Mapping[str, Transport] = {"redis": Transport("ingest.adapters.redis")}
+TRANSPORTS: Mapping[str, Transport] = {
+    "redis": Transport("ingest.adapters.redis"),
+    "nats": Transport("ingest.adapters.nats", extra="nats"),
+}
 
 
 class TransportPackage(Protocol):

@@ -16,14 +16,29 @@ from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFi
 from backhalf.keys import DEFAULT_PREFIX
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, string
-from ingest.config.urls import BrokerUrl, check_redis_url, env_name
+from ingest.config.urls import URL_CHECKS, BrokerUrl, check_broker_url, env_name
 from ingest.errors import ConfigError
 
-MODES = ("stream", "list", "pubsub")
+# The modes of each transport, its first the default (DESIGN.md 6 and 6b).
+TRANSPORT_MODES: Mapping[str, tuple[str, ...]] = {
+    "redis": ("stream", "list", "pubsub"),
+    "nats": ("jetstream",),
+}
+MODES = tuple(m for modes in TRANSPORT_MODES.values() for m in modes)
 STREAM = ("stream",)
 LIST = ("list",)
 PUBSUB = ("pubsub",)
-DEFAULT_BROKER = "the default broker (`SWITCHBOARD_REDIS_URL`, else `[redis] url`)"
+JETSTREAM = ("jetstream",)
+REDIS_MODES = TRANSPORT_MODES["redis"]
+# Where a transport's adapters connect when they name no ``url``.
+NATS_URL_VARIABLE = "SWITCHBOARD_NATS_URL"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_BROKER = (
+    "the transport's default broker: Redis `SWITCHBOARD_REDIS_URL`, else `[redis] url`;"
+    f" NATS `{NATS_URL_VARIABLE}`, else `{DEFAULT_NATS_URL}`"
+)
+# The key prefix of a transport's idempotency keys (DESIGN.md 6b).
+DEFAULT_PREFIXES: Mapping[str, str] = {"redis": DEFAULT_PREFIX, "nats": "nats"}
 RETENTION = "([Retention](operating.md#retention))"
 CREDENTIALS = "([security.md](security.md#broker-passwords-from-the-environment))"
 
@@ -49,9 +64,24 @@ def _pubsub_is_at_most_once(label: str, values: Mapping[str, Any]) -> None:
 
 
 def _transport(where: str, value: Any) -> str:
-    if value != "redis":
-        raise ConfigError(f'{where} must be "redis" (got {value!r})')
-    return "redis"
+    if value not in TRANSPORT_MODES:
+        raise ConfigError(f"{where} must be one of {', '.join(TRANSPORT_MODES)} (got {value!r})")
+    return str(value)
+
+
+def _mode_of_transport(label: str, values: Mapping[str, Any]) -> None:
+    modes = TRANSPORT_MODES[values["transport"]]
+    if values["mode"] not in modes:
+        raise ConfigError(
+            f"{label}: key 'mode' = {values['mode']!r} is not a mode of transport = {values['transport']!r}"
+            f" (its modes: {', '.join(modes)})"
+        )
+
+
+def _url_of_transport(label: str, values: Mapping[str, Any]) -> None:
+    """The url must be one the adapter's transport speaks (a Redis URL on a
+    NATS adapter is refused at load, not at the first connect)."""
+    URL_CHECKS[values["transport"]](f"{label}: key 'url'", values["broker"])
 
 
 def _ack_after(where: str, value: Any) -> str:
@@ -105,6 +135,8 @@ def redelivery_horizon_ms(values: Mapping[str, Any]) -> tuple[int, str]:
         return values["claim_idle_ms"] + values["claim_interval_ms"], "claim_idle_ms + claim_interval_ms"
     if values["mode"] == "list":
         return values["heartbeat_ttl_ms"] + values["reap_interval_ms"], "heartbeat_ttl_ms + reap_interval_ms"
+    if values["mode"] == "jetstream":
+        return values["ack_wait_ms"], "ack_wait_ms"
     return 0, "no redelivery (pub/sub)"
 
 
@@ -141,7 +173,12 @@ class AdapterConfig:
     name: Annotated[str, Key(public=False, doc="the adapter's name, one per adapter")]
     mode: Annotated[  # its own column
         str,
-        Key(public=False, parse=_mode, doc="`stream`, `list` or `pubsub` ([transports.md](transports.md))"),
+        Key(
+            public=False,
+            parse=_mode,
+            doc="Redis: `stream`, `list` or `pubsub`; NATS: `jetstream` ([transports.md](transports.md))",
+            default_doc="the transport's first: `stream` (Redis), `jetstream` (NATS)",
+        ),
     ] = "stream"
     delivery: Annotated[
         str | None,
@@ -153,9 +190,15 @@ class AdapterConfig:
             " ([transports.md](transports.md#pubsub-mode--pubsub-loss-tolerant-only))",
         ),
     ] = None
-    transport: Annotated[str, Key(public=False, parse=_transport, doc="the broker's kind: `redis`")] = (
-        "redis"  # its own column
-    )
+    transport: Annotated[
+        str,
+        Key(
+            public=False,
+            parse=_transport,
+            rule=_mode_of_transport,
+            doc="the broker's kind: `redis` or `nats`",
+        ),
+    ] = "redis"  # its own column
     ack_after: Annotated[
         Literal["store", "complete"],
         Key(
@@ -181,16 +224,71 @@ class AdapterConfig:
             " ([transports.md](transports.md#where-a-streams-group-starts-start_id))",
         ),
     ] = "0"
-    group: Annotated[str, Key(STREAM, doc="the consumer group, created (MKSTREAM) when missing")] = (
-        "switchboard"
-    )
+    group: Annotated[
+        str,
+        Key(
+            STREAM + JETSTREAM,
+            doc="the consumer group (Redis, created with MKSTREAM when missing), or the JetStream durable"
+            " pull consumer (NATS, created when missing)",
+        ),
+    ] = "switchboard"
+    subject: Annotated[
+        str | None,
+        Key(
+            JETSTREAM, parse=string, doc="a subject filter for the durable consumer", default_doc="none: all"
+        ),
+    ] = None
+    max_ack_pending: Annotated[
+        int,
+        Key(
+            JETSTREAM,
+            maximum=1_000_000,
+            doc="deliveries the consumer may have unacked; past it the server delivers nothing more"
+            " ([transports.md](transports.md#nats-jetstream))",
+        ),
+    ] = 20_000
+    ack_wait_ms: Annotated[
+        int,
+        Key(
+            JETSTREAM,
+            minimum=1000,
+            doc="an unacked delivery is redelivered after this (keep well above read + commit + ack)",
+        ),
+    ] = 60_000
+    credentials_file_env: Annotated[
+        str | None,
+        Key(
+            JETSTREAM,
+            public=False,
+            parse=env_name,
+            doc="the variable holding the path of a NATS `.creds` file (JWT and NKey seed)",
+        ),
+    ] = None
+    token_env: Annotated[
+        str | None,
+        Key(JETSTREAM, public=False, parse=env_name, doc="the variable holding a NATS auth token"),
+    ] = None
+    tls_ca_file: Annotated[
+        str | None,
+        Key(
+            JETSTREAM,
+            parse=string,
+            doc="the CA file that verifies the NATS server's certificate (TLS: `tls://` URL, or the"
+            " server requires it)",
+            default_doc="the system's CAs",
+        ),
+    ] = None
     consumer: Annotated[
         str,
         Key(doc="unique per ingester process; `ingest --consumer` overrides it", default_doc="the host name"),
     ] = field(default_factory=socket.gethostname)
-    key_prefix: Annotated[str, Key(doc="idempotency keys: `{key_prefix}:{source}:{entry-id}`")] = (
-        DEFAULT_PREFIX
-    )
+    key_prefix: Annotated[
+        str,
+        Key(
+            doc="idempotency keys: `{key_prefix}:{source}:{entry-id}`",
+            default_doc="the transport's name: `redis`, `nats`",
+        ),
+    ] = DEFAULT_PREFIX
     body_field: Annotated[
         str, Key(STREAM, doc="the field holding the message; entries without it are taken as their field map")
     ] = "body"
@@ -199,7 +297,7 @@ class AdapterConfig:
         int,
         Key(
             doc="how long a read waits for its first message (`XREADGROUP BLOCK`, `BLMOVE`'s timeout,"
-            " pub/sub's wait)"
+            " pub/sub's wait, a JetStream fetch's expiry)"
         ),
     ] = 1000
     claim_idle_ms: Annotated[
@@ -216,7 +314,7 @@ class AdapterConfig:
         int, Key(minimum=3, doc="delivered this often and never stored: rejected as poison")
     ] = 10
     reap_interval_ms: Annotated[int, Key(LIST, doc="how often dead consumers' lists are checked")] = 5_000
-    source: Annotated[str, Key(doc="stream key, list key or channel")]
+    source: Annotated[str, Key(doc="stream key, list key or channel; the JetStream stream")]
     # The URL as read; its credentials, from the variables below, are added
     # after the table is read (see BrokerUrl).
     broker: Annotated[
@@ -224,7 +322,8 @@ class AdapterConfig:
         Key(
             public=False,
             toml="url",
-            parse=check_redis_url,
+            parse=check_broker_url,
+            rule=_url_of_transport,
             doc="the adapter's own broker; never published in `adapters.settings`",
             default_doc=DEFAULT_BROKER,
             type_doc="string",
@@ -311,8 +410,9 @@ def read_adapter(
     table: Mapping[str, Any], redis_url: str, env: Mapping[str, str] | None = None
 ) -> AdapterConfig:
     """One ``[[adapters]]`` table, read and checked as a config file's are;
-    ``redis_url`` where it names no ``url``. A ``schema`` path is taken
-    relative to the working directory."""
+    ``redis_url`` where a Redis adapter names no ``url`` (a NATS adapter's
+    default is ``SWITCHBOARD_NATS_URL`` in ``env``, else the built-in). A
+    ``schema`` path is taken relative to the working directory."""
     return _adapter(0, table, redis_url, Path.cwd(), env or {})
 
 
@@ -340,13 +440,34 @@ def _adapter(
     name = raw.get("name")
     label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{index}]"
     # The defaults that depend on the rest.
-    values = ADAPTERS.read(label, raw, defaults={"url": default_redis_url, "queue": name})
+    values = ADAPTERS.read(
+        label, raw, defaults={"queue": name, **_transport_defaults(raw, default_redis_url, env)}
+    )
     # Only the processes that connect to this broker need the variables (the
     # ingester's and the acker's, per role): a missing one is raised when one does.
-    values["broker"] = BrokerUrl.resolve(
-        label, values["broker"], env, username_env=values["username_env"], password_env=values["password_env"]
-    )
+    values["broker"] = BrokerUrl.resolve(label, values["broker"], env, **_credential_variables(label, values))
     return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
+
+
+def _credential_variables(label: str, values: Mapping[str, Any]) -> dict[str, str | None]:
+    """The variables whose values complete the URL. A NATS token is a URL's
+    user name without a password (nats-py reads it so), so ``token_env``
+    fills that place and excludes the other two."""
+    if values.get("token_env") is None:
+        return {"username_env": values["username_env"], "password_env": values["password_env"]}
+    if values["username_env"] is not None or values["password_env"] is not None:
+        raise ConfigError(f"{label}: key 'token_env' excludes 'username_env' and 'password_env': use one way")
+    return {"username_env": values["token_env"], "password_env": None}
+
+
+def _transport_defaults(raw: Mapping[str, Any], redis_url: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """The mode, url and key prefix an adapter of its transport has when its
+    table names none (an unknown transport is refused by its own key)."""
+    transport = raw.get("transport", "redis")
+    if transport == "nats":
+        url = env.get(NATS_URL_VARIABLE) or DEFAULT_NATS_URL
+        return {"mode": TRANSPORT_MODES["nats"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["nats"]}
+    return {"url": redis_url}
 
 
 def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
@@ -375,6 +496,10 @@ def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
         if a.mode == "stream":
             what = (a.mode, *a.broker.identity(), a.source, a.group)
             key, read = "group", f"stream {a.source!r} with group {a.group!r}"
+            hint = "fan-out needs a distinct group"
+        elif a.mode == "jetstream":
+            what = (a.mode, *a.broker.identity(), a.source, a.group)
+            key, read = "group", f"JetStream stream {a.source!r} with durable consumer {a.group!r}"
             hint = "fan-out needs a distinct group"
         elif a.mode == "list":
             what = (a.mode, *a.broker.identity(), a.source)

@@ -92,6 +92,36 @@ def check_redis_url(where: str, value: Any) -> str:
     return url
 
 
+def check_nats_url(where: str, value: Any) -> str:
+    """A NATS server URL (``nats://`` plain, ``tls://`` TLS), checked as
+    :func:`check_redis_url` checks its own; nats-py reads no query."""
+    url = string(where, value)
+    parts = urlsplit(url)
+    if parts.scheme not in ("nats", "tls"):
+        raise ConfigError(f"{where} must be a nats:// or tls:// URL")
+    problem = _url_shape_problem(url)
+    if problem is None and (parts.query or parts.path.strip("/")):
+        problem = "a NATS URL has no path or query: nats://[USER:PASSWORD@]HOST:PORT"
+    if problem is not None:
+        raise ConfigError(f"{where} is not a valid URL: {problem}")
+    return url
+
+
+# Each transport's URL check, by the transport's name.
+URL_CHECKS = {"redis": check_redis_url, "nats": check_nats_url}
+
+
+def check_broker_url(where: str, value: Any) -> str:
+    """A URL some transport takes; the adapter's transport then checks it
+    as its own (``URL_CHECKS``), once the transport is known."""
+    url = string(where, value)
+    if urlsplit(url).scheme in ("nats", "tls"):
+        return check_nats_url(where, url)
+    return check_redis_url(where, url)
+
+
+NATS_PORT = 4222
+
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -208,6 +238,8 @@ class BrokerUrl:
         parts = urlsplit(self._url)
         if parts.scheme == "unix":
             return ("unix", parts.path)
+        if parts.scheme in ("nats", "tls"):
+            return (parts.hostname or "localhost", str(parts.port or NATS_PORT))
         db = parts.path.strip("/") or "0"
         for item in parts.query.split("&"):
             key, _, value = item.partition("=")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ingest.config import Settings, from_mapping
-from ingest.lifecycle import leftover_tasks
 from ingest.processes.acker import run_acker
 from ingest.processes.ingester import run_ingester
 
@@ -37,6 +37,9 @@ def list_adapter(**kw: Any) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def pipeline(s: Settings, *, acker: bool = True) -> AsyncIterator[None]:
     stop = asyncio.Event()
+    # The test's own clients (a NATS connection's reader and pinger) may run
+    # beside the pipeline: only what the pipeline started must be gone after.
+    before = asyncio.all_tasks()
     async with asyncio.TaskGroup() as tg:
         tg.create_task(run_ingester(s, stop))
         if acker:
@@ -45,10 +48,20 @@ async def pipeline(s: Settings, *, acker: bool = True) -> AsyncIterator[None]:
             yield
         finally:
             stop.set()
-    assert leftover_tasks() == []
+    left = [
+        t.get_name() for t in asyncio.all_tasks() - before if t is not asyncio.current_task() and not t.done()
+    ]
+    assert left == [], left
 
 
 async def wait_until(predicate: Callable[[], Any], timeout_s: float = 20) -> None:
+    """Poll ``predicate`` (a coroutine function too: its result is awaited)
+    until it is true, for at most ``timeout_s``."""
     async with asyncio.timeout(timeout_s):
-        while not predicate():  # noqa: ASYNC110 - polling PostgreSQL and Redis
+        while True:
+            result = predicate()
+            if inspect.isawaitable(result):
+                result = await result
+            if result:
+                return
             await asyncio.sleep(0.05)

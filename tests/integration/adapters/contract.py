@@ -2,7 +2,8 @@
 Pub/Sub tests): every transport and mode runs these tests against its real
 broker by subclassing :class:`AdapterContract` in a ``test_contract_*``
 module and saying how to publish to it and how to read the broker's own
-record of what is still unacknowledged.
+record of what is still unacknowledged; ``broker`` is the module's fixture
+of that name (a Redis client, a JetStream client).
 
 What a mode cannot do is a feature flag, and the tests assert the declared
 behaviour either way (pub/sub redelivers nothing: the test proves a message
@@ -21,7 +22,6 @@ from dataclasses import replace
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ingest.adapters.base import Delivery, PullAdapter
@@ -60,14 +60,17 @@ class AdapterContract:
         """The ``[[adapters]]`` table of the adapter under test (name NAME, source SOURCE)."""
         raise NotImplementedError
 
-    async def produce(self, r: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
+    async def produce(self, broker: Any, messages: list[bytes], adapter: PullAdapter | None) -> None:
         """Publish ``messages`` in order; ``adapter`` is the running one where
         a test holds it (a subscriber must be listening first)."""
         raise NotImplementedError
 
-    def unacked(self, r: redis.Redis) -> int:
+    async def unacked(self, broker: Any) -> int:
         """The broker's own count of messages delivered and not yet acknowledged."""
         raise NotImplementedError
+
+    async def unacked_is(self, broker: Any, count: int) -> bool:
+        return await self.unacked(broker) == count
 
     # -- plumbing ------------------------------------------------------------
 
@@ -99,29 +102,27 @@ class AdapterContract:
         await adapter.start()
         return adapter
 
-    async def run_until_stored(
-        self, s: Settings, r: redis.Redis, messages: list[bytes], *, acker: bool
-    ) -> None:
+    async def run_until_stored(self, s: Settings, broker: Any, messages: list[bytes], *, acker: bool) -> None:
         db_url = s.database.url
         async with pipeline(s, acker=acker):
             await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM adapters") == 1)
-            await self.wait_listening(r)
-            await self.produce(r, messages, None)
+            await self.wait_listening(broker)
+            await self.produce(broker, messages, None)
             await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") >= len(messages))
             if acker and self.acks:
-                await wait_until(lambda: self.unacked(r) == 0)
+                await wait_until(lambda: self.unacked_is(broker, 0))
 
-    async def wait_listening(self, r: redis.Redis) -> None:
+    async def wait_listening(self, broker: Any) -> None:
         """Return once a message published now reaches the running adapter."""
         return
 
     # -- the contract --------------------------------------------------------
 
     async def test_messages_are_stored_once_in_order_with_their_todos(
-        self, db_url: str, redis_url: str, r: redis.Redis
+        self, db_url: str, redis_url: str, broker: Any
     ) -> None:
         sent = bodies(30)
-        await self.run_until_stored(self.one_by_one(db_url, redis_url), r, sent, acker=True)
+        await self.run_until_stored(self.one_by_one(db_url, redis_url), broker, sent, acker=True)
         rows = query(db_url, "SELECT body, status, source_message_id, idempotency_key FROM inbox ORDER BY id")
         assert [bytes(b) for b, *_ in rows] == sent
         assert {status for _, status, _, _ in rows} == {"stored"}
@@ -133,23 +134,23 @@ class AdapterContract:
         assert set(events) == {("queue", "queue", False)}
 
     async def test_acks_come_from_the_declared_party_only_after_the_commit(
-        self, db_url: str, redis_url: str, r: redis.Redis
+        self, db_url: str, redis_url: str, broker: Any
     ) -> None:
         sent = bodies(10)
         s = self.settings(db_url, redis_url)
         # The ingester alone: every mode here declares the acker its ack party,
         # so what it stored is still the broker's to redeliver.
-        await self.run_until_stored(s, r, sent, acker=False)
+        await self.run_until_stored(s, broker, sent, acker=False)
         states = {state for (state,) in query(db_url, "SELECT ack_state FROM inbox")}
         if self.acks:
             assert states == {"pending"}
-            assert self.unacked(r) == len(sent)
+            assert await self.unacked(broker) == len(sent)
         else:
             assert states == {"none"}
         # The acker then discharges every committed intent.
         async with pipeline(s):
             if self.acks:
-                await wait_until(lambda: self.unacked(r) == 0)
+                await wait_until(lambda: self.unacked_is(broker, 0))
                 await wait_until(
                     lambda: (
                         scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == len(sent)
@@ -158,11 +159,11 @@ class AdapterContract:
         assert scalar(db_url, "SELECT count(*) FROM todos") == len(sent)
 
     async def test_rewind_gives_back_what_was_not_stored(
-        self, db_url: str, redis_url: str, r: redis.Redis, engine: AsyncEngine
+        self, db_url: str, redis_url: str, broker: Any, engine: AsyncEngine
     ) -> None:
         adapter = await self.started(db_url, redis_url)
         try:
-            await self.produce(r, bodies(5), adapter)
+            await self.produce(broker, bodies(5), adapter)
             first = await self.read_all(adapter, 5, engine=engine)
             adapter.rewind()
             again = await self.read_all(adapter, 5, engine=engine)
@@ -175,25 +176,25 @@ class AdapterContract:
         assert sorted(d.idempotency_key for d in again) == sorted(d.idempotency_key for d in first)
 
     async def test_a_message_read_but_never_stored_is_redelivered_once_stored(
-        self, db_url: str, redis_url: str, r: redis.Redis, engine: AsyncEngine
+        self, db_url: str, redis_url: str, broker: Any, engine: AsyncEngine
     ) -> None:
         """A consumer that dies after its read: what it held comes back, and
         the pipeline stores each message exactly once."""
         s = self.settings(db_url, redis_url)
         crashed = await self.started(db_url, redis_url)
-        await self.produce(r, bodies(5), crashed)
+        await self.produce(broker, bodies(5), crashed)
         held = await self.read_all(crashed, 5, engine=engine)
         assert len(held) == 5
         await crashed.close()  # never stored, never acked
         rest = bodies(5, start=5)
         async with pipeline(s):
-            await self.wait_listening(r)
-            await self.produce(r, rest, None)
+            await self.wait_listening(broker)
+            await self.produce(broker, rest, None)
             await wait_until(
                 lambda: scalar(db_url, "SELECT count(*) FROM inbox") >= (10 if self.redelivers else 5)
             )
             if self.acks:
-                await wait_until(lambda: self.unacked(r) == 0)
+                await wait_until(lambda: self.unacked_is(broker, 0))
         stored = [bytes(b) for (b,) in query(db_url, "SELECT body FROM inbox ORDER BY id")]
         if self.redelivers:
             assert sorted(stored) == sorted(bodies(10))
@@ -202,10 +203,10 @@ class AdapterContract:
         assert scalar(db_url, "SELECT count(*) FROM todos") == len(stored)
 
     async def test_poison_is_stored_rejected_and_acked(
-        self, db_url: str, redis_url: str, r: redis.Redis
+        self, db_url: str, redis_url: str, broker: Any
     ) -> None:
         sent = [b'{"ok": 1}', b"{not json", b'{"ok": 2}']
-        await self.run_until_stored(self.one_by_one(db_url, redis_url), r, sent, acker=True)
+        await self.run_until_stored(self.one_by_one(db_url, redis_url), broker, sent, acker=True)
         rows = query(db_url, "SELECT body, status, error, ack_state FROM inbox ORDER BY id")
         assert [(bytes(b), st) for b, st, _, _ in rows] == [
             (sent[0], "stored"), (sent[1], "rejected"), (sent[2], "stored")
@@ -214,7 +215,7 @@ class AdapterContract:
         assert rows[1][2].startswith("invalid_json")
         if self.acks:
             # The poison is acked like the rest, so the broker stops redelivering it.
-            await wait_until(lambda: self.unacked(r) == 0)
+            await wait_until(lambda: self.unacked_is(broker, 0))
             await wait_until(
                 lambda: scalar(db_url, "SELECT ack_state FROM inbox WHERE status = 'rejected'") == "acked"
             )
@@ -223,12 +224,10 @@ class AdapterContract:
             {"ok": 2},
         ]
 
-    async def test_describe_gives_status_its_figures(
-        self, db_url: str, redis_url: str, r: redis.Redis
-    ) -> None:
+    async def test_describe_gives_status_its_figures(self, db_url: str, redis_url: str, broker: Any) -> None:
         adapter = await self.started(db_url, redis_url)
         try:
-            await self.produce(r, bodies(7), adapter)
+            await self.produce(broker, bodies(7), adapter)
             figures = await adapter.describe()
         finally:
             await adapter.close()

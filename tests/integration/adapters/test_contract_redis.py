@@ -16,6 +16,11 @@ GROUP = "switchboard"
 
 
 @pytest.fixture
+def broker(r: redis.Redis) -> redis.Redis:
+    return r  # the contract's hooks are handed this module's broker client
+
+
+@pytest.fixture
 def registered() -> tuple[tuple[str, str], ...]:
     return ()  # the pipeline registers its adapter itself
 
@@ -26,13 +31,13 @@ class TestStreamContract(AdapterContract):
     def adapter_table(self) -> dict[str, Any]:
         return {"mode": "stream", "group": GROUP, "consumer": "c1"}
 
-    async def produce(self, r: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
+    async def produce(self, broker: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
         for body in messages:
-            r.xadd(SOURCE, {"body": body})
+            broker.xadd(SOURCE, {"body": body})
 
-    def unacked(self, r: redis.Redis) -> int:
+    async def unacked(self, broker: redis.Redis) -> int:
         try:
-            return int(r.xpending(SOURCE, GROUP)["pending"])
+            return int(broker.xpending(SOURCE, GROUP)["pending"])
         except redis.ResponseError:  # no group yet: nothing delivered
             return 0
 
@@ -44,12 +49,12 @@ class TestListContract(AdapterContract):
     def adapter_table(self) -> dict[str, Any]:
         return {"mode": "list", "consumer": "c1"}
 
-    async def produce(self, r: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
+    async def produce(self, broker: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
         for body in messages:
-            r.lpush(SOURCE, body)  # LPUSH producers get FIFO order
+            broker.lpush(SOURCE, body)  # LPUSH producers get FIFO order
 
-    def unacked(self, r: redis.Redis) -> int:
-        return int(r.llen(processing_key(SOURCE, "c1")))
+    async def unacked(self, broker: redis.Redis) -> int:
+        return int(broker.llen(processing_key(SOURCE, "c1")))
 
 
 class TestPubSubContract(AdapterContract):
@@ -61,17 +66,17 @@ class TestPubSubContract(AdapterContract):
     def adapter_table(self) -> dict[str, Any]:
         return {"mode": "pubsub", "delivery": "at-most-once"}
 
-    async def wait_listening(self, r: redis.Redis) -> None:
-        await wait_until(lambda: r.pubsub_numsub(SOURCE)[0][1] >= 1)
+    async def wait_listening(self, broker: redis.Redis) -> None:
+        await wait_until(lambda: broker.pubsub_numsub(SOURCE)[0][1] >= 1)
 
-    async def produce(self, r: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
+    async def produce(self, broker: redis.Redis, messages: list[bytes], adapter: PullAdapter | None) -> None:
         if adapter is not None:
             await adapter.read(1)  # subscribes; nothing published yet
-            await self.wait_listening(r)
+            await self.wait_listening(broker)
         for body in messages:
-            r.publish(SOURCE, body)
+            broker.publish(SOURCE, body)
 
-    def unacked(self, r: redis.Redis) -> int:
+    async def unacked(self, broker: redis.Redis) -> int:
         return 0  # pub/sub keeps nothing
 
 

@@ -30,7 +30,7 @@ def test_a_transport_whose_client_is_missing_names_its_extra(monkeypatch: pytest
 
 def test_an_unknown_transport_is_a_config_error_naming_the_known_ones() -> None:
     with pytest.raises(
-        ConfigError, match=r"adapter 'x': key 'transport' = 'kafka' is not one of \['redis'\]"
+        ConfigError, match=r"adapter 'x': key 'transport' = 'kafka' is not one of \['nats', 'redis'\]"
     ):
         factory.transport("kafka", adapter="x")
 
@@ -43,6 +43,9 @@ def test_only_the_transport_an_adapter_uses_is_imported() -> None:
         "assert 'ingest.adapters.redis' not in sys.modules, 'imported before use'\n"
         "f.transport('redis')\n"
         "assert 'ingest.adapters.redis' in sys.modules\n"
+        "assert 'nats' not in sys.modules, 'a Redis deployment imported nats-py'\n"
+        "f.transport('nats')\n"
+        "assert 'nats' in sys.modules\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
@@ -59,3 +62,7 @@ def test_an_intent_reads_in_its_transports_words() -> None:
     # A row whose adapter is registered no more: the kind's own transport says it.
     assert factory.describe_ack(None, stream) == "XACK orders switchboard 1-0"
     assert factory.describe_ack(None, AckIntentView("shiny", "k", None, "r", 1)) == "shiny k - r"
+    reply = "$JS.ACK.ORDERS.switchboard.1.7.7.1796221376233174239.0"
+    assert factory.describe_ack(None, AckIntentView("jsack", "ORDERS", "switchboard", reply, 1)) == (
+        f"+ACK to {reply} (stream ORDERS, consumer switchboard)"
+    )

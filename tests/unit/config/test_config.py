@@ -201,7 +201,8 @@ EVERY_KEY = {
     "block_ms", "claim_idle_ms", "claim_interval_ms", "start_id", "key_prefix", "body_field", "format",
     "max_message_bytes", "url", "delivery", "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
     "schema", "schema_timeout_ms", "retain_acked_days", "retain_rejected_days", "username_env",
-    "password_env",
+    "password_env", "subject", "max_ack_pending", "ack_wait_ms", "credentials_file_env", "token_env",
+    "tls_ca_file",
 }  # fmt: skip
 
 
@@ -233,29 +234,58 @@ _MODE_KEYS: dict[str, dict[str, Any]] = {
     "stream": {"group": "g", "start_id": "$", "body_field": "b", "claim_idle_ms": 1, "claim_interval_ms": 1},
     "list": {"heartbeat_ttl_ms": 1000, "reap_interval_ms": 1},
     "pubsub": {"delivery": "at-most-once"},
+    "jetstream": {
+        "group": "g", "subject": "s.>", "max_ack_pending": 1, "ack_wait_ms": 1000,
+        "credentials_file_env": "C", "token_env": "T", "tls_ca_file": "ca.pem",
+    },
+}  # fmt: skip
+# Each transport's URL in that test, and the URL its credentials make of it.
+_URLS = {
+    "redis": ("unix:///tmp/r.sock", "unix://u:p@/tmp/r.sock"),
+    "nats": ("nats://h:4222", "nats://t@h:4222"),  # a token is a user name without a password
 }
 
 
-@pytest.mark.parametrize("mode", ["stream", "list", "pubsub"])
+@pytest.mark.parametrize("mode", ["stream", "list", "pubsub", "jetstream"])
 def test_each_mode_takes_the_common_keys_and_its_own(mode: str, tmp_path: Path) -> None:
     (tmp_path / "s.json").write_text('{"type": "object"}')
+    transport = "nats" if mode == "jetstream" else "redis"
+    url, completed = _URLS[transport]
+    credentials = {} if transport == "nats" else {"username_env": "U", "password_env": "P"}
     raw = adapter(
-        mode=mode, transport="redis", consumer="c", ack_after="store", batch_size=10_000,
-        block_ms=1, key_prefix="p", format="text", max_message_bytes=1, url="unix:///tmp/r.sock",
+        mode=mode, transport=transport, consumer="c", ack_after="store", batch_size=10_000,
+        block_ms=1, key_prefix="p", format="text", max_message_bytes=1, url=url,
         max_deliveries=3, schema="s.json", schema_timeout_ms=1,
-        retain_acked_days=1, retain_rejected_days=2, username_env="U", password_env="P",
+        retain_acked_days=1, retain_rejected_days=2, **credentials,
         **_MODE_KEYS[mode],
     )  # fmt: skip
-    assert set().union(*(set(adapter(**keys)) for keys in _MODE_KEYS.values())) | set(raw) == EVERY_KEY
-    a = from_mapping({"database": DB, "adapters": [raw]}, {"U": "u", "P": "p"}, tmp_path).adapters[0]
-    assert (a.mode, a.key_prefix, a.broker.url()) == (mode, "p", "unix://u:p@/tmp/r.sock")
+    every = set().union(*(set(adapter(**keys)) for keys in _MODE_KEYS.values()))
+    assert every | set(raw) | {"username_env", "password_env"} == EVERY_KEY
+    env = {"U": "u", "P": "p", "T": "t"}
+    a = from_mapping({"database": DB, "adapters": [raw]}, env, tmp_path).adapters[0]
+    assert (a.mode, a.key_prefix, a.broker.url()) == (mode, "p", completed)
     assert a.body_schema is not None
+
+
+def test_a_nats_adapter_defaults_to_jetstream_its_prefix_and_its_url() -> None:
+    raw = {"name": "orders", "transport": "nats", "source": "ORDERS"}
+    (a,) = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters
+    assert (a.mode, a.key_prefix, a.broker.url(), a.group) == (
+        "jetstream",
+        "nats",
+        "nats://127.0.0.1:4222",
+        "switchboard",
+    )
+    env = {"SWITCHBOARD_NATS_URL": "tls://nats.example:4443"}
+    (a,) = from_mapping({"database": DB, "adapters": [raw]}, env).adapters
+    assert a.broker.url() == "tls://nats.example:4443"
+    assert "url" not in a.public_settings() and "token_env" not in a.public_settings()
 
 
 @pytest.mark.parametrize(
     ("mode", "key", "applies_to"),
     [
-        ("list", "group", "'stream'"),
+        ("list", "group", "'stream' or 'jetstream'"),
         ("pubsub", "claim_idle_ms", "'stream'"),
         ("stream", "reap_interval_ms", "'list'"),
         ("stream", "delivery", "'pubsub'"),
@@ -301,8 +331,19 @@ def test_the_unknown_key_message_lists_every_allowed_key() -> None:
          "adapter 'orders': key 'max_deliveries': must be an integer >= 3 (got 2)"),
         ({"adapters": [adapter(group="")]},
          "adapter 'orders': key 'group': must be a non-empty string (got '')"),
+        ({"adapters": [adapter(transport="kafka")]},
+         "adapter 'orders': key 'transport' must be one of redis, nats (got 'kafka')"),
         ({"adapters": [adapter(transport="nats")]},
-         "adapter 'orders': key 'transport' must be \"redis\" (got 'nats')"),
+         "adapter 'orders': key 'mode' = 'stream' is not a mode of transport = 'nats' (its modes: jetstream)"),
+        ({"adapters": [adapter(transport="nats", mode="jetstream", url="redis://h:6379/0")]},
+         "adapter 'orders': key 'url' must be a nats:// or tls:// URL"),
+        ({"adapters": [adapter(mode="stream", url="nats://h:4222")]},
+         "adapter 'orders': key 'url' must be a redis://, rediss:// or unix:// URL"),
+        ({"adapters": [adapter(transport="nats", mode="jetstream", claim_idle_ms=5)]},
+         "adapter 'orders': key 'claim_idle_ms' does not apply to mode = 'jetstream' (it applies to mode"
+         " 'stream')"),
+        ({"adapters": [adapter(transport="nats", mode="jetstream", token_env="T", password_env="P")]},
+         "adapter 'orders': key 'token_env' excludes 'username_env' and 'password_env': use one way"),
         ({"ingest": {"shutdown_timeout_s": 0}},
          "[ingest]: key 'shutdown_timeout_s': must be a positive number (got 0)"),
         ({"ingest": {"enabled_refresh_ms": 2.5}},

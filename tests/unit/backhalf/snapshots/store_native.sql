@@ -40,6 +40,7 @@ written AS (
                   consumer = excluded.consumer,
                   ack_key = excluded.ack_key,
                   ack_group = excluded.ack_group,
+                  ack_entry_id = excluded.ack_entry_id,
                   ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
                   acked_at = NULL,
                   ack_xid = excluded.ack_xid

@@ -1,0 +1,137 @@
+"""What the NATS side shares: the connection with every wait bounded and no
+hidden retries, and the one map from nats-py's errors to ours.
+
+nats-py reconnects by itself and buffers what is published meanwhile; here
+it does neither (``allow_reconnect=False``): a connection lost raises at the
+next call, the poll loop (or the acker's drain) backs off as it does for
+Redis, and the next call connects afresh. One retry policy, visible in the
+logs, instead of a client's silent one beneath it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+from types import TracebackType
+from urllib.parse import unquote, urlsplit
+
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from ingest.config import AdapterConfig
+from ingest.errors import BrokerError, ConfigError, IngestError
+
+log = structlog.get_logger(__name__)
+
+CONNECT_TIMEOUT_S = 5
+# A JetStream API call (stream and consumer info, consumer creation) and an
+# ack's answer: far above a loopback round trip, far below a stalled server.
+REQUEST_TIMEOUT_S = 5.0
+# The server asks the account's user info of the system account.
+USER_INFO_SUBJECT = "$SYS.REQ.USER.INFO"
+
+
+class nats_errors:  # a context manager, named like contextlib's
+    """Raise nats-py's errors (and a lost socket's) as ``error`` with
+    ``adapter X: what: ...``, the original as the cause."""
+
+    def __init__(self, adapter: str, what: str, *, error: type[IngestError] = BrokerError) -> None:
+        self._adapter, self._what, self._error = adapter, what, error
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None or isinstance(exc, IngestError):
+            return
+        if isinstance(exc, NatsError | OSError | TimeoutError):
+            detail = str(exc) or type(exc).__name__
+            raise self._error(f"adapter {self._adapter}: {self._what}: {detail}") from exc
+
+
+def _tls_context(config: AdapterConfig, scheme: str) -> ssl.SSLContext | None:
+    """TLS with the server's certificate verified: ``tls://`` or a CA file
+    given; never an unverified context."""
+    if scheme != "tls" and config.tls_ca_file is None:
+        return None
+    context = ssl.create_default_context(cafile=config.tls_ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def _credentials_file(config: AdapterConfig) -> str | None:
+    variable = config.credentials_file_env
+    if variable is None:
+        return None
+    path = os.environ.get(variable)
+    if not path:
+        raise ConfigError(
+            f"adapter {config.name!r}: key 'credentials_file_env': the environment variable {variable!r}"
+            " is not set or empty"
+        )
+    return path
+
+
+async def connect(config: AdapterConfig, *, role: str) -> Client:
+    """A connection to the adapter's server, named for the process role
+    (``monitor`` shows it); raises BrokerError if none can be made now."""
+    url = config.broker.url()
+    parts = urlsplit(url)
+    # nats-py reads tls:// itself, but a CA file needs the context: the URL
+    # keeps its scheme either way.
+    options: dict[str, object] = {
+        "servers": [url],
+        "name": f"switchboard-{role}-{config.name}",
+        "connect_timeout": CONNECT_TIMEOUT_S,
+        "allow_reconnect": False,
+        "max_reconnect_attempts": 0,
+        "error_cb": _error_cb(config.name),
+    }
+    tls = _tls_context(config, parts.scheme)
+    if tls is not None:
+        options["tls"] = tls
+        options["tls_hostname"] = parts.hostname
+    credentials = _credentials_file(config)
+    if credentials is not None:
+        options["user_credentials"] = credentials
+    with nats_errors(config.name, f"connecting to {server_label(url)}"):
+        return await nats.connect(**options)  # type: ignore[arg-type]
+
+
+def _error_cb(adapter: str):  # type: ignore[no-untyped-def]
+    """nats-py reports asynchronous errors (a permission violation, a slow
+    consumer) here, not at a call: logged, never raised into its reader task."""
+
+    async def report(exc: Exception) -> None:
+        log.warning("nats_async_error", adapter=adapter, error=str(exc), error_type=type(exc).__name__)
+
+    return report
+
+
+def server_label(url: str) -> str:
+    """host:port of a NATS URL, never its credentials."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or 4222}"
+
+
+async def user_name(client: Client, url: str) -> str:
+    """The user the server knows this connection as (``$SYS.REQ.USER.INFO``,
+    NATS 2.10+), else the URL's user, else how it authenticated."""
+    try:
+        reply = await client.request(USER_INFO_SUBJECT, b"", timeout=REQUEST_TIMEOUT_S)
+        user = json.loads(reply.data).get("data", {}).get("user")
+        if isinstance(user, str) and user:
+            return user
+    except (NatsError, OSError, TimeoutError, ValueError) as exc:
+        log.info("nats_user_info_unavailable", error=str(exc) or type(exc).__name__)
+    parts = urlsplit(url)
+    if parts.username and parts.password is not None:
+        return unquote(parts.username)
+    if parts.username:
+        return "(token)"  # never the token itself
+    return "(anonymous)"

@@ -1,0 +1,364 @@
+"""NATS JetStream: a durable pull consumer, acked by the acker.
+
+Broker side (DESIGN.md section 6b)::
+
+    {source}                      the JetStream stream (created by its owner, never by us)
+    {source} consumer {group}     the durable pull consumer, created when missing:
+                                  explicit acks, deliver all, ``max_deliver`` unlimited,
+                                  ``ack_wait`` and ``max_ack_pending`` from the config,
+                                  an optional ``subject`` filter; an existing one is
+                                  brought to those settings (an update), or refused
+                                  where it cannot be (another ack policy)
+
+Reading: batched fetches of up to ``batch_size``, expiring after ``block_ms``.
+Each delivery's reply subject (``$JS.ACK.<stream>.<consumer>.<delivered>.
+<stream seq>.<consumer seq>.<time>.<pending>``, longer with a domain or an
+account hash) is its ack intent, stored as the server gave it; the acker
+sends ``+ACK`` to it as a request, so a consumer that vanished answers "no
+responders" instead of swallowing the ack. The ingester never acks (its
+NATS user may be denied ``$JS.ACK.>``: ``ops/nats-server.conf``).
+
+Redelivery is the server's: a delivery unacked after ``ack_wait`` comes
+again, with its delivery count, and dedups to its inbox row (whose ack
+intent then takes the newest reply subject). ``max_deliver`` is left
+unlimited, so the server never gives a message up on its own: Switchboard's
+``max_deliveries`` rejects poison (stored as rejected, and acked), nothing
+leaves unseen.
+
+Idempotency key ``{key_prefix}:{stream}:{stream sequence}``; a stream
+deleted and created again restarts its sequences at 1, and a new message on
+a sequence the inbox holds with another body is stored under the reused-id
+form of the key (``backhalf.keys.reused_key``), as for Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+from backhalf.keys import native_key
+from backhalf.records import AckClaim, AckTarget
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.nats.common import REQUEST_TIMEOUT_S, connect, nats_errors, server_label, user_name
+from ingest.config import AdapterConfig
+from ingest.errors import AckError, BrokerError, GroupMissing
+
+# This mode's ack kind, registered in ingest.adapters.nats.MODES.
+ACK_KIND = "jsack"
+ACK_BODY = b"+ACK"
+# What every JetStream ack subject starts with, with or without a domain:
+# the acker publishes to nothing else, whatever a row says.
+ACK_PREFIX = "$JS."
+# How often, at most, an empty fetch asks whether the consumer is full of
+# unacked deliveries (max_ack_pending), to say why nothing comes.
+FULL_CHECK_INTERVAL_S = 5.0
+# Acks sent at once per request wave: each is a request with its own reply.
+ACK_WAVE = 256
+
+log = structlog.get_logger(__name__)
+
+
+def _wanted(config: AdapterConfig) -> ConsumerConfig:
+    """The durable consumer Switchboard needs."""
+    return ConsumerConfig(
+        name=config.group,
+        durable_name=config.group,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        max_deliver=-1,
+        ack_wait=config.ack_wait_ms / 1000,
+        max_ack_pending=config.max_ack_pending,
+        filter_subject=config.subject,
+    )
+
+
+def _drifted(have: ConsumerConfig, want: ConsumerConfig) -> list[str]:
+    """The settings of an existing consumer that differ from ours."""
+    fields = ("max_deliver", "max_ack_pending", "filter_subject")
+    drift = [f for f in fields if getattr(have, f) != getattr(want, f)]
+    if have.ack_wait is None or abs(have.ack_wait - (want.ack_wait or 0)) > 0.001:
+        drift.append("ack_wait")
+    return drift
+
+
+class JetStreamAdapter:
+    """A :class:`ingest.adapters.base.PullAdapter` over one durable pull consumer."""
+
+    # Redelivery rests on the server's record (ack pending), as a stream's PEL.
+    overlapping_commits = True
+
+    def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
+        # ``ledger`` is unused: a consumer recreated delivers the whole stream
+        # again (deliver all), and the inbox dedups what it holds.
+        self.name = config.name
+        self._cfg = config
+        self._url = config.broker.url()
+        self._client: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._identity = "nats user: (not connected)"
+        # Batches returned and not yet confirmed, kept to give back at once on
+        # rewind: the server's own redelivery waits for ack_wait.
+        self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
+        self._replay: list[Delivery] = []
+        self._next_full_check = 0.0
+
+    @property
+    def ack_target(self) -> AckTarget:
+        return AckTarget(ACK_KIND, self._cfg.source, self._cfg.group, by_cursor=True)
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    @property
+    def broker(self) -> str:
+        return server_label(self._url)
+
+    async def start(self) -> None:
+        if self._sub is not None:
+            return
+        client = await self._connection()
+        js = client.jetstream(timeout=REQUEST_TIMEOUT_S)
+        await self._ensure_consumer(js)
+        cfg = self._cfg
+        with nats_errors(self.name, f"subscribing to consumer {cfg.group} of stream {cfg.source}"):
+            self._sub = await js.pull_subscribe_bind(durable=cfg.group, stream=cfg.source)
+        self._js = js
+
+    async def _connection(self) -> Client:
+        if self._client is None or self._client.is_closed:
+            self._client = await connect(self._cfg, role="ingest")
+            self._identity = f"nats user: {await user_name(self._client, self._url)}"
+        return self._client
+
+    async def _ensure_consumer(self, js: JetStreamContext) -> None:
+        cfg = self._cfg
+        fields = {"adapter": self.name, "stream": cfg.source, "consumer": cfg.group, "broker": self.broker}
+        want = _wanted(cfg)
+        with nats_errors(self.name, f"consumer {cfg.group} of stream {cfg.source}"):
+            try:
+                await js.stream_info(cfg.source)
+            except NotFoundError as exc:
+                raise BrokerError(
+                    f"adapter {self.name}: the JetStream stream {cfg.source!r} does not exist on"
+                    f" {self.broker}: create it (Switchboard never creates streams); retrying"
+                ) from exc
+            try:
+                info = await js.consumer_info(cfg.source, cfg.group)
+            except NotFoundError:
+                await js.add_consumer(cfg.source, config=want)
+                log.info(
+                    "consumer_created",
+                    **fields,
+                    ack_wait_ms=cfg.ack_wait_ms,
+                    max_ack_pending=cfg.max_ack_pending,
+                )
+                return
+            have = info.config
+            if have.ack_policy != AckPolicy.EXPLICIT:
+                raise BrokerError(
+                    f"adapter {self.name}: consumer {cfg.group!r} of stream {cfg.source!r} has ack policy"
+                    f" {have.ack_policy}: Switchboard needs explicit acks; delete it, or name another group"
+                )
+            drift = _drifted(have, want)
+            if drift:
+                # ack_wait, max_deliver, max_ack_pending, the filter: all editable
+                # (a create without an action updates an existing consumer).
+                await js.add_consumer(cfg.source, config=want)
+                log.warning("consumer_updated", **fields, settings=drift)
+
+    async def run_background(self, stop: asyncio.Event) -> None:
+        """Nothing: the server keeps the consumer's state."""
+
+    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
+        """Nothing: the server redelivers what stays unacked past ``ack_wait``."""
+        return []
+
+    async def read(self, max_count: int) -> list[Delivery]:
+        if self._replay:
+            batch, self._replay = self._replay, []
+            self._unconfirmed.returned(batch)
+            return batch
+        try:
+            await self.start()
+            assert self._sub is not None
+            with nats_errors(self.name, f"fetching from consumer {self._cfg.group} of {self._cfg.source}"):
+                messages = await self._fetch(self._sub, max_count)
+        except BrokerError:
+            await self._forget_connection()
+            raise
+        batch = [self._delivery(m) for m in messages]
+        if batch:
+            self._unconfirmed.returned(batch)
+        return batch
+
+    async def _fetch(self, sub: JetStreamContext.PullSubscription, max_count: int) -> list[Msg]:
+        try:
+            return await sub.fetch(max_count, timeout=self._cfg.block_ms / 1000)
+        except (TimeoutError, NatsTimeout):
+            await self._say_if_full()
+            return []
+        except (ServiceUnavailableError, NotFoundError) as exc:
+            # The consumer (or its stream) was deleted under us: the next read
+            # creates it again, once the stream exists.
+            raise GroupMissing(
+                f"adapter {self.name}: consumer {self._cfg.group} of stream {self._cfg.source} is gone: {exc}"
+            ) from exc
+
+    async def _say_if_full(self) -> None:
+        """Nothing came: if because the consumer holds ``max_ack_pending``
+        unacked deliveries (the acker is behind or stopped), say so, at most
+        every few seconds. The server says nothing of it itself."""
+        now = time.monotonic()
+        if now < self._next_full_check or self._js is None:
+            return
+        self._next_full_check = now + FULL_CHECK_INTERVAL_S
+        info = await self._js.consumer_info(self._cfg.source, self._cfg.group)
+        if (info.num_ack_pending or 0) >= self._cfg.max_ack_pending:
+            log.warning(
+                "waiting_for_acks",
+                adapter=self.name,
+                consumer=self._cfg.group,
+                ack_pending=info.num_ack_pending,
+                max_ack_pending=self._cfg.max_ack_pending,
+                stream_pending=info.num_pending,
+                detail="the consumer holds max_ack_pending unacked deliveries: the server delivers nothing"
+                " more until the acker acks (is `switchboard ack` running?)",
+            )
+
+    def _delivery(self, msg: Msg) -> Delivery:
+        meta = msg.metadata
+        sequence = str(meta.sequence.stream)
+        key = native_key(self._cfg.key_prefix, self._cfg.source, sequence)
+        return Delivery(key, sequence, body=msg.data, ack_ref=msg.reply, deliveries=meta.num_delivered or 1)
+
+    async def _forget_connection(self) -> None:
+        """After a failure, the next read subscribes (and if need be connects) afresh."""
+        self._sub, self._js = None, None
+        if self._client is not None and not self._client.is_connected:
+            await self._close_client()
+
+    async def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and not client.is_closed:
+            try:
+                await client.close()
+            except Exception as exc:  # noqa: BLE001 - closing what already failed
+                log.info("nats_close_failed", adapter=self.name, error=str(exc) or type(exc).__name__)
+
+    def stored(self) -> None:
+        self._unconfirmed.confirmed()
+
+    def rewind(self) -> None:
+        unstored = [d for batch in self._unconfirmed.rewound() for d in batch]
+        self._replay = unstored + self._replay
+
+    async def describe(self) -> Mapping[str, object]:
+        cfg = self._cfg
+        client = await self._connection()
+        js = client.jetstream(timeout=REQUEST_TIMEOUT_S)
+        with nats_errors(self.name, f"consumer info {cfg.group} of {cfg.source}"):
+            stream = await js.stream_info(cfg.source)
+            try:
+                info: ConsumerInfo | None = await js.consumer_info(cfg.source, cfg.group)
+            except NotFoundError:
+                info = None
+        figures: dict[str, Any] = {"stream_messages": stream.state.messages}
+        if info is None:
+            return figures | {"num_pending": None, "num_ack_pending": None, "consumer": "missing"}
+        return figures | {
+            "num_pending": info.num_pending,
+            "num_ack_pending": info.num_ack_pending,
+            "num_redelivered": info.num_redelivered,
+            "num_waiting": info.num_waiting,
+            "max_ack_pending": info.config.max_ack_pending,
+        }
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:  # noqa: BLE001 - the connection is closing anyway
+                log.info("nats_unsubscribe_failed", adapter=self.name, error=str(exc) or type(exc).__name__)
+        self._sub, self._js = None, None
+        await self._close_client()
+
+
+class JetStreamAcknowledger:
+    """``+ACK`` to each committed intent's reply subject, as a request."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self._cfg = config
+        self._name = config.name
+        self._client: Client | None = None
+
+    async def _connection(self) -> Client:
+        if self._client is None or not self._client.is_connected:
+            await self.close()
+            self._client = await connect(self._cfg, role="ack")
+        return self._client
+
+    async def ack(self, claims: Sequence[AckClaim]) -> None:
+        for c in claims:
+            if c.ref is None or not c.ref.startswith(ACK_PREFIX) or c.key is None or c.group is None:
+                raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete jsack intent")
+        with nats_errors(self._name, "connecting to ack", error=AckError):
+            client = await self._connection()
+        for start in range(0, len(claims), ACK_WAVE):
+            await self._ack_wave(client, claims[start : start + ACK_WAVE])
+
+    async def _ack_wave(self, client: Client, claims: Sequence[AckClaim]) -> None:
+        replies = await asyncio.gather(
+            *(client.request(c.ref or "", ACK_BODY, timeout=REQUEST_TIMEOUT_S) for c in claims),
+            return_exceptions=True,
+        )
+        no_consumer: dict[tuple[str, str], int] = {}
+        for claim, reply in zip(claims, replies, strict=True):
+            if isinstance(reply, NoRespondersError):
+                target = (claim.key or "", claim.group or "")
+                no_consumer[target] = no_consumer.get(target, 0) + 1
+            elif isinstance(reply, BaseException):
+                with nats_errors(self._name, f"+ACK for inbox row {claim.inbox_id}", error=AckError):
+                    raise reply
+        for (stream, consumer), count in no_consumer.items():
+            await self._consumer_gone(client, stream, consumer, count)
+
+    async def _consumer_gone(self, client: Client, stream: str, consumer: str, count: int) -> None:
+        """No one answered the acks: if the consumer (or its stream) is gone,
+        so are its unacked deliveries, and nothing is left to ack (a consumer
+        made again delivers them anew, and their acks are asked again).
+        If it exists, the server did not answer: an AckError, tried again."""
+        what = f"+ACK x{count} to consumer {consumer} of stream {stream}"
+        js = client.jetstream(timeout=REQUEST_TIMEOUT_S)
+        with nats_errors(self._name, what, error=AckError):
+            try:
+                await js.consumer_info(stream, consumer)
+            except NotFoundError:
+                log.warning(
+                    "ack_consumer_missing", adapter=self._name, stream=stream, consumer=consumer, acks=count
+                )
+                return
+        raise AckError(f"adapter {self._name}: {what}: no responders, though the consumer exists")
+
+    async def acked(self, claims: Sequence[AckClaim]) -> None:
+        """Nothing to clean up: an ack is idempotent by itself."""
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and not client.is_closed:
+            try:
+                await client.close()
+            except Exception as exc:  # noqa: BLE001 - closing what already failed
+                log.info("nats_close_failed", adapter=self._name, error=str(exc) or type(exc).__name__)
