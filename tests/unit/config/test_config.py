@@ -279,7 +279,8 @@ def test_a_nats_adapter_defaults_to_jetstream_its_prefix_and_its_url() -> None:
     env = {"SWITCHBOARD_NATS_URL": "tls://nats.example:4443"}
     (a,) = from_mapping({"database": DB, "adapters": [raw]}, env).adapters
     assert a.broker.url() == "tls://nats.example:4443"
-    assert "url" not in a.public_settings() and "token_env" not in a.public_settings()
+    assert "url" not in a.public_settings()
+    assert "token_env" not in a.public_settings()
 
 
 @pytest.mark.parametrize(
@@ -334,7 +335,8 @@ def test_the_unknown_key_message_lists_every_allowed_key() -> None:
         ({"adapters": [adapter(transport="kafka")]},
          "adapter 'orders': key 'transport' must be one of redis, nats (got 'kafka')"),
         ({"adapters": [adapter(transport="nats")]},
-         "adapter 'orders': key 'mode' = 'stream' is not a mode of transport = 'nats' (its modes: jetstream)"),
+         "adapter 'orders': key 'mode' = 'stream' is not a mode of transport = 'nats'"
+         " (its modes: jetstream)"),
         ({"adapters": [adapter(transport="nats", mode="jetstream", url="redis://h:6379/0")]},
          "adapter 'orders': key 'url' must be a nats:// or tls:// URL"),
         ({"adapters": [adapter(mode="stream", url="nats://h:4222")]},
