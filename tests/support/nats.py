@@ -11,6 +11,7 @@ figures, the broker's record of what is still unacked."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -97,3 +98,36 @@ async def streams(url: str) -> AsyncIterator[Streams]:
         yield Streams(client)
     finally:
         await client.close()
+
+
+# Blocking forms for the system tests, which drive processes, not an event loop.
+
+
+def create_stream(url: str, name: str) -> None:
+    async def run() -> None:
+        async with streams(url) as s:
+            await s.create(name)
+
+    asyncio.run(run())
+
+
+def publish(url: str, subject: str, bodies: list[bytes]) -> list[int]:
+    """Publish ``bodies`` in order, each acknowledged by the server; their
+    stream sequences."""
+
+    async def run() -> list[int]:
+        async with streams(url) as s:
+            return [await s.publish(subject, body) for body in bodies]
+
+    return asyncio.run(run())
+
+
+def consumer_figures(url: str, stream: str, durable: str) -> tuple[int, int] | None:
+    """(unacked, undelivered) of the consumer, None before it exists."""
+
+    async def run() -> tuple[int, int] | None:
+        async with streams(url) as s:
+            info = await s.consumer(stream, durable)
+        return None if info is None else (int(info.num_ack_pending or 0), int(info.num_pending or 0))
+
+    return asyncio.run(run())

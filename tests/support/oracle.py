@@ -24,24 +24,31 @@ def assert_exactly_once(
     prefix: str = "redis",
 ) -> None:
     queue = queue or stream
-    expected = sorted(f"{prefix}:{stream}:{i}" for i in produced_ids)
-    keys = [
+    assert_stored_once(db_url, [f"{prefix}:{stream}:{i}" for i in produced_ids], queue=queue)
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        pending = r.xpending(stream, group)["pending"]
+    assert pending == 0, f"{pending} entries still pending in the PEL"
+
+
+def assert_stored_once(db_url: str, keys: list[str], *, queue: str) -> None:
+    """What PostgreSQL must hold after any run, whatever the broker: exactly
+    one todo, one inbox row and one event per message key, and every inbox
+    ack intent discharged."""
+    expected = sorted(keys)
+    found = [
         k for (k,) in query(db_url, "SELECT idempotency_key FROM todos WHERE queue = %(q)s", {"q": queue})
     ]
-    assert len(keys) == len(set(keys)), f"{len(keys) - len(set(keys))} duplicate todos"
-    missing = sorted(set(expected) - set(keys))
-    extra = sorted(set(keys) - set(expected))
+    assert len(found) == len(set(found)), f"{len(found) - len(set(found))} duplicate todos"
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
     assert not missing, f"{len(missing)} messages lost, e.g. {missing[:3]}"
     assert not extra, f"{len(extra)} unexpected todos, e.g. {extra[:3]}"
     inbox_keys = [k for (k,) in query(db_url, "SELECT idempotency_key FROM inbox")]
-    assert sorted(inbox_keys) == expected, "inbox rows must be exactly one per produced entry"
+    assert sorted(inbox_keys) == expected, "inbox rows must be exactly one per produced message"
     unacked = query(db_url, "SELECT count(*) FROM inbox WHERE ack_state <> 'acked'")[0][0]
     assert unacked == 0, f"{unacked} inbox ack intents not discharged"
     events = query(db_url, "SELECT count(*), count(DISTINCT idempotency_key) FROM events")[0]
     assert events == (len(expected), len(expected)), f"events {events}, expected one per message"
-    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
-        pending = r.xpending(stream, group)["pending"]
-    assert pending == 0, f"{pending} entries still pending in the PEL"
 
 
 def assert_list_exactly_once(db_url: str, redis_url: str, *, source: str, bodies: list[bytes]) -> None:
