@@ -126,7 +126,8 @@ def test_a_nats_server_restarted_mid_run_loses_and_doubles_nothing(
         what="convergence after the server's restart",
     )
     # Both processes lived through it: they backed off and reconnected.
-    assert ingester.alive() and acker.alive()
+    assert ingester.alive()
+    assert acker.alive()
     assert ingester.events("broker_error")
     for proc in (ingester, acker):
         assert_clean_exit(proc, proc.terminate())
