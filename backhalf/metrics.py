@@ -70,6 +70,13 @@ STREAM_LAG = Gauge(
 STREAM_PENDING = Gauge(
     "switchboard_broker_pending_entries", "Entries delivered and not acked (the group's PEL).", ["adapter"]
 )
+# A JetStream consumer delivers nothing more once its unacked deliveries
+# (switchboard_broker_pending_entries) reach this: alert on the ratio.
+ACK_PENDING_LIMIT = Gauge(
+    "switchboard_broker_ack_pending_limit",
+    "The consumer's max_ack_pending: at this many unacked deliveries the broker stops delivering (NATS).",
+    ["adapter"],
+)
 LIST_LENGTH = Gauge("switchboard_broker_list_length", "Items waiting on the source list.", ["adapter"])
 PROCESSING_LENGTH = Gauge(
     "switchboard_broker_processing_length",

@@ -161,6 +161,11 @@ def _set_broker_gauges(adapter: str, described: Mapping[str, Any]) -> None:
         ("lag", m.STREAM_LAG),
         ("broker_pending", m.STREAM_PENDING),
         ("list_length", m.LIST_LENGTH),
+        # A JetStream consumer's figures, in its own words.
+        ("stream_messages", m.STREAM_LENGTH),
+        ("num_pending", m.STREAM_LAG),
+        ("num_ack_pending", m.STREAM_PENDING),
+        ("max_ack_pending", m.ACK_PENDING_LIMIT),
     ):
         value = number(key)
         if value is not None:

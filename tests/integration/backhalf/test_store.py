@@ -105,6 +105,20 @@ async def test_redelivery_returns_the_existing_todo_and_counts_the_delivery(
     assert query(db_url, "SELECT deliveries, ack_state, acked_at FROM inbox") == [(2, "pending", None)]
 
 
+async def test_a_redelivery_asks_its_ack_with_the_newest_deliverys_ref(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    """A JetStream reply subject (an SQS receipt handle) names one delivery of
+    a message: the intent a redelivery asks again is the newest one's."""
+    first, newest = "$JS.ACK.ORDERS.sb.1.7.7.100.0", "$JS.ACK.ORDERS.sb.2.7.9.200.0"
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("7")._replace(ack_ref=first)))
+    query(db_url, "UPDATE inbox SET ack_state = 'acked', acked_at = now()")
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("7")._replace(ack_ref=newest, deliveries=2)))
+    assert query(db_url, "SELECT ack_entry_id, ack_state, deliveries FROM inbox") == [(newest, "pending", 2)]
+
+
 @pytest.mark.parametrize("todo_status", ["pending", "done"])
 async def test_a_first_delivery_of_a_stored_entry_is_undone_to_one_todo_and_one_event(
     engine: AsyncEngine, db_url: str, todo_status: str

@@ -1,0 +1,189 @@
+"""The JetStream adapter's own behaviours, against a real nats-server: the
+consumer it creates or corrects, a stream re-created under it, a missing
+stream, the acker stopped (max_ack_pending reached), acks to a consumer
+that is gone."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+from sqlalchemy.ext.asyncio import AsyncEngine
+from structlog.testing import capture_logs
+
+from backhalf.records import AckClaim
+from ingest.adapters.factory import make_acknowledger, make_adapter
+from ingest.config import AdapterConfig, Settings
+from ingest.errors import BrokerError
+from tests.support.db import query, scalar
+from tests.support.in_process import pipeline, settings, wait_until
+from tests.support.nats import Streams, shared_nats, streams
+
+STREAM = "ORDERS"
+SUBJECT = "ORDERS.new"
+GROUP = "switchboard"
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    with shared_nats() as url:
+        yield url
+
+
+@pytest.fixture
+async def broker(nats_url: str) -> AsyncIterator[Streams]:
+    async with streams(nats_url) as s:
+        await s.reset()
+        await s.create(STREAM)
+        yield s
+
+
+@pytest.fixture
+def registered() -> tuple[tuple[str, str], ...]:
+    return ()  # the pipeline registers its adapter itself
+
+
+def table(url: str, **keys: Any) -> dict[str, Any]:
+    return {
+        "name": "orders",
+        "transport": "nats",
+        "source": STREAM,
+        "queue": "orders",
+        "url": url,
+        "block_ms": 100,
+        "ack_wait_ms": 2000,
+        **keys,
+    }
+
+
+def nats_settings(db_url: str, url: str, **keys: Any) -> Settings:
+    return settings(db_url, "redis://127.0.0.1:1/0", table(url, **keys))
+
+
+def config(db_url: str, url: str, **keys: Any) -> AdapterConfig:
+    (cfg,) = nats_settings(db_url, url, **keys).adapters
+    return cfg
+
+
+def bodies(n: int, tag: str = "a") -> list[bytes]:
+    return [json.dumps({"tag": tag, "n": i}).encode() for i in range(n)]
+
+
+async def test_a_stream_recreated_under_a_running_ingester_drops_nothing(
+    db_url: str, nats_url: str, broker: Streams
+) -> None:
+    """Its sequences restart at 1: the new messages on sequences the inbox
+    holds are stored under the reused-id form of their keys, not dropped."""
+    old, new = bodies(3, "old"), bodies(3, "new")
+    async with pipeline(nats_settings(db_url, nats_url)):
+        for body in old:
+            await broker.publish(SUBJECT, body)
+        await wait_until(lambda: broker.settled(STREAM, GROUP))
+        await broker.js.delete_stream(STREAM)
+        await broker.create(STREAM)
+        for body in new:
+            await broker.publish(SUBJECT, body)
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") == 6)
+        await wait_until(lambda: broker.settled(STREAM, GROUP))
+    rows = query(db_url, "SELECT idempotency_key, source_message_id, body, ack_state FROM inbox ORDER BY id")
+    assert [bytes(b) for _, _, b, _ in rows] == old + new
+    assert [k for k, *_ in rows[:3]] == [f"nats:{STREAM}:{i}" for i in (1, 2, 3)]
+    for (key, seq, _, _), i in zip(rows[3:], (1, 2, 3), strict=True):
+        assert (seq, key.rsplit(":", 1)[0]) == (str(i), f"nats:{STREAM}:{i}")  # the reused-id form
+    assert {state for *_, state in rows} == {"acked"}
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 6
+
+
+async def test_a_missing_stream_is_a_broker_error_saying_to_create_it(
+    db_url: str, nats_url: str, broker: Streams
+) -> None:
+    adapter = make_adapter(config(db_url, nats_url, source="NOPE"), ledger=None)
+    try:
+        with pytest.raises(BrokerError) as raised:
+            await adapter.start()
+    finally:
+        await adapter.close()
+    assert "the JetStream stream 'NOPE' does not exist" in str(raised.value)
+    assert "create it" in str(raised.value)
+
+
+async def test_an_existing_consumer_is_brought_to_switchboards_settings(
+    db_url: str, nats_url: str, broker: Streams
+) -> None:
+    """A consumer someone made with a max_deliver would drop messages past it
+    unseen; it is corrected (and said) before anything is read."""
+    await broker.js.add_consumer(
+        STREAM,
+        config=ConsumerConfig(durable_name=GROUP, ack_policy=AckPolicy.EXPLICIT, max_deliver=5, ack_wait=30),
+    )
+    adapter = make_adapter(config(db_url, nats_url, max_ack_pending=700), ledger=None)
+    try:
+        with capture_logs() as logs:
+            await adapter.start()
+    finally:
+        await adapter.close()
+    info = await broker.consumer(STREAM, GROUP)
+    assert info is not None
+    assert (info.config.max_deliver, info.config.ack_wait, info.config.max_ack_pending) == (-1, 2.0, 700)
+    (updated,) = [e for e in logs if e["event"] == "consumer_updated"]
+    assert set(updated["settings"]) == {"max_deliver", "ack_wait", "max_ack_pending"}
+
+
+async def test_a_consumer_without_explicit_acks_is_refused_naming_it(
+    db_url: str, nats_url: str, broker: Streams
+) -> None:
+    await broker.js.add_consumer(STREAM, config=ConsumerConfig(durable_name=GROUP, ack_policy=AckPolicy.NONE))
+    adapter = make_adapter(config(db_url, nats_url), ledger=None)
+    try:
+        with pytest.raises(BrokerError) as raised:
+            await adapter.start()
+    finally:
+        await adapter.close()
+    assert f"consumer {GROUP!r} of stream {STREAM!r} has ack policy" in str(raised.value)
+    assert "needs explicit acks" in str(raised.value)
+
+
+async def test_a_stopped_acker_holds_ingestion_at_max_ack_pending_and_says_why(
+    db_url: str, nats_url: str, broker: Streams
+) -> None:
+    s = nats_settings(db_url, nats_url, max_ack_pending=10, batch_size=5, ack_wait_ms=60_000)
+    for body in bodies(30):
+        await broker.publish(SUBJECT, body)
+    with capture_logs() as logs:
+        async with pipeline(s, acker=False):
+            await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") == 10)
+            await wait_until(lambda: any(e["event"] == "waiting_for_acks" for e in logs), timeout_s=15)
+            assert scalar(db_url, "SELECT count(*) FROM inbox") == 10  # the server's bound, not ours
+    (said, *_) = [e for e in logs if e["event"] == "waiting_for_acks"]
+    assert (said["ack_pending"], said["max_ack_pending"], said["stream_pending"]) == (10, 10, 20)
+    async with pipeline(s):  # the acker back: everything drains
+        await wait_until(lambda: broker.settled(STREAM, GROUP), timeout_s=30)
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 30)
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 30
+
+
+async def test_acks_for_a_consumer_that_is_gone_are_given_up_with_a_warning(
+    db_url: str, nats_url: str, broker: Streams, engine: AsyncEngine
+) -> None:
+    """Its unacked deliveries went with it; a consumer made again delivers
+    them anew, and their acks are asked again then."""
+    cfg = config(db_url, nats_url)
+    adapter = make_adapter(cfg, ledger=None)
+    await broker.publish(SUBJECT, b'{"n": 1}')
+    try:
+        (delivery,) = await adapter.read(1)
+    finally:
+        await adapter.close()
+    await broker.js.delete_consumer(STREAM, GROUP)
+    acknowledger = make_acknowledger(cfg)
+    claim = AckClaim(1, "orders", "jsack", STREAM, GROUP, delivery.ack_ref, copies=1, body=None)
+    try:
+        with capture_logs() as logs:
+            await acknowledger.ack([claim])
+    finally:
+        await acknowledger.close()
+    (gone,) = [e for e in logs if e["event"] == "ack_consumer_missing"]
+    assert (gone["stream"], gone["consumer"], gone["acks"]) == (STREAM, GROUP, 1)
