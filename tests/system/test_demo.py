@@ -33,17 +33,24 @@ def test_demo_runs_the_whole_pipeline_on_embedded_servers() -> None:
     assert "OK: no loss, no duplicate" in result.stdout
 
 
-def test_demo_ignores_the_callers_switchboard_environment() -> None:
-    """A user who exported SWITCHBOARD_DATABASE_URL for production (as the
-    README's "A minimal deployment" does) and runs the demo: its processes use the
-    demo's own servers, never the database or Redis the environment names."""
+def test_demo_over_nats_ignores_the_callers_switchboard_environment() -> None:
+    """``--transport nats``: the same story through JetStream on a nats-server
+    of the demo's own. And a user who exported SWITCHBOARD_DATABASE_URL for
+    production (as the README's "A minimal deployment" does) and runs the
+    demo: its processes use the demo's own servers, never the database,
+    Redis or NATS the environment names."""
     elsewhere = {
         "SWITCHBOARD_DATABASE_URL": "postgresql://someone@127.0.0.1:1/production",
         "SWITCHBOARD_REDIS_URL": "redis://127.0.0.1:1/0",
+        "SWITCHBOARD_NATS_URL": "nats://127.0.0.1:1",
     }
-    result = switchboard("demo", "--messages", "200", env=elsewhere, timeout_s=240)
+    result = switchboard("demo", "--transport", "nats", "--messages", "300", env=elsewhere, timeout_s=240)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "todos created           200" in result.stdout
+    assert "NATS (JetStream) on 127.0.0.1:" in result.stdout
+    assert "todos created           300" in result.stdout
+    assert "acked (+ACK)            300" in result.stdout
+    assert "unacked in JetStream    0" in result.stdout
+    assert "verify_detail      nats user: switchboard" in result.stdout
     assert "OK: no loss, no duplicate" in result.stdout
 
 
