@@ -96,6 +96,12 @@ def _complete_needs_an_ack(label: str, values: Mapping[str, Any]) -> None:
             f'{label}: key \'ack_after\' = "complete" does not apply to mode = "pubsub": a pub/sub'
             " message has no broker ack to defer"
         )
+    if values["mode"] == "jetstream" and values["ack_after"] == "complete":
+        raise ConfigError(
+            f'{label}: key \'ack_after\' = "complete" does not apply to mode = "jetstream": JetStream'
+            " delivers a message again once it is unacked for ack_wait_ms, so an ack held for its todo's"
+            ' whole run would bring it back every ack_wait_ms; use ack_after = "store"'
+        )
 
 
 def _format(where: str, value: Any) -> BodyFormat:
@@ -206,7 +212,7 @@ class AdapterConfig:
             rule=_complete_needs_an_ack,
             doc="`store`, or `complete`: the broker ack waits for the todo to finish, see"
             " [Workers](workers.md#acking-on-completion-ack_after--complete); not for pub/sub, which has"
-            " no ack",
+            " no ack, nor JetStream, which redelivers what stays unacked past `ack_wait_ms`",
         ),
     ] = "store"
     format: Annotated[

@@ -344,6 +344,10 @@ def test_the_unknown_key_message_lists_every_allowed_key() -> None:
         ({"adapters": [adapter(transport="nats", mode="jetstream", claim_idle_ms=5)]},
          "adapter 'orders': key 'claim_idle_ms' does not apply to mode = 'jetstream' (it applies to mode"
          " 'stream')"),
+        ({"adapters": [adapter(transport="nats", mode="jetstream", ack_after="complete")]},
+         "adapter 'orders': key 'ack_after' = \"complete\" does not apply to mode = \"jetstream\": JetStream"
+         " delivers a message again once it is unacked for ack_wait_ms, so an ack held for its todo's"
+         " whole run would bring it back every ack_wait_ms; use ack_after = \"store\""),
         ({"adapters": [adapter(transport="nats", mode="jetstream", token_env="T", password_env="P")]},
          "adapter 'orders': key 'token_env' excludes 'username_env' and 'password_env': use one way"),
         ({"ingest": {"shutdown_timeout_s": 0}},
