@@ -120,8 +120,14 @@ def server_label(url: str) -> str:
 
 
 async def user_name(client: Client, url: str) -> str:
-    """The user the server knows this connection as (``$SYS.REQ.USER.INFO``,
-    NATS 2.10+), else the URL's user, else how it authenticated."""
+    """The user the connection logged in as: the URL's, else the one the
+    server knows it as (``$SYS.REQ.USER.INFO``, NATS 2.10+: a creds file's
+    user), else how it authenticated. The URL's is taken first: a user the
+    server denies that request times out asking it, which would hold up every
+    connect."""
+    parts = urlsplit(url)
+    if parts.username and parts.password is not None:
+        return unquote(parts.username)
     try:
         reply = await client.request(USER_INFO_SUBJECT, b"", timeout=REQUEST_TIMEOUT_S)
         user = json.loads(reply.data).get("data", {}).get("user")
@@ -129,9 +135,6 @@ async def user_name(client: Client, url: str) -> str:
             return user
     except (NatsError, OSError, TimeoutError, ValueError) as exc:
         log.info("nats_user_info_unavailable", error=str(exc) or type(exc).__name__)
-    parts = urlsplit(url)
-    if parts.username and parts.password is not None:
-        return unquote(parts.username)
     if parts.username:
         return "(token)"  # never the token itself
     return "(anonymous)"

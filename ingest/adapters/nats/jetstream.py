@@ -34,6 +34,7 @@ form of the key (``backhalf.keys.reused_key``), as for Redis.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -246,9 +247,19 @@ class JetStreamAdapter:
 
     async def _forget_connection(self) -> None:
         """After a failure, the next read subscribes (and if need be connects) afresh."""
-        self._sub, self._js = None, None
+        await self._unsubscribe()
+        self._js = None
         if self._client is not None and not self._client.is_connected:
             await self._close_client()
+
+    async def _unsubscribe(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is None or self._client is None or not self._client.is_connected:
+            return
+        try:
+            await sub.unsubscribe()
+        except Exception as exc:  # noqa: BLE001 - the subscription is dropped either way
+            log.info("nats_unsubscribe_failed", adapter=self.name, error=str(exc) or type(exc).__name__)
 
     async def _close_client(self) -> None:
         client, self._client = self._client, None
@@ -287,13 +298,22 @@ class JetStreamAdapter:
         }
 
     async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:  # noqa: BLE001 - the connection is closing anyway
-                log.info("nats_unsubscribe_failed", adapter=self.name, error=str(exc) or type(exc).__name__)
-        self._sub, self._js = None, None
+        await self._unsubscribe()
+        self._js = None
         await self._close_client()
+
+
+def _acks_its_consumer(claim: AckClaim) -> bool:
+    """Whether the intent's ref is a JetStream ack subject of the intent's own
+    stream and consumer (``$JS.ACK.<stream>.<consumer>.…``, or with a domain
+    and an account hash between ``ACK`` and the stream): the acker publishes
+    to nothing else, whatever a row says."""
+    if claim.ref is None or claim.key is None or claim.group is None or not claim.ref.startswith(ACK_PREFIX):
+        return False
+    tokens = claim.ref.split(".")
+    if "ACK" not in tokens[1:3]:
+        return False
+    return (claim.key, claim.group) in itertools.pairwise(tokens)
 
 
 class JetStreamAcknowledger:
@@ -312,8 +332,11 @@ class JetStreamAcknowledger:
 
     async def ack(self, claims: Sequence[AckClaim]) -> None:
         for c in claims:
-            if c.ref is None or not c.ref.startswith(ACK_PREFIX) or c.key is None or c.group is None:
-                raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete jsack intent")
+            if not _acks_its_consumer(c):
+                raise AckError(
+                    f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete jsack intent, or one"
+                    " whose reply subject is not an ack of its stream's consumer"
+                )
         with nats_errors(self._name, "connecting to ack", error=AckError):
             client = await self._connection()
         for start in range(0, len(claims), ACK_WAVE):
