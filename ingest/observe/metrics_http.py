@@ -64,6 +64,11 @@ MAX_PER_CLIENT = 4
 # Connections cut but not yet gone (their threads end at once) and the live
 # ones together never pass this: threads are bounded even under a flood.
 MAX_THREADS = 2 * MAX_CONNECTIONS
+# A connection arriving while cut ones still fill every thread waits this
+# long for one of them to go (a cut thread ends at once, but on a loaded
+# machine "at once" can be tens of milliseconds), rather than be refused:
+# a crowd reconnecting the moment it is cut refused probes otherwise.
+CUT_GRACE_S = 0.5
 
 
 # A server the process needs (dramatiq's Redis, for the relay) failing every
@@ -278,7 +283,8 @@ class _Server(WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._lock = threading.Lock()
+        # A condition: a thread leaving tells a newcomer waiting for room.
+        self._lock = threading.Condition()
         self._open: dict[_Connection, threading.Thread] = {}
         self._closing = False
 
@@ -288,6 +294,7 @@ class _Server(WSGIServer):
             target=self._serve, args=(conn, client_address), name="metrics-http-request", daemon=True
         )
         with self._lock:
+            self._lock.wait_for(self._room_for_a_thread, timeout=CUT_GRACE_S)
             admitted = not self._closing and self._admit(conn)
             if admitted:
                 try:
@@ -298,6 +305,11 @@ class _Server(WSGIServer):
                     self._open[conn] = thread
         if not admitted:
             self.shutdown_request(request)  # refused, not queued
+
+    def _room_for_a_thread(self) -> bool:
+        """Under the lock: a thread can be had, or none is about to be (every
+        thread serves a live connection, so waiting would not help)."""
+        return len(self._open) < MAX_THREADS or not any(c.shut for c in self._open)
 
     def _admit(self, conn: _Connection) -> bool:
         """Room for ``conn`` (under the lock): a client at its share, or a
@@ -337,6 +349,7 @@ class _Server(WSGIServer):
         finally:
             with self._lock:  # before the socket is closed: shut_down never meets a reused descriptor
                 self._open.pop(conn, None)
+                self._lock.notify_all()
             self.shutdown_request(conn.sock)
 
     def cut_all(self) -> list[threading.Thread]:
