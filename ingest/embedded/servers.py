@@ -121,12 +121,40 @@ def _port_taken(reason: str) -> bool:
     return "Address already in use" in reason
 
 
+# Ports chosen for servers lie below the kernel's ephemeral range, where no
+# outgoing connection takes its source port: a port picked from that range
+# (bind to 0) was now and then taken by a client connection of a parallel
+# test run before its server bound it, and its probe then reached another
+# server. Chosen at random, so two runs rarely meet; a start that does
+# trades its port (PortTaken).
+_SERVER_PORTS = range(20_000, 32_768)
+_PORT_TRIES = 50
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    """Return a TCP port on 127.0.0.1 that was free a moment ago, below the
+    ephemeral range where one is to be had."""
+    floor = _ephemeral_floor()
+    candidates = [p for p in _SERVER_PORTS if p < floor]
+    for _ in range(_PORT_TRIES if candidates else 0):
+        port = secrets.choice(candidates)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        found: int = sock.getsockname()[1]
+        return found
 
 
 def _package_dir(name: str) -> Path | None:
