@@ -47,23 +47,18 @@ wheel-check: install
 	$(BIN)/python -m pip --python $(WHEEL_DIR)/venv/bin/python install --quiet -c constraints.txt $(WHEEL_DIR)/dist/*.whl
 	timeout 120 $(BIN)/python scripts/wheel_check.py --wheel $(WHEEL_DIR)/dist/*.whl --venv $(WHEEL_DIR)/venv
 
-# asyncio debug mode comes with -X dev; warnings are errors in the runner and in
+# asyncio debug mode comes with -X dev (PYTHONDEVMODE, which the test
+# workers inherit); warnings are errors in the runner (pytest's -W) and in
 # every switchboard process the system tests start.
 #
-# Two pytest sessions side by side, each with servers of its own: the system
-# tests (real processes; they mostly wait on them, about one core busy) and
-# the unit and integration tests, whose output follows the system tests'.
-# One after the other they took 19 minutes on 2 cores; CI allows 20.
-PYTEST := $(BIN)/python -X dev -W error -m pytest --durations=15
+# One pytest session, two workers (pytest-xdist), each with servers of its
+# own, handed whole files as they free up (--dist loadfile):
+# the system tests (real processes, mostly waiting on them) took 27 minutes
+# beside the unit and integration tests' 5 when the two ran as fixed halves,
+# one core idle for most of it; balanced, the suite takes about half.
+PYTEST := PYTHONDEVMODE=1 $(BIN)/python -m pytest -W error --durations=25
 test: lint typecheck wheel-check
-	@rm -f $(VENV)/tests-fast.log
-	@$(PYTEST) tests/unit tests/integration > $(VENV)/tests-fast.log 2>&1 & fast=$$!; \
-	$(PYTEST) tests/system; system=$$?; \
-	wait $$fast; fast_rc=$$?; \
-	echo "---- tests/unit and tests/integration (run beside tests/system) ----"; \
-	cat $(VENV)/tests-fast.log; \
-	echo "tests/system: exit $$system; tests/unit + tests/integration: exit $$fast_rc"; \
-	test $$system -eq 0 && test $$fast_rc -eq 0
+	$(PYTEST) -n 2 --dist loadfile tests
 
 # Throughput and latency beside a raw-insert and a naive-consumer baseline and
 # the FastStream peers, on servers of its own; BENCH_ARGS=--quick for a short
