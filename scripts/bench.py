@@ -29,6 +29,11 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    writing Switchboard's own tables; interleaved rounds, the order rotated,
    the ratio per round. ``--peers`` runs this part alone; with
    ``--stock-postgres`` on PostgreSQL's default settings.
+8. NATS (issue 26, scripts/bench_nats.py): ingest + ack of a JetStream
+   adapter on an embedded nats-server beside a batched nats-py consumer,
+   the raw limit and the Redis stream pipeline, interleaved rounds (20,000
+   messages a run, 10,000 with ``--quick``; ``--nats`` runs this part
+   alone: 50,000, 20,000 with ``--quick``).
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -888,6 +893,22 @@ def bench_peers(workdir: Path, pg: Any, rs: Any, n: int, batch_size: int, rounds
         print(f"    CPU per message, {name:<32} " + ", ".join(f"{k} {v:.1f} us" for k, v in medians.items()))
 
 
+# --- 8. NATS (issue 26) -------------------------------------------------------------------
+
+
+def bench_nats_part(base: Path, pg: PostgresServer, rs: Any, n: int, batch_size: int) -> None:
+    """scripts/bench_nats.py's rounds, with this run's Redis stream pipeline."""
+    import bench_nats  # nats-py: the embedded kit's
+
+    r = redis.Redis.from_url(rs.url)
+
+    def redis_run(url: str, servers: dict[str, int], run: str) -> tuple[float, dict[str, float]]:
+        rate, _rss, cpu = bench_switchboard(base, url, r, rs.url, n, batch_size, servers, run=run)
+        return rate, cpu
+
+    bench_nats.compare(base, pg, rs.pid, redis_run, n, batch_size, ingest_overrides=INGEST_OVERRIDES)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -915,6 +936,11 @@ def main(argv: list[str] | None = None) -> int:
         help="only Switchboard beside the FastStream peers (issue 16), in interleaved rounds",
     )
     parser.add_argument("--rounds", type=int, default=PEER_ROUNDS, help="rounds of the peer comparison")
+    parser.add_argument(
+        "--nats",
+        action="store_true",
+        help="only the NATS comparison (issue 26): JetStream beside nats-py, raw and the Redis stream",
+    )
     parser.add_argument(
         "--stock-postgres",
         action="store_true",
@@ -978,6 +1004,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{', stock PostgreSQL' if args.stock_postgres else ''}")  # fmt: skip
                 bench_peers(base, pg, rs, args.messages or 50_000, args.batch_size, args.rounds)
                 return 0
+            if args.nats:
+                print(f"bench: {os.cpu_count()} CPUs, NATS only")
+                bench_nats_part(
+                    base, pg, rs, args.messages or (20_000 if args.quick else 50_000), args.batch_size
+                )
+                return 0
             if args.downstream:
                 down_n = args.messages or 20_000
                 print(f"bench: {os.cpu_count()} CPUs, downstream only, {down_n} messages")
@@ -1014,6 +1046,12 @@ def main(argv: list[str] | None = None) -> int:
             # (its measurements' size), at least three rounds.
             peer_n = args.messages or (20_000 if args.quick else 50_000)
             bench_peers(base, pg, rs, peer_n, args.batch_size, max(3, args.rounds))
+            # Issue 26, 20,000 messages a run here (10,000 with --quick): about
+            # 1.5 minutes on a loaded day, the stream's load (every write
+            # synced) the slow part; ``--nats`` alone runs 50,000.
+            bench_nats_part(
+                base, pg, rs, args.messages or (10_000 if args.quick else 20_000), args.batch_size
+            )
             metrics_n = max(n, METRICS_MIN_MESSAGES)
             runs = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
             print_metrics_overhead(runs, metrics_n)
