@@ -92,8 +92,10 @@ class Streams:
 
 
 @contextlib.asynccontextmanager
-async def streams(url: str) -> AsyncIterator[Streams]:
-    client = await nats.connect(url, allow_reconnect=False, connect_timeout=5)
+async def streams(url: str, **options: str) -> AsyncIterator[Streams]:
+    """``options``: nats-py's ``user`` and ``password`` (it sends a URL's
+    own as written, percent-encoding and all)."""
+    client = await nats.connect(url, allow_reconnect=False, connect_timeout=5, **options)
     try:
         yield Streams(client)
     finally:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import os
 import ssl
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import nats
 import structlog
@@ -77,38 +78,64 @@ def _credentials_file(config: AdapterConfig) -> str | None:
     return path
 
 
-async def connect(config: AdapterConfig, *, role: str) -> Client:
+def _without_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """The URL without its user information, and that information as
+    nats-py's options, percent-decoded: nats-py sends a URL's user name and
+    password as they are written, so a password with a reserved character
+    (written encoded, as ``username_env`` / ``password_env`` write it) would
+    never log in. A user name alone is a token."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    bare = urlunsplit(parts._replace(netloc=host))
+    if parts.username is None:
+        return bare, {}
+    if parts.password is None:
+        return bare, {"token": unquote(parts.username)}
+    return bare, {"user": unquote(parts.username), "password": unquote(parts.password)}
+
+
+AsyncErrors = Callable[[Exception], None]
+
+
+async def connect(config: AdapterConfig, *, role: str, on_error: AsyncErrors | None = None) -> Client:
     """A connection to the adapter's server, named for the process role
-    (``monitor`` shows it); raises BrokerError if none can be made now."""
+    (``monitor`` shows it); raises BrokerError if none can be made now.
+    ``on_error`` is told of every asynchronous error the server reports
+    (a permission violation answers a publish that way, not at the call)."""
     url = config.broker.url()
     parts = urlsplit(url)
+    bare, credentials = _without_credentials(url)
     # nats-py reads tls:// itself, but a CA file needs the context: the URL
     # keeps its scheme either way.
     options: dict[str, object] = {
-        "servers": [url],
+        "servers": [bare],
         "name": f"switchboard-{role}-{config.name}",
         "connect_timeout": CONNECT_TIMEOUT_S,
         "allow_reconnect": False,
         "max_reconnect_attempts": 0,
-        "error_cb": _error_cb(config.name),
+        "error_cb": _error_cb(config.name, on_error),
+        **credentials,
     }
     tls = _tls_context(config, parts.scheme)
     if tls is not None:
         options["tls"] = tls
         options["tls_hostname"] = parts.hostname
-    credentials = _credentials_file(config)
-    if credentials is not None:
-        options["user_credentials"] = credentials
+    credentials_file = _credentials_file(config)
+    if credentials_file is not None:
+        options["user_credentials"] = credentials_file
     with nats_errors(config.name, f"connecting to {server_label(url)}"):
-        return await nats.connect(**options)  # type: ignore[arg-type]
+        return await nats.connect(**options)  # type: ignore[arg-type]  # nats-py's options, spread
 
 
-def _error_cb(adapter: str):  # type: ignore[no-untyped-def]
+def _error_cb(adapter: str, on_error: AsyncErrors | None) -> Callable[[Exception], Awaitable[None]]:
     """nats-py reports asynchronous errors (a permission violation, a slow
-    consumer) here, not at a call: logged, never raised into its reader task."""
+    consumer) here, not at a call: logged, handed to ``on_error``, never
+    raised into its reader task."""
 
     async def report(exc: Exception) -> None:
         log.warning("nats_async_error", adapter=adapter, error=str(exc), error_type=type(exc).__name__)
+        if on_error is not None:
+            on_error(exc)
 
     return report
 

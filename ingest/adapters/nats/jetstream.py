@@ -114,6 +114,7 @@ class JetStreamAdapter:
         self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
         self._replay: list[Delivery] = []
         self._next_full_check = 0.0
+        self._refusal: str | None = None  # a permission violation the server reported
 
     @property
     def ack_target(self) -> AckTarget:
@@ -140,9 +141,16 @@ class JetStreamAdapter:
 
     async def _connection(self) -> Client:
         if self._client is None or self._client.is_closed:
-            self._client = await connect(self._cfg, role="ingest")
+            self._client = await connect(self._cfg, role="ingest", on_error=self._server_said)
             self._identity = f"nats user: {await user_name(self._client, self._url)}"
         return self._client
+
+    def _server_said(self, exc: Exception) -> None:
+        """An asynchronous error of the connection. A fetch the user may not
+        make is refused this way, its request then expiring like an empty
+        one: kept, so the read raises it instead of returning nothing."""
+        if "permissions violation" in str(exc).lower():
+            self._refusal = str(exc)
 
     async def _ensure_consumer(self, js: JetStreamContext) -> None:
         cfg = self._cfg
@@ -200,6 +208,13 @@ class JetStreamAdapter:
         except BrokerError:
             await self._forget_connection()
             raise
+        if not messages and self._refusal is not None:
+            refusal, self._refusal = self._refusal, None
+            raise BrokerError(
+                f"adapter {self.name}: the server refused this NATS user a request (fetching from consumer"
+                f" {self._cfg.group} of {self._cfg.source} needs $JS.API.CONSUMER.MSG.NEXT.{self._cfg.source}"
+                f".{self._cfg.group}; see ops/nats-server.conf): {refusal}"
+            )
         batch = [self._delivery(m) for m in messages]
         if batch:
             self._unconfirmed.returned(batch)
@@ -327,7 +342,10 @@ class JetStreamAcknowledger:
     async def _connection(self) -> Client:
         if self._client is None or not self._client.is_connected:
             await self.close()
-            self._client = await connect(self._cfg, role="ack")
+            try:
+                self._client = await connect(self._cfg, role="ack")
+            except BrokerError as exc:  # an acknowledger raises AckError (its protocol)
+                raise AckError(str(exc)) from exc
         return self._client
 
     async def ack(self, claims: Sequence[AckClaim]) -> None:
@@ -337,8 +355,7 @@ class JetStreamAcknowledger:
                     f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete jsack intent, or one"
                     " whose reply subject is not an ack of its stream's consumer"
                 )
-        with nats_errors(self._name, "connecting to ack", error=AckError):
-            client = await self._connection()
+        client = await self._connection()
         for start in range(0, len(claims), ACK_WAVE):
             await self._ack_wave(client, claims[start : start + ACK_WAVE])
 

@@ -16,11 +16,11 @@ from structlog.testing import capture_logs
 
 from backhalf.records import AckClaim
 from ingest.adapters.factory import make_acknowledger, make_adapter
-from ingest.config import AdapterConfig, Settings
+from ingest.config import AdapterConfig, Settings, from_mapping
 from ingest.errors import BrokerError
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
-from tests.support.nats import Streams, shared_nats, streams
+from tests.support.nats import Streams, owned_nats, shared_nats, streams
 
 STREAM = "ORDERS"
 SUBJECT = "ORDERS.new"
@@ -187,3 +187,30 @@ async def test_acks_for_a_consumer_that_is_gone_are_given_up_with_a_warning(
         await acknowledger.close()
     (gone,) = [e for e in logs if e["event"] == "ack_consumer_missing"]
     assert (gone["stream"], gone["consumer"], gone["acks"]) == (STREAM, GROUP, 1)
+
+
+async def test_a_password_with_reserved_characters_logs_in(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``password_env`` puts the password into the URL percent-encoded; nats-py
+    sends a URL's password as written, so it reaches the server decoded or
+    not at all (it was refused: 'Authorization Violation')."""
+    password = "a/b+c@d:e%f g"
+    access = 'authorization { users = [ { user: "sb", password: "a/b+c@d:e%f g" } ] }\n'
+    monkeypatch.setenv("SB_NATS_USER", "sb")
+    monkeypatch.setenv("SB_NATS_PASSWORD", password)
+    with owned_nats(access=access) as server:
+        url = f"nats://127.0.0.1:{server.port}"
+        async with streams(url, user="sb", password=password) as s:
+            await s.create(STREAM)
+        table_ = table(url, username_env="SB_NATS_USER", password_env="SB_NATS_PASSWORD")
+        (cfg,) = from_mapping(
+            {"database": {"url": db_url}, "adapters": [table_]},
+            {"SB_NATS_USER": "sb", "SB_NATS_PASSWORD": password},
+        ).adapters
+        adapter = make_adapter(cfg, ledger=None)
+        try:
+            await adapter.start()
+            assert adapter.identity == "nats user: sb"
+        finally:
+            await adapter.close()

@@ -37,7 +37,7 @@ from ingest.adapters.nats.common import USER_INFO_SUBJECT
 from ingest.adapters.nats.jetstream import ACK_KIND
 from ingest.config import AdapterConfig, Settings
 from ingest.embedded.nats_server import NatsServer, nats_binary
-from ingest.errors import AckError
+from ingest.errors import AckError, BrokerError
 from ingest.processes.acker import run_acker
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
@@ -295,11 +295,13 @@ async def test_the_ack_user_cannot_fetch(
     assert sum(refused(e, NEXT) for e in errors) == 2, errors
 
     # The adapter itself, given the ack user: it starts (stream and consumer
-    # info are allowed, for status) and its fetch, refused, reads as empty.
+    # info are allowed, for status), and its fetch, refused, is a broker error
+    # naming what the user lacks, not an empty read an ingester would idle on.
     adapter = make_adapter(config_as(users, ACK, db_url, redis_url), ledger=None)
     try:
         await adapter.start()
-        assert await adapter.read(3) == []
+        with pytest.raises(BrokerError, match=r"refused this NATS user a request .* needs \$JS\.API"):
+            await adapter.read(3)
         figures = await adapter.describe()  # what `switchboard status` asks, as the ack user
     finally:
         await adapter.close()

@@ -177,13 +177,6 @@ async def test_without_the_ca_the_certificate_is_refused(
     assert await broker.consumer(STREAM, GROUP) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BrokerError,
-    reason="JetStreamAcknowledger.ack's `nats_errors(..., error=AckError)` around its connect never"
-    " applies: common.connect already raised BrokerError, an IngestError it passes through; the"
-    " Acknowledger protocol (ingest/adapters/base.py) says AckError",
-)
 async def test_the_ackers_refused_connection_is_an_ack_error(
     server: NatsServer, broker: Streams, db_url: str, redis_url: str
 ) -> None:

@@ -113,7 +113,7 @@ def test_a_probe_waits_for_a_cut_connections_thread_rather_than_be_refused(
     CI). Here each cut thread lingers, as a loaded machine makes it: the
     probe waits for one to go, and is answered."""
 
-    class SlowToEnd(metrics_http._Handler):  # type: ignore[misc]
+    class SlowToEnd(metrics_http._Handler):
         def __init__(self, conn: Any, *args: Any) -> None:
             try:
                 super().__init__(conn, *args)
