@@ -88,3 +88,21 @@ def test_the_acker_acks_only_its_consumers_ack_subjects(ref: str, acks: bool) ->
 
     claim = AckClaim(1, "orders", "jsack", "ORDERS", "switchboard", ref, copies=1, body=None)
     assert _acks_its_consumer(claim) is acks
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "$JS.ACK.ORDERS.switchboard.3.41.40.1796221376233174239.7",
+        "$JS.ACK.hub.ACCHASH.ORDERS.switchboard.3.41.40.1796221376233174239.7.tok",
+        "$JS.ACK.hub.ACCHASH.ORDERS.switchboard.3.41.40.1796221376233174239.7",  # 11 tokens: nats-py's
+    ],
+)
+def test_a_deliverys_position_is_what_nats_py_reads_from_its_subject(reply: str) -> None:
+    from nats.aio.msg import Msg
+
+    from ingest.adapters.nats.jetstream import position
+
+    msg = Msg(_client=None, subject="ORDERS.new", reply=reply, data=b"{}")  # type: ignore[arg-type]
+    meta = msg.metadata
+    assert position(msg) == (str(meta.sequence.stream), meta.num_delivered) == ("41", 3)
