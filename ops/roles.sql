@@ -224,8 +224,10 @@ BEGIN
                   deliveries, status, error, todo_id, event_id, ack_xid),
           -- merge_inbox_body, and a redelivery's ON CONFLICT update (ack_state
           -- and acked_at only back to pending: the policies below; ack_xid
-          -- for the acker's cursor to meet the row again).
-          UPDATE (ack_copies, deliveries, consumer, ack_key, ack_group, ack_state, acked_at, ack_xid)
+          -- for the acker's cursor to meet the row again; ack_entry_id for
+          -- the newest delivery's ack ref, a JetStream reply subject).
+          UPDATE (ack_copies, deliveries, consumer, ack_key, ack_group, ack_entry_id, ack_state, acked_at,
+                  ack_xid)
         ON inbox TO switchboard_ingester;
     -- Queues acks; the UPDATE grant is for row locks only (policy below).
     GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body),

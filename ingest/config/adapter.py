@@ -84,6 +84,22 @@ def _url_of_transport(label: str, values: Mapping[str, Any]) -> None:
     URL_CHECKS[values["transport"]](f"{label}: key 'url'", values["broker"])
 
 
+# A JetStream stream or consumer name: no subject wildcards or separators,
+# no path characters, no whitespace (the server's own rule).
+_JETSTREAM_NAME = re.compile(r"[^.*>/\\\s]+")
+
+
+def _jetstream_names(label: str, values: Mapping[str, Any]) -> None:
+    if values["mode"] != "jetstream":
+        return
+    for key in ("source", "group"):
+        if not _JETSTREAM_NAME.fullmatch(values[key]):
+            raise ConfigError(
+                f"{label}: key {key!r} = {values[key]!r} is no JetStream stream or consumer name:"
+                " no '.', '*', '>', '/', '\\' or whitespace (a subject goes in 'subject')"
+            )
+
+
 def _ack_after(where: str, value: Any) -> str:
     if value not in ("store", "complete"):
         raise ConfigError(f'{where} must be "store" or "complete" (got {value!r})')
@@ -320,7 +336,9 @@ class AdapterConfig:
         int, Key(minimum=3, doc="delivered this often and never stored: rejected as poison")
     ] = 10
     reap_interval_ms: Annotated[int, Key(LIST, doc="how often dead consumers' lists are checked")] = 5_000
-    source: Annotated[str, Key(doc="stream key, list key or channel; the JetStream stream")]
+    source: Annotated[
+        str, Key(rule=_jetstream_names, doc="stream key, list key or channel; the JetStream stream")
+    ]
     # The URL as read; its credentials, from the variables below, are added
     # after the table is read (see BrokerUrl).
     broker: Annotated[

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 from ingest.signals import STOP_SIGNALS
@@ -68,11 +69,26 @@ def held_stop_signals() -> Iterator[None]:
     if _PRCTL is None or threading.current_thread() is not threading.main_thread():
         yield
         return
+    # Blocking them in this thread is not enough where other threads run (a
+    # test runner's worker has some): the kernel hands a process's signal to
+    # a thread that does not block it, and Python then runs the handler in
+    # this thread at once. So the handlers are swapped too: what arrives is
+    # noted, and raised again once the child is kept.
+    arrived: list[int] = []
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        arrived.append(signum)
+
+    handlers = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # one still pending goes to its handler now
+        for signum in dict.fromkeys(arrived):
+            signal.raise_signal(signum)
 
 
 def end_with_parent(parent: int, sig: signal.Signals = signal.SIGKILL) -> None:

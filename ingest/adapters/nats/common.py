@@ -10,6 +10,7 @@ logs, instead of a client's silent one beneath it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
@@ -17,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import nats
 import structlog
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
@@ -123,8 +123,49 @@ async def connect(config: AdapterConfig, *, role: str, on_error: AsyncErrors | N
     credentials_file = _credentials_file(config)
     if credentials_file is not None:
         options["user_credentials"] = credentials_file
-    with nats_errors(config.name, f"connecting to {server_label(url)}"):
-        return await nats.connect(**options)  # type: ignore[arg-type]  # nats-py's options, spread
+    client = _TlsOnlyClient() if tls is not None else Client()
+    try:
+        with nats_errors(config.name, f"connecting to {server_label(url)}"):
+            await client.connect(**options)  # type: ignore[arg-type]  # nats-py's options, spread
+    except BaseException:
+        await _close_quietly(client)  # nats-py leaves a refused connection's socket open
+        raise
+    return client
+
+
+async def _close_quietly(client: Client) -> None:
+    try:
+        transport = client._transport
+        if transport is not None:
+            transport.close()  # type: ignore[no-untyped-call]
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await transport.wait_closed()  # type: ignore[no-untyped-call]
+        await client.close()
+    except Exception as exc:  # noqa: BLE001 - closing what already failed
+        log.info("nats_close_failed", error=str(exc) or type(exc).__name__)
+
+
+class TlsNotOffered(NatsError):
+    """The server did not ask for TLS, though the adapter requires it."""
+
+
+class _TlsOnlyClient(Client):
+    """nats-py upgrades a connection to TLS only when the server's INFO says
+    ``tls_required``, whatever the URL's scheme or the context given: to a
+    server that does not (or a man in the middle) it would send CONNECT, the
+    password in it, in clear. Refused here, before CONNECT is written; the
+    one hook nats-py has between its INFO and its CONNECT is
+    ``_connect_command`` (nats-py is pinned in constraints.txt, and
+    ``test_nats_tls`` holds this to a server that offers no TLS)."""
+
+    def _connect_command(self) -> bytes:
+        if not self._server_info.get("tls_required", False):
+            raise TlsNotOffered(
+                "the server does not offer TLS, which the adapter requires (a tls:// URL or tls_ca_file):"
+                " refused before sending any credential"
+            )
+        command: bytes = super()._connect_command()
+        return command
 
 
 def _error_cb(adapter: str, on_error: AsyncErrors | None) -> Callable[[Exception], Awaitable[None]]:

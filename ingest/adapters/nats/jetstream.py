@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -87,13 +86,31 @@ def _wanted(config: AdapterConfig) -> ConsumerConfig:
     )
 
 
+# What Switchboard sets on a consumer it finds: the rest is its owner's.
+_CORRECTED = ("max_deliver", "max_ack_pending", "filter_subject", "ack_wait")
+
+
 def _drifted(have: ConsumerConfig, want: ConsumerConfig) -> list[str]:
     """The settings of an existing consumer that differ from ours."""
-    fields = ("max_deliver", "max_ack_pending", "filter_subject")
-    drift = [f for f in fields if getattr(have, f) != getattr(want, f)]
+    drift = [f for f in _CORRECTED[:3] if getattr(have, f) != getattr(want, f)]
     if have.ack_wait is None or abs(have.ack_wait - (want.ack_wait or 0)) > 0.001:
         drift.append("ack_wait")
     return drift
+
+
+def _unusable(have: ConsumerConfig) -> str | None:
+    """What makes an existing consumer one Switchboard must not read through
+    (and cannot edit): other acks, bodies withheld, a push consumer, several
+    filters where one is configured."""
+    if have.ack_policy != AckPolicy.EXPLICIT:
+        return f"ack policy {have.ack_policy} (Switchboard needs explicit acks)"
+    if have.headers_only:
+        return "headers_only set (its messages come without their bodies)"
+    if have.deliver_subject:
+        return "a deliver subject (a push consumer; Switchboard pulls)"
+    if have.filter_subjects:
+        return "several filter subjects (Switchboard sets one, `subject`)"
+    return None
 
 
 def position(msg: Msg) -> tuple[str, int]:
@@ -134,7 +151,8 @@ class JetStreamAdapter:
         self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
         self._replay: list[Delivery] = []
         self._next_full_check = 0.0
-        self._refusal: str | None = None  # a permission violation the server reported
+        self._refusal: str | None = None  # a fetch the server refused (permissions violation)
+        self._connecting = asyncio.Lock()
 
     @property
     def ack_target(self) -> AckTarget:
@@ -160,16 +178,20 @@ class JetStreamAdapter:
         self._js = js
 
     async def _connection(self) -> Client:
-        if self._client is None or self._client.is_closed:
-            self._client = await connect(self._cfg, role="ingest", on_error=self._server_said)
-            self._identity = f"nats user: {await user_name(self._client, self._url)}"
-        return self._client
+        # The poll loop's read and the gauges' describe both come here: one connects.
+        async with self._connecting:
+            if self._client is None or self._client.is_closed:
+                self._client = await connect(self._cfg, role="ingest", on_error=self._server_said)
+                self._identity = f"nats user: {await user_name(self._client, self._url)}"
+                self._refusal = None  # a refusal of the identity's question is no fetch's
+            return self._client
 
     def _server_said(self, exc: Exception) -> None:
         """An asynchronous error of the connection. A fetch the user may not
         make is refused this way, its request then expiring like an empty
         one: kept, so the read raises it instead of returning nothing."""
-        if "permissions violation" in str(exc).lower():
+        text = str(exc).lower()
+        if "permissions violation" in text and "msg.next" in text:
             self._refusal = str(exc)
 
     async def _ensure_consumer(self, js: JetStreamContext) -> None:
@@ -196,16 +218,19 @@ class JetStreamAdapter:
                 )
                 return
             have = info.config
-            if have.ack_policy != AckPolicy.EXPLICIT:
+            unusable = _unusable(have)
+            if unusable:
                 raise BrokerError(
-                    f"adapter {self.name}: consumer {cfg.group!r} of stream {cfg.source!r} has ack policy"
-                    f" {have.ack_policy}: Switchboard needs explicit acks; delete it, or name another group"
+                    f"adapter {self.name}: consumer {cfg.group!r} of stream {cfg.source!r} has {unusable}:"
+                    " Switchboard cannot consume through it; delete it, or name another group"
                 )
             drift = _drifted(have, want)
             if drift:
                 # ack_wait, max_deliver, max_ack_pending, the filter: all editable
-                # (a create without an action updates an existing consumer).
-                await js.add_consumer(cfg.source, config=want)
+                # (a create without an action updates an existing consumer). Only
+                # those change: the rest of its settings stay as they are.
+                update = have.evolve(**{f: getattr(want, f) for f in _CORRECTED})
+                await js.add_consumer(cfg.source, config=update)
                 log.warning("consumer_updated", **fields, settings=drift)
 
     async def run_background(self, stop: asyncio.Event) -> None:
@@ -345,9 +370,21 @@ def _acks_its_consumer(claim: AckClaim) -> bool:
     if claim.ref is None or claim.key is None or claim.group is None or not claim.ref.startswith(ACK_PREFIX):
         return False
     tokens = claim.ref.split(".")
-    if "ACK" not in tokens[1:3]:
+    if tokens[1:2] != ["ACK"]:
         return False
-    return (claim.key, claim.group) in itertools.pairwise(tokens)
+    if len(tokens) == 9:
+        return tokens[2:4] == [claim.key, claim.group]
+    return len(tokens) >= 12 and tokens[4:6] == [claim.key, claim.group]
+
+
+def _message_time_ns(ref: str) -> int:
+    """The message's time in the stream (ns since the epoch) from its ack
+    subject; 0 where the subject's form is not known (never given up)."""
+    tokens = ref.split(".")
+    at = 7 if len(tokens) == 9 else 9 if len(tokens) >= 12 else None
+    if at is None or not tokens[at].isdigit():
+        return 0
+    return int(tokens[at])
 
 
 class _Replies:
@@ -428,8 +465,45 @@ class JetStreamAcknowledger:
                 )
         async with self._one_wave:
             client, replies = await self._connection()
-            for start in range(0, len(claims), ACK_WAVE):
-                await self._ack_wave(client, replies, claims[start : start + ACK_WAVE])
+            current = await self._of_current_streams(client, claims)
+            for start in range(0, len(current), ACK_WAVE):
+                await self._ack_wave(client, replies, current[start : start + ACK_WAVE])
+
+    async def _of_current_streams(self, client: Client, claims: Sequence[AckClaim]) -> list[AckClaim]:
+        """The claims whose message is in its stream as it is now. A stream
+        deleted and created again restarts its sequences, and the server
+        reads an ack subject by stream, consumer and sequence alone: an old
+        delivery's ack would ack the new message on its sequence (maybe not
+        stored yet), or go unanswered. Its message's time (in the subject)
+        tells: older than the stream, it was the old stream's, and its ack
+        is given up (the old message is gone with its stream)."""
+        js = client.jetstream(timeout=REQUEST_TIMEOUT_S)
+        kept: list[AckClaim] = []
+        for stream in sorted({c.key or "" for c in claims}):
+            mine = [c for c in claims if c.key == stream]
+            with nats_errors(self._name, f"stream info {stream}", error=AckError):
+                try:
+                    info = await js.stream_info(stream)
+                except NotFoundError:
+                    info = None
+            if info is None or info.created is None:
+                gone = "deleted" if info is None else "of unknown age"
+                log.warning("acks_given_up", adapter=self._name, stream=stream, acks=len(mine), reason=gone)
+                kept += [] if info is None else mine
+                continue
+            born_ns = int(info.created.timestamp() * 1e9)
+            older = [c for c in mine if 0 < _message_time_ns(c.ref or "") < born_ns]
+            if older:
+                log.warning(
+                    "acks_given_up",
+                    adapter=self._name,
+                    stream=stream,
+                    acks=len(older),
+                    reason="their messages are older than the stream: it was deleted and created again",
+                )
+            given_up = {id(c) for c in older}
+            kept += [c for c in mine if id(c) not in given_up]
+        return kept
 
     async def _ack_wave(self, client: Client, replies: _Replies, claims: Sequence[AckClaim]) -> None:
         tokens = replies.begin(len(claims))

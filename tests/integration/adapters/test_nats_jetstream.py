@@ -214,3 +214,45 @@ async def test_a_password_with_reserved_characters_logs_in(
             assert adapter.identity == "nats user: sb"
         finally:
             await adapter.close()
+
+
+async def test_an_old_streams_acks_never_ack_the_new_streams_messages(
+    db_url: str, nats_url: str, broker: Streams
+) -> None:
+    """The server reads an ack subject by stream, consumer and sequence: after
+    the stream is deleted and created again, an ack owed to the old stream's
+    message on sequence 1 would ack the new stream's message 1, perhaps not
+    stored yet. The acker gives such acks up (their messages went with the
+    old stream) and the new messages stay unacked until they are stored."""
+    cfg = config(db_url, nats_url)
+    for body in bodies(3, "old"):
+        await broker.publish(SUBJECT, body)
+    old = make_adapter(cfg, ledger=None)
+    try:
+        held = await old.read(3)
+    finally:
+        await old.close()
+    assert len(held) == 3
+    await broker.js.delete_stream(STREAM)
+    await broker.create(STREAM)
+    for body in bodies(3, "new"):
+        await broker.publish(SUBJECT, body)
+    new = make_adapter(cfg, ledger=None)
+    try:
+        fresh = await new.read(3)
+    finally:
+        await new.close()
+    assert [d.message_id for d in fresh] == [d.message_id for d in held] == ["1", "2", "3"]
+    acknowledger = make_acknowledger(cfg)
+    claims = [
+        AckClaim(i, "orders", "jsack", STREAM, GROUP, d.ack_ref, copies=1, body=None)
+        for i, d in enumerate(held)
+    ]
+    try:
+        with capture_logs() as logs:
+            await acknowledger.ack(claims)
+    finally:
+        await acknowledger.close()
+    assert await broker.unacked(STREAM, GROUP) == 3  # the new messages: still the server's to redeliver
+    (given_up,) = [e for e in logs if e["event"] == "acks_given_up"]
+    assert (given_up["stream"], given_up["acks"]) == (STREAM, 3)

@@ -7,6 +7,8 @@ CAs refuse the certificate, and the error says so without the password."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import ssl
 import urllib.request
@@ -182,3 +184,41 @@ async def test_the_ackers_refused_connection_is_an_ack_error(
 ) -> None:
     with pytest.raises(AckError):
         await ack_once(config(server, "tls", db_url, redis_url))
+
+
+@pytest.mark.parametrize("keys", [{"scheme": "tls"}, {"scheme": "nats", "tls_ca_file": True}])
+async def test_a_server_that_offers_no_tls_never_sees_the_password(
+    keys: dict[str, Any], authority: Authority, db_url: str, redis_url: str
+) -> None:
+    """nats-py upgrades only when the server's INFO asks for TLS: a server (or
+    a man in the middle) that does not would have been sent CONNECT with the
+    password in clear. A listener that answers like a plain nats-server and
+    records every byte: the adapter refuses it before sending anything."""
+    received = bytearray()
+
+    async def plain_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info = {"server_id": "x", "version": "2.15.1", "proto": 1, "headers": True, "auth_required": True}
+        writer.write(b"INFO " + json.dumps(info).encode() + b"\r\n")
+        await writer.drain()
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(3):
+                while data := await reader.read(4096):
+                    received.extend(data)
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+    listener = await asyncio.start_server(plain_server, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    target = f"{keys['scheme']}://{USER}:{SECRET}@127.0.0.1:{port}"
+    extra = {"tls_ca_file": str(authority.ca)} if keys.get("tls_ca_file") else {}
+    (cfg,) = settings(db_url, redis_url, table(target, **extra)).adapters
+    adapter = make_adapter(cfg, ledger=None)
+    try:
+        async with listener:
+            with pytest.raises(BrokerError, match="does not offer TLS"):
+                await adapter.start()
+    finally:
+        await adapter.close()
+    assert SECRET.encode() not in bytes(received)
+    assert b"CONNECT" not in bytes(received)

@@ -348,6 +348,12 @@ def test_the_unknown_key_message_lists_every_allowed_key() -> None:
          "adapter 'orders': key 'ack_after' = \"complete\" does not apply to mode = \"jetstream\": JetStream"
          " delivers a message again once it is unacked for ack_wait_ms, so an ack held for its todo's"
          " whole run would bring it back every ack_wait_ms; use ack_after = \"store\""),
+        ({"adapters": [adapter(transport="nats", mode="jetstream", source="orders.new")]},
+         "adapter 'orders': key 'source' = 'orders.new' is no JetStream stream or consumer name: no '.',"
+         " '*', '>', '/', '\\' or whitespace (a subject goes in 'subject')"),
+        ({"adapters": [adapter(transport="nats", mode="jetstream", group="a b")]},
+         "adapter 'orders': key 'group' = 'a b' is no JetStream stream or consumer name: no '.',"
+         " '*', '>', '/', '\\' or whitespace (a subject goes in 'subject')"),
         ({"adapters": [adapter(transport="nats", mode="jetstream", token_env="T", password_env="P")]},
          "adapter 'orders': key 'token_env' excludes 'username_env' and 'password_env': use one way"),
         ({"ingest": {"shutdown_timeout_s": 0}},
