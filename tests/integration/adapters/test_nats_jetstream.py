@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -17,7 +19,7 @@ from structlog.testing import capture_logs
 from backhalf.records import AckClaim
 from ingest.adapters.factory import make_acknowledger, make_adapter
 from ingest.config import AdapterConfig, Settings, from_mapping
-from ingest.errors import BrokerError
+from ingest.errors import BrokerError, ConfigError
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
 from tests.support.nats import Streams, owned_nats, shared_nats, streams
@@ -256,3 +258,25 @@ async def test_an_old_streams_acks_never_ack_the_new_streams_messages(
     assert await broker.unacked(STREAM, GROUP) == 3  # the new messages: still the server's to redeliver
     (given_up,) = [e for e in logs if e["event"] == "acks_given_up"]
     assert (given_up["stream"], given_up["acks"]) == (STREAM, 3)
+
+
+async def test_a_creds_file_the_server_refuses_is_a_broker_error(
+    db_url: str, nats_url: str, broker: Streams, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``credentials_file_env`` names the variable holding a creds file's path
+    (nats-py signs the server's challenge with its NKey: the ``nats`` extra
+    brings nkeys). One the server does not accept is a broker error, backed
+    off like any other, never a crash; and an unset variable says so."""
+    creds = tmp_path / "app.creds"
+    creds.write_text("not a creds file\n")
+    monkeypatch.setenv("SB_NATS_CREDS", str(creds))
+    bare = f"nats://127.0.0.1:{urlsplit(nats_url).port}"
+    adapter = make_adapter(config(db_url, bare, credentials_file_env="SB_NATS_CREDS"), ledger=None)
+    try:
+        with pytest.raises(BrokerError, match="Authorization Violation"):
+            await adapter.start()
+        monkeypatch.delenv("SB_NATS_CREDS")
+        with pytest.raises(ConfigError, match="'SB_NATS_CREDS' is not set or empty"):
+            await adapter.start()
+    finally:
+        await adapter.close()
