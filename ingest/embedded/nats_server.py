@@ -27,6 +27,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
@@ -207,7 +208,9 @@ class NatsServer(_ServerProcess):
 
 
 @contextlib.contextmanager
-def nats_server(base_dir: Path, *, password: str | None = None, access: str | None = None):  # type: ignore[no-untyped-def]
+def nats_server(
+    base_dir: Path, *, password: str | None = None, access: str | None = None
+) -> Iterator[NatsServer]:
     """A started :class:`NatsServer` in ``base_dir``, cleaned up on exit."""
     server = NatsServer.create(base_dir, password=password, access=access)
     try:
