@@ -27,6 +27,7 @@ import contextlib
 import errno
 import io
 import json
+import select
 import socket
 import threading
 import time
@@ -57,6 +58,7 @@ HEAD_TIMEOUT_S = 2.0
 REQUEST_TIMEOUT_S = 5.0
 # A head longer than this is no scrape: the connection is cut.
 MAX_HEAD_BYTES = 16 * 1024
+HEAD_END = b"\r\n\r\n"
 # Requests served at once (a scraper and a probe or two are the expected
 # load, not a crowd), and at most this many of them from one address.
 MAX_CONNECTIONS = 8
@@ -171,7 +173,16 @@ class _Connection:
     being read (only such a connection is ever cut to make room). Its
     ``shut`` and ``reading_head`` change under the server's lock."""
 
-    __slots__ = ("accepted", "deadline", "head_deadline", "host", "reading_head", "shut", "sock")
+    __slots__ = (
+        "accepted",
+        "deadline",
+        "head_arrived",
+        "head_deadline",
+        "host",
+        "reading_head",
+        "shut",
+        "sock",
+    )
 
     def __init__(self, sock: socket.socket, host: str) -> None:
         self.sock, self.host = sock, host
@@ -179,7 +190,26 @@ class _Connection:
         self.head_deadline = self.accepted + HEAD_TIMEOUT_S
         self.deadline = self.accepted + REQUEST_TIMEOUT_S
         self.reading_head = True
+        self.head_arrived = False  # its whole head was read, not yet parsed
         self.shut = False
+
+    def sending_head(self) -> bool:
+        """Still sending its head: read, or waiting in the socket, no blank
+        line has come. A probe sends its head in one packet; on a loaded
+        machine its thread may not have read it yet when a crowd of
+        newcomers wants room, and it must not be the one cut (it was)."""
+        if not self.reading_head or self.head_arrived:
+            return False
+        try:
+            # Never a wait, under the server's lock: the socket may carry its
+            # thread's timeout, with which recv would first wait to be readable.
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            if not readable:
+                return True
+            waiting = self.sock.recv(MAX_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (OSError, ValueError):  # nothing waiting after all, or the socket closed
+            return True
+        return HEAD_END not in waiting
 
     def shut_down(self) -> None:
         """Wake whatever the connection's thread waits for (a recv returns
@@ -204,6 +234,7 @@ class _HeadReader(io.RawIOBase):
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
         self._head_bytes = 0
+        self._tail = b""  # the last bytes read, for a blank line split between reads
 
     def readable(self) -> bool:
         return True
@@ -226,6 +257,12 @@ class _HeadReader(io.RawIOBase):
             raise _Cut("request deadline passed") from exc
         if conn.reading_head:
             self._head_bytes += n
+            # The blank line that ends a head: seen, the connection is no
+            # slow client, whether or not its thread has parsed it yet.
+            seen = self._tail + bytes(view[:n])
+            if HEAD_END in seen:
+                conn.head_arrived = True
+            self._tail = seen[-(len(HEAD_END) - 1) :]
         return n
 
 
@@ -324,9 +361,9 @@ class _Server(WSGIServer):
         for c in live:
             held[c.host] = held.get(c.host, 0) + 1
         if held.get(conn.host, 0) >= MAX_PER_CLIENT:
-            candidates = [c for c in live if c.host == conn.host and c.reading_head]
+            candidates = [c for c in live if c.host == conn.host and c.sending_head()]
         elif len(live) >= MAX_CONNECTIONS:
-            candidates = [c for c in live if c.reading_head]
+            candidates = [c for c in live if c.sending_head()]
         else:
             return True
         if not candidates:

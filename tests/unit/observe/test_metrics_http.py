@@ -129,6 +129,43 @@ def test_a_probe_waits_for_a_cut_connections_thread_rather_than_be_refused(
         assert crowd.cuts > 0
 
 
+def test_a_probe_whose_head_waits_unread_is_not_cut_for_a_burst_from_its_address(
+    server: MetricsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trickling clients cut reconnect in a burst; each newcomer past its
+    address's share cuts that address's oldest connection still sending its
+    head. A probe whose head had arrived, but whose thread had not read it
+    yet (a loaded machine), was that oldest and was cut (seen in CI). Each
+    thread here starts late, as a loaded machine makes it: the probe, its
+    head sent whole, is answered; the burst displaces only slow clients."""
+
+    class LateToRead(metrics_http._Handler):
+        def __init__(self, conn: Any, *args: Any) -> None:
+            time.sleep(0.3)
+            super().__init__(conn, *args)
+
+    monkeypatch.setattr(metrics_http, "_Handler", LateToRead)
+    source = CROWD[0]
+    slow = [connect(server.port, source) for _ in range(MAX_PER_CLIENT - 1)]
+    try:
+        for sock in slow:
+            sock.send(b"G")
+        with connect(server.port, source) as probe_sock:
+            probe_sock.settimeout(PROBE_TIMEOUT_S + 1)
+            probe_sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            burst = [connect(server.port, source) for _ in range(MAX_PER_CLIENT + 1)]
+            slow += burst
+            for sock in burst:
+                sock.send(b"G")
+            answer = b""
+            while chunk := probe_sock.recv(4096):
+                answer += chunk
+        assert answer.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")), answer[:200]
+    finally:
+        for sock in slow:
+            sock.close()
+
+
 def test_one_address_holds_at_most_its_share_its_oldest_head_cut_first(server: MetricsServer) -> None:
     socks = [connect(server.port, CROWD[0]) for _ in range(MAX_PER_CLIENT + 3)]
     try:
