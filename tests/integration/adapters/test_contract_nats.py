@@ -3,25 +3,19 @@ against a real nats-server (``tests/support/nats.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from ingest.adapters.base import PullAdapter
 from tests.integration.adapters.contract import SOURCE, AdapterContract
-from tests.support.nats import Streams, shared_nats, streams
+from tests.support.nats import Streams, streams
 
 GROUP = "switchboard"
 # A JetStream stream name may not hold '.', so the contract's source is a
 # stream named as it is, bound to the subjects under it.
 SUBJECT = f"{SOURCE}.new"
-
-
-@pytest.fixture(scope="session")
-def nats_url() -> Iterator[str]:
-    with shared_nats() as url:
-        yield url
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ that is gone."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,17 +22,11 @@ from ingest.config import AdapterConfig, Settings, from_mapping
 from ingest.errors import BrokerError, ConfigError
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
-from tests.support.nats import Streams, owned_nats, shared_nats, streams
+from tests.support.nats import Streams, owned_nats, streams
 
 STREAM = "ORDERS"
 SUBJECT = "ORDERS.new"
 GROUP = "switchboard"
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with shared_nats() as url:
-        yield url
 
 
 @pytest.fixture
