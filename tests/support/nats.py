@@ -133,3 +133,20 @@ def consumer_figures(url: str, stream: str, durable: str) -> tuple[int, int] | N
         return None if info is None else (int(info.num_ack_pending or 0), int(info.num_pending or 0))
 
     return asyncio.run(run())
+
+
+def adapter_table(url: str, **keys: object) -> dict[str, object]:
+    """The ``[[adapters]]`` table of the NATS tests: adapter ``orders`` on
+    stream ORDERS through durable ``switchboard``, short reads; ``keys``
+    add or replace."""
+    return {
+        "name": "orders",
+        "transport": "nats",
+        "mode": "jetstream",
+        "source": "ORDERS",
+        "group": "switchboard",
+        "url": url,
+        "consumer": "c1",
+        "block_ms": 100,
+        **keys,
+    }

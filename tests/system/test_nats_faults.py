@@ -7,16 +7,14 @@ pending. The chaos seed is printed (SWITCHBOARD_TEST_SEED replays it)."""
 from __future__ import annotations
 
 import json
-import os
-import random
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from ingest.embedded.nats_server import NatsServer
-from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
+from ingest.embedded.processes import wait_for
+from tests.support.chaos import kill9_rounds, seeded
 from tests.support.db import acked
 from tests.support.nats import consumer_figures, create_stream, owned_nats, publish
 from tests.support.oracle import assert_stored_once
@@ -70,32 +68,14 @@ def settled(db_url: str, url: str, total: int) -> bool:
 def test_random_kill9_of_ingesters_and_acker(
     procs: Processes, make_config: Callable[..., Path], db_url: str, nats: NatsServer
 ) -> None:
-    seed = int(os.environ.get("SWITCHBOARD_TEST_SEED", random.randrange(2**32)))
-    print(f"chaos seed: {seed}")
-    rng = random.Random(seed)
+    seed, rng = seeded()
     config = make_config(nats_adapter(nats.url))
     sequences = publish(nats.url, SUBJECT, bodies(PER_PHASE))
-    slots: dict[str, SwitchboardProcess] = {
-        "ingester-1": procs.start("ingest", config, name="ingester-1"),
-        "ingester-2": procs.start("ingest", config, name="ingester-2"),
-        "acker-1": procs.start("ack", config, name="acker-1"),
-    }
-    kills = 0
-    for round_no in range(ROUNDS):
-        time.sleep(rng.uniform(0.2, 1.2))  # a random moment to strike, not a wait for an outcome
-        victim = rng.choice(sorted(slots))
-        slots[victim].kill()
-        kills += 1
-        if round_no == ROUNDS // 2:
-            sequences += publish(nats.url, SUBJECT, bodies(PER_PHASE, start=PER_PHASE))
-        if rng.random() < 0.7:
-            verb = "ack" if victim.startswith("acker") else "ingest"
-            slots[victim] = procs.start(verb, config, name=victim)
-    for name, proc in list(slots.items()):  # every slot running for the finish
-        if not proc.alive():
-            slots[name] = procs.start("ack" if name.startswith("acker") else "ingest", config, name=name)
-    for proc in slots.values():
-        wait_ready(proc)
+
+    def halfway() -> None:
+        sequences.extend(publish(nats.url, SUBJECT, bodies(PER_PHASE, start=PER_PHASE)))
+
+    slots, kills = kill9_rounds(procs, config, rng, ROUNDS, halfway)
     total = len(sequences)
     wait_for(
         lambda: settled(db_url, nats.url, total),

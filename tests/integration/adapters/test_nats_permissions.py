@@ -41,7 +41,7 @@ from ingest.errors import AckError, BrokerError
 from ingest.processes.acker import run_acker
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
-from tests.support.nats import Streams, owned_nats, streams
+from tests.support.nats import Streams, adapter_table, owned_nats, streams
 
 CONF = Path(__file__).parents[3] / "ops" / "nats-server.conf"
 BEGIN, END = "# --- BEGIN switchboard access ---", "# --- END switchboard access ---"
@@ -130,18 +130,8 @@ async def producer(users: Users) -> AsyncIterator[Streams]:
 
 
 def table(url: str, **keys: Any) -> dict[str, Any]:
-    return {
-        "name": NAME,
-        "transport": "nats",
-        "mode": "jetstream",
-        "source": STREAM,
-        "group": GROUP,
-        "url": url,
-        "consumer": "c1",
-        "block_ms": 100,
-        "ack_wait_ms": 60_000,  # no redelivery within a test: what is unacked stays so
-        **keys,
-    }
+    # No redelivery within a test: what is unacked stays so.
+    return adapter_table(url, **{"ack_wait_ms": 60_000, **keys})
 
 
 def config_as(users: Users, user: str, db_url: str, redis_url: str, **keys: Any) -> AdapterConfig:

@@ -26,7 +26,7 @@ from ingest.embedded.nats_server import NatsServer
 from ingest.errors import AckError, BrokerError, IngestError
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
-from tests.support.nats import Streams, owned_nats
+from tests.support.nats import Streams, adapter_table, owned_nats
 from tests.support.processes import SECRET
 from tests.support.tls import Authority, make_authority
 
@@ -80,17 +80,7 @@ async def broker(server: NatsServer, authority: Authority) -> AsyncIterator[Stre
 
 
 def table(url: str, **keys: Any) -> dict[str, Any]:
-    return {
-        "name": NAME,
-        "transport": "nats",
-        "mode": "jetstream",
-        "source": STREAM,
-        "group": GROUP,
-        "url": url,
-        "consumer": "c1",
-        "block_ms": 100,
-        **keys,
-    }
+    return adapter_table(url, **keys)
 
 
 def tls_connections(server: NatsServer) -> dict[str, str]:
