@@ -58,6 +58,22 @@ class CursorClaim:
     # owed and not claimable until the transactions below it end (usually
     # within milliseconds), so the acker looks again soon, not at its poll.
     held: bool = False
+    # Each claim's place in the cursor's order: (ack_xid, inbox id).
+    positions: tuple[tuple[int, int], ...] = ()
+
+    def leaving(self, owed: set[int]) -> CursorClaim:
+        """This claim with the rows ``owed`` (inbox ids the broker refused)
+        left pending: the others are marked, and the cursor stops just
+        before the first one left, so the next claim takes it again."""
+        kept = [c for c in self.claims if c.inbox_id not in owed]
+        first = next(
+            (p for c, p in zip(self.claims, self.positions, strict=True) if c.inbox_id in owed), None
+        )
+        if first is None:
+            return self
+        # The claim's condition is (ack_xid, id) > the cursor: one id below
+        # the row's own puts it just ahead of the cursor.
+        return CursorClaim(kept, self.xmin, (first[0], first[1] - 1), self.held, ())
 
 
 async def claim_by_cursor(conn: AsyncConnection, adapter: str, limit: int) -> CursorClaim | None:
@@ -98,15 +114,15 @@ async def claim_by_cursor(conn: AsyncConnection, adapter: str, limit: int) -> Cu
                     " transaction ids (a restore into a new cluster): pending rows stamped again",
                 )
                 return CursorClaim([], xmin, (xmin, 0), held)
+    found = [row for row in rows if row[3] is not None]
     claims = [
-        AckClaim(int(row[3]), row[4], row[5], row[6], row[7], row[8], int(row[9]), None)
-        for row in rows
-        if row[3] is not None
+        AckClaim(int(row[3]), row[4], row[5], row[6], row[7], row[8], int(row[9]), None) for row in found
     ]
+    positions = tuple((int(row[10]), int(row[3])) for row in found)
     if len(claims) < limit:
-        return CursorClaim(claims, xmin, (xmin, 0), held)
+        return CursorClaim(claims, xmin, (xmin, 0), held, positions)
     last = rows[-1]
-    return CursorClaim(claims, xmin, (int(last[10]), int(last[3])), held)
+    return CursorClaim(claims, xmin, (int(last[10]), int(last[3])), held, positions)
 
 
 async def mark_by_cursor(conn: AsyncConnection, adapter: str, claimed: CursorClaim) -> int:

@@ -78,6 +78,13 @@ ACK_PENDING_LIMIT = Gauge(
     ["adapter"],
 )
 LIST_LENGTH = Gauge("switchboard_broker_list_length", "Items waiting on the source list.", ["adapter"])
+# Messages SQS moved to the queue's dead-letter queue (its redrive policy):
+# never stored by Switchboard. Alert on > 0.
+DEAD_LETTER = Gauge(
+    "switchboard_broker_dead_letter_messages",
+    "Messages in the source queue's dead-letter queue, which Switchboard never stored (SQS).",
+    ["adapter"],
+)
 PROCESSING_LENGTH = Gauge(
     "switchboard_broker_processing_length",
     "Items on the adapter's processing lists (consumed, not yet removed).",

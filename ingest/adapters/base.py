@@ -194,9 +194,12 @@ class PullAdapter(Protocol):
 class Acknowledger(Protocol):
     """Discharges committed ack intents of one ack kind against one broker."""
 
-    async def ack(self, claims: Sequence[AckClaim]) -> None:
-        """Acknowledge every claim or raise :class:`ingest.errors.AckError`.
-        Must be idempotent: a claim may be acked again after a crash."""
+    async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
+        """Acknowledge the claims; return those the broker refused one by one
+        (an SQS batch delete's failed entries), which stay owed and are
+        retried, [] when every one was acked. Raise
+        :class:`ingest.errors.AckError` where none could be (the broker is
+        down). Must be idempotent: a claim may be acked again after a crash."""
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:
         """The marks of these claims committed: clean up (best effort, never raises)."""

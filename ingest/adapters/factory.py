@@ -33,6 +33,7 @@ class Transport(NamedTuple):
 TRANSPORTS: Mapping[str, Transport] = {
     "redis": Transport("ingest.adapters.redis"),
     "nats": Transport("ingest.adapters.nats", extra="nats"),
+    "sqs": Transport("ingest.adapters.sqs", extra="sqs"),
 }
 
 

@@ -16,29 +16,33 @@ from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFi
 from backhalf.keys import DEFAULT_PREFIX
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, string
-from ingest.config.urls import URL_CHECKS, BrokerUrl, check_broker_url, env_name
+from ingest.config.urls import AWS_ENDPOINT, URL_CHECKS, BrokerUrl, check_broker_url, env_name
 from ingest.errors import ConfigError
 
 # The modes of each transport, its first the default (DESIGN.md 6 and 6b).
 TRANSPORT_MODES: Mapping[str, tuple[str, ...]] = {
     "redis": ("stream", "list", "pubsub"),
     "nats": ("jetstream",),
+    "sqs": ("queue",),
 }
-MODES = tuple(m for modes in TRANSPORT_MODES.values() for m in modes)
+MODES = tuple(dict.fromkeys(m for modes in TRANSPORT_MODES.values() for m in modes))
 STREAM = ("stream",)
 LIST = ("list",)
 PUBSUB = ("pubsub",)
 JETSTREAM = ("jetstream",)
+QUEUE = ("queue",)
 REDIS_MODES = TRANSPORT_MODES["redis"]
 # Where a transport's adapters connect when they name no ``url``.
 NATS_URL_VARIABLE = "SWITCHBOARD_NATS_URL"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+SQS_URL_VARIABLE = "SWITCHBOARD_SQS_ENDPOINT_URL"
 DEFAULT_BROKER = (
     "the transport's default broker: Redis `SWITCHBOARD_REDIS_URL`, else `[redis] url`;"
-    f" NATS `{NATS_URL_VARIABLE}`, else `{DEFAULT_NATS_URL}`"
+    f" NATS `{NATS_URL_VARIABLE}`, else `{DEFAULT_NATS_URL}`; SQS `{SQS_URL_VARIABLE}`, else"
+    f" `{AWS_ENDPOINT}` (AWS's own endpoint of the region)"
 )
 # The key prefix of a transport's idempotency keys (DESIGN.md 6b).
-DEFAULT_PREFIXES: Mapping[str, str] = {"redis": DEFAULT_PREFIX, "nats": "nats"}
+DEFAULT_PREFIXES: Mapping[str, str] = {"redis": DEFAULT_PREFIX, "nats": "nats", "sqs": "sqs"}
 RETENTION = "([Retention](operating.md#retention))"
 CREDENTIALS = "([security.md](security.md#broker-passwords-from-the-environment))"
 
@@ -100,6 +104,34 @@ def _jetstream_names(label: str, values: Mapping[str, Any]) -> None:
             )
 
 
+# An SQS queue name (AWS's rule: up to 80 of these, ``.fifo`` included), or
+# a queue URL ending in one.
+_SQS_QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,75}(\.fifo)?|[A-Za-z0-9_-]{1,80}")
+
+
+def sqs_queue_name(source: str) -> str:
+    """The queue's name: ``source`` itself, or a queue URL's last segment."""
+    return source.rstrip("/").rpartition("/")[2] if "://" in source else source
+
+
+def _sqs_source(label: str, values: Mapping[str, Any]) -> None:
+    if values.get("transport") != "sqs":
+        return
+    source = values["source"]
+    if "://" in source and not source.startswith(("https://", "http://")):
+        raise ConfigError(f"{label}: key 'source' must be a queue name or an http(s):// queue URL")
+    if not _SQS_QUEUE_NAME.fullmatch(sqs_queue_name(source)):
+        raise ConfigError(
+            f"{label}: key 'source' = {source!r} is no SQS queue name (or URL ending in one): up to 80"
+            " letters, digits, '-' and '_', a FIFO queue's ending in '.fifo'"
+        )
+
+
+def _source_rule(label: str, values: Mapping[str, Any]) -> None:
+    _jetstream_names(label, values)
+    _sqs_source(label, values)
+
+
 def _ack_after(where: str, value: Any) -> str:
     if value not in ("store", "complete"):
         raise ConfigError(f'{where} must be "store" or "complete" (got {value!r})')
@@ -117,6 +149,12 @@ def _complete_needs_an_ack(label: str, values: Mapping[str, Any]) -> None:
             f'{label}: key \'ack_after\' = "complete" does not apply to mode = "jetstream": JetStream'
             " delivers a message again once it is unacked for ack_wait_ms, so an ack held for its todo's"
             ' whole run would bring it back every ack_wait_ms; use ack_after = "store"'
+        )
+    if values.get("transport") == "sqs" and values["ack_after"] == "complete":
+        raise ConfigError(
+            f'{label}: key \'ack_after\' = "complete" does not apply to transport = "sqs": a message not'
+            " deleted within its visibility timeout (ack_wait_ms) is received again, so a delete held for"
+            ' its todo\'s whole run would bring it back every ack_wait_ms; use ack_after = "store"'
         )
 
 
@@ -146,6 +184,8 @@ def _start_id(where: str, value: Any) -> str:
 # which it stores when it wakes, and the store's own deadline.
 DAY_MS = 86_400_000
 RETENTION_FLOOR_MS = 3_600_000
+# SQS's longest visibility timeout (12 hours), and so the bound of ack_wait_ms.
+MAX_VISIBILITY_MS = 43_200_000
 RETENTION_HORIZON_FACTOR = 2
 
 
@@ -157,7 +197,7 @@ def redelivery_horizon_ms(values: Mapping[str, Any]) -> tuple[int, str]:
         return values["claim_idle_ms"] + values["claim_interval_ms"], "claim_idle_ms + claim_interval_ms"
     if values["mode"] == "list":
         return values["heartbeat_ttl_ms"] + values["reap_interval_ms"], "heartbeat_ttl_ms + reap_interval_ms"
-    if values["mode"] == "jetstream":
+    if values["mode"] in ("jetstream", "queue"):
         return values["ack_wait_ms"], "ack_wait_ms"
     return 0, "no redelivery (pub/sub)"
 
@@ -198,8 +238,9 @@ class AdapterConfig:
         Key(
             public=False,
             parse=_mode,
-            doc="Redis: `stream`, `list` or `pubsub`; NATS: `jetstream` ([transports.md](transports.md))",
-            default_doc="the transport's first: `stream` (Redis), `jetstream` (NATS)",
+            doc="Redis: `stream`, `list` or `pubsub`; NATS: `jetstream`; SQS: `queue`"
+            " ([transports.md](transports.md))",
+            default_doc="the transport's first: `stream` (Redis), `jetstream` (NATS), `queue` (SQS)",
         ),
     ] = "stream"
     delivery: Annotated[
@@ -218,7 +259,7 @@ class AdapterConfig:
             public=False,
             parse=_transport,
             rule=_mode_of_transport,
-            doc="the broker's kind: `redis` or `nats`",
+            doc="the broker's kind: `redis`, `nats` or `sqs`",
         ),
     ] = "redis"  # its own column
     ack_after: Annotated[
@@ -228,7 +269,7 @@ class AdapterConfig:
             rule=_complete_needs_an_ack,
             doc="`store`, or `complete`: the broker ack waits for the todo to finish, see"
             " [Workers](workers.md#acking-on-completion-ack_after--complete); not for pub/sub, which has"
-            " no ack, nor JetStream, which redelivers what stays unacked past `ack_wait_ms`",
+            " no ack, nor JetStream or SQS, which redeliver what stays unacked past `ack_wait_ms`",
         ),
     ] = "store"
     format: Annotated[
@@ -272,11 +313,24 @@ class AdapterConfig:
     ack_wait_ms: Annotated[
         int,
         Key(
-            JETSTREAM,
+            JETSTREAM + QUEUE,
+            transports=("nats", "sqs"),
             minimum=1000,
-            doc="an unacked delivery is redelivered after this (keep well above read + commit + ack)",
+            maximum=MAX_VISIBILITY_MS,
+            doc="an unacked delivery is redelivered after this (keep well above read + commit + ack);"
+            " SQS: the visibility timeout of each receive, in whole seconds",
         ),
     ] = 60_000
+    region: Annotated[
+        str | None,
+        Key(
+            QUEUE,
+            transports=("sqs",),
+            parse=string,
+            doc="the AWS region of the queue",
+            default_doc="a queue URL's, else the AWS environment's (`AWS_REGION`, the profile)",
+        ),
+    ] = None
     credentials_file_env: Annotated[
         str | None,
         Key(
@@ -293,10 +347,11 @@ class AdapterConfig:
     tls_ca_file: Annotated[
         str | None,
         Key(
-            JETSTREAM,
+            JETSTREAM + QUEUE,
+            transports=("nats", "sqs"),
             parse=string,
-            doc="the CA file that verifies the NATS server's certificate (TLS: `tls://` URL, or the"
-            " server requires it)",
+            doc="the CA file that verifies the server's certificate (NATS: a `tls://` URL, or the"
+            " server requires it; SQS: an `https://` endpoint)",
             default_doc="the system's CAs",
         ),
     ] = None
@@ -308,7 +363,7 @@ class AdapterConfig:
         str,
         Key(
             doc="idempotency keys: `{key_prefix}:{source}:{entry-id}`",
-            default_doc="the transport's name: `redis`, `nats`",
+            default_doc="the transport's name: `redis`, `nats`, `sqs`",
         ),
     ] = DEFAULT_PREFIX
     body_field: Annotated[
@@ -319,7 +374,7 @@ class AdapterConfig:
         int,
         Key(
             doc="how long a read waits for its first message (`XREADGROUP BLOCK`, `BLMOVE`'s timeout,"
-            " pub/sub's wait, a JetStream fetch's expiry)"
+            " pub/sub's wait, a JetStream fetch's expiry; SQS's long poll, in whole seconds up to 20)"
         ),
     ] = 1000
     claim_idle_ms: Annotated[
@@ -337,7 +392,11 @@ class AdapterConfig:
     ] = 10
     reap_interval_ms: Annotated[int, Key(LIST, doc="how often dead consumers' lists are checked")] = 5_000
     source: Annotated[
-        str, Key(rule=_jetstream_names, doc="stream key, list key or channel; the JetStream stream")
+        str,
+        Key(
+            rule=_source_rule,
+            doc="stream key, list key or channel; the JetStream stream; the SQS queue's name or URL",
+        ),
     ]
     # The URL as read; its credentials, from the variables below, are added
     # after the table is read (see BrokerUrl).
@@ -409,7 +468,7 @@ class AdapterConfig:
         public: dict[str, Any] = {}
         for s in ADAPTERS.settings:
             value = getattr(self, s.attr)
-            if s.key.public and s.key.applies_to(self.mode) and value is not None:
+            if s.key.public and s.key.applies_to(self.mode, self.transport) and value is not None:
                 public[s.name] = value.value if isinstance(value, Enum) else value
         return public
 
@@ -423,11 +482,12 @@ ADAPTERS = Section(
 )
 
 
-def adapter_keys(mode: str | None = None) -> frozenset[str]:
-    """The keys of an ``[[adapters]]`` table; with ``mode``, those that apply to it."""
+def adapter_keys(mode: str | None = None, transport: str | None = None) -> frozenset[str]:
+    """The keys of an ``[[adapters]]`` table; with ``mode`` (and
+    ``transport``), those that apply to it."""
     if mode is None:
         return ADAPTERS.names()
-    return frozenset(s.name for s in ADAPTERS.settings if s.key.applies_to(mode))
+    return frozenset(s.name for s in ADAPTERS.settings if s.key.applies_to(mode, transport))
 
 
 def read_adapter(
@@ -476,7 +536,17 @@ def _adapter(
 def _credential_variables(label: str, values: Mapping[str, Any]) -> dict[str, str | None]:
     """The variables whose values complete the URL. A NATS token is a URL's
     user name without a password (nats-py reads it so), so ``token_env``
-    fills that place and excludes the other two."""
+    fills that place and excludes the other two. SQS takes none: AWS
+    credentials come from AWS's own chain (environment, profile, role)."""
+    if values["transport"] == "sqs":
+        for key in ("username_env", "password_env"):
+            if values[key] is not None:
+                raise ConfigError(
+                    f"{label}: key {key!r} does not apply to transport = 'sqs': AWS credentials come from"
+                    " the AWS chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance"
+                    " or task role), never from the config"
+                )
+        return {"username_env": None, "password_env": None}
     if values.get("token_env") is None:
         return {"username_env": values["username_env"], "password_env": values["password_env"]}
     if values["username_env"] is not None or values["password_env"] is not None:
@@ -491,6 +561,9 @@ def _transport_defaults(raw: Mapping[str, Any], redis_url: str, env: Mapping[str
     if transport == "nats":
         url = env.get(NATS_URL_VARIABLE) or DEFAULT_NATS_URL
         return {"mode": TRANSPORT_MODES["nats"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["nats"]}
+    if transport == "sqs":
+        url = env.get(SQS_URL_VARIABLE) or AWS_ENDPOINT
+        return {"mode": TRANSPORT_MODES["sqs"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["sqs"]}
     return {"url": redis_url}
 
 
@@ -525,6 +598,10 @@ def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
             what = (a.mode, *a.broker.identity(), a.source, a.group)
             key, read = "group", f"JetStream stream {a.source!r} with durable consumer {a.group!r}"
             hint = "fan-out needs a distinct group"
+        elif a.transport == "sqs":
+            what = (a.transport, *a.broker.identity(), a.region or "", sqs_queue_name(a.source))
+            key, read = "source", f"SQS queue {sqs_queue_name(a.source)!r}"
+            hint = "one adapter per queue (fan-out is SNS to several queues); run more ingesters for more"
         elif a.mode == "list":
             what = (a.mode, *a.broker.identity(), a.source)
             key, read = "source", f"list {a.source!r}"

@@ -42,13 +42,16 @@ class Key:
 
     ``modes`` (adapters): where the key applies. Given for another mode it is
     an error naming the adapter and the key, and only where it applies is it
-    published (``public``); None: every mode.
+    published (``public``); None: every mode. ``transports`` narrows it the
+    same way where transports share a mode's name (SQS's and AMQP's
+    ``queue``); None: every transport of those modes.
 
     ``doc`` is the key's one line in the config reference; ``default_doc`` and
     ``type_doc`` say there what the default and the type cannot say
     themselves (a default made from other keys; a check of its own)."""
 
     modes: tuple[str, ...] | None = None
+    transports: tuple[str, ...] | None = None
     minimum: int | None = 1
     maximum: int | None = None
     zero: bool = False
@@ -62,8 +65,11 @@ class Key:
     default_doc: str | None = None
     type_doc: str | None = None
 
-    def applies_to(self, mode: str) -> bool:
-        return self.modes is None or mode in self.modes
+    def applies_to(self, mode: str, transport: str | None = None) -> bool:
+        """Whether the key applies to ``mode`` (of ``transport``, where given)."""
+        if self.modes is not None and mode not in self.modes:
+            return False
+        return transport is None or self.transports is None or transport in self.transports
 
 
 class Derived:
@@ -211,6 +217,17 @@ class Section:
                 modes = " or ".join(repr(m) for m in s.key.modes or ())
                 raise ConfigError(
                     f"{where} does not apply to mode = {values['mode']!r} (it applies to mode {modes})"
+                )
+            transports = s.key.transports
+            if (
+                s.name in raw
+                and transports is not None
+                and values.get("transport", transports[0]) not in transports
+            ):
+                named = " or ".join(repr(t) for t in transports)
+                raise ConfigError(
+                    f"{where} does not apply to transport = {values['transport']!r} (it applies to"
+                    f" transport {named})"
                 )
             if s.key.env is not None and env.get(s.key.env):
                 values[s.attr] = s.parse(s.key.env, env[s.key.env])

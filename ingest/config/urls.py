@@ -107,16 +107,46 @@ def check_nats_url(where: str, value: Any) -> str:
     return url
 
 
+# An SQS adapter's ``url`` when neither it nor SWITCHBOARD_SQS_ENDPOINT_URL
+# names an endpoint: AWS's own, of the adapter's region (botocore finds it).
+AWS_ENDPOINT = "aws://"
+
+
+def check_sqs_url(where: str, value: Any) -> str:
+    """An SQS-compatible endpoint (``https://``, or ``http://`` for an
+    emulator), or ``aws://``: AWS's own endpoint of the region. No user
+    information: AWS credentials come from AWS's chain, never a URL."""
+    url = string(where, value)
+    if url == AWS_ENDPOINT:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme not in ("https", "http"):
+        raise ConfigError(f"{where} must be an https:// (or http://) SQS endpoint, or {AWS_ENDPOINT}")
+    problem = _url_shape_problem(url)
+    if problem is None and "@" in parts.netloc:
+        problem = (
+            "an SQS endpoint carries no credentials: AWS's chain gives them (environment, profile, role)"
+        )
+    if problem is None and (parts.query or parts.fragment or parts.path.strip("/")):
+        problem = "an SQS endpoint has no path or query: https://HOST[:PORT] (a queue URL goes in 'source')"
+    if problem is not None:
+        raise ConfigError(f"{where} is not a valid URL: {problem}")
+    return url
+
+
 # Each transport's URL check, by the transport's name.
-URL_CHECKS = {"redis": check_redis_url, "nats": check_nats_url}
+URL_CHECKS = {"redis": check_redis_url, "nats": check_nats_url, "sqs": check_sqs_url}
 
 
 def check_broker_url(where: str, value: Any) -> str:
     """A URL some transport takes; the adapter's transport then checks it
     as its own (``URL_CHECKS``), once the transport is known."""
     url = string(where, value)
-    if urlsplit(url).scheme in ("nats", "tls"):
+    scheme = urlsplit(url).scheme
+    if scheme in ("nats", "tls"):
         return check_nats_url(where, url)
+    if scheme in ("http", "https", "aws"):
+        return check_sqs_url(where, url)
     return check_redis_url(where, url)
 
 
@@ -240,6 +270,8 @@ class BrokerUrl:
             return ("unix", parts.path)
         if parts.scheme in ("nats", "tls"):
             return (parts.hostname or "localhost", str(parts.port or NATS_PORT))
+        if parts.scheme in ("http", "https", "aws"):
+            return (parts.scheme, parts.hostname or "", str(parts.port or ""))
         db = parts.path.strip("/") or "0"
         for item in parts.query.split("&"):
             key, _, value = item.partition("=")

@@ -166,6 +166,10 @@ def _set_broker_gauges(adapter: str, described: Mapping[str, Any]) -> None:
         ("num_pending", m.STREAM_LAG),
         ("num_ack_pending", m.STREAM_PENDING),
         ("max_ack_pending", m.ACK_PENDING_LIMIT),
+        # An SQS queue's: waiting, received and not deleted, moved away unstored.
+        ("visible", m.STREAM_LAG),
+        ("in_flight", m.STREAM_PENDING),
+        ("dead_letter_messages", m.DEAD_LETTER),
     ):
         value = number(key)
         if value is not None:

@@ -47,7 +47,7 @@ from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.config.urls import broker_name
-from ingest.errors import ConfigError, error_kind, log_failure
+from ingest.errors import AckError, ConfigError, error_kind, log_failure
 from ingest.lifecycle import Retry, wait_either, wait_stop
 from ingest.observe.heartbeat import database_gauges_loop
 from ingest.observe.logs import redact
@@ -102,17 +102,43 @@ async def _drain(
         if not claims:
             return 0, held  # committed: a cursor made or reset by the claim stays
         failpoints.hit("acker_after_select")
-        await acknowledger.ack(claims)
+        owed = {c.inbox_id for c in await acknowledger.ack(claims)}
         failpoints.hit("acker_after_xack")
+        if owed:
+            by_cursor = _leave_owed(adapter, by_cursor, owed)
+            done = [c for c in claims if c.inbox_id not in owed]
+        else:
+            done = claims
         if by_cursor is not None and by_cursor.claims:
             await acks.mark_by_cursor(conn, adapter, by_cursor)
-    await acknowledger.acked(claims)
+    await acknowledger.acked(done)
     if m.on():
-        m.ACKED.labels(adapter).inc(len(claims))
+        m.ACKED.labels(adapter).inc(len(done))
         m.ACK_SECONDS.labels(adapter).observe(time.perf_counter() - started)
-        m.ACK_BATCH.labels(adapter).observe(len(claims))
-    log.info("acks_sent", adapter=adapter, acked=len(claims))
-    return len(claims), held
+        m.ACK_BATCH.labels(adapter).observe(len(done))
+    log.info("acks_sent", adapter=adapter, acked=len(done))
+    if owed:
+        # Committed: what was acked is marked. The adapter backs off before
+        # its next drain takes the refused ones again.
+        raise AckError(
+            f"adapter {adapter}: the broker refused {len(owed)} of {len(claims)} acks one by one;"
+            f" they stay owed (first: inbox row {min(owed)})"
+        )
+    return len(done), held
+
+
+def _leave_owed(adapter: str, by_cursor: acks.CursorClaim | None, owed: set[int]) -> acks.CursorClaim | None:
+    """The cursor's claim with the acks the broker refused left pending. A
+    refused ack claimed from the queue cannot be: the claim deleted its
+    queue row and marked it acked in one statement. Then the whole drain
+    rolls back and every claim is retried (acks are idempotent)."""
+    cursor_ids = {c.inbox_id for c in by_cursor.claims} if by_cursor is not None else set()
+    if not owed <= cursor_ids:
+        raise AckError(
+            f"adapter {adapter}: the broker refused {len(owed)} acks one by one, some claimed from the"
+            " ack queue: none is marked, all are retried"
+        )
+    return by_cursor.leaving(owed) if by_cursor is not None else None
 
 
 async def drain_once(

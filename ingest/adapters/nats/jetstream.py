@@ -456,7 +456,7 @@ class JetStreamAcknowledger:
             self._replies = replies
         return self._client, self._replies
 
-    async def ack(self, claims: Sequence[AckClaim]) -> None:
+    async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
         for c in claims:
             if not _acks_its_consumer(c):
                 raise AckError(
@@ -468,6 +468,7 @@ class JetStreamAcknowledger:
             current = await self._of_current_streams(client, claims)
             for start in range(0, len(current), ACK_WAVE):
                 await self._ack_wave(client, replies, current[start : start + ACK_WAVE])
+        return []
 
     async def _of_current_streams(self, client: Client, claims: Sequence[AckClaim]) -> list[AckClaim]:
         """The claims whose message is in its stream as it is now. A stream

@@ -312,7 +312,7 @@ class ListAcknowledger:
         self._name = config.name
         self._client = connect(config.broker.url())
 
-    async def ack(self, claims: Sequence[AckClaim]) -> None:
+    async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
         pipe = self._client.pipeline(transaction=False)
         for c in claims:
             if c.key is None or c.body is None:
@@ -321,6 +321,7 @@ class ListAcknowledger:
             pipe.eval(GUARDED_LREM, 2, c.key, marker, c.copies, c.body, REMOVED_MARKER_TTL_MS)
         with redis_errors(self._name, f"LREM of {len(claims)} intents", error=AckError):
             await pipe.execute()
+        return []
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:
         """After the acker's commit: the markers have done their job."""

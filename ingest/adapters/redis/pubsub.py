@@ -12,11 +12,11 @@ published twice while its todo is still active yields one todo.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from backhalf.keys import body_key
-from backhalf.records import NO_ACK, AckTarget
+from backhalf.records import NO_ACK, AckClaim, AckTarget
 from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
 from ingest.adapters.redis.common import RedisEndpoint, redis_errors
 from ingest.config import AdapterConfig
@@ -99,8 +99,8 @@ class NoAcknowledger:
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
 
-    async def ack(self, claims: object) -> None:
-        return None
+    async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
+        return []
 
     async def acked(self, claims: object) -> None:
         return None

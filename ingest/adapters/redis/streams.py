@@ -460,7 +460,7 @@ class StreamAcknowledger:
         self._name = config.name
         self._client = connect(config.broker.url())
 
-    async def ack(self, claims: Sequence[AckClaim]) -> None:
+    async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
         targets: dict[tuple[str, str], list[str]] = {}
         for c in claims:
             if c.key is None or c.group is None or c.ref is None:
@@ -474,6 +474,7 @@ class StreamAcknowledger:
                 # No group, no PEL: nothing is left to acknowledge. If the group
                 # is recreated, the entries are redelivered and re-requested.
                 log.warning("ack_group_missing", adapter=self._name, stream=stream, group=group, ids=len(ids))
+        return []
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:
         """Nothing to clean up: XACK is idempotent by itself."""
