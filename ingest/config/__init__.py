@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from backhalf.db import DatabaseSettings
 from backhalf.queues import QueueConfig
-from ingest.config.adapter import ADAPTERS, DEFAULT_BROKER, RETENTION, read_adapters
+from ingest.config.adapter import ADAPTERS, REDIS_DEFAULT_BROKER, RETENTION, read_adapters
 from ingest.config.adapter import AdapterConfig as AdapterConfig
 from ingest.config.adapter import adapter_keys as adapter_keys
 from ingest.config.adapter import read_adapter as read_adapter
@@ -292,7 +292,7 @@ class DramatiqSettings:
         Key(
             parse=check_redis_url,
             doc="dramatiq's broker; a Redis database of its own per deployment",
-            default_doc=DEFAULT_BROKER,
+            default_doc=REDIS_DEFAULT_BROKER,
         ),
     ] = DEFAULT_REDIS_URL
     username_env: Annotated[

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
 from backhalf.keys import DEFAULT_PREFIX
@@ -36,8 +37,9 @@ REDIS_MODES = TRANSPORT_MODES["redis"]
 NATS_URL_VARIABLE = "SWITCHBOARD_NATS_URL"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 SQS_URL_VARIABLE = "SWITCHBOARD_SQS_ENDPOINT_URL"
+REDIS_DEFAULT_BROKER = "`SWITCHBOARD_REDIS_URL`, else `[redis] url`"
 DEFAULT_BROKER = (
-    "the transport's default broker: Redis `SWITCHBOARD_REDIS_URL`, else `[redis] url`;"
+    f"the transport's default broker: Redis {REDIS_DEFAULT_BROKER};"
     f" NATS `{NATS_URL_VARIABLE}`, else `{DEFAULT_NATS_URL}`; SQS `{SQS_URL_VARIABLE}`, else"
     f" `{AWS_ENDPOINT}` (AWS's own endpoint of the region)"
 )
@@ -86,6 +88,18 @@ def _url_of_transport(label: str, values: Mapping[str, Any]) -> None:
     """The url must be one the adapter's transport speaks (a Redis URL on a
     NATS adapter is refused at load, not at the first connect)."""
     URL_CHECKS[values["transport"]](f"{label}: key 'url'", values["broker"])
+    # A queue URL names its endpoint: a second one in 'url' is either the same
+    # (said twice) or another (which would the calls go to?).
+    if (
+        values["transport"] == "sqs"
+        and "://" in values["source"]
+        and values["broker"] != AWS_ENDPOINT
+        and urlsplit(values["source"]).netloc != urlsplit(values["broker"]).netloc
+    ):
+        raise ConfigError(
+            f"{label}: key 'source' is a queue URL on another endpoint than key 'url': name the queue once,"
+            " by its URL in 'source' (no 'url'), or by its name in 'source' with the endpoint in 'url'"
+        )
 
 
 # A JetStream stream or consumer name: no subject wildcards or separators,

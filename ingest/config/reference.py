@@ -45,6 +45,8 @@ def _section(section: Section) -> str:
     lines += [_cells(header), _cells(["---"] * len(header))]
     for s in section.settings:
         applies = ", ".join(f"`{m}`" for m in s.key.modes) if s.key.modes is not None else "all"
+        if s.key.transports is not None:
+            applies += " of " + ", ".join(f"`{t}`" for t in s.key.transports)
         lines.append(_cells([f"`{s.name}`", *([applies] if modes else []), _type(s), _default(s), s.key.doc]))
     return "\n".join(lines)
 

@@ -106,11 +106,24 @@ def region_of(config: AdapterConfig) -> str | None:
     return None
 
 
+def endpoint(config: AdapterConfig) -> str | None:
+    """The endpoint the calls go to: ``url``, else a queue URL's own origin
+    (an AWS queue URL's is its region's endpoint), else None: botocore's,
+    of the region."""
+    url = config.broker.url()
+    if url != AWS_ENDPOINT:
+        return url
+    if "://" in config.source:
+        parts = urlsplit(config.source)
+        return f"{parts.scheme}://{parts.netloc}"
+    return None
+
+
 def endpoint_label(config: AdapterConfig) -> str:
     """Where the queue is, for log fields: the endpoint's host:port, or
     ``aws:REGION``; never credentials (an SQS URL carries none)."""
-    url = config.broker.url()
-    if url == AWS_ENDPOINT:
+    url = endpoint(config)
+    if url is None:
         return f"aws:{region_of(config) or '(default region)'}"
     parts = urlsplit(url)
     return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
@@ -123,7 +136,7 @@ async def open_client(
     with ``stack``: at most ``calls`` requests in flight, each answered
     within ``wait_s`` (a long poll) plus REQUEST_TIMEOUT_S. TLS is verified
     (``tls_ca_file``, else the system's CAs, through certifi)."""
-    url = config.broker.url()
+    url = endpoint(config)
     options: dict[str, Any] = {
         "region_name": region_of(config),
         "verify": config.tls_ca_file or True,
@@ -135,7 +148,7 @@ async def open_client(
             user_agent_extra="switchboard",
         ),
     }
-    if url != AWS_ENDPOINT:
+    if url is not None:
         options["endpoint_url"] = url
     with sqs_errors(config.name, f"creating the {service} client for {endpoint_label(config)}"):
         return await stack.enter_async_context(get_session().create_client(service, **options))

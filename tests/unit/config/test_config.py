@@ -202,7 +202,7 @@ EVERY_KEY = {
     "max_message_bytes", "url", "delivery", "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
     "schema", "schema_timeout_ms", "retain_acked_days", "retain_rejected_days", "username_env",
     "password_env", "subject", "max_ack_pending", "ack_wait_ms", "credentials_file_env", "token_env",
-    "tls_ca_file",
+    "tls_ca_file", "region",
 }  # fmt: skip
 
 
@@ -238,20 +238,24 @@ _MODE_KEYS: dict[str, dict[str, Any]] = {
         "group": "g", "subject": "s.>", "max_ack_pending": 1, "ack_wait_ms": 1000,
         "credentials_file_env": "C", "token_env": "T", "tls_ca_file": "ca.pem",
     },
+    "queue": {"ack_wait_ms": 30_000, "region": "eu-west-1", "tls_ca_file": "ca.pem"},
 }  # fmt: skip
+# Each mode's transport in that test.
+_TRANSPORT = {"jetstream": "nats", "queue": "sqs"}
 # Each transport's URL in that test, and the URL its credentials make of it.
 _URLS = {
     "redis": ("unix:///tmp/r.sock", "unix://u:p@/tmp/r.sock"),
     "nats": ("nats://h:4222", "nats://t@h:4222"),  # a token is a user name without a password
+    "sqs": ("https://sqs.example:8443", "https://sqs.example:8443"),  # AWS's chain: no credentials
 }
 
 
-@pytest.mark.parametrize("mode", ["stream", "list", "pubsub", "jetstream"])
+@pytest.mark.parametrize("mode", ["stream", "list", "pubsub", "jetstream", "queue"])
 def test_each_mode_takes_the_common_keys_and_its_own(mode: str, tmp_path: Path) -> None:
     (tmp_path / "s.json").write_text('{"type": "object"}')
-    transport = "nats" if mode == "jetstream" else "redis"
+    transport = _TRANSPORT.get(mode, "redis")
     url, completed = _URLS[transport]
-    credentials = {} if transport == "nats" else {"username_env": "U", "password_env": "P"}
+    credentials = {} if transport != "redis" else {"username_env": "U", "password_env": "P"}
     raw = adapter(
         mode=mode, transport=transport, consumer="c", ack_after="store", batch_size=10_000,
         block_ms=1, key_prefix="p", format="text", max_message_bytes=1, url=url,
@@ -265,6 +269,73 @@ def test_each_mode_takes_the_common_keys_and_its_own(mode: str, tmp_path: Path) 
     a = from_mapping({"database": DB, "adapters": [raw]}, env, tmp_path).adapters[0]
     assert (a.mode, a.key_prefix, a.broker.url()) == (mode, "p", completed)
     assert a.body_schema is not None
+
+
+def test_an_sqs_adapter_defaults_to_queue_its_prefix_and_aws_itself() -> None:
+    raw = {"name": "orders", "transport": "sqs", "source": "orders.fifo"}
+    (a,) = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters
+    assert (a.mode, a.key_prefix, a.broker.url(), a.ack_wait_ms) == ("queue", "sqs", "aws://", 60_000)
+    env = {"SWITCHBOARD_SQS_ENDPOINT_URL": "http://127.0.0.1:5000"}
+    (a,) = from_mapping({"database": DB, "adapters": [raw]}, env).adapters
+    assert a.broker.url() == "http://127.0.0.1:5000"
+    assert {"region", "url"}.isdisjoint(a.public_settings())
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            {"group": "g"},
+            "key 'group' does not apply to mode = 'queue' (it applies to mode 'stream' or 'jetstream')",
+        ),
+        (
+            {"claim_idle_ms": 1},
+            "key 'claim_idle_ms' does not apply to mode = 'queue' (it applies to mode 'stream')",
+        ),
+        ({"source": "no spaces"}, "key 'source' = 'no spaces' is no SQS queue name (or URL ending in one)"),
+        ({"source": "x" * 81}, "is no SQS queue name"),
+        ({"source": "ftp://h/1/q"}, "key 'source' must be a queue name or an http(s):// queue URL"),
+        ({"url": "http://h:1/123/orders"}, "an SQS endpoint has no path or query"),
+        ({"url": "https://AKIA:secret@h"}, "an SQS endpoint carries no credentials"),
+        ({"url": "redis://h"}, "must be an https:// (or http://) SQS endpoint, or aws://"),
+        (
+            {"source": "https://a.example/1/orders", "url": "https://b.example"},
+            "key 'source' is a queue URL on another endpoint than key 'url': name the queue once",
+        ),
+        ({"username_env": "U"}, "key 'username_env' does not apply to transport = 'sqs': AWS credentials"),
+        ({"ack_after": "complete"}, 'key \'ack_after\' = "complete" does not apply to transport = "sqs"'),
+        ({"ack_wait_ms": 43_200_001}, "key 'ack_wait_ms' must be at most 43200000"),
+        (
+            {"retain_acked_days": 0.001},
+            "key 'retain_acked_days' (0.001 days) is shorter than the adapter can",
+        ),
+    ],
+)
+def test_sqs_config_errors_name_the_key(keys: dict[str, Any], message: str) -> None:
+    raw = {"name": "orders", "transport": "sqs", "source": "orders", **keys}
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "adapters": [raw]}, {})
+    assert message in str(info.value)
+    assert "secret" not in str(info.value)
+
+
+def test_a_key_of_another_transport_sharing_the_mode_is_refused() -> None:
+    with pytest.raises(ConfigError, match="key 'region' does not apply to mode = 'jetstream'"):
+        from_mapping(
+            {"database": DB, "adapters": [{"name": "o", "transport": "nats", "source": "O", "region": "x"}]},
+            {},
+        )
+
+
+def test_two_adapters_on_one_sqs_queue_are_refused() -> None:
+    raw = [
+        {"name": "a", "transport": "sqs", "source": "orders", "url": "http://h:1"},
+        {"name": "b", "transport": "sqs", "source": "orders", "url": "http://h:1", "queue": "other"},
+    ]
+    with pytest.raises(
+        ConfigError, match="adapter 'b': key 'source': adapter 'a' already reads SQS queue 'orders'"
+    ):
+        from_mapping({"database": DB, "adapters": raw}, {})
 
 
 def test_a_nats_adapter_defaults_to_jetstream_its_prefix_and_its_url() -> None:
@@ -333,7 +404,7 @@ def test_the_unknown_key_message_lists_every_allowed_key() -> None:
         ({"adapters": [adapter(group="")]},
          "adapter 'orders': key 'group': must be a non-empty string (got '')"),
         ({"adapters": [adapter(transport="kafka")]},
-         "adapter 'orders': key 'transport' must be one of redis, nats (got 'kafka')"),
+         "adapter 'orders': key 'transport' must be one of redis, nats, sqs (got 'kafka')"),
         ({"adapters": [adapter(transport="nats")]},
          "adapter 'orders': key 'mode' = 'stream' is not a mode of transport = 'nats'"
          " (its modes: jetstream)"),

@@ -38,7 +38,10 @@ def test_every_section_and_key_of_the_file_is_in_the_reference() -> None:
             assert f"| `{s.name}` |" in block
     assert "| `url` | all | string |" in block  # an adapter key of every mode
     assert "| `group` | `stream`, `jetstream` | string | `switchboard` |" in block  # and one of two modes
-    assert "| `ack_wait_ms` | `jetstream` | integer >= 1000 | 60000 (1 min) |" in block
+    assert (
+        "| `ack_wait_ms` | `jetstream`, `queue` of `nats`, `sqs` | integer 1000..43200000 | 60000 (1 min) |"
+        in block
+    )
     assert "| `heartbeat_ttl_ms` | `list` | integer >= 1000 | 30000 (30 s) |" in block
     assert "| `prune_batch_size` | integer 1..50000 | 2000 |" in block
     assert "| `prune_interval_ms` | integer >= 0 |" in block  # 0: off
