@@ -388,7 +388,7 @@ class AdapterConfig:
         int,
         Key(
             doc="how long a read waits for its first message (`XREADGROUP BLOCK`, `BLMOVE`'s timeout,"
-            " pub/sub's wait, a JetStream fetch's expiry; SQS's long poll, in whole seconds up to 20)"
+            " pub/sub's wait, a JetStream fetch's expiry; SQS's long poll, in whole seconds from 1 to 20)"
         ),
     ] = 1000
     claim_idle_ms: Annotated[

@@ -14,6 +14,9 @@ botocore's errors name the operation and the service's code, never a key.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import re
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -22,9 +25,15 @@ from urllib.parse import urlsplit
 
 import structlog
 from aiobotocore.config import AioConfig
-from aiobotocore.session import get_session
+from aiobotocore.session import AioSession, get_session
 from aiohttp import ClientError as HttpError
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    DataNotFoundError,
+    NoCredentialsError,
+    NoRegionError,
+)
 
 from ingest.config import AdapterConfig
 from ingest.config.adapter import sqs_queue_name
@@ -150,8 +159,29 @@ async def open_client(
     }
     if url is not None:
         options["endpoint_url"] = url
+    session = _session()
     with sqs_errors(config.name, f"creating the {service} client for {endpoint_label(config)}"):
-        return await stack.enter_async_context(get_session().create_client(service, **options))
+        # botocore reads the service's model and the endpoint rules from JSON
+        # files as it makes a client (0.2 s for SQS): in a thread, once, into
+        # the session's cache, so the event loop never stops for it.
+        await asyncio.to_thread(_load_models, session, service)
+        return await stack.enter_async_context(session.create_client(service, **options))
+
+
+@functools.cache
+def _session() -> AioSession:
+    """One session per process: its loader caches the models every client reads."""
+    return get_session()
+
+
+def _load_models(session: AioSession, service: str) -> None:
+    """What a new client reads from disk, into the loader's cache."""
+    loader = session.get_component("data_loader")
+    for kind in ("service-2", "endpoint-rule-set-1", "paginators-1"):
+        with contextlib.suppress(DataNotFoundError):
+            loader.load_service_model(service, kind)
+    loader.load_data("partitions")
+    loader.load_data("sdk-default-configuration")
 
 
 async def queue_url(client: Client, config: AdapterConfig) -> str:

@@ -111,7 +111,10 @@ class SqsQueueAdapter:
         self._cfg = config
         self._queue = sqs_queue_name(config.source)
         self._visibility_s = visibility_s(config)
-        self._wait_s = min(MAX_WAIT_S, max(0, round(config.block_ms / 1000)))
+        # At least a second: an SQS receive that waits 0 returns at once, and
+        # an idle queue would be polled without a pause. A long poll returns
+        # as soon as a message arrives, so it adds no latency.
+        self._wait_s = min(MAX_WAIT_S, max(1, round(config.block_ms / 1000)))
         self._stack: AsyncExitStack | None = None
         self._client: Client | None = None
         self._url: str | None = None
@@ -397,10 +400,7 @@ class SqsDeleter:
         unique = list({c.inbox_id: c for c in claims}.values())
         client, url = await self._connection()
         outcomes = await _bounded([self._delete(client, url, chunk) for chunk in _chunks(unique)])
-        left = [c for chunk_left in outcomes for c in chunk_left]
-        if len(left) == len(unique) and unique:
-            raise AckError(f"adapter {self._name}: DeleteMessageBatch x{len(unique)}: none deleted")
-        left_ids = {c.inbox_id for c in left}
+        left_ids = {c.inbox_id for chunk_left in outcomes for c in chunk_left}
         return [c for c in claims if c.inbox_id in left_ids]
 
     async def _delete(self, client: Client, url: str, chunk: Sequence[AckClaim]) -> list[AckClaim]:
