@@ -95,7 +95,10 @@ def database_plaintext(url: str, env: Mapping[str, str]) -> list[Plaintext]:
 def broker_plaintext(url: str) -> Plaintext | None:
     """The broker at ``url`` if it is remote and reached without TLS."""
     parts = urlsplit(url)
-    if parts.scheme != "redis":  # rediss:// is TLS, unix:// a socket
+    if parts.scheme == "http":  # an SQS-compatible endpoint without TLS
+        host = parts.hostname or ""
+        return None if is_local(host) else Plaintext("broker", host, parts.port or 80, (), "http://")
+    if parts.scheme != "redis":  # rediss:// and https:// are TLS, unix:// a socket
         return None
     host = parts.hostname or "localhost"  # redis-py's default host
     if is_local(host):
@@ -140,6 +143,8 @@ def warn_plaintext(settings: Settings, verb: str, env: Mapping[str, str] | None 
         hint = (
             "add sslmode=verify-full and sslrootcert=... to the database URL"
             if p.server == "database"
+            else "use https:// for the SQS endpoint"
+            if p.tls == "http://"
             else "use rediss:// with ssl_ca_certs=... in the broker URL"
         )
         log.warning(

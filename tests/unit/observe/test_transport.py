@@ -72,6 +72,10 @@ def test_the_database_is_plaintext_when_remote_and_tls_is_not_required(
         ("redis://[::1]:6379", None),
         ("redis:///0", None),  # redis-py's default host, localhost
         ("unix:///run/redis.sock", None),
+        ("http://sqs.internal:9324", ("sqs.internal", 9324)),  # an SQS-compatible endpoint in clear
+        ("http://127.0.0.1:5000", None),
+        ("https://sqs.eu-west-1.amazonaws.com", None),
+        ("aws://", None),
     ],
 )
 def test_a_broker_is_plaintext_when_remote_and_not_rediss(url: str, expected: tuple[str, int] | None) -> None:
