@@ -168,10 +168,18 @@ async def open_client(
         return await stack.enter_async_context(session.create_client(service, **options))
 
 
-@functools.cache
 def _session() -> AioSession:
-    """One session per process: its loader caches the models every client reads."""
-    return get_session()
+    """A session of its own per client, so the credentials are read from
+    AWS's chain each time a client is made; one loader for them all, whose
+    cache keeps the models every client reads."""
+    session = get_session()
+    session.register_component("data_loader", _loader())
+    return session
+
+
+@functools.cache
+def _loader() -> Any:
+    return get_session().get_component("data_loader")
 
 
 def _load_models(session: AioSession, service: str) -> None:
