@@ -17,10 +17,10 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
     parser.add_argument("--messages", type=positive_int, default=5000, help="how many messages to produce")
     parser.add_argument(
         "--transport",
-        choices=("redis", "nats"),
+        choices=("redis", "nats", "sqs"),
         default="redis",
-        help="the broker the orders come through: a Redis stream, or a NATS JetStream stream on an"
-        " embedded nats-server (default: redis)",
+        help="the broker the orders come through: a Redis stream, a NATS JetStream stream on an"
+        " embedded nats-server, or an SQS queue on an embedded SQS emulator (moto) (default: redis)",
     )
     return parser
 

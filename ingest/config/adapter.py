@@ -342,7 +342,8 @@ class AdapterConfig:
             transports=("sqs",),
             parse=string,
             doc="the AWS region of the queue",
-            default_doc="a queue URL's, else the AWS environment's (`AWS_REGION`, the profile)",
+            default_doc="a queue URL's, else the AWS environment's (`AWS_REGION`, `AWS_DEFAULT_REGION`,"
+            " the profile)",
         ),
     ] = None
     credentials_file_env: Annotated[

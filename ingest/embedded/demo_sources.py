@@ -1,7 +1,9 @@
 """Where ``switchboard demo`` produces its orders: a Redis stream (the
-default) or a NATS JetStream stream (``--transport nats``). Each source says
-what its adapter table is, how to publish a chunk of bodies, and the
-broker's own count of what is still unacked, in that broker's words."""
+default), a NATS JetStream stream (``--transport nats``) or an SQS queue on
+the SQS emulator (``--transport sqs``). Each source says what its adapter
+table is, how to publish a chunk of bodies, the broker's own count of what
+is still unacked, in that broker's words, and what the demo's processes need
+in their environment to reach it."""
 
 from __future__ import annotations
 
@@ -9,22 +11,28 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
+
+if TYPE_CHECKING:
+    from ingest.embedded.sqs_server import SqsServer
 
 STREAM = "orders"
 NATS_STREAM = "ORDERS"
 NATS_SUBJECT = "ORDERS.new"
 GROUP = "switchboard"
-TRANSPORTS = ("redis", "nats")
+SQS_QUEUE = "orders"
+TRANSPORTS = ("redis", "nats", "sqs")
 
 
 class DemoSource(Protocol):
     transport: str
+    source_word: str  # what the orders go to: a stream, a queue
     ack_word: str  # what the acker sends, for the report
     unacked_label: str
     restart_note: str
+    process_env: dict[str, str]  # added to the ingester's, acker's and worker's environment
 
     def adapter(self) -> dict[str, Any]: ...
 
@@ -39,12 +47,14 @@ def _common_adapter() -> dict[str, Any]:
 
 class RedisStreamSource:
     transport = "redis"
+    source_word = "stream"
     ack_word = "XACK"
     unacked_label = "pending in Redis (PEL)"
     restart_note = "same consumer name: it re-reads its own PEL"
 
     def __init__(self, client: redis.Redis) -> None:
         self._r = client
+        self.process_env: dict[str, str] = {}
 
     def adapter(self) -> dict[str, Any]:
         return {**_common_adapter(), "transport": "redis", "mode": "stream", "source": STREAM, "group": GROUP}
@@ -64,6 +74,7 @@ class NatsSource:
     event loop kept for the demo's length (nats-py is asyncio only)."""
 
     transport = "nats"
+    source_word = "stream"
     ack_word = "+ACK"
     unacked_label = "unacked in JetStream"
     # The demo's ack_wait: what the killed ingester held comes back this soon.
@@ -74,6 +85,7 @@ class NatsSource:
         import nats  # the nats extra, which the embedded kit installs
 
         self._url, self._runner = url, runner
+        self.process_env: dict[str, str] = {}
         self._client = runner.run(nats.connect(url, allow_reconnect=False, connect_timeout=5))
         self._js = self._client.jetstream(timeout=10)
         runner.run(self._js.add_stream(name=NATS_STREAM, subjects=[f"{NATS_STREAM}.>"]))
@@ -107,12 +119,91 @@ class NatsSource:
         self._runner.run(self._client.close())
 
 
+class SqsSource:
+    """A standard queue on the demo's own SQS emulator, through boto3's
+    blocking client (moto's dependency, so the embedded kit has it). The
+    demo's processes find the emulator's dummy credentials and region in
+    their environment, as they would find AWS's."""
+
+    transport = "sqs"
+    source_word = "queue"
+    ack_word = "DeleteMessageBatch"
+    unacked_label = "left in the SQS queue"
+    # The demo's ack_wait_ms, the queue's visibility timeout: what the killed
+    # ingester held comes back this soon.
+    ACK_WAIT_MS = 3000
+    restart_note = f"what it held and never stored comes back after its visibility timeout ({ACK_WAIT_MS} ms)"
+    SEND_BATCH = 10  # SendMessageBatch's most entries
+    _COUNTS = ("ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
+               "ApproximateNumberOfMessagesDelayed")  # fmt: skip
+
+    def __init__(self, server: SqsServer) -> None:
+        import boto3  # moto's dependency, which the embedded kit installs
+        from botocore.config import Config
+
+        from ingest.embedded.sqs_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY
+
+        self._endpoint, self._region = server.url, server.region
+        self.process_env = server.client_env()
+        session = boto3.session.Session(
+            aws_access_key_id=ACCESS_KEY_ID,
+            aws_secret_access_key=SECRET_ACCESS_KEY,
+            region_name=server.region,
+        )
+        config = Config(
+            connect_timeout=5, read_timeout=10, retries={"mode": "standard", "total_max_attempts": 3}
+        )
+        self._sqs = session.client("sqs", endpoint_url=server.url, config=config)
+        attributes = {"VisibilityTimeout": str(self.ACK_WAIT_MS // 1000)}
+        self._url: str = self._sqs.create_queue(QueueName=SQS_QUEUE, Attributes=attributes)["QueueUrl"]
+
+    def adapter(self) -> dict[str, Any]:
+        return {
+            **_common_adapter(),
+            "transport": "sqs",
+            "mode": "queue",
+            "source": SQS_QUEUE,
+            "url": self._endpoint,
+            "region": self._region,
+            "ack_wait_ms": self.ACK_WAIT_MS,
+        }
+
+    def produce(self, bodies: list[bytes]) -> None:
+        for start in range(0, len(bodies), self.SEND_BATCH):
+            chunk = bodies[start : start + self.SEND_BATCH]
+            entries = [{"Id": str(i), "MessageBody": body.decode()} for i, body in enumerate(chunk)]
+            reply = self._sqs.send_message_batch(QueueUrl=self._url, Entries=entries)
+            if reply.get("Failed"):
+                raise RuntimeError(
+                    f"SQS refused {len(reply['Failed'])} of the demo's messages: {reply['Failed'][0]}"
+                )
+
+    def unacked(self) -> int:
+        """Visible, in flight and delayed: every message not yet deleted."""
+        reply = self._sqs.get_queue_attributes(QueueUrl=self._url, AttributeNames=list(self._COUNTS))
+        return sum(int(reply["Attributes"][name]) for name in self._COUNTS)
+
+    def close(self) -> None:
+        self._sqs.close()
+
+
 @contextlib.contextmanager
 def demo_source(transport: str, base: Path, redis_client: redis.Redis) -> Iterator[tuple[DemoSource, str]]:
     """The source for ``transport``, and a line saying where its server runs
-    (a nats-server of its own in ``base`` for NATS; Redis is the demo's)."""
+    (a nats-server or an SQS emulator of its own in ``base`` for NATS and SQS;
+    Redis is the demo's)."""
     if transport == "redis":
         yield RedisStreamSource(redis_client), ""
+        return
+    if transport == "sqs":
+        from ingest.embedded.sqs_server import sqs_server
+
+        with sqs_server(base / "sqs") as server:
+            queue = SqsSource(server)
+            try:
+                yield queue, f"SQS (moto's emulator) on 127.0.0.1:{server.port} (pid {server.pid})"
+            finally:
+                queue.close()
         return
     from ingest.embedded.nats_server import nats_server
 

@@ -54,6 +54,20 @@ def test_demo_over_nats_ignores_the_callers_switchboard_environment() -> None:
     assert "OK: no loss, no duplicate" in result.stdout
 
 
+def test_demo_over_sqs() -> None:
+    """``--transport sqs``: the same story through an SQS queue on the demo's
+    own emulator; the caller's endpoint variable is not used."""
+    elsewhere = {"SWITCHBOARD_SQS_ENDPOINT_URL": "http://127.0.0.1:1"}
+    result = switchboard("demo", "--transport", "sqs", "--messages", "300", env=elsewhere, timeout_s=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SQS (moto's emulator) on 127.0.0.1:" in result.stdout
+    assert "todos created           300" in result.stdout
+    assert "acked (DeleteMessageBatch) 300" in result.stdout
+    assert "left in the SQS queue   0" in result.stdout
+    assert "verify_detail      aws arn: " in result.stdout
+    assert "OK: no loss, no duplicate" in result.stdout
+
+
 # The demo's own children: the servers, the ingester and the acker, and
 # PostgreSQL's backends below the postmaster (Linux /proc).
 PREFIX = demo.PREFIX

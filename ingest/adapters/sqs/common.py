@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import re
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -91,7 +92,7 @@ def describe_error(exc: BaseException) -> str:
             " with an instance or task role"
         )
     if isinstance(exc, NoRegionError):
-        return "no AWS region: set the adapter's 'region', or AWS_REGION"
+        return "no AWS region: set the adapter's 'region', or AWS_REGION (or AWS_DEFAULT_REGION)"
     if isinstance(exc, ClientError):
         error = exc.response.get("Error", {})
         return f"{error.get('Code', 'error')}: {error.get('Message', '')}".rstrip(": ")
@@ -104,15 +105,16 @@ def is_missing_queue(exc: BaseException) -> bool:
 
 
 def region_of(config: AdapterConfig) -> str | None:
-    """The adapter's region: its key, else an AWS queue URL's, else None
-    (botocore's chain: AWS_REGION, AWS_DEFAULT_REGION, the profile)."""
+    """The adapter's region: its key, else an AWS queue URL's, else
+    ``AWS_REGION`` (the other AWS SDKs' variable, which botocore does not
+    read), else None: botocore's chain (``AWS_DEFAULT_REGION``, the profile)."""
     if config.region:
         return config.region
     if "://" in config.source:
         found = _AWS_QUEUE_HOST.fullmatch(urlsplit(config.source).hostname or "")
         if found:
             return found.group(1) or found.group(3)
-    return None
+    return os.environ.get("AWS_REGION") or None
 
 
 def endpoint(config: AdapterConfig) -> str | None:

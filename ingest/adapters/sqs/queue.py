@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -72,6 +73,11 @@ from ingest.errors import AckError, BrokerError
 
 # This mode's ack kind, registered in ingest.adapters.sqs.MODES.
 ACK_KIND = "sqsdel"
+# A delete's refusal that names the handle, not the call.
+INVALID_HANDLE = "ReceiptHandleIsInvalid"
+# Visibility timeouts a handle may stay refused as invalid before its delete
+# is given up (SqsDeleter._still_owed).
+GIVE_UP_AFTER_TIMEOUTS = 3
 # The figures status and the gauges read, by queue attribute.
 _COUNTS = {
     "visible": "ApproximateNumberOfMessages",
@@ -375,6 +381,9 @@ class SqsDeleter:
         self._stack: AsyncExitStack | None = None
         self._client: Client | None = None
         self._url: str | None = None
+        # When the queue first refused each (inbox row, handle) as invalid.
+        self._invalid_since: dict[tuple[int, str], float] = {}
+        self._give_up_after_s = GIVE_UP_AFTER_TIMEOUTS * visibility_s(config)
 
     async def _connection(self) -> tuple[Client, str]:
         if self._client is None or self._url is None:
@@ -428,20 +437,51 @@ class SqsDeleter:
             await self._forget_connection()
             return list(chunk)
         failed = reply.get("Failed", [])
-        if failed:
-            codes: dict[str, int] = {}
-            for f in failed:
-                codes[str(f.get("Code", "error"))] = codes.get(str(f.get("Code", "error")), 0) + 1
-            first = chunk[int(failed[0]["Id"])]
+        if not failed:
+            return []
+        codes: dict[str, int] = {}
+        for f in failed:
+            codes[str(f.get("Code", "error"))] = codes.get(str(f.get("Code", "error")), 0) + 1
+        log.warning(
+            "deletes_refused",
+            adapter=self._name,
+            queue=self._queue,
+            refused=codes,
+            first_inbox_id=chunk[int(failed[0]["Id"])].inbox_id,
+            detail="left owed and retried; a message received again meanwhile brings a newer handle",
+        )
+        return self._still_owed([(chunk[int(f["Id"])], str(f.get("Code", ""))) for f in failed])
+
+    def _still_owed(self, refused: Sequence[tuple[AckClaim, str]]) -> list[AckClaim]:
+        """The refused claims to retry. One whose handle the queue has called
+        invalid for GIVE_UP_AFTER_TIMEOUTS visibility timeouts is given up:
+        were its message still queued, it would have been received again by
+        now (its visibility long lapsed) and its row would carry a newer
+        handle; it was deleted by someone else, moved, or expired. If it
+        does come back later (no ingester ran meanwhile), the store asks
+        for its ack again with the new handle: given up is never lost."""
+        now = time.monotonic()
+        owed: list[AckClaim] = []
+        given_up: list[AckClaim] = []
+        for claim, code in refused:
+            if code != INVALID_HANDLE:
+                owed.append(claim)
+                continue
+            since = self._invalid_since.setdefault((claim.inbox_id, claim.ref or ""), now)
+            (given_up if now - since >= self._give_up_after_s else owed).append(claim)
+        if given_up:
+            for claim in given_up:
+                self._invalid_since.pop((claim.inbox_id, claim.ref or ""), None)
             log.warning(
-                "deletes_refused",
+                "acks_given_up",
                 adapter=self._name,
                 queue=self._queue,
-                refused=codes,
-                first_inbox_id=first.inbox_id,
-                detail="left owed and retried; a message received again meanwhile brings a newer handle",
+                acks=len(given_up),
+                first_inbox_id=given_up[0].inbox_id,
+                reason=f"receipt handles refused as invalid for {self._give_up_after_s} s: their messages are"
+                " no longer in the queue (a redelivery would have brought newer handles)",
             )
-        return [chunk[int(f["Id"])] for f in failed]
+        return owed
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:
         """Nothing to clean up: a delete is final."""

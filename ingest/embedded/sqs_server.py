@@ -1,0 +1,204 @@
+"""An SQS-compatible emulator on loopback, owned by Python.
+
+No wheel ships SQS itself: the emulator is moto's server (the ``embedded``
+extra's ``moto[sqs,sts]`` and Flask), run as our child as
+:mod:`ingest.embedded.nats_server` runs nats-server: a free port, a private
+base directory and log (umask 077), every wait bounded, and the process
+dying with us. The child is ``python -m ingest.embedded.moto_sqs``, moto with
+three fixes to its SQS: a FIFO group redelivered from its first message, one
+call at a time, and receives that do not slow down with the backlog (that
+module says why). Readiness is an SQS ``ListQueues`` answered in SQS's JSON
+protocol.
+
+What an emulator cannot show (DESIGN.md section 6b): moto keeps every queue
+and message in memory, so a restart (or a kill) loses them all, queues
+included, where nats-server and Valkey keep theirs on disk; AWS's own limits
+and throttling are not there; moto checks no signature and no permission;
+and the differences ``ingest.embedded.moto_sqs`` lists.
+
+Access: moto accepts any credentials, and AWS's SDKs insist on having some,
+so clients use the fixed ``ACCESS_KEY_ID`` / ``SECRET_ACCESS_KEY``
+(``client_env``). They are the emulator's dummies, not secrets, and guard
+nothing: any local user can reach the port, as with moto anywhere. It holds
+test and demo data only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from ingest.embedded.servers import (
+    _PRIVATE_UMASK,
+    PORT_ATTEMPTS,
+    PortTaken,
+    _log_reason,
+    _log_size,
+    _log_tail,
+    _private_dir,
+    _private_file,
+    _SignalledServer,
+    free_port,
+)
+from ingest.processes.children import die_with_parent
+
+REGION = "us-east-1"
+# The emulator's own credentials (moto takes any): not secrets.
+ACCESS_KEY_ID = "testing"
+SECRET_ACCESS_KEY = "testing"  # noqa: S105 - a fixed dummy, see the module docstring
+# The child's module: ours (moto with the fixes), or "moto.server" (plain
+# moto, for the test that shows what the FIFO fix is for).
+MOTO_SQS_MODULE = "ingest.embedded.moto_sqs"
+PROBE_TIMEOUT_S = 0.5
+# moto routes a request to a service by the credential scope of its
+# Authorization header and checks no signature: this one names SQS.
+_PROBE_HEADERS = {
+    "X-Amz-Target": "AmazonSQS.ListQueues",
+    "Content-Type": "application/x-amz-json-1.0",
+    "Authorization": (
+        f"AWS4-HMAC-SHA256 Credential={ACCESS_KEY_ID}/20260101/{REGION}/sqs/aws4_request,"
+        " SignedHeaders=host, Signature=0"
+    ),
+}
+
+
+def client_env(region: str = REGION) -> dict[str, str]:
+    """The environment variables a client of the emulator runs with: the
+    dummy credentials and the region. A caller's session token and its
+    expiry are blanked, so neither goes with the dummy keys."""
+    return {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET_ACCESS_KEY,
+        "AWS_SESSION_TOKEN": "",
+        "AWS_SECURITY_TOKEN": "",
+        "AWS_CREDENTIAL_EXPIRATION": "",
+        "AWS_DEFAULT_REGION": region,
+    }
+
+
+def _log_since(path: Path, offset: int) -> str:
+    try:
+        with path.open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _answers_sqs(url: str) -> bool:
+    """True when ``url`` answers ``ListQueues`` as SQS does (a JSON object
+    in the x-amz-json protocol), not merely some HTTP server."""
+    request = urllib.request.Request(url + "/", data=b"{}", headers=_PROBE_HEADERS, method="POST")  # noqa: S310 - http on loopback
+    with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT_S) as reply:  # noqa: S310
+        kind = reply.headers.get("Content-Type", "")
+        body = reply.read()
+    if reply.status != 200 or not kind.startswith("application/x-amz-json"):
+        return False
+    try:
+        return isinstance(json.loads(body), dict)
+    except ValueError:
+        return False
+
+
+class SqsServer(_SignalledServer):
+    """One moto server, SQS only in use, in the foreground as our child.
+    Everything it holds is in memory: ``restart`` keeps the port, not the queues."""
+
+    region = REGION
+
+    def __init__(self, base_dir: Path, port: int, module: str = MOTO_SQS_MODULE) -> None:
+        self.base_dir, self.port, self.module = base_dir, port, module
+        self.log_path = base_dir / "sqs.log"
+        self._started = False
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def create(cls, base_dir: Path, *, module: str = MOTO_SQS_MODULE) -> SqsServer:
+        """A server for a free port in ``base_dir`` (created 0700), not started."""
+        base_dir = Path(base_dir).resolve()
+        _private_dir(base_dir)
+        return cls(base_dir, free_port(), module)
+
+    @property
+    def url(self) -> str:
+        """The endpoint, e.g. ``http://127.0.0.1:20123`` (no credentials in it)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def client_env(self) -> dict[str, str]:
+        """See the module's ``client_env``."""
+        return client_env(self.region)
+
+    def start(self, timeout_s: float = 20) -> None:
+        """Start the server and wait until it answers SQS's ``ListQueues``.
+        On its first start only, a port taken meanwhile is traded for
+        another (a restart keeps its port: clients know it)."""
+        if self.running:
+            return
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            offset = _log_size(self.log_path)
+            with _private_file(self.log_path) as log:  # the child keeps its own copy of the descriptor
+                self._proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
+                    [sys.executable, "-m", self.module, "--host", "127.0.0.1", "--port", str(self.port)],
+                    cwd=self.base_dir,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},  # a traceback reaches the log whole
+                    start_new_session=True,
+                    umask=_PRIVATE_UMASK,
+                    **die_with_parent(),
+                )
+            try:
+                self._wait_ready(self._proc, timeout_s, offset)
+            except PortTaken:
+                if self._started or attempt == PORT_ATTEMPTS:
+                    raise
+                self.port = free_port()
+                continue
+            self._started = True
+            return
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
+        deadline = time.monotonic() + timeout_s
+        last_error: OSError | None = None  # refused while the child imports moto
+        while True:
+            if proc.poll() is not None:
+                self._proc = None
+                # Werkzeug says so on a line of its own, then a longer line of advice.
+                taken = "address already in use" in _log_since(self.log_path, offset).lower()
+                reason = "Address already in use" if taken else _log_reason(self.log_path, offset)
+                raise (PortTaken if taken else RuntimeError)(
+                    f"the SQS emulator (moto) could not start on 127.0.0.1:{self.port}"
+                    f" (exit {proc.returncode}): {reason}\n"
+                    f"{self.log_path}:\n{_log_tail(self.log_path)}"
+                )
+            try:
+                if _answers_sqs(self.url):
+                    return
+            except OSError as exc:  # urllib's URLError included
+                last_error = exc
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(
+                    f"the SQS emulator (moto) not answering ListQueues on port {self.port} after"
+                    f" {timeout_s}s; {self.log_path}:\n{_log_tail(self.log_path)}"
+                ) from last_error
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def sqs_server(base_dir: Path, *, module: str = MOTO_SQS_MODULE) -> Iterator[SqsServer]:
+    """A started :class:`SqsServer` in ``base_dir``, cleaned up on exit."""
+    server = SqsServer.create(base_dir, module=module)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
