@@ -82,7 +82,7 @@ LIST_LENGTH = Gauge("switchboard_broker_list_length", "Items waiting on the sour
 # never stored by Switchboard. Alert on > 0.
 DEAD_LETTER = Gauge(
     "switchboard_broker_dead_letter_messages",
-    "Messages in the source queue's dead-letter queue, which Switchboard never stored (SQS).",
+    "Messages in the source queue's dead-letter queue: never stored, or not deleted in time (SQS).",
     ["adapter"],
 )
 PROCESSING_LENGTH = Gauge(

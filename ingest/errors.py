@@ -44,6 +44,15 @@ class AckError(IngestError):
     """The broker refused or did not answer an ack; the intents stay pending."""
 
 
+class AcksRefused(AckError):
+    """The broker refused some acks one by one (they stay pending) and took
+    ``acked`` others, which are marked: the drain committed."""
+
+    def __init__(self, message: str, *, acked: int) -> None:
+        super().__init__(message)
+        self.acked = acked
+
+
 # What the loops expect to meet (the broker, the database, the errors we wrap
 # them in): logged as warnings and retried. Anything else is a bug, logged
 # with its traceback, and retried too.

@@ -141,6 +141,11 @@ class PullAdapter(Protocol):
     # on counts reconciled against committed rows (a processing list) or on
     # memory (pub/sub).
     overlapping_commits: bool
+    # Must a batch's messages be stored in the order they came (an SQS FIFO
+    # queue's groups)? Then a redelivered suspect, stored alone, takes every
+    # message after it with it, one by one in order, instead of leaving them
+    # to the batch stored before it.
+    ordered: bool
 
     @property
     def ack_target(self) -> AckTarget: ...

@@ -17,6 +17,7 @@ from ingest.adapters.base import Delivery, OpenLedger
 
 class MemoryAdapter:
     overlapping_commits = False
+    ordered = False
 
     def __init__(self, name: str, messages: list[bytes] | None = None) -> None:
         self.name = name

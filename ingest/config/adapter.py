@@ -134,6 +134,11 @@ def _sqs_source(label: str, values: Mapping[str, Any]) -> None:
     source = values["source"]
     if "://" in source and not source.startswith(("https://", "http://")):
         raise ConfigError(f"{label}: key 'source' must be a queue name or an http(s):// queue URL")
+    if "://" in source and "@" in urlsplit(source).netloc:
+        raise ConfigError(
+            f"{label}: key 'source': a queue URL carries no credentials: AWS's chain gives them"
+            " (environment, profile, role)"
+        )
     if not _SQS_QUEUE_NAME.fullmatch(sqs_queue_name(source)):
         raise ConfigError(
             f"{label}: key 'source' = {source!r} is no SQS queue name (or URL ending in one): up to 80"
@@ -614,7 +619,10 @@ def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
             key, read = "group", f"JetStream stream {a.source!r} with durable consumer {a.group!r}"
             hint = "fan-out needs a distinct group"
         elif a.transport == "sqs":
-            what = (a.transport, *a.broker.identity(), a.region or "", sqs_queue_name(a.source))
+            # A queue URL names its account and region; a name, with the
+            # endpoint and region.
+            where = a.source if "://" in a.source else f"{a.region or ''}:{a.source}"
+            what = (a.transport, *a.broker.identity(), where)
             key, read = "source", f"SQS queue {sqs_queue_name(a.source)!r}"
             hint = "one adapter per queue (fan-out is SNS to several queues); run more ingesters for more"
         elif a.mode == "list":

@@ -41,13 +41,14 @@ from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, DatabaseSettings, libpq
 from backhalf.dispatch import Dispatcher, Enqueuer
 from backhalf.errors import DeadlineExceeded
 from backhalf.queries import ACK_CHANNEL
+from backhalf.records import AckClaim
 from backhalf.registry import AdapterRow
 from ingest.adapters import registered
 from ingest.adapters.base import Acknowledger
 from ingest.adapters.factory import make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.config.urls import broker_name
-from ingest.errors import AckError, ConfigError, error_kind, log_failure
+from ingest.errors import AckError, AcksRefused, ConfigError, error_kind, log_failure
 from ingest.lifecycle import Retry, wait_either, wait_stop
 from ingest.observe.heartbeat import database_gauges_loop
 from ingest.observe.logs import redact
@@ -105,7 +106,7 @@ async def _drain(
         owed = {c.inbox_id for c in await acknowledger.ack(claims)}
         failpoints.hit("acker_after_xack")
         if owed:
-            by_cursor = _leave_owed(adapter, by_cursor, owed)
+            by_cursor = _leave_owed(adapter, claims, by_cursor, owed)
             done = [c for c in claims if c.inbox_id not in owed]
         else:
             done = claims
@@ -120,20 +121,24 @@ async def _drain(
     if owed:
         # Committed: what was acked is marked. The adapter backs off before
         # its next drain takes the refused ones again.
-        raise AckError(
+        raise AcksRefused(
             f"adapter {adapter}: the broker refused {len(owed)} of {len(claims)} acks one by one;"
-            f" they stay owed (first: inbox row {min(owed)})"
+            f" they stay owed (first: inbox row {min(owed)})",
+            acked=len(done),
         )
     return len(done), held
 
 
-def _leave_owed(adapter: str, by_cursor: acks.CursorClaim | None, owed: set[int]) -> acks.CursorClaim | None:
+def _leave_owed(
+    adapter: str, claims: list[AckClaim], by_cursor: acks.CursorClaim | None, owed: set[int]
+) -> acks.CursorClaim | None:
     """The cursor's claim with the acks the broker refused left pending. A
     refused ack claimed from the queue cannot be: the claim deleted its
     queue row and marked it acked in one statement. Then the whole drain
     rolls back and every claim is retried (acks are idempotent)."""
     cursor_ids = {c.inbox_id for c in by_cursor.claims} if by_cursor is not None else set()
-    if not owed <= cursor_ids:
+    queued_ids = {c.inbox_id for c in claims[len(by_cursor.claims) if by_cursor is not None else 0 :]}
+    if owed & queued_ids or not owed <= cursor_ids:
         raise AckError(
             f"adapter {adapter}: the broker refused {len(owed)} acks one by one, some claimed from the"
             " ack queue: none is marked, all are retried"
@@ -192,9 +197,12 @@ async def drain_loop(
                 )
             except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
                 m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
-                retry = retries.setdefault(adapter, Retry.from_settings(settings, log))
-                retry_at[adapter] = loop.time() + retry.failed("ack_failed", exc, adapter=adapter)
-                continue
+                acked = _acked_anyway(adapter, exc)
+                if acked is None:
+                    retry = retries.setdefault(adapter, Retry.from_settings(settings, log))
+                    retry_at[adapter] = loop.time() + retry.failed("ack_failed", exc, adapter=adapter)
+                    continue
+                drained, adapter_held = acked, False
             if adapter in retries:
                 retries[adapter].succeeded()
             more_waiting |= drained >= settings.batch_size
@@ -215,6 +223,19 @@ async def drain_loop(
             if upcoming:
                 timeout_s = min(timeout_s, *upcoming)
             await wait_either(wake, stop, timeout_s)
+
+
+def _acked_anyway(adapter: str, exc: Exception) -> int | None:
+    """How many acks a drain that raised still made, where the broker
+    answered and refused some acks one by one (AcksRefused): the adapter is
+    not backed off over those (the next drain, at the poll's pace, takes
+    them again: the cursor stopped before them), so the acks stored after
+    them are not held back with them. None: the broker or the database
+    failed; back off."""
+    if isinstance(exc, AcksRefused):
+        log.warning("acks_refused", adapter=adapter, error=str(exc), acked=exc.acked)
+        return exc.acked
+    return None
 
 
 class RegisteredAcknowledgers:

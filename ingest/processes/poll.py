@@ -469,7 +469,12 @@ class PollLoop:
             suspect = rec.error is None and (
                 rec.deliveries >= ISOLATE_AFTER or rec.idempotency_key in on_record
             )
-            (suspects if suspect else batched).append(rec)
+            # An ordered adapter's messages after a suspect go alone with it,
+            # in order: stored in the batch, they would commit before it.
+            if suspect or (self._adapter.ordered and suspects):
+                suspects.append(rec)
+            else:
+                batched.append(rec)
         return batched, suspects
 
     async def _store_alone(self, rec: InboxRecord) -> StoreResult:

@@ -135,6 +135,7 @@ class JetStreamAdapter:
 
     # Redelivery rests on the server's record (ack pending), as a stream's PEL.
     overlapping_commits = True
+    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a consumer recreated delivers the whole stream

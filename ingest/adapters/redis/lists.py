@@ -79,6 +79,7 @@ class ListAdapter(RedisEndpoint):
     """A :class:`ingest.adapters.base.PullAdapter` over one source list."""
 
     overlapping_commits = False
+    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a list has no consumer group to record.

@@ -26,6 +26,7 @@ class PubSubAdapter(RedisEndpoint):
     """A :class:`ingest.adapters.base.PullAdapter` over one channel."""
 
     overlapping_commits = False
+    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a channel has no consumer group to record.

@@ -122,6 +122,7 @@ class StreamAdapter(RedisEndpoint):
     """A :class:`ingest.adapters.base.PullAdapter` over one stream and consumer group."""
 
     overlapping_commits = True
+    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import re
 from contextlib import AsyncExitStack
@@ -42,6 +43,9 @@ from ingest.config.urls import AWS_ENDPOINT
 from ingest.errors import BrokerError, IngestError
 
 log = structlog.get_logger(__name__)
+# botocore says where it found the credentials at INFO, at every client made
+# (every reconnect): a line on every `status`, and nothing an operator acts on.
+logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
 
 CONNECT_TIMEOUT_S = 5
 # A call's answer beyond its long poll: far above a round trip, far below a stall.

@@ -21,7 +21,7 @@ deletes with it (``DeleteMessageBatch``). A message received again (its
 visibility timed out before the delete) has a new handle, and its inbox row
 takes it: AWS documents that a delete with an older handle may succeed
 without deleting. The ingester never deletes (its IAM policy may deny it:
-``ops/sqs-iam-policy.json``).
+``ops/iam/sqs-ingester-policy.json``).
 
 Redelivery is the queue's: a message not deleted within the visibility
 timeout comes again, its ``ApproximateReceiveCount`` its delivery count, and
@@ -58,6 +58,7 @@ from ingest.adapters.sqs.common import (
     MAX_CONCURRENT_CALLS,
     MAX_PER_CALL,
     MAX_WAIT_S,
+    REQUEST_TIMEOUT_S,
     Client,
     caller_arn,
     describe_error,
@@ -73,8 +74,9 @@ from ingest.errors import AckError, BrokerError
 
 # This mode's ack kind, registered in ingest.adapters.sqs.MODES.
 ACK_KIND = "sqsdel"
-# A delete's refusal that names the handle, not the call.
+# A delete's refusal that names the handle, not the call; and the queue gone.
 INVALID_HANDLE = "ReceiptHandleIsInvalid"
+MISSING_QUEUE = "QueueDoesNotExist"
 # Visibility timeouts a handle may stay refused as invalid before its delete
 # is given up (SqsDeleter._still_owed).
 GIVE_UP_AFTER_TIMEOUTS = 3
@@ -97,11 +99,12 @@ def _chunks(items: Sequence[Any], size: int = MAX_PER_CALL) -> list[Sequence[Any
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-async def _bounded(calls: Sequence[Any]) -> list[Any]:
+async def _bounded(calls: Sequence[Any], *, return_exceptions: bool = False) -> list[Any]:
     """The awaitables in ``calls``, at most MAX_CONCURRENT_CALLS at once, in order."""
     results: list[Any] = []
     for start in range(0, len(calls), MAX_CONCURRENT_CALLS):
-        results += await asyncio.gather(*calls[start : start + MAX_CONCURRENT_CALLS])
+        chunk = calls[start : start + MAX_CONCURRENT_CALLS]
+        results += await asyncio.gather(*chunk, return_exceptions=return_exceptions)
     return results
 
 
@@ -116,6 +119,7 @@ class SqsQueueAdapter:
         self.name = config.name
         self._cfg = config
         self._queue = sqs_queue_name(config.source)
+        self.ordered = self._queue.endswith(".fifo")
         self._visibility_s = visibility_s(config)
         # At least a second: an SQS receive that waits 0 returns at once, and
         # an idle queue would be polled without a pause. A long poll returns
@@ -132,6 +136,10 @@ class SqsQueueAdapter:
         # delivery towards max_deliveries and the redrive's maxReceiveCount.
         self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
         self._replay: list[Delivery] = []
+        # Receives a stop cancelled, and what such a read had received: their
+        # messages are released at close().
+        self._orphan_calls: set[asyncio.Task[list[dict[str, Any]]]] = set()
+        self._orphans: list[dict[str, Any]] = []
 
     @property
     def ack_target(self) -> AckTarget:
@@ -193,7 +201,7 @@ class SqsQueueAdapter:
     async def run_background(self, stop: asyncio.Event) -> None:
         """Extend the visibility of every message held unstored, every third
         of the visibility timeout, until ``stop``."""
-        interval_s = max(1.0, self._visibility_s / 3)
+        interval_s = self._visibility_s / 3
         while not stop.is_set():
             try:
                 async with asyncio.timeout(interval_s):
@@ -206,10 +214,13 @@ class SqsQueueAdapter:
 
     async def _extend(self) -> None:
         held = self._held()
-        if not held or self._client is None or self._url is None:
+        if not held:
             return
         try:
-            await self._change_visibility(self._client, self._url, held, self._visibility_s)
+            # Connects again if a failed read dropped the connection: a batch
+            # replayed from memory is being stored again meanwhile.
+            client, url = await self._connection()
+            await self._change_visibility(client, url, held, self._visibility_s)
         except BrokerError as exc:
             # Not fatal: a message whose visibility lapses is received again
             # and dedups to its inbox row once stored.
@@ -243,20 +254,19 @@ class SqsQueueAdapter:
 
     async def read(self, max_count: int) -> list[Delivery]:
         if self._replay:
-            batch, self._replay = self._replay, []
+            batch, self._replay = self._replay[:max_count], self._replay[max_count:]
             self._unconfirmed.returned(batch)
             return batch
+        messages: list[dict[str, Any]] = []
         try:
             client, url = await self._connection()
-            messages = await self._receive(client, url, min(MAX_PER_CALL, max_count), self._wait_s)
+            messages += await self._receive(client, url, min(MAX_PER_CALL, max_count), self._wait_s)
             if len(messages) == MAX_PER_CALL and max_count > MAX_PER_CALL:
-                # A busy queue: the rest of the batch at once, without waiting.
-                rest = [
-                    self._receive(client, url, len(chunk), 0)
-                    for chunk in _chunks(range(max_count - MAX_PER_CALL))
-                ]
-                for more in await _bounded(rest):
-                    messages += more
+                messages += await self._fill(client, url, max_count - MAX_PER_CALL)
+        except asyncio.CancelledError:
+            # A stop while the batch was being filled: what came is released at close().
+            self._orphans += messages
+            raise
         except BrokerError:
             await self._forget_connection()
             raise
@@ -265,7 +275,36 @@ class SqsQueueAdapter:
             self._unconfirmed.returned(batch)
         return batch
 
+    async def _fill(self, client: Client, url: str, count: int) -> list[dict[str, Any]]:
+        """A busy queue: the rest of the batch at once, by receives that do
+        not wait. What came is kept even if one of them failed (a message
+        received and dropped would stay invisible for the visibility
+        timeout); the failure is raised only when nothing came."""
+        calls = [self._receive(client, url, len(chunk), 0) for chunk in _chunks(range(count))]
+        results = await _bounded(calls, return_exceptions=True)
+        got = [m for r in results if isinstance(r, list) for m in r]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed and not got:
+            raise failed[0]
+        if failed:
+            log.warning(
+                "receives_failed", adapter=self.name, failed=len(failed), kept=len(got), error=str(failed[0])
+            )
+        return got
+
     async def _receive(self, client: Client, url: str, count: int, wait_s: int) -> list[dict[str, Any]]:
+        """One receive, shielded from a stop's cancellation: cancelled, the
+        request would still be answered, its messages made invisible for
+        the visibility timeout with nobody to store them. Its answer is
+        waited for at close() instead, and released."""
+        call = asyncio.create_task(self._receive_call(client, url, count, wait_s))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._orphan_calls.add(call)
+            raise
+
+    async def _receive_call(self, client: Client, url: str, count: int, wait_s: int) -> list[dict[str, Any]]:
         with sqs_errors(self.name, f"receiving from queue {self._queue}"):
             try:
                 reply = await client.receive_message(
@@ -273,11 +312,7 @@ class SqsQueueAdapter:
                     MaxNumberOfMessages=count,
                     WaitTimeSeconds=wait_s,
                     VisibilityTimeout=self._visibility_s,
-                    MessageSystemAttributeNames=[
-                        "ApproximateReceiveCount",
-                        "MessageGroupId",
-                        "SequenceNumber",
-                    ],
+                    MessageSystemAttributeNames=["ApproximateReceiveCount"],
                 )
             except Exception as exc:
                 if is_missing_queue(exc):
@@ -340,6 +375,20 @@ class SqsQueueAdapter:
             return None
         return int(attributes.get(_COUNTS["visible"], 0))
 
+    async def _orphaned(self) -> list[dict[str, Any]]:
+        """The messages of the receives a stop cancelled, once they are
+        answered (each within its long poll and the request timeout)."""
+        calls, self._orphan_calls = self._orphan_calls, set()
+        orphans, self._orphans = self._orphans, []
+        if calls:
+            done, pending = await asyncio.wait(calls, timeout=self._wait_s + REQUEST_TIMEOUT_S)
+            for call in pending:
+                call.cancel()
+            for call in done:
+                if not call.cancelled() and call.exception() is None:
+                    orphans += call.result()
+        return orphans
+
     async def _forget_connection(self) -> None:
         """After a failure, the next read connects afresh (and looks the queue up again)."""
         stack, self._stack, self._client, self._url = self._stack, None, None, None
@@ -348,8 +397,9 @@ class SqsQueueAdapter:
 
     async def close(self) -> None:
         """Release what is held unstored at once (visibility 0), so another
-        consumer need not wait out the visibility timeout; then disconnect."""
-        held = self._held()
+        consumer need not wait out the visibility timeout, and what the
+        receives a stop cancelled brought; then disconnect."""
+        held = self._held() + [self._delivery(m) for m in await self._orphaned()]
         if held and self._client is not None and self._url is not None:
             try:
                 await self._change_visibility(self._client, self._url, held, 0)
@@ -405,7 +455,7 @@ class SqsDeleter:
                     f" for another queue than {self._queue}"
                 )
         # One delete per inbox row (a row may be claimed twice in a drain:
-        # by the cursor, and queued after a delete left it owed).
+        # by the cursor, and from the ack queue).
         unique = list({c.inbox_id: c for c in claims}.values())
         client, url = await self._connection()
         outcomes = await _bounded([self._delete(client, url, chunk) for chunk in _chunks(unique)])
@@ -422,15 +472,11 @@ class SqsDeleter:
                 reply = await client.delete_message_batch(QueueUrl=url, Entries=entries)
         except AckError as exc:
             if is_missing_queue(exc.__cause__ or exc):
-                # The queue is gone, and its messages with it: nothing is left to delete.
-                log.warning(
-                    "acks_given_up",
-                    adapter=self._name,
-                    queue=self._queue,
-                    acks=len(chunk),
-                    reason="the queue is gone",
-                )
-                return []
+                # The queue is gone, and its messages with it, or the answer
+                # is wrong (AWS gives it for a queue this identity may not
+                # see): owed, and given up only when it lasts (_still_owed).
+                log.warning("delete_queue_missing", adapter=self._name, queue=self._queue, deletes=len(chunk))
+                return self._still_owed([(c, MISSING_QUEUE) for c in chunk])
             log.warning(
                 "delete_failed", adapter=self._name, queue=self._queue, deletes=len(chunk), error=str(exc)
             )
@@ -454,7 +500,8 @@ class SqsDeleter:
 
     def _still_owed(self, refused: Sequence[tuple[AckClaim, str]]) -> list[AckClaim]:
         """The refused claims to retry. One whose handle the queue has called
-        invalid for GIVE_UP_AFTER_TIMEOUTS visibility timeouts is given up:
+        invalid (or whose queue it has called missing) for
+        GIVE_UP_AFTER_TIMEOUTS visibility timeouts is given up:
         were its message still queued, it would have been received again by
         now (its visibility long lapsed) and its row would carry a newer
         handle; it was deleted by someone else, moved, or expired. If it
@@ -464,7 +511,7 @@ class SqsDeleter:
         owed: list[AckClaim] = []
         given_up: list[AckClaim] = []
         for claim, code in refused:
-            if code != INVALID_HANDLE:
+            if code not in (INVALID_HANDLE, MISSING_QUEUE):
                 owed.append(claim)
                 continue
             since = self._invalid_since.setdefault((claim.inbox_id, claim.ref or ""), now)

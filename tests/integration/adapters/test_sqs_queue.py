@@ -18,7 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ingest.adapters.factory import make_acknowledger, make_adapter
 from ingest.config import AdapterConfig, Settings
 from ingest.errors import AckError, BrokerError
-from ingest.processes.acker import drain_adapter
+from ingest.processes.acker import drain_adapter, drain_loop
+from ingest.processes.ingester import run_ingester
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
 from tests.support.sqs import REGION, client, counts, create_queue, send, use_emulator_credentials
@@ -237,3 +238,66 @@ async def test_a_handle_refused_as_invalid_for_three_timeouts_is_given_up(
     assert refused_for >= 2.5  # owed, and retried, for most of three 1 s timeouts first
     assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 2
     assert counts(sqs, url) == (0, 0, 0)
+
+
+async def test_a_refused_delete_holds_back_no_other(
+    db_url: str, redis_url: str, sqs_endpoint: str, sqs: Any, engine: AsyncEngine
+) -> None:
+    """The acker's loop with a minute of backoff: a delete the queue keeps
+    refusing does not back the adapter off, so messages stored after it are
+    deleted at the poll's pace, not a backoff later."""
+    queue = unique("refused")
+    url = create_queue(sqs, queue, visibility_timeout_s=300)
+    s = settings(db_url, redis_url, table(sqs_endpoint, queue, ack_wait_ms=300_000))
+    send(sqs, url, bodies(3))
+    async with pipeline(s, acker=False):
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") == 3)
+    query(
+        db_url, "UPDATE inbox SET ack_entry_id = 'gone' WHERE id = (SELECT min(id) FROM inbox) RETURNING id"
+    )
+    acknowledger = make_acknowledger(one(s))
+    slow = s.acker.__class__(poll_interval_ms=100, backoff_initial_ms=60_000, backoff_max_ms=60_000)
+    stop, wake = asyncio.Event(), asyncio.Event()
+    loop = asyncio.create_task(drain_loop(engine, {NAME: acknowledger}, slow, wake, stop))
+    try:
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 2)
+        send(sqs, url, bodies(3, start=3))
+        # The ingester beside the acker's loop (pipeline() would count the
+        # loop's own tasks as the ingester's leftovers).
+        stop_ingest = asyncio.Event()
+        ingesting = asyncio.create_task(run_ingester(s, stop_ingest))
+        try:
+            await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") == 6)
+        finally:
+            stop_ingest.set()
+            await ingesting
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 5)
+    finally:
+        stop.set()
+        await loop
+        await acknowledger.close()
+    assert scalar(db_url, "SELECT ack_entry_id FROM inbox WHERE ack_state = 'pending'") == "gone"
+    assert counts(sqs, url) == (0, 1, 0)
+
+
+async def test_a_receive_a_stop_cancels_is_answered_and_released(
+    db_url: str, redis_url: str, sqs_endpoint: str, sqs: Any
+) -> None:
+    """A stop cancels the read while its long poll waits; messages sent
+    then are still handed to that request by the queue (SQS, like the
+    emulator, does not know the client left). The adapter waits for that
+    answer at its close and releases them, instead of leaving them invisible
+    for the visibility timeout (the first cut of this adapter did)."""
+    queue = unique("stopped")
+    url = create_queue(sqs, queue, visibility_timeout_s=300)
+    cfg = one(settings(db_url, redis_url, table(sqs_endpoint, queue, block_ms=3000, ack_wait_ms=300_000)))
+    adapter = make_adapter(cfg, ledger=None)
+    await adapter.start()
+    reading = asyncio.create_task(adapter.read(10))
+    await asyncio.sleep(0.5)  # the long poll under way at the server
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    await asyncio.to_thread(send, sqs, url, bodies(3))
+    await adapter.close()
+    assert counts(sqs, url) == (3, 0, 0)

@@ -154,3 +154,32 @@ async def test_a_read_failing_as_its_caller_is_cancelled_is_not_left_unretrieved
     finally:
         loop.set_exception_handler(previous)
     assert [c for c in reported if "never retrieved" in str(c.get("message"))] == []
+
+
+class _Redelivering(MemoryAdapter):
+    """Its second message comes as a third delivery (a suspect, stored
+    alone); the others as first ones."""
+
+    async def read(self, max_count: int) -> list[Delivery]:
+        batch = await super().read(max_count)
+        return [d._replace(deliveries=3) if d.message_id == "2-0" else d for d in batch]
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_an_ordered_adapters_messages_after_a_suspect_are_stored_after_it(
+    engine: AsyncEngine, db_url: str, ordered: bool
+) -> None:
+    """A redelivered suspect is stored alone after the batch (issue 27's
+    review): an ordered adapter's (an SQS FIFO queue's) later messages go
+    with it, one by one in order, instead of committing before it."""
+    adapter = _Redelivering("mem", [f'{{"n": {i}}}'.encode() for i in range(1, 6)])
+    adapter.ordered = ordered
+    stop = asyncio.Event()
+    task = asyncio.create_task(PollLoop(adapter, config(db_url), engine, FAST, stop).run())
+    await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") == 5)
+    stop.set()
+    async with asyncio.timeout(5):
+        await task
+    stored = [json.loads(bytes(b))["n"] for (b,) in query(db_url, "SELECT body FROM inbox ORDER BY id")]
+    # Unordered, the suspect (n 2) comes last, after the batch around it.
+    assert stored == ([1, 2, 3, 4, 5] if ordered else [1, 3, 4, 5, 2])

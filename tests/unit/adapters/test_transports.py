@@ -30,7 +30,7 @@ def test_a_transport_whose_client_is_missing_names_its_extra(monkeypatch: pytest
 
 def test_an_unknown_transport_is_a_config_error_naming_the_known_ones() -> None:
     with pytest.raises(
-        ConfigError, match=r"adapter 'x': key 'transport' = 'kafka' is not one of \['nats', 'redis'\]"
+        ConfigError, match=r"adapter 'x': key 'transport' = 'kafka' is not one of \['nats', 'redis', 'sqs'\]"
     ):
         factory.transport("kafka", adapter="x")
 
