@@ -104,8 +104,8 @@ u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
                          %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int8[],
-                         %(digests)b::bytea[])
-        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, n)
+                         %(digests)b::bytea[], %(attributes)b::text[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, sa, n)
 )
 
 
@@ -178,12 +178,13 @@ ev AS (
 written AS (
     INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                        ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
-                       ack_state, deliveries, status, error, todo_id, event_id, ack_xid)
+                       ack_state, deliveries, status, error, todo_id, event_id, ack_xid, source_attributes)
     SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
            %(ack_kind)s, coalesce(u.ak, %(ack_key)s), %(ack_group)s,
            CASE WHEN %(entry_is_id)s THEN u.m ELSE u.e END, coalesce(u.c, 1), %(ack_after)s,
            %(ack_state)s, coalesce(u.d, 1), CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
-           ev.todo_id, ev.id, CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END
+           ev.todo_id, ev.id, CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END,
+           u.sa::jsonb
     FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
     ORDER BY u.n
     ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
@@ -212,12 +213,13 @@ written AS (
 written AS (
     INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                        ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
-                       ack_state, deliveries, status, error, todo_id, event_id, ack_xid)
+                       ack_state, deliveries, status, error, todo_id, event_id, ack_xid, source_attributes)
     SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
            %(ack_kind)s, coalesce(u.ak, %(ack_key)s), %(ack_group)s,
            CASE WHEN %(entry_is_id)s THEN u.m ELSE u.e END, coalesce(u.c, 1), %(ack_after)s,
            %(ack_state)s, coalesce(u.d, 1), CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
-           ev.todo_id, ev.id, CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END
+           ev.todo_id, ev.id, CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END,
+           u.sa::jsonb
     FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
     ORDER BY u.n
     RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id,

@@ -72,6 +72,10 @@ class InboxRecord(NamedTuple):
     # the full length and sha256 (backhalf.normalize.RawForm).
     body_size: int | None = None
     body_sha256: bytes | None = None
+    # JSON text: what the broker says of the message beyond its id, kept for
+    # audit in inbox.source_attributes (an SQS FIFO queue's MessageGroupId
+    # and SequenceNumber); None for most.
+    attributes: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,6 +226,8 @@ def _uncommon_columns(writing: list[InboxRecord], default_ack_key: str | None) -
         # Only a rejected oversize message has them.
         "sizes": None if whole else [r.body_size for r in writing],
         "digests": None if whole else [r.body_sha256 for r in writing],
+        # What a broker says of a message beyond its id (an SQS FIFO queue's group and sequence).
+        "attributes": None if all(r.attributes is None for r in writing) else [r.attributes for r in writing],
     }
 
 

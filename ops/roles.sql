@@ -221,7 +221,7 @@ BEGIN
     GRANT SELECT,
           INSERT (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                   ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after, ack_state,
-                  deliveries, status, error, todo_id, event_id, ack_xid),
+                  deliveries, status, error, todo_id, event_id, ack_xid, source_attributes),
           -- merge_inbox_body, and a redelivery's ON CONFLICT update (ack_state
           -- and acked_at only back to pending: the policies below; ack_xid
           -- for the acker's cursor to meet the row again; ack_entry_id for

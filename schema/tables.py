@@ -176,6 +176,10 @@ inbox = sa.Table(
     # rejected): the message's full length and sha256. NULL: body is whole.
     sa.Column("body_size", sa.BigInteger),  # escaped, a field map can pass 2 GiB
     sa.Column("body_sha256", BYTEA),
+    # What the broker says of the message beyond its id, for audit: an SQS
+    # FIFO queue's {"MessageGroupId": ..., "SequenceNumber": ...}. Written
+    # by the first store; NULL for most transports.
+    sa.Column("source_attributes", JSONB),
     # The ack intent: what the acker must tell the broker once this row is
     # committed, read only by the transport that registered ``ack_kind``
     # (ingest/adapters/<transport>): Redis streams XACK ack_key ack_group

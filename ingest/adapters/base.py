@@ -91,6 +91,7 @@ class Delivery(NamedTuple):
     ack_copies: int = 1
     lost: bool = False
     deliveries: int = 1
+    attributes: str | None = None  # JSON text for inbox.source_attributes (audit), or None
 
 
 class PendingCopies(Protocol):

@@ -87,6 +87,7 @@ def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
         deliveries=delivery.deliveries,
         body_size=raw.size,
         body_sha256=raw.sha256,
+        attributes=delivery.attributes,
     )
 
 

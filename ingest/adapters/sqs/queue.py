@@ -80,6 +80,8 @@ MISSING_QUEUE = "QueueDoesNotExist"
 # Visibility timeouts a handle may stay refused as invalid before its delete
 # is given up (SqsDeleter._still_owed).
 GIVE_UP_AFTER_TIMEOUTS = 3
+# A FIFO message's place, kept on its inbox row for audit (source_attributes).
+_AUDITED = ("MessageGroupId", "SequenceNumber")
 # The figures status and the gauges read, by queue attribute.
 _COUNTS = {
     "visible": "ApproximateNumberOfMessages",
@@ -312,7 +314,7 @@ class SqsQueueAdapter:
                     MaxNumberOfMessages=count,
                     WaitTimeSeconds=wait_s,
                     VisibilityTimeout=self._visibility_s,
-                    MessageSystemAttributeNames=["ApproximateReceiveCount"],
+                    MessageSystemAttributeNames=["ApproximateReceiveCount", *_AUDITED],
                 )
             except Exception as exc:
                 if is_missing_queue(exc):
@@ -327,12 +329,14 @@ class SqsQueueAdapter:
         message_id = str(message["MessageId"])
         attributes = message.get("Attributes", {})
         key = native_key(self._cfg.key_prefix, self._queue, message_id)
+        audited = {name: str(attributes[name]) for name in _AUDITED if name in attributes}
         return Delivery(
             key,
             message_id,
             body=str(message.get("Body", "")).encode(),
             ack_ref=str(message["ReceiptHandle"]),
             deliveries=int(attributes.get("ApproximateReceiveCount", 1)),
+            attributes=json.dumps(audited) if audited else None,
         )
 
     def stored(self) -> None:

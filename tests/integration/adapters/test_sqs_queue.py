@@ -193,6 +193,17 @@ async def test_fifo_groups_are_stored_in_their_order(
     async with pipeline(s):
         await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 36)
     rows = query(db_url, "SELECT body, stored_at FROM inbox")
+    # Each row keeps its message's group and sequence number, for audit.
+    audited = query(db_url, "SELECT body, source_attributes FROM inbox")
+    for group in ("a", "b", "c"):
+        mine = sorted(
+            (json.loads(bytes(b))["n"], a) for b, a in audited if json.loads(bytes(b))["group"] == group
+        )
+        assert {a["MessageGroupId"] for _, a in mine} == {group}
+        # moto's SequenceNumbers are random (AWS's grow within a group): present and distinct.
+        sequence = [a["SequenceNumber"] for _, a in mine]
+        assert all(number.isdigit() for number in sequence)
+        assert len(set(sequence)) == 12
     for group in ("a", "b", "c"):
         times = sorted(
             (m["n"], at) for m, at in ((json.loads(bytes(b)), at) for b, at in rows) if m["group"] == group
