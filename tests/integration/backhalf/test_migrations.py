@@ -99,3 +99,24 @@ def test_0009_marks_the_queued_list_acks_by_body_and_the_claim_still_hands_out_t
         assert bodies == {"lrem": b"{}", "xack": None}
     finally:
         db.drop_test_database(servers.database, url)
+
+
+def test_0010_grants_its_column_to_the_shipped_ingester_role(servers: ServerUrls) -> None:
+    """Every store inserts ``inbox.source_attributes``: where ops/roles.sql's
+    ingester role exists, the migration grants it the column itself, so an
+    upgraded deployment's stores are not refused until the file runs again."""
+    url = db.create_test_database(servers.database, migrated=False)
+    try:
+        db.query(
+            url,
+            "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_ingester')"
+            " THEN CREATE ROLE switchboard_ingester NOLOGIN; END IF; END $$; SELECT 1",
+        )
+        migrate.upgrade(url, "0009")
+        migrate.upgrade(url)
+        granted = db.scalar(
+            url, "SELECT has_column_privilege('switchboard_ingester', 'inbox', 'source_attributes', 'INSERT')"
+        )
+        assert granted is True
+    finally:
+        db.drop_test_database(servers.database, url)
