@@ -165,8 +165,10 @@ async def open_client(
     }
     if url is not None:
         options["endpoint_url"] = url
-    session = _session()
     with sqs_errors(config.name, f"creating the {service} client for {endpoint_label(config)}"):
+        # The session reads AWS's config files first (a profile named there
+        # that does not exist is an error of its own, ProfileNotFound).
+        session = _session()
         # botocore reads the service's model and the endpoint rules from JSON
         # files as it makes a client (0.2 s for SQS): in a thread, once, into
         # the session's cache, so the event loop never stops for it.

@@ -312,3 +312,16 @@ async def test_a_receive_a_stop_cancels_is_answered_and_released(
     await asyncio.to_thread(send, sqs, url, bodies(3))
     await adapter.close()
     assert counts(sqs, url) == (3, 0, 0)
+
+
+async def test_an_aws_profile_that_does_not_exist_is_a_broker_error_naming_it(
+    db_url: str, redis_url: str, sqs_endpoint: str, sqs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AWS's chain refuses a profile its files do not have before it looks
+    at the keys: said as the adapter's broker error (backed off, logged
+    without a traceback), not a crash of the poll step."""
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    adapter = make_adapter(one(settings(db_url, redis_url, table(sqs_endpoint, "orders"))), ledger=None)
+    with pytest.raises(BrokerError, match=r"creating the sqs client .*config profile \(no-such-profile\)"):
+        await adapter.start()
+    await adapter.close()
