@@ -91,6 +91,18 @@ class Stopped(Exception):
         self.signum = signum
 
 
+# The stop signal that arrived, if one did: a library that catches every
+# exception (the signal handler raises wherever the main thread is) could
+# swallow ``Stopped``, and with the signals ignored after it the demo would
+# then run on for good; the demo's own loops look here too.
+_stopped_by: list[int] = []
+
+
+def _raise_if_stopped() -> None:
+    if _stopped_by:
+        raise Stopped(_stopped_by[0])
+
+
 @contextlib.contextmanager
 def _stop_signals_raise() -> Iterator[None]:
     """SIGTERM and SIGINT raise ``Stopped`` once; while the clean-up runs, a
@@ -99,8 +111,10 @@ def _stop_signals_raise() -> Iterator[None]:
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        _stopped_by.append(signum)
         raise Stopped(signum)
 
+    _stopped_by.clear()
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
@@ -226,6 +240,7 @@ def _produce(
             for i in range(start, min(start + chunk, messages))
         ])  # fmt: skip
         time.sleep(0.02)
+        _raise_if_stopped()
         if not killed and start >= messages // 3:
             ingester = _kill_and_restart(r, db, acker, ingester, restart)
             killed = True
