@@ -44,6 +44,30 @@ class AckError(IngestError):
     """The broker refused or did not answer an ack; the intents stay pending."""
 
 
+class wrapped_errors:  # a context manager, named like contextlib's
+    """Raise a client library's errors (those in ``caught``) as ``error``
+    with ``adapter X: what: detail``, the original as the cause; one
+    subclass per transport says which errors and how they read."""
+
+    caught: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+
+    def __init__(self, adapter: str, what: str, *, error: type[IngestError] | None = None) -> None:
+        self._adapter, self._what, self._error = adapter, what, error or BrokerError
+
+    @staticmethod
+    def detail(exc: BaseException) -> str:
+        return str(exc) or type(exc).__name__
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or isinstance(exc, IngestError):
+            return
+        if isinstance(exc, self.caught):
+            raise self._error(f"adapter {self._adapter}: {self._what}: {self.detail(exc)}") from exc
+
+
 class AcksRefused(AckError):
     """The broker refused some acks one by one (they stay pending) and took
     ``acked`` others, which are marked: the drain committed."""

@@ -15,7 +15,6 @@ import json
 import os
 import ssl
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import structlog
@@ -23,7 +22,7 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
 from ingest.config import AdapterConfig
-from ingest.errors import BrokerError, ConfigError, IngestError
+from ingest.errors import ConfigError, wrapped_errors
 
 log = structlog.get_logger(__name__)
 
@@ -35,24 +34,10 @@ REQUEST_TIMEOUT_S = 5.0
 USER_INFO_SUBJECT = "$SYS.REQ.USER.INFO"
 
 
-class nats_errors:  # a context manager, named like contextlib's
-    """Raise nats-py's errors (and a lost socket's) as ``error`` with
-    ``adapter X: what: ...``, the original as the cause."""
+class nats_errors(wrapped_errors):
+    """nats-py's errors (and a lost socket's) as ``error``: ``adapter X: what: ...``."""
 
-    def __init__(self, adapter: str, what: str, *, error: type[IngestError] = BrokerError) -> None:
-        self._adapter, self._what, self._error = adapter, what, error
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is None or isinstance(exc, IngestError):
-            return
-        if isinstance(exc, NatsError | OSError | TimeoutError):
-            detail = str(exc) or type(exc).__name__
-            raise self._error(f"adapter {self._adapter}: {self._what}: {detail}") from exc
+    caught = (NatsError, OSError, TimeoutError)
 
 
 def _tls_context(config: AdapterConfig, scheme: str) -> ssl.SSLContext | None:

@@ -21,7 +21,6 @@ import logging
 import os
 import re
 from contextlib import AsyncExitStack
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,7 +39,7 @@ from botocore.exceptions import (
 from ingest.config import AdapterConfig
 from ingest.config.adapter import sqs_queue_name
 from ingest.config.urls import AWS_ENDPOINT
-from ingest.errors import BrokerError, IngestError
+from ingest.errors import BrokerError, IngestError, wrapped_errors
 
 log = structlog.get_logger(__name__)
 # botocore says where it found the credentials at INFO, at every client made
@@ -61,23 +60,14 @@ _AWS_QUEUE_HOST = re.compile(r"sqs\.([a-z0-9-]+)\.amazonaws\.com(\.cn)?|([a-z0-9
 Client = Any  # aiobotocore's client is generated from the service model: no static type
 
 
-class sqs_errors:  # a context manager, named like contextlib's
-    """Raise botocore's and aiohttp's errors as ``error`` with ``adapter X:
-    what: CODE: message``, the original as the cause."""
+class sqs_errors(wrapped_errors):
+    """botocore's and aiohttp's errors as ``error``: ``adapter X: what: CODE: message``."""
 
-    def __init__(self, adapter: str, what: str, *, error: type[IngestError] = BrokerError) -> None:
-        self._adapter, self._what, self._error = adapter, what, error
+    caught = (BotoCoreError, ClientError, HttpError, OSError, TimeoutError)
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is None or isinstance(exc, IngestError):
-            return
-        if isinstance(exc, BotoCoreError | ClientError | HttpError | OSError | TimeoutError):
-            raise self._error(f"adapter {self._adapter}: {self._what}: {describe_error(exc)}") from exc
+    @staticmethod
+    def detail(exc: BaseException) -> str:
+        return describe_error(exc)
 
 
 def error_code(exc: BaseException) -> str | None:
