@@ -163,3 +163,26 @@ async def owed_native(conn: AsyncConnection, adapter: str, keys: Sequence[str]) 
         async with pg.cursor() as cur:
             await cur.execute(queries.OWED_NATIVE, {"adapter": adapter, "keys": list(keys)})
             return {str(key) for (key,) in await cur.fetchall()}
+
+
+async def mark_own(conn: AsyncConnection, adapter: str, refs: Sequence[str]) -> int:
+    """A consumer-acked transport's acks, sent by the ingester after its
+    commit: the intents with these refs marked acked; how many were."""
+    with wrap_driver_errors(AckStateError, f"adapter {adapter}: marking its own acks failed"):
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(queries.MARK_OWN_ACKS, {"adapter": adapter, "refs": list(refs)})
+            return cur.rowcount
+
+
+async def settle_own(conn: AsyncConnection, adapter: str, consumer: str, session: str) -> int:
+    """The intents ``consumer`` left pending on channels before ``session``
+    (a ref prefix) settled: those channels have ended (``queries.sql``,
+    settle_own_acks). How many were."""
+    with wrap_driver_errors(AckStateError, f"adapter {adapter}: settling acks of ended channels failed"):
+        pg = await driver_connection(conn)
+        async with pg.cursor() as cur:
+            await cur.execute(
+                queries.SETTLE_OWN_ACKS, {"adapter": adapter, "consumer": consumer, "session": session}
+            )
+            return cur.rowcount

@@ -28,6 +28,7 @@ NAMES = frozenset(
         "after_inbox_insert",
         "before_commit",
         "after_commit",
+        "after_own_ack",
         "acker_after_select",
         "acker_after_xack",
         "worker_before_end_commit",

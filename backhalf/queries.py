@@ -105,6 +105,8 @@ CLAIM_PLAN = _block("claim_plan")
 CLAIM_ACKS = _block("claim_acks")
 LOCK_PENDING_COPIES = _block("lock_pending_copies")
 OWED_NATIVE = _block("owed_native")
+MARK_OWN_ACKS = _block("mark_own_acks")
+SETTLE_OWN_ACKS = _block("settle_own_acks")
 # The horizon first: the cursor's statements read one snapshot.
 CURSOR_PEEK = _with("ack_horizon_cte", "cursor_peek_cte", then="cursor_peek")
 CURSOR_ACKS = _with("ack_horizon_cte", "cursor_acks_cte", then="cursor_acks")

@@ -531,6 +531,33 @@ WHERE adapter = %(adapter)s
 RETURNING (SELECT count(*) FROM marked)
 
 
+-- name: mark_own_acks
+-- A consumer-acked transport (AMQP: the ingester acks on the channel that
+-- received the messages, after the commit): the intents it just acked,
+-- named by their refs (a channel session and a delivery tag: unique), marked
+-- acked. ``ack_xid`` is cleared too: no acker cursor walks these rows, and
+-- so ``ix_inbox_ack_cursor`` holds only this adapter's intents still
+-- pending, the small set this statement and settle_own_acks search. A row
+-- redelivered meanwhile on another channel took that delivery's ref and is
+-- not marked here: that delivery's own ack marks it.
+UPDATE inbox SET ack_state = 'acked', acked_at = statement_timestamp(), ack_xid = NULL
+WHERE adapter = %(adapter)s AND ack_xid IS NOT NULL AND ack_state = 'pending'
+  AND ack_entry_id = ANY(%(refs)b::text[])
+
+
+-- name: settle_own_acks
+-- A consumer-acked transport's channel just opened: the intents its
+-- consumer left pending on earlier channels are settled. Each such channel
+-- has ended (the process restarted, or its connection was lost), and a
+-- channel's end settles its deliveries at the broker: acked, or requeued
+-- (then delivered again, stored again, which points the row at the new
+-- delivery, and acked). Nothing is owed on them any more; left pending they
+-- would be pending forever (an ack sent just before a crash, never marked).
+UPDATE inbox SET ack_state = 'acked', acked_at = statement_timestamp(), ack_xid = NULL
+WHERE adapter = %(adapter)s AND ack_xid IS NOT NULL AND ack_state = 'pending'
+  AND consumer = %(consumer)s AND NOT starts_with(coalesce(ack_entry_id, ''), %(session)s)
+
+
 -- name: owed_native
 -- The claim sweep's question (stream mode): which of these entries are
 -- stored with their ack pending (owed now, through the cursor or the queue,

@@ -124,6 +124,11 @@ class GroupStartLedger:
         async with self._transaction(self._engine.connect(), what) as conn:
             return await acks.owed_native(conn, adapter, keys)
 
+    async def settle_acks(self, adapter: str, consumer: str, session: str) -> int:
+        what = f"adapter {adapter}: settling the acks consumer {consumer} left on its ended channels"
+        async with self._transaction(self._engine.begin(), what) as conn:
+            return await acks.settle_own(conn, adapter, consumer, session)
+
     async def record(self, group: StreamGroup, start_id: str, *, adapter: str) -> str:
         what = f"adapter {adapter}: recording start {start_id} of group {group.group} on {group.stream}"
         # Committed (synchronous_commit on) when the block ends: durable

@@ -134,6 +134,15 @@ class ConsumerLedger(Protocol):
         messages leaves those to the acker instead of delivering them again."""
         ...
 
+    async def settle_acks(self, adapter: str, consumer: str, session: str) -> int:
+        """Where the consuming process acks (AckParty "consumer"): settle the
+        intents ``consumer`` left pending on its earlier channels (refs not
+        starting with ``session``, the channel just opened). A channel's end
+        settled each of its deliveries at the broker, acked or requeued, and a
+        requeued one comes again to be stored and acked anew; so none is owed
+        by anyone any more. Returns how many were settled."""
+        ...
+
 
 class PullAdapter(Protocol):
     name: str
@@ -188,6 +197,16 @@ class PullAdapter(Protocol):
     def rewind(self) -> None:
         """No unconfirmed batch will be stored: deliver them all again, from
         the broker's own record of what is un-acked wherever one exists."""
+
+    async def ack_stored(self) -> Sequence[Delivery]:
+        """Where acks are bound to the channel that received the message
+        (:data:`AckParty` "consumer": AMQP), the consuming process acks: every
+        delivery of the batches ``stored()`` confirmed, acked now on its own
+        channel; returns those acked, whose intents the poll loop then marks.
+        Raises :class:`ingest.errors.BrokerError` when the channel is gone (its
+        deliveries went back to the queue: redelivered and deduplicated).
+        [] for every transport the acker acks for."""
+        ...
 
     async def describe(self) -> Mapping[str, object]:
         """Broker-side figures for ``switchboard status`` (backlog, pending)."""

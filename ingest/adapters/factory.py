@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import NamedTuple, Protocol, cast
 
+from backhalf.records import AckParty
 from ingest.adapters.base import AckIntentView, Acknowledger, ConsumerLedger, ModeImplementation, PullAdapter
 from ingest.config import AdapterConfig
 from ingest.errors import ConfigError
@@ -34,6 +35,7 @@ TRANSPORTS: Mapping[str, Transport] = {
     "redis": Transport("ingest.adapters.redis"),
     "nats": Transport("ingest.adapters.nats", extra="nats"),
     "sqs": Transport("ingest.adapters.sqs", extra="sqs"),
+    "amqp": Transport("ingest.adapters.amqp", extra="amqp"),
 }
 
 
@@ -70,15 +72,13 @@ def _implementation(config: AdapterConfig) -> ModeImplementation:
             f"adapter {config.name!r}: key 'mode' = {config.mode!r} is not implemented"
             f" for transport {config.transport!r}"
         )
-    if implementation.acked_by != "acker":
-        # The consuming process acking after its commit (AMQP's channel-bound
-        # acks) is declared by the interface; the poll loop's side of it comes
-        # with the first transport that needs it (issue 28).
-        raise ConfigError(
-            f"adapter {config.name!r}: mode {config.mode!r} acks in the consuming process,"
-            " which this version does not drive yet"
-        )
     return implementation
+
+
+def acked_by(config: AdapterConfig) -> AckParty:
+    """Who acks this adapter's messages: the acker, from committed intents,
+    or the ingester itself after its commit (``PullAdapter.ack_stored``)."""
+    return _implementation(config).acked_by
 
 
 def make_adapter(config: AdapterConfig, *, ledger: ConsumerLedger | None) -> PullAdapter:
@@ -98,7 +98,12 @@ def make_adapter(config: AdapterConfig, *, ledger: ConsumerLedger | None) -> Pul
 
 
 def make_acknowledger(config: AdapterConfig) -> Acknowledger:
-    return _implementation(config).acknowledger(config)
+    """The acker's acknowledger for ``config``; ask :func:`acked_by` first:
+    an adapter its ingester acks has none (a TypeError here)."""
+    implementation = _implementation(config)
+    if implementation.acked_by != "acker":
+        raise TypeError(f"adapter {config.name!r}: its ingester acks its messages; the acker has no part")
+    return implementation.acknowledger(config)
 
 
 def describe_ack(transport_name: str | None, intent: AckIntentView) -> str:

@@ -8,7 +8,7 @@ any broker contract; the Redis modes are tested against real Redis.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
@@ -67,6 +67,10 @@ class MemoryAdapter:
 
     def rewind(self) -> None:
         self._replay = True
+
+    async def ack_stored(self) -> Sequence[Delivery]:
+        """Nothing: the acker acks, from committed intents."""
+        return []
 
     async def run_background(self, stop: asyncio.Event) -> None:
         return None

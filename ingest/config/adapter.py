@@ -25,6 +25,7 @@ TRANSPORT_MODES: Mapping[str, tuple[str, ...]] = {
     "redis": ("stream", "list", "pubsub"),
     "nats": ("jetstream",),
     "sqs": ("queue",),
+    "amqp": ("queue",),
 }
 MODES = tuple(dict.fromkeys(m for modes in TRANSPORT_MODES.values() for m in modes))
 STREAM = ("stream",)
@@ -37,14 +38,17 @@ REDIS_MODES = TRANSPORT_MODES["redis"]
 NATS_URL_VARIABLE = "SWITCHBOARD_NATS_URL"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 SQS_URL_VARIABLE = "SWITCHBOARD_SQS_ENDPOINT_URL"
+AMQP_URL_VARIABLE = "SWITCHBOARD_AMQP_URL"
+DEFAULT_AMQP_URL = "amqp://127.0.0.1:5672/"
 REDIS_DEFAULT_BROKER = "`SWITCHBOARD_REDIS_URL`, else `[redis] url`"
 DEFAULT_BROKER = (
     f"the transport's default broker: Redis {REDIS_DEFAULT_BROKER};"
     f" NATS `{NATS_URL_VARIABLE}`, else `{DEFAULT_NATS_URL}`; SQS `{SQS_URL_VARIABLE}`, else"
-    f" `{AWS_ENDPOINT}` (AWS's own endpoint of the region)"
+    f" `{AWS_ENDPOINT}` (AWS's own endpoint of the region); AMQP `{AMQP_URL_VARIABLE}`, else"
+    f" `{DEFAULT_AMQP_URL}`"
 )
 # The key prefix of a transport's idempotency keys (DESIGN.md 6b).
-DEFAULT_PREFIXES: Mapping[str, str] = {"redis": DEFAULT_PREFIX, "nats": "nats", "sqs": "sqs"}
+DEFAULT_PREFIXES: Mapping[str, str] = {"redis": DEFAULT_PREFIX, "nats": "nats", "sqs": "sqs", "amqp": "amqp"}
 RETENTION = "([Retention](operating.md#retention))"
 CREDENTIALS = "([security.md](security.md#broker-passwords-from-the-environment))"
 
@@ -175,6 +179,13 @@ def _complete_needs_an_ack(label: str, values: Mapping[str, Any]) -> None:
             " deleted within its visibility timeout (ack_wait_ms) is received again, so a delete held for"
             ' its todo\'s whole run would bring it back every ack_wait_ms; use ack_after = "store"'
         )
+    if values.get("transport") == "amqp" and values["ack_after"] == "complete":
+        raise ConfigError(
+            f'{label}: key \'ack_after\' = "complete" does not apply to transport = "amqp": the ack would'
+            " be held on the ingester's channel for the todo's whole run, where RabbitMQ's consumer_timeout"
+            " (30 minutes by default) closes the channel and requeues all it holds, and the held deliveries"
+            ' fill the prefetch and stop consumption; use ack_after = "store"'
+        )
 
 
 def _format(where: str, value: Any) -> BodyFormat:
@@ -206,6 +217,7 @@ RETENTION_FLOOR_MS = 3_600_000
 # SQS's longest visibility timeout (12 hours), and so the bound of ack_wait_ms.
 MAX_VISIBILITY_MS = 43_200_000
 RETENTION_HORIZON_FACTOR = 2
+AMQP_CONSUMER_TIMEOUT_MS = 1_800_000
 
 
 def redelivery_horizon_ms(values: Mapping[str, Any]) -> tuple[int, str]:
@@ -216,6 +228,10 @@ def redelivery_horizon_ms(values: Mapping[str, Any]) -> tuple[int, str]:
         return values["claim_idle_ms"] + values["claim_interval_ms"], "claim_idle_ms + claim_interval_ms"
     if values["mode"] == "list":
         return values["heartbeat_ttl_ms"] + values["reap_interval_ms"], "heartbeat_ttl_ms + reap_interval_ms"
+    if values.get("transport") == "amqp":
+        # A delivery comes again only once its channel ends, which RabbitMQ
+        # forces on a delivery held unacked past its consumer_timeout.
+        return AMQP_CONSUMER_TIMEOUT_MS, "RabbitMQ's consumer_timeout (30 minutes by default)"
     if values["mode"] in ("jetstream", "queue"):
         return values["ack_wait_ms"], "ack_wait_ms"
     return 0, "no redelivery (pub/sub)"
@@ -257,9 +273,9 @@ class AdapterConfig:
         Key(
             public=False,
             parse=_mode,
-            doc="Redis: `stream`, `list` or `pubsub`; NATS: `jetstream`; SQS: `queue`"
+            doc="Redis: `stream`, `list` or `pubsub`; NATS: `jetstream`; SQS and AMQP: `queue`"
             " ([transports.md](transports.md))",
-            default_doc="the transport's first: `stream` (Redis), `jetstream` (NATS), `queue` (SQS)",
+            default_doc="the transport's first: `stream` (Redis), `jetstream` (NATS), `queue` (SQS, AMQP)",
         ),
     ] = "stream"
     delivery: Annotated[
@@ -278,7 +294,7 @@ class AdapterConfig:
             public=False,
             parse=_transport,
             rule=_mode_of_transport,
-            doc="the broker's kind: `redis`, `nats` or `sqs`",
+            doc="the broker's kind: `redis`, `nats`, `sqs` or `amqp` (RabbitMQ)",
         ),
     ] = "redis"  # its own column
     ack_after: Annotated[
@@ -288,7 +304,8 @@ class AdapterConfig:
             rule=_complete_needs_an_ack,
             doc="`store`, or `complete`: the broker ack waits for the todo to finish, see"
             " [Workers](workers.md#acking-on-completion-ack_after--complete); not for pub/sub, which has"
-            " no ack, nor JetStream or SQS, which redeliver what stays unacked past `ack_wait_ms`",
+            " no ack, nor JetStream or SQS, which redeliver what stays unacked past `ack_wait_ms`, nor AMQP,"
+            " whose channel would hold the delivery past RabbitMQ's `consumer_timeout`",
         ),
     ] = "store"
     format: Annotated[
@@ -368,10 +385,10 @@ class AdapterConfig:
         str | None,
         Key(
             JETSTREAM + QUEUE,
-            transports=("nats", "sqs"),
+            transports=("nats", "sqs", "amqp"),
             parse=string,
             doc="the CA file that verifies the server's certificate (NATS: a `tls://` URL, or the"
-            " server requires it; SQS: an `https://` endpoint)",
+            " server requires it; SQS: an `https://` endpoint; AMQP: an `amqps://` URL)",
             default_doc="the system's CAs",
         ),
     ] = None
@@ -383,7 +400,7 @@ class AdapterConfig:
         str,
         Key(
             doc="idempotency keys: `{key_prefix}:{source}:{entry-id}`",
-            default_doc="the transport's name: `redis`, `nats`, `sqs`",
+            default_doc="the transport's name: `redis`, `nats`, `sqs`, `amqp`",
         ),
     ] = DEFAULT_PREFIX
     body_field: Annotated[
@@ -415,7 +432,8 @@ class AdapterConfig:
         str,
         Key(
             rule=_source_rule,
-            doc="stream key, list key or channel; the JetStream stream; the SQS queue's name or URL",
+            doc="stream key, list key or channel; the JetStream stream; the SQS queue's name or URL;"
+            " the AMQP queue (it must exist)",
         ),
     ]
     # The URL as read; its credentials, from the variables below, are added
@@ -584,6 +602,9 @@ def _transport_defaults(raw: Mapping[str, Any], redis_url: str, env: Mapping[str
     if transport == "sqs":
         url = env.get(SQS_URL_VARIABLE) or AWS_ENDPOINT
         return {"mode": TRANSPORT_MODES["sqs"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["sqs"]}
+    if transport == "amqp":
+        url = env.get(AMQP_URL_VARIABLE) or DEFAULT_AMQP_URL
+        return {"mode": TRANSPORT_MODES["amqp"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["amqp"]}
     return {"url": redis_url}
 
 
@@ -625,6 +646,12 @@ def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
             what = (a.transport, *a.broker.identity(), where)
             key, read = "source", f"SQS queue {sqs_queue_name(a.source)!r}"
             hint = "one adapter per queue (fan-out is SNS to several queues); run more ingesters for more"
+        elif a.transport == "amqp":
+            what = (a.transport, *a.broker.identity(), a.source)
+            key, read = "source", f"AMQP queue {a.source!r}"
+            hint = (
+                "one adapter per queue (fan-out is an exchange bound to several queues); run more ingesters"
+            )
         elif a.mode == "list":
             what = (a.mode, *a.broker.identity(), a.source)
             key, read = "source", f"list {a.source!r}"

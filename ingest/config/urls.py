@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from redis.asyncio.connection import parse_url
 from sqlalchemy.engine import make_url
@@ -134,8 +134,36 @@ def check_sqs_url(where: str, value: Any) -> str:
     return url
 
 
+AMQP_PORT, AMQPS_PORT = 5672, 5671
+
+
+def check_amqp_url(where: str, value: Any) -> str:
+    """A RabbitMQ (AMQP 0-9-1) URL: ``amqp://`` plain, ``amqps://`` TLS
+    (verified against ``tls_ca_file`` or the system's CAs); its path is the
+    virtual host (percent-encoded: ``%2F`` is ``/``, the default when there
+    is no path). No query: TLS comes from ``tls_ca_file``, and the client's
+    other options are Switchboard's."""
+    url = string(where, value)
+    parts = urlsplit(url)
+    if parts.scheme not in ("amqp", "amqps"):
+        raise ConfigError(f"{where} must be an amqp:// or amqps:// URL")
+    problem = _url_shape_problem(url)
+    if problem is None and (parts.query or parts.fragment):
+        problem = "an AMQP URL here has no query: amqp[s]://[USER:PASSWORD@]HOST[:PORT][/VHOST]"
+    if problem is None and "/" in parts.path.strip("/"):
+        problem = "the path is the virtual host, one segment (a '/' in its name is written %2F)"
+    if problem is not None:
+        raise ConfigError(f"{where} is not a valid URL: {problem}")
+    return url
+
+
+def amqp_vhost(url: str) -> str:
+    """The virtual host an AMQP URL names: its path, decoded; ``/`` without one."""
+    return unquote(urlsplit(url).path[1:]) or "/"
+
+
 # Each transport's URL check, by the transport's name.
-URL_CHECKS = {"redis": check_redis_url, "nats": check_nats_url, "sqs": check_sqs_url}
+URL_CHECKS = {"redis": check_redis_url, "nats": check_nats_url, "sqs": check_sqs_url, "amqp": check_amqp_url}
 
 
 def check_broker_url(where: str, value: Any) -> str:
@@ -147,6 +175,8 @@ def check_broker_url(where: str, value: Any) -> str:
         return check_nats_url(where, url)
     if scheme in ("http", "https", "aws"):
         return check_sqs_url(where, url)
+    if scheme in ("amqp", "amqps"):
+        return check_amqp_url(where, url)
     return check_redis_url(where, url)
 
 
@@ -272,6 +302,9 @@ class BrokerUrl:
             return (parts.hostname or "localhost", str(parts.port or NATS_PORT))
         if parts.scheme in ("http", "https", "aws"):
             return (parts.scheme, parts.hostname or "", str(parts.port or ""))
+        if parts.scheme in ("amqp", "amqps"):
+            port = parts.port or (AMQPS_PORT if parts.scheme == "amqps" else AMQP_PORT)
+            return (parts.hostname or "localhost", str(port), amqp_vhost(self._url))
         db = parts.path.strip("/") or "0"
         for item in parts.query.split("&"):
             key, _, value = item.partition("=")

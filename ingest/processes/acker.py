@@ -45,7 +45,7 @@ from backhalf.records import AckClaim
 from backhalf.registry import AdapterRow
 from ingest.adapters import registered
 from ingest.adapters.base import Acknowledger
-from ingest.adapters.factory import make_acknowledger
+from ingest.adapters.factory import acked_by, make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.config.urls import broker_name
 from ingest.errors import AckError, AcksRefused, ConfigError, error_kind, log_failure
@@ -254,7 +254,13 @@ class RegisteredAcknowledgers:
             if row.name in self._into or self._skipped.get(row.name) == row.settings:
                 continue
             try:
-                acknowledger = make_acknowledger(registered.adapter_config(row, self._broker_url))
+                config = registered.adapter_config(row, self._broker_url)
+                if acked_by(config) != "acker":
+                    # Its ingester acks (AMQP): nothing here to do for it.
+                    self._skipped[row.name] = row.settings
+                    log.info("registered_adapter_acked_by_ingester", adapter=row.name)
+                    continue
+                acknowledger = make_acknowledger(config)
             except ConfigError as exc:
                 self._skipped[row.name] = row.settings
                 log.warning("registered_adapter_skipped", adapter=row.name, error=exc)
@@ -394,8 +400,10 @@ class _Acker(ProcessBody):
         self.shutdown_timeout_s = settings.acker.shutdown_timeout_s
         self._settings = settings
         self._engine = engine
+        # An adapter its ingester acks (AMQP: acks are bound to the channel
+        # that received the message) has no part here.
         self._acknowledgers: dict[str, Acknowledger] = {
-            cfg.name: make_acknowledger(cfg) for cfg in settings.adapters
+            cfg.name: make_acknowledger(cfg) for cfg in settings.adapters if acked_by(cfg) == "acker"
         }
         self._refresh: Callable[[], Awaitable[object]] | None = None
         self._dispatcher: Dispatcher | None = None

@@ -1,7 +1,10 @@
 """The poll loop of one adapter: read a batch, store it in one transaction, repeat.
 
 It never talks to the broker's ack API (the acker does, for committed rows
-only), so whatever happens here the worst outcome is a redelivery. Broker and
+only), so whatever happens here the worst outcome is a redelivery; the one
+exception is a transport whose acks are bound to the receiving channel
+(AMQP), which this loop acks through its adapter strictly after the commit
+(``_ack_own``), and then marks. Broker and
 database errors are logged, backed off and retried; the loop ends only when
 ``stop`` is set. On stop it abandons a read in progress (those entries stay
 pending at the broker) but lets a store already under way commit or fail.
@@ -26,7 +29,7 @@ from backhalf import acks, body_schema, failpoints, metrics, registry
 from backhalf import attempts as delivery_attempts
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.db_errors import is_transient
-from backhalf.errors import DeadlineExceeded, PoisonMessage, StoreError
+from backhalf.errors import AckStateError, DeadlineExceeded, PoisonMessage, StoreError
 from backhalf.normalize import RawForm, content_payload, content_size, raw_form, refusal
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
@@ -48,6 +51,9 @@ ISOLATE_AFTER = 3
 NORMALIZE_SLICE = 100
 LOST_REASON = "lost_before_ingest"
 LOST_BEFORE_INGEST = f"{LOST_REASON}: the entry was deleted or trimmed while still pending"
+# Own acks whose marks failed, kept to mark with the next batch's; past this
+# many the oldest are left to the settling at the next channel's start.
+MAX_UNMARKED = 100_000
 
 
 def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
@@ -159,6 +165,9 @@ class PollLoop:
             adapter=config.name, mode=config.mode, source=config.source, consumer=config.consumer
         )
         self._commits = Commits(self._log)
+        # Refs of deliveries this process acked itself whose marks have not
+        # committed yet (a consumer-acked transport: see _ack_own).
+        self._unmarked: list[str] = []
 
     async def run(self) -> None:
         try:
@@ -427,6 +436,35 @@ class PollLoop:
         for d in deliveries:
             if d.lost:
                 self._log.error("lost_before_ingest", message_id=d.message_id, key=d.idempotency_key)
+        await self._ack_own()
+
+    async def _ack_own(self) -> None:
+        """A consumer-acked transport: the committed batches acked on their
+        own channel (only now: the commit came first), then their intents
+        marked acked. The ack failing raises (the channel is gone, and with
+        it every delivery it held went back to the queue: redelivered,
+        deduplicated, acked then). The mark failing does not: the broker
+        holds nothing any more, so the refs are kept and marked with the next
+        batch's, and whatever a crash leaves unmarked is settled when the
+        consumer's next channel opens (``settle_acks``). A no-op for every
+        transport the acker acks for."""
+        acked = await self._adapter.ack_stored()
+        refs = self._unmarked + [d.ack_ref for d in acked if d.ack_ref is not None]
+        if not refs:
+            return
+        if metrics.on() and acked:
+            metrics.ACKED.labels(self._cfg.name).inc(len(acked))
+        failpoints.hit("after_own_ack")
+        try:
+            async with self._within_deadline(self._engine.begin(), f"marking {len(refs)} acks") as conn:
+                await acks.mark_own(conn, self._cfg.name, refs)
+        except (SQLAlchemyError, DeadlineExceeded, AckStateError) as exc:
+            self._unmarked = refs[-MAX_UNMARKED:]
+            self._log.warning(
+                "own_acks_unmarked", acks=len(refs), error=str(exc), error_type=type(exc).__name__
+            )
+            return
+        self._unmarked = []
 
     @property
     def enabled(self) -> bool:

@@ -336,6 +336,10 @@ class JetStreamAdapter:
         unstored = [d for batch in self._unconfirmed.rewound() for d in batch]
         self._replay = unstored + self._replay
 
+    async def ack_stored(self) -> Sequence[Delivery]:
+        """Nothing: the acker acks, from committed intents."""
+        return []
+
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg
         client = await self._connection()

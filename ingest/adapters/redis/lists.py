@@ -185,6 +185,10 @@ class ListAdapter(RedisEndpoint):
         self._own_recovery_due = True
         self._to_release.update(*self._batch_locks.rewound())
 
+    async def ack_stored(self) -> Sequence[Delivery]:
+        """Nothing: the acker acks, from committed intents."""
+        return []
+
     async def _release_locks(self) -> None:
         # GET then DEL, not atomic: a lock could expire and be taken between
         # the two only if this consumer stalled for the whole TTL in between.

@@ -83,6 +83,10 @@ class PubSubAdapter(RedisEndpoint):
         # A crash loses them, which is what at-most-once means.
         self._replay = [d for batch in self._unconfirmed.rewound() for d in batch] + self._replay
 
+    async def ack_stored(self) -> Sequence[Delivery]:
+        """Nothing: the acker acks, from committed intents."""
+        return []
+
     async def describe(self) -> Mapping[str, object]:
         with redis_errors(self.name, f"PUBSUB NUMSUB {self._cfg.source}"):
             numsub = await self._client.pubsub_numsub(self._cfg.source)

@@ -99,6 +99,9 @@ class _Unrecorded:
     async def acks_owed(self, adapter: str, keys: Sequence[str]) -> set[str]:
         return set()
 
+    async def settle_acks(self, adapter: str, consumer: str, session: str) -> int:
+        return 0
+
 
 def _field_map(flat: Sequence[bytes] | None) -> dict[bytes, bytes] | None:
     if flat is None:
@@ -432,6 +435,10 @@ class StreamAdapter(RedisEndpoint):
         self._next_claim_at = 0.0
         unstored = [d for lost in self._unconfirmed_lost.rewound() for d in lost]
         self._lost_to_replay = unstored + self._lost_to_replay
+
+    async def ack_stored(self) -> Sequence[Delivery]:
+        """Nothing: the acker acks, from committed intents."""
+        return []
 
     async def run_background(self, stop: asyncio.Event) -> None:
         """Nothing: the PEL needs no heartbeat; the claim sweep judges idleness."""

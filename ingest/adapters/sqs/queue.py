@@ -346,6 +346,10 @@ class SqsQueueAdapter:
         unstored = [d for batch in self._unconfirmed.rewound() for d in batch]
         self._replay = unstored + self._replay
 
+    async def ack_stored(self) -> Sequence[Delivery]:
+        """Nothing: the acker acks, from committed intents."""
+        return []
+
     async def describe(self) -> Mapping[str, object]:
         client, url = await self._connection()
         names = [*_COUNTS.values(), "RedrivePolicy", "FifoQueue", "VisibilityTimeout"]

@@ -56,6 +56,9 @@ class _FailingOnce:
     async def acks_owed(self, adapter: str, keys: Sequence[str]) -> set[str]:
         return await self._ledger.acks_owed(adapter, keys)
 
+    async def settle_acks(self, adapter: str, consumer: str, session: str) -> int:
+        return await self._ledger.settle_acks(adapter, consumer, session)
+
 
 @pytest.fixture
 def cfg(redis_url: str) -> Callable[..., AdapterConfig]:

@@ -30,7 +30,8 @@ def test_a_transport_whose_client_is_missing_names_its_extra(monkeypatch: pytest
 
 def test_an_unknown_transport_is_a_config_error_naming_the_known_ones() -> None:
     with pytest.raises(
-        ConfigError, match=r"adapter 'x': key 'transport' = 'kafka' is not one of \['nats', 'redis', 'sqs'\]"
+        ConfigError,
+        match=r"adapter 'x': key 'transport' = 'kafka' is not one of \['amqp', 'nats', 'redis', 'sqs'\]",
     ):
         factory.transport("kafka", adapter="x")
 
@@ -66,6 +67,21 @@ def test_an_intent_reads_in_its_transports_words() -> None:
     assert factory.describe_ack(None, AckIntentView("jsack", "ORDERS", "switchboard", reply, 1)) == (
         f"+ACK to {reply} (stream ORDERS, consumer switchboard)"
     )
+    assert factory.describe_ack("amqp", AckIntentView("amqp", "jobs", None, "5f1c:42", 1)) == (
+        "basic.ack of delivery tag 42 on channel 5f1c of queue jobs, sent by the ingester that received it,"
+        " after its commit"
+    )
+
+
+def test_the_acker_has_no_part_in_an_adapter_its_ingester_acks() -> None:
+    from ingest.config.adapter import read_adapter
+
+    amqp = read_adapter({"name": "jobs", "transport": "amqp", "source": "jobs"}, "redis://127.0.0.1:6379/0")
+    assert factory.acked_by(amqp) == "consumer"
+    with pytest.raises(TypeError, match="its ingester acks"):
+        factory.make_acknowledger(amqp)
+    redis = read_adapter({"name": "orders", "source": "orders"}, "redis://127.0.0.1:6379/0")
+    assert factory.acked_by(redis) == "acker"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,67 @@
+"""What the AMQP mode's parts share: connecting, TLS, errors, labels.
+
+Connections are aio-pika's plain (not "robust") ones: a lost connection is
+an error the poll loop backs off and retries like any broker error, so its
+backoff stays the one retry policy, and the channel whose deliveries are
+lost with it is never silently replaced under a batch that still names them.
+"""
+
+from __future__ import annotations
+
+import ssl
+from urllib.parse import unquote, urlsplit
+
+import aio_pika
+import aiormq.exceptions
+from aio_pika.abc import AbstractConnection
+
+from ingest.config import AdapterConfig
+from ingest.config.urls import AMQP_PORT, AMQPS_PORT, amqp_vhost
+from ingest.errors import wrapped_errors
+
+CONNECT_TIMEOUT_S = 10.0
+# Calls that wait for the server's answer (declare, qos, consume, cancel).
+CALL_TIMEOUT_S = 10.0
+
+
+class amqp_errors(wrapped_errors):
+    """aio-pika's, aiormq's and the socket's errors as ``error``:
+    ``adapter X: what: detail``. Their texts name the server's reply code
+    and text (``ACCESS_REFUSED - ...``), never the URL or its password."""
+
+    caught = (aiormq.exceptions.AMQPError, aio_pika.exceptions.AMQPException, OSError, TimeoutError)
+
+
+def server_label(url: str) -> str:
+    """host:port, and the virtual host where it is not ``/``, for log
+    fields; never credentials."""
+    parts = urlsplit(url)
+    port = parts.port or (AMQPS_PORT if parts.scheme == "amqps" else AMQP_PORT)
+    vhost = amqp_vhost(url)
+    return f"{parts.hostname or 'localhost'}:{port}" + ("" if vhost == "/" else f" vhost {vhost}")
+
+
+def user_of(url: str) -> str:
+    """The user name the URL logs in as (RabbitMQ's default: guest)."""
+    return unquote(urlsplit(url).username or "") or "guest"
+
+
+def tls_context(config: AdapterConfig) -> ssl.SSLContext | None:
+    """For an ``amqps://`` URL: the server's certificate verified, against
+    ``tls_ca_file`` or the system's CAs, and its host name checked."""
+    if urlsplit(config.broker.url()).scheme != "amqps":
+        return None
+    return ssl.create_default_context(cafile=config.tls_ca_file)
+
+
+async def connect(config: AdapterConfig, *, role: str) -> AbstractConnection:
+    """A connection as the adapter's user, named for the server's listings
+    (``switchboard ingest NAME``). Raises BrokerError."""
+    url = config.broker.url()
+    with amqp_errors(config.name, f"connecting to {server_label(url)}"):
+        return await aio_pika.connect(
+            url,
+            timeout=CONNECT_TIMEOUT_S,
+            ssl_context=tls_context(config),
+            client_properties={"connection_name": f"switchboard {role} {config.name} {config.consumer}"},
+        )
