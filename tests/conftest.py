@@ -88,3 +88,23 @@ def make_config(
         )
 
     return make
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Iterator[None]:
+    """A run without RabbitMQ is no pass of the AMQP tests: one line, after
+    the short summary, says why they could not run and how many were
+    skipped (tests.support.amqp)."""
+    from tests.support.amqp import NO_BROKER
+
+    yield
+    reasons = []
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        if NO_BROKER in reason:
+            reasons.append(reason[reason.index(NO_BROKER) :])
+    if reasons:
+        terminalreporter.write_line(
+            f"{reasons[0]}; {len(reasons)} tests skipped \N{EM DASH} not a pass", yellow=True, bold=True
+        )
