@@ -8,20 +8,38 @@ lost with it is never silently replaced under a batch that still names them.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import ssl
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq.exceptions
+import structlog
 from aio_pika.abc import AbstractConnection
 
 from ingest.config import AdapterConfig
 from ingest.config.urls import AMQP_PORT, AMQPS_PORT, amqp_vhost
 from ingest.errors import wrapped_errors
 
+log = structlog.get_logger(__name__)
+# aiormq and aio-pika log each connection failure themselves (a reset with
+# its traceback at warning, a refused connect at error): the same failures
+# the adapter raises as broker errors, which the poll loop logs once, with
+# the adapter, the step and the backoff. Only what they call critical stays.
+for _library in ("aiormq", "aio_pika"):
+    logging.getLogger(_library).setLevel(logging.CRITICAL)
+
 CONNECT_TIMEOUT_S = 10.0
 # Calls that wait for the server's answer (declare, qos, consume, cancel).
 CALL_TIMEOUT_S = 10.0
+
+
+# aiormq ends a connection's reader with a task of its own it keeps no
+# reference to (``Connection._on_reader_done``'s ``close_writer_task``): a
+# closed connection is over only once that has run too.
+_TEARDOWN = "_on_reader_done.<locals>.close_writer_task"
 
 
 class amqp_errors(wrapped_errors):
@@ -65,3 +83,28 @@ async def connect(config: AdapterConfig, *, role: str) -> AbstractConnection:
             ssl_context=tls_context(config),
             client_properties={"connection_name": f"switchboard {role} {config.name} {config.consumer}"},
         )
+
+
+async def close_connection(connection: AbstractConnection, *, adapter: str) -> None:
+    """Close ``connection`` and wait, bounded, for aiormq's own teardown of
+    it: nothing of it outlives the call (a process checks that no task
+    outlives its run)."""
+    transport = connection.transport
+    reader = getattr(transport.connection, "_reader_task", None) if transport is not None else None
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            if not connection.is_closed:
+                await connection.close()
+            if isinstance(reader, asyncio.Task):
+                await asyncio.wait([reader])
+            # The reader's done callbacks ran before this resumed: its
+            # teardown task exists now, if it made one.
+            teardown = [t for t in asyncio.all_tasks() if not t.done() and _is_teardown(t)]
+            if teardown:
+                await asyncio.wait(teardown)
+    except Exception as exc:  # noqa: BLE001 - closing what may have failed already
+        log.info("amqp_close_failed", adapter=adapter, error=str(exc) or type(exc).__name__)
+
+
+def _is_teardown(task: asyncio.Task[Any]) -> bool:
+    return getattr(task.get_coro(), "__qualname__", "").endswith(_TEARDOWN)

@@ -52,7 +52,14 @@ from aiormq.abc import DeliveredMessage
 
 from backhalf.keys import native_key
 from backhalf.records import AckTarget
-from ingest.adapters.amqp.common import CALL_TIMEOUT_S, amqp_errors, connect, server_label, user_of
+from ingest.adapters.amqp.common import (
+    CALL_TIMEOUT_S,
+    amqp_errors,
+    close_connection,
+    connect,
+    server_label,
+    user_of,
+)
 from ingest.adapters.base import Acknowledger, ConsumerLedger, Delivery, OpenLedger, Unconfirmed
 from ingest.config import AdapterConfig
 from ingest.config.urls import amqp_vhost
@@ -137,7 +144,10 @@ class AmqpQueueAdapter:
     async def start(self) -> None:
         async with self._connecting:
             if self._channel is None or self._channel.is_closed or self._closed_by is not None:
-                await self._drop_channel()
+                # One channel per connection: a channel that ended takes its
+                # connection along (whose own state may lag behind a reset),
+                # and the next one starts on a fresh connection.
+                await self._drop_connection()
                 await self._open()
             if not self._settled:
                 await self._settle()
@@ -157,7 +167,7 @@ class AmqpQueueAdapter:
     async def _open(self) -> None:
         cfg = self._cfg
         try:
-            if self._connection is None or self._connection.is_closed:
+            if self._connection is None:
                 self._connection = await connect(cfg, role="ingest")
             with amqp_errors(self.name, f"opening a channel to consume queue {cfg.source!r}"):
                 channel = await self._connection.channel(publisher_confirms=False)
@@ -180,9 +190,16 @@ class AmqpQueueAdapter:
                 )
                 self._consumer_tag = consumed.consumer_tag
                 self._session = session
-        except BrokerError:
+        except Exception as exc:
+            # Whatever failed, the next start begins on a fresh connection.
             await self._drop_connection()
-            raise
+            if isinstance(exc, BrokerError):
+                raise
+            # aiormq raises RuntimeError on a connection it found closed.
+            raise BrokerError(
+                f"adapter {self.name}: opening a channel to {self.broker}: {type(exc).__name__}"
+                " (the client found its connection closed)"
+            ) from exc
         self._settled = False
         log.info(
             "amqp_consuming", adapter=self.name, queue=cfg.source, broker=self.broker, session=self._session
@@ -219,12 +236,8 @@ class AmqpQueueAdapter:
     async def _drop_connection(self) -> None:
         await self._drop_channel()
         connection, self._connection = self._connection, None
-        if connection is not None and not connection.is_closed:
-            try:
-                async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                    await connection.close()
-            except Exception as exc:  # noqa: BLE001 - closing what already failed
-                log.info("amqp_close_failed", adapter=self.name, error=str(exc) or type(exc).__name__)
+        if connection is not None:
+            await close_connection(connection, adapter=self.name)
 
     def _raise_if_closed(self, what: str) -> None:
         if self._closed_by is not None or self._channel is None or self._channel.is_closed:
@@ -321,10 +334,10 @@ class AmqpQueueAdapter:
         live = [b for b in committed if b.session == self._session]
         if not live:
             return []
-        self._raise_if_closed(f"acking {sum(len(b.deliveries) for b in live)} stored messages")
-        assert self._channel is not None
         last = max(b.last_tag for b in live)
         try:
+            self._raise_if_closed(f"acking {sum(len(b.deliveries) for b in live)} stored messages")
+            assert self._channel is not None
             underlay = await self._channel.get_underlay_channel()
             with amqp_errors(self.name, f"acking up to delivery tag {last}"):
                 await underlay.basic_ack(last, multiple=True)
@@ -358,9 +371,8 @@ class AmqpQueueAdapter:
                         if not channel.is_closed:
                             await channel.close()
         finally:
-            if own and connection is not None and not connection.is_closed:
-                with contextlib.suppress(Exception):
-                    await connection.close()
+            if own and connection is not None:
+                await close_connection(connection, adapter=self.name)
         held = sum(len(b.deliveries) for b in (*self._unconfirmed, *self._replay, *self._committed))
         return {
             "ready": ok.message_count,

@@ -1,0 +1,162 @@
+"""AMQP (RabbitMQ) under real faults, on a broker each test starts itself
+(``tests/support/amqp.py``): ingesters and the acker killed with kill -9 at
+random moments; an ingester killed between its commit and its ack, and
+between its ack and the ack's mark (failpoints); the broker killed and
+started again mid-run. Each run ends with one todo per message id (one per
+distinct body for messages without one), every ack intent discharged and
+the queue empty: nothing ready, nothing unacked. The chaos seed is printed
+(SWITCHBOARD_TEST_SEED replays it)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ingest.embedded.processes import wait_for, wait_ready
+from ingest.embedded.rabbitmq_server import RabbitMqServer
+from tests.support.amqp import declare_queue, owned_rabbitmq, publish, queue_counts
+from tests.support.amqp_plain import publish_without_ids
+from tests.support.chaos import kill9_rounds, seeded
+from tests.support.db import acked, scalar
+from tests.support.oracle import assert_stored_once
+from tests.support.processes import Processes, assert_clean_exit
+
+pytestmark = pytest.mark.system
+PER_PHASE = 500  # of each kind: 2,000 messages in all
+ROUNDS = 8
+QUEUE = "orders"
+
+
+@pytest.fixture
+def rabbit() -> Iterator[RabbitMqServer]:
+    with owned_rabbitmq() as server:
+        yield server
+
+
+def amqp_adapter(url: str, queue: str = QUEUE, **overrides: object) -> dict[str, object]:
+    return {
+        "name": "orders",
+        "transport": "amqp",
+        "source": queue,
+        "queue": "orders",
+        "url": url,
+        "batch_size": 50,
+        "block_ms": 200,
+        **overrides,
+    }
+
+
+def bodies(n: int, start: int = 0, **extra: Any) -> list[bytes]:
+    return [json.dumps({"order": i, **extra}).encode() for i in range(start, start + n)]
+
+
+class Produced:
+    """What was published, as the keys its messages must be stored under."""
+
+    def __init__(self, url: str, queue: str = QUEUE) -> None:
+        self.url, self.queue, self.keys = url, queue, set[str]()
+
+    def with_ids(self, n: int, start: int) -> None:
+        ids = [f"m-{i}" for i in range(start, start + n)]
+        publish(self.url, self.queue, bodies(n, start, kind="id"), message_ids=ids)
+        self.keys |= {f"amqp:{self.queue}:{i}" for i in ids}
+
+    def without_ids(self, n: int, start: int) -> None:
+        sent = bodies(n, start, kind="body")
+        # Every tenth body twice: one todo per distinct body.
+        sent += sent[::10]
+        publish_without_ids(self.url, self.queue, sent)
+        self.keys |= {f"amqp:{self.queue}:{hashlib.sha256(b).hexdigest()}" for b in sent}
+
+
+def settled(db_url: str, url: str, produced: Produced) -> bool:
+    ready, unacked, _consumers = queue_counts(url, produced.queue)
+    return ready == 0 and unacked == 0 and acked(db_url) == len(produced.keys)
+
+
+def test_random_kill9_of_ingesters_and_acker(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, rabbit: RabbitMqServer
+) -> None:
+    """Two ingesters (consumer names of their own) and an acker, which has
+    no part here: killing it must not matter."""
+    seed, rng = seeded()
+    declare_queue(rabbit.url, QUEUE)
+    produced = Produced(rabbit.url)
+    produced.with_ids(PER_PHASE, 0)
+    produced.without_ids(PER_PHASE, 0)
+    config = make_config(amqp_adapter(rabbit.url))
+
+    def halfway() -> None:
+        produced.with_ids(PER_PHASE, PER_PHASE)
+        produced.without_ids(PER_PHASE, PER_PHASE)
+
+    slots, kills = kill9_rounds(procs, config, rng, ROUNDS, halfway)
+    wait_for(
+        lambda: settled(db_url, rabbit.url, produced),
+        timeout_s=120,
+        interval_s=0.5,
+        what=f"convergence after {kills} kills (seed {seed})",
+    )
+    for proc in slots.values():
+        assert_clean_exit(proc, proc.terminate())
+    assert_stored_once(db_url, sorted(produced.keys), queue="orders")
+    assert queue_counts(rabbit.url, QUEUE) == (0, 0, 0)
+    procs.assert_no_secret_logged()
+
+
+@pytest.mark.parametrize("point", ["after_commit", "after_own_ack"])
+def test_kill9_between_commit_ack_and_mark_makes_no_second_todo(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, rabbit: RabbitMqServer, point: str
+) -> None:
+    """Killed right after the commit (the ack not sent: the broker requeues
+    the batch, whose redelivery dedups) or right after the ack (its mark
+    not written: the consumer's next channel settles it): one todo each."""
+    declare_queue(rabbit.url, QUEUE)
+    produced = Produced(rabbit.url)
+    produced.with_ids(40, 0)
+    produced.without_ids(40, 0)
+    config = make_config(amqp_adapter(rabbit.url, batch_size=20))
+    first = procs.start("ingest", config, name="ingester-1", failpoints=f"{point}=kill@1")
+    wait_for(lambda: not first.alive(), timeout_s=60, interval_s=0.2, what=f"the kill at {point}")
+    stored = scalar(db_url, "SELECT count(*) FROM inbox")
+    assert stored > 0, "the failpoint fired before any commit"
+    assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 0
+    # The broker holds nothing for the dead channel: requeued, or acked.
+    wait_for(lambda: queue_counts(rabbit.url, QUEUE)[1] == 0, timeout_s=30, interval_s=0.2, what="requeue")
+    again = procs.start("ingest", config, name="ingester-1")
+    wait_ready(again)
+    wait_for(lambda: settled(db_url, rabbit.url, produced), timeout_s=60, interval_s=0.2, what="convergence")
+    assert_clean_exit(again, again.terminate())
+    assert_stored_once(db_url, sorted(produced.keys), queue="orders")
+    if point == "after_commit":
+        # The first batch was delivered twice and stored once.
+        assert scalar(db_url, "SELECT max(deliveries) FROM inbox") >= 2
+    procs.assert_no_secret_logged()
+
+
+def test_the_broker_killed_and_started_again_mid_run(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, rabbit: RabbitMqServer
+) -> None:
+    """kill -9 of RabbitMQ while the ingester consumes: the ingester backs
+    off and reconnects once the broker is back (durable queue, persistent
+    messages), nothing lost or doubled; the processes exit cleanly."""
+    declare_queue(rabbit.url, QUEUE)
+    produced = Produced(rabbit.url)
+    produced.with_ids(PER_PHASE, 0)
+    config = make_config(amqp_adapter(rabbit.url, batch_size=20))
+    ingester = procs.start("ingest", config, name="ingester-1")
+    wait_for(lambda: acked(db_url) > 0, timeout_s=60, interval_s=0.05, what="the first acks")
+    rabbit.kill()
+    rabbit.restart()
+    produced.with_ids(PER_PHASE, PER_PHASE)
+    produced.without_ids(100, 0)
+    wait_for(lambda: settled(db_url, rabbit.url, produced), timeout_s=120, interval_s=0.5, what="convergence")
+    assert ingester.alive()
+    assert_clean_exit(ingester, ingester.terminate())
+    assert_stored_once(db_url, sorted(produced.keys), queue="orders")
+    procs.assert_no_secret_logged()
