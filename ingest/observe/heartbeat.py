@@ -170,6 +170,10 @@ def _set_broker_gauges(adapter: str, described: Mapping[str, Any]) -> None:
         ("visible", m.STREAM_LAG),
         ("in_flight", m.STREAM_PENDING),
         ("dead_letter_messages", m.DEAD_LETTER),
+        # An AMQP queue's ready messages, and the deliveries this ingester
+        # holds unacked (the broker's whole unacked count is not in AMQP).
+        ("ready", m.STREAM_LAG),
+        ("held_here", m.STREAM_PENDING),
     ):
         value = number(key)
         if value is not None:

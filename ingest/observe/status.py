@@ -33,7 +33,7 @@ from backhalf.heartbeats import ProcessRow
 from backhalf.redaction import redact
 from backhalf.registry import AdapterRow
 from ingest.adapters import registered
-from ingest.adapters.factory import make_adapter
+from ingest.adapters.factory import acked_by, make_adapter
 from ingest.config import AdapterConfig, Settings
 from ingest.errors import BrokerError, ConfigError
 from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY
@@ -184,6 +184,7 @@ async def collect(
                 "enabled": enabled,
                 **({"broker": e.note} if e.note is not None else {}),
                 **(broker or {}),
+                **({"acked_by": "ingest"} if _acked_by_ingester(e.cfg) else {}),
                 "pending_acks": c.pending_acks if c else 0,
                 "oldest_unacked_age_s": round(age.total_seconds(), 3) if age is not None else None,
                 **_held_by(age, holder),
@@ -196,6 +197,14 @@ async def collect(
             }
         )
     return report
+
+
+def _acked_by_ingester(cfg: AdapterConfig | None) -> bool:
+    """An adapter whose ingester acks (AMQP): no ack process serves it."""
+    try:
+        return cfg is not None and acked_by(cfg) == "consumer"
+    except ConfigError:  # its transport's client is missing: said by its broker view
+        return False
 
 
 # An ack owed this long, with a transaction of this database holding an id:
@@ -300,7 +309,10 @@ def _render_adapter(r: Mapping[str, Any]) -> list[str]:
         lines.append(f"  {key:<22} {shown}")
     served = r.get("processes") or {}
     for role in ("ingest", "ack", "worker"):
-        lines.append(f"  {role + ' alive':<22} {', '.join(served.get(role, [])) or 'none'}")
+        alive = ", ".join(served.get(role, [])) or "none"
+        if role == "ack" and r.get("acked_by") == "ingest":
+            alive = "not needed: its ingester acks"
+        lines.append(f"  {role + ' alive':<22} {alive}")
     if served.get("dead"):
         lines.append(f"  {'DEAD':<22} {'; '.join(served['dead'])}")
     if served.get("not_running"):

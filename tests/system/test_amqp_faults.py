@@ -24,7 +24,7 @@ from tests.support.amqp_plain import publish_without_ids
 from tests.support.chaos import kill9_rounds, seeded
 from tests.support.db import acked, scalar
 from tests.support.oracle import assert_stored_once
-from tests.support.processes import Processes, assert_clean_exit
+from tests.support.processes import Processes, assert_clean_exit, switchboard
 
 pytestmark = pytest.mark.system
 PER_PHASE = 500  # of each kind: 2,000 messages in all
@@ -159,4 +159,37 @@ def test_the_broker_killed_and_started_again_mid_run(
     assert ingester.alive()
     assert_clean_exit(ingester, ingester.terminate())
     assert_stored_once(db_url, sorted(produced.keys), queue="orders")
+    procs.assert_no_secret_logged()
+
+
+def test_status_trace_and_an_acker_beside_it_through_the_cli(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, rabbit: RabbitMqServer
+) -> None:
+    """As a user drives it: ``ingest`` and ``ack`` run (the acker skips the
+    AMQP adapter: its ingester acks), ``status --json`` shows the queue's
+    figures, ``trace`` shows the ack the ingester sent."""
+    declare_queue(rabbit.url, QUEUE)
+    produced = Produced(rabbit.url)
+    config = make_config(amqp_adapter(rabbit.url))
+    ingester = procs.start("ingest", config, name="ingester-1")
+    acker = procs.start("ack", config, name="acker-1")
+    wait_ready(ingester)
+    wait_ready(acker)
+    produced.with_ids(3, 0)
+    wait_for(lambda: settled(db_url, rabbit.url, produced), timeout_s=30, interval_s=0.1, what="acks")
+    status = switchboard("--config", str(config), "status", "--json")
+    (report,) = json.loads(status.stdout)
+    assert report["healthy"] is True, status.stdout
+    assert report["ready"] == 0, report
+    assert report["consumers"] == 1, report
+    assert report["acked_by"] == "ingest", report
+    text = switchboard("--config", str(config), "status").stdout
+    assert "ack alive              not needed: its ingester acks" in text, text
+    trace = switchboard("--config", str(config), "trace", f"amqp:{QUEUE}:m-1")
+    assert trace.returncode == 0, trace.stderr
+    assert "basic.ack of delivery tag" in trace.stdout, trace.stdout
+    assert "acked" in trace.stdout
+    for proc in (ingester, acker):
+        assert_clean_exit(proc, proc.terminate())
+    assert "registered_adapter_skipped" not in acker.raw_log()
     procs.assert_no_secret_logged()

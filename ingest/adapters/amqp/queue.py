@@ -373,13 +373,15 @@ class AmqpQueueAdapter:
         finally:
             if own and connection is not None:
                 await close_connection(connection, adapter=self.name)
-        held = sum(len(b.deliveries) for b in (*self._unconfirmed, *self._replay, *self._committed))
-        return {
+        figures: dict[str, object] = {
             "ready": ok.message_count,
             "consumers": ok.consumer_count,
-            "held_here": held + self._arrived.qsize(),
             "prefetch": 2 * self._cfg.batch_size,
         }
+        if self._channel is not None:  # consuming: the ingester's gauges
+            held = sum(len(b.deliveries) for b in (*self._unconfirmed, *self._replay, *self._committed))
+            figures["held_here"] = held + self._arrived.qsize()
+        return figures
 
     async def close(self) -> None:
         """Commits are over (the poll loop has ended): what is still held,
