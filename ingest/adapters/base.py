@@ -198,6 +198,12 @@ class PullAdapter(Protocol):
         """No unconfirmed batch will be stored: deliver them all again, from
         the broker's own record of what is un-acked wherever one exists."""
 
+    async def pause(self) -> None:
+        """The adapter was disabled: give back what the broker pushed ahead
+        of the reads (an AMQP channel's prefetch), so other consumers get it
+        meanwhile; the next read starts again. A no-op where nothing is
+        pushed (every pull-by-request mode)."""
+
     async def ack_stored(self) -> Sequence[Delivery]:
         """Where acks are bound to the channel that received the message
         (:data:`AckParty` "consumer": AMQP), the consuming process acks: every

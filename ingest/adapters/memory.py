@@ -68,6 +68,9 @@ class MemoryAdapter:
     def rewind(self) -> None:
         self._replay = True
 
+    async def pause(self) -> None:
+        """Nothing: nothing is read ahead of a request."""
+
     async def ack_stored(self) -> Sequence[Delivery]:
         """Nothing: the acker acks, from committed intents."""
         return []

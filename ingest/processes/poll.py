@@ -150,6 +150,7 @@ class PollLoop:
         self._stop = stop
         self._enabled = True
         self._enabled_checked_at = float("-inf")
+        self._paused = False  # disabled, and the adapter told so (pause)
         self._open_ledger = ledger_for(engine, config.name, deadline_ms)
         self._prefetch: asyncio.Task[Fetched] | None = None
         # The last store found messages already stored: the next one asks
@@ -218,8 +219,16 @@ class PollLoop:
         self._commits.reap_ended()
         if self._prefetch is None:
             if not await self._is_enabled():
+                if not self._paused:
+                    # What committed is acked first (a consumer-acked
+                    # transport's acks ride its commits), then the adapter
+                    # gives back what its broker pushed ahead.
+                    await self._commits.wait_all()
+                    await self._adapter.pause()
+                    self._paused = True
                 await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
                 return
+            self._paused = False
             count = self._read_count()
             if not count and self._commits:
                 # No room for another read: wait for the oldest commit.

@@ -326,6 +326,15 @@ class AmqpQueueAdapter:
     def rewind(self) -> None:
         self._replay = self._unconfirmed.rewound() + self._replay
 
+    async def pause(self) -> None:
+        """Disabled: the channel closes, so what its prefetch took (read or
+        not, none of it stored: the poll loop waited for its commits first)
+        goes back to the queue for other consumers; the next read opens a
+        new channel."""
+        self._replay.clear()
+        await self._drop_connection()
+        log.info("amqp_paused", adapter=self.name, queue=self._cfg.source)
+
     async def ack_stored(self) -> Sequence[Delivery]:
         """The committed batches acked on this channel with one ``basic.ack``
         (``multiple`` up to their last tag). A batch of an ended channel was

@@ -185,6 +185,9 @@ class ListAdapter(RedisEndpoint):
         self._own_recovery_due = True
         self._to_release.update(*self._batch_locks.rewound())
 
+    async def pause(self) -> None:
+        """Nothing: nothing is read ahead of a request."""
+
     async def ack_stored(self) -> Sequence[Delivery]:
         """Nothing: the acker acks, from committed intents."""
         return []

@@ -83,6 +83,9 @@ class PubSubAdapter(RedisEndpoint):
         # A crash loses them, which is what at-most-once means.
         self._replay = [d for batch in self._unconfirmed.rewound() for d in batch] + self._replay
 
+    async def pause(self) -> None:
+        """Nothing: nothing is read ahead of a request."""
+
     async def ack_stored(self) -> Sequence[Delivery]:
         """Nothing: the acker acks, from committed intents."""
         return []

@@ -436,6 +436,9 @@ class StreamAdapter(RedisEndpoint):
         unstored = [d for lost in self._unconfirmed_lost.rewound() for d in lost]
         self._lost_to_replay = unstored + self._lost_to_replay
 
+    async def pause(self) -> None:
+        """Nothing: nothing is read ahead of a request."""
+
     async def ack_stored(self) -> Sequence[Delivery]:
         """Nothing: the acker acks, from committed intents."""
         return []

@@ -346,6 +346,9 @@ class SqsQueueAdapter:
         unstored = [d for batch in self._unconfirmed.rewound() for d in batch]
         self._replay = unstored + self._replay
 
+    async def pause(self) -> None:
+        """Nothing: nothing is read ahead of a request."""
+
     async def ack_stored(self) -> Sequence[Delivery]:
         """Nothing: the acker acks, from committed intents."""
         return []

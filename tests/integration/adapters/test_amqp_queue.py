@@ -13,6 +13,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -286,3 +287,65 @@ async def test_settle_leaves_other_consumers_rows_and_this_channels_own(
     assert settled == 1
     rows = query(db_url, "SELECT consumer, ack_entry_id, ack_state FROM inbox ORDER BY id")
     assert rows == [("c2", "old:7", "pending"), ("c1", "old:7", "acked"), ("c1", "now:7", "pending")]
+
+
+async def test_a_disabled_adapter_gives_its_prefetch_back_and_resumes_when_enabled(
+    db_url: str, redis_url: str, amqp_url: str, engine: AsyncEngine
+) -> None:
+    """Disabled, the ingester stops consuming: what its channel's prefetch
+    held goes back to the queue (ready again, no consumer), for other
+    consumers; enabled again, it is consumed and stored once."""
+    from ingest.actions import adapters as adapter_actions
+
+    queue = unique("enabled")
+    declare_queue(amqp_url, queue)
+    s = settings(db_url, redis_url, table(amqp_url, queue, batch_size=5))
+    s = replace(s, ingest=replace(s.ingest, enabled_refresh_ms=100))
+    async with pipeline(s, acker=False):
+        await wait_until(lambda: _counts_are(amqp_url, queue, (0, 0, 1)))  # consuming
+        publish(amqp_url, queue, bodies(3))
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 3)
+        await adapter_actions.set_enabled(engine, NAME, False)
+        await wait_until(lambda: _counts_are(amqp_url, queue, (0, 0, 0)))  # no consumer left
+        # With no consumer on the queue, nothing published now can reach the
+        # adapter: it stays ready in the queue.
+        publish(amqp_url, queue, bodies(12, start=3))
+        assert await counts(amqp_url, queue) == (12, 0, 0)
+        await adapter_actions.set_enabled(engine, NAME, True)
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 15)
+        await wait_until(lambda: _counts_are(amqp_url, queue, (0, 0, 1)))
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 15
+
+
+async def _counts_are(url: str, queue: str, expected: tuple[int, int, int]) -> bool:
+    return await counts(url, queue) == expected
+
+
+async def test_marks_that_fail_are_written_with_the_next_batchs(
+    db_url: str, redis_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker took the ack but its mark failed (the database away for a
+    moment): the refs are kept and marked with the next batch's."""
+    from backhalf import acks
+    from backhalf.errors import AckStateError
+
+    real = acks.mark_own
+    failures = [AckStateError("injected: the mark's transaction failed")]
+
+    async def failing_once(conn: Any, adapter: str, refs: Any) -> int:
+        if failures:
+            raise failures.pop()
+        return await real(conn, adapter, refs)
+
+    monkeypatch.setattr(acks, "mark_own", failing_once)
+    queue = unique("marks")
+    declare_queue(amqp_url, queue)
+    s = settings(db_url, redis_url, table(amqp_url, queue))
+    async with pipeline(s, acker=False):
+        publish(amqp_url, queue, bodies(4))
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") == 4)
+        await wait_until(lambda: _unacked_is(amqp_url, queue, 0))
+        assert not failures
+        assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'pending'") == 4
+        publish(amqp_url, queue, bodies(2, start=4))
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 6)
