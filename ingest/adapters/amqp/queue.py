@@ -171,10 +171,10 @@ class AmqpQueueAdapter:
                 self._connection = await connect(cfg, role="ingest")
             with amqp_errors(self.name, f"opening a channel to consume queue {cfg.source!r}"):
                 channel = await self._connection.channel(publisher_confirms=False)
-                channel.close_callbacks.add(self._channel_closed)
                 self._closed_by = None
                 self._arrived = asyncio.Queue()
                 self._channel = channel
+                channel.close_callbacks.add(self._channel_closed)
                 underlay = await channel.get_underlay_channel()
                 await self._check_queue(underlay)
                 # The batch being stored and the next one read meanwhile.
@@ -216,10 +216,13 @@ class AmqpQueueAdapter:
                 " it (Switchboard never declares queues); retrying"
             ) from exc
 
-    def _channel_closed(self, _sender: object, exc: BaseException | None = None) -> None:
+    def _channel_closed(self, sender: object, exc: BaseException | None = None) -> None:
         """The channel ended: by us, or by the server (``consumer_timeout``,
         a permission refused, the queue deleted), asynchronously. Kept, and
-        the read waiting is woken to raise it."""
+        the read waiting is woken to raise it. An earlier channel's close,
+        told late, is not the current one's."""
+        if sender is not self._channel:
+            return
         self._closed_by = exc or ConnectionError("the channel was closed")
         self._arrived.put_nowait(None)
 
