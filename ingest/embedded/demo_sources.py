@@ -1,6 +1,7 @@
 """Where ``switchboard demo`` produces its orders: a Redis stream (the
-default), a NATS JetStream stream (``--transport nats``) or an SQS queue on
-the SQS emulator (``--transport sqs``). Each source says what its adapter
+default), a NATS JetStream stream (``--transport nats``), an SQS queue on
+the SQS emulator (``--transport sqs``) or a RabbitMQ queue (``--transport
+amqp``). Each source says what its adapter
 table is, how to publish a chunk of bodies, the broker's own count of what
 is still unacked, in that broker's words, and what the demo's processes need
 in their environment to reach it."""
@@ -8,14 +9,18 @@ in their environment to reach it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-from collections.abc import Iterator
+import hashlib
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import redis
 
 if TYPE_CHECKING:
+    from ingest.embedded.rabbitmq_server import RabbitMqServer
     from ingest.embedded.sqs_server import SqsServer
 
 STREAM = "orders"
@@ -23,7 +28,10 @@ NATS_STREAM = "ORDERS"
 NATS_SUBJECT = "ORDERS.new"
 GROUP = "switchboard"
 SQS_QUEUE = "orders"
-TRANSPORTS = ("redis", "nats", "sqs")
+AMQP_QUEUE = "orders"
+TRANSPORTS = ("redis", "nats", "sqs", "amqp")
+
+_T = TypeVar("_T")
 
 
 class DemoSource(Protocol):
@@ -187,11 +195,143 @@ class SqsSource:
         self._sqs.close()
 
 
+class _LoopThread:
+    """An event loop on a thread of its own, for a client the main thread
+    calls and waits on. The demo's stop signals raise ``Stopped`` in the main
+    thread wherever it is: inside an event loop's callback there (a socket's
+    read), asyncio would catch it, log it as a fatal transport error and go
+    on. Here the main thread only ever waits on a future, where ``Stopped``
+    is raised cleanly, and makes no coroutine itself (none is left never
+    awaited when a signal lands between making one and handing it over)."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, make: Callable[[], Awaitable[_T]], timeout_s: float) -> _T:
+        """Run ``make()`` on the loop; its result, or its exception. A stop
+        signal raises here while it runs on: ``close`` ends it."""
+        done: concurrent.futures.Future[_T] = concurrent.futures.Future()
+
+        def handover(task: asyncio.Future[_T]) -> None:
+            if task.cancelled():
+                done.cancel()
+            elif (exc := task.exception()) is not None:
+                done.set_exception(exc)
+            else:
+                done.set_result(task.result())
+
+        def begin() -> None:
+            asyncio.ensure_future(make()).add_done_callback(handover)
+
+        self._loop.call_soon_threadsafe(begin)
+        return done.result(timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        """Cancel what still runs on the loop, stop it and close it."""
+
+        async def cancel_the_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            self.call(cancel_the_rest, timeout_s)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout_s)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+class AmqpSource:
+    """A durable classic queue on the demo's own RabbitMQ, through aio-pika
+    (the amqp extra, which the embedded kit installs) on an event loop of its
+    own thread (``_LoopThread``), kept for the demo's length. Each order is
+    published persistent and confirmed by the broker; its ``message_id`` is
+    its body's digest, the key the adapter would derive itself from a
+    message without one (aio-pika would otherwise stamp a random id on each)."""
+
+    transport = "amqp"
+    source_word = "queue"
+    ack_word = "basic.ack"
+    unacked_label = "left in the RabbitMQ queue"
+    restart_note = "the broker put back in the queue what its channel held unacked, as its connection ended"
+    CALL_TIMEOUT_S = 10.0
+    # A chunk's publishes and their confirms, with room to spare.
+    PRODUCE_TIMEOUT_S = 60.0
+
+    def __init__(self, server: RabbitMqServer) -> None:
+        import aio_pika  # the amqp extra, which the embedded kit installs
+        from aio_pika.abc import AbstractChannel, AbstractConnection
+
+        self._server = server
+        self.process_env: dict[str, str] = {}
+        self._connection: AbstractConnection | None = None
+        self._loop = _LoopThread("demo-amqp")
+
+        async def open_channel() -> AbstractChannel:
+            self._connection = await aio_pika.connect(server.url, timeout=self.CALL_TIMEOUT_S)
+            channel = await self._connection.channel(publisher_confirms=True)
+            await channel.declare_queue(AMQP_QUEUE, durable=True, timeout=self.CALL_TIMEOUT_S)
+            return channel
+
+        try:
+            self._channel = self._loop.call(open_channel, self.CALL_TIMEOUT_S * 3)
+        except BaseException:
+            self.close()
+            raise
+
+    def adapter(self) -> dict[str, Any]:
+        return {**_common_adapter(), "transport": "amqp", "mode": "queue", "source": AMQP_QUEUE,
+                "url": self._server.url}  # fmt: skip
+
+    def produce(self, bodies: list[bytes]) -> None:
+        """Publish the chunk's messages at once, then wait for every confirm
+        (three times the rate of one confirm at a time)."""
+        import aio_pika
+        from pamqp.commands import Basic
+
+        async def publish() -> None:
+            exchange = self._channel.default_exchange
+            confirms = await asyncio.gather(*(
+                exchange.publish(
+                    aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                                     message_id=hashlib.sha256(body).hexdigest()),
+                    routing_key=AMQP_QUEUE, mandatory=True, timeout=self.CALL_TIMEOUT_S,
+                )
+                for body in bodies
+            ))  # fmt: skip
+            refused = [c for c in confirms if not isinstance(c, Basic.Ack)]
+            if refused:
+                raise RuntimeError(f"RabbitMQ refused {len(refused)} of the demo's messages: {refused[0]!r}")
+
+        self._loop.call(publish, self.PRODUCE_TIMEOUT_S)
+
+    def unacked(self) -> int:
+        """Ready and delivered-but-unacked: every message not yet acked, the
+        broker's own figures (AMQP tells no unacked count)."""
+        ready, unacked, _consumers = self._server.queue_counts(AMQP_QUEUE)
+        return ready + unacked
+
+    def close(self) -> None:
+        async def close_connection() -> None:
+            if self._connection is not None:
+                await self._connection.close()
+
+        try:
+            self._loop.call(close_connection, self.CALL_TIMEOUT_S)
+        finally:
+            self._loop.close(self.CALL_TIMEOUT_S)
+
+
 @contextlib.contextmanager
 def demo_source(transport: str, base: Path, redis_client: redis.Redis) -> Iterator[tuple[DemoSource, str]]:
     """The source for ``transport``, and a line saying where its server runs
-    (a nats-server or an SQS emulator of its own in ``base`` for NATS and SQS;
-    Redis is the demo's)."""
+    (a nats-server, an SQS emulator or a RabbitMQ of its own in ``base`` for
+    NATS, SQS and AMQP; Redis is the demo's)."""
     if transport == "redis":
         yield RedisStreamSource(redis_client), ""
         return
@@ -204,6 +344,16 @@ def demo_source(transport: str, base: Path, redis_client: redis.Redis) -> Iterat
                 yield queue, f"SQS (moto's emulator) on 127.0.0.1:{server.port} (pid {server.pid})"
             finally:
                 queue.close()
+        return
+    if transport == "amqp":
+        from ingest.embedded.rabbitmq_server import rabbitmq_server
+
+        with rabbitmq_server(base / "rabbitmq") as rabbit:
+            amqp = AmqpSource(rabbit)
+            try:
+                yield amqp, f"RabbitMQ on 127.0.0.1:{rabbit.port} (pid {rabbit.pid}, node {rabbit.node})"
+            finally:
+                amqp.close()
         return
     from ingest.embedded.nats_server import nats_server
 

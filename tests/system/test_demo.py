@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ingest.embedded import demo, servers
+from ingest.embedded import demo, rabbitmq_server, servers
 from ingest.embedded.processes import STRICT_FLAGS, wait_for
+from tests.support.amqp import require_rabbitmq
 from tests.support.processes import switchboard
 
 pytestmark = pytest.mark.system
@@ -68,6 +69,55 @@ def test_demo_over_sqs() -> None:
     assert "OK: no loss, no duplicate" in result.stdout
 
 
+def test_demo_over_amqp() -> None:
+    """``--transport amqp``: the same story through a RabbitMQ queue on the
+    demo's own broker (the system's rabbitmq-server), acked by the ingester
+    itself; the caller's URL variable is not used. Once it is over, nothing
+    of its broker runs: not the VM, not its epmd, not their helpers."""
+    require_rabbitmq()
+    elsewhere = {"SWITCHBOARD_AMQP_URL": "amqp://someone:secret@127.0.0.1:1/"}
+    result = switchboard("demo", "--transport", "amqp", "--messages", "300", env=elsewhere, timeout_s=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "RabbitMQ on 127.0.0.1:" in result.stdout
+    assert "todos created           300" in result.stdout
+    assert "acked (basic.ack)       300" in result.stdout
+    assert "left in the RabbitMQ queue 0" in result.stdout
+    assert "verify_detail      amqp user: switchboard vhost: /" in result.stdout
+    assert "OK: no loss, no duplicate" in result.stdout
+    folder = re.search(r"demo: working in (\S+)", result.stdout)
+    node = re.search(r"RabbitMQ on \S+ \(pid (\d+), node (\S+)\)", result.stdout)
+    assert folder is not None, result.stdout
+    assert node is not None, result.stdout
+    base = Path(folder[1])
+    assert _stat(int(node[1])) is None
+    assert _running_in(base) == []
+    assert _mentioning(node[2]) == []
+    assert not base.exists()
+
+
+def test_demo_over_amqp_without_rabbitmq_is_one_line_and_starts_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No rabbitmq-server here: one line saying how to get it, exit 2 (like
+    a config error: running it again as it is will not help), before any
+    server or folder is made."""
+    tmp = Path(tempfile.mkdtemp(prefix="switchboard-test-tmp-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    missing = (
+        "no rabbitmq-server (looked in /usr/lib/rabbitmq/bin and on PATH): apt-get install rabbitmq-server"
+    )
+    monkeypatch.setattr(rabbitmq_server, "rabbitmq_missing", lambda: missing)
+    try:
+        assert demo.run(messages=10, transport="amqp") == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        said = "--transport amqp runs a RabbitMQ of its own from the system's package"
+        assert captured.err.splitlines() == [f"switchboard demo: {said}: {missing}"]
+        assert list(tmp.iterdir()) == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # The demo's own children: the servers, the ingester and the acker, and
 # PostgreSQL's backends below the postmaster (Linux /proc).
 PREFIX = demo.PREFIX
@@ -110,6 +160,16 @@ def _running_in(folder: Path) -> list[int]:
     return found
 
 
+def _mentioning(word: str) -> list[int]:
+    """Live processes whose command line holds ``word`` (a RabbitMQ node's name)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if word.encode() in (entry / "cmdline").read_bytes() and _stat(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
 def _roles(tree: dict[int, list[str]], demo_pid: int) -> dict[str, int]:
     roles = {}
     for pid, argv in tree.items():
@@ -128,14 +188,17 @@ def _roles(tree: dict[int, list[str]], demo_pid: int) -> dict[str, int]:
     return roles
 
 
-def _start_demo(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, Path, dict[int, list[str]]]:
+def _start_demo(
+    tmp_path: Path, transport: str = "redis"
+) -> tuple[subprocess.Popen[bytes], Path, Path, dict[int, list[str]]]:
     """A long demo, until its servers, ingester and acker run: the process, its
     output file, its folder and its process tree then."""
     out = tmp_path / "demo.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+    command = [sys.executable, *STRICT_FLAGS, "-m", "ingest", "demo", "--messages", "10000000"]
     with out.open("wb") as sink:
         proc = subprocess.Popen(
-            [sys.executable, *STRICT_FLAGS, "-m", "ingest", "demo", "--messages", "10000000"],
+            [*command, "--transport", transport],
             stdout=sink,
             stderr=subprocess.STDOUT,
             env=env,
@@ -177,6 +240,26 @@ def test_sigterm_stops_everything_the_demo_started_and_removes_its_folder(tmp_pa
     assert "demo: stopped by SIGTERM" in text
     assert "Traceback" not in text, text
     _assert_all_gone(tree, base)
+    assert not base.exists()
+
+
+def test_sigterm_stops_the_demos_rabbitmq_and_its_epmd(tmp_path: Path) -> None:
+    """``--transport amqp``: the broker's VM, its helpers and its epmd are
+    the demo's children too, and a stop signal stops them all."""
+    require_rabbitmq()
+    proc, out, base, tree = _start_demo(tmp_path, "amqp")
+    names = {Path(argv[0]).name for argv in tree.values() if argv}
+    assert {"beam.smp", "epmd"} <= names, names
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=90)
+    text = out.read_text()
+    assert code == 128 + signal.SIGTERM, text
+    assert "demo: stopped by SIGTERM" in text
+    assert "Traceback" not in text, text
+    _assert_all_gone(tree, base)
+    node = re.search(r"RabbitMQ on \S+ \(pid \d+, node (\S+)\)", text)
+    assert node is not None, text
+    assert _mentioning(node[1]) == []
     assert not base.exists()
 
 
