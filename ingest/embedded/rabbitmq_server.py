@@ -44,7 +44,15 @@ leaving the unused plugins out of the code path saved nothing.
 
 ``queue_counts`` reads a queue's figures from the broker itself
 (``erl_call``, about 5 ms; ``rabbitmqctl eval`` when the Erlang package
-lacks erl_call), unacked messages included, which AMQP does not tell.
+lacks erl_call), unacked messages included, which AMQP does not tell;
+``rabbitmqctl`` runs the CLI against the node (about 2 s a call: the CLI
+boots a VM of its own), with the node's epmd and cookie and never an epmd
+of its own (a bare ``rabbitmqctl`` starts ``epmd -daemon`` on 4369, which
+outlives it).
+
+TLS: a server made with ``tls`` (``AmqpTls``: certificate, key, CA file)
+also listens for ``amqps://`` on a port of its own, ``tls_port``; clients'
+certificates are not asked for. Readiness then waits for both listeners.
 
 What RabbitMQ 3.10 does that a caller may not expect: ``consumer_timeout``
 is checked on the channel's tick, once a minute by default, so a server
@@ -218,6 +226,28 @@ class AmqpQueue:
     durable: bool = True
     arguments: Mapping[str, Any] = field(default_factory=dict)
     vhost: str = VHOST
+
+
+@dataclass(frozen=True)
+class AmqpTls:
+    """A TLS listener beside the plain one (``amqps://``), on a port of its
+    own: the server's certificate, its key and the CA file the broker sends
+    with its chain (readable by the broker). Clients' certificates are not
+    asked for."""
+
+    certfile: Path
+    keyfile: Path
+    cacertfile: Path
+
+    def conf(self, port: int) -> str:
+        return (
+            f"listeners.ssl.default = 127.0.0.1:{port}\n"
+            f"ssl_options.cacertfile = {self.cacertfile}\n"
+            f"ssl_options.certfile = {self.certfile}\n"
+            f"ssl_options.keyfile = {self.keyfile}\n"
+            "ssl_options.verify = verify_none\n"
+            "ssl_options.fail_if_no_peer_cert = false\n"
+        )
 
 
 def password_hash(password: str) -> str:
@@ -396,9 +426,13 @@ class RabbitMqServer(_SignalledServer):
         port: int,
         dist_port: int,
         epmd_port: int,
+        tls: AmqpTls | None = None,
     ) -> None:
         self.base_dir, self.binaries, self.password = base_dir, binaries, password
         self.port, self.dist_port, self.epmd_port = port, dist_port, epmd_port
+        self.tls = tls
+        self.tls_port: int | None = free_port() if tls is not None else None
+        self._conf = ""  # rabbitmq.conf but the TLS listener (see _write_config)
         self.node = f"sb-{secrets.token_hex(4)}@localhost"
         self.config_path = base_dir / "rabbitmq.conf"
         self.advanced_config_path = base_dir / "advanced.config"
@@ -420,12 +454,13 @@ class RabbitMqServer(_SignalledServer):
         queues: Sequence[AmqpQueue] = (),
         consumer_timeout_ms: int | None = None,
         conf: str = "",
+        tls: AmqpTls | None = None,
     ) -> RabbitMqServer:
         """Write the config, definitions and cookie for free ports in
         ``base_dir`` (created 0700); not started. ``users`` and ``queues``
         join the ``switchboard`` user in the definitions; ``consumer_timeout_ms``
         is the broker's ``consumer_timeout``; ``conf``: lines appended to
-        rabbitmq.conf."""
+        rabbitmq.conf; ``tls``: a TLS listener too, on ``tls_port``."""
         binaries = find_rabbitmq()
         base_dir = Path(base_dir).resolve()
         _private_dir(base_dir)
@@ -436,6 +471,7 @@ class RabbitMqServer(_SignalledServer):
             port=free_port(),
             dist_port=free_port(),
             epmd_port=free_port(),
+            tls=tls,
         )
         everything = AmqpUser(RABBITMQ_USER, server.password, ".*", ".*", ".*", tags=("administrator",))
         with _private_file(server.definitions_path, "w") as f:  # password hashes
@@ -450,8 +486,8 @@ class RabbitMqServer(_SignalledServer):
         if consumer_timeout_ms is not None:
             lines.append(f"consumer_timeout = {consumer_timeout_ms}")
             advanced.append(f"{{channel_tick_interval, {min(CHANNEL_TICK_MS, consumer_timeout_ms)}}}")
-        with _private_file(server.config_path, "w") as f:
-            f.write("\n".join(lines) + "\n" + (conf.rstrip("\n") + "\n" if conf else ""))
+        server._conf = "\n".join(lines) + "\n" + (conf.rstrip("\n") + "\n" if conf else "")
+        server._write_config()
         with _private_file(server.advanced_config_path, "w") as f:
             f.write(f"[{{rabbit, [{', '.join(advanced)}]}}].\n")
         with _private_file(base_dir / "enabled_plugins", "w") as f:
@@ -463,6 +499,13 @@ class RabbitMqServer(_SignalledServer):
             f.write(secrets.token_hex(20))
         cookie.chmod(0o400)
         return server
+
+    def _write_config(self) -> None:
+        """rabbitmq.conf: what ``create`` made, and the TLS listener on its
+        port of the moment (the plain one comes from the environment)."""
+        tls = self.tls.conf(self.tls_port) if self.tls is not None and self.tls_port is not None else ""
+        with _private_file(self.config_path, "w") as f:
+            f.write(self._conf + tls)
 
     def __repr__(self) -> str:
         return f"RabbitMqServer(node={self.node!r}, port={self.port}, base_dir={str(self.base_dir)!r})"
@@ -480,6 +523,12 @@ class RabbitMqServer(_SignalledServer):
 
     def url_as(self, user: str, password: str) -> str:
         return f"amqp://{quote(user, safe='')}:{quote(password, safe='')}@127.0.0.1:{self.port}/"
+
+    def tls_url_as(self, user: str, password: str) -> str:
+        """``amqps://`` to the TLS listener (a server made with ``tls``)."""
+        if self.tls_port is None:
+            raise RuntimeError(f"{self!r} has no TLS listener")
+        return f"amqps://{quote(user, safe='')}:{quote(password, safe='')}@127.0.0.1:{self.tls_port}/"
 
     @property
     def epmd_pid(self) -> int | None:
@@ -541,6 +590,9 @@ class RabbitMqServer(_SignalledServer):
                 if self._started or attempt == PORT_ATTEMPTS:
                     raise
                 self.port, self.dist_port = free_port(), free_port()
+                if self.tls is not None:
+                    self.tls_port = free_port()
+                    self._write_config()
                 continue
             self._started = True
             return
@@ -569,7 +621,9 @@ class RabbitMqServer(_SignalledServer):
                     f" {proc.returncode}): {reason}\n{self._tails()}"
                 )
             try:
-                if _listens(proc.pid, self.port) and _answers_amqp(self.port):
+                # The TLS listener, if any, starts beside the plain one: wait for both.
+                tls_up = self.tls_port is None or _listens(proc.pid, self.tls_port)
+                if _listens(proc.pid, self.port) and tls_up and _answers_amqp(self.port):
                     return
             except OSError as exc:  # refused while it boots
                 last_error = exc
@@ -684,6 +738,26 @@ class RabbitMqServer(_SignalledServer):
         said = out or done.stderr.strip()
         raise RuntimeError(f"{Path(command[0]).name} on node {self.node} (exit {done.returncode}): {said}")
 
+    def rabbitmqctl(self, *args: str, timeout_s: float = QUERY_TIMEOUT_S) -> str:
+        """Run ``rabbitmqctl -n NODE ARGS`` against the broker (its epmd and
+        cookie: never starting an epmd of its own); what it printed. About
+        2 s each (the CLI's own VM boots): ``evaluate`` is the fast way to ask."""
+        command = [str(self.binaries.rabbitmqctl), "-n", self.node, *args]
+        try:
+            done = subprocess.run(  # noqa: S603 - the package's rabbitmqctl, arguments given by the caller
+                command, capture_output=True, text=True, timeout=timeout_s, env=self._env(), check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(
+                f"rabbitmqctl {args[:1]} on node {self.node} timed out after {timeout_s}s"
+            ) from exc
+        if done.returncode != 0:
+            said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
+            raise RuntimeError(
+                f"rabbitmqctl {' '.join(args[:1])} on node {self.node} (exit {done.returncode}): {said}"
+            )
+        return done.stdout
+
     def queue_counts(self, name: str, vhost: str = VHOST) -> tuple[int, int, int]:
         """(ready, unacked, consumers) of queue ``name``, from the queue
         itself (a quorum queue's from its Raft state: the figures its
@@ -718,6 +792,7 @@ def rabbitmq_server(
     queues: Sequence[AmqpQueue] = (),
     consumer_timeout_ms: int | None = None,
     conf: str = "",
+    tls: AmqpTls | None = None,
 ) -> Iterator[RabbitMqServer]:
     """A started :class:`RabbitMqServer` in ``base_dir``, cleaned up on exit."""
     server = RabbitMqServer.create(
@@ -727,6 +802,7 @@ def rabbitmq_server(
         queues=queues,
         consumer_timeout_ms=consumer_timeout_ms,
         conf=conf,
+        tls=tls,
     )
     try:
         server.start()

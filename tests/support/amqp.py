@@ -31,7 +31,7 @@ import aio_pika
 import pytest
 from pamqp.commands import Basic
 
-from ingest.embedded.rabbitmq_server import AmqpQueue, AmqpUser, RabbitMqServer, rabbitmq_missing
+from ingest.embedded.rabbitmq_server import AmqpQueue, AmqpTls, AmqpUser, RabbitMqServer, rabbitmq_missing
 from ingest.embedded.servers import temp_base
 from tests.support.processes import SECRET
 
@@ -95,10 +95,11 @@ def owned_rabbitmq(
     queues: Sequence[AmqpQueue] = (),
     consumer_timeout_ms: int | None = None,
     conf: str = "",
+    tls: AmqpTls | None = None,
 ) -> Iterator[RabbitMqServer]:
     """A broker this caller owns, started (``switchboard``'s password is
     SECRET); removed with its folder after. Skips, counted in the summary,
-    without the broker's binaries."""
+    without the broker's binaries. ``tls``: a TLS listener too (``tls_port``)."""
     require_rabbitmq()
     server = RabbitMqServer.create(
         temp_base("switchboard-rabbitmq-") / "rabbitmq",
@@ -107,6 +108,7 @@ def owned_rabbitmq(
         queues=queues,
         consumer_timeout_ms=consumer_timeout_ms,
         conf=conf,
+        tls=tls,
     )
     try:
         server.start()
