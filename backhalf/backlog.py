@@ -11,6 +11,7 @@ them (``ix_todos_pending``, ``ix_todos_dispatched_at``,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -28,15 +29,29 @@ class AckBacklog:
     oldest_age_s: float  # 0.0: none pending
 
 
-async def ack_backlog(conn: AsyncConnection) -> dict[str, AckBacklog]:
+async def ack_backlog(conn: AsyncConnection, own_acked: Sequence[str] = ()) -> dict[str, AckBacklog]:
     """Per adapter with acks owed or waiting (ack_after = "complete"): the
-    queued ones and the ones the adapter's cursor has not passed yet."""
+    queued ones and the ones the adapter's cursor has not passed yet; and
+    for ``own_acked``, adapters whose ingester acks (AMQP), the intents
+    still pending (no cursor walks them; their mark clears ``ack_xid``, so
+    ``ix_inbox_ack_cursor`` holds just those)."""
     queued = sa.select(
         ack_queue.c.adapter,
         sa.func.count().label("pending"),
         sa.func.min(ack_queue.c.inbox_id).label("oldest_id"),
     ).group_by(ack_queue.c.adapter)
     rows = list(await conn.execute(queued)) + list(await conn.execute(_cursor_owed()))
+    if own_acked:
+        own = (
+            sa.select(inbox.c.adapter, sa.func.count(), sa.func.min(inbox.c.id))
+            .where(
+                inbox.c.adapter.in_(list(own_acked)),
+                inbox.c.ack_xid.isnot(None),
+                inbox.c.ack_state == "pending",
+            )
+            .group_by(inbox.c.adapter)
+        )
+        rows += list(await conn.execute(own))
     owed: dict[str, tuple[int, int]] = {}
     for adapter, n, oldest_id in rows:
         if n:

@@ -92,6 +92,11 @@ class Delivery(NamedTuple):
     lost: bool = False
     deliveries: int = 1
     attributes: str | None = None  # JSON text for inbox.source_attributes (audit), or None
+    # False where ``deliveries`` is only a lower bound (an AMQP classic
+    # queue's ``redelivered`` flag: "at least twice"): the poll loop then
+    # takes the message for a suspect at once, so one that crashes the
+    # ingester every time is still isolated and counted.
+    deliveries_exact: bool = True
 
 
 class PendingCopies(Protocol):

@@ -143,9 +143,14 @@ async def broker_gauges_loop(
                 m.ADAPTER_ENABLED.labels(cfg.name).set(1 if flag else 0)
             try:
                 described = await asyncio.wait_for(adapter.describe(), timeout=interval_s + 5.0)
-            except (BrokerError, TimeoutError) as exc:
+            except Exception as exc:
+                # A broker's error (BrokerError, a timeout) as expected; any
+                # other is a bug of a transport's describe, logged as such.
                 m.ERRORS.labels("ingest", "broker", m.error_class(exc)).inc()  # only run when on
-                log_failure(log, "broker_gauges_failed", exc, adapter=cfg.name)
+                if isinstance(exc, BrokerError | TimeoutError):
+                    log_failure(log, "broker_gauges_failed", exc, adapter=cfg.name)
+                else:
+                    log.exception("broker_gauges_crashed", adapter=cfg.name, error=exc)
                 continue
             _set_broker_gauges(cfg.name, described)
         await wait_stop(stop, interval_s)
@@ -187,20 +192,20 @@ def _set_broker_gauges(adapter: str, described: Mapping[str, Any]) -> None:
 
 async def database_gauges_loop(
     engine: AsyncEngine, adapters: Callable[[], Sequence[str]], interval_s: float, stop: asyncio.Event,
-    *, deadline_ms: int,
+    *, deadline_ms: int, own_acked: Sequence[str] = (),
 ) -> None:  # fmt: skip
     """The acker's view of the database's backlog, every ``interval_s``.
     An adapter with nothing owed reports 0, not its last figure."""
     while not stop.is_set():
         try:
             async with within_deadline(engine.connect(), deadline_ms, "reading the backlog") as conn:
-                acks = await backlog.ack_backlog(conn)
+                acks = await backlog.ack_backlog(conn, own_acked)
                 active = await backlog.active_todos(conn)
         except (SQLAlchemyError, DeadlineExceeded) as exc:
             m.ERRORS.labels("ack", "database", m.error_class(exc)).inc()
             log_failure(log, "database_gauges_failed", exc)
         else:
-            for name in {*adapters(), *acks}:
+            for name in {*adapters(), *own_acked, *acks}:
                 owed = acks.get(name)
                 m.PENDING_ACKS.labels(name).set(owed.pending if owed else 0)
                 m.OLDEST_UNACKED.labels(name).set(owed.oldest_age_s if owed else 0.0)

@@ -187,7 +187,8 @@ async def collect(
                 **({"acked_by": "ingest"} if _acked_by_ingester(e.cfg) else {}),
                 "pending_acks": c.pending_acks if c else 0,
                 "oldest_unacked_age_s": round(age.total_seconds(), 3) if age is not None else None,
-                **_held_by(age, holder),
+                # The cursor's horizon holds back no ack its ingester sends.
+                **({} if _acked_by_ingester(e.cfg) else _held_by(age, holder)),
                 "stored": c.stored if c else 0,
                 "rejected": c.rejected if c else 0,
                 "acked": c.acked if c else 0,

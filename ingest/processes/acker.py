@@ -508,12 +508,16 @@ class _Acker(ProcessBody):
 
     def gauges(self, process: Process, interval_s: float) -> tuple[str, Job]:
         acknowledgers = self._acknowledgers
+        # Adapters their ingesters ack (AMQP): their pending intents are
+        # reported here too, so stuck ones are seen and alerted on.
+        own_acked = [cfg.name for cfg in self._settings.adapters if acked_by(cfg) == "consumer"]
         loop = database_gauges_loop(
             self._engine,
             lambda: list(acknowledgers),
             interval_s,
             process.stop,
             deadline_ms=process.deadline_ms,
+            own_acked=own_acked,
         )
         return "database-gauges", loop
 

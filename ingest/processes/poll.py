@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -406,7 +406,8 @@ class PollLoop:
         before fails this one too, so the rewind that follows covers both."""
         deliveries = fetched.deliveries
         started = time.perf_counter()
-        batched, suspects = await self._split_suspects(fetched.records)
+        unsure = {d.idempotency_key for d in deliveries if not d.deliveries_exact}
+        batched, suspects = await self._split_suspects(fetched.records, unsure)
         results = [await self._store(chunk) for chunk in (self._chunks(batched) if batched else [])]
         # Suspects go one by one, each lone attempt counted and committed first:
         # if one of them crashes us every time, it alone is counted and, past
@@ -501,11 +502,15 @@ class PollLoop:
                 m.LOST.labels(name).inc(n)
 
     async def _split_suspects(
-        self, records: list[InboxRecord]
+        self,
+        records: list[InboxRecord],
+        unsure: Collection[str] = (),
     ) -> tuple[list[InboxRecord], list[InboxRecord]]:
         """Messages redelivered more than once (by the broker's count, or with
         lone attempts on record in PostgreSQL, whose count does not roll back)
-        are suspects; the rest is stored in batches as usual."""
+        are suspects, and so are redeliveries whose count is only a lower
+        bound (``unsure``: keys of deliveries not ``deliveries_exact``); the
+        rest is stored in batches as usual."""
         again = [r.idempotency_key for r in records if r.deliveries >= REDELIVERY]
         if not again:
             return records, []
@@ -515,7 +520,9 @@ class PollLoop:
         suspects: list[InboxRecord] = []
         for rec in records:
             suspect = rec.error is None and (
-                rec.deliveries >= ISOLATE_AFTER or rec.idempotency_key in on_record
+                rec.deliveries >= ISOLATE_AFTER
+                or rec.idempotency_key in on_record
+                or rec.idempotency_key in unsure
             )
             # An ordered adapter's messages after a suspect go alone with it,
             # in order: stored in the batch, they would commit before it.

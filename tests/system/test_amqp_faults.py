@@ -12,17 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ingest.embedded.processes import wait_for, wait_ready
+from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
 from ingest.embedded.rabbitmq_server import RabbitMqServer
 from tests.support.amqp import declare_queue, owned_rabbitmq, publish, queue_counts
 from tests.support.amqp_plain import publish_without_ids
 from tests.support.chaos import kill9_rounds, seeded
-from tests.support.db import acked, scalar
+from tests.support.db import acked, query, scalar
 from tests.support.oracle import assert_stored_once
 from tests.support.processes import Processes, assert_clean_exit, switchboard
 
@@ -193,3 +194,46 @@ def test_status_trace_and_an_acker_beside_it_through_the_cli(
         assert_clean_exit(proc, proc.terminate())
     assert "registered_adapter_skipped" not in acker.raw_log()
     procs.assert_no_secret_logged()
+
+
+@pytest.mark.parametrize("quorum", [False, True], ids=["classic", "quorum"])
+def test_a_message_that_kills_the_ingester_is_rejected_after_max_deliveries(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, rabbit: RabbitMqServer, quorum: bool
+) -> None:
+    """A body that kills the ingester at every store (failpoint): on a
+    classic queue, whose ``redelivered`` flag says only "at least twice",
+    its redelivery is a suspect at once, stored alone and counted; on a
+    quorum queue ``x-delivery-count`` counts. Either way it is rejected past
+    ``max_deliveries`` and acked, the others stored once, the queue empty."""
+    max_deliveries = 3
+    declare_queue(rabbit.url, QUEUE, quorum=quorum)
+    produced = Produced(rabbit.url)
+    produced.with_ids(30, 0)
+    publish(rabbit.url, QUEUE, [b'{"CRASH-ME": true}'], message_ids=["crasher"])
+    produced.keys.add(f"amqp:{QUEUE}:crasher")
+    produced.with_ids(30, 30)
+    config = make_config(amqp_adapter(rabbit.url, batch_size=20, max_deliveries=max_deliveries))
+
+    def crashed_or_done(proc: SwitchboardProcess) -> bool:
+        return not proc.alive() or settled(db_url, rabbit.url, produced)
+
+    crashes = 0
+    # Play supervisor (systemd's Restart=always): restart the ingester each time it dies.
+    for _ in range(max_deliveries + 3):
+        ingester = procs.start("ingest", config, name="ingester-1", failpoints="before_store=kill~CRASH-ME")
+        wait_for(partial(crashed_or_done, ingester), timeout_s=60, interval_s=0.2, what="a crash or the end")
+        if ingester.alive():
+            break
+        crashes += 1
+    assert ingester.alive(), f"still crashing after {crashes} restarts"
+    assert_clean_exit(ingester, ingester.terminate())
+    rejected = query(
+        db_url, "SELECT source_message_id, error, ack_state FROM inbox WHERE status = 'rejected'"
+    )
+    assert [(m, e.split(":")[0], a) for m, e, a in rejected] == [
+        ("crasher", "max_deliveries_exceeded", "acked")
+    ]
+    assert 2 <= crashes <= max_deliveries
+    assert queue_counts(rabbit.url, QUEUE) == (0, 0, 0)
+    todos = sorted(k for (k,) in query(db_url, "SELECT idempotency_key FROM todos"))
+    assert todos == sorted(produced.keys - {f"amqp:{QUEUE}:crasher"})

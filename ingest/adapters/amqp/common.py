@@ -47,7 +47,15 @@ class amqp_errors(wrapped_errors):
     ``adapter X: what: detail``. Their texts name the server's reply code
     and text (``ACCESS_REFUSED - ...``), never the URL or its password."""
 
-    caught = (aiormq.exceptions.AMQPError, aio_pika.exceptions.AMQPException, OSError, TimeoutError)
+    # aiormq raises RuntimeError (ChannelInvalidStateError among them) for a
+    # connection or channel it found closed: a lost connection too.
+    caught = (
+        aiormq.exceptions.AMQPError,
+        aio_pika.exceptions.AMQPException,
+        RuntimeError,
+        OSError,
+        TimeoutError,
+    )
 
 
 def server_label(url: str) -> str:

@@ -81,23 +81,36 @@ def no_acker(config: AdapterConfig) -> Acknowledger:
 
 
 class _Batch(NamedTuple):
-    """A batch returned by ``read``: the channel it came on, its deliveries
-    and the highest delivery tag among them."""
+    """A batch returned by ``read``: the channel it came on (its tags are
+    that channel's and name nothing on another), its deliveries and the
+    highest delivery tag among them."""
 
-    session: str
+    channel: AbstractChannel
     deliveries: list[Delivery]
     last_tag: int
+
+
+def _tag_of(delivery: Delivery) -> int:
+    """A delivery's tag, from its ref ``{session}:{tag}``."""
+    return int((delivery.ack_ref or "0").rpartition(":")[2])
 
 
 def deliveries_of(message: DeliveredMessage) -> int:
     """How many times the message has been delivered, this time included:
     a quorum queue counts the earlier ones; elsewhere only ``redelivered``
     says it came before (once at least)."""
+    count = _delivery_count(message)
+    if count is not None:
+        return count + 1
+    return 2 if getattr(message.delivery, "redelivered", False) else 1
+
+
+def _delivery_count(message: DeliveredMessage) -> int | None:
     headers = message.header.properties.headers or {}
     count = headers.get(DELIVERY_COUNT)
     if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-        return count + 1
-    return 2 if getattr(message.delivery, "redelivered", False) else 1
+        return count
+    return None
 
 
 class AmqpQueueAdapter:
@@ -165,22 +178,23 @@ class AmqpQueueAdapter:
         self._settled = True
 
     async def _open(self) -> None:
+        """A fresh connection's channel, consuming. What the rest of the
+        adapter sees of it (channel, session, arrivals) is published at once,
+        only when it consumes: a half-open channel is never taken for the
+        current one, and one a cancellation left half-open goes with its
+        connection."""
         cfg = self._cfg
         try:
             if self._connection is None:
                 self._connection = await connect(cfg, role="ingest")
             with amqp_errors(self.name, f"opening a channel to consume queue {cfg.source!r}"):
                 channel = await self._connection.channel(publisher_confirms=False)
-                self._closed_by = None
-                self._arrived = asyncio.Queue()
-                self._channel = channel
-                channel.close_callbacks.add(self._channel_closed)
                 underlay = await channel.get_underlay_channel()
                 await self._check_queue(underlay)
                 # The batch being stored and the next one read meanwhile.
                 await channel.set_qos(prefetch_count=2 * cfg.batch_size, timeout=CALL_TIMEOUT_S)
                 session = uuid.uuid4().hex[:16]
-                arrived = self._arrived
+                arrived: asyncio.Queue[DeliveredMessage | None] = asyncio.Queue()
                 consumed = await underlay.basic_consume(
                     cfg.source,
                     functools.partial(_put, arrived),
@@ -188,19 +202,21 @@ class AmqpQueueAdapter:
                     consumer_tag=f"switchboard.{cfg.consumer}.{session}",
                     timeout=CALL_TIMEOUT_S,
                 )
-                self._consumer_tag = consumed.consumer_tag
-                self._session = session
-        except Exception as exc:
-            # Whatever failed, the next start begins on a fresh connection.
+        except BaseException as exc:
+            # Whatever failed (a cancellation too), the next start begins on
+            # a fresh connection.
             await self._drop_connection()
-            if isinstance(exc, BrokerError):
+            if isinstance(exc, BrokerError) or not isinstance(exc, Exception):
                 raise
-            # aiormq raises RuntimeError on a connection it found closed.
             raise BrokerError(
                 f"adapter {self.name}: opening a channel to {self.broker}: {type(exc).__name__}"
-                " (the client found its connection closed)"
             ) from exc
+        self._channel, self._session, self._arrived, self._closed_by = channel, session, arrived, None
+        self._consumer_tag = consumed.consumer_tag
         self._settled = False
+        channel.close_callbacks.add(self._channel_closed)
+        if channel.is_closed:  # closed before the callback was there to say so
+            self._channel_closed(channel, ConnectionError("the channel closed as it opened"))
         log.info(
             "amqp_consuming", adapter=self.name, queue=cfg.source, broker=self.broker, session=self._session
         )
@@ -225,6 +241,16 @@ class AmqpQueueAdapter:
             return
         self._closed_by = exc or ConnectionError("the channel was closed")
         self._arrived.put_nowait(None)
+
+    def _live(self, channel: AbstractChannel | None) -> bool:
+        """Whether ``channel`` is the current one and still open: only its
+        deliveries may be acked (or replayed, still held on it)."""
+        return (
+            channel is not None
+            and channel is self._channel
+            and self._closed_by is None
+            and not channel.is_closed
+        )
 
     async def _drop_channel(self) -> None:
         """Forget the channel; everything it held goes back to the queue."""
@@ -265,28 +291,36 @@ class AmqpQueueAdapter:
             return replay
         try:
             await self.start()
+            channel, session = self._channel, self._session
             messages = await self._take(max_count)
         except BrokerError:
             await self._drop_connection()
             raise
-        if not messages:
+        if not messages or channel is None or not self._live(channel):
+            # Dropped while this waited (a failed ack): what it took went
+            # back to the queue with the channel.
             return []
-        batch = _Batch(self._session, [self._delivery(m) for m in messages], _tag(messages[-1]))
+        batch = _Batch(channel, [self._delivery(m, session) for m in messages], _tag(messages[-1]))
         self._unconfirmed.returned(batch)
         return batch.deliveries
 
     def _take_replay(self, max_count: int) -> list[Delivery] | None:
-        """Rewound batches, again, while their channel lives (they are still
-        held on it); those of an ended channel are dropped: the broker put
-        them back in the queue, to be delivered again."""
-        live = [b for b in self._replay if b.session == self._session and self._closed_by is None]
+        """Rewound batches, again, up to ``max_count`` messages, while their
+        channel lives (they are still held on it); those of an ended channel
+        are dropped: the broker put them back in the queue, to be delivered
+        again. Their order, and so their tags' order, is kept."""
+        live = [b for b in self._replay if self._live(b.channel)]
         self._replay = []
         if not live:
             return None
+        channel = live[0].channel
         deliveries = [d for b in live for d in b.deliveries]
-        batch = _Batch(self._session, deliveries, max(b.last_tag for b in live))
+        taken, rest = deliveries[:max_count], deliveries[max_count:]
+        if rest:
+            self._replay = [_Batch(channel, rest, max(map(_tag_of, rest)))]
+        batch = _Batch(channel, taken, max(map(_tag_of, taken)))
         self._unconfirmed.returned(batch)
-        return deliveries
+        return taken
 
     async def _take(self, max_count: int) -> list[DeliveredMessage]:
         """Up to ``max_count`` deliveries that arrived, waiting ``block_ms``
@@ -314,12 +348,17 @@ class AmqpQueueAdapter:
             messages.append(message)
         return messages
 
-    def _delivery(self, message: DeliveredMessage) -> Delivery:
+    def _delivery(self, message: DeliveredMessage, session: str) -> Delivery:
         body = message.body
         message_id = message.header.properties.message_id or hashlib.sha256(body).hexdigest()
         key = native_key(self._cfg.key_prefix, self._cfg.source, message_id)
-        ref = f"{self._session}:{_tag(message)}"
-        return Delivery(key, message_id, body=body, ack_ref=ref, deliveries=deliveries_of(message))
+        ref = f"{session}:{_tag(message)}"
+        # A classic queue says only that a message came before, not how
+        # often: a lower bound, which the poll loop treats as a suspect.
+        exact = _delivery_count(message) is not None or not getattr(message.delivery, "redelivered", False)
+        return Delivery(
+            key, message_id, body=body, ack_ref=ref, deliveries=deliveries_of(message), deliveries_exact=exact
+        )
 
     def stored(self) -> None:
         batch = self._unconfirmed.confirmed()
@@ -343,16 +382,17 @@ class AmqpQueueAdapter:
         (``multiple`` up to their last tag). A batch of an ended channel was
         put back in the queue by the broker: dropped, its redelivery acks it."""
         committed, self._committed = self._committed, []
-        live = [b for b in committed if b.session == self._session]
-        if not live:
+        channel = self._channel
+        live = [b for b in committed if b.channel is channel]
+        if channel is None or not live:
             return []
         last = max(b.last_tag for b in live)
         try:
             self._raise_if_closed(f"acking {sum(len(b.deliveries) for b in live)} stored messages")
-            assert self._channel is not None
-            underlay = await self._channel.get_underlay_channel()
             with amqp_errors(self.name, f"acking up to delivery tag {last}"):
-                await underlay.basic_ack(last, multiple=True)
+                async with asyncio.timeout(CALL_TIMEOUT_S):  # a socket that does not drain
+                    underlay = await channel.get_underlay_channel()
+                    await underlay.basic_ack(last, multiple=True)
         except BrokerError:
             await self._drop_connection()
             raise
@@ -365,7 +405,7 @@ class AmqpQueueAdapter:
         channel of its own: a missing queue closes the channel it is asked
         on), and what this process holds unacked."""
         connection = self._connection
-        own = connection is None or connection.is_closed
+        own = connection is None or connection.is_closed or not self._live(self._channel)
         try:
             if own:
                 connection = await connect(self._cfg, role="status")
@@ -390,9 +430,13 @@ class AmqpQueueAdapter:
             "consumers": ok.consumer_count,
             "prefetch": 2 * self._cfg.batch_size,
         }
-        if self._channel is not None:  # consuming: the ingester's gauges
+        # What this process holds unacked (0 for status's own adapter, and
+        # for a paused one: the gauge then falls back to 0).
+        held = 0
+        if self._live(self._channel):
             held = sum(len(b.deliveries) for b in (*self._unconfirmed, *self._replay, *self._committed))
-            figures["held_here"] = held + self._arrived.qsize()
+            held += self._arrived.qsize()
+        figures["held_here"] = held
         return figures
 
     async def close(self) -> None:

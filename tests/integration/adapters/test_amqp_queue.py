@@ -9,6 +9,7 @@ that is not there."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import uuid
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import failpoints
+from backhalf import backlog, failpoints
 from ingest.adapters.base import Delivery, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
@@ -185,7 +186,7 @@ async def _unacked_is(url: str, queue: str, n: int) -> bool:
 
 
 async def test_an_ack_sent_but_never_marked_is_settled_by_the_next_channel(
-    db_url: str, redis_url: str, amqp_url: str, no_failpoints: None
+    db_url: str, redis_url: str, amqp_url: str, engine: AsyncEngine, no_failpoints: None
 ) -> None:
     """A crash between the ack and its mark (injected: the step fails right
     after the ack) leaves rows pending whose messages the broker no longer
@@ -201,6 +202,10 @@ async def test_an_ack_sent_but_never_marked_is_settled_by_the_next_channel(
         await wait_until(lambda: _unacked_is(amqp_url, queue, 0))
     assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'pending'") == 6
     assert await counts(amqp_url, queue) == (0, 0, 0)
+    # The acker's gauges see them (switchboard_pending_acks), though no cursor walks them.
+    async with engine.connect() as conn:
+        owed = await backlog.ack_backlog(conn, [NAME])
+    assert owed[NAME].pending == 6
     failpoints.configure("")
     async with pipeline(s, acker=False):
         await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 6)
@@ -349,3 +354,59 @@ async def test_marks_that_fail_are_written_with_the_next_batchs(
         assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'pending'") == 4
         publish(amqp_url, queue, bodies(2, start=4))
         await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 6)
+
+
+async def test_a_rewound_batch_of_a_dropped_channel_is_never_replayed_as_live(
+    db_url: str, redis_url: str, amqp_url: str
+) -> None:
+    """Its tags named deliveries of a channel that is gone: replayed, their
+    ack would go to the next channel, where the same tags name other
+    messages. They come again from the broker instead, with new refs."""
+    queue = unique("dropped")
+    declare_queue(amqp_url, queue)
+    publish(amqp_url, queue, bodies(3))
+    s = settings(db_url, redis_url, table(amqp_url, queue))
+    adapter = make_adapter(one(s), ledger=None)
+    try:
+        first = await read_n(adapter, 3)
+        await adapter.pause()  # the channel goes (as after a failed ack)
+        adapter.rewind()
+        again = await read_n(adapter, 3)
+    finally:
+        await adapter.close()
+    assert sorted(d.idempotency_key for d in again) == sorted(d.idempotency_key for d in first)
+    assert not {d.ack_ref for d in again} & {d.ack_ref for d in first}
+    assert {d.deliveries for d in again} == {2}
+
+
+async def test_a_read_cancelled_while_the_channel_opens_leaves_no_half_open_channel(
+    db_url: str, redis_url: str, amqp_url: str
+) -> None:
+    """A stop or an abandoned prefetch cancels a read at any await of the
+    channel's opening: the next read opens a consuming channel again, never
+    a half-open one with no consumer (which would read nothing, for good).
+    The cancellation is tried every 4 ms through an opening (one of these
+    found a channel left half-open, and a raw client error)."""
+    queue = unique("cancelled")
+    declare_queue(amqp_url, queue)
+    s = settings(db_url, redis_url, table(amqp_url, queue))
+    adapter = make_adapter(one(s), ledger=None)
+    try:
+        for delay_ms in range(0, 120, 4):
+            publish(amqp_url, queue, bodies(1, start=delay_ms))
+            await adapter.pause()  # the next read opens a channel
+            reading = asyncio.create_task(adapter.read(1))
+            await asyncio.sleep(delay_ms / 1000)
+            reading.cancel()
+            got: list[Delivery] = []
+            with contextlib.suppress(asyncio.CancelledError):
+                got = await reading
+            if not got:  # cancelled: the poll loop rewinds what an abandoned read took
+                adapter.rewind()
+                got = await read_n(adapter, 1)
+            assert len(got) == 1, delay_ms
+            adapter.stored()
+            await adapter.ack_stored()
+    finally:
+        await adapter.close()
+    assert await counts(amqp_url, queue) == (0, 0, 0)
