@@ -153,6 +153,23 @@ def _sqs_source(label: str, values: Mapping[str, Any]) -> None:
 def _source_rule(label: str, values: Mapping[str, Any]) -> None:
     _jetstream_names(label, values)
     _sqs_source(label, values)
+    _cluster_source(label, values)
+
+
+def _cluster_source(label: str, values: Mapping[str, Any]) -> None:
+    """On a cluster, a list's derived keys carry the source's name as their
+    hash tag (``{jobs}:processing:c1``), so they live in its slot; a name
+    with braces of its own would not hash as the list does."""
+    if (
+        values.get("cluster")
+        and values["mode"] == "list"
+        and ("{" in values["source"] or "}" in values["source"])
+    ):
+        raise ConfigError(
+            f"{label}: key 'source' = {values['source']!r}: on a cluster (cluster = true) a list's processing"
+            " lists are named '{source}:processing:...', in the list's hash slot, which a name holding '{' or"
+            " '}' would not share: rename the list without braces"
+        )
 
 
 def _ack_after(where: str, value: Any) -> str:
@@ -323,6 +340,14 @@ class AdapterConfig:
             " ([transports.md](transports.md#where-a-streams-group-starts-start_id))",
         ),
     ] = "0"
+    cluster: Annotated[
+        bool,
+        Key(
+            REDIS_MODES,
+            doc="the Redis is a Redis (or Valkey) Cluster: keys live in slots, a list's processing lists and"
+            " markers share its hash slot ([transports.md](transports.md#redis-cluster))",
+        ),
+    ] = False
     group: Annotated[
         str,
         Key(

@@ -137,12 +137,20 @@ class Setting:
     parse: Parse
 
 
+def boolean(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: must be true or false (got {value!r})")
+    return value
+
+
 def _parser(where: str, kind: Any, key: Key) -> Parse:
     """The check that follows from an attribute's type."""
     if key.parse is not None:
         return key.parse
     if kind is str:
         return string
+    if kind is bool:
+        return boolean
     if kind is int or (kind is float and key.minimum is None):
         return _bounded(key, kind)
     raise TypeError(f"{where}: no check for type {kind!r}: give its Key a parse")

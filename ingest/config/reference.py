@@ -59,6 +59,8 @@ def _type(s: Setting) -> str:
     if s.key.type_doc is not None:
         return s.key.type_doc
     kind = _unwrap_optional(s.kind)
+    if kind is bool:
+        return "boolean"
     if kind is str or get_origin(kind) is Literal or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
         return "string"
     if kind not in (int, float):

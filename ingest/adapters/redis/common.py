@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from enum import Enum
 from types import TracebackType
+from typing import cast
 
 import redis.asyncio as aioredis
 import structlog
@@ -127,8 +128,31 @@ class tolerating:  # a context manager, named like contextlib's
         raise _mapped(exc, self._adapter, self._what, error=self._error) from exc
 
 
-def connect(url: str, *, block_ms: int = 0) -> aioredis.Redis:
-    """A client whose every call is bounded; retries are the caller's loop's job."""
+def connect(url: str, *, block_ms: int = 0, cluster: bool = False) -> aioredis.Redis:
+    """A client whose every call is bounded; retries are the caller's loop's job.
+
+    ``cluster``: a Redis Cluster client that finds the other nodes from the
+    URL's, follows MOVED and ASK redirects (the cluster's own answers, not
+    retries), and makes one attempt per call otherwise: a node that fails
+    is a ConnectionError the poll loop backs off from (redis-py then
+    refreshes its view of the slots before the next call). It serves the
+    same commands, so it is typed as the single-node client."""
+    if cluster:
+        return cast(
+            "aioredis.Redis",
+            aioredis.RedisCluster.from_url(
+                url,
+                decode_responses=False,
+                socket_connect_timeout=SOCKET_CONNECT_TIMEOUT_S,
+                socket_timeout=block_ms / 1000 + SOCKET_TIMEOUT_MARGIN_S,
+                health_check_interval=30,
+                socket_keepalive=True,
+                retry=Retry(NoBackoff(), 0),
+                # A master down leaves its slots uncovered, not the others'.
+                require_full_coverage=False,
+                driver_info=None,
+            ),
+        )
     # TCP keepalive is a TCP socket's option: a unix socket's connection refuses it.
     tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}
     return aioredis.Redis.from_url(
@@ -148,7 +172,13 @@ def connect(url: str, *, block_ms: int = 0) -> aioredis.Redis:
 
 
 def broker_label(client: aioredis.Redis) -> str:
-    """host:port/db of a client, for log fields: never the credentials."""
+    """host:port/db of a client, for log fields: never the credentials (a
+    cluster's: the node it was given, ``cluster``)."""
+    as_cluster: object = client  # typed as the single-node client (see connect)
+    if isinstance(as_cluster, aioredis.RedisCluster):
+        nodes = list(as_cluster.nodes_manager.startup_nodes.values())
+        first = nodes[0] if nodes else None
+        return f"{first.host}:{first.port} (cluster)" if first else "cluster"
     kw = client.connection_pool.connection_kwargs
     return f"{kw.get('host', kw.get('path', '?'))}:{kw.get('port', '')}/{kw.get('db', 0)}"
 
@@ -165,9 +195,9 @@ class RedisEndpoint:
     """What every Redis adapter shares: its bounded client and who it is to
     the broker (the events' ``verify_detail``)."""
 
-    def __init__(self, name: str, url: str, *, block_ms: int) -> None:
+    def __init__(self, name: str, url: str, *, block_ms: int, cluster: bool = False) -> None:
         self.name = name
-        self._client = connect(url, block_ms=block_ms)
+        self._client = connect(url, block_ms=block_ms, cluster=cluster)
         self._identity = "redis acl: unknown"
 
     @property
@@ -177,6 +207,17 @@ class RedisEndpoint:
     @property
     def broker(self) -> str:
         return broker_label(self._client)
+
+    async def _node_figure(self, key: str) -> dict[str, object]:
+        """On a cluster, ``node``: the master serving ``key``'s slot as the
+        client last learnt it (``status`` names where each source lives);
+        nothing on a single server."""
+        as_cluster: object = self._client  # typed as the single-node client (see connect)
+        if not isinstance(as_cluster, aioredis.RedisCluster):
+            return {}
+        await as_cluster.initialize()  # a no-op once it knows the slots
+        node = as_cluster.get_node_from_key(key)
+        return {"node": f"{node.host}:{node.port}" if node is not None else None}
 
     async def _learn_identity(self) -> None:
         """ACL WHOAMI; an ACL that forbids it still lets us consume, and the

@@ -8,6 +8,11 @@ Key layout::
     {source}:heartbeat:{consumer}         present while the consumer lives (PX heartbeat_ttl_ms)
     {source}:recovering:{processing}      recovery lock (SET NX PX), one recoverer per list
 
+(``{source}`` is the list's name. On a Redis Cluster, ``cluster = true``,
+the derived keys begin with the name as a hash tag instead, literally
+``{jobs}:processing:c1`` for the list ``jobs``: every key of one list lives
+in the list's own slot, so producers keep pushing to the name they know.)
+
 Items are moved from the tail (RIGHT) of the source to the head (LEFT) of the
 processing list, so LPUSH producers get FIFO order. The ack intent is
 ``LREM processing <copies> <body>`` of exactly the copies this consumer
@@ -57,8 +62,17 @@ log = structlog.get_logger(__name__)
 RECOVERY_LOCK_TTL_MS = 30_000
 
 
-def processing_key(source: str, consumer: str) -> str:
-    return f"{source}:processing:{consumer}"
+def key_base(source: str, *, cluster: bool = False) -> str:
+    """What a list's derived keys begin with: its name, or on a Redis
+    Cluster its name as a hash tag (``{jobs}``), so that they all live in the
+    list's own slot (a tag hashes as the name does) and BLMOVE, the guarded
+    LREM and recovery never span two slots. Config refuses a clustered
+    list whose name holds braces."""
+    return f"{{{source}}}" if cluster else source
+
+
+def processing_key(source: str, consumer: str, *, cluster: bool = False) -> str:
+    return f"{key_base(source, cluster=cluster)}:processing:{consumer}"
 
 
 def removed_marker(processing: str, inbox_id: int) -> str:
@@ -83,10 +97,11 @@ class ListAdapter(RedisEndpoint):
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a list has no consumer group to record.
-        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
+        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms, cluster=config.cluster)
         self._cfg = config
-        self._processing = processing_key(config.source, config.consumer)
-        self._consumers_key = f"{config.source}:consumers"
+        self._base = key_base(config.source, cluster=config.cluster)
+        self._processing = processing_key(config.source, config.consumer, cluster=config.cluster)
+        self._consumers_key = f"{self._base}:consumers"
         self._started = False
         self._own_recovery_due = True
         self._next_reap_at = 0.0
@@ -100,7 +115,7 @@ class ListAdapter(RedisEndpoint):
         return set().union(*self._batch_locks)
 
     def _heartbeat_key(self, consumer: str) -> str:
-        return f"{self._cfg.source}:heartbeat:{consumer}"
+        return f"{self._base}:heartbeat:{consumer}"
 
     @property
     def ack_target(self) -> AckTarget:
@@ -219,7 +234,7 @@ class ListAdapter(RedisEndpoint):
                 lists += await self._dead_consumers()
             in_flight = self._locks_in_flight()
             for processing, dead_owner in lists:
-                lock = f"{self._cfg.source}:recovering:{processing}"
+                lock = f"{self._base}:recovering:{processing}"
                 if lock in in_flight:
                     continue
                 deliveries = await self._recover_list(open_ledger, processing, dead_owner, lock)
@@ -240,7 +255,7 @@ class ListAdapter(RedisEndpoint):
             if consumer != self._cfg.consumer and not await self._client.exists(
                 self._heartbeat_key(consumer)
             ):
-                dead.append((processing_key(self._cfg.source, consumer), consumer))
+                dead.append((processing_key(self._cfg.source, consumer, cluster=self._cfg.cluster), consumer))
         return dead
 
     async def _recover_list(
@@ -297,11 +312,14 @@ class ListAdapter(RedisEndpoint):
             for name in members:
                 ttl_ms = await self._client.pttl(self._heartbeat_key(name))
                 consumers[name] = {
-                    "processing_length": await self._client.llen(processing_key(cfg.source, name)),
+                    "processing_length": await self._client.llen(
+                        processing_key(cfg.source, name, cluster=cfg.cluster)
+                    ),
                     "heartbeat_ttl_ms": ttl_ms if ttl_ms >= 0 else None,
                 }
             length = await self._client.llen(cfg.source)
-        return {"list_length": length, "consumers": consumers}
+            node = await self._node_figure(cfg.source)
+        return {"list_length": length, "consumers": consumers, **node}
 
     async def close(self) -> None:
         # Locks of confirmed batches go; locks of a recovery whose store may
@@ -318,7 +336,7 @@ class ListAcknowledger:
 
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
-        self._client = connect(config.broker.url())
+        self._client = connect(config.broker.url(), cluster=config.cluster)
 
     async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
         pipe = self._client.pipeline(transaction=False)

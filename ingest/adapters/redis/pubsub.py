@@ -15,6 +15,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import redis.asyncio as aioredis
+
 from backhalf.keys import body_key
 from backhalf.records import NO_ACK, AckClaim, AckTarget
 from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
@@ -30,7 +32,7 @@ class PubSubAdapter(RedisEndpoint):
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a channel has no consumer group to record.
-        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
+        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms, cluster=config.cluster)
         self._cfg = config
         self._pubsub: Any = None
         self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
@@ -92,8 +94,19 @@ class PubSubAdapter(RedisEndpoint):
 
     async def describe(self) -> Mapping[str, object]:
         with redis_errors(self.name, f"PUBSUB NUMSUB {self._cfg.source}"):
-            numsub = await self._client.pubsub_numsub(self._cfg.source)
-        return {"subscribers": int(numsub[0][1]) if numsub else 0}
+            node = await self._node_figure(self._cfg.source)
+            if node:
+                # A cluster's subscribers sit on whichever node they chose:
+                # each node counts its own.
+                counted: Any = await self._client.pubsub_numsub(
+                    self._cfg.source, target_nodes=aioredis.RedisCluster.ALL_NODES
+                )
+                # redis-py sums the nodes' answers into one list of pairs
+                # (a mapping by node in some versions).
+                pairs = [p for ps in counted.values() for p in ps] if isinstance(counted, dict) else counted
+            else:
+                pairs = await self._client.pubsub_numsub(self._cfg.source)
+        return {"subscribers": sum(int(n) for _, n in pairs), **node}
 
     async def close(self) -> None:
         if self._pubsub is not None:

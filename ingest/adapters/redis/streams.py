@@ -128,7 +128,7 @@ class StreamAdapter(RedisEndpoint):
     ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
-        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms)
+        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms, cluster=config.cluster)
         self._cfg = config
         self._ledger: ConsumerLedger = ledger or _Unrecorded()
         self._body_field = config.body_field.encode()
@@ -455,10 +455,16 @@ class StreamAdapter(RedisEndpoint):
         with redis_errors(self.name, f"XINFO GROUPS {cfg.source}"):
             groups = await self._groups()
             length = await self._client.xlen(cfg.source)
+            node = await self._node_figure(cfg.source)
         for g in groups:
             if as_text(g["name"]) == cfg.group:
-                return {"stream_length": length, "lag": g.get("lag"), "broker_pending": g.get("pending")}
-        return {"stream_length": length, "lag": None, "broker_pending": None}
+                return {
+                    "stream_length": length,
+                    "lag": g.get("lag"),
+                    "broker_pending": g.get("pending"),
+                    **node,
+                }
+        return {"stream_length": length, "lag": None, "broker_pending": None, **node}
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -469,7 +475,7 @@ class StreamAcknowledger:
 
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
-        self._client = connect(config.broker.url())
+        self._client = connect(config.broker.url(), cluster=config.cluster)
 
     async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
         targets: dict[tuple[str, str], list[str]] = {}

@@ -202,7 +202,7 @@ EVERY_KEY = {
     "max_message_bytes", "url", "delivery", "heartbeat_ttl_ms", "reap_interval_ms", "max_deliveries",
     "schema", "schema_timeout_ms", "retain_acked_days", "retain_rejected_days", "username_env",
     "password_env", "subject", "max_ack_pending", "ack_wait_ms", "credentials_file_env", "token_env",
-    "tls_ca_file", "region",
+    "tls_ca_file", "region", "cluster",
 }  # fmt: skip
 
 
@@ -211,29 +211,32 @@ def test_a_stream_adapter_publishes_its_claim_interval() -> None:
     public = s.adapters[0].public_settings()
     assert public["claim_interval_ms"] == 750
     stream_only = {"group", "claim_idle_ms", "claim_interval_ms", "start_id", "body_field"}
-    assert set(public) == COMMON_PUBLIC | stream_only
+    assert set(public) == COMMON_PUBLIC | stream_only | {"cluster"}
 
 
 def test_a_list_adapter_publishes_its_reap_interval_and_nothing_of_streams() -> None:
     raw = adapter(mode="list", reap_interval_ms=250)
     public = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters[0].public_settings()
     assert (public["reap_interval_ms"], public["heartbeat_ttl_ms"]) == (250, 30_000)
-    assert set(public) == COMMON_PUBLIC | {"heartbeat_ttl_ms", "reap_interval_ms"}
+    assert set(public) == COMMON_PUBLIC | {"heartbeat_ttl_ms", "reap_interval_ms", "cluster"}
 
 
 def test_a_pubsub_adapter_publishes_its_delivery_and_never_the_url() -> None:
     raw = adapter(mode="pubsub", delivery="at-most-once", url="redis://:secret@cache:6379/0")
     public = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters[0].public_settings()
     assert public["delivery"] == "at-most-once"
-    assert set(public) == COMMON_PUBLIC | {"delivery"}
+    assert set(public) == COMMON_PUBLIC | {"delivery", "cluster"}
     assert "secret" not in json.dumps(public)  # and it is plain JSON for adapters.settings
     assert public["format"] == "json"
 
 
 _MODE_KEYS: dict[str, dict[str, Any]] = {
-    "stream": {"group": "g", "start_id": "$", "body_field": "b", "claim_idle_ms": 1, "claim_interval_ms": 1},
-    "list": {"heartbeat_ttl_ms": 1000, "reap_interval_ms": 1},
-    "pubsub": {"delivery": "at-most-once"},
+    "stream": {
+        "group": "g", "start_id": "$", "body_field": "b", "claim_idle_ms": 1, "claim_interval_ms": 1,
+        "cluster": False,
+    },
+    "list": {"heartbeat_ttl_ms": 1000, "reap_interval_ms": 1, "cluster": False},
+    "pubsub": {"delivery": "at-most-once", "cluster": False},
     "jetstream": {
         "group": "g", "subject": "s.>", "max_ack_pending": 1, "ack_wait_ms": 1000,
         "credentials_file_env": "C", "token_env": "T", "tls_ca_file": "ca.pem",

@@ -1,0 +1,39 @@
+"""``cluster = true`` on a Redis adapter: a boolean, for the Redis modes only,
+and a list whose name holds braces is refused (its derived keys carry the
+name as their hash tag, which braces of its own would break)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ingest.adapters.redis.lists import key_base, processing_key
+from ingest.config.adapter import read_adapter
+from ingest.errors import ConfigError
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def test_cluster_is_off_by_default_and_a_boolean() -> None:
+    assert read_adapter({"name": "a", "source": "s"}, REDIS).cluster is False
+    assert read_adapter({"name": "a", "source": "s", "cluster": True}, REDIS).cluster is True
+    with pytest.raises(ConfigError, match=r"adapter 'a': key 'cluster': must be true or false \(got 'yes'\)"):
+        read_adapter({"name": "a", "source": "s", "cluster": "yes"}, REDIS)
+
+
+def test_cluster_applies_to_the_redis_modes_only() -> None:
+    with pytest.raises(ConfigError, match="key 'cluster' does not apply to mode = 'jetstream'"):
+        read_adapter({"name": "a", "transport": "nats", "source": "S", "cluster": True}, REDIS)
+
+
+def test_a_clustered_list_whose_name_holds_braces_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"rename the list without braces"):
+        read_adapter({"name": "a", "mode": "list", "source": "{jobs}", "cluster": True}, REDIS)
+    # Without a cluster, or for a stream (no derived keys), a name is a name.
+    assert read_adapter({"name": "a", "mode": "list", "source": "{jobs}"}, REDIS).source == "{jobs}"
+    assert read_adapter({"name": "a", "source": "{jobs}", "cluster": True}, REDIS).cluster
+
+
+def test_a_clustered_lists_keys_share_its_slot_and_a_single_servers_keep_their_names() -> None:
+    assert processing_key("jobs", "c1") == "jobs:processing:c1"  # unchanged on one server
+    assert processing_key("jobs", "c1", cluster=True) == "{jobs}:processing:c1"
+    assert key_base("jobs", cluster=True) == "{jobs}"
