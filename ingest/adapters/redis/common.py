@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from enum import Enum
 from types import TracebackType
-from typing import cast
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.cluster import ClusterPipeline
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 from redis.retry import Retry
 
 from ingest.errors import BrokerError, IngestError
@@ -128,6 +129,46 @@ class tolerating:  # a context manager, named like contextlib's
         raise _mapped(exc, self._adapter, self._what, error=self._error) from exc
 
 
+class _Cluster(aioredis.RedisCluster):
+    """redis-py's cluster client, made to reload the slot map before the
+    next call after any node's connection error. redis-py 8.1 does so after
+    a plain command's failure only: after a failover, a pipeline went on
+    calling the dead master for good, and so did XREADGROUP, whose keys it
+    first asks through its key parser (``COMMAND GETKEYS``), bound for good
+    to the node it first met, the dead master named in the URL (found by
+    ``tests/system/test_redis_cluster_faults.py``). So a failure marks the
+    map stale (redis-py's own flag, which that test keeps honest) and
+    moves the default node to another master."""
+
+    def _stale(self) -> None:
+        self._initialize = True
+        self.replace_default_node()
+        # The parser that asks a command's keys keeps the node it was first
+        # given (redis-py never moves it): the new default, alive.
+        self.commands_parser.node = self.get_default_node()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except (ConnectionError, TimeoutError):
+            self._stale()
+            raise
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        async def execute_marking(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await execute(*args, **kwargs)
+            except (ConnectionError, TimeoutError):
+                self._stale()
+                raise
+
+        pipe.execute = execute_marking  # type: ignore[method-assign]
+        return pipe
+
+
 def connect(url: str, *, block_ms: int = 0, cluster: bool = False) -> aioredis.Redis:
     """A client whose every call is bounded; retries are the caller's loop's job.
 
@@ -140,7 +181,7 @@ def connect(url: str, *, block_ms: int = 0, cluster: bool = False) -> aioredis.R
     if cluster:
         return cast(
             "aioredis.Redis",
-            aioredis.RedisCluster.from_url(
+            _Cluster.from_url(
                 url,
                 decode_responses=False,
                 socket_connect_timeout=SOCKET_CONNECT_TIMEOUT_S,
