@@ -114,6 +114,13 @@ class RedisSettings:
             doc=f"the broker of adapters without their own `url`; `{REDIS_URL_VARIABLE}` takes its place",
         ),
     ] = DEFAULT_REDIS_URL
+    cluster: Annotated[
+        bool,
+        Key(
+            doc="`url` is a Redis (or Valkey) Cluster: the default of `cluster` for the adapters that use"
+            " `url` (dramatiq's broker, which cannot be a cluster, then needs a `[dramatiq] url` of its own)",
+        ),
+    ] = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,8 +416,15 @@ def _metrics(raw: Mapping[str, Any], env: Mapping[str, str]) -> MetricsSettings:
     return dataclasses.replace(metrics, port=port)
 
 
-def _dramatiq(raw: Mapping[str, Any], redis_url: str, env: Mapping[str, str]) -> dict[str, Any]:
+def _dramatiq(
+    raw: Mapping[str, Any], redis_url: str, env: Mapping[str, str], *, redis_cluster: bool = False
+) -> dict[str, Any]:
     """``[dramatiq]``, as :class:`Settings`'s ``dramatiq_*`` attributes."""
+    if redis_cluster and "url" not in table(raw, "dramatiq"):
+        raise ConfigError(
+            "[dramatiq]: key 'url' is required when [redis] cluster = true: dramatiq's broker (its queues"
+            " and the workers' acks, several keys per call) must be a single Redis, not a cluster"
+        )
     section = DramatiqSettings(
         **DRAMATIQ.read("[dramatiq]", table(raw, "dramatiq"), defaults={"url": redis_url})
     )
@@ -424,8 +438,11 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     """``base_dir`` anchors relative paths (the config file's directory)."""
     check_keys("config", raw, _TOP_KEYS)
     database = DatabaseSettings(**DATABASE.read("[database]", table(raw, "database"), env=env))
-    redis_url = RedisSettings(**REDIS.read("[redis]", table(raw, "redis"), env=env)).url
-    adapters = read_adapters(raw, redis_url, base_dir if base_dir is not None else Path.cwd(), env)
+    redis = RedisSettings(**REDIS.read("[redis]", table(raw, "redis"), env=env))
+    redis_url = redis.url
+    adapters = read_adapters(
+        raw, redis_url, base_dir if base_dir is not None else Path.cwd(), env, redis_cluster=redis.cluster
+    )
     ingest = IngestSettings(**INGEST.read("[ingest]", table(raw, "ingest")))
     _check_inflight_room(ingest, adapters)
     acker = AckerSettings(**ACKER.read("[acker]", table(raw, "acker")))
@@ -437,7 +454,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         ingest=ingest,
         acker=acker,
         queues=queues,
-        **_dramatiq(raw, redis_url, env),
+        **_dramatiq(raw, redis_url, env, redis_cluster=redis.cluster),
         metrics=_metrics(raw, env),
         redis_url=redis_url,
     )

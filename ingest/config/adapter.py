@@ -564,13 +564,23 @@ def read_adapter(
 
 
 def read_adapters(
-    raw: Mapping[str, Any], default_redis_url: str, base_dir: Path, env: Mapping[str, str]
+    raw: Mapping[str, Any],
+    default_redis_url: str,
+    base_dir: Path,
+    env: Mapping[str, str],
+    *,
+    redis_cluster: bool = False,
 ) -> tuple[AdapterConfig, ...]:
-    """The file's ``[[adapters]]``, each read, then checked against the others."""
+    """The file's ``[[adapters]]``, each read, then checked against the others.
+    ``redis_cluster``: ``[redis] cluster``, the default of ``cluster`` for
+    the Redis adapters that use ``[redis] url``."""
     tables = raw.get("adapters", [])
     if not isinstance(tables, list):
         raise ConfigError("[[adapters]]: must be an array of tables")
-    adapters = tuple(_adapter(i, a, default_redis_url, base_dir, env) for i, a in enumerate(tables))
+    adapters = tuple(
+        _adapter(i, a, default_redis_url, base_dir, env, redis_cluster=redis_cluster)
+        for i, a in enumerate(tables)
+    )
     names = [a.name for a in adapters]
     for n in names:
         if names.count(n) > 1:
@@ -580,7 +590,13 @@ def read_adapters(
 
 
 def _adapter(
-    index: int, raw: Any, default_redis_url: str, base_dir: Path, env: Mapping[str, str]
+    index: int,
+    raw: Any,
+    default_redis_url: str,
+    base_dir: Path,
+    env: Mapping[str, str],
+    *,
+    redis_cluster: bool = False,
 ) -> AdapterConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"adapters[{index}]: must be a table")
@@ -588,7 +604,12 @@ def _adapter(
     label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{index}]"
     # The defaults that depend on the rest.
     values = ADAPTERS.read(
-        label, raw, defaults={"queue": name, **_transport_defaults(raw, default_redis_url, env)}
+        label,
+        raw,
+        defaults={
+            "queue": name,
+            **_transport_defaults(raw, default_redis_url, env, redis_cluster=redis_cluster),
+        },
     )
     # Only the processes that connect to this broker need the variables (the
     # ingester's and the acker's, per role): a missing one is raised when one does.
@@ -617,7 +638,9 @@ def _credential_variables(label: str, values: Mapping[str, Any]) -> dict[str, st
     return {"username_env": values["token_env"], "password_env": None}
 
 
-def _transport_defaults(raw: Mapping[str, Any], redis_url: str, env: Mapping[str, str]) -> dict[str, Any]:
+def _transport_defaults(
+    raw: Mapping[str, Any], redis_url: str, env: Mapping[str, str], *, redis_cluster: bool = False
+) -> dict[str, Any]:
     """The mode, url and key prefix an adapter of its transport has when its
     table names none (an unknown transport is refused by its own key)."""
     transport = raw.get("transport", "redis")
@@ -630,7 +653,9 @@ def _transport_defaults(raw: Mapping[str, Any], redis_url: str, env: Mapping[str
     if transport == "amqp":
         url = env.get(AMQP_URL_VARIABLE) or DEFAULT_AMQP_URL
         return {"mode": TRANSPORT_MODES["amqp"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["amqp"]}
-    return {"url": redis_url}
+    # [redis] cluster describes [redis] url: an adapter with a url of its
+    # own says itself whether that is a cluster.
+    return {"url": redis_url, "cluster": redis_cluster and "url" not in raw}
 
 
 def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:

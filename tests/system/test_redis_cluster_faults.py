@@ -8,8 +8,11 @@ kept, with every PEL and processing list empty. The chaos seed is printed
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,12 +21,12 @@ import redis
 from redis.cluster import RedisCluster
 
 from ingest.adapters.redis.lists import processing_key
-from ingest.embedded.processes import wait_for, wait_ready
+from ingest.embedded.processes import WaitTimedOut, wait_for, wait_ready
 from ingest.embedded.valkey_cluster import ValkeyCluster
 from tests.support.chaos import kill9_rounds, seeded
 from tests.support.cluster import cluster_client, owned_cluster
 from tests.support.config import stream_adapter
-from tests.support.db import acked, query
+from tests.support.db import acked, query, scalar
 from tests.support.oracle import assert_stored_once
 from tests.support.processes import Processes, assert_clean_exit
 
@@ -179,6 +182,63 @@ def test_a_master_failover_mid_run_keeps_what_was_replicated(
             )
             assert ingester.alive()
             assert acker.alive()
+            for proc in (ingester, acker):
+                assert_clean_exit(proc, proc.terminate())
+        finally:
+            client.close()
+        assert_stored_once(db_url, ids, queue="orders")
+        procs.assert_no_secret_logged()
+
+
+def test_an_xack_lost_in_a_failover_comes_back_as_a_deduplicated_redelivery(
+    procs: Processes, make_config: Callable[..., Path], db_url: str
+) -> None:
+    """Replication is asynchronous: XACKs the master took and its replica
+    never received (the replica frozen with SIGSTOP while the acker acks)
+    are lost when the master dies and the replica is promoted. The entries
+    are pending again there (the replica is cut off from its master first:
+    a frozen one still finds what was sent in its socket's buffer); the
+    claim sweep delivers them again, the
+    inbox deduplicates them (one todo each, ``deliveries`` 2), and the
+    acker acks them once more: the PEL ends empty."""
+    with owned_cluster(masters=3, replicas=1) as cluster:
+        client = cluster_client(cluster)
+        try:
+            ids = [
+                f"redis:orders:{_text(client.xadd('orders', {'body': json.dumps({'n': i})}))}"
+                for i in range(50)
+            ]
+            adapter = stream_adapter("orders", claim_idle_ms=1000, claim_interval_ms=300)
+            config = make_config(on_cluster(cluster, adapter))
+            ingester = procs.start("ingest", config, name="ingester-1")
+            wait_ready(ingester)
+            wait_for(lambda: pel_total(client, ["orders"]) == 50, timeout_s=60, interval_s=0.1, what="stored")
+            master = cluster.node_of("orders")
+            cluster.wait_replicated(master)  # the replica has the entries and their PEL
+            (replica,) = cluster.replicas_of(master)
+            replica_pid = cluster.node(replica).pid
+            # Frozen, and cut off by its master, so nothing the master takes
+            # from now on reaches it (not even through its socket's buffer).
+            os.kill(replica_pid, signal.SIGSTOP)
+            try:
+                cluster.node(master).call("CLIENT", "KILL", "TYPE", "replica")
+                acker = procs.start("ack", config, name="acker-1")
+                wait_for(lambda: acked(db_url) == 50, timeout_s=60, interval_s=0.1, what="the acks")
+                assert pel_total(client, ["orders"]) == 0  # on the master; the replica never heard
+                cluster.kill(master)
+            finally:
+                os.kill(replica_pid, signal.SIGCONT)
+            cluster.wait_healthy()
+            client.close()
+            client = cluster_client(cluster)
+
+            def state() -> tuple[int, int, int]:
+                redelivered = scalar(db_url, "SELECT count(*) FROM inbox WHERE deliveries > 1")
+                return pel_total(client, ["orders"]), int(redelivered), acked(db_url)
+
+            with contextlib.suppress(WaitTimedOut):
+                wait_for(lambda: state() == (0, 50, 50), timeout_s=60, interval_s=0.5, what="redeliveries")
+            assert state() == (0, 50, 50), "(PEL, rows redelivered, rows acked) after the failover"
             for proc in (ingester, acker):
                 assert_clean_exit(proc, proc.terminate())
         finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ingest.adapters.redis.lists import key_base, processing_key
+from ingest.config import Settings, from_mapping
 from ingest.config.adapter import read_adapter
 from ingest.errors import ConfigError
 
@@ -37,3 +38,34 @@ def test_a_clustered_lists_keys_share_its_slot_and_a_single_servers_keep_their_n
     assert processing_key("jobs", "c1") == "jobs:processing:c1"  # unchanged on one server
     assert processing_key("jobs", "c1", cluster=True) == "{jobs}:processing:c1"
     assert key_base("jobs", cluster=True) == "{jobs}"
+
+
+def _settings(
+    redis: dict[str, object], *adapters: dict[str, object], dramatiq: dict[str, object] | None = None
+) -> Settings:
+
+    raw: dict[str, object] = {
+        "database": {"url": "postgresql://u@h/db"},
+        "redis": redis,
+        "adapters": list(adapters),
+    }
+    if dramatiq is not None:
+        raw["dramatiq"] = dramatiq
+    return from_mapping(raw, {})
+
+
+def test_redis_cluster_is_the_default_of_the_adapters_on_its_url_only() -> None:
+    s = _settings(
+        {"url": "redis://node-1:7000/0", "cluster": True},
+        {"name": "a", "source": "a"},
+        {"name": "b", "source": "b", "url": "redis://single:6379/0"},
+        dramatiq={"url": "redis://single:6379/1"},
+    )
+    assert [(a.name, a.cluster) for a in s.adapters] == [("a", True), ("b", False)]
+
+
+def test_a_cluster_default_needs_a_dramatiq_broker_of_its_own() -> None:
+    with pytest.raises(
+        ConfigError, match=r"\[dramatiq\]: key 'url' is required when \[redis\] cluster = true"
+    ):
+        _settings({"url": "redis://node-1:7000/0", "cluster": True}, {"name": "a", "source": "a"})

@@ -851,7 +851,7 @@ def test_a_broker_url_lacking_its_credentials_is_no_string_in_the_settings() -> 
         ({"database": {**DB, "bogus": 1}},
          "[database]: unknown key 'bogus' (allowed: lock_timeout_ms, pool_size, statement_timeout_ms,"
          " tcp_user_timeout_ms, transaction_deadline_ms, url)"),
-        ({"redis": {"bogus": 1}}, "[redis]: unknown key 'bogus' (allowed: url)"),
+        ({"redis": {"bogus": 1}}, "[redis]: unknown key 'bogus' (allowed: cluster, url)"),
         ({"ingest": {"bogus": 1}},
          "[ingest]: unknown key 'bogus' (allowed: backoff_initial_ms, backoff_max_ms, commits_in_flight,"
          " enabled_refresh_ms, max_batch_bytes, max_inflight_bytes, shutdown_timeout_s)"),
