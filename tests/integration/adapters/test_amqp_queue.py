@@ -175,10 +175,20 @@ async def test_acks_only_what_committed_up_to_its_last_tag(
     assert await counts(amqp_url, queue) == (0, 0, 0)
 
 
-async def _read_until_it_fails(adapter: PullAdapter) -> None:
+async def _read_until_redelivered(adapter: PullAdapter) -> tuple[list[Delivery], list[str]]:
+    """Read until the deliveries come again; how many reads failed first.
+    The server's close surfaces as a BrokerError from a read, unless the
+    next read already found the channel closed and opened a new one."""
+    errors: list[str] = []
     async with asyncio.timeout(90):  # the server checks consumer timeouts every few seconds
         while True:
-            assert await adapter.read(10) == []
+            try:
+                got = await adapter.read(10)
+            except BrokerError as exc:
+                errors.append(str(exc))
+                continue
+            if got:
+                return got, errors
 
 
 async def _unacked_is(url: str, queue: str, n: int) -> bool:
@@ -249,7 +259,8 @@ async def test_a_channel_the_server_closes_is_an_error_then_its_deliveries_come_
     db_url: str, redis_url: str
 ) -> None:
     """RabbitMQ's ``consumer_timeout`` closes a channel holding a delivery
-    unacked too long, asynchronously: the next read raises it (no hang), and
+    unacked too long, asynchronously: a read raises it (or the next read finds
+    the channel closed and opens another; never a hang), and
     the reconnected adapter gets the deliveries again, counted as redelivered."""
     with owned_rabbitmq(consumer_timeout_ms=1000) as server:
         queue = unique("timeout")
@@ -260,9 +271,10 @@ async def test_a_channel_the_server_closes_is_an_error_then_its_deliveries_come_
         try:
             held = await read_n(adapter, 3)
             assert [d.deliveries for d in held] == [1, 1, 1]
-            with pytest.raises(BrokerError, match=r"the channel to .* ended"):
-                await _read_until_it_fails(adapter)
-            again = await read_n(adapter, 3)
+            again, errors = await _read_until_redelivered(adapter)
+            assert all("ended" in e for e in errors), errors
+            if len(again) < 3:
+                again += await read_n(adapter, 3 - len(again))
             assert sorted(d.idempotency_key for d in again) == sorted(d.idempotency_key for d in held)
             assert {d.deliveries for d in again} == {2}
             adapter.stored()  # a batch from the old channel is void; this one is live
@@ -385,14 +397,14 @@ async def test_a_read_cancelled_while_the_channel_opens_leaves_no_half_open_chan
     """A stop or an abandoned prefetch cancels a read at any await of the
     channel's opening: the next read opens a consuming channel again, never
     a half-open one with no consumer (which would read nothing, for good).
-    The cancellation is tried every 4 ms through an opening (one of these
+    The cancellation is tried every 6 ms through an opening (one of these
     found a channel left half-open, and a raw client error)."""
     queue = unique("cancelled")
     declare_queue(amqp_url, queue)
     s = settings(db_url, redis_url, table(amqp_url, queue))
     adapter = make_adapter(one(s), ledger=None)
     try:
-        for delay_ms in range(0, 120, 4):
+        for delay_ms in range(0, 120, 6):
             publish(amqp_url, queue, bodies(1, start=delay_ms))
             await adapter.pause()  # the next read opens a channel
             reading = asyncio.create_task(adapter.read(1))
