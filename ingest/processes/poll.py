@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -406,8 +406,7 @@ class PollLoop:
         before fails this one too, so the rewind that follows covers both."""
         deliveries = fetched.deliveries
         started = time.perf_counter()
-        unsure = {d.idempotency_key for d in deliveries if not d.deliveries_exact}
-        batched, suspects = await self._split_suspects(fetched.records, unsure)
+        batched, suspects = await self._split_suspects(fetched.records, deliveries)
         results = [await self._store(chunk) for chunk in (self._chunks(batched) if batched else [])]
         # Suspects go one by one, each lone attempt counted and committed first:
         # if one of them crashes us every time, it alone is counted and, past
@@ -504,16 +503,17 @@ class PollLoop:
     async def _split_suspects(
         self,
         records: list[InboxRecord],
-        unsure: Collection[str] = (),
+        deliveries: Sequence[Delivery] = (),
     ) -> tuple[list[InboxRecord], list[InboxRecord]]:
         """Messages redelivered more than once (by the broker's count, or with
         lone attempts on record in PostgreSQL, whose count does not roll back)
         are suspects, and so are redeliveries whose count is only a lower
-        bound (``unsure``: keys of deliveries not ``deliveries_exact``); the
-        rest is stored in batches as usual."""
+        bound (``deliveries`` not ``deliveries_exact``); the rest is stored
+        in batches as usual. A batch with no redelivery costs one pass."""
         again = [r.idempotency_key for r in records if r.deliveries >= REDELIVERY]
         if not again:
             return records, []
+        unsure = {d.idempotency_key for d in deliveries if not d.deliveries_exact}
         async with self._within_deadline(self._engine.connect(), "reading delivery attempts") as conn:
             on_record = await delivery_attempts.known(conn, self._cfg.name, again)
         batched: list[InboxRecord] = []

@@ -31,7 +31,14 @@ import aio_pika
 import pytest
 from pamqp.commands import Basic
 
-from ingest.embedded.rabbitmq_server import AmqpQueue, AmqpTls, AmqpUser, RabbitMqServer, rabbitmq_missing
+from ingest.embedded.rabbitmq_server import (
+    AmqpQueue,
+    AmqpTls,
+    AmqpUser,
+    RabbitMqServer,
+    rabbitmq_missing,
+    rabbitmq_server,
+)
 from ingest.embedded.servers import temp_base
 from tests.support.processes import SECRET
 
@@ -101,25 +108,26 @@ def owned_rabbitmq(
     SECRET); removed with its folder after. Skips, counted in the summary,
     without the broker's binaries. ``tls``: a TLS listener too (``tls_port``)."""
     require_rabbitmq()
-    server = RabbitMqServer.create(
-        temp_base("switchboard-rabbitmq-") / "rabbitmq",
-        password=SECRET,
-        users=users,
-        queues=queues,
-        consumer_timeout_ms=consumer_timeout_ms,
-        conf=conf,
-        tls=tls,
-    )
+    base = temp_base("switchboard-rabbitmq-")
     try:
-        server.start()
-        _COUNTERS[server.url] = server.queue_counts
-        yield server
+        with rabbitmq_server(
+            base / "rabbitmq",
+            password=SECRET,
+            users=users,
+            queues=queues,
+            consumer_timeout_ms=consumer_timeout_ms,
+            conf=conf,
+            tls=tls,
+        ) as server:
+            _COUNTERS[server.url] = server.queue_counts
+            try:
+                yield server
+            finally:
+                _COUNTERS.pop(server.url, None)
     finally:
-        _COUNTERS.pop(server.url, None)
-        server.cleanup()
         with contextlib.suppress(OSError):
-            server.base_dir.parent.joinpath("owner.pid").unlink()
-            server.base_dir.parent.rmdir()
+            base.joinpath("owner.pid").unlink()
+            base.rmdir()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from ingest.adapters.redis.common import as_text
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.processes import WaitTimedOut, wait_for, wait_ready
 from ingest.embedded.valkey_cluster import ValkeyCluster
@@ -57,10 +58,6 @@ def streams_on_every_master(cluster: ValkeyCluster, n: int = 3) -> list[str]:
     return sorted(chosen.values())
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def pel_total(client: RedisCluster, streams: list[str]) -> int:
     total = 0
     for s in streams:
@@ -83,7 +80,7 @@ def test_stream_chaos_over_three_masters(
         for s in streams:
             for i in range(start, start + PER_STREAM):
                 entry = client.xadd(s, {"body": json.dumps({"n": i, "s": s})})
-                ids.append(f"redis:{s}:{_text(entry)}")
+                ids.append(f"redis:{s}:{as_text(entry)}")
 
     produce(0)
     config = make_config(*(on_cluster(cluster, stream_adapter(s, queue="orders")) for s in streams))
@@ -158,7 +155,7 @@ def test_a_master_failover_mid_run_keeps_what_was_replicated(
 
         def produce(start: int, n: int) -> None:
             for i in range(start, start + n):
-                ids.append(f"redis:orders:{_text(client.xadd('orders', {'body': json.dumps({'n': i})}))}")
+                ids.append(f"redis:orders:{as_text(client.xadd('orders', {'body': json.dumps({'n': i})}))}")
 
         try:
             produce(0, 400)
@@ -205,7 +202,7 @@ def test_an_xack_lost_in_a_failover_comes_back_as_a_deduplicated_redelivery(
         client = cluster_client(cluster)
         try:
             ids = [
-                f"redis:orders:{_text(client.xadd('orders', {'body': json.dumps({'n': i})}))}"
+                f"redis:orders:{as_text(client.xadd('orders', {'body': json.dumps({'n': i})}))}"
                 for i in range(50)
             ]
             adapter = stream_adapter("orders", claim_idle_ms=1000, claim_interval_ms=300)

@@ -27,7 +27,7 @@ from ingest.config import AdapterConfig, Settings
 from ingest.errors import BrokerError
 from tests.support.amqp import declare_queue, owned_rabbitmq, publish, queue_counts
 from tests.support.amqp_plain import publish_without_ids
-from tests.support.db import query, scalar
+from tests.support.db import acked, query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
 
 NAME = "jobs"
@@ -91,7 +91,7 @@ async def test_keys_come_from_message_id_else_the_bodys_digest(
     publish_without_ids(amqp_url, queue, sent[2:])
     s = settings(db_url, redis_url, table(amqp_url, queue))
     async with pipeline(s, acker=False):
-        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 4)
+        await wait_until(lambda: acked(db_url) == 4)
     rows = query(db_url, "SELECT idempotency_key, source_message_id FROM inbox ORDER BY idempotency_key")
     digests = [hashlib.sha256(b).hexdigest() for b in sent[2:]]
     assert sorted(rows) == sorted(
@@ -111,14 +111,14 @@ async def test_the_same_body_without_a_message_id_makes_one_todo_even_after_it_e
     s = settings(db_url, redis_url, table(amqp_url, queue))
     async with pipeline(s, acker=False):
         publish_without_ids(amqp_url, queue, [b'{"same": 1}'])
-        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 1)
+        await wait_until(lambda: acked(db_url) == 1)
         query(db_url, "UPDATE todos SET status = 'done'")
         publish_without_ids(amqp_url, queue, [b'{"same": 1}', b'{"same": 1}'])
         # Two copies in one batch merge before the store: counted once more.
         await wait_until(lambda: scalar(db_url, "SELECT deliveries FROM inbox") >= 2)
         await wait_until(lambda: _unacked_is(amqp_url, queue, 0))
     assert scalar(db_url, "SELECT count(*) FROM todos") == 1
-    assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 1
+    assert acked(db_url) == 1
     assert await counts(amqp_url, queue) == (0, 0, 0)
 
 
@@ -160,8 +160,8 @@ async def test_acks_only_what_committed_up_to_its_last_tag(
         second = await read_n(adapter, 5)
         assert await adapter.ack_stored() == []  # nothing committed yet
         adapter.stored()  # the first batch committed
-        acked = await adapter.ack_stored()
-        assert [d.idempotency_key for d in acked] == [d.idempotency_key for d in first]
+        sent_acks = await adapter.ack_stored()
+        assert [d.idempotency_key for d in sent_acks] == [d.idempotency_key for d in first]
         await wait_until(lambda: _unacked_is(amqp_url, queue, 5))
         assert await counts(amqp_url, queue) == (0, 5, 1)
         adapter.rewind()  # the second never commits: read again from memory, same channel
@@ -218,7 +218,7 @@ async def test_an_ack_sent_but_never_marked_is_settled_by_the_next_channel(
     assert owed[NAME].pending == 6
     failpoints.configure("")
     async with pipeline(s, acker=False):
-        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 6)
+        await wait_until(lambda: acked(db_url) == 6)
     assert scalar(db_url, "SELECT count(*) FROM todos") == 6
     assert scalar(db_url, "SELECT sum(deliveries) FROM inbox") == 6
 
@@ -235,7 +235,7 @@ async def test_a_commit_that_fails_after_the_commit_point_acks_nothing_until_sto
     s = settings(db_url, redis_url, table(amqp_url, queue))
     failpoints.configure("after_commit=raise@1")
     async with pipeline(s, acker=False):
-        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 8)
+        await wait_until(lambda: acked(db_url) == 8)
         await wait_until(lambda: _unacked_is(amqp_url, queue, 0))
     assert scalar(db_url, "SELECT count(*) FROM todos") == 8
     assert scalar(db_url, "SELECT count(*) FROM inbox") == 8
@@ -293,7 +293,7 @@ async def test_settle_leaves_other_consumers_rows_and_this_channels_own(
     publish(amqp_url, queue, bodies(3))
     s = settings(db_url, redis_url, table(amqp_url, queue))
     async with pipeline(s, acker=False):
-        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 3)
+        await wait_until(lambda: acked(db_url) == 3)
     query(
         db_url,
         "UPDATE inbox SET ack_state = 'pending', ack_xid = 1,"
@@ -321,7 +321,7 @@ async def test_a_disabled_adapter_gives_its_prefetch_back_and_resumes_when_enabl
     async with pipeline(s, acker=False):
         await wait_until(lambda: _counts_are(amqp_url, queue, (0, 0, 1)))  # consuming
         publish(amqp_url, queue, bodies(3))
-        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 3)
+        await wait_until(lambda: acked(db_url) == 3)
         await adapter_actions.set_enabled(engine, NAME, False)
         await wait_until(lambda: _counts_are(amqp_url, queue, (0, 0, 0)))  # no consumer left
         # With no consumer on the queue, nothing published now can reach the
@@ -329,7 +329,7 @@ async def test_a_disabled_adapter_gives_its_prefetch_back_and_resumes_when_enabl
         publish(amqp_url, queue, bodies(12, start=3))
         assert await counts(amqp_url, queue) == (12, 0, 0)
         await adapter_actions.set_enabled(engine, NAME, True)
-        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 15)
+        await wait_until(lambda: acked(db_url) == 15)
         await wait_until(lambda: _counts_are(amqp_url, queue, (0, 0, 1)))
     assert scalar(db_url, "SELECT count(*) FROM todos") == 15
 
@@ -365,7 +365,7 @@ async def test_marks_that_fail_are_written_with_the_next_batchs(
         assert not failures
         assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'pending'") == 4
         publish(amqp_url, queue, bodies(2, start=4))
-        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 6)
+        await wait_until(lambda: acked(db_url) == 6)
 
 
 async def test_a_rewound_batch_of_a_dropped_channel_is_never_replayed_as_live(
