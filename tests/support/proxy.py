@@ -25,7 +25,10 @@ class Proxy:
         self._server_ssl = server_ssl
         self.latency_s = 0.0
         self.blackhole = False
-        self.cut_after: bytes | None = None  # close once a client chunk containing this was sent
+        self.cut_after: bytes | None = None  # close once a client chunk containing this was sent,
+        # on a connection that has sent this before (or in that chunk): a
+        # COMMIT cut only where it ends a given statement's transaction.
+        self.cut_only_after: bytes | None = None
         self.cuts = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -66,6 +69,7 @@ class Proxy:
         *,
         upstream: bool,
     ) -> None:
+        sent_marker = False
         with contextlib.suppress(OSError, asyncio.CancelledError):
             while data := await reader.read(CHUNK):
                 if self.blackhole:
@@ -74,7 +78,14 @@ class Proxy:
                     await asyncio.sleep(self.latency_s)
                 writer.write(data)
                 await writer.drain()
-                if upstream and self.cut_after is not None and self.cut_after in data:
+                if upstream and self.cut_only_after is not None and self.cut_only_after in data:
+                    sent_marker = True
+                if (
+                    upstream
+                    and self.cut_after is not None
+                    and self.cut_after in data
+                    and (sent_marker or self.cut_only_after is None)
+                ):
                     self.cut_after = None
                     self.cuts += 1
                     for w in pair:  # the reply to what was just sent never arrives
