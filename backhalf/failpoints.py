@@ -32,6 +32,8 @@ NAMES = frozenset(
         "acker_after_select",
         "acker_after_xack",
         "worker_before_end_commit",
+        "receiver_before_commit",
+        "receiver_after_commit",
     }
 )
 ACTIONS = frozenset({"kill", "stop", "raise"})

@@ -22,8 +22,11 @@ starts them): the values live in files one exporter process sums.
 from __future__ import annotations
 
 import re
+from collections import Counter as Tally
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from backhalf.records import StoreResult
 
 # A batch's store and an ack drain take milliseconds to seconds.
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -53,6 +56,19 @@ LOST = Counter(
     ["adapter"],
 )
 TODOS_CREATED = Counter("switchboard_todos_created_total", "Todos created by the store.", ["adapter"])
+# The push family (switchboard receive). Unknown adapters count as "-": a
+# path's text never becomes a label.
+WEBHOOK_RESPONSES = Counter(
+    "switchboard_webhook_responses_total",
+    "Webhook deliveries answered, by HTTP status (200: stored, a duplicate, or stored as rejected).",
+    ["adapter", "status"],
+)
+WEBHOOK_REFUSED = Counter(
+    "switchboard_webhook_refused_total",
+    "Webhook deliveries refused before anything was stored, by reason (bad_signature, stale_timestamp,"
+    " too_large, ...).",
+    ["adapter", "reason"],
+)
 STORE_SECONDS = Histogram(
     "switchboard_store_duration_seconds",
     "One batch's store, from its first statement to its commit.",
@@ -174,3 +190,22 @@ def error_class(exc: BaseException) -> str:
     while cause.__cause__ is not None:
         cause = cause.__cause__
     return type(cause).__name__
+
+
+def count_store(adapter: str, result: StoreResult, store_s: float, lost_reason: str) -> None:
+    """One committed store transaction's metrics: a handful of additions per
+    transaction, none per message. ``lost_reason``: the rejection reason
+    that also counts in ``LOST``."""
+    if not on():
+        return
+    STORED.labels(adapter).inc(result.new)
+    TODOS_CREATED.labels(adapter).inc(result.todos_created)
+    if result.redelivered:
+        DEDUPLICATED.labels(adapter, "inbox").inc(result.redelivered)
+    if result.todos_deduped:
+        DEDUPLICATED.labels(adapter, "todo").inc(result.todos_deduped)
+    STORE_SECONDS.labels(adapter).observe(store_s)
+    for reason, n in Tally(reason_of(e) for e in result.rejected_errors).items():
+        REJECTED.labels(adapter, reason).inc(n)
+        if reason == lost_reason:
+            LOST.labels(adapter).inc(n)

@@ -102,8 +102,10 @@ async def _store(cur: Cursor, batch: StoreBatch, records: list[InboxRecord], *, 
     # 5. Another message on a stored entry id: stored again, under its own key.
     if outcome.reused:
         records, outcome = await _store_reused(cur, batch, records, outcome)
-    # 6. Wake the acker, on commit.
-    if _ack_state(batch) == "pending":
+    # 6. Wake the acker, on commit: its drain for the acks, its relay for
+    # the new todos (a push or pub/sub batch has no ack, and its todos would
+    # otherwise wait for the relay's poll).
+    if _ack_state(batch) == "pending" or outcome.created:
         await cur.execute(queries.NOTIFY_ACKER, {"channel": queries.ACK_CHANNEL, "adapter": batch.adapter})
     return outcome.result(records)
 

@@ -23,6 +23,7 @@ EXAMPLES: dict[str, str] = {
     "migrate": "switchboard --config switchboard.toml migrate",
     "ingest": "switchboard ingest --consumer ingest-1 --metrics-port 9464",
     "ack": "switchboard ack --metrics-port 9465",
+    "receive": "switchboard receive --listen 127.0.0.1:8080 --metrics-port 9466",
     "adapters": "switchboard adapters list",
     "adapters list": "switchboard adapters list",
     "adapters enable": "switchboard adapters enable orders",
@@ -49,7 +50,7 @@ environment:
   {DATABASE_URL_VARIABLE:<27} the database URL, over [database] url
   {REDIS_URL_VARIABLE:<27} the default broker's URL, over [redis] url
   {METRICS_PORT_VARIABLE:<27} the metrics port of the long-running processes, over [metrics] port
-  and the variables the config's username_env and password_env name"""
+  and the variables the config's username_env, password_env and secrets_env name"""
 
 # `demo` runs on embedded defaults: it reads none of them.
 _NO_ENVIRONMENT = frozenset({"demo"})

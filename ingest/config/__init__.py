@@ -22,7 +22,14 @@ from typing import Annotated, Any
 
 from backhalf.db import DatabaseSettings
 from backhalf.queues import QueueConfig
-from ingest.config.adapter import ADAPTERS, REDIS_DEFAULT_BROKER, RETENTION, read_adapters
+from ingest.config.adapter import (
+    ADAPTERS,
+    REDIS_DEFAULT_BROKER,
+    RETENTION,
+    adapter_tables,
+    is_webhook,
+    read_adapters,
+)
 from ingest.config.adapter import AdapterConfig as AdapterConfig
 from ingest.config.adapter import adapter_keys as adapter_keys
 from ingest.config.adapter import read_adapter as read_adapter
@@ -31,6 +38,8 @@ from ingest.config.urls import BrokerUrl as BrokerUrl
 from ingest.config.urls import check_redis_url as check_redis_url
 from ingest.config.urls import database_url, env_name
 from ingest.config.urls import with_credentials as with_credentials
+from ingest.config.webhook import RECEIVER, WEBHOOKS, ReceiverSettings, read_webhook
+from ingest.config.webhook import WebhookConfig as WebhookConfig
 from ingest.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = "switchboard.toml"
@@ -361,9 +370,9 @@ METRICS = Section(
     ' "[Metrics, health and liveness](operating.md#metrics-health-and-liveness)".',
 )
 # Every table, in the order of the config reference.
-SECTIONS = (DATABASE, REDIS, ADAPTERS, INGEST, ACKER, QUEUES, DRAMATIQ, METRICS)
+SECTIONS = (DATABASE, REDIS, ADAPTERS, WEBHOOKS, RECEIVER, INGEST, ACKER, QUEUES, DRAMATIQ, METRICS)
 _DEFAULT_BROKER = BrokerUrl(DEFAULT_REDIS_URL)
-_TOP_KEYS = {"database", "redis", "adapters", "ingest", "acker", "queues", "metrics", "dramatiq"}
+_TOP_KEYS = {"database", "redis", "adapters", "receiver", "ingest", "acker", "queues", "metrics", "dramatiq"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +394,10 @@ class Settings:
     # [redis] url, else the default; also that of adapters known only from
     # the adapters table (``ack`` and ``status`` with no adapters configured).
     redis_url: str = DEFAULT_REDIS_URL
+    # The push adapters ([[adapters]] with transport = "webhook"), served by
+    # `switchboard receive`; every other process leaves them be.
+    webhooks: tuple[WebhookConfig, ...] = ()
+    receiver: ReceiverSettings = field(default_factory=ReceiverSettings)
 
     def adapter(self, name: str) -> AdapterConfig:
         for a in self.adapters:
@@ -443,6 +456,8 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     adapters = read_adapters(
         raw, redis_url, base_dir if base_dir is not None else Path.cwd(), env, redis_cluster=redis.cluster
     )
+    webhooks = _webhooks(raw, base_dir if base_dir is not None else Path.cwd())
+    _names_unique(adapters, webhooks)
     ingest = IngestSettings(**INGEST.read("[ingest]", table(raw, "ingest")))
     _check_inflight_room(ingest, adapters)
     acker = AckerSettings(**ACKER.read("[acker]", table(raw, "acker")))
@@ -457,7 +472,27 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         **_dramatiq(raw, redis_url, env, redis_cluster=redis.cluster),
         metrics=_metrics(raw, env),
         redis_url=redis_url,
+        webhooks=webhooks,
+        receiver=ReceiverSettings(**RECEIVER.read("[receiver]", table(raw, "receiver"))),
     )
+
+
+def _webhooks(raw: Mapping[str, Any], base_dir: Path) -> tuple[WebhookConfig, ...]:
+    found = []
+    for i, t in enumerate(adapter_tables(raw)):
+        if is_webhook(t):
+            name = t.get("name")
+            label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{i}]"
+            found.append(read_webhook(label, t, base_dir))
+    return tuple(found)
+
+
+def _names_unique(adapters: tuple[AdapterConfig, ...], webhooks: tuple[WebhookConfig, ...]) -> None:
+    pulled = {a.name for a in adapters}
+    names = [w.name for w in webhooks]
+    for n in names:
+        if n in pulled or names.count(n) > 1:
+            raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
 
 
 def load(path: str | Path, env: Mapping[str, str]) -> Settings:

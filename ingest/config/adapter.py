@@ -75,7 +75,8 @@ def _pubsub_is_at_most_once(label: str, values: Mapping[str, Any]) -> None:
 
 def _transport(where: str, value: Any) -> str:
     if value not in TRANSPORT_MODES:
-        raise ConfigError(f"{where} must be one of {', '.join(TRANSPORT_MODES)} (got {value!r})")
+        # A webhook's table is read by its own definitions (ingest.config.webhook).
+        raise ConfigError(f"{where} must be one of {', '.join(TRANSPORT_MODES)}, webhook (got {value!r})")
     return str(value)
 
 
@@ -574,12 +575,10 @@ def read_adapters(
     """The file's ``[[adapters]]``, each read, then checked against the others.
     ``redis_cluster``: ``[redis] cluster``, the default of ``cluster`` for
     the Redis adapters that use ``[redis] url``."""
-    tables = raw.get("adapters", [])
-    if not isinstance(tables, list):
-        raise ConfigError("[[adapters]]: must be an array of tables")
     adapters = tuple(
         _adapter(i, a, default_redis_url, base_dir, env, redis_cluster=redis_cluster)
-        for i, a in enumerate(tables)
+        for i, a in enumerate(adapter_tables(raw))
+        if not is_webhook(a)
     )
     names = [a.name for a in adapters]
     for n in names:
@@ -587,6 +586,18 @@ def read_adapters(
             raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
     _check_one_reader_each(adapters)
     return adapters
+
+
+def adapter_tables(raw: Mapping[str, Any]) -> list[Any]:
+    tables = raw.get("adapters", [])
+    if not isinstance(tables, list):
+        raise ConfigError("[[adapters]]: must be an array of tables")
+    return tables
+
+
+def is_webhook(table: Any) -> bool:
+    """A push adapter's table: read by ingest.config.webhook, not here."""
+    return isinstance(table, Mapping) and table.get("transport") == "webhook"
 
 
 def _adapter(

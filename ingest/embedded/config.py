@@ -15,6 +15,8 @@ def _value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, int | float):
         return str(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_value(item) for item in v) + "]"
     return json.dumps(str(v))  # a JSON string of ASCII/escapes is a TOML basic string
 
 
@@ -33,11 +35,12 @@ def write_config(
     acker: Mapping[str, Any] | None = None,
     queues: Mapping[str, Mapping[str, Any]] | None = None,
     dramatiq_url: str | None = None,
+    receiver: Mapping[str, Any] | None = None,
 ) -> Path:
     """``[database]`` (its url and ``database``), ``[redis]`` when ``redis_url`` is
     given, one ``[[adapters]]`` table each, ``[ingest]`` / ``[acker]`` when
     given, one ``[queues.NAME]`` table each, and ``[dramatiq]`` when its url
-    is given."""
+    is given, and ``[receiver]`` when given."""
     text = f"[database]\n{_table({'url': database_url, **(database or {})})}"
     if redis_url is not None:
         text += f"\n[redis]\n{_table({'url': redis_url})}"
@@ -51,6 +54,8 @@ def write_config(
         text += f"\n[queues.{name}]\n{_table(queue)}"
     if dramatiq_url is not None:
         text += f"\n[dramatiq]\n{_table({'url': dramatiq_url})}"
+    if receiver is not None:
+        text += f"\n[receiver]\n{_table(receiver)}"
     # The URLs hold the servers' passwords: the file is its owner's alone
     # (under root a temp_base is traversable by others; see servers.py).
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import db_errors, heartbeats, registry, stream_groups
 from backhalf.db import MAX_OVERFLOW, within_deadline
 from backhalf.errors import DeadlineExceeded
+from backhalf.records import Family
 from backhalf.stream_groups import GroupStartLedger
 from ingest.adapters.base import FAMILY, AdapterBuilder, PullAdapter
 from ingest.adapters.factory import make_adapter
@@ -32,24 +33,45 @@ from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 log = structlog.get_logger(__name__)
 
 
-async def register_adapters(engine: AsyncEngine, settings: Settings, stop: asyncio.Event) -> bool:
-    """Upsert every configured adapter, retrying while the database is away.
+class Registration(NamedTuple):
+    """One adapter's row in the adapters table."""
+
+    name: str
+    family: Family
+    transport: str
+    mode: str
+    settings: Mapping[str, Any]
+
+
+def pull_registrations(settings: Settings) -> list[Registration]:
+    return [Registration(a.name, FAMILY, a.transport, a.mode, a.public_settings()) for a in settings.adapters]
+
+
+async def register_adapters(
+    engine: AsyncEngine,
+    settings: Settings,
+    stop: asyncio.Event,
+    registrations: Sequence[Registration] | None = None,
+) -> bool:
+    """Upsert every adapter of ``registrations`` (default: the config's pull
+    adapters), retrying while the database is away.
     Return False if stop was requested first. A permanent error (the schema
     missing, the login refused, no such database) raises DatabaseUnusable:
     waiting would not fix it."""
+    rows = pull_registrations(settings) if registrations is None else registrations
     retry = Retry.from_settings(settings.ingest, log)
     while not stop.is_set():
         try:
             deadline_ms = settings.database.transaction_deadline_ms
             async with within_deadline(engine.begin(), deadline_ms, "registering adapters") as conn:
-                for a in settings.adapters:
+                for r in rows:
                     await registry.register(
                         conn,
-                        name=a.name,
-                        family=FAMILY,
-                        transport=a.transport,
-                        mode=a.mode,
-                        settings=a.public_settings(),
+                        name=r.name,
+                        family=r.family,
+                        transport=r.transport,
+                        mode=r.mode,
+                        settings=r.settings,
                     )
                 # The stream adapters record their groups' starts there: a
                 # database not migrated to this version stops us here (exit 3,
@@ -59,7 +81,7 @@ async def register_adapters(engine: AsyncEngine, settings: Settings, stop: async
             db_errors.raise_if_permanent(exc)
             await retry.back_off(stop, "register_failed", exc)
         else:
-            log.info("adapters_registered", adapters=[a.name for a in settings.adapters])
+            log.info("adapters_registered", adapters=[r.name for r in rows])
             return True
     return False
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -27,10 +26,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from backhalf import acks, body_schema, failpoints, metrics, registry
 from backhalf import attempts as delivery_attempts
+from backhalf.body_schema import BodySchema
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.db_errors import is_transient
 from backhalf.errors import AckStateError, DeadlineExceeded, PoisonMessage, StoreError
-from backhalf.normalize import RawForm, content_payload, content_size, raw_form, refusal
+from backhalf.normalize import BodyFormat, RawForm, content_payload, content_size, raw_form, refusal
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter, pull_provenance
@@ -56,7 +56,19 @@ LOST_BEFORE_INGEST = f"{LOST_REASON}: the entry was deleted or trimmed while sti
 MAX_UNMARKED = 100_000
 
 
-def to_record(delivery: Delivery, config: AdapterConfig) -> InboxRecord:
+class Normalizing(Protocol):
+    """What normalizing a body needs of its adapter's config (a pull
+    adapter's, or a webhook's)."""
+
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def format(self) -> BodyFormat: ...
+    @property
+    def body_schema(self) -> BodySchema | None: ...
+
+
+def to_record(delivery: Delivery, config: Normalizing) -> InboxRecord:
     """Normalize one delivery; a poison message becomes a rejected record."""
     limit = config.max_message_bytes
     error: str | None = None
@@ -481,24 +493,10 @@ class PollLoop:
         return self._enabled
 
     def _count(self, result: StoreResult, store_s: float) -> None:
-        """One committed store transaction's metrics: counted at its commit,
-        so a batch whose later chunk fails still counts the chunks that
-        committed (their redelivery then counts as deduplicated, as it is).
-        A handful of additions per transaction, none per message."""
-        if not metrics.on():
-            return
-        m, name = metrics, self._cfg.name
-        m.STORED.labels(name).inc(result.new)
-        m.TODOS_CREATED.labels(name).inc(result.todos_created)
-        if result.redelivered:
-            m.DEDUPLICATED.labels(name, "inbox").inc(result.redelivered)
-        if result.todos_deduped:
-            m.DEDUPLICATED.labels(name, "todo").inc(result.todos_deduped)
-        m.STORE_SECONDS.labels(name).observe(store_s)
-        for reason, n in Counter(m.reason_of(e) for e in result.rejected_errors).items():
-            m.REJECTED.labels(name, reason).inc(n)
-            if reason == LOST_REASON:
-                m.LOST.labels(name).inc(n)
+        """Counted at the commit, so a batch whose later chunk fails still
+        counts the chunks that committed (their redelivery then counts as
+        deduplicated, as it is)."""
+        metrics.count_store(self._cfg.name, result, store_s, LOST_REASON)
 
     async def _split_suspects(
         self,

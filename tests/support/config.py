@@ -38,6 +38,7 @@ def write_config(
     database: Mapping[str, Any] | None = None,
     queues: Mapping[str, Mapping[str, Any]] | None = None,
     dramatiq_url: str | None = None,
+    receiver: Mapping[str, Any] | None = None,
 ) -> Path:
     fast = {"backoff_initial_ms": 50, "backoff_max_ms": 1000}
     return config.write_config(
@@ -50,4 +51,5 @@ def write_config(
         acker={**fast, "poll_interval_ms": 200, **(acker or {})},
         queues=queues,
         dramatiq_url=dramatiq_url,
+        receiver=receiver,
     )

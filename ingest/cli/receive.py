@@ -1,0 +1,52 @@
+"""``switchboard receive``: the push ingester, an HTTP server for the
+webhook adapters (DESIGN.md section 12)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import replace
+
+from ingest.cli.running import run_until_stopped
+from ingest.cli.verb import Subparsers, Verb, add_metrics_port
+from ingest.config import Settings
+from ingest.config.webhook import check_listen
+from ingest.errors import ConfigError
+
+
+def _listen(text: str) -> str:
+    try:
+        return check_listen("--listen", text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--listen ")) from exc
+
+
+def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = verbs.add_parser(
+        "receive", parents=[common], help="run the webhook receiver (POST /hooks/{adapter})"
+    )
+    parser.add_argument("--listen", type=_listen, metavar="HOST:PORT", help="over [receiver] listen")
+    add_metrics_port(parser)
+    return parser
+
+
+def adjust(settings: Settings, args: argparse.Namespace) -> Settings:
+    if args.listen:
+        settings = replace(settings, receiver=replace(settings.receiver, listen=args.listen))
+    return settings
+
+
+def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:
+    # Imported here: Starlette and uvicorn are the receiver's alone (the
+    # `http` extra).
+    try:
+        from ingest.processes.receiver import run_receiver
+    except ImportError as exc:
+        raise ConfigError(
+            f"switchboard receive needs its HTTP server ({exc.name or exc}): pip install 'switchboard-ingest[http]'"
+        ) from exc
+
+    return run_until_stopped("receive", settings, lambda stop: run_receiver(settings, stop, env=env))
+
+
+VERB = Verb(add_parser, run, process=True, own_signals=True, adjust=adjust)

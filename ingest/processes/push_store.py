@@ -1,0 +1,145 @@
+"""Group commit for pushed deliveries: each request hands its one record
+here and waits for the commit that holds it.
+
+A few committers (``COMMITTERS``) each take what is waiting, up to
+``MAX_BATCH`` records, and store it in one transaction, one ``store`` call
+per (adapter, provenance), as a poll loop stores a batch. Nothing waits on
+purpose: under light load a record commits alone at once; under heavy load
+the records that arrive while the committers are busy share the next
+commit, so a delivery costs a share of a transaction instead of a whole one.
+A failed transaction fails every request in it (503: their senders retry,
+the keys dedup); one record's poison is its own (stored as rejected).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import structlog
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import failpoints, metrics
+from backhalf.db import within_deadline
+from backhalf.errors import DeadlineExceeded, StoreError
+from backhalf.records import NO_ACK, AckTarget, InboxRecord, Provenance, StoreBatch, StoreResult
+from backhalf.store import store
+
+log = structlog.get_logger(__name__)
+
+COMMITTERS = 4  # transactions under way at once: the receiver's share of the pool
+MAX_BATCH = 200  # records per transaction at most
+_NO_ACK = AckTarget(NO_ACK)
+
+
+@dataclass(slots=True)
+class _Waiting:
+    adapter: str
+    queue: str
+    provenance: Provenance
+    record: InboxRecord
+    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class PushStore:
+    """Stores records handed in by :meth:`store`, from :meth:`run`'s committers."""
+
+    def __init__(self, engine: AsyncEngine, deadline_ms: int) -> None:
+        self._engine = engine
+        self._deadline_ms = deadline_ms
+        self._waiting: asyncio.Queue[_Waiting] = asyncio.Queue()
+
+    async def store(self, adapter: str, queue: str, provenance: Provenance, record: InboxRecord) -> None:
+        """Return once ``record`` is committed; raise StoreError (or
+        DeadlineExceeded) if its transaction failed: the outcome may be
+        unknown (a COMMIT without its reply), and the sender's retry dedups."""
+        waiting = _Waiting(adapter, queue, provenance, record)
+        self._waiting.put_nowait(waiting)
+        try:
+            await asyncio.shield(waiting.done)
+        except asyncio.CancelledError:
+            # The request gave up (its deadline): the commit goes on without it.
+            waiting.done.add_done_callback(_retrieve)
+            raise
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """The committers, until ``stop``; what is handed in after that
+        still commits while the server drains its requests (the caller
+        cancels this only once no request is left)."""
+        async with asyncio.TaskGroup() as tg:
+            for i in range(COMMITTERS):
+                tg.create_task(self._commit_loop(), name=f"push-commit:{i}")
+
+    async def _commit_loop(self) -> None:
+        while True:
+            first = await self._waiting.get()
+            taken = [first]
+            while len(taken) < MAX_BATCH and not self._waiting.empty():
+                taken.append(self._waiting.get_nowait())
+            await self._commit(taken)
+
+    async def _commit(self, taken: list[_Waiting]) -> None:
+        groups: dict[tuple[str, str, Provenance], list[_Waiting]] = defaultdict(list)
+        for w in taken:
+            groups[w.adapter, w.queue, w.provenance].append(w)
+        began = time.perf_counter()
+        results: list[tuple[str, StoreResult]] = []
+        try:
+            what = f"storing {len(taken)} webhook deliveries"
+            async with within_deadline(self._engine.begin(), self._deadline_ms, what) as conn:
+                # One order for every transaction: two committers holding
+                # duplicates of two adapters lock them alike, not crosswise.
+                for (adapter, queue, provenance), ws in sorted(groups.items(), key=_group_order):
+                    batch = StoreBatch(
+                        adapter=adapter,
+                        queue=queue,
+                        consumer=None,
+                        ack_after="store",
+                        ack=_NO_ACK,
+                        provenance=provenance,
+                        records=[w.record for w in ws],
+                    )
+                    results.append((adapter, await store(conn, batch)))
+                failpoints.hit("receiver_before_commit")
+        except (SQLAlchemyError, DeadlineExceeded, StoreError) as exc:
+            failure = (
+                exc
+                if isinstance(exc, StoreError | DeadlineExceeded)
+                else StoreError(f"storing {len(taken)} webhook deliveries failed: {exc}")
+            )
+            for w in taken:
+                _settle(w.done, failure)
+            return
+        except BaseException as exc:
+            for w in taken:
+                _settle(w.done, StoreError(f"storing {len(taken)} webhook deliveries failed: {exc!r}"))
+            raise
+        failpoints.hit("receiver_after_commit")
+        store_s = time.perf_counter() - began
+        for adapter, result in results:
+            metrics.count_store(adapter, result, store_s, lost_reason="")
+        for w in taken:
+            _settle(w.done, None)
+
+
+def _group_order(item: tuple[tuple[str, str, Provenance], list[_Waiting]]) -> tuple[str, str, str]:
+    (adapter, queue, provenance), _ = item
+    return adapter, queue, provenance.verify_detail or ""
+
+
+def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
+    if done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
+
+
+def _retrieve(done: asyncio.Future[None]) -> None:
+    with contextlib.suppress(BaseException):
+        done.exception()

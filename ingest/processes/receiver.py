@@ -1,0 +1,339 @@
+"""``switchboard receive``: the push ingester, an HTTP server for the webhook
+adapters (DESIGN.md section 12), on the process skeleton like ``ingest``.
+
+Store-then-respond: a delivery is answered 200 only once the transaction
+holding its inbox row, event and todo has committed; anything else makes the
+sender retry, and the key dedups the retry. Refusals come cheapest first,
+and nothing unauthenticated reaches the database: an unknown adapter 404, a
+wrong method 405, a disabled adapter 503, a compressed body 415, missing or
+stale signature headers 401, a declared length over ``max_message_bytes``
+413 (all before the body is read), then a body too slow (408) or too long
+(413), then the signature itself (401). An authentic body that fails
+normalization is stored as rejected and answered 200: a 4xx would make the
+sender retry it for days and then disable the endpoint. A store that fails
+or is not committed within ``respond_within_ms`` is 503 with Retry-After.
+
+uvicorn serves the Starlette app inside this process's TaskGroup, on a
+socket bound before any work (a taken port is a config error, exit 2), with
+its signal handling off: the skeleton's stop ends it gracefully (no new
+connection; requests in flight are answered), then the committers stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import structlog
+import uvicorn
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backhalf import metrics, registry
+from backhalf.db import within_deadline
+from backhalf.errors import DeadlineExceeded, StoreError
+from ingest.adapters.base import Delivery
+from ingest.adapters.webhook import PUSH, push_provenance
+from ingest.adapters.webhook.verify import Refused, Scheme, scheme_for
+from ingest.config import Settings, WebhookConfig
+from ingest.config.webhook import resolve_secrets, split_listen
+from ingest.errors import ConfigError
+from ingest.lifecycle import wait_stop
+from ingest.processes.ingester import Registration, register_adapters
+from ingest.processes.poll import to_record
+from ingest.processes.push_store import PushStore
+from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
+
+log = structlog.get_logger(__name__)
+
+RETRY_AFTER_S = 5
+REFUSAL_LOG_EVERY_S = 10.0  # one refused_delivery line per adapter and reason per this, with a count
+NORMALIZE_INLINE_BYTES = 64 * 1024  # larger bodies, or any with a schema, are decoded off the loop
+UNKNOWN = "-"  # the metrics' adapter label of a path that names none
+
+
+def webhook_key(cfg: WebhookConfig, delivery_id: str) -> str:
+    return f"{cfg.key_prefix}:{cfg.source}:{delivery_id}"
+
+
+def bind(listen: str) -> socket.socket:
+    """The listening socket, bound now: a taken port or an address this host
+    lacks is a ConfigError before any work."""
+    host, port = split_listen(listen)
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"[receiver] listen {listen!r}: {exc.strerror or exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"[receiver] listen {listen!r}: cannot listen there: {exc.strerror or exc}"
+        ) from exc
+    sock.setblocking(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the process's stop ends it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class _Refusals:
+    """Rate-limited log lines for refused deliveries: anyone can send a
+    request, so a flood of bad ones costs a metric each and a line per
+    adapter and reason every REFUSAL_LOG_EVERY_S."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], float] = {}
+        self._quiet: dict[tuple[str, str], int] = {}
+
+    def note(self, adapter: str, refused: Refused) -> None:
+        metrics.WEBHOOK_REFUSED.labels(adapter, refused.reason).inc()
+        key = (adapter, refused.reason)
+        now = time.monotonic()
+        if now - self._last.get(key, -REFUSAL_LOG_EVERY_S) < REFUSAL_LOG_EVERY_S:
+            self._quiet[key] = self._quiet.get(key, 0) + 1
+            return
+        self._last[key] = now
+        log.warning(
+            "delivery_refused",
+            adapter=adapter,
+            status=refused.status,
+            reason=refused.reason,
+            detail=str(refused),
+            refused_since_last_line=self._quiet.pop(key, 0),
+        )
+
+
+class Endpoint:
+    """One webhook adapter's route: its checks, then the store."""
+
+    def __init__(self, cfg: WebhookConfig, scheme: Scheme, push: PushStore, settings: Settings) -> None:
+        self.cfg = cfg
+        self._scheme = scheme
+        self._push = push
+        self._body_timeout_s = settings.receiver.body_timeout_ms / 1000
+        self.enabled = True
+
+    async def receive(self, request: Request) -> Response:
+        cfg = self.cfg
+        if not self.enabled:
+            return _unavailable(f"adapter {cfg.name} is disabled")
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise Refused(415, "compressed", "a compressed body is not accepted: send it as it is")
+        signed = self._scheme.check_headers(request.headers)
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > cfg.max_message_bytes):
+            if not declared.isdigit():
+                raise Refused(400, "bad_length", "Content-Length is no number")
+            raise _too_large(cfg)
+        body = await self._body(request)
+        verified = self._scheme.verify(signed, body)
+        key = webhook_key(cfg, verified.delivery_id)
+        delivery = Delivery(key, verified.delivery_id, body=body, ack_ref=None)
+        if cfg.body_schema is None and len(body) <= NORMALIZE_INLINE_BYTES:
+            record = to_record(delivery, cfg)
+        else:
+            record = await asyncio.to_thread(to_record, delivery, cfg)
+        await self._push.store(cfg.name, cfg.queue, push_provenance(cfg.mode, verified), record)
+        return JSONResponse({"status": "stored" if record.error is None else "rejected"})
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.cfg.max_message_bytes
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(self.cfg)
+                    chunks.append(chunk)
+        except TimeoutError as exc:
+            raise Refused(
+                408, "body_timeout", f"the body did not arrive within {self._body_timeout_s:g} s"
+            ) from exc
+        return b"".join(chunks)
+
+
+def _too_large(cfg: WebhookConfig) -> Refused:
+    return Refused(413, "too_large", f"the body is over max_message_bytes={cfg.max_message_bytes}")
+
+
+def _unavailable(why: str) -> Response:
+    return JSONResponse(
+        {"error": "unavailable", "detail": why}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
+
+
+class Receiver:
+    """The app's handlers over the endpoints; the request deadline."""
+
+    def __init__(self, endpoints: Mapping[str, Endpoint], settings: Settings, process: Process) -> None:
+        self._endpoints = endpoints
+        self._respond_within_s = settings.receiver.respond_within_ms / 1000
+        self._process = process
+        self._refusals = _Refusals()
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/hooks/{adapter}", self.hook, methods=["POST"]),
+                Route("/healthz", self.healthz, methods=["GET"]),
+            ]
+        )
+
+    async def hook(self, request: Request) -> Response:
+        endpoint = self._endpoints.get(request.path_params["adapter"])
+        if endpoint is None:
+            return self._answered(UNKNOWN, JSONResponse({"error": "no such adapter"}, status_code=404))
+        name = endpoint.cfg.name
+        try:
+            async with asyncio.timeout(self._respond_within_s):
+                response = await endpoint.receive(request)
+        except Refused as refused:
+            self._refusals.note(name, refused)
+            response = JSONResponse(
+                {"error": refused.reason, "detail": str(refused)}, status_code=refused.status
+            )
+        except TimeoutError:
+            log.warning("delivery_unanswered", adapter=name, within_s=self._respond_within_s)
+            response = _unavailable(f"not stored within {self._respond_within_s:g} s")
+        except (StoreError, DeadlineExceeded) as exc:
+            log.warning("store_failed", adapter=name, error=str(exc), cause=metrics.error_class(exc))
+            response = _unavailable("the database did not commit the delivery")
+        return self._answered(name, response)
+
+    def _answered(self, adapter: str, response: Response) -> Response:
+        metrics.WEBHOOK_RESPONSES.labels(adapter, str(response.status_code)).inc()
+        return response
+
+    async def healthz(self, _request: Request) -> Response:
+        ok, report = self._process.liveness.report()
+        return JSONResponse(report, status_code=200 if ok else 503, headers={"Cache-Control": "no-store"})
+
+
+async def run_receiver(settings: Settings, stop: asyncio.Event, *, env: Mapping[str, str]) -> None:
+    if not settings.webhooks:
+        raise ConfigError(
+            '[[adapters]]: `switchboard receive` needs at least one adapter with transport = "webhook"'
+        )
+    # Before any work: a missing secret or a port taken is exit 2.
+    schemes = {w.name: scheme_for(w, resolve_secrets(w, env)) for w in settings.webhooks}
+    sock = bind(settings.receiver.listen)
+    try:
+        await run_process(settings, stop, lambda engine: _ReceiverBody(settings, engine, schemes, sock))
+    finally:
+        sock.close()
+
+
+class _ReceiverBody(ProcessBody):
+    role = "receive"
+    stopped_event = "receiver_stopped"
+    overdue_field = "tasks"
+
+    def __init__(
+        self, settings: Settings, engine: AsyncEngine, schemes: Mapping[str, Scheme], sock: socket.socket
+    ) -> None:
+        # Requests in flight get their whole deadline, then the committers finish.
+        self.shutdown_timeout_s = (
+            settings.receiver.respond_within_ms / 1000 + settings.ingest.shutdown_timeout_s
+        )
+        self._settings = settings
+        self._engine = engine
+        self._sock = sock
+        self._push = PushStore(engine, settings.database.transaction_deadline_ms)
+        self._endpoints = {
+            w.name: Endpoint(w, schemes[w.name], self._push, settings) for w in settings.webhooks
+        }
+        self._detail = {"adapters": sorted(self._endpoints), "listen": settings.receiver.listen}
+
+    async def start(self, process: Process) -> bool:
+        rows = [
+            Registration(w.name, PUSH, w.transport, w.mode, w.public_settings())
+            for w in self._settings.webhooks
+        ]
+        return await register_adapters(self._engine, self._settings, process.stop, rows)
+
+    def spawn(self, process: Process) -> None:
+        process.work(self._serve(process), name="http")
+        process.beside(self._refresh_enabled(process), name="enabled-flags")
+
+    async def _serve(self, process: Process) -> None:
+        receiver = Receiver(self._endpoints, self._settings, process)
+        config = uvicorn.Config(
+            receiver.app(),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=int(self._settings.receiver.respond_within_ms / 1000) + 1,
+        )
+        server = _Server(config)
+        async with asyncio.TaskGroup() as tg:
+            committers = tg.create_task(self._push.run(process.stop), name="push-committers")
+            serving = tg.create_task(server.serve(sockets=[self._sock]), name="uvicorn")
+            log.info(
+                "receiver_listening", listen=self._settings.receiver.listen, adapters=sorted(self._endpoints)
+            )
+            await process.stop.wait()
+            server.should_exit = True  # no new connection; requests in flight are answered
+            await serving
+            committers.cancel()  # no request is left to hand one a record
+
+    async def _refresh_enabled(self, process: Process) -> None:
+        """The enabled flags, read every ``enabled_refresh_ms``; a failed read
+        keeps the last known (the stores fail anyway while the database is away)."""
+        interval_s = self._settings.ingest.enabled_refresh_ms / 1000
+        tick = process.watch("enabled-flags", interval_s)
+        while not process.stop.is_set():
+            tick()
+            try:
+                async with within_deadline(
+                    self._engine.connect(), process.deadline_ms, "reading the flags"
+                ) as conn:
+                    rows = await registry.list_adapters(conn)
+            except (SQLAlchemyError, DeadlineExceeded) as exc:
+                log.warning("enabled_flags_unread", error=str(exc))
+            else:
+                flags = {r.name: r.enabled for r in rows}
+                for name, endpoint in self._endpoints.items():
+                    enabled = flags.get(name, True)
+                    if enabled != endpoint.enabled:
+                        log.info("adapter_enabled" if enabled else "adapter_disabled", adapter=name)
+                    endpoint.enabled = enabled
+            await wait_stop(process.stop, interval_s)
+
+    def detail(self) -> Mapping[str, Any]:
+        return self._detail
+
+    def gauges(self, process: Process, interval_s: float) -> tuple[str, Job]:
+        return "enabled-gauges", self._gauges(process, interval_s)
+
+    async def _gauges(self, process: Process, interval_s: float) -> None:
+        while not process.stop.is_set():
+            for name, endpoint in self._endpoints.items():
+                metrics.ADAPTER_ENABLED.labels(name).set(1 if endpoint.enabled else 0)
+            await wait_stop(process.stop, interval_s)
+
+    async def close(self) -> None:
+        """Nothing: the engine is the skeleton's, the socket run_receiver's."""
