@@ -43,7 +43,8 @@ def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) ->
         from ingest.processes.receiver import run_receiver
     except ImportError as exc:
         raise ConfigError(
-            f"switchboard receive needs its HTTP server ({exc.name or exc}): pip install 'switchboard-ingest[http]'"
+            f"switchboard receive needs its HTTP server ({exc.name or exc}):"
+            " pip install 'switchboard-ingest[http]'"
         ) from exc
 
     return run_until_stopped("receive", settings, lambda stop: run_receiver(settings, stop, env=env))

@@ -64,6 +64,7 @@ class _Entry:
     cfg: AdapterConfig | None = None
     note: str | None = None
     failed: bool = False
+    push: bool = False  # a webhook adapter: no broker; served by `switchboard receive`
 
 
 def _serves(p: ProcessRow, adapter: str, queue: str) -> bool:
@@ -79,7 +80,9 @@ def _label(p: ProcessRow) -> str:
     return f"{p.role} {p.host}:{p.pid}{named}"
 
 
+PUSH_FAMILY = "push"
 FAILING = ("dead", "stuck", "failing")
+ROLES = ("ingest", "ack", "receive", "worker")
 
 
 def _why(p: ProcessRow) -> str:
@@ -100,8 +103,7 @@ def _processes_of(procs: Sequence[ProcessRow], adapter: str, queue: str) -> dict
     purpose (a deploy, maintenance), and one that died is ``dead`` already."""
     mine = [p for p in procs if _serves(p, adapter, queue)]
     out: dict[str, Any] = {
-        role: [_label(p) for p in mine if p.role == role and p.state == "alive"]
-        for role in ("ingest", "ack", "worker")
+        role: [_label(p) for p in mine if p.role == role and p.state == "alive"] for role in ROLES
     }
     out["dead"] = [f"{_label(p)}, {_why(p)}" for p in mine if p.state in FAILING]
     running = {p.role for p in mine if p.state in ("alive", "stuck", "failing")}
@@ -141,22 +143,12 @@ async def collect(
             holder = await audit.ack_horizon_holder(conn)
     finally:
         await engine.dispose()
-    entries: list[_Entry] = [_Entry(cfg.name, rows.get(cfg.name), cfg) for cfg in settings.adapters]
-    configured = {cfg.name for cfg in settings.adapters}
-    for name, row in sorted(rows.items()):
-        if name in configured:
-            continue
-        if settings.adapters:
-            entries.append(_Entry(name, row, note=NOT_IN_CONFIG))
-            continue
-        try:
-            entries.append(_Entry(name, row, registered.adapter_config(row, settings.redis_url)))
-        except ConfigError as exc:  # a row this version cannot rebuild: unhealthy, said why
-            entries.append(_Entry(name, row, note=f"cannot be checked: {exc}", failed=True))
+    entries = _entries(settings, rows)
+    configured = {cfg.name for cfg in settings.adapters} | {w.name for w in settings.webhooks}
     report = []
     for e in entries:
         c = counts.get(e.name)
-        broker = await _broker_view(e.cfg) if e.cfg is not None else None
+        broker = await _broker_view(e.cfg) if e.cfg is not None else _push_view(e)
         enabled = c.enabled if c else None
         age = c.oldest_unacked_age if c else None
         settings_of = e.row.settings if e.row is not None else {}
@@ -169,6 +161,8 @@ async def collect(
             healthy = None
         elif served["dead"] or unloadable is not None:
             healthy = False
+        elif e.push:  # nothing to reach but the receiver itself
+            healthy = True if served["receive"] else None
         elif broker is not None:
             healthy = "broker_error" not in broker
         else:
@@ -198,6 +192,33 @@ async def collect(
             }
         )
     return report
+
+
+def _entries(settings: Settings, rows: Mapping[str, AdapterRow]) -> list[_Entry]:
+    """The configured adapters, then the registered ones the config does not name."""
+    entries: list[_Entry] = [_Entry(cfg.name, rows.get(cfg.name), cfg) for cfg in settings.adapters]
+    entries += [_Entry(w.name, rows.get(w.name), push=True) for w in settings.webhooks]
+    configured = {e.name for e in entries}
+    for name, row in sorted(rows.items()):
+        if name in configured:
+            continue
+        if row.family == PUSH_FAMILY:  # nothing to rebuild: no broker to check
+            entries.append(_Entry(name, row, push=True))
+            continue
+        if settings.adapters:
+            entries.append(_Entry(name, row, note=NOT_IN_CONFIG))
+            continue
+        try:
+            entries.append(_Entry(name, row, registered.adapter_config(row, settings.redis_url)))
+        except ConfigError as exc:  # a row this version cannot rebuild: unhealthy, said why
+            entries.append(_Entry(name, row, note=f"cannot be checked: {exc}", failed=True))
+    return entries
+
+
+def _push_view(e: _Entry) -> dict[str, Any] | None:
+    if not e.push:
+        return None
+    return {"family": PUSH_FAMILY, "route": f"POST /hooks/{e.name}"}
 
 
 def _acked_by_ingester(cfg: AdapterConfig | None) -> bool:
@@ -309,7 +330,8 @@ def _render_adapter(r: Mapping[str, Any]) -> list[str]:
         shown = f"{value} s" if key == "oldest_unacked_age_s" and value is not None else _text(value)
         lines.append(f"  {key:<22} {shown}")
     served = r.get("processes") or {}
-    for role in ("ingest", "ack", "worker"):
+    roles = ("receive", "worker") if r.get("family") == PUSH_FAMILY else ("ingest", "ack", "worker")
+    for role in roles:
         alive = ", ".join(served.get(role, [])) or "none"
         if role == "ack" and r.get("acked_by") == "ingest":
             alive = "not needed: its ingester acks"

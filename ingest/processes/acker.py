@@ -44,7 +44,7 @@ from backhalf.queries import ACK_CHANNEL
 from backhalf.records import AckClaim
 from backhalf.registry import AdapterRow
 from ingest.adapters import registered
-from ingest.adapters.base import Acknowledger
+from ingest.adapters.base import FAMILY, Acknowledger
 from ingest.adapters.factory import acked_by, make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.config.urls import broker_name
@@ -252,6 +252,9 @@ class RegisteredAcknowledgers:
     def adopt(self, rows: Sequence[AdapterRow]) -> None:
         for row in rows:
             if row.name in self._into or self._skipped.get(row.name) == row.settings:
+                continue
+            if row.family != FAMILY:  # a webhook's: answered, never acked
+                self._skipped[row.name] = row.settings
                 continue
             try:
                 config = registered.adapter_config(row, self._broker_url)

@@ -42,7 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import retention
 from backhalf.db import within_deadline
-from ingest.config import AckerSettings, Settings
+from ingest.config import AckerSettings, AdapterConfig, Settings, WebhookConfig
 from ingest.lifecycle import Retry, wait_stop
 
 log = structlog.get_logger(__name__)
@@ -76,7 +76,10 @@ class Walk:
 def walks(settings: Settings) -> list[Walk]:
     """The walks the settings ask for: none when no ``retain_*`` key is set."""
     found: list[Walk] = []
-    for a in settings.adapters:
+    # A webhook's rows (ack 'none') are kept by the same walks: its dedup
+    # horizon against the senders' retries.
+    kept: list[AdapterConfig | WebhookConfig] = [*settings.adapters, *settings.webhooks]
+    for a in kept:
         if a.retain_acked_days is not None:
             age = timedelta(seconds=a.retain_acked_days * DAY_S)
             # A stale attempt is of a message not seen for as long as an

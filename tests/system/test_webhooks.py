@@ -17,7 +17,7 @@ import pytest
 
 from ingest.embedded.processes import SwitchboardProcess, wait_for
 from tests.support.db import query, scalar
-from tests.support.processes import Processes, assert_clean_exit, with_secret_db
+from tests.support.processes import Processes, assert_clean_exit, switchboard, with_secret_db
 from tests.support.webhooks import (
     GITHUB_SECRET,
     STANDARD_SECRET,
@@ -285,3 +285,31 @@ def test_a_disabled_adapter_is_503_with_retry_after(
     assert answer.status == 503
     assert answer.headers["retry-after"].isdigit()
     assert _inbox(db_url) == 0
+
+
+def test_status_and_trace_show_a_push_adapter_and_its_message(
+    receiver: tuple[SwitchboardProcess, int], db_url: str, tmp_path: Path
+) -> None:
+    _, port = receiver
+    body = _body(10)
+    assert (
+        post(port, "/hooks/billing", body, standard_headers(STANDARD_SECRET_NEW, "msg_10", body)).status
+        == 200
+    )
+    config = tmp_path / "receive.toml"
+    wait_for(
+        lambda: scalar(db_url, "SELECT count(*) FROM processes WHERE role = 'receive'") == 1,
+        timeout_s=30,
+        what="the receiver's heartbeat",
+    )
+    shown = switchboard("--config", str(config), "status", "--json")
+    report = {r["adapter"]: r for r in json.loads(shown.stdout)}
+    billing = report["billing"]
+    assert (billing["family"], billing["route"], billing["stored"]) == ("push", "POST /hooks/billing", 1)
+    assert billing["processes"]["receive"], billing
+    assert billing["healthy"] is True
+    text = switchboard("--config", str(config), "status").stdout
+    assert "receive alive" in text
+    trail = switchboard("--config", str(config), "trace", "webhook:billing:msg_10")
+    assert trail.returncode == 0, trail.stderr
+    assert "webhook:billing:msg_10" in trail.stdout

@@ -223,6 +223,39 @@ async def test_notify_reaches_the_acker_only_on_commit(engine: AsyncEngine, db_u
         assert await notified(5.0) == ["orders"]
 
 
+async def test_a_batch_without_acks_wakes_the_relay_for_its_new_todos(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    """A push (or pub/sub) batch owes no ack, but its todos wait for the
+    relay: the commit notifies, so they are dispatched at once, not at the
+    relay's next poll. A batch that creates nothing stays silent."""
+    pushed = Provenance(
+        family="push", trust_mode="hmac-sha256", verified=True, verify_detail="github secret: S"
+    )
+    no_ack = StoreBatch(
+        adapter="orders",
+        queue="orders",
+        consumer=None,
+        ack_after="store",
+        ack=AckTarget("none"),
+        provenance=pushed,
+        records=[rec("1-0")],
+    )
+    async with await psycopg.AsyncConnection.connect(libpq(db_url), autocommit=True) as listener:
+        await listener.execute(f"LISTEN {ACK_CHANNEL}")
+
+        async def notified(timeout_s: float) -> list[str]:
+            return [n.payload async for n in listener.notifies(timeout=timeout_s, stop_after=1)]
+
+        async with engine.begin() as conn:
+            await store(conn, no_ack)
+        assert await notified(5.0) == ["orders"]
+        async with engine.begin() as conn:
+            result = await store(conn, no_ack)  # a duplicate: no todo made
+        assert result.todos_created == 0
+        assert await notified(0.5) == []
+
+
 async def test_concurrent_stores_of_one_entry_make_one_todo(engine: AsyncEngine, db_url: str) -> None:
     async def one() -> None:
         async with engine.begin() as conn:

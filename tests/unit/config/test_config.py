@@ -407,7 +407,7 @@ def test_the_unknown_key_message_lists_every_allowed_key() -> None:
         ({"adapters": [adapter(group="")]},
          "adapter 'orders': key 'group': must be a non-empty string (got '')"),
         ({"adapters": [adapter(transport="kafka")]},
-         "adapter 'orders': key 'transport' must be one of redis, nats, sqs, amqp (got 'kafka')"),
+         "adapter 'orders': key 'transport' must be one of redis, nats, sqs, amqp, webhook (got 'kafka')"),
         ({"adapters": [adapter(transport="nats")]},
          "adapter 'orders': key 'mode' = 'stream' is not a mode of transport = 'nats'"
          " (its modes: jetstream)"),
