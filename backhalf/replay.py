@@ -75,13 +75,13 @@ async def replay(
     *,
     queue_for: Callable[[str], str],
     normalize_for: Callable[[str], Normalizer],
-    family: Family,
-    trust_mode: str,
+    trust_for: Callable[[str], tuple[Family, str]],
 ) -> int:
     """Replay one rejected row in the caller's transaction; return the todo id.
 
-    The event gets the adapter's ``family`` and ``trust_mode``; it is not
-    verified, and its ``verify_detail`` names the operator's replay.
+    The event gets the adapter's family and trust mode (``trust_for``: a
+    pull adapter's, or a webhook's); it is not verified, and its
+    ``verify_detail`` names the operator's replay.
     """
     row = (
         await conn.execute(
@@ -109,6 +109,7 @@ async def replay(
     todo_id = await todos.create(
         conn, queue=queue_for(adapter), key=key, payload=payload, detail=todos.CREATED_BY_REPLAY
     )
+    family, trust_mode = trust_for(adapter)
     provenance = Provenance(family, trust_mode, False, f"replayed by operator from inbox row {inbox_id}")
     event_id = await conn.scalar(
         sa.insert(events)

@@ -15,9 +15,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import inbox_views, replay
 from backhalf.normalize import body_payload
+from backhalf.records import Family
 from ingest.actions.outcomes import Refused
 from ingest.adapters.base import FAMILY, TRUST_MODE
-from ingest.config import Settings
+from ingest.adapters.webhook import PUSH
+from ingest.adapters.webhook.verify import HMAC_SHA256
+from ingest.config import AdapterConfig, Settings, WebhookConfig
 from ingest.errors import ConfigError
 
 DEFAULT_REPLAY_LIMIT = 100
@@ -95,10 +98,17 @@ class BulkReplay:
 
 
 def _normalizer(settings: Settings, adapter: str) -> replay.Normalizer:
-    cfg = settings.adapter(adapter)
+    cfg = settings.any_adapter(adapter)
     # The adapter's current rules, schema included: a replay after the schema
     # was fixed checks against the fixed one.
     return lambda body: body_payload(body, cfg.format, cfg.max_message_bytes, cfg.body_schema)
+
+
+def _trust(cfg: AdapterConfig | WebhookConfig) -> tuple[Family, str]:
+    """A replayed row's event: of its adapter's family, trusted as it would be."""
+    if isinstance(cfg, WebhookConfig):
+        return PUSH, HMAC_SHA256
+    return FAMILY, TRUST_MODE
 
 
 async def replay_one(engine: AsyncEngine, settings: Settings, inbox_id: int) -> ReplayOutcome:
@@ -108,10 +118,9 @@ async def replay_one(engine: AsyncEngine, settings: Settings, inbox_id: int) -> 
             todo_id = await replay.replay(
                 conn,
                 inbox_id,
-                queue_for=lambda name: settings.adapter(name).queue,
+                queue_for=lambda name: settings.any_adapter(name).queue,
                 normalize_for=lambda name: _normalizer(settings, name),
-                family=FAMILY,  # every configured adapter is a pull adapter
-                trust_mode=TRUST_MODE,
+                trust_for=lambda name: _trust(settings.any_adapter(name)),
             )
     except replay.ReplayError as exc:  # its message names the row
         return Refused(str(exc))

@@ -405,6 +405,13 @@ class Settings:
                 return a
         raise ConfigError(f"no adapter named {name!r} in the config: use the config that defines it")
 
+    def any_adapter(self, name: str) -> AdapterConfig | WebhookConfig:
+        """A pull adapter or a webhook adapter by name."""
+        for w in self.webhooks:
+            if w.name == name:
+                return w
+        return self.adapter(name)
+
 
 def _check_inflight_room(ingest: IngestSettings, adapters: tuple[AdapterConfig, ...]) -> None:
     """Room in flight for one message of the largest size allowed: else an

@@ -17,7 +17,13 @@ from ingest.embedded.processes import wait_for
 from ingest.embedded.servers import PostgresServer
 from tests.support.config import stream_adapter, write_config
 from tests.support.db import query, scalar
-from tests.support.processes import Processes, assert_clean_exit, with_secret_db, with_secret_redis
+from tests.support.processes import (
+    Processes,
+    assert_clean_exit,
+    switchboard,
+    with_secret_db,
+    with_secret_redis,
+)
 from tests.support.webhooks import STANDARD_SECRET, post, receiver_config, standard_headers, wait_listening
 
 pytestmark = pytest.mark.system
@@ -140,7 +146,8 @@ def test_the_same_event_pushed_and_pulled_makes_todos_of_one_shape(
     todos = query(
         db_url,
         "SELECT t.queue, t.payload, t.status, t.attempts, e.family, e.trust_mode, e.verified,"
-        " t.idempotency_key FROM todos t JOIN inbox i ON i.todo_id = t.id JOIN events e ON e.id = i.event_id ORDER BY e.family",
+        " t.idempotency_key FROM todos t JOIN inbox i ON i.todo_id = t.id"
+        " JOIN events e ON e.id = i.event_id ORDER BY e.family",
     )
     (pushed, pulled) = todos
     assert pushed[:4] == pulled[:4] == ("billing", {"type": "invoice.paid", "invoice": 5}, "pending", 0)
@@ -150,3 +157,27 @@ def test_the_same_event_pushed_and_pulled_makes_todos_of_one_shape(
     assert pulled[7].startswith("redis:invoices:")
     for proc in (receiver, ingester):
         assert_clean_exit(proc, proc.stop())
+
+
+def test_a_rejected_push_delivery_is_replayed_once_its_rule_is_fixed(
+    procs: Processes, tmp_path: Path, db_url: str
+) -> None:
+    schema = tmp_path / "invoice.schema.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["invoice", "customer"]}))
+    strict = {**HOOK, "schema": str(schema)}
+    config, port = receiver_config(tmp_path / "receive.toml", with_secret_db(db_url), [strict])
+    receiver = procs.start("receive", config, name="receiver-1", env=ENV)
+    wait_listening(receiver)
+    body, headers = _delivery(6)  # no "customer": authentic, but poison under the schema
+    answer = post(port, "/hooks/billing", body, headers)
+    assert (answer.status, answer.json()) == (200, {"status": "rejected"})
+    assert_clean_exit(receiver, receiver.stop())
+    # The rule is fixed (the schema dropped): the operator replays the row.
+    fixed, _ = receiver_config(tmp_path / "fixed.toml", with_secret_db(db_url), [HOOK])
+    replayed = switchboard("--config", str(fixed), "inbox", "replay", "--adapter", "billing")
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert query(
+        db_url,
+        "SELECT i.status, t.queue, e.family, e.trust_mode, e.verified FROM inbox i"
+        " JOIN todos t ON t.id = i.todo_id JOIN events e ON e.id = i.event_id",
+    ) == [("stored", "billing", "push", "hmac-sha256", False)]

@@ -38,8 +38,7 @@ async def replay_row(engine: AsyncEngine, inbox_id: int) -> int:
             inbox_id,
             queue_for=lambda _: "orders",
             normalize_for=lambda _: lambda body: body.decode(),
-            family="queue",
-            trust_mode="queue",
+            trust_for=lambda _: ("queue", "queue"),
         )
 
 
