@@ -26,7 +26,8 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
 
 def adjust(settings: Settings, args: argparse.Namespace) -> Settings:
     if not settings.adapters:
-        raise ConfigError("[[adapters]]: `switchboard ingest` needs at least one adapter")
+        served = " (webhook adapters are served by `switchboard receive`)" if settings.webhooks else ""
+        raise ConfigError(f"[[adapters]]: `switchboard ingest` needs at least one adapter{served}")
     if args.consumer:
         consumer = args.consumer
         settings = replace(settings, adapters=tuple(replace(a, consumer=consumer) for a in settings.adapters))

@@ -89,7 +89,12 @@ def post(
 
 
 def receiver_config(
-    path: Path, db_url: str, adapters: list[Mapping[str, Any]], **receiver: Any
+    path: Path,
+    db_url: str,
+    adapters: list[Mapping[str, Any]],
+    *,
+    database: Mapping[str, Any] | None = None,
+    **receiver: Any,
 ) -> tuple[Path, int]:
     """A config of webhook adapters (and any others given) and a free port."""
     port = free_port()
@@ -98,6 +103,7 @@ def receiver_config(
         database_url=db_url,
         redis_url="redis://127.0.0.1:1/0",  # no pull adapter: never connected
         adapters=adapters,
+        database=database,
         receiver={"listen": f"127.0.0.1:{port}", **receiver},
     )
     return config, port

@@ -8,13 +8,15 @@ import http.client
 import json
 import signal
 import socket
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import redis
 
 from ingest.embedded.processes import wait_for
-from ingest.embedded.servers import PostgresServer
+from ingest.embedded.servers import PostgresServer, free_port
 from tests.support.config import stream_adapter, write_config
 from tests.support.db import query, scalar
 from tests.support.processes import (
@@ -24,7 +26,9 @@ from tests.support.processes import (
     with_secret_db,
     with_secret_redis,
 )
+from tests.support.proxy import proxy_to
 from tests.support.webhooks import STANDARD_SECRET, post, receiver_config, standard_headers, wait_listening
+from tests.system.test_network_faults import db_port
 
 pytestmark = pytest.mark.system
 
@@ -181,3 +185,64 @@ def test_a_rejected_push_delivery_is_replayed_once_its_rule_is_fixed(
         "SELECT i.status, t.queue, e.family, e.trust_mode, e.verified FROM inbox i"
         " JOIN todos t ON t.id = i.todo_id JOIN events e ON e.id = i.event_id",
     ) == [("stored", "billing", "push", "hmac-sha256", False)]
+
+
+def test_a_database_that_stops_answering_is_503_within_the_request_deadline(
+    procs: Processes, tmp_path: Path, db_url: str
+) -> None:
+    """A blackhole (no reply, no reset): only the request's deadline answers
+    the sender; once the database answers again, the retry makes one todo."""
+    with proxy_to(db_port(db_url)) as proxy:
+        config, port = receiver_config(
+            tmp_path / "receive.toml",
+            with_secret_db(proxy.url_for(db_url)),
+            [HOOK],
+            # The transaction caught in the blackhole gives up by itself soon
+            # after (else the stop would wait for it).
+            database={"statement_timeout_ms": 1000, "transaction_deadline_ms": 2000},
+            respond_within_ms=1500,
+            body_timeout_ms=1000,
+        )
+        receiver = procs.start("receive", config, name="receiver-1", env=ENV)
+        wait_listening(receiver)
+        body, headers = _delivery(7)
+        proxy.blackhole = True
+        late = post(port, "/hooks/billing", body, headers)
+        assert late.status == 503, late.body
+        assert late.headers["retry-after"].isdigit()
+        assert receiver.events("delivery_unanswered")
+        proxy.blackhole = False
+        wait_for(
+            lambda: post(port, "/hooks/billing", body, headers).status == 200,
+            timeout_s=60,
+            interval_s=0.5,
+            what="a 200 once the database answers",
+        )
+        assert scalar(db_url, "SELECT count(*) FROM todos") == 1
+        assert_clean_exit(receiver, receiver.stop())
+    procs.assert_no_secret_logged()
+
+
+def test_a_flood_of_forged_deliveries_costs_a_metric_each_and_few_log_lines(
+    procs: Processes, tmp_path: Path, db_url: str
+) -> None:
+    metrics_port = free_port()
+    config, port = receiver_config(tmp_path / "receive.toml", with_secret_db(db_url), [HOOK])
+    receiver = procs.start(
+        "receive", config, name="receiver-1", env={**ENV, "SWITCHBOARD_METRICS_PORT": str(metrics_port)}
+    )
+    wait_listening(receiver)
+    body, _ = _delivery(8)
+    forged = standard_headers("whsec_" + "QUJD" * 8, "msg_8", body)
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(lambda _: post(port, "/hooks/billing", body, forged).status, range(100)))
+    assert statuses == [401] * 100
+    assert scalar(db_url, "SELECT count(*) FROM inbox") == 0
+    assert 1 <= len(receiver.events("delivery_refused")) <= 2  # one line per reason every 10 s
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        exported = reply.read().decode()
+    assert 'switchboard_webhook_refused_total{adapter="billing",reason="bad_signature"} 100.0' in exported
+    assert 'switchboard_webhook_responses_total{adapter="billing",status="401"} 100.0' in exported
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as reply:
+        assert json.loads(reply.read())["status"] == "ok"
+    assert_clean_exit(receiver, receiver.stop())
