@@ -105,18 +105,18 @@ class PushStore:
                     )
                     results.append((adapter, await store(conn, batch)))
                 failpoints.hit("receiver_before_commit")
-        except (SQLAlchemyError, DeadlineExceeded, StoreError) as exc:
-            failure = (
-                exc
-                if isinstance(exc, StoreError | DeadlineExceeded)
-                else StoreError(f"storing {len(taken)} webhook deliveries failed: {exc}")
-            )
-            for w in taken:
-                _settle(w.done, failure)
+        except (StoreError, DeadlineExceeded) as exc:
+            _fail(taken, exc)
             return
-        except BaseException as exc:
-            for w in taken:
-                _settle(w.done, StoreError(f"storing {len(taken)} webhook deliveries failed: {exc!r}"))
+        except SQLAlchemyError as exc:  # connect, checkout, or the COMMIT itself
+            _fail(taken, StoreError(f"storing {len(taken)} webhook deliveries failed: {exc}"))
+            return
+        except Exception as exc:  # a bug fails these requests (503), never the receiver
+            log.exception("push_commit_crashed", deliveries=len(taken), error=exc)
+            _fail(taken, StoreError(f"storing {len(taken)} webhook deliveries failed: {type(exc).__name__}"))
+            return
+        except BaseException:  # cancelled: the receiver is stopping
+            _fail(taken, StoreError("the receiver stopped before the commit"))
             raise
         failpoints.hit("receiver_after_commit")
         store_s = time.perf_counter() - began
@@ -129,6 +129,11 @@ class PushStore:
 def _group_order(item: tuple[tuple[str, str, Provenance], list[_Waiting]]) -> tuple[str, str, str]:
     (adapter, queue, provenance), _ = item
     return adapter, queue, provenance.verify_detail or ""
+
+
+def _fail(taken: list[_Waiting], error: Exception) -> None:
+    for w in taken:
+        _settle(w.done, error)
 
 
 def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:

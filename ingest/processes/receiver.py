@@ -105,7 +105,8 @@ class _Refusals:
         self._quiet: dict[tuple[str, str], int] = {}
 
     def note(self, adapter: str, refused: Refused) -> None:
-        metrics.WEBHOOK_REFUSED.labels(adapter, refused.reason).inc()
+        if metrics.on():
+            metrics.WEBHOOK_REFUSED.labels(adapter, refused.reason).inc()
         key = (adapter, refused.reason)
         now = time.monotonic()
         if now - self._last.get(key, -REFUSAL_LOG_EVERY_S) < REFUSAL_LOG_EVERY_S:
@@ -141,10 +142,11 @@ class Endpoint:
             raise Refused(415, "compressed", "a compressed body is not accepted: send it as it is")
         signed = self._scheme.check_headers(request.headers)
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > cfg.max_message_bytes):
+        if declared is not None:
             if not declared.isdigit():
                 raise Refused(400, "bad_length", "Content-Length is no number")
-            raise _too_large(cfg)
+            if int(declared) > cfg.max_message_bytes:
+                raise _too_large(cfg)
         body = await self._body(request)
         verified = self._scheme.verify(signed, body)
         key = webhook_key(cfg, verified.delivery_id)
@@ -223,7 +225,8 @@ class Receiver:
         return self._answered(name, response)
 
     def _answered(self, adapter: str, response: Response) -> Response:
-        metrics.WEBHOOK_RESPONSES.labels(adapter, str(response.status_code)).inc()
+        if metrics.on():
+            metrics.WEBHOOK_RESPONSES.labels(adapter, str(response.status_code)).inc()
         return response
 
     async def healthz(self, _request: Request) -> Response:

@@ -246,3 +246,20 @@ def test_a_flood_of_forged_deliveries_costs_a_metric_each_and_few_log_lines(
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as reply:
         assert json.loads(reply.read())["status"] == "ok"
     assert_clean_exit(receiver, receiver.stop())
+
+
+def test_a_commit_that_fails_at_an_injected_point_is_503_and_the_receiver_goes_on(
+    procs: Processes, tmp_path: Path, db_url: str
+) -> None:
+    config, port = receiver_config(tmp_path / "receive.toml", with_secret_db(db_url), [HOOK])
+    receiver = procs.start(
+        "receive", config, name="receiver-1", env=ENV, failpoints="receiver_before_commit=raise@1"
+    )
+    wait_listening(receiver)
+    body, headers = _delivery(9)
+    assert post(port, "/hooks/billing", body, headers).status == 503
+    assert scalar(db_url, "SELECT count(*) FROM inbox") == 0  # rolled back
+    assert post(port, "/hooks/billing", body, headers).status == 200
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 1
+    assert receiver.events("push_commit_crashed")
+    receiver.stop()  # the injected fault's traceback is in the log: no clean-exit check
