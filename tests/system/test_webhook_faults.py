@@ -27,6 +27,8 @@ from tests.support.processes import (
     with_secret_redis,
 )
 from tests.support.proxy import proxy_to
+from tests.support.roles import migrate_and_grant, role_database
+from tests.support.servers import ServerUrls
 from tests.support.webhooks import STANDARD_SECRET, post, receiver_config, standard_headers, wait_listening
 from tests.system.test_network_faults import db_port
 
@@ -263,3 +265,23 @@ def test_a_commit_that_fails_at_an_injected_point_is_503_and_the_receiver_goes_o
     assert scalar(db_url, "SELECT count(*) FROM todos") == 1
     assert receiver.events("push_commit_crashed")
     receiver.stop()  # the injected fault's traceback is in the log: no clean-exit check
+
+
+def test_the_receiver_runs_as_the_shipped_ingester_role(
+    procs: Processes, tmp_path: Path, servers: ServerUrls
+) -> None:
+    with role_database(servers.database) as rdb:
+        migrate_and_grant(rdb)
+        config, port = receiver_config(tmp_path / "receive.toml", rdb.url("ingester"), [HOOK])
+        receiver = procs.start("receive", config, name="receiver-1", env=ENV)
+        wait_listening(receiver)
+        body, headers = _delivery(10)
+        answer = post(port, "/hooks/billing", body, headers)
+        assert answer.status == 200, answer.body
+        assert scalar(rdb.admin_url, "SELECT count(*) FROM todos") == 1
+        wait_for(
+            lambda: scalar(rdb.admin_url, "SELECT count(*) FROM processes WHERE role = 'receive'") == 1,
+            timeout_s=30,
+            what="its heartbeat",
+        )
+        assert_clean_exit(receiver, receiver.stop())
