@@ -15,7 +15,8 @@
 -- The roles (ops/README.md has the table of what each may do):
 --
 --   switchboard_migrator  LOGIN: owns the schema; runs `switchboard migrate`.
---   switchboard_ingester  NOLOGIN group: `switchboard ingest`.
+--   switchboard_ingester  NOLOGIN group: `switchboard ingest` and
+--                         `switchboard receive` (the webhook receiver).
 --   switchboard_acker     NOLOGIN group: `switchboard ack` (acks, the dispatch
 --                         relay, the rescuer, the pruner), `switchboard prune`,
 --                         `switchboard status` and the read-only commands
@@ -91,8 +92,10 @@
 -- * The operator's inbox replay makes only a 'rejected' row 'stored', with
 --   its todo and event; its event is never `verified`.
 -- * processes: each process role inserts and updates only rows of its own
---   `role` (ingest, ack, worker); any of them deletes a row stopped or silent
---   for a day (backhalf.heartbeats.FORGET_AFTER_S), and no other.
+--   `role` (ingest, ack, worker; the ingester's also receive, the webhook
+--   receiver's, which stores as the ingester does); any of them deletes a row
+--   stopped or silent for a day (backhalf.heartbeats.FORGET_AFTER_S), and no
+--   other.
 --
 -- Every policy this file makes is named switchboard_*: each run drops every
 -- policy of that name on Switchboard's tables and makes them again, so a run
@@ -491,10 +494,11 @@ BEGIN
     -- clean-up (backhalf.heartbeats.forget_statement, FORGET_AFTER_S) anyone's.
     CREATE POLICY switchboard_read ON processes FOR SELECT
         TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator USING (true);
+    -- `switchboard receive` (role 'receive', migration 0011) runs as the ingester.
     CREATE POLICY switchboard_ingester_insert ON processes FOR INSERT TO switchboard_ingester
-        WITH CHECK (role = 'ingest');
+        WITH CHECK (role IN ('ingest', 'receive'));
     CREATE POLICY switchboard_ingester_update ON processes FOR UPDATE TO switchboard_ingester
-        USING (role = 'ingest') WITH CHECK (role = 'ingest');
+        USING (role IN ('ingest', 'receive')) WITH CHECK (role IN ('ingest', 'receive'));
     CREATE POLICY switchboard_acker_insert ON processes FOR INSERT TO switchboard_acker
         WITH CHECK (role = 'ack');
     CREATE POLICY switchboard_acker_update ON processes FOR UPDATE TO switchboard_acker
