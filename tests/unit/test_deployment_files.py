@@ -7,6 +7,7 @@ rates their exposure."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -20,13 +21,19 @@ import pytest
 
 from ingest.cli import main as cli
 from ingest.config import DATABASE_URL_VARIABLE, REDIS_URL_VARIABLE, load
+from ingest.config.webhook import resolve_secrets
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE
 from tests.support import yaml_subset
 
 ROOT = Path(__file__).parents[2]
 OPS = ROOT / "ops"
 UNITS = OPS / "systemd"
-LONG_RUNNING = ("switchboard-ingest@.service", "switchboard-ack.service", "switchboard-worker.service")
+LONG_RUNNING = (
+    "switchboard-ingest@.service",
+    "switchboard-ack.service",
+    "switchboard-worker.service",
+    "switchboard-receive.service",
+)
 ALL_UNITS = ("switchboard-migrate.service", *LONG_RUNNING)
 VENV_SWITCHBOARD = "/opt/switchboard/.venv/bin/switchboard"
 ENV_FILE = "/etc/switchboard/switchboard.env"
@@ -109,6 +116,7 @@ def test_each_unit_runs_a_real_verb_as_the_service_user_with_the_env_file(name: 
         "switchboard-ingest@.service": "ingest",
         "switchboard-ack.service": "ack",
         "switchboard-worker.service": "worker",
+        "switchboard-receive.service": "receive",
     }[name]
     # The shared secrets, then the role's own (optional: "-"), which override them.
     assert svc["EnvironmentFile"] == [ENV_FILE, f"-/etc/switchboard/{expected}.env"]
@@ -146,6 +154,10 @@ def test_stop_timeouts_cover_the_shutdown_bounds() -> None:
     for name in ("switchboard-ingest@.service", "switchboard-ack.service"):
         bound = max(example.ingest.shutdown_timeout_s, example.acker.shutdown_timeout_s)
         assert float(one(service(name), "TimeoutStopSec")) >= 2 * bound
+    # The receiver answers its requests in flight (respond_within_ms), then
+    # its committers get [ingest] shutdown_timeout_s.
+    receive_bound = example.receiver.respond_within_ms / 1000 + example.ingest.shutdown_timeout_s
+    assert float(one(service("switchboard-receive.service"), "TimeoutStopSec")) >= 1.5 * receive_bound
     worker = service("switchboard-worker.service")
     longest_handler_s = max(q.time_limit_ms for q in example.queues.values()) / 1000
     assert float(one(worker, "TimeoutStopSec")) > longest_handler_s
@@ -340,8 +352,10 @@ def test_the_dockerfile_installs_the_pinned_package_and_runs_it_as_a_non_root_us
     assert _installed_sources() <= copied, _installed_sources() - copied
     installs = [args for kind, args in steps if kind == "RUN" and "pip install" in args]
     assert len(installs) == 1
-    assert re.search(r"pip install -c constraints\.txt \.(\s|$)", installs[0]), installs[0]
-    assert "[" not in installs[0], "no extras (dev, test, embedded) in the image"
+    # The `http` extra (the webhook receiver's server) and no other: no dev,
+    # test or embedded extras in the image.
+    assert re.search(r'pip install -c constraints\.txt "\.\[http\]"(\s|$)', installs[0]), installs[0]
+    assert installs[0].count("[") == 1, "no extras but http in the image"
     users = [i for i, (kind, _) in enumerate(steps) if kind == "USER"]
     assert users, "no USER: the processes would run as root"
     user = steps[users[-1]][1].split(":")[0]
@@ -411,7 +425,7 @@ def test_the_subset_reader_refuses_what_it_does_not_understand() -> None:
             yaml_subset.loads(text)
 
 
-PROCESSES = {"migrate": "migrate", "ingest": "ingest", "ack": "ack", "worker": "worker"}
+PROCESSES = {"migrate": "migrate", "ingest": "ingest", "ack": "ack", "worker": "worker", "receive": "receive"}
 
 
 def test_compose_runs_every_process_on_the_servers(compose: dict[str, Any]) -> None:
@@ -437,13 +451,15 @@ def test_compose_runs_every_process_on_the_servers(compose: dict[str, Any]) -> N
             "migrate": {"condition": "service_completed_successfully"},
             "valkey": {"condition": "service_healthy"},
         }
+    # The receiver needs no Redis.
+    assert services["receive"]["depends_on"] == {"migrate": {"condition": "service_completed_successfully"}}
     assert services["postgres"]["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
     assert "valkey-cli ping" in services["valkey"]["healthcheck"]["test"][1]
     assert services["valkey"]["secrets"] == ["valkey_conf", "redis_users"]
 
 
 def test_compose_health_checks_read_each_process_healthz(compose: dict[str, Any]) -> None:
-    for name in ("ingest", "ack", "worker"):
+    for name in ("ingest", "ack", "worker", "receive"):
         svc = compose["services"][name]
         args = parse_cli(["--config", "x.toml", *svc["command"]])
         kind, interpreter, flag, program = svc["healthcheck"]["test"]
@@ -452,6 +468,16 @@ def test_compose_health_checks_read_each_process_healthz(compose: dict[str, Any]
         compile(program, "healthcheck", "exec")  # a syntax error would only show as "unhealthy"
     worker = compose["services"]["worker"]
     assert worker["stop_grace_period"] == "11m"
+
+
+def test_compose_publishes_the_receiver_on_the_hosts_loopback_only(compose: dict[str, Any]) -> None:
+    """Plain HTTP: a TLS proxy on the host in front of it, never 0.0.0.0:8080.
+    Inside its container it listens on every address, which a published port needs."""
+    services = compose["services"]
+    assert services["receive"]["ports"] == ["127.0.0.1:8080:8080"]
+    assert [name for name, svc in services.items() if "ports" in svc] == ["receive"]
+    settings = load(OPS / "compose.switchboard.toml", {})
+    assert settings.receiver.listen == "0.0.0.0:8080"
 
 
 def test_compose_keeps_every_secret_in_files_outside_it(compose: dict[str, Any]) -> None:
@@ -496,3 +522,11 @@ def test_the_compose_processes_config_loads_and_serves_healthz() -> None:
     for user in (*env.values(), "switchboard-acker", "switchboard-producer"):
         if user.startswith("switchboard-"):
             assert f"user {user} on " in acl
+    # The receiver's adapter: its secret from secrets/receive.env, read by
+    # `receive` alone (every other process loads the table without it).
+    (webhook,) = settings.webhooks
+    assert (webhook.name, webhook.queue) == ("orders-webhook", "orders")
+    assert webhook.queue in settings.queues
+    secret = "whsec_" + base64.b64encode(b"0123456789abcdef").decode()
+    secrets = resolve_secrets(webhook, {**env, **dict.fromkeys(webhook.secrets_env, secret)})
+    assert [s.name for s in secrets] == list(webhook.secrets_env)
