@@ -23,7 +23,7 @@ EXAMPLES: dict[str, str] = {
     "migrate": "switchboard --config switchboard.toml migrate",
     "ingest": "switchboard ingest --consumer ingest-1 --metrics-port 9464",
     "ack": "switchboard ack --metrics-port 9465",
-    "receive": "switchboard receive --listen 127.0.0.1:8080 --metrics-port 9466",
+    "receive": "switchboard receive --listen 127.0.0.1:8080 --metrics-port 9467",
     "adapters": "switchboard adapters list",
     "adapters list": "switchboard adapters list",
     "adapters enable": "switchboard adapters enable orders",

@@ -269,10 +269,6 @@ def split_listen(text: str) -> tuple[str, str]:
     return host.removeprefix("[").removesuffix("]"), port
 
 
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def _body_within_respond(label: str, values: Mapping[str, Any]) -> None:
     if "respond_within_ms" in values and values["body_timeout_ms"] >= values["respond_within_ms"]:
         raise ConfigError(

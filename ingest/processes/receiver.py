@@ -55,9 +55,10 @@ from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 log = structlog.get_logger(__name__)
 
 RETRY_AFTER_S = 5
-REFUSAL_LOG_EVERY_S = 10.0  # one refused_delivery line per adapter and reason per this, with a count
+REFUSAL_LOG_EVERY_S = 10.0  # one delivery_refused line per adapter and reason per this, with a count
 NORMALIZE_INLINE_BYTES = 64 * 1024  # larger bodies, or any with a schema, are decoded off the loop
 UNKNOWN = "-"  # the metrics' adapter label of a path that names none
+ANY_METHOD = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 def webhook_key(cfg: WebhookConfig, delivery_id: str) -> str:
@@ -180,6 +181,12 @@ def _too_large(cfg: WebhookConfig) -> Refused:
     return Refused(413, "too_large", f"the body is over max_message_bytes={cfg.max_message_bytes}")
 
 
+def _refusal(refused: Refused, headers: Mapping[str, str] | None = None) -> Response:
+    return JSONResponse(
+        {"error": refused.reason, "detail": str(refused)}, status_code=refused.status, headers=headers
+    )
+
+
 def _unavailable(why: str) -> Response:
     return JSONResponse(
         {"error": "unavailable", "detail": why}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
@@ -198,7 +205,9 @@ class Receiver:
     def app(self) -> Starlette:
         return Starlette(
             routes=[
-                Route("/hooks/{adapter}", self.hook, methods=["POST"]),
+                # Every method reaches the handler: an unknown adapter is 404
+                # before a wrong method is 405, and both are counted.
+                Route("/hooks/{adapter}", self.hook, methods=list(ANY_METHOD)),
                 Route("/healthz", self.healthz, methods=["GET"]),
             ]
         )
@@ -208,14 +217,16 @@ class Receiver:
         if endpoint is None:
             return self._answered(UNKNOWN, JSONResponse({"error": "no such adapter"}, status_code=404))
         name = endpoint.cfg.name
+        if request.method != "POST":
+            refused = Refused(405, "method", "deliveries are POSTed")
+            self._refusals.note(name, refused)
+            return self._answered(name, _refusal(refused, headers={"Allow": "POST"}))
         try:
             async with asyncio.timeout(self._respond_within_s):
                 response = await endpoint.receive(request)
         except Refused as refused:
             self._refusals.note(name, refused)
-            response = JSONResponse(
-                {"error": refused.reason, "detail": str(refused)}, status_code=refused.status
-            )
+            response = _refusal(refused)
         except TimeoutError:
             log.warning("delivery_unanswered", adapter=name, within_s=self._respond_within_s)
             response = _unavailable(f"not stored within {self._respond_within_s:g} s")
