@@ -33,7 +33,7 @@ import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -173,6 +173,10 @@ class Endpoint:
         except TimeoutError as exc:
             raise Refused(
                 408, "body_timeout", f"the body did not arrive within {self._body_timeout_s:g} s"
+            ) from exc
+        except ClientDisconnect as exc:  # the sender gave up (its own timeout): it will retry
+            raise Refused(
+                400, "disconnected", "the sender closed the connection before its body ended"
             ) from exc
         return b"".join(chunks)
 

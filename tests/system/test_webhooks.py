@@ -314,3 +314,24 @@ def test_status_and_trace_show_a_push_adapter_and_its_message(
     trail = switchboard("--config", str(config), "trace", "webhook:billing:msg_10")
     assert trail.returncode == 0, trail.stderr
     assert "webhook:billing:msg_10" in trail.stdout
+
+
+def test_a_sender_that_hangs_up_mid_body_is_a_refusal_not_a_crash(
+    receiver: tuple[SwitchboardProcess, int], db_url: str
+) -> None:
+    proc, port = receiver
+    body = _body(11)
+    headers = standard_headers(STANDARD_SECRET_NEW, "msg_11", body)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(
+            f"POST /hooks/billing HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}\r\n".encode()
+            + body[:10]
+        )
+    wait_for(
+        lambda: [e for e in proc.events("delivery_refused") if e["reason"] == "disconnected"],
+        timeout_s=20,
+        what="the refusal",
+    )
+    assert _inbox(db_url) == 0
+    assert "Traceback" not in proc.raw_log()
