@@ -161,7 +161,9 @@ ev AS (
 -- gone (its body is lost, so nothing can differ). A different message on a stored id
 -- (Redis restored from an older snapshot, a stream deleted and refilled with
 -- explicit ids) is not updated and so not returned: the store stores it
--- again under a derived key (backhalf.store, "reused ids"). The comparison
+-- again under a derived key (backhalf.store, "reused ids"), except where the
+-- id alone names the message (``id_names_message``: a webhook's delivery id,
+-- whose resend may carry its body serialized anew). The comparison
 -- reads the stored body only on a conflict, which first deliveries do not
 -- meet.
 --
@@ -196,7 +198,8 @@ written AS (
                   ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
                   acked_at = NULL,
                   ack_xid = excluded.ack_xid
-    WHERE coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(excluded.body_sha256, sha256(excluded.body))
+    WHERE %(id_names_message)s
+       OR coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(excluded.body_sha256, sha256(excluded.body))
        OR starts_with(excluded.error, 'lost_before_ingest')
     RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id,
               (xmax = 0) AS inserted

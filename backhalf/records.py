@@ -107,6 +107,11 @@ class StoreBatch:
     # the adapter's last batch held stored entries read for the first time
     # (a group recreated from 0 re-reads a whole stream that way).
     check_stored: bool = False
+    # The native id alone names the message: a stored id met with another
+    # body is the same message sent again (a webhook's delivery id; Stripe
+    # signs a retry afresh, with its counters moved), not a reused id to
+    # store apart. A broker's entry id is not such a name (backhalf.store).
+    id_names_message: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,6 +194,7 @@ async def _write(
             "ack_state": _ack_state(batch),
             "by_cursor": _by_cursor(batch),
             "by_body": batch.ack.by_body,
+            "id_names_message": batch.id_names_message,
             "keys": [r.idempotency_key for r in writing],
             "ids": [r.source_message_id for r in writing],
             "bodies": [r.body for r in writing],

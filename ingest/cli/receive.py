@@ -13,6 +13,8 @@ from ingest.config import Settings
 from ingest.config.webhook import check_listen
 from ingest.errors import ConfigError
 
+HTTP_PACKAGES = ("starlette", "uvicorn", "h11", "anyio")  # the `http` extra's
+
 
 def _listen(text: str) -> str:
     try:
@@ -42,6 +44,8 @@ def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) ->
     try:
         from ingest.processes.receiver import run_receiver
     except ImportError as exc:
+        if exc.name not in HTTP_PACKAGES:
+            raise
         raise ConfigError(
             f"switchboard receive needs its HTTP server ({exc.name or exc}):"
             " pip install 'switchboard-ingest[http]'"

@@ -35,7 +35,20 @@ DAY_S = 86_400
 # retry for about 28 hours, Stripe for 3 days, GitHub redelivers on request
 # deliveries up to 3 days old.
 SENDER_RETRY_DAYS: Mapping[str, float] = {"standard-webhooks": 3, "github": 3, "stripe": 3}
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a delivery is held in memory whole while it is checked and stored
 STANDARD_SECRET_PREFIX = "whsec_"  # noqa: S105 - a prefix, no secret
+
+
+_ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+
+
+def _route_name(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not _ROUTE_NAME.fullmatch(value):
+        raise ConfigError(
+            f"{where} must be a name for the route /hooks/NAME: 1 to 100 letters, digits, '.', '_' or '-'"
+            f" (got {value!r})"
+        )
+    return value
 
 
 def _webhook_mode(where: str, value: Any) -> str:
@@ -96,7 +109,15 @@ def _retention(key: str, doc: str) -> Key:
 class WebhookConfig:
     """One ``[[adapters]]`` table with ``transport = "webhook"``."""
 
-    name: Annotated[str, Key(public=False, doc="the adapter's name: its route is `POST /hooks/{name}`")]
+    name: Annotated[
+        str,
+        Key(
+            public=False,
+            parse=_route_name,
+            doc="the adapter's name: its route is `POST /hooks/{name}`",
+            type_doc="letters, digits, `.`, `_`, `-`",
+        ),
+    ]
     transport: Annotated[str, Key(public=False, parse=_transport, doc='`"webhook"`')] = WEBHOOK
     mode: Annotated[
         str,
@@ -138,9 +159,9 @@ class WebhookConfig:
             parse=_format, doc="`json`, `text` or `bytes`: how the body is read ([messages.md](messages.md))"
         ),
     ] = BodyFormat.JSON
-    max_message_bytes: Annotated[int, Key(doc="a larger body is refused (413), nothing stored")] = (
-        DEFAULT_MAX_MESSAGE_BYTES
-    )
+    max_message_bytes: Annotated[
+        int, Key(maximum=MAX_BODY_BYTES, doc="a larger body is refused (413), nothing stored")
+    ] = DEFAULT_MAX_MESSAGE_BYTES
     schema: Annotated[
         str | None,
         Key(

@@ -33,6 +33,9 @@ log = structlog.get_logger(__name__)
 
 COMMITTERS = 4  # transactions under way at once: the receiver's share of the pool
 MAX_BATCH = 200  # records per transaction at most
+# Records waiting for a committer at most: past it a delivery is 503 at once
+# (its sender retries) rather than held in memory behind a slow database.
+MAX_WAITING = COMMITTERS * MAX_BATCH * 5
 _NO_ACK = AckTarget(NO_ACK)
 
 
@@ -43,6 +46,10 @@ class _Waiting:
     provenance: Provenance
     record: InboxRecord
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # Its request gave up (answered 503) before a committer took it: never
+    # stored then, so a database that is away does not leave a backlog of
+    # deliveries already answered to be committed ahead of live ones.
+    abandoned: bool = False
 
 
 class PushStore:
@@ -51,18 +58,25 @@ class PushStore:
     def __init__(self, engine: AsyncEngine, deadline_ms: int) -> None:
         self._engine = engine
         self._deadline_ms = deadline_ms
-        self._waiting: asyncio.Queue[_Waiting] = asyncio.Queue()
+        self._waiting: asyncio.Queue[_Waiting] = asyncio.Queue(MAX_WAITING)
 
     async def store(self, adapter: str, queue: str, provenance: Provenance, record: InboxRecord) -> None:
         """Return once ``record`` is committed; raise StoreError (or
         DeadlineExceeded) if its transaction failed: the outcome may be
-        unknown (a COMMIT without its reply), and the sender's retry dedups."""
+        unknown (a COMMIT without its reply), and the sender's retry dedups.
+        With ``MAX_WAITING`` records waiting already (the database slower
+        than the deliveries), StoreError at once."""
         waiting = _Waiting(adapter, queue, provenance, record)
-        self._waiting.put_nowait(waiting)
+        try:
+            self._waiting.put_nowait(waiting)
+        except asyncio.QueueFull as exc:
+            raise StoreError(f"{MAX_WAITING} deliveries wait for the database already") from exc
         try:
             await asyncio.shield(waiting.done)
         except asyncio.CancelledError:
-            # The request gave up (its deadline): the commit goes on without it.
+            # The request gave up (its deadline): not stored if no committer
+            # took it yet; else its commit goes on without it.
+            waiting.abandoned = True
             waiting.done.add_done_callback(_retrieve)
             raise
 
@@ -76,11 +90,15 @@ class PushStore:
 
     async def _commit_loop(self) -> None:
         while True:
-            first = await self._waiting.get()
-            taken = [first]
+            taken = [await self._waiting.get()]
             while len(taken) < MAX_BATCH and not self._waiting.empty():
                 taken.append(self._waiting.get_nowait())
-            await self._commit(taken)
+            live = [w for w in taken if not w.abandoned]
+            for w in taken:
+                if w.abandoned:
+                    _settle(w.done, StoreError("its request gave up before the commit"))
+            if live:
+                await self._commit(live)
 
     async def _commit(self, taken: list[_Waiting]) -> None:
         groups: dict[tuple[str, str, Provenance], list[_Waiting]] = defaultdict(list)
@@ -102,6 +120,7 @@ class PushStore:
                         ack=_NO_ACK,
                         provenance=provenance,
                         records=[w.record for w in ws],
+                        id_names_message=True,  # a resend may be serialized anew
                     )
                     results.append((adapter, await store(conn, batch)))
                 failpoints.hit("receiver_before_commit")
@@ -118,12 +137,12 @@ class PushStore:
         except BaseException:  # cancelled: the receiver is stopping
             _fail(taken, StoreError("the receiver stopped before the commit"))
             raise
-        failpoints.hit("receiver_after_commit")
+        for w in taken:
+            _settle(w.done, None)
+        failpoints.hit("receiver_after_commit")  # committed, the requests not yet answered
         store_s = time.perf_counter() - began
         for adapter, result in results:
             metrics.count_store(adapter, result, store_s, lost_reason="")
-        for w in taken:
-            _settle(w.done, None)
 
 
 def _group_order(item: tuple[tuple[str, str, Provenance], list[_Waiting]]) -> tuple[str, str, str]:

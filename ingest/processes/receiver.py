@@ -58,7 +58,9 @@ RETRY_AFTER_S = 5
 REFUSAL_LOG_EVERY_S = 10.0  # one delivery_refused line per adapter and reason per this, with a count
 NORMALIZE_INLINE_BYTES = 64 * 1024  # larger bodies, or any with a schema, are decoded off the loop
 UNKNOWN = "-"  # the metrics' adapter label of a path that names none
-ANY_METHOD = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+ANY_METHOD = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT")
+# Requests served at once; past it uvicorn answers 503 itself (the sender retries).
+MAX_CONCURRENT_REQUESTS = 2000
 
 
 def webhook_key(cfg: WebhookConfig, delivery_id: str) -> str:
@@ -75,10 +77,12 @@ def bind(listen: str) -> socket.socket:
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
         raise ConfigError(f"[receiver] listen {listen!r}: {exc.strerror or exc}") from exc
+    # Bound, not listening: a connection is refused until uvicorn serves
+    # (asyncio's server calls listen), never left unanswered in the backlog
+    # while start-up waits for the database.
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(1024)
     except OSError as exc:
         sock.close()
         raise ConfigError(
@@ -89,7 +93,16 @@ def bind(listen: str) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the process's stop ends it."""
+    """uvicorn without its own signal handlers: the process's stop ends it;
+    ``up`` is set once it serves (uvicorn itself says so by a flag only)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.up = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.up.set()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -138,8 +151,10 @@ class Endpoint:
         cfg = self.cfg
         if not self.enabled:
             return _unavailable(f"adapter {cfg.name} is disabled")
-        encoding = request.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
+        encodings = [
+            e.strip().lower() for h in request.headers.getlist("content-encoding") for e in h.split(",")
+        ]
+        if any(e != "identity" for e in encodings):
             raise Refused(415, "compressed", "a compressed body is not accepted: send it as it is")
         signed = self._scheme.check_headers(request.headers)
         declared = request.headers.get("content-length")
@@ -186,8 +201,12 @@ def _too_large(cfg: WebhookConfig) -> Refused:
 
 
 def _refusal(refused: Refused, headers: Mapping[str, str] | None = None) -> Response:
+    # Connection: close, as the body may be unread (a 413 by its declared
+    # length, a 408): uvicorn would otherwise read and discard the rest.
     return JSONResponse(
-        {"error": refused.reason, "detail": str(refused)}, status_code=refused.status, headers=headers
+        {"error": refused.reason, "detail": str(refused)},
+        status_code=refused.status,
+        headers={"Connection": "close", **(headers or {})},
     )
 
 
@@ -207,7 +226,7 @@ class Receiver:
         self._refusals = _Refusals()
 
     def app(self) -> Starlette:
-        return Starlette(
+        app = Starlette(
             routes=[
                 # Every method reaches the handler: an unknown adapter is 404
                 # before a wrong method is 405, and both are counted.
@@ -215,6 +234,9 @@ class Receiver:
                 Route("/healthz", self.healthz, methods=["GET"]),
             ]
         )
+        # /hooks/billing/ is no route: not a redirect built from the Host header.
+        app.router.redirect_slashes = False
+        return app
 
     async def hook(self, request: Request) -> Response:
         endpoint = self._endpoints.get(request.path_params["adapter"])
@@ -271,9 +293,10 @@ class _ReceiverBody(ProcessBody):
     def __init__(
         self, settings: Settings, engine: AsyncEngine, schemes: Mapping[str, Scheme], sock: socket.socket
     ) -> None:
-        # Requests in flight get their whole deadline, then the committers finish.
-        self.shutdown_timeout_s = (
-            settings.receiver.respond_within_ms / 1000 + settings.ingest.shutdown_timeout_s
+        # Requests in flight get their whole deadline (uvicorn's drain, below,
+        # is a second longer), then the committers finish.
+        self.shutdown_timeout_s = settings.receiver.respond_within_ms / 1000 + max(
+            settings.ingest.shutdown_timeout_s, 2.0
         )
         self._settings = settings
         self._engine = engine
@@ -289,7 +312,10 @@ class _ReceiverBody(ProcessBody):
             Registration(w.name, PUSH, w.transport, w.mode, w.public_settings())
             for w in self._settings.webhooks
         ]
-        return await register_adapters(self._engine, self._settings, process.stop, rows)
+        if not await register_adapters(self._engine, self._settings, process.stop, rows):
+            return False
+        await self._read_flags(process.deadline_ms)  # a disabled adapter is 503 from the first request
+        return True
 
     def spawn(self, process: Process) -> None:
         process.work(self._serve(process), name="http")
@@ -300,8 +326,14 @@ class _ReceiverBody(ProcessBody):
         config = uvicorn.Config(
             receiver.app(),
             lifespan="off",
+            http="h11",  # what the behaviour above was built and tested on, whatever else is installed
+            ws="none",
+            # uvicorn logs a line per malformed request (anyone can send
+            # one): only its errors reach the log; refusals are ours, rate-limited.
             log_config=None,
+            log_level="error",
             access_log=False,
+            limit_concurrency=MAX_CONCURRENT_REQUESTS,
             server_header=False,
             timeout_keep_alive=5,
             timeout_graceful_shutdown=int(self._settings.receiver.respond_within_ms / 1000) + 1,
@@ -310,9 +342,15 @@ class _ReceiverBody(ProcessBody):
         async with asyncio.TaskGroup() as tg:
             committers = tg.create_task(self._push.run(process.stop), name="push-committers")
             serving = tg.create_task(server.serve(sockets=[self._sock]), name="uvicorn")
-            log.info(
-                "receiver_listening", listen=self._settings.receiver.listen, adapters=sorted(self._endpoints)
-            )
+            up = tg.create_task(server.up.wait(), name="uvicorn-up")
+            await asyncio.wait([up, serving], return_when=asyncio.FIRST_COMPLETED)
+            up.cancel()
+            if server.started:
+                log.info(
+                    "receiver_listening",
+                    listen=self._settings.receiver.listen,
+                    adapters=sorted(self._endpoints),
+                )
             await process.stop.wait()
             server.should_exit = True  # no new connection; requests in flight are answered
             await serving
@@ -325,21 +363,22 @@ class _ReceiverBody(ProcessBody):
         tick = process.watch("enabled-flags", interval_s)
         while not process.stop.is_set():
             tick()
-            try:
-                async with within_deadline(
-                    self._engine.connect(), process.deadline_ms, "reading the flags"
-                ) as conn:
-                    rows = await registry.list_adapters(conn)
-            except (SQLAlchemyError, DeadlineExceeded) as exc:
-                log.warning("enabled_flags_unread", error=str(exc))
-            else:
-                flags = {r.name: r.enabled for r in rows}
-                for name, endpoint in self._endpoints.items():
-                    enabled = flags.get(name, True)
-                    if enabled != endpoint.enabled:
-                        log.info("adapter_enabled" if enabled else "adapter_disabled", adapter=name)
-                    endpoint.enabled = enabled
             await wait_stop(process.stop, interval_s)
+            await self._read_flags(process.deadline_ms)
+
+    async def _read_flags(self, deadline_ms: int) -> None:
+        try:
+            async with within_deadline(self._engine.connect(), deadline_ms, "reading the flags") as conn:
+                rows = await registry.list_adapters(conn)
+        except (SQLAlchemyError, DeadlineExceeded) as exc:
+            log.warning("enabled_flags_unread", error=str(exc))
+            return
+        flags = {r.name: r.enabled for r in rows}
+        for name, endpoint in self._endpoints.items():
+            enabled = flags.get(name, True)
+            if enabled != endpoint.enabled:
+                log.info("adapter_enabled" if enabled else "adapter_disabled", adapter=name)
+            endpoint.enabled = enabled
 
     def detail(self) -> Mapping[str, Any]:
         return self._detail

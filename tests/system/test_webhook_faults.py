@@ -285,3 +285,17 @@ def test_the_receiver_runs_as_the_shipped_ingester_role(
             what="its heartbeat",
         )
         assert_clean_exit(receiver, receiver.stop())
+
+
+def test_no_connection_is_taken_before_the_receiver_can_serve_it(procs: Processes, tmp_path: Path) -> None:
+    """While start-up waits for a database that is away, a sender's connect
+    is refused at once (it tries another receiver, or later), never left
+    unanswered in the listen backlog."""
+    nowhere = f"postgresql+psycopg://switchboard@127.0.0.1:{free_port()}/switchboard"
+    config, port = receiver_config(tmp_path / "receive.toml", nowhere, [HOOK])
+    receiver = procs.start("receive", config, name="receiver-1", env=ENV)
+    wait_for(lambda: receiver.events("register_failed"), timeout_s=30, what="the retried registration")
+    body, headers = _delivery(11)
+    with pytest.raises(ConnectionRefusedError):
+        post(port, "/hooks/billing", body, headers, timeout_s=5)
+    assert_clean_exit(receiver, receiver.stop())

@@ -164,7 +164,11 @@ def test_refusals_before_the_body(receiver: tuple[SwitchboardProcess, int], db_u
     assert post(port, "/hooks/nobody", body, headers).status == 404
     get = post(port, "/hooks/billing", b"", {}, method="GET")
     assert (get.status, get.headers["allow"]) == (405, "POST")
+    assert post(port, "/hooks/billing", b"", {}, method="TRACE").status == 405
     assert post(port, "/hooks/nobody", b"", {}, method="GET").status == 404  # unknown first
+    assert post(port, "/hooks/billing/", body, headers).status == 404  # no redirect built from Host
+    both = {**headers, "Content-Encoding": "identity, gzip"}
+    assert post(port, "/hooks/billing", body, both).status == 415
     assert post(port, "/hooks/billing", body, {**headers, "Content-Encoding": "gzip"}).status == 415
     big = json.dumps({"pad": "x" * 5000}).encode()
     assert (
@@ -188,7 +192,34 @@ def test_a_chunked_body_over_the_limit_is_413(receiver: tuple[SwitchboardProcess
                 sock.sendall(f"{len(part):x}\r\n".encode() + part + b"\r\n")
             except OSError:
                 break  # the server answered and closed: the rest is never read
-        reply = sock.recv(4096)
+        reply = _until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413"), reply
+    assert b"connection: close" in reply.lower()
+    assert _inbox(db_url) == 0
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a timeout if it never does)."""
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+def test_a_refusal_before_the_body_closes_the_connection(
+    receiver: tuple[SwitchboardProcess, int], db_url: str
+) -> None:
+    """413 by the declared length: the server closes rather than read (and
+    throw away) the 100 MB the sender says it will send."""
+    _, port = receiver
+    headers = standard_headers(STANDARD_SECRET_NEW, "msg_huge", b"{}")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(
+            f"POST /hooks/billing HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n{head}\r\n".encode()
+        )
+        sock.sendall(b"x" * 65536)
+        reply = _until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 413"), reply
     assert _inbox(db_url) == 0
 
@@ -335,3 +366,43 @@ def test_a_sender_that_hangs_up_mid_body_is_a_refusal_not_a_crash(
     )
     assert _inbox(db_url) == 0
     assert "Traceback" not in proc.raw_log()
+
+
+def test_a_resend_under_the_same_id_with_its_body_serialized_anew_is_a_duplicate(
+    receiver: tuple[SwitchboardProcess, int], db_url: str
+) -> None:
+    """The delivery id names the delivery: Stripe signs a retry afresh, its
+    counters moved; a sender may re-serialize. One row, one todo (the first
+    body's), never a second todo under a derived key."""
+    _, port = receiver
+    first = json.dumps({"id": "evt_9", "type": "charge.succeeded", "pending_webhooks": 2}).encode()
+    again = json.dumps({"type": "charge.succeeded", "id": "evt_9", "pending_webhooks": 1}).encode()
+    for body in (first, again):
+        assert post(port, "/hooks/stripe", body, stripe_headers(STRIPE_SECRET, body)).status == 200
+    same_a = _body(12)
+    same_b = json.dumps({"invoice": 12, "type": "invoice.paid"}).encode()
+    for body in (same_a, same_b):
+        assert (
+            post(port, "/hooks/billing", body, standard_headers(STANDARD_SECRET_NEW, "msg_12", body)).status
+            == 200
+        )
+    assert query(db_url, "SELECT idempotency_key, deliveries FROM inbox ORDER BY 1") == [
+        ("webhook:billing:msg_12", 2),
+        ("webhook:stripe:evt_9", 2),
+    ]
+    assert query(db_url, "SELECT payload FROM todos WHERE idempotency_key = 'webhook:stripe:evt_9'") == [
+        ({"id": "evt_9", "type": "charge.succeeded", "pending_webhooks": 2},)
+    ]
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 2
+
+
+def test_malformed_requests_flood_no_log(receiver: tuple[SwitchboardProcess, int]) -> None:
+    """Anyone can send bytes that are no HTTP: uvicorn's own line for each
+    (a warning) stays out of the log."""
+    proc, port = receiver
+    for _ in range(30):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            _until_closed(sock)
+    assert post(port, "/healthz", b"", {}, method="GET").status == 200
+    assert "Invalid HTTP request" not in proc.raw_log()

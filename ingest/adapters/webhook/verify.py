@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from ingest.config.webhook import Secret, WebhookConfig
 
 HMAC_SHA256 = "hmac-sha256"
-# A delivery id: printable ASCII without spaces, as Svix's, GitHub's GUIDs
-# and Stripe's event ids are; bounded, as it goes into the key.
-_DELIVERY_ID = re.compile(r"[\x21-\x7e]{1,200}")
+# A delivery id: printable ASCII without spaces or ':', as Svix's, GitHub's
+# GUIDs and Stripe's event ids are; bounded, as it goes into the key, whose
+# parts ':' separates (no id can take the shape of a derived key's tail).
+_DELIVERY_ID = re.compile(r"[\x21-\x39\x3b-\x7e]{1,200}")
 _TIMESTAMP = re.compile(r"\d{1,12}")
 Headers = Mapping[str, str]
 
@@ -82,7 +83,9 @@ def _required(headers: Headers, *names: str) -> str:
 
 def _delivery_id(value: str, where: str) -> str:
     if not _DELIVERY_ID.fullmatch(value):
-        raise Refused(400, "bad_delivery_id", f"{where} must be 1 to 200 printable characters without spaces")
+        raise Refused(
+            400, "bad_delivery_id", f"{where} must be 1 to 200 printable characters without spaces or ':'"
+        )
     return value
 
 

@@ -71,6 +71,7 @@ def test_standard_webhooks_takes_one_good_signature_among_several_and_svix_names
         (lambda h: h.update({"webhook-signature": "v1a,abc"}), 401, "bad_signature"),
         (lambda h: h.update({"webhook-id": "msg 2"}), 400, "bad_delivery_id"),
         (lambda h: h.update({"webhook-id": "x" * 201}), 400, "bad_delivery_id"),
+        (lambda h: h.update({"webhook-id": "msg:2"}), 400, "bad_delivery_id"),
     ],
 )
 def test_standard_webhooks_refusals(change: Any, status: int, reason: str) -> None:
@@ -161,6 +162,8 @@ def test_a_standard_secret_without_its_padding_is_taken() -> None:
         ({"batch_size": 10}, "unknown key 'batch_size'"),
         ({"secrets_env": ["A", "A"]}, "names a variable twice"),
         ({"mode": "svix"}, "must be one of standard-webhooks, github, stripe"),
+        ({"name": "a/b"}, "must be a name for the route /hooks/NAME"),
+        ({"max_message_bytes": 2**30}, "must be at most"),
     ],
 )
 def test_webhook_config_errors_name_the_adapter_and_key(more: dict[str, Any], message: str) -> None:
