@@ -34,6 +34,11 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    the raw limit and the Redis stream pipeline, interleaved rounds (20,000
    messages a run, 10,000 with ``--quick``; ``--nats`` runs this part
    alone: 50,000, 20,000 with ``--quick``).
+9. webhooks (issue 30, scripts/bench_webhooks.py): ``switchboard receive``
+   beside the same Starlette/uvicorn app answering 200 without storing, at
+   a fixed concurrency from a load generator of its own, then the receiver
+   at 500 deliveries/s offered; every delivery checked stored
+   (``--webhooks`` runs this part alone).
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -909,6 +914,16 @@ def bench_nats_part(base: Path, pg: PostgresServer, rs: Any, n: int, batch_size:
     bench_nats.compare(base, pg, rs.pid, redis_run, n, batch_size, ingest_overrides=INGEST_OVERRIDES)
 
 
+# --- 9. webhooks (issue 30) ---------------------------------------------------------------
+
+
+def bench_webhooks_part(base: Path, pg: PostgresServer, quick: bool) -> None:
+    """scripts/bench_webhooks.py's runs on this run's PostgreSQL."""
+    import bench_webhooks  # Starlette and uvicorn: the http extra's
+
+    bench_webhooks.compare(base, pg, quick=quick)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -940,6 +955,11 @@ def main(argv: list[str] | None = None) -> int:
         "--nats",
         action="store_true",
         help="only the NATS comparison (issue 26): JetStream beside nats-py, raw and the Redis stream",
+    )
+    parser.add_argument(
+        "--webhooks",
+        action="store_true",
+        help="only the webhook receiver (issue 30): switchboard receive beside a no-store server",
     )
     parser.add_argument(
         "--stock-postgres",
@@ -1010,6 +1030,10 @@ def main(argv: list[str] | None = None) -> int:
                     base, pg, rs, args.messages or (20_000 if args.quick else 50_000), args.batch_size
                 )
                 return 0
+            if args.webhooks:
+                print(f"bench: {os.cpu_count()} CPUs, the webhook receiver only")
+                bench_webhooks_part(base, pg, args.quick)
+                return 0
             if args.downstream:
                 down_n = args.messages or 20_000
                 print(f"bench: {os.cpu_count()} CPUs, downstream only, {down_n} messages")
@@ -1052,6 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_nats_part(
                 base, pg, rs, args.messages or (10_000 if args.quick else 20_000), args.batch_size
             )
+            bench_webhooks_part(base, pg, args.quick)
             metrics_n = max(n, METRICS_MIN_MESSAGES)
             runs = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
             print_metrics_overhead(runs, metrics_n)
