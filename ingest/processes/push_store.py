@@ -17,11 +17,12 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from backhalf import failpoints, metrics
 from backhalf.db import within_deadline
@@ -31,8 +32,13 @@ from backhalf.store import store
 
 log = structlog.get_logger(__name__)
 
-COMMITTERS = 4  # transactions under way at once: the receiver's share of the pool
+# Transactions under way at once. Two: one commits while the next batch
+# gathers; more only split the same deliveries into smaller transactions,
+# each costing its own round trips (measured: at 500/s four committers
+# carried 2.8 deliveries a transaction).
+COMMITTERS = 2
 MAX_BATCH = 200  # records per transaction at most
+HELD_IDLE_S = 5.0
 # Records waiting for a committer at most: past it a delivery is 503 at once
 # (its sender retries) rather than held in memory behind a slow database.
 MAX_WAITING = COMMITTERS * MAX_BATCH * 5
@@ -89,18 +95,22 @@ class PushStore:
                 tg.create_task(self._commit_loop(), name=f"push-commit:{i}")
 
     async def _commit_loop(self) -> None:
-        while True:
-            taken = [await self._waiting.get()]
-            while len(taken) < MAX_BATCH and not self._waiting.empty():
-                taken.append(self._waiting.get_nowait())
-            live = [w for w in taken if not w.abandoned]
-            for w in taken:
-                if w.abandoned:
-                    _settle(w.done, StoreError("its request gave up before the commit"))
-            if live:
-                await self._commit(live)
+        held = _HeldConnection(self._engine)
+        try:
+            while True:
+                taken = [await self._waiting.get()]
+                while len(taken) < MAX_BATCH and not self._waiting.empty():
+                    taken.append(self._waiting.get_nowait())
+                live = [w for w in taken if not w.abandoned]
+                for w in taken:
+                    if w.abandoned:
+                        _settle(w.done, StoreError("its request gave up before the commit"))
+                if live:
+                    await self._commit(held, live)
+        finally:
+            await held.drop()
 
-    async def _commit(self, taken: list[_Waiting]) -> None:
+    async def _commit(self, held: _HeldConnection, taken: list[_Waiting]) -> None:
         groups: dict[tuple[str, str, Provenance], list[_Waiting]] = defaultdict(list)
         for w in taken:
             groups[w.adapter, w.queue, w.provenance].append(w)
@@ -108,7 +118,7 @@ class PushStore:
         results: list[tuple[str, StoreResult]] = []
         try:
             what = f"storing {len(taken)} webhook deliveries"
-            async with within_deadline(self._engine.begin(), self._deadline_ms, what) as conn:
+            async with within_deadline(held.begin(), self._deadline_ms, what) as conn:
                 # One order for every transaction: two committers holding
                 # duplicates of two adapters lock them alike, not crosswise.
                 for (adapter, queue, provenance), ws in sorted(groups.items(), key=_group_order):
@@ -125,13 +135,16 @@ class PushStore:
                     results.append((adapter, await store(conn, batch)))
                 failpoints.hit("receiver_before_commit")
         except (StoreError, DeadlineExceeded) as exc:
+            await held.drop()
             _fail(taken, exc)
             return
         except SQLAlchemyError as exc:  # connect, checkout, or the COMMIT itself
+            await held.drop()
             _fail(taken, StoreError(f"storing {len(taken)} webhook deliveries failed: {exc}"))
             return
         except Exception as exc:  # a bug fails these requests (503), never the receiver
             log.exception("push_commit_crashed", deliveries=len(taken), error=exc)
+            await held.drop()
             _fail(taken, StoreError(f"storing {len(taken)} webhook deliveries failed: {type(exc).__name__}"))
             return
         except BaseException:  # cancelled: the receiver is stopping
@@ -143,6 +156,38 @@ class PushStore:
         store_s = time.perf_counter() - began
         for adapter, result in results:
             metrics.count_store(adapter, result, store_s, lost_reason="")
+
+
+class _HeldConnection:
+    """A committer's own connection, kept between its transactions: a
+    pool checkout and its ping per delivery batch cost more than the batch's
+    own statements (docs/performance.md, "Webhook receiver"). Idle past
+    ``HELD_IDLE_S`` it is given back and the next batch checks one out (so
+    pinged) again; after any failure it is discarded, never reused."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._conn: AsyncConnection | None = None
+        self._used_at = 0.0
+
+    @contextlib.asynccontextmanager
+    async def begin(self) -> AsyncIterator[AsyncConnection]:
+        if self._conn is not None and time.monotonic() - self._used_at > HELD_IDLE_S:
+            conn, self._conn = self._conn, None
+            await conn.close()  # back to the pool, idle: its next checkout pings it
+        if self._conn is None:
+            self._conn = await self._engine.connect()
+        async with self._conn.begin():
+            yield self._conn
+        self._used_at = time.monotonic()
+
+    async def drop(self) -> None:
+        """Discard the connection (its state is unknown after a failure):
+        closed without a word to the server, which may not answer."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.invalidate()
+            await conn.close()
 
 
 def _group_order(item: tuple[tuple[str, str, Provenance], list[_Waiting]]) -> tuple[str, str, str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import gc
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, ClassVar
 
@@ -140,6 +141,12 @@ async def _run_body(body: ProcessBody, process: Process) -> None:
     try:
         if not await body.start(process):
             return
+        # What start-up made (modules, the config, the pool) lives as long
+        # as the process: out of the collector's reach, a full collection
+        # walks only what the work makes. Measured in the receiver: each
+        # stopped the loop 60-80 ms every few seconds, 0.4-2.8 ms after this
+        # (docs/performance.md, "Webhook receiver").
+        gc.freeze()
         async with asyncio.TaskGroup() as tg:
             process.group = tg
             _spawn_all(body, process)
