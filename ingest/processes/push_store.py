@@ -135,17 +135,17 @@ class PushStore:
                     results.append((adapter, await store(conn, batch)))
                 failpoints.hit("receiver_before_commit")
         except (StoreError, DeadlineExceeded) as exc:
-            await held.drop()
             _fail(taken, exc)
+            await held.drop()
             return
         except SQLAlchemyError as exc:  # connect, checkout, or the COMMIT itself
-            await held.drop()
             _fail(taken, StoreError(f"storing {len(taken)} webhook deliveries failed: {exc}"))
+            await held.drop()
             return
         except Exception as exc:  # a bug fails these requests (503), never the receiver
             log.exception("push_commit_crashed", deliveries=len(taken), error=exc)
-            await held.drop()
             _fail(taken, StoreError(f"storing {len(taken)} webhook deliveries failed: {type(exc).__name__}"))
+            await held.drop()
             return
         except BaseException:  # cancelled: the receiver is stopping
             _fail(taken, StoreError("the receiver stopped before the commit"))
