@@ -84,3 +84,44 @@ def test_a_stop_signal_another_thread_receives_waits_too() -> None:
         signal.signal(signal.SIGTERM, previous)
         release.set()
         other.join(10)
+
+
+def test_a_handler_raising_while_the_hold_ends_leaves_no_signal_blocked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal another thread took runs its Python handler between any two
+    bytecodes: once the caller's raising handler is back, it may raise in
+    the middle of the hold's clean-up. The stop signals must not stay
+    blocked then (they did: every later SIGTERM of the process was ignored),
+    and every handler must be back."""
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        raise Stopped
+
+    real_signal = signal.signal
+    raised: list[int] = []
+
+    def restoring_then_raising(sig: int, handler: Any) -> Any:
+        previous = real_signal(sig, handler)
+        if handler is on_signal and not raised:
+            raised.append(sig)
+            raise Stopped  # as if that handler ran right after it was put back
+        return previous
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    real_signal(signal.SIGTERM, on_signal)
+    real_signal(signal.SIGINT, on_signal)
+    try:
+        monkeypatch.setattr(signal, "signal", restoring_then_raising)
+        with pytest.raises(Stopped), held_stop_signals():
+            pass
+        monkeypatch.undo()
+        stop_mask = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
+        assert _blocked_signals(os.getpid()) & stop_mask == 0
+        assert signal.getsignal(signal.SIGTERM) is on_signal
+        assert signal.getsignal(signal.SIGINT) is on_signal
+    finally:
+        monkeypatch.undo()
+        for sig, handler in before.items():
+            real_signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
