@@ -20,6 +20,7 @@ have ended and never those of a deployment still running.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import socket
@@ -28,12 +29,13 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -51,8 +53,32 @@ log = structlog.get_logger(__name__)
 
 CONFIG_VARIABLE = "SWITCHBOARD_CONFIG"
 MULTIPROC_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+MMAP_HEADER_BYTES = 8  # a figures file's header: how much of it is used
 PROCESSES_VARIABLE = "SWITCHBOARD_WORKER_PROCESSES"
 JOIN_TIMEOUT_S = 10.0
+
+
+class SettledFilesCollector(MultiProcessCollector):
+    """prometheus-client's multiprocess collector, skipping the file of a
+    worker process that is being created: it exists empty for a moment
+    before its header is written, and reading it then failed the whole
+    scrape (a 500, seen in the suite). Such a file holds no figure yet."""
+
+    def __init__(self, registry: CollectorRegistry, path: str) -> None:
+        super().__init__(registry, path)  # type: ignore[no-untyped-call]
+        self._files_path = path
+
+    def collect(self) -> Iterable[Metric]:
+        files = glob.glob(os.path.join(self._files_path, "*.db"))
+        settled = [f for f in files if _size(f) >= MMAP_HEADER_BYTES]
+        return self.merge(settled, accumulate=True)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # gone meanwhile (a worker's file removed)
+        return 0
 
 
 def load_app_settings() -> Settings:
@@ -215,7 +241,7 @@ def serve() -> int:
     expected = int(os.environ.get(PROCESSES_VARIABLE, "1"))
     parent = os.getppid()
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, os.environ[MULTIPROC_VARIABLE])  # type: ignore[no-untyped-call]
+    SettledFilesCollector(registry, os.environ[MULTIPROC_VARIABLE])
     engine = create_sync_engine(settings.database, pool_size=1)
 
     def health() -> HealthReport:

@@ -142,3 +142,20 @@ def test_a_temp_directory_that_cannot_be_written_is_a_config_error(tmp_dir: Path
     finally:
         if tmp_dir.is_dir():
             tmp_dir.chmod(0o700)
+
+
+def test_a_figures_file_being_created_does_not_fail_the_scrape(tmp_path: Path) -> None:
+    """A worker process's file exists empty for a moment before its header
+    is written; the scrape skips it rather than failing (a 500)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from ingest.observe.worker_metrics import SettledFilesCollector
+
+    written = MmapedDict(str(tmp_path / "counter_1.db"))
+    written.write_value(mmap_key("runs", "runs_total", (), (), "Runs."), 1.0, 0.0)
+    written.close()
+    (tmp_path / "counter_2.db").touch()  # the new process's, its header not yet written
+    registry = CollectorRegistry()
+    SettledFilesCollector(registry, str(tmp_path))
+    assert b"runs_total 1.0" in generate_latest(registry)
