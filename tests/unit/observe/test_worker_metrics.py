@@ -152,9 +152,9 @@ def test_a_figures_file_being_created_does_not_fail_the_scrape(tmp_path: Path) -
 
     from ingest.observe.worker_metrics import SettledFilesCollector
 
-    written = MmapedDict(str(tmp_path / "counter_1.db"))
-    written.write_value(mmap_key("runs", "runs_total", (), (), "Runs."), 1.0, 0.0)
-    written.close()
+    written = MmapedDict(str(tmp_path / "counter_1.db"))  # type: ignore[no-untyped-call]
+    written.write_value(mmap_key("runs", "runs_total", [], [], "Runs."), 1.0, 0.0)  # type: ignore[no-untyped-call]
+    written.close()  # type: ignore[no-untyped-call]
     (tmp_path / "counter_2.db").touch()  # the new process's, its header not yet written
     registry = CollectorRegistry()
     SettledFilesCollector(registry, str(tmp_path))
