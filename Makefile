@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck wheel-check rabbitmq format bench clean
+.PHONY: install demo test lint typecheck wheel-check rabbitmq chromium format bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is required (PYTHON=$(PYTHON))"; exit 1; }
@@ -57,7 +57,7 @@ wheel-check: install
 # beside the unit and integration tests' 5 when the two ran as fixed halves,
 # one core idle for most of it; balanced, the suite takes about half.
 PYTEST := PYTHONDEVMODE=1 $(BIN)/python -m pytest -W error --durations=25
-test: lint typecheck wheel-check rabbitmq
+test: lint typecheck wheel-check rabbitmq chromium
 	$(PYTEST) -n 2 --dist loadfile tests
 
 # The AMQP tests run on the system's RabbitMQ, started by the suite itself
@@ -72,6 +72,26 @@ rabbitmq: install
 		export DEBIAN_FRONTEND=noninteractive; \
 		{ apt-get update -qq && apt-get install -y -qq --no-install-recommends rabbitmq-server; } >/dev/null 2>&1 \
 			|| echo "could not install rabbitmq-server: the AMQP tests will be skipped"; \
+	fi
+
+# The console's browser tests drive the system's Chromium through the driver
+# in Playwright's wheel (tests/support/browser.py names the same path), never a
+# browser `playwright install` downloads: Debian's package is updated with the
+# system. Where it is missing and we are root on a system with apt-get,
+# Debian's package is installed, quietly (about 30 s); where that cannot be
+# done, the tests run on without it and the summary says the browser tests
+# were skipped, not passed.
+CHROMIUM := /usr/bin/chromium
+chromium:
+	@if [ ! -x $(CHROMIUM) ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing chromium (apt-get) for the browser tests"; \
+			export DEBIAN_FRONTEND=noninteractive; \
+			{ apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; } >/dev/null 2>&1 \
+				|| echo "could not install chromium: the browser tests will be skipped"; \
+		else \
+			echo "no $(CHROMIUM) (apt-get install chromium, as root): the browser tests will be skipped"; \
+		fi; \
 	fi
 
 # Throughput and latency beside a raw-insert and a naive-consumer baseline and

@@ -5,10 +5,11 @@ with the constraints file; this script, run by the development environment's
 Python (it needs the embedded servers, the ``embedded`` extra), then checks:
 
 1. The wheel holds every module and data file of the source tree: the
-   packages with their ``.sql`` and ``.lua`` files, and the top-level
-   ``alembic/`` folder as ``backhalf/_migrations``; and nothing at its top
-   level but ``ingest``, ``backhalf`` and ``schema`` (no ``alembic``, the
-   library's name).
+   packages with their ``.sql`` and ``.lua`` files, every file of the
+   console's ``templates/`` and ``static/`` folders (its pages, CSS, JS and
+   vendored libraries), and the top-level ``alembic/`` folder as
+   ``backhalf/_migrations``; and nothing at its top level but ``ingest``,
+   ``backhalf`` and ``schema`` (no ``alembic``, the library's name).
 2. From outside the clone (cwd ``/``, no ``PYTHONPATH``, no ``SWITCHBOARD_*``
    variables), the wheel's own ``switchboard`` imports from its environment,
    prints its version, and runs ``migrate``, then ``ingest`` and ``ack`` on
@@ -44,6 +45,8 @@ from ingest.embedded.servers import embedded_servers
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ingest", "backhalf", "schema")
 SHIPPED_SUFFIXES = {".py", ".sql", ".lua"}
+# Folders whose every file ships, whatever its suffix: the console's.
+SHIPPED_FOLDERS = ("ingest/web/templates", "ingest/web/static")
 MIGRATIONS = ("alembic", "backhalf/_migrations")  # source folder, its place in the wheel
 MIGRATION_SUFFIXES = {".py", ".mako"}
 DISTRIBUTION = "switchboard-ingest"
@@ -65,6 +68,10 @@ def expected_files() -> set[str]:
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*"):
             if path.suffix in SHIPPED_SUFFIXES and "__pycache__" not in path.parts:
+                files.add(path.relative_to(ROOT).as_posix())
+    for folder in SHIPPED_FOLDERS:
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and not path.name.startswith(".") and "__pycache__" not in path.parts:
                 files.add(path.relative_to(ROOT).as_posix())
     source, target = MIGRATIONS
     for path in (ROOT / source).rglob("*"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
@@ -12,9 +12,13 @@ import redis
 from backhalf import migrate
 from ingest.embedded.servers import PostgresServer, RedisServer, temp_base
 from tests.support import db
+from tests.support.browser import ChromiumSession, PageProblems, chromium_session
 from tests.support.config import stream_adapter, write_config
 from tests.support.processes import SECRET
 from tests.support.servers import ServerUrls, private_postgres, shared_servers
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 
 @pytest.fixture(scope="session")
@@ -90,21 +94,54 @@ def make_config(
     return make
 
 
+@pytest.fixture(scope="session")
+def chromium() -> Iterator[ChromiumSession]:
+    """The session's Playwright and headless Chromium (the system's
+    /usr/bin/chromium, one per xdist worker, started on first use); the
+    tests are skipped, and counted in the summary, without it
+    (tests.support.browser)."""
+    with chromium_session() as session:
+        yield session
+
+
+@pytest.fixture
+def browser_page(chromium: ChromiumSession) -> Iterator[tuple[Page, PageProblems]]:
+    with chromium.recording_page() as recorded:
+        yield recorded
+
+
+@pytest.fixture
+def page(browser_page: tuple[Page, PageProblems]) -> Page:
+    """A page in a browser context of this test's own (closed after), its
+    console errors, page errors, dialogs (dismissed) and CSP violations
+    recorded in ``page_problems``."""
+    return browser_page[0]
+
+
+@pytest.fixture
+def page_problems(browser_page: tuple[Page, PageProblems]) -> PageProblems:
+    """What ``page`` did wrong so far; ``assert_clean()`` when it should be nothing."""
+    return browser_page[1]
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Iterator[None]:
-    """A run without RabbitMQ is no pass of the AMQP tests: one line, after
-    the short summary, says why they could not run and how many were
-    skipped (tests.support.amqp)."""
+    """A run without RabbitMQ is no pass of the AMQP tests, nor one without a
+    browser of the browser tests: one line each, after the short summary,
+    says why they could not run and how many were skipped
+    (tests.support.amqp, tests.support.browser)."""
     from tests.support.amqp import NO_BROKER
+    from tests.support.browser import NO_BROWSER
 
     yield
-    reasons = []
-    for report in terminalreporter.stats.get("skipped", []):
-        longrepr = getattr(report, "longrepr", None)
-        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-        if NO_BROKER in reason:
-            reasons.append(reason[reason.index(NO_BROKER) :])
-    if reasons:
-        terminalreporter.write_line(
-            f"{reasons[0]}; {len(reasons)} tests skipped \N{EM DASH} not a pass", yellow=True, bold=True
-        )
+    for missing in (NO_BROKER, NO_BROWSER):
+        reasons = []
+        for report in terminalreporter.stats.get("skipped", []):
+            longrepr = getattr(report, "longrepr", None)
+            reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+            if missing in reason:
+                reasons.append(reason[reason.index(missing) :])
+        if reasons:
+            terminalreporter.write_line(
+                f"{reasons[0]}; {len(reasons)} tests skipped \N{EM DASH} not a pass", yellow=True, bold=True
+            )
