@@ -25,8 +25,14 @@
 --   switchboard_worker    NOLOGIN group: `switchboard worker`.
 --   switchboard_operator  NOLOGIN group: the operator's actions (adapters
 --                         enable/disable, inbox replay, todos retry/cancel),
---                         from the CLI or a console, and the read-only
+--                         from the CLI or the console (`switchboard web`,
+--                         whose heartbeat it writes), and the read-only
 --                         commands and `status`; a member of the auditor.
+--   switchboard_viewer    NOLOGIN group: `switchboard web` read-only, the
+--                         console of someone who may look and not act: what
+--                         its pages read, and its own heartbeat; no other
+--                         write (the console sees it may not act and shows
+--                         no action).
 --   switchboard_auditor   NOLOGIN group: SELECT on the audit_* views only.
 --
 -- and one login user per group, switchboard_<group>_login, created without a
@@ -93,9 +99,10 @@
 --   its todo and event; its event is never `verified`.
 -- * processes: each process role inserts and updates only rows of its own
 --   `role` (ingest, ack, worker; the ingester's also receive, the webhook
---   receiver's, which stores as the ingester does); any of them deletes a row
---   stopped or silent for a day (backhalf.heartbeats.FORGET_AFTER_S), and no
---   other.
+--   receiver's, which stores as the ingester does; the operator's and the
+--   viewer's web, the console's, whichever of them it runs as); any of them
+--   deletes a row stopped or silent for a day
+--   (backhalf.heartbeats.FORGET_AFTER_S), and no other.
 --
 -- Every policy this file makes is named switchboard_*: each run drops every
 -- policy of that name on Switchboard's tables and makes them again, so a run
@@ -123,6 +130,9 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_operator') THEN
         CREATE ROLE switchboard_operator NOLOGIN;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_viewer') THEN
+        CREATE ROLE switchboard_viewer NOLOGIN;
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_auditor') THEN
         CREATE ROLE switchboard_auditor NOLOGIN;
     END IF;
@@ -138,6 +148,9 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_operator_login') THEN
         CREATE ROLE switchboard_operator_login LOGIN IN ROLE switchboard_operator;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_viewer_login') THEN
+        CREATE ROLE switchboard_viewer_login LOGIN IN ROLE switchboard_viewer;
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_auditor_login') THEN
         CREATE ROLE switchboard_auditor_login LOGIN IN ROLE switchboard_auditor;
     END IF;
@@ -146,13 +159,15 @@ $roles$;
 
 -- The migrator creates the schema in public (PostgreSQL 15 took CREATE on
 -- public from PUBLIC); the others only use it. CONNECT on the database is
--- PUBLIC's by default; where it was revoked, grant it to the six roles.
+-- PUBLIC's by default; where it was revoked, grant it to the seven roles.
 -- Before 15, PUBLIC could create in public: taken back here (a no-op on 15+).
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE, CREATE ON SCHEMA public TO switchboard_migrator;
 GRANT USAGE ON SCHEMA public
-    TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator, switchboard_auditor;
+    TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator, switchboard_viewer,
+       switchboard_auditor;
 -- `switchboard status` (the acker's, and the operator's) reads the audit views too.
+-- Not the viewer: the console reads the tables (backhalf.console_views), no view.
 GRANT switchboard_auditor TO switchboard_acker, switchboard_operator;
 
 
@@ -194,18 +209,22 @@ BEGIN
     REVOKE ALL ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events, delivery_attempts,
                   stream_groups, processes, alembic_version
         FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-             switchboard_auditor;
+             switchboard_viewer, switchboard_auditor;
     REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
         FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-             switchboard_auditor;
+             switchboard_viewer, switchboard_auditor;
 
     -- Every process role: its heartbeat row (backhalf.heartbeats), and the
     -- rows a day silent it deletes; `status` reads them all. Whose rows: the
-    -- policies below.
+    -- policies below. The console (`switchboard web`) is a process too, run
+    -- as the operator's login or the viewer's.
     GRANT SELECT, INSERT, DELETE, UPDATE (seen_at, detail, stopped_at) ON processes
-        TO switchboard_ingester, switchboard_acker, switchboard_worker;
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
+           switchboard_viewer;
     -- Every process reads the migration version at start (not migrated: exit 3).
-    GRANT SELECT ON alembic_version TO switchboard_ingester, switchboard_acker, switchboard_worker;
+    GRANT SELECT ON alembic_version
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
+           switchboard_viewer;
 
     -- The ingester (backhalf.store, registry, attempts, stream_groups).
     -- Registration: its adapters' rows, never the operator's `enabled` flag.
@@ -293,6 +312,15 @@ BEGIN
     GRANT UPDATE (waiting_for) ON ack_queue TO switchboard_operator;
     GRANT USAGE ON SEQUENCE events_id_seq, todos_id_seq, todo_events_id_seq TO switchboard_operator;
 
+    -- The viewer (`switchboard web` read-only): what the console's pages
+    -- read (ingest.web: the overview's figures, trails, the rejected inbox,
+    -- todos and their history, processes, charts), and no write but its
+    -- heartbeat (above). Not delivery_attempts nor stream_groups, which no
+    -- page reads; not the audit views. The console asks has_column_privilege
+    -- at start (ingest.web.server.WRITES) and, refused, shows no action.
+    GRANT SELECT ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events
+        TO switchboard_viewer;
+
     -- The auditor: the audit views, which read the tables with their owner's
     -- rights; every audit_* view migrations have made so far.
     FOR view_name IN
@@ -320,7 +348,7 @@ BEGIN
 
     -- inbox.
     CREATE POLICY switchboard_read ON inbox FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_operator USING (true);
+        TO switchboard_ingester, switchboard_acker, switchboard_operator, switchboard_viewer USING (true);
     -- The store's rows: never acked, 'none' only for what nothing acks, and
     -- ack_xid only the storing transaction's own id.
     CREATE POLICY switchboard_ingester_insert ON inbox FOR INSERT TO switchboard_ingester
@@ -359,7 +387,9 @@ BEGIN
 
     -- ack_queue.
     CREATE POLICY switchboard_read ON ack_queue FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator USING (true);
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
+           switchboard_viewer
+        USING (true);
     CREATE POLICY switchboard_ingester_insert ON ack_queue FOR INSERT TO switchboard_ingester
         WITH CHECK (true);
     CREATE POLICY switchboard_ingester_lock ON ack_queue FOR UPDATE TO switchboard_ingester
@@ -383,7 +413,9 @@ BEGIN
     -- operator's retry and cancel lock before they read): its WITH CHECK
     -- holds it to its pairs.
     CREATE POLICY switchboard_read ON todos FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator USING (true);
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
+           switchboard_viewer
+        USING (true);
     CREATE POLICY switchboard_create ON todos FOR INSERT TO switchboard_ingester, switchboard_operator
         WITH CHECK (status = 'pending');
     -- The dedup's no-op update, and store_ack_queue_cte's FOR SHARE: active todos.
@@ -432,7 +464,7 @@ BEGIN
     -- status it locks, which may be newer than its snapshot (the relay's
     -- commit, pending -> dispatched, landing in between).
     CREATE POLICY switchboard_read ON todo_events FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_operator USING (true);
+        TO switchboard_ingester, switchboard_acker, switchboard_operator, switchboard_viewer USING (true);
     -- todos_create_cte's 'pending' row: of the todo its statement creates,
     -- which the snapshot does not hold yet.
     CREATE POLICY switchboard_created ON todo_events FOR INSERT TO switchboard_ingester, switchboard_operator
@@ -478,7 +510,7 @@ BEGIN
 
     -- events.
     CREATE POLICY switchboard_read ON events FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_operator USING (true);
+        TO switchboard_ingester, switchboard_acker, switchboard_operator, switchboard_viewer USING (true);
     CREATE POLICY switchboard_ingester_insert ON events FOR INSERT TO switchboard_ingester WITH CHECK (true);
     -- Inbox replay's event is never verified: the operator vouches for nothing.
     CREATE POLICY switchboard_operator_insert ON events FOR INSERT TO switchboard_operator
@@ -493,7 +525,9 @@ BEGIN
     -- processes: each process role its own rows (`role`); the day-silent
     -- clean-up (backhalf.heartbeats.forget_statement, FORGET_AFTER_S) anyone's.
     CREATE POLICY switchboard_read ON processes FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator USING (true);
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
+           switchboard_viewer
+        USING (true);
     -- `switchboard receive` (role 'receive', migration 0011) runs as the ingester.
     CREATE POLICY switchboard_ingester_insert ON processes FOR INSERT TO switchboard_ingester
         WITH CHECK (role IN ('ingest', 'receive'));
@@ -507,8 +541,15 @@ BEGIN
         WITH CHECK (role = 'worker');
     CREATE POLICY switchboard_worker_update ON processes FOR UPDATE TO switchboard_worker
         USING (role = 'worker') WITH CHECK (role = 'worker');
+    -- The console (`switchboard web`, role 'web', migration 0012), as the
+    -- operator's login (its actions) or the viewer's (read-only).
+    CREATE POLICY switchboard_web_insert ON processes FOR INSERT TO switchboard_operator, switchboard_viewer
+        WITH CHECK (role = 'web');
+    CREATE POLICY switchboard_web_update ON processes FOR UPDATE TO switchboard_operator, switchboard_viewer
+        USING (role = 'web') WITH CHECK (role = 'web');
     CREATE POLICY switchboard_forget ON processes FOR DELETE
-        TO switchboard_ingester, switchboard_acker, switchboard_worker
+        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
+           switchboard_viewer
         USING (stopped_at < now() - interval '1 day' OR seen_at < now() - interval '1 day');
 END
 $grants$;

@@ -77,7 +77,8 @@ def _tables(url: str) -> list[list[tuple[Any, ...]]]:
 
 # The seed: one todo in each status (and two an ack waits for), their
 # creation rows, inbox rows with their ack pending, acked, queued or none, an
-# event, and a heartbeat row of each process role plus one silent for days.
+# event, and a heartbeat row of each process role (the console's, web,
+# included) plus one silent for days.
 SEED_TODOS = {
     "pending": ("k-pending", "pending"),
     "dispatched": ("k-dispatched", "dispatched"),
@@ -166,6 +167,7 @@ def _seed(url: str) -> dict[str, Any]:
         ("ingest", "ingest", 0),
         ("ack", "ack", 0),
         ("worker", "worker", 0),
+        ("web", "web", 0),
         ("stale", "worker", 2),
     ):
         ids[f"process_{name}"] = uuid.uuid4()
@@ -289,7 +291,8 @@ def _beat(instance: str, role: str) -> Sql:
     )
 
 
-PROCESS_ROLES = {"ingester": "ingest", "acker": "ack", "worker": "worker"}
+# The console (`switchboard web`, role 'web') runs as the operator or the viewer.
+PROCESS_ROLES = {"ingester": "ingest", "acker": "ack", "worker": "worker", "operator": "web", "viewer": "web"}
 
 FORBIDDEN = [
     # The acker (relay, rescuer) moves todos to dispatched or failed only, and
@@ -553,12 +556,31 @@ FORBIDDEN = [
         "DELETE FROM processes WHERE instance = %(process_ingest)s",
         NO_ROW,
     ),
+    # The viewer (the read-only console) reads and beats, and writes nothing
+    # else: none of the operator's actions, no ack, no delete, no audit view.
+    Case("viewer disables an adapter", "viewer", "UPDATE adapters SET enabled = false", REFUSED),
+    Case("viewer cancels a todo", "viewer", _set_status("cancelled", "pending"), REFUSED),
+    Case("viewer retries a failed todo", "viewer", _set_status("pending", "failed"), REFUSED),
+    Case("viewer logs a cancel", "viewer", _log("pending", "cancelled", "pending"), REFUSED),
+    Case("viewer creates a todo (replay)", "viewer", CREATE, REFUSED),
+    Case("viewer records an event", "viewer", EVENT, REFUSED),
     Case(
-        "operator writes a heartbeat",
-        "operator",
-        "INSERT INTO processes (instance, role, host, pid) VALUES (gen_random_uuid(), 'ack', 'h1', 1)",
+        "viewer stores a rejected row (replay)",
+        "viewer",
+        "UPDATE inbox SET status = 'stored', error = NULL, todo_id = %(pending)s, event_id = %(event)s"
+        " WHERE id = %(inbox_rejected)s",
         REFUSED,
     ),
+    Case(
+        "viewer releases an ack",
+        "viewer",
+        "UPDATE ack_queue SET waiting_for = NULL WHERE inbox_id = %(inbox_awaited)s",
+        REFUSED,
+    ),
+    Case("viewer deletes an inbox row", "viewer", "DELETE FROM inbox WHERE id = %(inbox_acked)s", REFUSED),
+    Case("viewer deletes a todo", "viewer", "DELETE FROM todos WHERE id = %(done)s", REFUSED),
+    Case("viewer reads delivery attempts", "viewer", "SELECT * FROM delivery_attempts", REFUSED),
+    Case("viewer reads an audit view", "viewer", "SELECT * FROM audit_unacked", REFUSED),
 ]
 
 
@@ -808,6 +830,8 @@ def test_heartbeats_run_as_each_process_role(granted: RoleDatabase) -> None:
     assert db.query(admin, "SELECT role, stopped_at IS NOT NULL FROM processes ORDER BY role") == [
         ("ack", True),
         ("ingest", True),
+        ("web", True),  # the operator's console
+        ("web", True),  # the viewer's
         ("worker", True),
     ]
 

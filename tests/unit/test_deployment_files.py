@@ -23,6 +23,7 @@ from ingest.cli import main as cli
 from ingest.config import DATABASE_URL_VARIABLE, REDIS_URL_VARIABLE, load
 from ingest.config.webhook import resolve_secrets
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE
+from ingest.web import server as web_server
 from tests.support import yaml_subset
 
 ROOT = Path(__file__).parents[2]
@@ -33,6 +34,7 @@ LONG_RUNNING = (
     "switchboard-ack.service",
     "switchboard-worker.service",
     "switchboard-receive.service",
+    "switchboard-web.service",
 )
 ALL_UNITS = ("switchboard-migrate.service", *LONG_RUNNING)
 VENV_SWITCHBOARD = "/opt/switchboard/.venv/bin/switchboard"
@@ -117,6 +119,7 @@ def test_each_unit_runs_a_real_verb_as_the_service_user_with_the_env_file(name: 
         "switchboard-ack.service": "ack",
         "switchboard-worker.service": "worker",
         "switchboard-receive.service": "receive",
+        "switchboard-web.service": "web",
     }[name]
     # The shared secrets, then the role's own (optional: "-"), which override them.
     assert svc["EnvironmentFile"] == [ENV_FILE, f"-/etc/switchboard/{expected}.env"]
@@ -158,12 +161,26 @@ def test_stop_timeouts_cover_the_shutdown_bounds() -> None:
     # its committers get [ingest] shutdown_timeout_s.
     receive_bound = example.receiver.respond_within_ms / 1000 + example.ingest.shutdown_timeout_s
     assert float(one(service("switchboard-receive.service"), "TimeoutStopSec")) >= 1.5 * receive_bound
+    # The console answers its requests in flight, then stops its process.
+    assert float(one(service("switchboard-web.service"), "TimeoutStopSec")) >= 2 * (web_server.SHUTDOWN_S + 1)
     worker = service("switchboard-worker.service")
     longest_handler_s = max(q.time_limit_ms for q in example.queues.values()) / 1000
     assert float(one(worker, "TimeoutStopSec")) > longest_handler_s
     # dramatiq's main process forwards SIGTERM to its worker processes, and
     # one that gets a second SIGTERM exits at once: only the main one is signalled.
     assert one(worker, "KillMode") == "mixed"
+
+
+def test_the_console_unit_listens_on_loopback_for_a_proxy() -> None:
+    """A console off loopback needs a token the unit cannot know: it listens
+    on loopback, behind the TLS proxy, and says which login runs it."""
+    svc = service("switchboard-web.service")
+    args = parse_cli(one(svc, "ExecStart").split()[1:])
+    assert args.listen == "127.0.0.1:8089"
+    assert not args.read_only  # the login decides; the operator's console acts
+    text = (UNITS / "switchboard-web.service").read_text()
+    for said in ("switchboard_operator_login", "switchboard_viewer_login", "SWITCHBOARD_WEB_TOKEN"):
+        assert said in text
 
 
 def test_the_migration_is_a_oneshot_the_others_wait_for() -> None:
@@ -352,10 +369,10 @@ def test_the_dockerfile_installs_the_pinned_package_and_runs_it_as_a_non_root_us
     assert _installed_sources() <= copied, _installed_sources() - copied
     installs = [args for kind, args in steps if kind == "RUN" and "pip install" in args]
     assert len(installs) == 1
-    # The `http` extra (the webhook receiver's server) and no other: no dev,
-    # test or embedded extras in the image.
-    assert re.search(r'pip install -c constraints\.txt "\.\[http\]"(\s|$)', installs[0]), installs[0]
-    assert installs[0].count("[") == 1, "no extras but http in the image"
+    # The `http` extra (the webhook receiver's server) and the `web` one (the
+    # console's) and no other: no dev, test or embedded extras in the image.
+    assert re.search(r'pip install -c constraints\.txt "\.\[http,web\]"(\s|$)', installs[0]), installs[0]
+    assert installs[0].count("[") == 1, "no extras but http and web in the image"
     users = [i for i, (kind, _) in enumerate(steps) if kind == "USER"]
     assert users, "no USER: the processes would run as root"
     user = steps[users[-1]][1].split(":")[0]
@@ -425,7 +442,14 @@ def test_the_subset_reader_refuses_what_it_does_not_understand() -> None:
             yaml_subset.loads(text)
 
 
-PROCESSES = {"migrate": "migrate", "ingest": "ingest", "ack": "ack", "worker": "worker", "receive": "receive"}
+PROCESSES = {
+    "migrate": "migrate",
+    "ingest": "ingest",
+    "ack": "ack",
+    "worker": "worker",
+    "receive": "receive",
+    "web": "web",
+}
 
 
 def test_compose_runs_every_process_on_the_servers(compose: dict[str, Any]) -> None:
@@ -446,7 +470,8 @@ def test_compose_runs_every_process_on_the_servers(compose: dict[str, Any]) -> N
         assert args.verb == verb
     assert services["migrate"]["restart"] == "no"
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
-    for name in ("ingest", "ack", "worker"):
+    # The console reads the brokers as `status` does.
+    for name in ("ingest", "ack", "worker", "web"):
         assert services[name]["depends_on"] == {
             "migrate": {"condition": "service_completed_successfully"},
             "valkey": {"condition": "service_healthy"},
@@ -466,18 +491,32 @@ def test_compose_health_checks_read_each_process_healthz(compose: dict[str, Any]
         assert (kind, interpreter, flag) == ("CMD", "python", "-c")
         assert f"urlopen('http://127.0.0.1:{args.metrics_port}/healthz'" in program
         compile(program, "healthcheck", "exec")  # a syntax error would only show as "unhealthy"
+    # The console's own /healthz, on its listen port (no sign-in needed there).
+    web = compose["services"]["web"]
+    args = parse_cli(["--config", "x.toml", *web["command"]])
+    kind, interpreter, flag, program = web["healthcheck"]["test"]
+    assert (kind, interpreter, flag) == ("CMD", "python", "-c")
+    assert f"urlopen('http://127.0.0.1:{args.listen.rsplit(':', 1)[1]}/healthz'" in program
+    compile(program, "healthcheck", "exec")
     worker = compose["services"]["worker"]
     assert worker["stop_grace_period"] == "11m"
 
 
-def test_compose_publishes_the_receiver_on_the_hosts_loopback_only(compose: dict[str, Any]) -> None:
-    """Plain HTTP: a TLS proxy on the host in front of it, never 0.0.0.0:8080.
-    Inside its container it listens on every address, which a published port needs."""
+def test_compose_publishes_the_receiver_and_the_console_on_the_hosts_loopback_only(
+    compose: dict[str, Any],
+) -> None:
+    """Plain HTTP: a TLS proxy on the host in front of them, never 0.0.0.0.
+    Inside its container each listens on every address, which a published
+    port needs (the console only with its token, from its own env file)."""
     services = compose["services"]
     assert services["receive"]["ports"] == ["127.0.0.1:8080:8080"]
-    assert [name for name, svc in services.items() if "ports" in svc] == ["receive"]
+    assert services["web"]["ports"] == ["127.0.0.1:8089:8089"]
+    assert [name for name, svc in services.items() if "ports" in svc] == ["receive", "web"]
     settings = load(OPS / "compose.switchboard.toml", {})
     assert settings.receiver.listen == "0.0.0.0:8080"
+    assert parse_cli(["--config", "x.toml", *services["web"]["command"]]).listen == "0.0.0.0:8089"
+    assert services["web"]["env_file"] == ["switchboard.env", "secrets/web.env"]
+    assert "SWITCHBOARD_WEB_TOKEN" in (OPS / "compose.yaml").read_text()
 
 
 def test_compose_keeps_every_secret_in_files_outside_it(compose: dict[str, Any]) -> None:
