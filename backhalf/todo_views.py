@@ -74,8 +74,10 @@ async def list_todos(
     queue: str | None = None,
     status: str | None = None,
     limit: int = 50,
+    before_id: int | None = None,
 ) -> list[TodoRow]:
-    """Todos, newest (highest id) first."""
+    """Todos, newest (highest id) first; ``before_id``: only those with a
+    lower id (the next page, keyset: no OFFSET walks the pages before it)."""
     query = sa.select(
         todos.c.id,
         todos.c.queue,
@@ -89,6 +91,8 @@ async def list_todos(
         query = query.where(todos.c.queue == queue)
     if status is not None:
         query = query.where(todos.c.status == status)
+    if before_id is not None:
+        query = query.where(todos.c.id < before_id)
     rows = await conn.execute(query.order_by(todos.c.id.desc()).limit(limit))
     return [TodoRow(*row) for row in rows]
 

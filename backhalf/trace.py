@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf import todo_views
 from backhalf.keys import DEFAULT_PREFIX
-from schema import adapters, events, inbox
+from schema import adapters, events, inbox, todos
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +138,22 @@ async def inbox_ids_by_key(conn: AsyncConnection, key: str) -> list[int]:
         sa.select(inbox.c.id).where(inbox.c.idempotency_key == key).order_by(inbox.c.id)
     )
     return list(scanned)
+
+
+async def inbox_ids_by_todo(conn: AsyncConnection, todo_id: int) -> list[int]:
+    """Inbox rows whose message made or was deduplicated to this todo: the
+    rows with the todo's idempotency key (a todo takes its message's key)
+    that point at it."""
+    key = await conn.scalar(sa.select(todos.c.idempotency_key).where(todos.c.id == todo_id))
+    if key is None:
+        return []
+    ids = await inbox_ids_by_key(conn, key)
+    if not ids:
+        return []
+    owned = await conn.scalars(
+        sa.select(inbox.c.id).where(inbox.c.id.in_(ids), inbox.c.todo_id == todo_id).order_by(inbox.c.id)
+    )
+    return list(owned)
 
 
 async def inbox_ids_by_entry_id(conn: AsyncConnection, entry_id: str) -> list[int]:

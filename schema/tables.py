@@ -332,7 +332,7 @@ stream_groups = sa.Table(
 # is chosen at random per process start; a graceful stop sets ``stopped_at``.
 # A row neither stopped nor seen lately is a process that died, unless a
 # newer process of the same role on the same host replaced it (a restart).
-PROCESS_ROLES = ("ingest", "ack", "worker", "receive")
+PROCESS_ROLES = ("ingest", "ack", "worker", "receive", "web")
 
 processes = sa.Table(
     "processes",

@@ -403,9 +403,9 @@ def _bound() -> socket.socket:
     such a socket. One made with ``socket.socket(AF_INET, SOCK_STREAM)``
     (proto 0) leaves Nagle on, and uvicorn's two writes a response (head,
     then body) wait for the client's delayed ACK: 44 ms a request."""
-    from ingest.processes.receiver import bind
+    from ingest.processes.http_server import bind
 
-    return bind("127.0.0.1:0")
+    return bind("127.0.0.1:0", "--listen")
 
 
 def serve_peer() -> None:

@@ -41,6 +41,7 @@ EXAMPLES: dict[str, str] = {
     "trace": "switchboard trace redis:orders:1700000000000-0",
     "prune": "switchboard prune --dry-run",
     "status": "switchboard status --json",
+    "web": "switchboard web --listen 0.0.0.0:8089 --metrics-port 9468",
     "demo": "switchboard demo --messages 1000",
 }
 
@@ -50,6 +51,7 @@ environment:
   {DATABASE_URL_VARIABLE:<27} the database URL, over [database] url
   {REDIS_URL_VARIABLE:<27} the default broker's URL, over [redis] url
   {METRICS_PORT_VARIABLE:<27} the metrics port of the long-running processes, over [metrics] port
+  SWITCHBOARD_WEB_TOKEN       `web`: the console's sign-in token (without it: loopback only)
   and the variables the config's username_env, password_env and secrets_env name"""
 
 # `demo` runs on embedded defaults: it reads none of them.

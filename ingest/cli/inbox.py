@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
-import hashlib
 import json
-import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -39,40 +36,23 @@ from ingest.cli.text_table import one_line, printable, table
 from ingest.cli.verb import Verb, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from ingest.observe import inbox_text
 
 _PROG = "switchboard inbox"
-_DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(s|m|h|d|w)$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 _FILTERS = ("adapter", "since", "until", "error_contains")
-# The longest --since / --until age: far past any inbox row, well inside
-# PostgreSQL's timestamps.
-MAX_AGE = timedelta(days=365_000)
 
 
 def time_bound(text: str) -> datetime | timedelta:
-    """``--since`` / ``--until``: an ISO 8601 moment (UTC unless it says
-    otherwise) or an age such as ``90s``, ``30m``, ``1h``, ``2d``, ``1w``."""
-    duration = _DURATION.match(text.strip())
-    if duration is not None:
-        too_long = argparse.ArgumentTypeError(
-            f"an age must be at most {MAX_AGE.days}d, 1000 years (got {text!r})"
-        )
-        try:
-            age = timedelta(**{_UNITS[duration.group(2)]: float(duration.group(1))})
-        except OverflowError as exc:  # past timedelta's range: a traceback, not exit 2, otherwise
-            raise too_long from exc
-        # PostgreSQL computes now() - age: past its timestamps' range, that
-        # would be a database error at run time instead of a usage error now.
-        if age > MAX_AGE:
-            raise too_long
-        return age
+    """``--since`` / ``--until``: :func:`ingest.observe.inbox_text.time_bound`."""
     try:
-        moment = datetime.fromisoformat(text.strip())
+        return inbox_text.time_bound(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"must be an ISO 8601 time (2026-12-01T10:00:00Z) or an age like 30m, 1h, 2d (got {text!r})"
-        ) from exc
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def body_view(body: bytes, *, body_size: int | None, body_sha256: bytes | None) -> inbox_text.BodyView:
+    """The body made readable, no terminal control in it."""
+    return inbox_text.body_view(body, body_size=body_size, body_sha256=body_sha256, clean=printable)
 
 
 def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -262,53 +242,6 @@ async def _replay_matching(engine: AsyncEngine, settings: Settings, args: argpar
 # -- show ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class BodyView:
-    """A stored body made readable."""
-
-    encoding: str  # "json" (pretty-printed), "text" (UTF-8) or "base64" (neither)
-    lines: list[str]
-    note: str
-
-
-def _decode(body: bytes, *, whole: bool) -> str | None:
-    """The body as UTF-8 text, or None. A prefix may end inside a character:
-    that cut is not a reason to call the rest binary."""
-    try:
-        return body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        if not whole and exc.reason == "unexpected end of data" and exc.start >= len(body) - 3:
-            return body[: exc.start].decode("utf-8", errors="strict")
-        return None
-
-
-def body_view(body: bytes, *, body_size: int | None, body_sha256: bytes | None) -> BodyView:
-    whole = body_size is None
-    digest = (body_sha256 if body_sha256 is not None else hashlib.sha256(body).digest()).hex()
-    if whole:
-        size = f"{len(body)} bytes, sha256 {digest}"
-    else:
-        size = (
-            f"only its first {len(body)} bytes are stored, of a message of {body_size} bytes"
-            f" (sha256 of the whole message {digest})"
-        )
-    text = _decode(body, whole=whole)
-    if text is None:
-        encoded = base64.b64encode(body).decode("ascii")
-        chunks = [encoded[i : i + 76] for i in range(0, len(encoded), 76)] or [""]
-        return BodyView("base64", chunks, f"{size}; not UTF-8, shown as base64")
-    if whole:
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            pass
-        else:
-            pretty = json.dumps(parsed, indent=2, ensure_ascii=False)
-            return BodyView("json", [printable(line) for line in pretty.splitlines()], f"{size}; JSON")
-    kind = "UTF-8 text" if whole else "UTF-8 text, cut where the stored prefix ends"
-    return BodyView("text", [printable(line) for line in text.splitlines()] or [""], f"{size}; {kind}")
-
-
 async def _show(engine: AsyncEngine, inbox_id: int, *, as_json: bool) -> int:
     async with engine.connect() as conn:
         row = await inbox_views.get_row(conn, inbox_id)
@@ -323,9 +256,9 @@ async def _show(engine: AsyncEngine, inbox_id: int, *, as_json: bool) -> int:
     return EXIT_OK
 
 
-def show_document(row: inbox_views.InboxDetail, view: BodyView) -> dict[str, Any]:
+def show_document(row: inbox_views.InboxDetail, view: inbox_text.BodyView) -> dict[str, Any]:
     fields = {k: v for k, v in dataclasses.asdict(row).items() if k not in ("body", "body_sha256")}
-    text = _decode(row.body, whole=row.body_size is None)
+    text = inbox_text.decode(row.body, whole=row.body_size is None)
     return {
         **fields,
         "body_sha256": row.body_sha256.hex() if row.body_sha256 is not None else None,
@@ -339,7 +272,7 @@ def show_document(row: inbox_views.InboxDetail, view: BodyView) -> dict[str, Any
     }
 
 
-def show_lines(row: inbox_views.InboxDetail, view: BodyView) -> list[str]:
+def show_lines(row: inbox_views.InboxDetail, view: inbox_text.BodyView) -> list[str]:
     ack = f"{row.ack_kind} {row.ack_key or '-'} {row.ack_group or '-'} {row.ack_entry_id or '-'}"
     fields = (
         ("id", str(row.id)),

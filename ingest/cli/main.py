@@ -32,6 +32,7 @@ from ingest.cli import (
     status,
     todos,
     trace,
+    web,
     worker,
 )
 from ingest.cli import errors as cli_errors
@@ -55,6 +56,7 @@ VERBS: Mapping[str, Verb] = {
     "trace": trace.VERB,
     "prune": prune.VERB,
     "status": status.VERB,
+    "web": web.VERB,
     "demo": demo.VERB,
 }
 

@@ -16,7 +16,8 @@ from ingest.errors import ConfigError
 HTTP_PACKAGES = ("starlette", "uvicorn", "h11", "anyio")  # the `http` extra's
 
 
-def _listen(text: str) -> str:
+def listen_argument(text: str) -> str:
+    """A ``--listen HOST:PORT`` argument, checked."""
     try:
         return check_listen("--listen", text)
     except ConfigError as exc:
@@ -27,7 +28,7 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
     parser: argparse.ArgumentParser = verbs.add_parser(
         "receive", parents=[common], help="run the webhook receiver (POST /hooks/{adapter})"
     )
-    parser.add_argument("--listen", type=_listen, metavar="HOST:PORT", help="over [receiver] listen")
+    parser.add_argument("--listen", type=listen_argument, metavar="HOST:PORT", help="over [receiver] listen")
     add_metrics_port(parser)
     return parser
 

@@ -15,6 +15,7 @@ _ROLE_OF: dict[str, str] = {
     "ack": "the acker's",
     "worker": "the worker's",
     "prune": "the acker's",
+    "web": "the operator's (the viewer's: read-only)",
     "status": _READS,
     "trace": _READS,
     "adapters list": _READS,

@@ -17,34 +17,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from backhalf import trace
 from backhalf.db import create_engine
 from backhalf.redaction import redact
-from ingest.adapters.base import AckIntentView
-from ingest.adapters.factory import describe_ack
 from ingest.cli.text_table import printable
 from ingest.cli.verb import Verb, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from ingest.observe.trail import ENTRY_ID, ack_command, offset, timeline, xadd_of
 
 _PROG = "switchboard trace"
-# A Redis stream entry id as stored: milliseconds, a dash, a sequence number.
-ENTRY_ID = re.compile(r"^([0-9]+)-([0-9]+)$")
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One moment of a message's timeline."""
-
-    at: datetime
-    what: str
 
 
 def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -99,57 +86,6 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def xadd_time(entry_id: str | None) -> datetime | None:
-    """When Redis took the entry (its id's milliseconds), or None: not an entry id."""
-    match = ENTRY_ID.match(entry_id or "")
-    if match is None:
-        return None
-    try:
-        return datetime.fromtimestamp(int(match.group(1)) / 1000, UTC)
-    except (OverflowError, ValueError, OSError):  # an explicit id far beyond any clock
-        return None
-
-
-def _xadd(row: trace.InboxTrail) -> datetime | None:
-    # Only a stream entry's id is a time; a list or pub/sub row has none.
-    return xadd_time(row.source_message_id) if row.ack_kind == "xack" or row.mode == "stream" else None
-
-
-def timeline(t: trace.Trail) -> list[Step]:
-    """Every recorded moment of the message, oldest first (ties in the order
-    the pipeline takes them)."""
-    row = t.inbox
-    steps: list[Step] = []
-    xadd = _xadd(row)
-    if xadd is not None:
-        steps.append(Step(xadd, f"XADD {row.source_message_id} (the entry id's time, on Redis's clock)"))
-    steps.append(Step(row.stored_at, f"stored: inbox row {row.inbox_id}, {row.status}"))
-    if t.event is not None:
-        steps.append(Step(t.event.received_at, f"event {t.event.id} recorded"))
-    if t.todo is not None:
-        if not any(e.from_status is None for e in t.todo_events):  # creation not logged
-            steps.append(Step(t.todo.created_at, f"todo {t.todo.id} created"))
-        for e in t.todo_events:
-            change = f"todo {t.todo.id}: {e.from_status or '(new)'} -> {e.to_status}"
-            # Whitespace collapsed only: --json keeps the text as stored, and
-            # text_lines makes it printable.
-            detail = " ".join((e.detail or "").split())
-            steps.append(Step(e.created_at, f"{change} ({detail})" if detail else change))
-    if row.acked_at is not None:
-        steps.append(Step(row.acked_at, f"acked: {_ack_command(row)}"))
-    # sorted() is stable: equal times (one transaction's now()) keep this order.
-    return sorted(steps, key=lambda s: s.at)
-
-
-def offset(at: datetime, first: datetime) -> str:
-    return f"{(at - first).total_seconds():+.3f} s"
-
-
-def _ack_command(row: trace.InboxTrail) -> str:
-    intent = AckIntentView(row.ack_kind, row.ack_key, row.ack_group, row.ack_entry_id, row.ack_copies)
-    return describe_ack(row.transport, intent)
-
-
 def text_lines(t: trace.Trail) -> list[str]:
     row = t.inbox
     kind = f"{row.transport or '?'} {row.mode or '?'}"
@@ -161,7 +97,7 @@ def text_lines(t: trace.Trail) -> list[str]:
         ("deliveries", str(row.deliveries)),
         ("status", row.status),
         ("error", row.error or "-"),
-        ("ack", f"{_ack_command(row)}, after {row.ack_after}: {row.ack_state}"),
+        ("ack", f"{ack_command(row)}, after {row.ack_after}: {row.ack_state}"),
     ]
     if t.event is None:
         fields.append(("event", "-"))
@@ -201,7 +137,7 @@ def document(t: trace.Trail) -> dict[str, Any]:
     start = steps[0].at
     return {
         "inbox": dataclasses.asdict(t.inbox),
-        "xadd_at": _xadd(t.inbox),
+        "xadd_at": xadd_of(t.inbox),
         "event": None if t.event is None else dataclasses.asdict(t.event),
         "todo": None if t.todo is None else dataclasses.asdict(t.todo),
         "todo_events": [dataclasses.asdict(e) for e in t.todo_events],

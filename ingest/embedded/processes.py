@@ -72,6 +72,7 @@ class SwitchboardProcess:
         command: Sequence[str] | None = None,
         cwd: Path | None = None,
         drop_env: Collection[str] = (),
+        args: Sequence[str] = (),
     ) -> None:
         self.verb = verb
         self.log_path = log_path
@@ -79,6 +80,7 @@ class SwitchboardProcess:
         argv += ["--config", str(config), verb]
         if consumer:
             argv += ["--consumer", consumer]
+        argv += args
         full_env = {
             k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_") and k not in drop_env
         }
@@ -179,8 +181,10 @@ class Processes:
         name: str,
         failpoints: str | None = None,
         env: Mapping[str, str] | None = None,
+        args: Sequence[str] = (),
     ) -> SwitchboardProcess:
-        """An ingester is started with ``name`` as its consumer name."""
+        """An ingester is started with ``name`` as its consumer name; ``args``
+        follow the verb (``web``'s ``--listen``)."""
         incarnation = sum(1 for p in self.all if p.log_path.name.startswith(f"{name}."))
         # A stop signal that raises (the demo's) waits until the process is
         # kept in ``all``, where the clean-up finds it.
@@ -193,6 +197,7 @@ class Processes:
                 failpoints=failpoints,
                 env=env,
                 strict=self._strict,
+                args=args,
             )
             self.all.append(proc)
         return proc

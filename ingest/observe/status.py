@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from backhalf import audit, heartbeats, registry
 from backhalf.db import create_engine
 from backhalf.heartbeats import ProcessRow
@@ -125,24 +127,51 @@ async def collect_processes(settings: Settings) -> list[ProcessRow]:
 HandlerCheck = Callable[[str], str | None]
 
 
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """What the verdicts are made of from the database: the registered
+    adapters, their counts, the todos per queue and status, and the
+    transaction holding the ack horizon back."""
+
+    adapters: Mapping[str, AdapterRow]
+    counts: Mapping[str, audit.AdapterCounts]
+    todos: Mapping[str, Mapping[str, int]]
+    holder: audit.HorizonHolder | None
+
+
+async def read_figures(conn: AsyncConnection) -> Figures:
+    """Every count over the whole tables, as `status` reports them (the
+    console reads cheaper ones of its own: ``ingest.web``)."""
+    return Figures(
+        {r.name: r for r in await registry.list_adapters(conn)},
+        await audit.adapter_counts(conn),
+        await audit.todos_by_status(conn),
+        await audit.ack_horizon_holder(conn),
+    )
+
+
 async def collect(
-    settings: Settings, procs: Sequence[ProcessRow] = (), handler_check: HandlerCheck | None = None
+    settings: Settings,
+    procs: Sequence[ProcessRow] = (),
+    handler_check: HandlerCheck | None = None,
+    *,
+    db: Figures | None = None,
 ) -> list[dict[str, Any]]:
     """Registered adapters the config does not name are checked at
     ``settings.redis_url`` when the config has no adapters (see the module's
     docstring). ``procs``: the ``processes`` rows, for each adapter's own.
     ``handler_check``: asked for a configured queue no worker serves, so
     that a handler no worker could load (a worker stops at start on it) is
-    named, and the adapter unhealthy: its todos pile up."""
-    engine = create_engine(settings.database)
-    try:
-        async with engine.connect() as conn:
-            rows = {r.name: r for r in await registry.list_adapters(conn)}
-            counts = await audit.adapter_counts(conn)
-            todo_counts = await audit.todos_by_status(conn)
-            holder = await audit.ack_horizon_holder(conn)
-    finally:
-        await engine.dispose()
+    named, and the adapter unhealthy: its todos pile up. ``db``: the
+    database's figures, read by the caller; else :func:`read_figures`."""
+    if db is None:
+        engine = create_engine(settings.database)
+        try:
+            async with engine.connect() as conn:
+                db = await read_figures(conn)
+        finally:
+            await engine.dispose()
+    rows, counts, todo_counts, holder = db.adapters, db.counts, db.todos, db.holder
     entries = _entries(settings, rows)
     configured = {cfg.name for cfg in settings.adapters} | {w.name for w in settings.webhooks}
     report = []
@@ -287,7 +316,8 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _verdict(r: Mapping[str, Any]) -> str:
+def verdict(r: Mapping[str, Any]) -> str:
+    """The words an adapter's health is said in: ``ok``, ``UNHEALTHY``, ``disabled``, ``not checked``."""
     if r["healthy"] is True:
         return "ok"
     if r["healthy"] is False:
@@ -323,7 +353,7 @@ def render(
 
 def _render_adapter(r: Mapping[str, Any]) -> list[str]:
     """One adapter's report: its header with the verdict, a line a key, then the processes serving it."""
-    lines = [f"{r['adapter']} ({_text(r['mode'])} {_text(r['source'])}): {_verdict(r)}"]
+    lines = [f"{r['adapter']} ({_text(r['mode'])} {_text(r['source'])}): {verdict(r)}"]
     for key, value in r.items():
         if key in _IN_HEADER or key == "processes":
             continue

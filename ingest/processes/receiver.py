@@ -22,10 +22,9 @@ connection; requests in flight are answered), then the committers stop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -44,9 +43,10 @@ from ingest.adapters.base import Delivery
 from ingest.adapters.webhook import PUSH, push_provenance
 from ingest.adapters.webhook.verify import Refused, Scheme, scheme_for
 from ingest.config import Settings, WebhookConfig
-from ingest.config.webhook import resolve_secrets, split_listen
+from ingest.config.webhook import resolve_secrets
 from ingest.errors import ConfigError
 from ingest.lifecycle import wait_stop
+from ingest.processes.http_server import Server, bind
 from ingest.processes.ingester import Registration, register_adapters
 from ingest.processes.poll import to_record
 from ingest.processes.push_store import PushStore
@@ -65,48 +65,6 @@ MAX_CONCURRENT_REQUESTS = 2000
 
 def webhook_key(cfg: WebhookConfig, delivery_id: str) -> str:
     return f"{cfg.key_prefix}:{cfg.source}:{delivery_id}"
-
-
-def bind(listen: str) -> socket.socket:
-    """The listening socket, bound now: a taken port or an address this host
-    lacks is a ConfigError before any work."""
-    host, port = split_listen(listen)
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ConfigError(f"[receiver] listen {listen!r}: {exc.strerror or exc}") from exc
-    # Bound, not listening: a connection is refused until uvicorn serves
-    # (asyncio's server calls listen), never left unanswered in the backlog
-    # while start-up waits for the database.
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(
-            f"[receiver] listen {listen!r}: cannot listen there: {exc.strerror or exc}"
-        ) from exc
-    sock.setblocking(False)
-    return sock
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the process's stop ends it;
-    ``up`` is set once it serves (uvicorn itself says so by a flag only)."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.up = asyncio.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        self.up.set()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class _Refusals:
@@ -278,7 +236,7 @@ async def run_receiver(settings: Settings, stop: asyncio.Event, *, env: Mapping[
         )
     # Before any work: a missing secret or a port taken is exit 2.
     schemes = {w.name: scheme_for(w, resolve_secrets(w, env)) for w in settings.webhooks}
-    sock = bind(settings.receiver.listen)
+    sock = bind(settings.receiver.listen, "[receiver] listen")
     try:
         await run_process(settings, stop, lambda engine: _ReceiverBody(settings, engine, schemes, sock))
     finally:
@@ -338,7 +296,7 @@ class _ReceiverBody(ProcessBody):
             timeout_keep_alive=5,
             timeout_graceful_shutdown=int(self._settings.receiver.respond_within_ms / 1000) + 1,
         )
-        server = _Server(config)
+        server = Server(config)
         async with asyncio.TaskGroup() as tg:
             committers = tg.create_task(self._push.run(process.stop), name="push-committers")
             serving = tg.create_task(server.serve(sockets=[self._sock]), name="uvicorn")

@@ -15,7 +15,8 @@ from backhalf.trace import EventTrail, InboxTrail, Trail
 from ingest.cli import main as cli
 from ingest.cli import todos as todos_command
 from ingest.cli.inbox import body_view, time_bound
-from ingest.cli.trace import text_lines, timeline, xadd_time
+from ingest.cli.trace import text_lines
+from ingest.observe.trail import timeline, xadd_time
 
 T = datetime(2026, 12, 1, 10, 0, 0, tzinfo=UTC)
 MS = timedelta(milliseconds=1)

@@ -1,0 +1,175 @@
+"""The console's Starlette app: its routes, the guard in front of them, and
+what every handler shares (:class:`Console`).
+
+Every page is rendered on the server by Jinja2 with autoescape on, so a
+producer's or a handler's text (a body, a key, an error) is shown as text,
+never markup. The browser runs two same-origin scripts, htmx and uPlot,
+shipped in the wheel, plus ``console.js``; no inline script or style.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from urllib.parse import parse_qsl
+
+import structlog
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from backhalf.errors import DeadlineExceeded
+from backhalf.redaction import redact
+from ingest.web import actions, pages
+from ingest.web.console import Console
+from ingest.web.security import HEADERS, SESSION_COOKIE, same_origin
+from ingest.web.static_files import StaticFiles
+
+log = structlog.get_logger(__name__)
+
+MAX_FORM_BYTES = 256 * 1024
+OPEN_PATHS = ("/healthz", "/login", "/static/")
+
+
+async def form(request: Request) -> dict[str, list[str]]:
+    """A POSTed urlencoded form, each name's values in order (stdlib's
+    parser: no multipart, nothing else is sent by the console's forms)."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise ValueError("form too large")
+    fields: dict[str, list[str]] = {}
+    for name, value in parse_qsl(body.decode("utf-8", errors="replace"), keep_blank_values=True):
+        fields.setdefault(name, []).append(value)
+    return fields
+
+
+class _Guarded(BaseHTTPMiddleware):
+    """Host and auth first, then a POST's read-only, origin and CSRF checks;
+    the security headers on every answer; a database out of reach as a page
+    that says so (503), not a traceback."""
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        console: Console = request.app.state.console
+        response = await self._checked(console, request, call_next)
+        for name, value in HEADERS.items():
+            response.headers.setdefault(name, value)
+        return response
+
+    async def _checked(
+        self, console: Console, request: Request, call_next: RequestResponseEndpoint
+    ) -> Response:
+        guard = console.guard
+        if not guard.host_allowed(request):
+            return PlainTextResponse(
+                "without SWITCHBOARD_WEB_TOKEN this console answers loopback requests only,"
+                " not through a proxy",
+                status_code=421,
+            )
+        path = request.url.path
+        if not path.startswith(OPEN_PATHS) and not guard.authenticated(request):
+            if request.method == "GET" and "authorization" not in request.headers:
+                return RedirectResponse("/login", status_code=303)
+            return PlainTextResponse("not signed in", status_code=401)
+        if request.method == "POST":
+            refused = await _post_refusal(console, request)
+            if refused is not None:
+                log.warning("web_post_refused", path=path, status=refused.status_code)
+                return refused
+        try:
+            return await call_next(request)
+        except (SQLAlchemyError, DeadlineExceeded, OSError) as exc:
+            log.warning("web_database_error", path=path, error=redact(str(exc)))
+            return console.page(
+                request,
+                "error.html",
+                status_code=503,
+                message="The database did not answer; this page will work again once it does.",
+            )
+
+
+async def _post_refusal(console: Console, request: Request) -> Response | None:
+    """Why a POST is refused, or None. The login form is POSTed before any
+    session exists: it needs the same origin only."""
+    if not same_origin(request):
+        return PlainTextResponse("refused: a POST from another origin", status_code=403)
+    if request.url.path in ("/login", "/logout"):  # no session yet, or ending it
+        return None
+    if console.read_only:
+        return PlainTextResponse(
+            f"refused: this console is read-only ({console.read_only_why})", status_code=403
+        )
+    try:
+        fields = await form(request)
+    except ValueError:
+        return PlainTextResponse("refused: form too large", status_code=413)
+    request.state.form = fields
+    if not console.guard.csrf_matches(request, (fields.get("csrf") or [""])[0]):
+        return PlainTextResponse(
+            "refused: the form's CSRF token is missing or stale; reload the page", status_code=403
+        )
+    return None
+
+
+async def login_page(request: Request) -> Response:
+    console: Console = request.app.state.console
+    if console.guard.token is None:
+        return RedirectResponse("/", status_code=303)
+    return console.page(request, "login.html", failed=False)
+
+
+async def login(request: Request) -> Response:
+    console: Console = request.app.state.console
+    guard = console.guard
+    fields = await form(request)
+    offered = (fields.get("token") or [""])[0]
+    if guard.token is None:
+        return RedirectResponse("/", status_code=303)
+    if not guard.token_matches(offered):
+        log.warning("web_login_refused")
+        return console.page(request, "login.html", status_code=401, failed=True)
+    response = RedirectResponse("/", status_code=303)
+    response.set_cookie(
+        SESSION_COOKIE,
+        guard.session_value,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path="/",
+    )
+    return response
+
+
+async def logout(request: Request) -> Response:
+    response = RedirectResponse("/login", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path="/")
+    return response
+
+
+async def healthz(request: Request) -> Response:
+    console: Console = request.app.state.console
+    ok, _report = console.healthy()
+    return PlainTextResponse("ok" if ok else "unhealthy", status_code=200 if ok else 503)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def build(console: Console) -> Starlette:
+    routes = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/login", login_page, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        Route("/logout", logout, methods=["POST"]),
+        *pages.routes(),
+        *actions.routes(),
+        Route("/static/{path:path}", StaticFiles().serve, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, middleware=[Middleware(_Guarded)])
+    app.router.redirect_slashes = False  # no redirect built from the Host header
+    app.state.console = console
+    return app

@@ -1,0 +1,74 @@
+"""What every console handler shares: :class:`Console` (the settings, the
+engine, the guard, the templates), and the templates' filters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import jinja2
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.requests import Request
+from starlette.responses import HTMLResponse
+
+from ingest.config import Settings
+from ingest.web.figures import OverviewCache
+from ingest.web.security import Guard
+
+
+def utc(moment: datetime | None) -> str:
+    if moment is None:
+        return "-"
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+@dataclass
+class Console:
+    """What every handler is given: the settings, the engine, the guard,
+    whether actions are offered, the templates and the shared overview."""
+
+    settings: Settings
+    engine: AsyncEngine
+    guard: Guard
+    read_only: bool
+    read_only_why: str | None
+    templates: jinja2.Environment
+    overview: OverviewCache
+    healthy: Callable[[], tuple[bool, Mapping[str, Any]]]
+
+    def page(self, request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+        html = self.templates.get_template(template).render(
+            request=request,
+            csrf=self.guard.csrf_token(request),
+            can_act=not self.read_only,
+            read_only_why=self.read_only_why,
+            login=self.guard.token is not None,
+            **context,
+        )
+        return HTMLResponse(html, status_code=status_code)
+
+
+def templates() -> jinja2.Environment:
+    """The templates, autoescaped: every value is text unless a template says otherwise (none does)."""
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("ingest.web", "templates"),
+        autoescape=True,  # every value is text unless a template says otherwise (none does)
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["utc"] = utc
+    env.filters["age"] = age
+    return env

@@ -1,0 +1,115 @@
+"""What the overview shows, read cheaply and shared by every browser.
+
+The verdicts are ``switchboard status``'s own (``ingest.observe.status``),
+fed with figures that stay cheap on a big inbox: the last hour's per minute
+(``backhalf.console_views``: the window's rows only), the acks owed
+(``backhalf.backlog``: ``ack_queue`` and the cursors' rows), the active
+todos (their partial indexes). ``status`` counts the whole tables instead.
+
+One reading serves every request for ``TTL_S``: ten open tabs polling every
+two seconds ask the database and the brokers once, not ten times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf import audit, backlog, console_views, heartbeats, registry
+from backhalf.console_views import MinuteFigures
+from backhalf.db import within_deadline
+from backhalf.heartbeats import ProcessRow
+from ingest.adapters.factory import acked_by
+from ingest.config import Settings
+from ingest.errors import ConfigError
+from ingest.observe import status
+
+TTL_S = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Overview:
+    """One reading: the status report (one dict per adapter, as ``status
+    --json`` gives it, its counts those of the last hour), the minutes
+    behind its charts, and the processes."""
+
+    report: Sequence[Mapping[str, Any]]
+    minutes: Mapping[str, Sequence[MinuteFigures]]
+    processes: Sequence[ProcessRow]
+
+
+def _own_acked(settings: Settings) -> list[str]:
+    """Adapters whose ingester acks (AMQP): their owed acks are counted from the inbox."""
+    names = []
+    for cfg in settings.adapters:
+        try:
+            if acked_by(cfg) == "consumer":
+                names.append(cfg.name)
+        except ConfigError:  # its client is missing: its broker view says so
+            continue
+    return names
+
+
+async def read_overview(engine: AsyncEngine, settings: Settings) -> Overview:
+    deadline_ms = settings.database.transaction_deadline_ms
+    async with within_deadline(engine.connect(), deadline_ms, "reading the overview") as conn:
+        rows = {r.name: r for r in await registry.list_adapters(conn)}
+        minutes = await console_views.recent_minutes(conn)
+        owed = await backlog.ack_backlog(conn, _own_acked(settings))
+        active = await backlog.active_todos(conn)
+        holder = await audit.ack_horizon_holder(conn)
+        procs = await heartbeats.list_processes(conn)
+    by_adapter: dict[str, list[MinuteFigures]] = {}
+    for m in minutes:
+        by_adapter.setdefault(m.adapter, []).append(m)
+    counts = {name: _counts(row, by_adapter.get(name, []), owed.get(name)) for name, row in rows.items()}
+    todos: dict[str, dict[str, int]] = {}
+    for (queue, todo_status), n in active.items():
+        todos.setdefault(queue, {})[todo_status] = n
+    figures = status.Figures(rows, counts, todos, holder)
+    report = await status.collect(settings, procs, None, db=figures)
+    return Overview(report, by_adapter, procs)
+
+
+def _counts(
+    row: registry.AdapterRow, minutes: Sequence[MinuteFigures], owed: backlog.AckBacklog | None
+) -> audit.AdapterCounts:
+    consumed = sum(m.consumed for m in minutes)
+    rejected = sum(m.rejected for m in minutes)
+    return audit.AdapterCounts(
+        adapter=row.name,
+        enabled=row.enabled,
+        stored=consumed - rejected,
+        rejected=rejected,
+        pending_acks=owed.pending if owed else 0,
+        acked=sum(m.acked for m in minutes),
+        oldest_unacked_age=timedelta(seconds=owed.oldest_age_s) if owed else None,
+    )
+
+
+class OverviewCache:
+    """The last reading, for ``TTL_S``; one reading at a time."""
+
+    def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._lock = asyncio.Lock()
+        self._value: Overview | None = None
+        self._at = 0.0
+
+    async def get(self) -> Overview:
+        async with self._lock:
+            if self._value is None or time.monotonic() - self._at > TTL_S:
+                self._value = await read_overview(self._engine, self._settings)
+                self._at = time.monotonic()
+            return self._value
+
+    def forget(self) -> None:
+        """After an action: the next request reads afresh."""
+        self._value = None

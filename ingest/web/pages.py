@@ -1,0 +1,310 @@
+"""The console's pages (GET): overview, trail, rejected inbox, todos,
+processes, charts. Each reads through the same modules as the CLI
+(``backhalf.*_views``, ``backhalf.trace``, ``ingest.observe``) and renders a
+template; the live parts are fragments the page polls (htmx).
+
+Lists are keyset-paginated (``after`` / ``before`` an id) and never count a
+whole table: a million-row inbox costs a page what ten rows cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from backhalf import console_views, heartbeats, inbox_views, todo_views, trace
+from backhalf.console_views import MinuteFigures
+from ingest.observe import inbox_text, status
+from ingest.observe.trail import ENTRY_ID, ack_command, offset, timeline
+from ingest.web.console import Console
+from schema import TODO_STATUSES
+
+PAGE_SIZE = 50
+CHART_COLUMNS = ("consumed", "deduplicated_inbox", "deduplicated_todo", "rejected", "acked")
+LATENCY_COLUMNS = ("ack_latency_p50_s", "ack_latency_p95_s", "ack_latency_p99_s")
+
+
+def _console(request: Request) -> Console:
+    console: Console = request.app.state.console
+    return console
+
+
+def _int_param(request: Request, name: str) -> int | None:
+    text = request.query_params.get(name, "")
+    return int(text) if text.isdigit() and len(text) < 19 else None
+
+
+def series(minutes: Sequence[MinuteFigures], columns: Sequence[str]) -> dict[str, Any]:
+    """A chart's data for console.js: x in epoch seconds, one list per column."""
+    return {
+        "x": [int(m.minute.timestamp()) for m in minutes],
+        "series": [{"label": c, "values": [getattr(m, c) for m in minutes]} for c in columns],
+    }
+
+
+# -- overview and processes --------------------------------------------------------------
+
+
+async def overview(request: Request) -> Response:
+    return await _overview(request, "overview.html")
+
+
+async def overview_fragment(request: Request) -> Response:
+    return await _overview(request, "_overview_live.html")
+
+
+async def _overview(request: Request, template: str) -> Response:
+    console = _console(request)
+    view = await console.overview.get()
+    rows = [
+        {
+            "r": r,
+            "verdict": status.verdict(r),
+            "chart": series(view.minutes.get(r["adapter"], ()), ("consumed", "rejected", "acked")),
+        }
+        for r in view.report
+    ]
+    return console.page(request, template, rows=rows, procs=view.processes)
+
+
+async def processes(request: Request) -> Response:
+    return await _processes(request, "processes.html")
+
+
+async def processes_fragment(request: Request) -> Response:
+    return await _processes(request, "_processes_live.html")
+
+
+async def _processes(request: Request, template: str) -> Response:
+    console = _console(request)
+    async with console.engine.connect() as conn:
+        procs = await heartbeats.list_processes(conn)
+    return console.page(request, template, procs=procs, failing=status.FAILING)
+
+
+# -- trail -------------------------------------------------------------------------------
+
+
+async def trail(request: Request) -> Response:
+    """One search box: a key, a bare entry id, an inbox id (``inbox:ID`` or
+    a bare number) or a todo id (``todo:ID``)."""
+    console = _console(request)
+    query = request.query_params.get("key", "").strip()
+    found: list[trace.Trail] = []
+    missing = None
+    if query:
+        async with console.engine.connect() as conn:
+            ids, missing = await _inbox_ids(conn, query)
+            found = await trace.trails(conn, ids) if ids else []
+        if not found and missing is None:
+            missing = f"nothing found for {query!r}"
+    trails = [_trail_view(t) for t in found]
+    return console.page(request, "trace.html", query=query, trails=trails, missing=missing)
+
+
+async def _inbox_ids(conn: Any, query: str) -> tuple[list[int], str | None]:
+    """The inbox rows a search names, and what to say when there are none.
+    A bare number is an inbox id and a todo id at once: both are shown."""
+    kind, _, rest = query.partition(":")
+    if kind == "todo" and rest.isdigit() and len(rest) < 19:
+        return await trace.inbox_ids_by_todo(conn, int(rest)), f"no inbox row holds todo {rest}"
+    if kind == "inbox" and rest.isdigit() and len(rest) < 19:
+        return [int(rest)], f"inbox row {rest} does not exist"
+    if query.isdigit() and len(query) < 19:
+        ids = sorted({int(query), *await trace.inbox_ids_by_todo(conn, int(query))})
+        return ids, f"no inbox row {query}, and no todo {query} with an inbox row"
+    if ENTRY_ID.match(query):
+        return await trace.inbox_ids_by_entry_id(
+            conn, query
+        ), f"no stream adapter's inbox holds entry id {query!r}"
+    return await trace.inbox_ids_by_key(conn, query), f"no inbox row has the idempotency key {query!r}"
+
+
+def _trail_view(t: trace.Trail) -> dict[str, Any]:
+    steps = timeline(t)
+    start = steps[0].at
+    return {
+        "t": t,
+        "ack": ack_command(t.inbox),
+        "steps": [{"s": s, "offset": offset(s.at, start)} for s in steps],
+    }
+
+
+# -- inbox -------------------------------------------------------------------------------
+
+
+def inbox_filter(request: Request) -> tuple[inbox_views.ReplayFilter, dict[str, str], str | None]:
+    """The URL's filters (``adapter``, ``since``, ``error``, ``after``), the
+    same as it was typed (to fill the form), and what is wrong with them."""
+    q = request.query_params
+    typed = {name: q.get(name, "").strip() for name in ("adapter", "since", "error")}
+    since = None
+    problem = None
+    if typed["since"]:
+        try:
+            since = inbox_text.time_bound(typed["since"])
+        except ValueError as exc:
+            problem = f"since: {exc}"
+    where = inbox_views.ReplayFilter(
+        adapter=typed["adapter"] or None,
+        since=since,
+        error_contains=typed["error"] or None,
+        after_id=_int_param(request, "after"),
+    )
+    return where, typed, problem
+
+
+async def inbox(request: Request) -> Response:
+    console = _console(request)
+    wanted = request.query_params.get("status", "rejected")
+    where, typed, problem = inbox_filter(request)
+    if wanted != "rejected":
+        problem = f"status {wanted!r}: the console lists rejected rows (status=rejected); trace finds any row"
+    rows: list[Any] = []
+    more = False
+    if problem is None:
+        async with console.engine.connect() as conn:
+            got = await inbox_views.replay_candidates(conn, where, limit=PAGE_SIZE + 1)
+        rows, more = got[:PAGE_SIZE], len(got) > PAGE_SIZE
+    next_query = None
+    if more:
+        next_query = {
+            **{k: v for k, v in typed.items() if v},
+            "status": "rejected",
+            "after": str(rows[-1].id),
+        }
+    return console.page(
+        request,
+        "inbox.html",
+        rows=rows,
+        typed=typed,
+        problem=problem,
+        next_query=next_query,
+        first=where.after_id is None,
+    )
+
+
+async def inbox_row(request: Request) -> Response:
+    console = _console(request)
+    inbox_id = int(request.path_params["inbox_id"])
+    async with console.engine.connect() as conn:
+        row = await inbox_views.get_row(conn, inbox_id)
+    if row is None:
+        return console.page(
+            request, "error.html", status_code=404, message=f"inbox row {inbox_id} does not exist"
+        )
+    view = inbox_text.body_view(row.body, body_size=row.body_size, body_sha256=row.body_sha256)
+    return console.page(
+        request,
+        "inbox_row.html",
+        row=row,
+        view=view,
+        text=inbox_text.decode(row.body, whole=row.body_size is None),
+        base64=inbox_text.base64_lines(row.body),
+    )
+
+
+# -- todos -------------------------------------------------------------------------------
+
+
+async def todos(request: Request) -> Response:
+    console = _console(request)
+    q = request.query_params
+    queue = q.get("queue", "").strip() or None
+    wanted = q.get("status", "").strip() or None
+    problem = None
+    if wanted is not None and wanted not in TODO_STATUSES:
+        problem = f"status {wanted!r}: one of {', '.join(TODO_STATUSES)}"
+    rows: list[todo_views.TodoRow] = []
+    more = False
+    if problem is None:
+        async with console.engine.connect() as conn:
+            got = await todo_views.list_todos(
+                conn, queue=queue, status=wanted, limit=PAGE_SIZE + 1, before_id=_int_param(request, "before")
+            )
+        rows, more = got[:PAGE_SIZE], len(got) > PAGE_SIZE
+    typed = {"queue": queue or "", "status": wanted or ""}
+    next_query = {**{k: v for k, v in typed.items() if v}, "before": str(rows[-1].id)} if more else None
+    return console.page(
+        request,
+        "todos.html",
+        rows=rows,
+        typed=typed,
+        problem=problem,
+        statuses=TODO_STATUSES,
+        next_query=next_query,
+        queues=sorted(console.settings.queues),
+    )
+
+
+async def todo(request: Request) -> Response:
+    return await todo_page(request, int(request.path_params["todo_id"]))
+
+
+async def todo_page(
+    request: Request, todo_id: int, notice: str | None = None, refused: str | None = None
+) -> Response:
+    console = _console(request)
+    async with console.engine.connect() as conn:
+        detail = await todo_views.get_todo(conn, todo_id)
+        history = await todo_views.history(conn, todo_id) if detail is not None else []
+    if detail is None:
+        return console.page(request, "error.html", status_code=404, message=f"todo {todo_id} does not exist")
+    return console.page(
+        request,
+        "todo.html",
+        status_code=409 if refused else 200,
+        todo=detail,
+        history=history,
+        notice=notice,
+        refused=refused,
+        payload=inbox_text.pretty_json(detail.payload),
+    )
+
+
+# -- charts ------------------------------------------------------------------------------
+
+
+async def charts(request: Request) -> Response:
+    console = _console(request)
+    async with console.engine.connect() as conn:
+        minutes = await console_views.recent_minutes(conn)
+    by_adapter: dict[str, list[MinuteFigures]] = {}
+    for m in minutes:
+        by_adapter.setdefault(m.adapter, []).append(m)
+    adapters = [
+        {
+            "name": name,
+            "minutes": rows,
+            "counts": series(rows, CHART_COLUMNS),
+            "latency": series(rows, LATENCY_COLUMNS),
+        }
+        for name, rows in sorted(by_adapter.items())
+    ]
+    return console.page(
+        request,
+        "charts.html",
+        adapters=adapters,
+        columns=CHART_COLUMNS,
+        latency_columns=LATENCY_COLUMNS,
+        window=console_views.WINDOW,
+    )
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/", overview, methods=["GET"]),
+        Route("/fragments/overview", overview_fragment, methods=["GET"]),
+        Route("/processes", processes, methods=["GET"]),
+        Route("/fragments/processes", processes_fragment, methods=["GET"]),
+        Route("/trace", trail, methods=["GET"]),
+        Route("/inbox", inbox, methods=["GET"]),
+        Route("/inbox/{inbox_id:int}", inbox_row, methods=["GET"]),
+        Route("/todos", todos, methods=["GET"]),
+        Route("/todos/{todo_id:int}", todo, methods=["GET"]),
+        Route("/charts", charts, methods=["GET"]),
+    ]

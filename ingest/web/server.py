@@ -1,0 +1,176 @@
+"""``switchboard web``: the console's process, on the process skeleton
+(heartbeat row with role ``web``, ``[metrics]`` endpoint, graceful stop),
+serving the Starlette app on uvicorn like ``switchboard receive``.
+
+At start, before any request: the listen address is checked (non-loopback
+without a token: a ConfigError, exit 2) and bound, and the database is asked
+whether this login may act (``has_column_privilege`` on what the actions
+write); a login that may not makes the console read-only, as
+``--read-only`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+import structlog
+import uvicorn
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from backhalf.db import within_deadline
+from ingest.config import Settings
+from ingest.config.webhook import split_listen
+from ingest.errors import ConfigError
+from ingest.lifecycle import wait_stop
+from ingest.processes.http_server import Server, bind
+from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
+from ingest.web import app as web_app
+from ingest.web.console import Console, templates
+from ingest.web.figures import OverviewCache
+from ingest.web.security import MIN_TOKEN_LENGTH, TOKEN_VARIABLE, Guard, is_loopback
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_LISTEN = "127.0.0.1:8089"
+SHUTDOWN_S = 5.0
+# What the actions write: a login without one of these privileges cannot act.
+WRITES = (
+    ("adapters", "enabled", "UPDATE"),
+    ("todos", "status", "UPDATE"),
+    ("inbox", "status", "UPDATE"),
+    ("todo_events", "to_status", "INSERT"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WebOptions:
+    listen: str = DEFAULT_LISTEN
+    read_only: bool = False
+
+
+def check_access(listen: str, env: Mapping[str, str]) -> Guard:
+    """The guard for this listen address: a token of ``MIN_TOKEN_LENGTH``
+    characters at least; none only on loopback."""
+    token = env.get(TOKEN_VARIABLE) or None
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(f"{TOKEN_VARIABLE} must be {MIN_TOKEN_LENGTH} characters or more")
+    host, _port = split_listen(listen)
+    if token is None and not is_loopback(host):
+        raise ConfigError(
+            f"--listen {listen}: not a loopback address, and {TOKEN_VARIABLE} is not set:"
+            " set a token before the console listens beyond this machine"
+        )
+    return Guard(token)
+
+
+async def run_web(
+    settings: Settings, stop: asyncio.Event, options: WebOptions, *, env: Mapping[str, str]
+) -> None:
+    guard = check_access(options.listen, env)
+    sock = bind(options.listen, "--listen")
+    try:
+        await run_process(settings, stop, lambda engine: _WebBody(settings, engine, guard, options, sock))
+    finally:
+        sock.close()
+
+
+async def may_write(engine: AsyncEngine, deadline_ms: int) -> bool:
+    """Whether this login holds every privilege the actions need."""
+    checks = [
+        sa.func.has_column_privilege(sa.literal(table), sa.literal(column), sa.literal(kind))
+        for table, column, kind in WRITES
+    ]
+    async with within_deadline(engine.connect(), deadline_ms, "checking the console's grants") as conn:
+        answers = (await conn.execute(sa.select(*checks))).one()
+    return all(answers)
+
+
+class _WebBody(ProcessBody):
+    role = "web"
+    stopped_event = "web_stopped"
+    overdue_field = "tasks"
+
+    def __init__(
+        self, settings: Settings, engine: AsyncEngine, guard: Guard, options: WebOptions, sock: socket.socket
+    ) -> None:
+        self.shutdown_timeout_s = SHUTDOWN_S + 1
+        self._settings = settings
+        self._engine = engine
+        self._guard = guard
+        self._options = options
+        self._sock = sock
+        self._read_only_why: str | None = "--read-only" if options.read_only else None
+
+    async def start(self, process: Process) -> bool:
+        if self._read_only_why is None and not await may_write(self._engine, process.deadline_ms):
+            self._read_only_why = "this database login may not write what the actions change"
+        return True
+
+    def spawn(self, process: Process) -> None:
+        process.work(self._serve(process), name="http")
+
+    async def _serve(self, process: Process) -> None:
+        console = Console(
+            settings=self._settings,
+            engine=self._engine,
+            guard=self._guard,
+            read_only=self._read_only_why is not None,
+            read_only_why=self._read_only_why,
+            templates=templates(),
+            overview=OverviewCache(self._engine, self._settings),
+            healthy=process.liveness.report,
+        )
+        config = uvicorn.Config(
+            web_app.build(console),
+            lifespan="off",
+            http="h11",
+            ws="none",
+            log_config=None,
+            log_level="error",
+            access_log=False,
+            server_header=False,
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=int(SHUTDOWN_S),
+        )
+        server = Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[self._sock]), name="uvicorn")
+        up = asyncio.create_task(server.up.wait(), name="uvicorn-up")
+        try:
+            await asyncio.wait([up, serving], return_when=asyncio.FIRST_COMPLETED)
+            if serving.done():  # it could not start: its error is the process's
+                await serving
+                return
+            if server.started:
+                log.info(
+                    "web_listening",
+                    listen=self._options.listen,
+                    read_only=console.read_only,
+                    read_only_why=self._read_only_why,
+                    signin="token" if self._guard.token else "none (loopback only)",
+                )
+            await process.stop.wait()
+            server.should_exit = True  # no new connection; requests in flight are answered
+            await serving
+        finally:
+            up.cancel()
+            serving.cancel()
+            await asyncio.gather(up, serving, return_exceptions=True)
+
+    def detail(self) -> Mapping[str, Any]:
+        return {"listen": self._options.listen, "read_only": self._read_only_why is not None}
+
+    def gauges(self, process: Process, interval_s: float) -> tuple[str, Job]:
+        return "web-gauges", self._idle(process)
+
+    async def _idle(self, process: Process) -> None:
+        """The console has no gauges of its own: its /metrics has the process's."""
+        while not process.stop.is_set():
+            await wait_stop(process.stop, 60.0)
+
+    async def close(self) -> None:
+        """Nothing: the engine is the skeleton's, the socket run_web's."""

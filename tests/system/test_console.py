@@ -1,0 +1,452 @@
+"""``switchboard web`` in a real browser (Debian's Chromium through
+Playwright) against real ``ingest`` and ``ack`` processes, Valkey and
+PostgreSQL: the pages update live, show hostile text as text, and every
+action does exactly what it showed, or is refused (DESIGN.md section 13).
+Assertions are on the page and on what reached PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from playwright.sync_api import Page, expect
+
+from ingest.embedded.processes import SwitchboardProcess, wait_for
+from ingest.embedded.servers import free_port
+from tests.support.browser import PageProblems
+from tests.support.config import write_config
+from tests.support.db import query, scalar
+from tests.support.processes import Processes, assert_clean_exit, switchboard
+
+pytestmark = pytest.mark.system
+
+TOKEN = "console-token-0123456789abcdef"
+HOSTILE = "<script>alert('body')</script><img src=x onerror=\"alert('img')\">"
+STREAM = "orders"
+# The ingester's rule: "n" is an integer. The console's config has no
+# schema: the rule was fixed, so the rows it rejected can be replayed.
+# Every other field an integer too: a field's name is the producer's, and
+# the schema's error names it (a hostile error text, from the pipeline).
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": {"type": "integer"},
+}
+
+
+def _adapter(**extra: Any) -> dict[str, Any]:
+    return {"name": "orders", "mode": "stream", "source": STREAM, "group": "sb", "queue": "orders", **extra}
+
+
+def _configs(tmp_path: Path, db_url: str, redis_url: str) -> tuple[Path, Path]:
+    """The ingester's config (with the strict schema) and the console's."""
+    (tmp_path / "n.json").write_text(json.dumps(SCHEMA))
+    ingest = write_config(
+        tmp_path / "ingest.toml",
+        database_url=db_url,
+        redis_url=redis_url,
+        adapters=[_adapter(schema="n.json")],
+    )
+    web = write_config(tmp_path / "web.toml", database_url=db_url, redis_url=redis_url, adapters=[_adapter()])
+    return ingest, web
+
+
+def _start_web(procs: Processes, config: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    port = free_port()
+    proc = procs.start("web", config, name="web", args=["--listen", f"127.0.0.1:{port}", *args], env=env)
+    wait_for(lambda: proc.events("web_listening") or not proc.alive(), timeout_s=30, what="the console")
+    assert proc.alive(), proc.raw_log()[-3000:]
+    return f"http://127.0.0.1:{port}"
+
+
+def _xadd(redis_url: str, *payloads: str) -> list[str]:
+    with redis.Redis.from_url(redis_url) as r:
+        return [r.xadd(STREAM, {"body": p}).decode() for p in payloads]
+
+
+def _wait_rows(db_url: str, n: int, where: str = "true") -> None:
+    wait_for(
+        lambda: scalar(db_url, f"SELECT count(*) FROM inbox WHERE {where}") >= n,
+        timeout_s=30,
+        what=f"{n} inbox rows ({where})",
+    )
+
+
+def _expect_refusal_logged(problems: PageProblems, status: int, path: str) -> None:
+    """A refusal's page is answered with its status (409, 401), which Chromium
+    logs as a failed load: exactly that one, then nothing else is allowed."""
+    expected = [e for e in problems.console_errors if f"status of {status}" in e and path in e]
+    assert len(expected) == 1, problems.console_errors
+    problems.console_errors.remove(expected[0])
+
+
+@pytest.fixture
+def stack(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str
+) -> Iterator[tuple[str, SwitchboardProcess, Path]]:
+    """ingest and ack on the strict config, the console on the fixed one:
+    its URL, the ingester, and the console's config."""
+    ingest_config, web_config = _configs(tmp_path, db_url, redis_url)
+    ingester = procs.start("ingest", ingest_config, name="ingest-1")
+    procs.start("ack", ingest_config, name="ack-1")
+    url = _start_web(procs, web_config)
+    yield url, ingester, web_config
+    for proc in procs.all:
+        if proc.alive():
+            assert_clean_exit(proc, proc.stop())
+
+
+def test_the_overview_updates_live_and_a_killed_ingester_shows_dead(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, ingester, _ = stack
+    page.goto(url + "/")
+    row = page.locator('[data-testid=adapter-row][data-adapter="orders"]')
+    expect(row.get_by_test_id("adapter-verdict")).to_have_text("ok", timeout=15_000)
+    page.evaluate("window.__notReloaded = true")
+    _xadd(redis_url, *(json.dumps({"n": i}) for i in range(7)))
+    _wait_rows(db_url, 7)
+    expect(row.get_by_test_id("adapter-stored")).to_have_text("7", timeout=10_000)
+    expect(row.get_by_test_id("adapter-pending-acks")).to_have_text("0", timeout=10_000)
+    assert page.evaluate("window.__notReloaded") is True  # htmx swapped the table; no reload
+
+    page.goto(url + "/processes")
+    page.evaluate("window.__notReloaded = true")
+    ingester.kill()  # kill -9: no stop is recorded, the heartbeat just ends
+    dead = page.locator(f'[data-testid=process-row][data-role="ingest"][data-pid="{ingester.pid}"]')
+    expect(dead).to_have_attribute("data-state", "dead", timeout=20_000)
+    assert page.evaluate("window.__notReloaded") is True
+    page.goto(url + "/")
+    expect(row.get_by_test_id("adapter-verdict")).to_have_text("UNHEALTHY")
+    page_problems.assert_clean()
+
+
+def test_a_trail_by_entry_id_shows_every_step_in_order(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, _, _ = stack
+    [entry_id] = _xadd(redis_url, json.dumps({"n": 1}))
+    _wait_rows(db_url, 1, "ack_state = 'acked'")
+    page.goto(url + "/trace")
+    page.get_by_test_id("trail-search").fill(entry_id)
+    page.get_by_test_id("trail-search").press("Enter")
+    steps = page.get_by_test_id("trail-step")
+    expect(steps).to_have_count(5)
+    assert [steps.nth(i).get_attribute("data-step") for i in range(5)] == [
+        "xadd",
+        "stored",
+        "event",
+        "pending",
+        "acked",
+    ]
+    assert page.url.endswith(f"/trace?key={entry_id}")
+    page_problems.assert_clean()
+
+
+def test_hostile_bodies_and_errors_stay_text(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, _, _ = stack
+    # A body the schema rejects, a field named with markup; and one accepted
+    # whose todo's error (as a handler's would be) is hostile too.
+    _xadd(redis_url, json.dumps({"n": 1, HOSTILE: HOSTILE}), json.dumps({"n": 5}))
+    _wait_rows(db_url, 2)
+    [(rejected_id,)] = query(db_url, "SELECT id FROM inbox WHERE status = 'rejected'")
+    [(todo_id,)] = query(db_url, "SELECT id FROM todos")
+    query(
+        db_url,
+        "UPDATE todos SET last_error = %(e)s WHERE id = %(id)s RETURNING id",
+        {"e": HOSTILE, "id": todo_id},
+    )
+
+    page.goto(f"{url}/inbox/{rejected_id}")
+    expect(page.get_by_test_id("inbox-body")).to_contain_text("<script>alert")
+    expect(page.get_by_test_id("inbox-error")).to_contain_text("schema_mismatch")
+    page.goto(f"{url}/inbox?status=rejected")
+    expect(page.get_by_test_id("inbox-row")).to_have_count(1)
+    page.goto(f"{url}/todos/{todo_id}")
+    expect(page.get_by_test_id("todo-last-error")).to_have_text(HOSTILE)
+    page.goto(f"{url}/trace?key=todo:{todo_id}")
+    expect(page.get_by_test_id("trail")).to_have_count(1)
+    page.goto(f"{url}/todos")
+    expect(page.get_by_test_id("todo-row")).to_have_count(1)
+    assert page.locator("img").count() == 0  # no element was made from the text
+    page_problems.assert_clean()  # no dialog, no console error, no CSP violation
+
+
+def test_bulk_replay_takes_exactly_the_rows_its_dry_run_listed(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, _, _ = stack
+    _xadd(redis_url, *(json.dumps({"n": f"bad {i}"}) for i in range(3)))
+    _wait_rows(db_url, 3, "status = 'rejected'")
+    page.goto(f"{url}/inbox?status=rejected&adapter=orders")
+    page.get_by_test_id("replay-dry-run").click()
+    listed = page.get_by_test_id("dry-row")
+    expect(listed).to_have_count(3)
+    listed_ids = sorted(int(listed.nth(i).get_attribute("data-id") or 0) for i in range(3))
+    assert all(listed.nth(i).get_attribute("data-ok") == "yes" for i in range(3))
+    # Rejected after the dry run: the confirm must not take them.
+    _xadd(redis_url, *(json.dumps({"n": f"late {i}"}) for i in range(2)))
+    _wait_rows(db_url, 5, "status = 'rejected'")
+    page.get_by_test_id("bulk-confirm").click()
+    outcomes = page.get_by_test_id("outcome")
+    expect(outcomes).to_have_count(3)
+    assert all(outcomes.nth(i).get_attribute("data-ok") == "yes" for i in range(3))
+    stored = [r[0] for r in query(db_url, "SELECT id FROM inbox WHERE status = 'stored' ORDER BY id")]
+    assert stored == listed_ids
+    assert scalar(db_url, "SELECT count(*) FROM inbox WHERE status = 'rejected'") == 2
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 3
+    page_problems.assert_clean()
+
+
+def test_a_filtered_url_reloaded_shows_the_same_rows(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, _, _ = stack
+    _xadd(redis_url, *(json.dumps({"n": f"x{i}"}) for i in range(3)), json.dumps({"z": 1}))
+    _wait_rows(db_url, 4, "status = 'rejected'")
+    page.goto(f"{url}/inbox?status=rejected")
+    page.get_by_test_id("filter-error").fill("required")
+    page.get_by_test_id("filter-apply").click()
+    rows = page.get_by_test_id("inbox-row")
+    expect(rows).to_have_count(1)
+    first = [rows.nth(i).get_attribute("data-id") for i in range(rows.count())]
+    filtered = page.url
+    assert "error=required" in filtered
+    page.reload()
+    expect(rows).to_have_count(1)
+    assert [rows.nth(i).get_attribute("data-id") for i in range(rows.count())] == first
+    expect(page.get_by_test_id("filter-error")).to_have_value("required")
+    [(expected,)] = query(db_url, "SELECT id FROM inbox WHERE error LIKE '%required%'")
+    assert first == [str(expected)]
+    page_problems.assert_clean()
+
+
+def test_cancel_retry_and_the_refusal_of_a_retry(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, _, _ = stack
+    _xadd(redis_url, json.dumps({"n": 1}))
+    _wait_rows(db_url, 1)
+    [(todo_id,)] = query(db_url, "SELECT id FROM todos")
+    page.goto(f"{url}/todos?status=pending")
+    expect(page.get_by_test_id("todo-row")).to_have_count(1)
+    page.goto(f"{url}/todos/{todo_id}")
+    page.get_by_test_id("todo-cancel").click()
+    expect(page.get_by_test_id("action-notice")).to_contain_text("cancelled")
+    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(id)s", {"id": todo_id}) == "cancelled"
+    page.get_by_test_id("todo-retry").click()
+    expect(page.get_by_test_id("todo-status")).to_have_text("pending")
+    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(id)s", {"id": todo_id}) == "pending"
+    page.get_by_test_id("todo-retry").click()
+    # The CLI's own refusal text.
+    expect(page.get_by_test_id("action-refused")).to_have_text(
+        f"todo {todo_id} is pending, not failed or cancelled: only those can be retried"
+    )
+    refused = switchboard("--config", str(stack[2]), "todos", "retry", str(todo_id))
+    assert f"todo {todo_id} is pending, not failed or cancelled" in refused.stderr + refused.stdout
+    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(id)s", {"id": todo_id}) == "pending"
+    details = [r[0] for r in query(db_url, "SELECT detail FROM todo_events ORDER BY id")]
+    assert details.count("retried by an operator") == 1
+    _expect_refusal_logged(page_problems, 409, "/retry")
+    page_problems.assert_clean()
+
+
+def test_disable_and_enable_from_the_overview(
+    stack: tuple[str, SwitchboardProcess, Path], page: Page, page_problems: PageProblems, db_url: str
+) -> None:
+    url, _, _ = stack
+    page.goto(url + "/")
+    row = page.locator('[data-testid=adapter-row][data-adapter="orders"]')
+    row.get_by_test_id("adapter-toggle").click()
+    expect(row.get_by_test_id("adapter-verdict")).to_have_text("disabled")
+    assert scalar(db_url, "SELECT enabled FROM adapters WHERE name = 'orders'") is False
+    row.get_by_test_id("adapter-toggle").click()
+    expect(row.get_by_test_id("adapter-verdict")).to_have_text("ok", timeout=10_000)
+    assert scalar(db_url, "SELECT enabled FROM adapters WHERE name = 'orders'") is True
+    page_problems.assert_clean()
+
+
+class _Attacker(BaseHTTPRequestHandler):
+    """Another origin's page: a form that POSTs to the console on load."""
+
+    target = ""
+
+    def do_GET(self) -> None:
+        html = (
+            f'<!doctype html><form id="f" method="post" action="{self.target}">'
+            '<input name="csrf" value="guessed"></form>'
+            '<script>document.getElementById("f").submit();</script>'
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(html)))
+        self.end_headers()
+        self.wfile.write(html)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_cross_origin_post_changes_nothing(
+    stack: tuple[str, SwitchboardProcess, Path], page: Page, db_url: str
+) -> None:
+    url, _, _ = stack
+    handler = type("Attacker", (_Attacker,), {"target": f"{url}/adapters/orders/disable"})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with page.expect_response(lambda r: r.url.endswith("/adapters/orders/disable")) as answer:
+            page.goto(f"http://127.0.0.1:{server.server_address[1]}/")
+        assert answer.value.status == 403
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert scalar(db_url, "SELECT enabled FROM adapters WHERE name = 'orders'") is True
+    # The console's own CSRF token does not make a foreign Origin acceptable.
+    page.goto(url + "/")
+    csrf = page.locator("input[name=csrf]").first.get_attribute("value")
+    for origin in ("http://evil.example", "null"):
+        request = urllib.request.Request(
+            f"{url}/adapters/orders/disable",
+            data=f"csrf={csrf}".encode(),
+            headers={"Origin": origin, "Content-Type": "application/x-www-form-urlencoded"},
+            method="POST",
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        refused.value.close()
+        assert refused.value.code == 403
+    # The same POST from the console's origin without the token is refused too.
+    missing = urllib.request.Request(
+        f"{url}/adapters/orders/disable",
+        data=b"csrf=",
+        headers={"Origin": url, "Content-Type": "application/x-www-form-urlencoded"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(missing, timeout=10)
+    refused.value.close()
+    assert refused.value.code == 403
+    assert scalar(db_url, "SELECT enabled FROM adapters WHERE name = 'orders'") is True
+
+
+def test_read_only_shows_no_action_and_refuses_every_post(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str, page: Page, page_problems: PageProblems
+) -> None:
+    ingest_config, web_config = _configs(tmp_path, db_url, redis_url)
+    procs.start("ingest", ingest_config, name="ingest-1")
+    _xadd(redis_url, json.dumps({"n": 1}), json.dumps({"n": "bad"}))
+    _wait_rows(db_url, 2)
+    url = _start_web(procs, web_config, "--read-only")
+    [(todo_id,)] = query(db_url, "SELECT id FROM todos")
+    [(inbox_id,)] = query(db_url, "SELECT id FROM inbox WHERE status = 'rejected'")
+    page.goto(url + "/")
+    expect(page.get_by_test_id("read-only")).to_be_visible()
+    expect(page.get_by_test_id("adapter-row")).to_have_count(1)
+    assert page.get_by_test_id("adapter-toggle").count() == 0
+    page.goto(f"{url}/todos/{todo_id}")
+    assert page.get_by_test_id("todo-retry").count() == 0
+    assert page.get_by_test_id("todo-cancel").count() == 0
+    page.goto(f"{url}/inbox/{inbox_id}")
+    assert page.get_by_test_id("inbox-replay").count() == 0
+    page.goto(f"{url}/inbox?status=rejected")
+    assert page.get_by_test_id("replay-dry-run").count() == 0
+    for path in (f"/todos/{todo_id}/cancel", "/adapters/orders/disable", f"/inbox/{inbox_id}/replay"):
+        answer = page.request.post(url + path, headers={"Origin": url}, form={"csrf": "x"})
+        assert answer.status == 403, path
+    assert scalar(db_url, "SELECT status FROM todos") == "pending"
+    assert scalar(db_url, "SELECT enabled FROM adapters") is True
+    assert scalar(db_url, "SELECT status FROM inbox WHERE id = %(id)s", {"id": inbox_id}) == "rejected"
+    for proc in procs.all:
+        assert_clean_exit(proc, proc.stop())
+    page_problems.assert_clean()
+
+
+def test_the_token_guards_every_page_and_is_shown_nowhere(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str, page: Page, page_problems: PageProblems
+) -> None:
+    _, web_config = _configs(tmp_path, db_url, redis_url)
+    url = _start_web(procs, web_config, env={"SWITCHBOARD_WEB_TOKEN": TOKEN})
+    page.goto(url + "/todos")
+    assert page.url == url + "/login"
+    page.get_by_test_id("login-token").fill("not-the-token-at-all")
+    page.get_by_test_id("login-submit").click()
+    expect(page.get_by_test_id("login-failed")).to_be_visible()
+    _expect_refusal_logged(page_problems, 401, "/login")
+    page.get_by_test_id("login-token").fill(TOKEN)
+    page.get_by_test_id("login-submit").click()
+    expect(page).to_have_url(url + "/")
+    [cookie] = page.context.cookies()
+    assert cookie["httpOnly"] is True
+    assert cookie["sameSite"] == "Strict"
+    assert TOKEN not in cookie["value"]
+    for path in ("/", "/todos", "/processes", "/charts", "/inbox?status=rejected"):
+        page.goto(url + path)
+        assert TOKEN not in page.content()
+        assert TOKEN not in page.url
+    # Without the cookie: no page; with the bearer token: the page.
+    assert urllib.request.urlopen(url + "/healthz", timeout=10).read() == b"ok"
+    with urllib.request.urlopen(url + "/todos", timeout=10) as unauthenticated:
+        assert unauthenticated.url == url + "/login"  # sent to sign in, shown nothing
+        assert b"login-token" in unauthenticated.read()
+    bearer = urllib.request.Request(url + "/todos", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(bearer, timeout=10) as answer:
+        assert answer.status == 200
+    [web] = procs.all
+    assert_clean_exit(web, web.stop())
+    assert TOKEN not in web.raw_log()
+    page_problems.assert_clean()
+
+
+def test_off_loopback_without_a_token_is_refused(tmp_path: Path, db_url: str, redis_url: str) -> None:
+    _, web_config = _configs(tmp_path, db_url, redis_url)
+    refused = switchboard("--config", str(web_config), "web", "--listen", f"0.0.0.0:{free_port()}")
+    assert refused.returncode == 2, refused.stderr
+    assert "SWITCHBOARD_WEB_TOKEN is not set" in refused.stderr
+    short = switchboard(
+        "--config",
+        str(web_config),
+        "web",
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+        env={"SWITCHBOARD_WEB_TOKEN": "short"},
+    )
+    assert short.returncode == 2, short.stderr
+    assert "16 characters" in short.stderr
