@@ -25,7 +25,7 @@ from backhalf.errors import DeadlineExceeded
 from backhalf.redaction import redact
 from ingest.web import actions, pages
 from ingest.web.console import Console
-from ingest.web.security import HEADERS, SESSION_COOKIE, same_origin
+from ingest.web.security import HEADERS, SESSION_COOKIE, SESSION_S, same_origin
 from ingest.web.static_files import StaticFiles
 
 log = structlog.get_logger(__name__)
@@ -135,7 +135,8 @@ async def login(request: Request) -> Response:
     response = RedirectResponse("/", status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
-        guard.session_value,
+        guard.new_session(),
+        max_age=SESSION_S,
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",

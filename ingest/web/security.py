@@ -2,8 +2,9 @@
 
 - **The token** (``SWITCHBOARD_WEB_TOKEN``): sent as ``Authorization: Bearer
   TOKEN``, or once through the login form, which sets a session cookie
-  (HttpOnly, SameSite=Strict) holding an HMAC of the token, never the token
-  itself: the token is in no page, URL or log line.
+  (HttpOnly, SameSite=Strict) good for 12 hours, holding its issue time and
+  an HMAC of it under the token, never the token itself: the token is in no
+  page, URL or log line, and rotating it ends every session.
 - **No token**: the console serves loopback only (a non-loopback listen is
   refused at start), and it answers only requests whose Host is a loopback
   name, so a web page elsewhere cannot reach it through a DNS name it
@@ -23,6 +24,7 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -32,6 +34,7 @@ from starlette.requests import Request
 TOKEN_VARIABLE = "SWITCHBOARD_WEB_TOKEN"  # noqa: S105 - the variable's name, not a token
 SESSION_COOKIE = "switchboard_session"
 MIN_TOKEN_LENGTH = 16
+SESSION_S = 12 * 3600  # a login lasts a working day
 
 CSP = "; ".join(
     (
@@ -88,24 +91,34 @@ class Guard:
     def __repr__(self) -> str:  # the token never reaches a log line or a traceback
         return f"Guard(token={'set' if self.token else 'unset'})"
 
-    @property
-    def session_value(self) -> str:
-        """The cookie a login sets: an HMAC of the token, not the token."""
-        token = self.token or ""
-        return hmac.new(token.encode(), b"switchboard web session", hashlib.sha256).hexdigest()
+    def new_session(self) -> str:
+        """A login's cookie: when it was issued and an HMAC of that under the
+        token (never the token). It is good for ``SESSION_S``; rotating the
+        token ends every session at once."""
+        issued = str(int(time.time()))
+        return f"{issued}.{self._sign(issued)}"
+
+    def _sign(self, issued: str) -> str:
+        token = (self.token or "").encode()
+        return hmac.new(token, f"switchboard web session {issued}".encode(), hashlib.sha256).hexdigest()
+
+    def session_valid(self, cookie: str) -> bool:
+        issued, _, signature = cookie.partition(".")
+        if not issued.isdigit() or not hmac.compare_digest(signature.encode(), self._sign(issued).encode()):
+            return False
+        return 0 <= time.time() - int(issued) < SESSION_S
 
     def token_matches(self, offered: str) -> bool:
         return self.token is not None and hmac.compare_digest(offered.encode(), self.token.encode())
 
     def authenticated(self, request: Request) -> bool:
-        """The request may read: no token is set, or it carries the token or the session cookie."""
+        """The request may read: no token is set, or it carries the token or a session cookie."""
         if self.token is None:
             return True
         scheme, _, credential = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and self.token_matches(credential.strip()):
             return True
-        cookie = request.cookies.get(SESSION_COOKIE, "")
-        return bool(cookie) and hmac.compare_digest(cookie.encode(), self.session_value.encode())
+        return self.session_valid(request.cookies.get(SESSION_COOKIE, ""))
 
     def host_allowed(self, request: Request) -> bool:
         """Without a token, only requests addressed to a loopback name (DNS

@@ -25,6 +25,8 @@ from tests.support.browser import PageProblems
 from tests.support.config import write_config
 from tests.support.db import query, scalar
 from tests.support.processes import Processes, assert_clean_exit, switchboard
+from tests.support.roles import migrate_and_grant, role_database
+from tests.support.servers import ServerUrls
 
 pytestmark = pytest.mark.system
 
@@ -450,3 +452,124 @@ def test_off_loopback_without_a_token_is_refused(tmp_path: Path, db_url: str, re
     )
     assert short.returncode == 2, short.stderr
     assert "16 characters" in short.stderr
+
+
+def test_a_login_that_may_not_write_makes_the_console_read_only(
+    procs: Processes,
+    tmp_path: Path,
+    servers: ServerUrls,
+    redis_url: str,
+    page: Page,
+    page_problems: PageProblems,
+) -> None:
+    """ops/roles.sql's viewer: the same pages, no action, every POST 403;
+    the operator's login on the same database acts."""
+    with role_database(servers.database) as rdb:
+        migrate_and_grant(rdb)
+        ingest_config, _ = _configs(tmp_path, rdb.admin_url, redis_url)
+        ingester = procs.start("ingest", ingest_config, name="ingest-1")
+        _xadd(redis_url, json.dumps({"n": 1}))
+        _wait_rows(rdb.admin_url, 1)
+        assert_clean_exit(ingester, ingester.stop())
+        viewer_config = write_config(
+            tmp_path / "viewer.toml",
+            database_url=rdb.url("viewer"),
+            redis_url=redis_url,
+            adapters=[_adapter()],
+        )
+        url = _start_web(procs, viewer_config)
+        [(todo_id,)] = query(rdb.admin_url, "SELECT id FROM todos")
+        page.goto(url + "/")
+        expect(page.get_by_test_id("read-only")).to_be_visible()
+        expect(page.get_by_test_id("adapter-row")).to_have_count(1)
+        assert page.get_by_test_id("adapter-toggle").count() == 0
+        page.goto(f"{url}/todos/{todo_id}")
+        expect(page.get_by_test_id("todo-status")).to_have_text("pending")
+        assert page.get_by_test_id("todo-cancel").count() == 0
+        answer = page.request.post(
+            f"{url}/todos/{todo_id}/cancel", headers={"Origin": url}, form={"csrf": "x"}
+        )
+        assert answer.status == 403
+        assert "read-only" in answer.text()
+        assert scalar(rdb.admin_url, "SELECT status FROM todos") == "pending"
+        for proc in procs.all:
+            if proc.alive():
+                assert_clean_exit(proc, proc.stop())
+
+        operator_config = write_config(
+            tmp_path / "operator.toml",
+            database_url=rdb.url("operator"),
+            redis_url=redis_url,
+            adapters=[_adapter()],
+        )
+        url = _start_web(procs, operator_config)
+        page.goto(f"{url}/todos/{todo_id}")
+        assert page.get_by_test_id("read-only").count() == 0
+        page.get_by_test_id("todo-cancel").click()
+        expect(page.get_by_test_id("todo-status")).to_have_text("cancelled")
+        assert scalar(rdb.admin_url, "SELECT status FROM todos") == "cancelled"
+        for proc in procs.all:
+            if proc.alive():
+                assert_clean_exit(proc, proc.stop())
+    page_problems.assert_clean()
+
+
+def test_bulk_cancel_and_retry_take_exactly_the_listed_todos(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, _, _ = stack
+    _xadd(redis_url, *(json.dumps({"n": i}) for i in range(3)))
+    _wait_rows(db_url, 3)
+    page.goto(f"{url}/todos?queue=orders&status=pending")
+    page.get_by_test_id("todos-bulk-cancel").click()
+    listed = page.get_by_test_id("dry-row")
+    expect(listed).to_have_count(3)
+    listed_ids = sorted(int(listed.nth(i).get_attribute("data-id") or 0) for i in range(3))
+    _xadd(redis_url, json.dumps({"n": 99}))  # pending after the dry run: not taken
+    _wait_rows(db_url, 4)
+    page.get_by_test_id("bulk-confirm").click()
+    expect(page.get_by_test_id("outcome")).to_have_count(3)
+    cancelled = [r[0] for r in query(db_url, "SELECT id FROM todos WHERE status = 'cancelled' ORDER BY id")]
+    assert cancelled == listed_ids
+    assert scalar(db_url, "SELECT count(*) FROM todos WHERE status = 'pending'") == 1
+
+    page.goto(f"{url}/todos?status=cancelled")
+    page.get_by_test_id("todos-bulk-retry").click()
+    expect(page.get_by_test_id("dry-row")).to_have_count(3)
+    page.get_by_test_id("bulk-confirm").click()
+    expect(page.locator('[data-testid=outcome][data-ok="yes"]')).to_have_count(3)
+    assert scalar(db_url, "SELECT count(*) FROM todos WHERE status = 'pending'") == 4
+    page_problems.assert_clean()
+
+
+def test_the_pause_control_stops_the_live_updates(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, _, _ = stack
+    page.goto(url + "/")
+    stored = page.locator('[data-testid=adapter-row][data-adapter="orders"]').get_by_test_id("adapter-stored")
+    expect(stored).to_have_text("0", timeout=15_000)
+    toggle = page.get_by_test_id("live-toggle")
+    toggle.click()
+    expect(toggle).to_have_attribute("aria-pressed", "true")
+    polls: list[str] = []
+    page.on("request", lambda r: polls.append(r.url) if "/fragments/" in r.url else None)
+    _xadd(redis_url, json.dumps({"n": 1}), json.dumps({"n": 2}))
+    _wait_rows(db_url, 2)
+    # Three poll intervals pass with nothing asked and nothing changed.
+    page.wait_for_timeout(6_000)
+    assert polls == []
+    expect(stored).to_have_text("0")
+    toggle.click()
+    expect(toggle).to_have_attribute("aria-pressed", "false")
+    expect(stored).to_have_text("2", timeout=10_000)
+    assert polls
+    page_problems.assert_clean()

@@ -64,6 +64,11 @@ def _inbox(url: str, **row: Any) -> None:
 @pytest.fixture
 def filled(db_url: str) -> str:
     """Two adapters over two minutes; the figures each view must give are in the tests."""
+    return fill(db_url)
+
+
+def fill(db_url: str) -> str:
+    """``filled``'s rows (tests/integration/backhalf/test_console_views.py reads them too)."""
     for name, mode in (("orders", "stream"), ("jobs", "list")):
         db.query(
             db_url,
