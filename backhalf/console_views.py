@@ -74,9 +74,12 @@ async def _first_inside(conn: AsyncConnection, at_or_after: int, cutoff: sa.Colu
 
 
 async def recent_minutes(
-    conn: AsyncConnection, window: timedelta = WINDOW, adapter: str | None = None
+    conn: AsyncConnection, window: timedelta = WINDOW, adapter: str | None = None, *, detail: bool = True
 ) -> list[MinuteFigures]:
-    """Per adapter and minute of the last ``window``, oldest first."""
+    """Per adapter and minute of the last ``window``, oldest first. Without
+    ``detail`` (the overview's sparklines), the counts only: the todo
+    dedup (an index probe per row) is 0 and the latencies None, at about
+    half the cost."""
     cutoff = sa.func.now() - sa.literal(window, sa.Interval)
     first = await window_start_id(conn, cutoff)
     if first is None:
@@ -85,10 +88,12 @@ async def recent_minutes(
     if adapter is not None:
         own.append(inbox.c.adapter == adapter)
     earlier = events.alias("earlier")
-    todo_dedup = (
+    todo_dedup: sa.ColumnElement[bool] = (
         sa.exists()
         .where(earlier.c.todo_id == inbox.c.todo_id, earlier.c.id < inbox.c.event_id)
         .correlate(inbox)
+        if detail
+        else sa.false()
     )
     stored = sa.select(
         inbox.c.adapter.label("adapter"),
@@ -112,6 +117,8 @@ async def recent_minutes(
     latency = m.c.ack_latency_s
 
     def pct(p: float) -> sa.ColumnElement[float]:
+        if not detail:
+            return sa.cast(sa.null(), sa.Float)
         return sa.func.percentile_cont(p).within_group(latency)
 
     query = (

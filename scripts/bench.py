@@ -39,6 +39,9 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    a fixed concurrency from a load generator of its own, then the receiver
    at 500 deliveries/s offered; every delivery checked stored
    (``--webhooks`` runs this part alone).
+10. console (issue 31, scripts/bench_console.py): ``switchboard web``'s
+   pages over loopback on a million-row inbox (100,000 with ``--quick``),
+   each beside one ``count(*)`` of that inbox (``--console`` alone).
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -69,7 +72,7 @@ from backhalf.db import libpq_url  # noqa: E402
 from ingest.config import DEFAULT_IDLE_POLL_MS  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
-from ingest.embedded.servers import PostgresServer, embedded_servers, free_port  # noqa: E402
+from ingest.embedded.servers import PostgresServer, RedisServer, embedded_servers, free_port  # noqa: E402
 
 STREAM = "bench"
 GROUP = "switchboard"
@@ -924,6 +927,16 @@ def bench_webhooks_part(base: Path, pg: PostgresServer, quick: bool) -> None:
     bench_webhooks.compare(base, pg, quick=quick)
 
 
+# --- 10. the console (issue 31) -----------------------------------------------------------
+
+
+def bench_console_part(base: Path, pg: PostgresServer, rs: RedisServer, quick: bool) -> None:
+    """scripts/bench_console.py's pages on this run's PostgreSQL."""
+    import bench_console
+
+    bench_console.compare(base, pg, rs.url, quick=quick)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -960,6 +973,11 @@ def main(argv: list[str] | None = None) -> int:
         "--webhooks",
         action="store_true",
         help="only the webhook receiver (issue 30): switchboard receive beside a no-store server",
+    )
+    parser.add_argument(
+        "--console",
+        action="store_true",
+        help="only the console (issue 31): its pages on a million-row inbox beside a count(*) of it",
     )
     parser.add_argument(
         "--stock-postgres",
@@ -1034,6 +1052,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench: {os.cpu_count()} CPUs, the webhook receiver only")
                 bench_webhooks_part(base, pg, args.quick)
                 return 0
+            if args.console:
+                print(f"bench: {os.cpu_count()} CPUs, the console only")
+                bench_console_part(base, pg, rs, args.quick)
+                return 0
             if args.downstream:
                 down_n = args.messages or 20_000
                 print(f"bench: {os.cpu_count()} CPUs, downstream only, {down_n} messages")
@@ -1077,6 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
                 base, pg, rs, args.messages or (10_000 if args.quick else 20_000), args.batch_size
             )
             bench_webhooks_part(base, pg, args.quick)
+            bench_console_part(base, pg, rs, args.quick)
             metrics_n = max(n, METRICS_MIN_MESSAGES)
             runs = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
             print_metrics_overhead(runs, metrics_n)

@@ -300,7 +300,7 @@ def render_processes(procs: Sequence[ProcessRow]) -> list[str]:
     return lines
 
 
-def _text(value: Any) -> str:
+def shown(value: Any) -> str:
     """A value as an operator reads it: no Python ``True``, ``None`` or dicts."""
     if value is None:
         return "-"
@@ -311,7 +311,7 @@ def _text(value: Any) -> str:
             return "none"
         parts = []
         for k, v in value.items():
-            parts.append(f"{k} ({_text(v)})" if isinstance(v, Mapping) else f"{k} {_text(v)}")
+            parts.append(f"{k} ({shown(v)})" if isinstance(v, Mapping) else f"{k} {shown(v)}")
         return ", ".join(parts)
     return str(value)
 
@@ -353,12 +353,12 @@ def render(
 
 def _render_adapter(r: Mapping[str, Any]) -> list[str]:
     """One adapter's report: its header with the verdict, a line a key, then the processes serving it."""
-    lines = [f"{r['adapter']} ({_text(r['mode'])} {_text(r['source'])}): {verdict(r)}"]
+    lines = [f"{r['adapter']} ({shown(r['mode'])} {shown(r['source'])}): {verdict(r)}"]
     for key, value in r.items():
         if key in _IN_HEADER or key == "processes":
             continue
-        shown = f"{value} s" if key == "oldest_unacked_age_s" and value is not None else _text(value)
-        lines.append(f"  {key:<22} {shown}")
+        text = f"{value} s" if key == "oldest_unacked_age_s" and value is not None else shown(value)
+        lines.append(f"  {key:<22} {text}")
     served = r.get("processes") or {}
     roles = ("receive", "worker") if r.get("family") == PUSH_FAMILY else ("ingest", "ack", "worker")
     for role in roles:

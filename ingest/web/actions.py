@@ -61,8 +61,8 @@ def _field(request: Request, name: str) -> str:
 def _pinned(request: Request) -> list[int]:
     """The ids a confirm form carries (what the dry run listed)."""
     fields: dict[str, list[str]] = request.state.form
-    ids = [int(v) for v in fields.get("id", []) if v.isdigit() and len(v) < 19]
-    return list(dict.fromkeys(ids))[:MAX_PINNED]
+    ids = [pages.as_id(v) for v in fields.get("id", [])]
+    return list(dict.fromkeys(i for i in ids if i is not None))[:MAX_PINNED]
 
 
 # -- adapters ----------------------------------------------------------------------------
@@ -86,9 +86,9 @@ async def set_enabled(request: Request) -> Response:
 
 
 async def todo_action(request: Request) -> Response:
-    todo_id = int(request.path_params["todo_id"])
+    todo_id = pages.path_id(request, "todo_id")
     action = request.path_params["action"]
-    if action not in ("retry", "cancel"):
+    if action not in ("retry", "cancel") or todo_id is None:
         return _console(request).page(request, "error.html", status_code=404, message="no such action")
     outcome = await _act_on_todo(_console(request), action, todo_id)
     if not outcome.ok:
@@ -151,7 +151,9 @@ async def todos_bulk(request: Request) -> Response:
 
 async def replay_one(request: Request) -> Response:
     console = _console(request)
-    inbox_id = int(request.path_params["inbox_id"])
+    inbox_id = pages.path_id(request, "inbox_id")
+    if inbox_id is None:
+        return console.page(request, "error.html", status_code=404, message="no such inbox row")
     outcome = _replay_text(
         inbox_id, await inbox_actions.replay_one(console.engine, console.settings, inbox_id)
     )
@@ -225,9 +227,9 @@ def _replay_filter(request: Request) -> tuple[inbox_views.ReplayFilter, dict[str
 
 def routes() -> list[Route]:
     return [
-        Route("/adapters/{name}/{action:str}", set_enabled, methods=["POST"]),
-        Route("/todos/{todo_id:int}/{action:str}", todo_action, methods=["POST"]),
+        Route("/adapters/{name}/{action}", set_enabled, methods=["POST"]),
+        Route("/todos/{todo_id}/{action}", todo_action, methods=["POST"]),
         Route("/todos/bulk", todos_bulk, methods=["POST"]),
         Route("/inbox/replay", replay_bulk, methods=["POST"]),
-        Route("/inbox/{inbox_id:int}/replay", replay_one, methods=["POST"]),
+        Route("/inbox/{inbox_id}/replay", replay_one, methods=["POST"]),
     ]

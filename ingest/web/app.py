@@ -10,7 +10,7 @@ shipped in the wheel, plus ``console.js``; no inline script or style.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -71,8 +71,15 @@ class _Guarded(BaseHTTPMiddleware):
                 status_code=421,
             )
         path = request.url.path
+        if "\x00" in unquote(request.url.query) or "\x00" in path:
+            # Text PostgreSQL cannot hold: a refusal, not a database error.
+            return PlainTextResponse("a NUL character in the request", status_code=400)
         if not path.startswith(OPEN_PATHS) and not guard.authenticated(request):
-            if request.method == "GET" and "authorization" not in request.headers:
+            # A browser's page goes to the sign-in form; a live fragment's
+            # poll (htmx) and an API client are told, not redirected (htmx
+            # would swap the form into the page).
+            browsing = "authorization" not in request.headers and "hx-request" not in request.headers
+            if request.method == "GET" and browsing:
                 return RedirectResponse("/login", status_code=303)
             return PlainTextResponse("not signed in", status_code=401)
         if request.method == "POST":
@@ -107,6 +114,8 @@ async def _post_refusal(console: Console, request: Request) -> Response | None:
         fields = await form(request)
     except ValueError:
         return PlainTextResponse("refused: form too large", status_code=413)
+    if any("\x00" in value for values in fields.values() for value in values):
+        return PlainTextResponse("refused: a NUL character in the form", status_code=400)
     request.state.form = fields
     if not console.guard.csrf_matches(request, (fields.get("csrf") or [""])[0]):
         return PlainTextResponse(
@@ -125,7 +134,10 @@ async def login_page(request: Request) -> Response:
 async def login(request: Request) -> Response:
     console: Console = request.app.state.console
     guard = console.guard
-    fields = await form(request)
+    try:
+        fields = await form(request)
+    except ValueError:
+        return PlainTextResponse("refused: form too large", status_code=413)
     offered = (fields.get("token") or [""])[0]
     if guard.token is None:
         return RedirectResponse("/", status_code=303)

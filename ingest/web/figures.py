@@ -60,7 +60,7 @@ async def read_overview(engine: AsyncEngine, settings: Settings) -> Overview:
     deadline_ms = settings.database.transaction_deadline_ms
     async with within_deadline(engine.connect(), deadline_ms, "reading the overview") as conn:
         rows = {r.name: r for r in await registry.list_adapters(conn)}
-        minutes = await console_views.recent_minutes(conn)
+        minutes = await console_views.recent_minutes(conn, detail=False)
         owed = await backlog.ack_backlog(conn, _own_acked(settings))
         active = await backlog.active_todos(conn)
         holder = await audit.ack_horizon_holder(conn)

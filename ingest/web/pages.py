@@ -9,7 +9,9 @@ whole table: a million-row inbox costs a page what ten rows cost.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -33,20 +35,59 @@ def _console(request: Request) -> Console:
     return console
 
 
+MAX_ID = 2**63 - 1  # bigint: a larger id names no row (and is no database error)
+DIGITS = re.compile(r"[0-9]{1,19}")
+
+
 def _int_param(request: Request, name: str) -> int | None:
-    text = request.query_params.get(name, "")
-    return int(text) if text.isdigit() and len(text) < 19 else None
+    return as_id(request.query_params.get(name, ""))
+
+
+def as_id(text: str) -> int | None:
+    """A row id, or None when the text is not one any row can have."""
+    if DIGITS.fullmatch(text) is None:  # not str.isdigit: "²" is a digit int() refuses
+        return None
+    value = int(text)
+    return value if value <= MAX_ID else None
+
+
+def path_id(request: Request, name: str) -> int | None:
+    return as_id(request.path_params[name])
 
 
 def series(minutes: Sequence[MinuteFigures], columns: Sequence[str]) -> dict[str, Any]:
-    """A chart's data for console.js: x in epoch seconds, one list per column."""
-    return {
-        "x": [int(m.minute.timestamp()) for m in minutes],
-        "series": [{"label": c, "values": [getattr(m, c) for m in minutes]} for c in columns],
-    }
+    """A chart's data for console.js: every minute of the window (x in epoch
+    seconds, oldest first), one list per column; a minute with no row is 0
+    (a count) or null (a latency: no ack, no figure)."""
+    by_minute = {int(m.minute.timestamp()): m for m in minutes}
+    now = int(datetime.now(UTC).timestamp()) // 60 * 60
+    span = int(console_views.WINDOW.total_seconds()) // 60
+    xs = [now - 60 * (span - 1 - i) for i in range(span)]
+    xs = sorted({*xs, *by_minute})  # a minute the database's clock put past ours stays
+
+    def value(x: int, column: str) -> Any:
+        m = by_minute.get(x)
+        if m is None:
+            return None if column.startswith("ack_latency") else 0
+        return getattr(m, column)
+
+    return {"x": xs, "series": [{"label": c, "values": [value(x, c) for x in xs]} for c in columns]}
 
 
 # -- overview and processes --------------------------------------------------------------
+
+# The report's keys that are not the broker's figures (ingest.observe.status.collect).
+REPORT_KEYS = frozenset(
+    {"adapter", "mode", "source", "defined_in", "healthy", "registered", "enabled", "acked_by",
+     "pending_acks", "oldest_unacked_age_s", "acks_held_by", "stored", "rejected", "acked", "todos",
+     "handler", "processes", "family"}
+)  # fmt: skip
+
+
+def broker_figures(report: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What the adapter's broker said of it (or why it could not be asked),
+    whatever its transport: every key of the report that is not the database's."""
+    return [(k, status.shown(v)) for k, v in report.items() if k not in REPORT_KEYS]
 
 
 async def overview(request: Request) -> Response:
@@ -64,6 +105,7 @@ async def _overview(request: Request, template: str) -> Response:
         {
             "r": r,
             "verdict": status.verdict(r),
+            "broker": broker_figures(r),
             "chart": series(view.minutes.get(r["adapter"], ()), ("consumed", "rejected", "acked")),
         }
         for r in view.report
@@ -110,12 +152,12 @@ async def _inbox_ids(conn: Any, query: str) -> tuple[list[int], str | None]:
     """The inbox rows a search names, and what to say when there are none.
     A bare number is an inbox id and a todo id at once: both are shown."""
     kind, _, rest = query.partition(":")
-    if kind == "todo" and rest.isdigit() and len(rest) < 19:
-        return await trace.inbox_ids_by_todo(conn, int(rest)), f"no inbox row holds todo {rest}"
-    if kind == "inbox" and rest.isdigit() and len(rest) < 19:
-        return [int(rest)], f"inbox row {rest} does not exist"
-    if query.isdigit() and len(query) < 19:
-        ids = sorted({int(query), *await trace.inbox_ids_by_todo(conn, int(query))})
+    if kind == "todo" and (todo_id := as_id(rest)) is not None:
+        return await trace.inbox_ids_by_todo(conn, todo_id), f"no inbox row holds todo {rest}"
+    if kind == "inbox" and (inbox_id := as_id(rest)) is not None:
+        return [inbox_id], f"inbox row {rest} does not exist"
+    if (number := as_id(query)) is not None:
+        ids = sorted({number, *await trace.inbox_ids_by_todo(conn, number)})
         return ids, f"no inbox row {query}, and no todo {query} with an inbox row"
     if ENTRY_ID.match(query):
         return await trace.inbox_ids_by_entry_id(
@@ -190,9 +232,11 @@ async def inbox(request: Request) -> Response:
 
 async def inbox_row(request: Request) -> Response:
     console = _console(request)
-    inbox_id = int(request.path_params["inbox_id"])
-    async with console.engine.connect() as conn:
-        row = await inbox_views.get_row(conn, inbox_id)
+    inbox_id = path_id(request, "inbox_id")
+    row = None
+    if inbox_id is not None:
+        async with console.engine.connect() as conn:
+            row = await inbox_views.get_row(conn, inbox_id)
     if row is None:
         return console.page(
             request, "error.html", status_code=404, message=f"inbox row {inbox_id} does not exist"
@@ -242,7 +286,10 @@ async def todos(request: Request) -> Response:
 
 
 async def todo(request: Request) -> Response:
-    return await todo_page(request, int(request.path_params["todo_id"]))
+    todo_id = path_id(request, "todo_id")
+    if todo_id is None:
+        return _console(request).page(request, "error.html", status_code=404, message="no such todo")
+    return await todo_page(request, todo_id)
 
 
 async def todo_page(
@@ -303,8 +350,8 @@ def routes() -> list[Route]:
         Route("/fragments/processes", processes_fragment, methods=["GET"]),
         Route("/trace", trail, methods=["GET"]),
         Route("/inbox", inbox, methods=["GET"]),
-        Route("/inbox/{inbox_id:int}", inbox_row, methods=["GET"]),
+        Route("/inbox/{inbox_id}", inbox_row, methods=["GET"]),
         Route("/todos", todos, methods=["GET"]),
-        Route("/todos/{todo_id:int}", todo, methods=["GET"]),
+        Route("/todos/{todo_id}", todo, methods=["GET"]),
         Route("/charts", charts, methods=["GET"]),
     ]

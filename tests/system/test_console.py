@@ -573,3 +573,34 @@ def test_the_pause_control_stops_the_live_updates(
     expect(stored).to_have_text("2", timeout=10_000)
     assert polls
     page_problems.assert_clean()
+
+
+def test_odd_requests_are_refused_never_a_server_error(
+    stack: tuple[str, SwitchboardProcess, Path], procs: Processes
+) -> None:
+    """What anyone can type into a URL or a form is answered 4xx (or the
+    page saying nothing matched), never 500 nor a database error's 503."""
+    url, _, _ = stack
+    for path, status in (
+        ("/todos/%C2%B2", 404),  # "²": a digit to str.isdigit, not to int()
+        ("/todos/99999999999999999999999", 404),
+        ("/inbox/9223372036854775808", 404),
+        ("/inbox/x", 404),
+        ("/trace?key=%00", 400),
+        ("/inbox?status=rejected&error=%00", 400),
+        ("/inbox?status=rejected&since=tomorrow", 200),  # the page says what is wrong
+        ("/inbox?status=rejected&after=-1", 200),
+        ("/todos?status=nonsense", 200),
+        ("/trace?key=" + "9" * 5000, 200),
+        ("/trace?key=todo:%C2%B2", 200),
+        ("/nowhere", 404),
+    ):
+        try:
+            with urllib.request.urlopen(url + path, timeout=10) as answer:
+                got = answer.status
+        except urllib.error.HTTPError as refused:
+            refused.close()
+            got = refused.code
+        assert got == status, path
+    [web] = [p for p in procs.all if p.verb == "web"]
+    assert "Traceback" not in web.raw_log()

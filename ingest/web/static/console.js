@@ -35,7 +35,7 @@
     var series = [{}];
     var columns = [data.x];
     data.series.forEach(function (s, i) {
-      series.push({ label: s.label, stroke: COLORS[i % COLORS.length], width: spark ? 1 : 1.5, points: { show: data.x.length < 3 } });
+      series.push({ label: s.label, stroke: COLORS[i % COLORS.length], width: spark ? 1 : 1.5, points: { show: el.dataset.kind === "latency" } });
       columns.push(s.values);
     });
     var opts = {
