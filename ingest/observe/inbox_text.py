@@ -83,10 +83,10 @@ def body_view(
     if whole:
         try:
             parsed = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             pass
         else:
-            pretty = json.dumps(parsed, indent=2, ensure_ascii=False)
+            pretty = _encodable(json.dumps(parsed, indent=2, ensure_ascii=False))
             return BodyView("json", [clean(line) for line in pretty.splitlines()], f"{size}; JSON")
     kind = "UTF-8 text" if whole else "UTF-8 text, cut where the stored prefix ends"
     return BodyView("text", [clean(line) for line in text.splitlines()] or [""], f"{size}; {kind}")
@@ -100,4 +100,11 @@ def base64_lines(body: bytes) -> list[str]:
 
 def pretty_json(value: object) -> str:
     """A decoded JSON value (a todo's payload) indented for reading."""
-    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+    return _encodable(json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str))
+
+
+def _encodable(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape: JSON's
+    ``"\\ud800"`` decodes to one, and no UTF-8 page or terminal can show it
+    (encoding it raises)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -74,7 +74,8 @@ async def set_enabled(request: Request) -> Response:
     if request.path_params["action"] not in ("enable", "disable"):
         return console.page(request, "error.html", status_code=404, message="no such action")
     enabled = request.path_params["action"] == "enable"
-    outcome = await adapter_actions.set_enabled(console.engine, name, enabled)
+    async with console.act():
+        outcome = await adapter_actions.set_enabled(console.engine, name, enabled)
     console.overview.forget()
     if isinstance(outcome, Refused):
         return console.page(request, "error.html", status_code=409, message=outcome.reason)
@@ -98,12 +99,14 @@ async def todo_action(request: Request) -> Response:
 
 async def _act_on_todo(console: Console, action: str, todo_id: int) -> Outcome:
     if action == "retry":
-        retried = await todo_actions.retry(console.engine, todo_id)
+        async with console.act():
+            retried = await todo_actions.retry(console.engine, todo_id)
         if isinstance(retried, Refused):
             return Outcome(todo_id, False, retried.reason)
         log.info("web_todo_retried", todo_id=todo_id, was=retried.was)
         return Outcome(todo_id, True, f"todo {todo_id} retried (was {retried.was}): pending, attempts reset")
-    cancelled = await todo_actions.cancel(console.engine, todo_id)
+    async with console.act():
+        cancelled = await todo_actions.cancel(console.engine, todo_id)
     if isinstance(cancelled, Refused):
         return Outcome(todo_id, False, cancelled.reason)
     log.info("web_todo_cancelled", todo_id=todo_id, was=cancelled.was)
@@ -131,9 +134,16 @@ async def todos_bulk(request: Request) -> Response:
         done = [await _act_on_todo(console, action, todo_id) for todo_id in _pinned(request)]
         log.info("web_todos_bulk", action=action, asked=len(done), done=sum(o.ok for o in done))
         return console.page(request, "bulk_done.html", what=f"{action} todos", outcomes=done)
-    async with console.engine.connect() as conn:
-        rows = await todo_views.list_todos(conn, queue=queue, status=wanted, limit=BULK_LIMIT + 1)
+    async with console.read("selecting the todos") as conn:
+        rows = await todo_views.list_todos(
+            conn,
+            queue=queue,
+            status=wanted,
+            limit=BULK_LIMIT + 1,
+            before_id=pages.as_id(_field(request, "before")),
+        )
     listed = [{"row": r, "eligible": _eligible(action, r.status)} for r in rows[:BULK_LIMIT]]
+    more = len(rows) > BULK_LIMIT
     return console.page(
         request,
         "todos_bulk.html",
@@ -141,8 +151,10 @@ async def todos_bulk(request: Request) -> Response:
         queue=queue or "",
         status=wanted or "",
         listed=listed,
-        more=len(rows) > BULK_LIMIT,
+        more=more,
         limit=BULK_LIMIT,
+        # The next batch: the todos after (older than) the last one listed.
+        next_before=rows[BULK_LIMIT - 1].id if more else None,
     )
 
 
@@ -154,9 +166,9 @@ async def replay_one(request: Request) -> Response:
     inbox_id = pages.path_id(request, "inbox_id")
     if inbox_id is None:
         return console.page(request, "error.html", status_code=404, message="no such inbox row")
-    outcome = _replay_text(
-        inbox_id, await inbox_actions.replay_one(console.engine, console.settings, inbox_id)
-    )
+    async with console.act():
+        replayed = await inbox_actions.replay_one(console.engine, console.settings, inbox_id)
+    outcome = _replay_text(inbox_id, replayed)
     return console.page(
         request, "bulk_done.html", status_code=200 if outcome.ok else 409, what="replay", outcomes=[outcome]
     )
@@ -186,24 +198,32 @@ async def replay_bulk(request: Request) -> Response:
     where, typed, problem = _replay_filter(request)
     if problem is not None:
         return console.page(request, "error.html", status_code=400, message=problem)
-    selection = await inbox_actions.select_rejected(console.engine, where, limit=BULK_LIMIT)
-    checked = await inbox_actions.replay_selection(console.engine, console.settings, selection, dry_run=True)
+    async with console.act():
+        selection = await inbox_actions.select_rejected(console.engine, where, limit=BULK_LIMIT)
     listed: list[dict[str, Any]] = []
-    for checked_row in checked.rows:
-        outcome = checked_row.outcome
-        if isinstance(outcome, inbox_actions.Replayed | Refused):  # not from a dry run
-            raise TypeError(f"a dry run replayed inbox row {checked_row.row.id}")
-        ok, text = _dry_text(outcome)
-        listed.append({"row": checked_row.row, "ok": ok, "text": text})
+    for row in selection.rows:
+        async with console.act():
+            ok, text = _dry_text(await inbox_actions.check_one(console.engine, console.settings, row.id))
+        listed.append({"row": row, "ok": ok, "text": text})
     return console.page(
-        request, "replay_dry.html", listed=listed, typed=typed, more=selection.more, limit=BULK_LIMIT
+        request,
+        "replay_dry.html",
+        listed=listed,
+        typed=typed,
+        all=_field(request, "all"),
+        more=selection.more,
+        limit=BULK_LIMIT,
+        # The next batch starts after the last row listed: rows that keep
+        # being refused never hide the ones behind them.
+        next_after=selection.rows[-1].id if selection.more else None,
     )
 
 
 async def _replay_pinned(console: Console, request: Request) -> Response:
     done = []
     for inbox_id in _pinned(request):
-        outcome = await inbox_actions.replay_one(console.engine, console.settings, inbox_id)
+        async with console.act():
+            outcome = await inbox_actions.replay_one(console.engine, console.settings, inbox_id)
         done.append(_replay_text(inbox_id, outcome))
     log.info("web_inbox_replay_bulk", asked=len(done), done=sum(o.ok for o in done))
     return console.page(request, "bulk_done.html", what="replay", outcomes=done)
@@ -218,7 +238,10 @@ def _replay_filter(request: Request) -> tuple[inbox_views.ReplayFilter, dict[str
         except ValueError as exc:
             return inbox_views.ReplayFilter(), typed, f"since: {exc}"
     where = inbox_views.ReplayFilter(
-        adapter=typed["adapter"] or None, since=since, error_contains=typed["error"] or None
+        adapter=typed["adapter"] or None,
+        since=since,
+        error_contains=typed["error"] or None,
+        after_id=pages.as_id(_field(request, "after")),
     )
     if where.is_empty() and _field(request, "all") != "yes":
         return where, typed, "no filter: give an adapter, since or error text, or tick 'every rejected row'"

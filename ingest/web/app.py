@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qsl, unquote
 
+import psycopg
 import structlog
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
@@ -89,14 +90,30 @@ class _Guarded(BaseHTTPMiddleware):
                 return refused
         try:
             return await call_next(request)
+        except DBAPIError as exc:
+            if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+                log.warning("web_privilege_refused", path=path, error=redact(str(exc.orig)))
+                return console.page(
+                    request,
+                    "error.html",
+                    status_code=403,
+                    message="The database refused this login the privilege (run the console as the"
+                    " operator's login of ops/roles.sql to act, or with --read-only).",
+                )
+            log.warning("web_database_error", path=path, error=redact(str(exc)))
+            return _unavailable(console, request)
         except (SQLAlchemyError, DeadlineExceeded, OSError) as exc:
             log.warning("web_database_error", path=path, error=redact(str(exc)))
-            return console.page(
-                request,
-                "error.html",
-                status_code=503,
-                message="The database did not answer; this page will work again once it does.",
-            )
+            return _unavailable(console, request)
+
+
+def _unavailable(console: Console, request: Request) -> Response:
+    return console.page(
+        request,
+        "error.html",
+        status_code=503,
+        message="The database (or a broker) did not answer in time; this page will work again once it does.",
+    )
 
 
 async def _post_refusal(console: Console, request: Request) -> Response | None:
@@ -151,7 +168,11 @@ async def login(request: Request) -> Response:
         max_age=SESSION_S,
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        # Behind a TLS proxy uvicorn sees http; a client's word can only make
+        # the cookie stricter here, never weaker.
+        secure=request.url.scheme == "https"
+        or request.headers.get("x-forwarded-proto", "").lower() == "https"
+        or request.headers.get("origin", "").startswith("https://"),
         path="/",
     )
     return response

@@ -3,16 +3,19 @@ engine, the guard, the templates), and the templates' filters."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import jinja2
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
+from backhalf.db import within_deadline
 from ingest.config import Settings
 from ingest.web.figures import OverviewCache
 from ingest.web.security import Guard
@@ -47,6 +50,17 @@ class Console:
     templates: jinja2.Environment
     overview: OverviewCache
     healthy: Callable[[], tuple[bool, Mapping[str, Any]]]
+
+    def read(self, what: str) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        """A connection for one page's reads, under the transaction deadline
+        (a database that accepts and never answers ends in DeadlineExceeded,
+        the guard's 503, not a request hanging on)."""
+        return within_deadline(self.engine.connect(), self.settings.database.transaction_deadline_ms, what)
+
+    def act(self) -> asyncio.Timeout:
+        """The deadline of one action (or one bulk confirm's row): ``ingest.actions``
+        open their own transactions, bounded together by this."""
+        return asyncio.timeout(self.settings.database.transaction_deadline_ms / 1000)
 
     def page(self, request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
         html = self.templates.get_template(template).render(

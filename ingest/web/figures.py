@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import audit, backlog, console_views, heartbeats, registry
 from backhalf.console_views import MinuteFigures
 from backhalf.db import within_deadline
+from backhalf.errors import DeadlineExceeded
 from backhalf.heartbeats import ProcessRow
 from ingest.adapters.factory import acked_by
 from ingest.config import Settings
@@ -104,11 +105,18 @@ class OverviewCache:
         self._at = 0.0
 
     async def get(self) -> Overview:
-        async with self._lock:
-            if self._value is None or time.monotonic() - self._at > TTL_S:
-                self._value = await read_overview(self._engine, self._settings)
-                self._at = time.monotonic()
-            return self._value
+        """The last reading if fresh, else a new one; a request waits for
+        the reading in progress (one at a time), all under one deadline."""
+        deadline_s = self._settings.database.transaction_deadline_ms / 1000
+        try:
+            async with asyncio.timeout(deadline_s * 2):
+                async with self._lock:
+                    if self._value is None or time.monotonic() - self._at > TTL_S:
+                        self._value = await read_overview(self._engine, self._settings)
+                        self._at = time.monotonic()
+                    return self._value
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"reading the overview: no answer within {deadline_s * 2:g} s") from exc
 
     def forget(self) -> None:
         """After an action: the next request reads afresh."""

@@ -123,7 +123,7 @@ async def processes_fragment(request: Request) -> Response:
 
 async def _processes(request: Request, template: str) -> Response:
     console = _console(request)
-    async with console.engine.connect() as conn:
+    async with console.read("listing the processes") as conn:
         procs = await heartbeats.list_processes(conn)
     return console.page(request, template, procs=procs, failing=status.FAILING)
 
@@ -139,7 +139,7 @@ async def trail(request: Request) -> Response:
     found: list[trace.Trail] = []
     missing = None
     if query:
-        async with console.engine.connect() as conn:
+        async with console.read("finding the trail") as conn:
             ids, missing = await _inbox_ids(conn, query)
             found = await trace.trails(conn, ids) if ids else []
         if not found and missing is None:
@@ -209,7 +209,7 @@ async def inbox(request: Request) -> Response:
     rows: list[Any] = []
     more = False
     if problem is None:
-        async with console.engine.connect() as conn:
+        async with console.read("listing the rejected inbox") as conn:
             got = await inbox_views.replay_candidates(conn, where, limit=PAGE_SIZE + 1)
         rows, more = got[:PAGE_SIZE], len(got) > PAGE_SIZE
     next_query = None
@@ -235,7 +235,7 @@ async def inbox_row(request: Request) -> Response:
     inbox_id = path_id(request, "inbox_id")
     row = None
     if inbox_id is not None:
-        async with console.engine.connect() as conn:
+        async with console.read("reading an inbox row") as conn:
             row = await inbox_views.get_row(conn, inbox_id)
     if row is None:
         return console.page(
@@ -266,7 +266,7 @@ async def todos(request: Request) -> Response:
     rows: list[todo_views.TodoRow] = []
     more = False
     if problem is None:
-        async with console.engine.connect() as conn:
+        async with console.read("listing the todos") as conn:
             got = await todo_views.list_todos(
                 conn, queue=queue, status=wanted, limit=PAGE_SIZE + 1, before_id=_int_param(request, "before")
             )
@@ -296,7 +296,7 @@ async def todo_page(
     request: Request, todo_id: int, notice: str | None = None, refused: str | None = None
 ) -> Response:
     console = _console(request)
-    async with console.engine.connect() as conn:
+    async with console.read("reading a todo") as conn:
         detail = await todo_views.get_todo(conn, todo_id)
         history = await todo_views.history(conn, todo_id) if detail is not None else []
     if detail is None:
@@ -318,7 +318,7 @@ async def todo_page(
 
 async def charts(request: Request) -> Response:
     console = _console(request)
-    async with console.engine.connect() as conn:
+    async with console.read("reading the charts") as conn:
         minutes = await console_views.recent_minutes(conn)
     by_adapter: dict[str, list[MinuteFigures]] = {}
     for m in minutes:

@@ -12,6 +12,7 @@ write); a login that may not makes the console read-only, as
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import structlog
 import uvicorn
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf.db import within_deadline
+from backhalf.db import create_engine, within_deadline
 from ingest.config import Settings
 from ingest.config.webhook import split_listen
 from ingest.errors import ConfigError
@@ -42,6 +43,8 @@ SHUTDOWN_S = 5.0
 WRITES = (
     ("adapters", "enabled", "UPDATE"),
     ("todos", "status", "UPDATE"),
+    ("todos", "payload", "INSERT"),  # a replay's todo
+    ("events", "payload", "INSERT"),  # a replay's event
     ("inbox", "status", "UPDATE"),
     ("todo_events", "to_status", "INSERT"),
 )
@@ -51,6 +54,17 @@ WRITES = (
 class WebOptions:
     listen: str = DEFAULT_LISTEN
     read_only: bool = False
+
+
+def check_bound(sock: socket.socket, listen: str, guard: Guard) -> None:
+    """Without a token, the address bound must be loopback: a name such as
+    ``console.localhost`` is loopback by its words, not by what it resolves to."""
+    address = sock.getsockname()[0]
+    if guard.token is None and not ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        raise ConfigError(
+            f"--listen {listen}: resolves to {address}, not a loopback address, and {TOKEN_VARIABLE}"
+            " is not set: set a token before the console listens beyond this machine"
+        )
 
 
 def check_access(listen: str, env: Mapping[str, str]) -> Guard:
@@ -74,6 +88,7 @@ async def run_web(
     guard = check_access(options.listen, env)
     sock = bind(options.listen, "--listen")
     try:
+        check_bound(sock, options.listen, guard)
         await run_process(settings, stop, lambda engine: _WebBody(settings, engine, guard, options, sock))
     finally:
         sock.close()
@@ -105,6 +120,9 @@ class _WebBody(ProcessBody):
         self._options = options
         self._sock = sock
         self._read_only_why: str | None = "--read-only" if options.read_only else None
+        # The pages' and actions' own pool: a burst of slow requests cannot
+        # take the connection the heartbeat needs (the skeleton's engine).
+        self._requests = create_engine(settings.database)
 
     async def start(self, process: Process) -> bool:
         if self._read_only_why is None and not await may_write(self._engine, process.deadline_ms):
@@ -117,12 +135,12 @@ class _WebBody(ProcessBody):
     async def _serve(self, process: Process) -> None:
         console = Console(
             settings=self._settings,
-            engine=self._engine,
+            engine=self._requests,
             guard=self._guard,
             read_only=self._read_only_why is not None,
             read_only_why=self._read_only_why,
             templates=templates(),
-            overview=OverviewCache(self._engine, self._settings),
+            overview=OverviewCache(self._requests, self._settings),
             healthy=process.liveness.report,
         )
         config = uvicorn.Config(
@@ -153,7 +171,14 @@ class _WebBody(ProcessBody):
                     read_only_why=self._read_only_why,
                     signin="token" if self._guard.token else "none (loopback only)",
                 )
-            await process.stop.wait()
+            stopping = asyncio.create_task(process.stop.wait(), name="web-stop")
+            # The server ending by itself (not asked to) ends the process: a
+            # console that serves nothing must not beat as alive.
+            await asyncio.wait([stopping, serving], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if serving.done() and not process.stop.is_set():
+                serving.result()  # its error, if any, is the process's
+                raise RuntimeError("the console's HTTP server stopped by itself")
             server.should_exit = True  # no new connection; requests in flight are answered
             await serving
         finally:
@@ -173,4 +198,5 @@ class _WebBody(ProcessBody):
             await wait_stop(process.stop, 60.0)
 
     async def close(self) -> None:
-        """Nothing: the engine is the skeleton's, the socket run_web's."""
+        """The requests' engine; the skeleton's engine is the skeleton's, the socket run_web's."""
+        await self._requests.dispose()

@@ -150,14 +150,15 @@ def test_a_trail_by_entry_id_shows_every_step_in_order(
     page.get_by_test_id("trail-search").fill(entry_id)
     page.get_by_test_id("trail-search").press("Enter")
     steps = page.get_by_test_id("trail-step")
-    expect(steps).to_have_count(5)
-    assert [steps.nth(i).get_attribute("data-step") for i in range(5)] == [
+    expect(steps).to_have_count(4)
+    assert [steps.nth(i).get_attribute("data-step") for i in range(4)] == [
         "xadd",
         "stored",
-        "event",
         "pending",
         "acked",
     ]
+    # The event is shown between them, as a note of its own.
+    expect(page.locator("ol.timeline li").nth(2)).to_have_attribute("data-testid", "trail-event")
     assert page.url.endswith(f"/trace?key={entry_id}")
     page_problems.assert_clean()
 
@@ -604,3 +605,30 @@ def test_odd_requests_are_refused_never_a_server_error(
         assert got == status, path
     [web] = [p for p in procs.all if p.verb == "web"]
     assert "Traceback" not in web.raw_log()
+
+
+def test_a_bulk_replay_past_its_first_batch_takes_the_next_and_pins_only_replayable_rows(
+    stack: tuple[str, SwitchboardProcess, Path],
+    page: Page,
+    page_problems: PageProblems,
+    redis_url: str,
+    db_url: str,
+) -> None:
+    url, _, _ = stack
+    # 101 rows the fixed rule takes, then one no rule takes (not JSON).
+    _xadd(redis_url, *(json.dumps({"n": f"bad {i}"}) for i in range(101)), "{not json")
+    _wait_rows(db_url, 102, "status = 'rejected'")
+    page.goto(f"{url}/inbox?status=rejected&adapter=orders")
+    page.get_by_test_id("replay-dry-run").click()
+    expect(page.get_by_test_id("dry-row")).to_have_count(100)
+    page.get_by_test_id("bulk-next").click()
+    rows = page.get_by_test_id("dry-row")
+    expect(rows).to_have_count(2)
+    assert [rows.nth(i).get_attribute("data-ok") for i in range(2)] == ["yes", "no"]
+    [(last_good,)] = query(db_url, "SELECT max(id) FROM inbox WHERE error LIKE 'schema%%'")
+    assert rows.nth(0).get_attribute("data-id") == str(last_good)
+    page.get_by_test_id("bulk-confirm").click()
+    expect(page.get_by_test_id("outcome")).to_have_count(1)  # the refused row was not pinned
+    assert query(db_url, "SELECT id FROM inbox WHERE status = 'stored'") == [(last_good,)]
+    assert scalar(db_url, "SELECT count(*) FROM inbox WHERE status = 'rejected'") == 101
+    page_problems.assert_clean()

@@ -72,6 +72,14 @@
     var elt = evt.detail && evt.detail.elt;
     if (paused() && elt && elt.hasAttribute("data-live")) evt.preventDefault();
   });
+  // A poll the console did not answer (the database or a broker away, the
+  // session expired): the figures on the page are old, and say so.
+  function markStale(evt, stale) {
+    var elt = evt.detail && evt.detail.elt;
+    if (elt && elt.hasAttribute("data-live")) elt.classList.toggle("stale", stale);
+  }
+  document.addEventListener("htmx:responseError", function (evt) { markStale(evt, true); });
+  document.addEventListener("htmx:sendError", function (evt) { markStale(evt, true); });
   document.addEventListener("htmx:afterSettle", function (evt) {
     buildCharts(evt.detail && evt.detail.elt ? evt.detail.elt.parentNode || document : document);
   });

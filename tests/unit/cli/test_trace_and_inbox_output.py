@@ -16,6 +16,7 @@ from ingest.cli import main as cli
 from ingest.cli import todos as todos_command
 from ingest.cli.inbox import body_view, time_bound
 from ingest.cli.trace import text_lines
+from ingest.observe import inbox_text
 from ingest.observe.trail import timeline, xadd_time
 
 T = datetime(2026, 12, 1, 10, 0, 0, tzinfo=UTC)
@@ -167,3 +168,17 @@ def todo_row(todo: TodoDetail) -> TodoRow:
         todo.last_error,
         todo.updated_at,
     )
+
+
+def test_a_body_no_page_could_show_is_shown_escaped_not_raised() -> None:
+    # A lone surrogate JSON can carry (rejected as lone_surrogate) and a
+    # nesting past the parser's depth (rejected as too_deep): both are
+    # stored, and the inbox row's page and `inbox show` must show them.
+    lone = inbox_text.body_view(b'{"a": "\\ud800"}', body_size=None, body_sha256=None)
+    assert lone.encoding == "json"
+    assert "\\ud800" in "\n".join(lone.lines)
+    "\n".join(lone.lines).encode("utf-8")  # encodable: no lone surrogate left
+    deep = b"[" * 100_000 + b"]" * 100_000
+    view = inbox_text.body_view(deep, body_size=None, body_sha256=None)
+    assert view.encoding == "text"
+    assert inbox_text.pretty_json({"k": "\ud800"}).encode("utf-8")
