@@ -91,15 +91,13 @@ def _expect_refusal_logged(problems: PageProblems, status: int, path: str) -> No
     problems.console_errors.remove(expected[0])
 
 
-@pytest.fixture
-def stack(
-    procs: Processes, tmp_path: Path, db_url: str, redis_url: str
+def _stack(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str, *, acker: bool
 ) -> Iterator[tuple[str, SwitchboardProcess, Path]]:
-    """ingest and ack on the strict config, the console on the fixed one:
-    its URL, the ingester, and the console's config."""
     ingest_config, web_config = _configs(tmp_path, db_url, redis_url)
     ingester = procs.start("ingest", ingest_config, name="ingest-1")
-    procs.start("ack", ingest_config, name="ack-1")
+    if acker:
+        procs.start("ack", ingest_config, name="ack-1")
     url = _start_web(procs, web_config)
     yield url, ingester, web_config
     for proc in procs.all:
@@ -107,14 +105,31 @@ def stack(
             assert_clean_exit(proc, proc.stop())
 
 
+@pytest.fixture
+def stack(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str
+) -> Iterator[tuple[str, SwitchboardProcess, Path]]:
+    """ingest on the strict config, the console on the fixed one: its URL,
+    the ingester, and the console's config (no acker: most pages need none)."""
+    yield from _stack(procs, tmp_path, db_url, redis_url, acker=False)
+
+
+@pytest.fixture
+def acked_stack(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str
+) -> Iterator[tuple[str, SwitchboardProcess, Path]]:
+    """``stack`` with an acker on the strict config too."""
+    yield from _stack(procs, tmp_path, db_url, redis_url, acker=True)
+
+
 def test_the_overview_updates_live_and_a_killed_ingester_shows_dead(
-    stack: tuple[str, SwitchboardProcess, Path],
+    acked_stack: tuple[str, SwitchboardProcess, Path],
     page: Page,
     page_problems: PageProblems,
     redis_url: str,
     db_url: str,
 ) -> None:
-    url, ingester, _ = stack
+    url, ingester, _ = acked_stack
     page.goto(url + "/")
     row = page.locator('[data-testid=adapter-row][data-adapter="orders"]')
     expect(row.get_by_test_id("adapter-verdict")).to_have_text("ok", timeout=15_000)
@@ -137,13 +152,13 @@ def test_the_overview_updates_live_and_a_killed_ingester_shows_dead(
 
 
 def test_a_trail_by_entry_id_shows_every_step_in_order(
-    stack: tuple[str, SwitchboardProcess, Path],
+    acked_stack: tuple[str, SwitchboardProcess, Path],
     page: Page,
     page_problems: PageProblems,
     redis_url: str,
     db_url: str,
 ) -> None:
-    url, _, _ = stack
+    url, _, _ = acked_stack
     [entry_id] = _xadd(redis_url, json.dumps({"n": 1}))
     _wait_rows(db_url, 1, "ack_state = 'acked'")
     page.goto(url + "/trace")
@@ -565,8 +580,8 @@ def test_the_pause_control_stops_the_live_updates(
     page.on("request", lambda r: polls.append(r.url) if "/fragments/" in r.url else None)
     _xadd(redis_url, json.dumps({"n": 1}), json.dumps({"n": 2}))
     _wait_rows(db_url, 2)
-    # Three poll intervals pass with nothing asked and nothing changed.
-    page.wait_for_timeout(6_000)
+    # Two poll intervals pass with nothing asked and nothing changed.
+    page.wait_for_timeout(4_500)
     assert polls == []
     expect(stored).to_have_text("0")
     toggle.click()
