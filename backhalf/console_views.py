@@ -138,3 +138,11 @@ async def recent_minutes(
         .order_by(m.c.minute, m.c.adapter)
     )
     return [MinuteFigures(*row) for row in await conn.execute(query)]
+
+
+def by_adapter(minutes: list[MinuteFigures]) -> dict[str, list[MinuteFigures]]:
+    """``recent_minutes``' rows per adapter, each oldest first."""
+    grouped: dict[str, list[MinuteFigures]] = {}
+    for m in minutes:
+        grouped.setdefault(m.adapter, []).append(m)
+    return grouped

@@ -16,6 +16,19 @@ from ingest.errors import ConfigError
 HTTP_PACKAGES = ("starlette", "uvicorn", "h11", "anyio")  # the `http` extra's
 
 
+def missing_extra(
+    exc: ImportError, packages: tuple[str, ...], verb: str, needs: str, extra: str
+) -> ConfigError:
+    """A verb's install extra missing, as the config error that says which
+    to install; any other ImportError (a bug, or a broken install) is raised
+    as it is."""
+    if exc.name not in packages:
+        raise exc
+    return ConfigError(
+        f"switchboard {verb} needs {needs} ({exc.name or exc}): pip install 'switchboard-ingest[{extra}]'"
+    )
+
+
 def listen_argument(text: str) -> str:
     """A ``--listen HOST:PORT`` argument, checked."""
     try:
@@ -45,12 +58,7 @@ def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) ->
     try:
         from ingest.processes.receiver import run_receiver
     except ImportError as exc:
-        if exc.name not in HTTP_PACKAGES:
-            raise
-        raise ConfigError(
-            f"switchboard receive needs its HTTP server ({exc.name or exc}):"
-            " pip install 'switchboard-ingest[http]'"
-        ) from exc
+        raise missing_extra(exc, HTTP_PACKAGES, "receive", "its HTTP server", "http") from exc
 
     return run_until_stopped("receive", settings, lambda stop: run_receiver(settings, stop, env=env))
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from ingest.cli.receive import HTTP_PACKAGES, listen_argument
+from ingest.cli.receive import HTTP_PACKAGES, listen_argument, missing_extra
 from ingest.cli.running import run_until_stopped
 from ingest.cli.verb import Subparsers, Verb, add_metrics_port
 from ingest.config import Settings
-from ingest.errors import ConfigError
 
 DEFAULT_LISTEN = "127.0.0.1:8089"  # ingest.web.server's (not imported here: the `web` extra's)
 WEB_PACKAGES = (*HTTP_PACKAGES, "jinja2", "markupsafe")
@@ -41,12 +40,7 @@ def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) ->
     try:
         from ingest.web.server import WebOptions, run_web
     except ImportError as exc:
-        if exc.name not in WEB_PACKAGES:
-            raise
-        raise ConfigError(
-            f"switchboard web needs its HTTP server and templates ({exc.name or exc}):"
-            " pip install 'switchboard-ingest[web]'"
-        ) from exc
+        raise missing_extra(exc, WEB_PACKAGES, "web", "its HTTP server and templates", "web") from exc
 
     options = WebOptions(listen=args.listen, read_only=args.read_only)
     return run_until_stopped("web", settings, lambda stop: run_web(settings, stop, options, env=env))

@@ -207,11 +207,11 @@ async def collect(
                 "enabled": enabled,
                 **({"broker": e.note} if e.note is not None else {}),
                 **(broker or {}),
-                **({"acked_by": "ingest"} if _acked_by_ingester(e.cfg) else {}),
+                **({"acked_by": "ingest"} if acked_by_ingester(e.cfg) else {}),
                 "pending_acks": c.pending_acks if c else 0,
                 "oldest_unacked_age_s": round(age.total_seconds(), 3) if age is not None else None,
                 # The cursor's horizon holds back no ack its ingester sends.
-                **({} if _acked_by_ingester(e.cfg) else _held_by(age, holder)),
+                **({} if acked_by_ingester(e.cfg) else _held_by(age, holder)),
                 "stored": c.stored if c else 0,
                 "rejected": c.rejected if c else 0,
                 "acked": c.acked if c else 0,
@@ -250,7 +250,7 @@ def _push_view(e: _Entry) -> dict[str, Any] | None:
     return {"family": PUSH_FAMILY, "route": f"POST /hooks/{e.name}"}
 
 
-def _acked_by_ingester(cfg: AdapterConfig | None) -> bool:
+def acked_by_ingester(cfg: AdapterConfig | None) -> bool:
     """An adapter whose ingester acks (AMQP): no ack process serves it."""
     try:
         return cfg is not None and acked_by(cfg) == "consumer"

@@ -28,9 +28,8 @@ from ingest.actions import adapters as adapter_actions
 from ingest.actions import inbox as inbox_actions
 from ingest.actions import todos as todo_actions
 from ingest.actions.outcomes import Refused
-from ingest.observe import inbox_text
 from ingest.web import pages
-from ingest.web.console import Console
+from ingest.web.console import Console, console_of
 from schema import ACTIVE_TODO_STATUSES, TODO_STATUSES
 
 log = structlog.get_logger(__name__)
@@ -46,11 +45,6 @@ class Outcome:
     id: int
     ok: bool
     text: str
-
-
-def _console(request: Request) -> Console:
-    console: Console = request.app.state.console
-    return console
 
 
 def _field(request: Request, name: str) -> str:
@@ -69,7 +63,7 @@ def _pinned(request: Request) -> list[int]:
 
 
 async def set_enabled(request: Request) -> Response:
-    console = _console(request)
+    console = console_of(request)
     name = request.path_params["name"]
     if request.path_params["action"] not in ("enable", "disable"):
         return console.page(request, "error.html", status_code=404, message="no such action")
@@ -90,8 +84,8 @@ async def todo_action(request: Request) -> Response:
     todo_id = pages.path_id(request, "todo_id")
     action = request.path_params["action"]
     if action not in ("retry", "cancel") or todo_id is None:
-        return _console(request).page(request, "error.html", status_code=404, message="no such action")
-    outcome = await _act_on_todo(_console(request), action, todo_id)
+        return console_of(request).page(request, "error.html", status_code=404, message="no such action")
+    outcome = await _act_on_todo(console_of(request), action, todo_id)
     if not outcome.ok:
         return await pages.todo_page(request, todo_id, refused=outcome.text)
     return await pages.todo_page(request, todo_id, notice=outcome.text)
@@ -120,7 +114,7 @@ def _eligible(action: str, todo_status: str) -> bool:
 async def todos_bulk(request: Request) -> Response:
     """Dry run (``step=dry``: the filter's todos now, what would happen to
     each) or confirm (``step=confirm``: the pinned ids, each acted on)."""
-    console = _console(request)
+    console = console_of(request)
     action = _field(request, "action")
     if action not in ("retry", "cancel"):
         return console.page(request, "error.html", status_code=400, message="action: retry or cancel")
@@ -162,7 +156,7 @@ async def todos_bulk(request: Request) -> Response:
 
 
 async def replay_one(request: Request) -> Response:
-    console = _console(request)
+    console = console_of(request)
     inbox_id = pages.path_id(request, "inbox_id")
     if inbox_id is None:
         return console.page(request, "error.html", status_code=404, message="no such inbox row")
@@ -192,7 +186,7 @@ def _dry_text(outcome: inbox_actions.DryRunOutcome) -> tuple[bool, str]:
 async def replay_bulk(request: Request) -> Response:
     """Dry run (the filter's rejected rows now, each checked as a replay
     would check it) or confirm (the pinned ids, each replayed)."""
-    console = _console(request)
+    console = console_of(request)
     if _field(request, "step") == "confirm":
         return await _replay_pinned(console, request)
     where, typed, problem = _replay_filter(request)
@@ -230,22 +224,11 @@ async def _replay_pinned(console: Console, request: Request) -> Response:
 
 
 def _replay_filter(request: Request) -> tuple[inbox_views.ReplayFilter, dict[str, str], str | None]:
-    typed = {name: _field(request, name) for name in ("adapter", "since", "error")}
-    since = None
-    if typed["since"]:
-        try:
-            since = inbox_text.time_bound(typed["since"])
-        except ValueError as exc:
-            return inbox_views.ReplayFilter(), typed, f"since: {exc}"
-    where = inbox_views.ReplayFilter(
-        adapter=typed["adapter"] or None,
-        since=since,
-        error_contains=typed["error"] or None,
-        after_id=pages.as_id(_field(request, "after")),
-    )
-    if where.is_empty() and _field(request, "all") != "yes":
-        return where, typed, "no filter: give an adapter, since or error text, or tick 'every rejected row'"
-    return where, typed, None
+    """The inbox page's filters, from the form; no filter at all only when ticked."""
+    where, typed, problem = pages.inbox_filter(lambda name: _field(request, name))
+    if problem is None and where.is_empty() and _field(request, "all") != "yes":
+        problem = "no filter: give an adapter, since or error text, or tick 'every rejected row'"
+    return where, typed, problem
 
 
 def routes() -> list[Route]:

@@ -86,3 +86,9 @@ def templates() -> jinja2.Environment:
     env.filters["utc"] = utc
     env.filters["age"] = age
     return env
+
+
+def console_of(request: Request) -> Console:
+    """The console a request is served by (the app's state)."""
+    console: Console = request.app.state.console
+    return console

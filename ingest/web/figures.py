@@ -26,9 +26,7 @@ from backhalf.console_views import MinuteFigures
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded
 from backhalf.heartbeats import ProcessRow
-from ingest.adapters.factory import acked_by
 from ingest.config import Settings
-from ingest.errors import ConfigError
 from ingest.observe import status
 
 TTL_S = 1.5
@@ -45,30 +43,18 @@ class Overview:
     processes: Sequence[ProcessRow]
 
 
-def _own_acked(settings: Settings) -> list[str]:
-    """Adapters whose ingester acks (AMQP): their owed acks are counted from the inbox."""
-    names = []
-    for cfg in settings.adapters:
-        try:
-            if acked_by(cfg) == "consumer":
-                names.append(cfg.name)
-        except ConfigError:  # its client is missing: its broker view says so
-            continue
-    return names
-
-
 async def read_overview(engine: AsyncEngine, settings: Settings) -> Overview:
     deadline_ms = settings.database.transaction_deadline_ms
     async with within_deadline(engine.connect(), deadline_ms, "reading the overview") as conn:
         rows = {r.name: r for r in await registry.list_adapters(conn)}
         minutes = await console_views.recent_minutes(conn, detail=False)
-        owed = await backlog.ack_backlog(conn, _own_acked(settings))
+        owed = await backlog.ack_backlog(
+            conn, [cfg.name for cfg in settings.adapters if status.acked_by_ingester(cfg)]
+        )
         active = await backlog.active_todos(conn)
         holder = await audit.ack_horizon_holder(conn)
         procs = await heartbeats.list_processes(conn)
-    by_adapter: dict[str, list[MinuteFigures]] = {}
-    for m in minutes:
-        by_adapter.setdefault(m.adapter, []).append(m)
+    by_adapter = console_views.by_adapter(minutes)
     counts = {name: _counts(row, by_adapter.get(name, []), owed.get(name)) for name, row in rows.items()}
     todos: dict[str, dict[str, int]] = {}
     for (queue, todo_status), n in active.items():

@@ -10,7 +10,7 @@ whole table: a million-row inbox costs a page what ten rows cost.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,17 +22,12 @@ from backhalf import console_views, heartbeats, inbox_views, todo_views, trace
 from backhalf.console_views import MinuteFigures
 from ingest.observe import inbox_text, status
 from ingest.observe.trail import ENTRY_ID, ack_command, offset, timeline
-from ingest.web.console import Console
+from ingest.web.console import console_of
 from schema import TODO_STATUSES
 
 PAGE_SIZE = 50
 CHART_COLUMNS = ("consumed", "deduplicated_inbox", "deduplicated_todo", "rejected", "acked")
 LATENCY_COLUMNS = ("ack_latency_p50_s", "ack_latency_p95_s", "ack_latency_p99_s")
-
-
-def _console(request: Request) -> Console:
-    console: Console = request.app.state.console
-    return console
 
 
 MAX_ID = 2**63 - 1  # bigint: a larger id names no row (and is no database error)
@@ -99,7 +94,7 @@ async def overview_fragment(request: Request) -> Response:
 
 
 async def _overview(request: Request, template: str) -> Response:
-    console = _console(request)
+    console = console_of(request)
     view = await console.overview.get()
     rows = [
         {
@@ -122,7 +117,7 @@ async def processes_fragment(request: Request) -> Response:
 
 
 async def _processes(request: Request, template: str) -> Response:
-    console = _console(request)
+    console = console_of(request)
     async with console.read("listing the processes") as conn:
         procs = await heartbeats.list_processes(conn)
     return console.page(request, template, procs=procs, failing=status.FAILING)
@@ -134,7 +129,7 @@ async def _processes(request: Request, template: str) -> Response:
 async def trail(request: Request) -> Response:
     """One search box: a key, a bare entry id, an inbox id (``inbox:ID`` or
     a bare number) or a todo id (``todo:ID``)."""
-    console = _console(request)
+    console = console_of(request)
     query = request.query_params.get("key", "").strip()
     found: list[trace.Trail] = []
     missing = None
@@ -179,11 +174,13 @@ def _trail_view(t: trace.Trail) -> dict[str, Any]:
 # -- inbox -------------------------------------------------------------------------------
 
 
-def inbox_filter(request: Request) -> tuple[inbox_views.ReplayFilter, dict[str, str], str | None]:
-    """The URL's filters (``adapter``, ``since``, ``error``, ``after``), the
-    same as it was typed (to fill the form), and what is wrong with them."""
-    q = request.query_params
-    typed = {name: q.get(name, "").strip() for name in ("adapter", "since", "error")}
+def inbox_filter(
+    field: Callable[[str], str],
+) -> tuple[inbox_views.ReplayFilter, dict[str, str], str | None]:
+    """The filters of the rejected inbox (``adapter``, ``since``, ``error``,
+    ``after``), read by ``field`` from a URL or a POSTed form; the same as
+    typed (to fill the form again), and what is wrong with them."""
+    typed = {name: field(name).strip() for name in ("adapter", "since", "error")}
     since = None
     problem = None
     if typed["since"]:
@@ -195,15 +192,15 @@ def inbox_filter(request: Request) -> tuple[inbox_views.ReplayFilter, dict[str, 
         adapter=typed["adapter"] or None,
         since=since,
         error_contains=typed["error"] or None,
-        after_id=_int_param(request, "after"),
+        after_id=as_id(field("after")),
     )
     return where, typed, problem
 
 
 async def inbox(request: Request) -> Response:
-    console = _console(request)
+    console = console_of(request)
     wanted = request.query_params.get("status", "rejected")
-    where, typed, problem = inbox_filter(request)
+    where, typed, problem = inbox_filter(lambda name: request.query_params.get(name, ""))
     if wanted != "rejected":
         problem = f"status {wanted!r}: the console lists rejected rows (status=rejected); trace finds any row"
     rows: list[Any] = []
@@ -231,7 +228,7 @@ async def inbox(request: Request) -> Response:
 
 
 async def inbox_row(request: Request) -> Response:
-    console = _console(request)
+    console = console_of(request)
     inbox_id = path_id(request, "inbox_id")
     row = None
     if inbox_id is not None:
@@ -256,7 +253,7 @@ async def inbox_row(request: Request) -> Response:
 
 
 async def todos(request: Request) -> Response:
-    console = _console(request)
+    console = console_of(request)
     q = request.query_params
     queue = q.get("queue", "").strip() or None
     wanted = q.get("status", "").strip() or None
@@ -288,14 +285,14 @@ async def todos(request: Request) -> Response:
 async def todo(request: Request) -> Response:
     todo_id = path_id(request, "todo_id")
     if todo_id is None:
-        return _console(request).page(request, "error.html", status_code=404, message="no such todo")
+        return console_of(request).page(request, "error.html", status_code=404, message="no such todo")
     return await todo_page(request, todo_id)
 
 
 async def todo_page(
     request: Request, todo_id: int, notice: str | None = None, refused: str | None = None
 ) -> Response:
-    console = _console(request)
+    console = console_of(request)
     async with console.read("reading a todo") as conn:
         detail = await todo_views.get_todo(conn, todo_id)
         history = await todo_views.history(conn, todo_id) if detail is not None else []
@@ -317,12 +314,10 @@ async def todo_page(
 
 
 async def charts(request: Request) -> Response:
-    console = _console(request)
+    console = console_of(request)
     async with console.read("reading the charts") as conn:
         minutes = await console_views.recent_minutes(conn)
-    by_adapter: dict[str, list[MinuteFigures]] = {}
-    for m in minutes:
-        by_adapter.setdefault(m.adapter, []).append(m)
+    by_adapter = console_views.by_adapter(minutes)
     adapters = [
         {
             "name": name,

@@ -83,6 +83,13 @@ def _wait_rows(db_url: str, n: int, where: str = "true") -> None:
     )
 
 
+def _stop_all(procs: Processes) -> None:
+    """Every process still running stopped gracefully, each with a clean exit."""
+    for proc in procs.all:
+        if proc.alive():
+            assert_clean_exit(proc, proc.stop())
+
+
 def _expect_refusal_logged(problems: PageProblems, status: int, path: str) -> None:
     """A refusal's page is answered with its status (409, 401), which Chromium
     logs as a failed load: exactly that one, then nothing else is allowed."""
@@ -100,9 +107,7 @@ def _stack(
         procs.start("ack", ingest_config, name="ack-1")
     url = _start_web(procs, web_config)
     yield url, ingester, web_config
-    for proc in procs.all:
-        if proc.alive():
-            assert_clean_exit(proc, proc.stop())
+    _stop_all(procs)
 
 
 @pytest.fixture
@@ -412,8 +417,7 @@ def test_read_only_shows_no_action_and_refuses_every_post(
     assert scalar(db_url, "SELECT status FROM todos") == "pending"
     assert scalar(db_url, "SELECT enabled FROM adapters") is True
     assert scalar(db_url, "SELECT status FROM inbox WHERE id = %(id)s", {"id": inbox_id}) == "rejected"
-    for proc in procs.all:
-        assert_clean_exit(proc, proc.stop())
+    _stop_all(procs)
     page_problems.assert_clean()
 
 
@@ -508,9 +512,7 @@ def test_a_login_that_may_not_write_makes_the_console_read_only(
         assert answer.status == 403
         assert "read-only" in answer.text()
         assert scalar(rdb.admin_url, "SELECT status FROM todos") == "pending"
-        for proc in procs.all:
-            if proc.alive():
-                assert_clean_exit(proc, proc.stop())
+        _stop_all(procs)
 
         operator_config = write_config(
             tmp_path / "operator.toml",
@@ -524,9 +526,7 @@ def test_a_login_that_may_not_write_makes_the_console_read_only(
         page.get_by_test_id("todo-cancel").click()
         expect(page.get_by_test_id("todo-status")).to_have_text("cancelled")
         assert scalar(rdb.admin_url, "SELECT status FROM todos") == "cancelled"
-        for proc in procs.all:
-            if proc.alive():
-                assert_clean_exit(proc, proc.stop())
+        _stop_all(procs)
     page_problems.assert_clean()
 
 
