@@ -141,10 +141,14 @@ def test_an_unauthentic_delivery_is_401_and_stores_nothing(
         body = _body(5)
     elif case == "wrong secret":
         headers = standard_headers("whsec_" + "QUJD" * 8, "msg_4", body)
+    # Past the 300 s tolerance by a margin: the header carries whole seconds
+    # (floored), and the request reaches the receiver a moment later, so a
+    # second beyond it was within it on a loaded machine (seen in a full
+    # run: the "future" delivery was stored).
     elif case == "stale":
-        headers = standard_headers(STANDARD_SECRET_NEW, "msg_4", body, at=time.time() - 301)
+        headers = standard_headers(STANDARD_SECRET_NEW, "msg_4", body, at=time.time() - 330)
     elif case == "future":
-        headers = standard_headers(STANDARD_SECRET_NEW, "msg_4", body, at=time.time() + 301)
+        headers = standard_headers(STANDARD_SECRET_NEW, "msg_4", body, at=time.time() + 330)
     elif case == "no signature":
         del headers["webhook-signature"]
     elif case == "v1a only":
