@@ -5,8 +5,7 @@ Both are read every ``[metrics] refresh_interval_ms``, so both stay cheap
 however large the tables grow: ``ack_queue`` holds only acks still owed, the
 inbox rows an ack cursor has not passed yet are read from where it stands, and
 the active todos are counted through the partial indexes that hold exactly
-them (``ix_todos_pending``, ``ix_todos_dispatched_at``,
-``ix_todos_running_lease``), never over the finished ones.
+them (``ix_todos_claimable``, ``ix_todos_running_lease``), never over the finished ones.
 """
 
 from __future__ import annotations

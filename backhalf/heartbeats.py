@@ -4,8 +4,8 @@ and the reading of them that ``switchboard status`` reports.
 A process is *alive* while its row is fresh (seen within ``ttl_s``) and not
 stopped, and *stuck* when fresh but its own loops are not (``detail.healthy``
 false: it beats, but a loop hangs), *failing* when fresh but a server it
-needs has failed every try for a while (``detail.failing``: dramatiq's
-Redis for the relay or the workers, named with the error). It is *dead* when its row is neither
+needs has failed every try for a while (``detail.failing``, named with the
+error). It is *dead* when its row is neither
 stopped nor fresh and no newer process of the same role, on the same host
 and in the same *slot* (``detail.slot``: what it serves, say the adapters
 and consumer names of an ingester, so ``ingest@2``'s restart does not hide

@@ -6,8 +6,8 @@ adapter and queue names come from the config, ``reason`` and ``error`` from
 :func:`reason_of` and :func:`error_class`, never from message content.
 
 Each process exports what it does: ``ingest`` the consume/store counters and
-the broker's backlog, ``ack`` the acks, the dispatch relay and the database's
-backlog (pending acks, active todos), ``worker`` the todos finished. The
+the broker's backlog, ``ack`` the acks, the rescuer and the database's
+backlog (pending acks, active todos), ``worker`` the todos claimed and finished. The
 objects live in prometheus_client's default registry. A process whose
 ``[metrics] port`` is 0 counts nothing on its hot paths (:func:`switch_on`
 is never called; each such call site asks :func:`on` first, one global read
@@ -107,7 +107,7 @@ PROCESSING_LENGTH = Gauge(
     ["adapter"],
 )
 
-# ack (and its dispatch relay)
+# ack (and its rescuer)
 ACKED = Counter("switchboard_acks_total", "Broker acks sent for committed intents.", ["adapter"])
 ACK_SECONDS = Histogram(
     "switchboard_ack_duration_seconds",
@@ -118,12 +118,9 @@ ACK_SECONDS = Histogram(
 ACK_BATCH = Histogram(
     "switchboard_ack_batch_size", "Intents acked per drain.", ["adapter"], buckets=_BATCH_BUCKETS
 )
-DISPATCHED = Counter(
-    "switchboard_todos_dispatched_total", "Todos handed to dramatiq by the relay.", ["queue"]
-)
 RESCUED = Counter(
     "switchboard_todos_rescued_total",
-    "Stuck todos the rescuer moved: to_status=dispatched (again) or failed (no attempt left).",
+    "Claims whose lease lapsed, moved by the rescuer: to_status=pending (again) or failed (no attempt left).",
     ["queue", "to_status"],
 )
 PENDING_ACKS = Gauge("switchboard_pending_acks", "Committed ack intents not yet acked.", ["adapter"])
@@ -141,12 +138,8 @@ FINISHED = Counter(
     " (exported by the process that ended them; operators' cancels are in todo_events only).",
     ["queue", "status"],
 )
-MESSAGES_REFUSED = Counter(
-    "switchboard_worker_messages_refused_total",
-    "dramatiq messages a worker refused without running a handler or retrying them: not one todo id"
-    " (bad_arguments), not this worker's (other_queue), a todo of another queue (todo_of_another_queue),"
-    " or a start the database refused for its data (start_refused).",
-    ["queue", "reason"],
+CLAIMED = Counter(
+    "switchboard_todos_claimed_total", "Todos a worker claimed (each claim counts an attempt).", ["queue"]
 )
 ATTEMPTS_FAILED = Counter(
     "switchboard_todo_attempts_failed_total", "Handler runs that raised (retried or final).", ["queue"]

@@ -22,6 +22,9 @@ from typing import LiteralString
 
 # Channel the acker LISTENs on; NOTIFY is delivered only when the store commits.
 ACK_CHANNEL = "switchboard_ack"
+# Channel the workers LISTEN on: todos are due (created, given back, rescued,
+# retried); the payload is the queue.
+TODO_CHANNEL = "switchboard_todos"
 
 _NAME = re.compile(r"-- name: (?P<name>[a-z][a-z0-9_]*)\s*")
 
@@ -88,7 +91,7 @@ STORE_BODY = _with(
     then="store_result",
 )
 DELETE_EVENTS = _block("delete_events")
-NOTIFY_ACKER = _block("notify_acker")
+NOTIFY_STORE = _block("notify_store")
 
 # Todos (backhalf.todos): one todo created or deduped (inbox replay), and the
 # store's undo of the todos it created for messages stored already.
@@ -113,13 +116,13 @@ CURSOR_ACKS = _with("ack_horizon_cte", "cursor_acks_cte", then="cursor_acks")
 RESET_ACK_CURSOR = _block("reset_ack_cursor")
 MARK_CURSOR_ACKS = _block("mark_cursor_acks")
 
-# The todo lifecycle (backhalf.todos): the relay, the workers, the rescuer,
-# the operator's cancel and retry.
-CLAIM_PENDING_TODOS = _block("claim_pending_todos")
-MARK_DISPATCHED = _block("mark_dispatched")
-WRITE_STATES = _block("write_states")
+# The todo lifecycle (backhalf.todos): the workers' claims, ends and leases,
+# the rescuer, the operator's cancel and retry.
+CLAIM_TODOS = _block("claim_todos")
+END_RUNS = _block("end_runs")
 EXTEND_LEASES = _block("extend_leases")
 RESCUE_TODOS = _block("rescue_todos")
+NOTIFY_WORKERS = _block("notify_workers")
 CANCEL_TODOS = _block("cancel_todos")
 RETRY_TODOS = _block("retry_todos")
 RELEASE_ACKS = _block("release_acks")

@@ -294,9 +294,13 @@ WITH gone AS (DELETE FROM todo_events WHERE todo_id = ANY(%(ids)b::int8[]))
 DELETE FROM todos WHERE id = ANY(%(ids)b::int8[])
 
 
--- name: notify_acker
--- Delivered to the acker's LISTEN only when the store's transaction commits.
-SELECT pg_notify(%(channel)s, %(adapter)s)
+-- name: notify_store
+-- Delivered only when the store's transaction commits: the acker's LISTEN
+-- when acks are owed, the workers' when todos were created (their claim
+-- reads the committed rows). One round trip for both; a branch whose flag
+-- is false sends nothing.
+SELECT CASE WHEN %(acks)s THEN pg_notify(%(ack_channel)s, %(adapter)s) END,
+       CASE WHEN %(todos)s THEN pg_notify(%(todo_channel)s, %(queue)s) END
 
 
 -- name: replay_row_cte
@@ -585,163 +589,128 @@ ORDER BY i.id
 FOR UPDATE
 
 
--- The todo lifecycle (backhalf.todos): pending -> dispatched -> running ->
--- done, or back to dispatched for a retry, or failed after the last
--- attempt; any active state -> cancelled; failed or cancelled -> pending (an
--- operator's retry). Every change writes its todo_events row in the same
--- statement, so each todo's rows are one continuous path.
+-- The todo lifecycle (backhalf.todos): the todos table is the workers'
+-- queue (DESIGN.md section 7b). pending -> running (a worker's claim) ->
+-- done, or back to pending to wait out a retry's backoff (run_after), or
+-- failed after the last attempt; running -> pending (or failed) when its
+-- lease lapses (the rescuer); any active state -> cancelled; failed or
+-- cancelled -> pending (an operator's retry). Every change writes its
+-- todo_events row in the same statement, so each todo's rows are one
+-- continuous path. 'dispatched' is on rows an older version (the dramatiq
+-- relay) left: claimed like 'pending'.
 
--- name: claim_pending_todos
--- The dispatch relay's claim: committed pending todos of the queues it
--- serves, up to ``limit`` of each queue, oldest first, locked until its
--- transaction has enqueued them and marked them dispatched. SKIP LOCKED:
--- relays running at once split the work.
+-- name: claim_todos
+-- A worker process's claim: up to ``limit`` due todos of the queues it
+-- serves, as many as its free threads can start now (plus a small
+-- prefetch), marked running with their attempt counted, a lease of
+-- ``lease_s`` and a run token of their own, each with its todo_events row,
+-- in one statement: its own transaction on the worker's autocommit
+-- connection. SKIP LOCKED: worker processes claiming at once split the work.
 --
--- One walk of ``ix_todos_pending`` (queue, id; pending rows only) per
--- queue, by equality, so each stops at its limit and never reads a
--- finished todo. Written as one walk over all the queues in id order
--- (queue = ANY(...) ORDER BY id), PostgreSQL with statistics chose the
--- primary key instead and filtered every retained done todo out: 110 ms a
--- claim over 200,000 of them, against about 1 ms. A limit per queue also
--- keeps one queue's backlog from holding the others' todos back.
-SELECT t.id, t.queue
-FROM unnest(%(queues)b::text[]) AS q(name)
-CROSS JOIN LATERAL (
-    SELECT id, queue FROM todos
-    WHERE status = 'pending' AND queue = q.name
-    ORDER BY id
+-- One walk of ``ix_todos_claimable`` (queue, run_after, id; claimable rows
+-- only) per queue, by equality on the queue and a range on run_after, in
+-- the index's own order: it stops at its limit, never reads a finished todo
+-- nor a retry still waiting out its backoff, whatever the statistics say.
+-- The queues are walked in the order given (the worker rotates it, so no
+-- queue's backlog starves another's); the outer LIMIT stops the walk, and
+-- only the rows it returns are locked.
+--
+-- The update reaches its rows by ``id = ANY(ARRAY(...))``: an index probe
+-- per row under any plan. Joined to the claimed rows alone, a generic plan
+-- guessed LIMIT $n at a tenth of the table and hashed the whole primary key
+-- (DESIGN.md section 7b). The join to ``picked`` is for the old status,
+-- which todo_events records.
+WITH picked AS (
+    SELECT c.id, c.status
+    FROM unnest(%(queues)b::text[]) AS q(name)
+    CROSS JOIN LATERAL (
+        SELECT id, status FROM todos
+        WHERE queue = q.name AND status IN ('pending', 'dispatched') AND run_after <= now()
+        ORDER BY run_after, id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) AS c
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-) AS t
-
-
--- name: mark_dispatched
--- After the enqueue, in the claim's transaction: a crash before the commit
--- rolls the rows back to pending and they are enqueued again (the worker
--- skips what is no longer to run). ``status = 'pending'``: a todo a worker
--- already started (its message overtook this commit) is left as it is.
-WITH marked AS (
-    UPDATE todos SET status = 'dispatched', dispatched_at = now(), updated_at = now()
-    WHERE id = ANY(%(ids)b::int8[]) AND status = 'pending'
-    RETURNING id
+), claimed AS (
+    UPDATE todos t
+    SET status = 'running', attempts = t.attempts + 1, run_token = gen_random_uuid(),
+        lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
+    FROM picked p
+    WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) AND p.id = t.id
+    RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.run_token, p.status AS from_status
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
-    SELECT id, 'pending', 'dispatched', %(detail)s FROM marked
+    SELECT id, from_status, 'running', %(detail)s FROM claimed ORDER BY id
 )
-SELECT count(*) FROM marked
+SELECT id, queue, payload::text, idempotency_key, attempts, run_token FROM claimed ORDER BY id
 
 
--- name: write_states
--- The workers' state changes, a batch of them in one statement (every
--- worker thread of a process hands its changes to one writer,
--- backhalf.state_writer): runs ended, and todos started. One statement, so
+-- name: end_runs
+-- The workers' ends, a batch of them in one statement (every worker thread
+-- of a process hands its ends to one writer, backhalf.state_writer), so
 -- that a batch with no ack to release is one round trip and one implicit
 -- transaction on an autocommit connection.
 --
--- A start names the queue whose actor received the message, and takes only
--- a todo of that queue: a dramatiq message is a hint, never an authority
--- (a message naming another queue's todo is answered 'foreign' and runs no
--- handler; docs/workers.md, "The message is a hint").
---
--- A start takes its todo only if it is still to run (pending, dispatched,
--- or running on a lease that expired, its worker dead, with attempts left:
--- one without is the rescuer's to fail); otherwise its message is skipped (a
--- redelivery, a rescued copy, a finished or cancelled todo). The attempt is
--- counted here, before the handler runs, so a run the worker dies in counts
--- too. Each start brings its own run token (``run_token``): a start written
--- again because its first commit's reply was lost finds the todo running
--- under its own token and is answered as started, not skipped (which would
--- leave its attempt counted and its handler never run).
---
--- An end (done, failed on its last attempt, or dispatched again for
--- dramatiq's retry after its backoff) applies only if its run still holds
+-- An end (done; failed on its last attempt; pending again for a retry,
+-- due after its backoff, ``delay_s``) applies only if its run still holds
 -- the todo: running, on its run's token. A cancelled todo, or one rescued
--- or retried and started again meanwhile, keeps its state and the late
--- result is discarded. An end marked ``unrun`` gives back a claim whose
--- handler never ran (a message the worker had fetched and claimed, then
--- requeued as it stopped): dispatched again, its attempt not counted.
+-- and claimed again meanwhile, keeps its state and the late result is
+-- discarded. An end marked ``unrun`` gives back a claim whose handler never
+-- ran (the worker stopping with it claimed): pending and due now, its
+-- attempt not counted.
 --
--- Every id of a batch is distinct, ends and starts together (the writer
--- defers a second change of a todo to its next batch): one statement
--- updates each row once. No change waits for a row another transaction
--- holds (SKIP LOCKED; answered 'busy', and asked again by the writer a
--- little later): nearly always the relay, whose message overtook its
--- commit, or the rescuer. Waiting would hold up every other change of the
--- batch, and every batch behind it, and could deadlock with a store that
--- locks the same todos in key order. The answer has a row per start, and
--- one per end that held its todo or found it busy.
+-- Every id of a batch is distinct (the writer defers a second change of a
+-- todo to its next batch): one statement updates each row once. No end
+-- waits for a row another transaction holds (SKIP LOCKED; answered 'busy',
+-- and asked again by the writer a little later): an operator's cancel, the
+-- rescuer, or a store deduping a message to the todo. Waiting would hold up
+-- every other end of the batch, and every batch behind it. The answer has
+-- one row per end that held its todo or found it busy.
 WITH e AS (
-    SELECT * FROM unnest(%(end_ids)b::int8[], %(end_tokens)b::uuid[], %(to_status)b::text[],
-                         %(errors)b::text[], %(details)b::text[], %(unrun)b::bool[])
-        AS e(id, token, to_status, error, detail, unrun)
-), s AS (
-    SELECT * FROM unnest(%(start_ids)b::int8[], %(start_queues)b::text[], %(start_tokens)b::uuid[],
-                         %(lease_s)b::float8[], %(max_attempts)b::int4[])
-        AS s(id, queue, token, lease_s, max_attempts)
+    SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(to_status)b::text[],
+                         %(errors)b::text[], %(details)b::text[], %(unrun)b::bool[], %(delay_s)b::float8[])
+        AS e(id, token, to_status, error, detail, unrun, delay_s)
 ), locked AS (
-    SELECT t.id, t.queue, t.status, t.lease_until, t.attempts, t.run_token FROM todos t
-    WHERE t.id IN (SELECT id FROM e UNION ALL SELECT id FROM s)
+    SELECT t.id FROM todos t
+    WHERE t.id IN (SELECT id FROM e)
     ORDER BY t.id
     FOR UPDATE SKIP LOCKED
 ), changed AS (
     UPDATE todos t
-    SET status = coalesce(e.to_status, 'running'),
-        attempts = t.attempts + CASE WHEN s.id IS NOT NULL THEN 1 WHEN e.unrun THEN -1 ELSE 0 END,
-        rescues = CASE WHEN s.id IS NULL THEN t.rescues ELSE 0 END,
-        lease_until = CASE WHEN s.id IS NULL THEN NULL
-                           ELSE now() + make_interval(secs => s.lease_s) END,
-        run_token = CASE WHEN s.id IS NULL THEN NULL ELSE s.token END,
+    SET status = e.to_status,
+        attempts = t.attempts - CASE WHEN e.unrun THEN 1 ELSE 0 END,
+        lease_until = NULL,
+        run_token = NULL,
         last_error = coalesce(e.error, t.last_error),
-        dispatched_at = CASE WHEN e.to_status = 'dispatched' THEN now() ELSE t.dispatched_at END,
+        run_after = CASE WHEN e.to_status = 'pending' THEN now() + make_interval(secs => e.delay_s)
+                         ELSE t.run_after END,
         updated_at = now()
-    FROM locked l LEFT JOIN e ON e.id = l.id LEFT JOIN s ON s.id = l.id
-    WHERE t.id = l.id
-      AND ((e.id IS NOT NULL AND l.status = 'running' AND l.run_token = e.token)
-           OR (s.id IS NOT NULL AND s.queue = l.queue
-               AND (l.status IN ('pending', 'dispatched')
-                    OR (l.status = 'running' AND l.lease_until < now() AND l.attempts < s.max_attempts
-                        AND l.run_token IS DISTINCT FROM s.token))))
-    RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.lease_until,
-              CASE WHEN s.id IS NULL THEN e.detail ELSE %(start_detail)s END AS detail,
-              l.status AS from_status, t.status AS to_status
+    FROM e JOIN locked l ON l.id = e.id
+    WHERE t.id = e.id AND t.status = 'running' AND t.run_token = e.token
+    RETURNING t.id, e.to_status, e.detail
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
-    SELECT id, from_status, to_status, detail FROM changed ORDER BY id
+    SELECT id, 'running', to_status, detail FROM changed ORDER BY id
 )
--- Per start: the run it began (changed), or the run it began already (its
--- token on a running todo: this start written again after a lost reply).
-SELECT s.id, coalesce(c.queue, mine.queue), coalesce(c.payload, mine.payload)::text,
-       coalesce(c.idempotency_key, mine.idempotency_key), coalesce(c.attempts, mine.attempts),
-       coalesce(c.lease_until, mine.lease_until),
-       CASE WHEN l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id = s.id) THEN 'busy'
-            WHEN l.queue <> s.queue THEN %(foreign)s
-            ELSE l.status END AS found
-FROM s
-LEFT JOIN locked l ON l.id = s.id
-LEFT JOIN changed c ON c.id = s.id
-LEFT JOIN todos mine ON c.id IS NULL AND l.status = 'running' AND l.run_token = s.token
-                        AND l.queue = s.queue AND mine.id = s.id
-UNION ALL
-SELECT e.id, NULL, NULL, NULL, NULL, NULL,
-       CASE WHEN c.id IS NOT NULL THEN 'ended' ELSE 'busy' END
+SELECT e.id, CASE WHEN c.id IS NOT NULL THEN 'ended' ELSE 'busy' END
 FROM e LEFT JOIN locked l ON l.id = e.id LEFT JOIN changed c ON c.id = e.id
 WHERE c.id IS NOT NULL OR (l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id = e.id))
 
 
 -- name: extend_leases
--- Claimed todos whose messages wait in the worker's prefetch get their
--- leases again from now (docs/workers.md, "Claimed at fetch"): only their
--- own run's, still running. No state change, so no todo_events row. Rare
--- (a queue whose handlers are slow), so a statement of its own. Like
--- write_states it waits for no row another transaction holds (the
--- rescuer's, a cancel's): such a row is answered 'busy'; the others
--- 'extended', or 'lost' (rescued or cancelled meanwhile: not to run).
+-- The worker's heartbeat extends the leases of every claim it holds, run
+-- or waiting for a thread (docs/workers.md, "Leases"): only their own
+-- run's, still running. No state change, so no todo_events row. Like
+-- end_runs it waits for no row another transaction holds (the rescuer's, a
+-- cancel's): such a row is answered 'busy'; the others 'extended', or
+-- 'lost' (rescued or cancelled meanwhile: a claim not started yet is not
+-- run).
 WITH x AS (
-    SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(lease_s)b::float8[]) AS x(id, token, lease_s)
+    SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[]) AS x(id, token)
 ), locked AS (
     SELECT t.id FROM todos t WHERE t.id IN (SELECT id FROM x) ORDER BY t.id FOR UPDATE SKIP LOCKED
 ), extended AS (
-    UPDATE todos t SET lease_until = now() + make_interval(secs => x.lease_s)
+    UPDATE todos t SET lease_until = now() + make_interval(secs => %(lease_s)s)
     FROM x JOIN locked l ON l.id = x.id
     WHERE t.id = x.id AND t.status = 'running' AND t.run_token = x.token
     RETURNING t.id
@@ -751,42 +720,42 @@ FROM x LEFT JOIN locked l ON l.id = x.id LEFT JOIN extended e ON e.id = x.id
 
 
 -- name: rescue_todos
--- Stuck work: running past its lease (its worker was killed), or dispatched
--- with no progress for longer than the queue's ``stale_s`` (its dramatiq
--- message was lost), doubled for each time it was dispatched again already
--- (``rescues``, up to 1024 times): a todo merely waiting behind a backlog, or
--- for workers that are away, gets a few copies of its message, not one per
--- interval. Each is dispatched again by the rescuer's transaction,
--- which enqueues it before it commits; a running one whose attempts are used
--- up is failed instead (its attempt was counted when it started). Locked
--- with SKIP LOCKED, so rescuers running at once never take the same todo.
+-- Claims whose lease lapsed: their worker was killed, cut off, or stopped
+-- without giving them back, whether their handler had started or not. Each
+-- goes back to pending, due now (its attempt was counted by its claim), or
+-- to failed when that was its last attempt; never run twice at once, as
+-- its lease was extended for as long as its worker's heartbeat beat.
+-- Through ``ix_todos_running_lease``: the running rows only, oldest lease
+-- first. Locked with SKIP LOCKED, so rescuers running at once never take
+-- the same todo.
 WITH q AS (
-    SELECT * FROM unnest(%(queues)b::text[], %(max_attempts)b::int4[], %(stale_s)b::float8[])
-        AS q(queue, max_attempts, stale_s)
+    SELECT * FROM unnest(%(queues)b::text[], %(max_attempts)b::int4[]) AS q(queue, max_attempts)
 ), stuck AS (
-    SELECT t.id, t.status, t.attempts, q.max_attempts FROM todos t JOIN q ON q.queue = t.queue
-    WHERE (t.status = 'running' AND t.lease_until < now())
-       OR (t.status = 'dispatched'
-           AND t.dispatched_at < now() - make_interval(secs => q.stale_s * power(2, least(t.rescues, 10))))
-    ORDER BY t.id
+    SELECT t.id, t.attempts, q.max_attempts FROM todos t JOIN q ON q.queue = t.queue
+    WHERE t.status = 'running' AND t.lease_until < now()
+    ORDER BY t.lease_until
     LIMIT %(limit)s
     FOR UPDATE OF t SKIP LOCKED
 ), moved AS (
     UPDATE todos t
-    SET status = CASE WHEN s.status = 'running' AND s.attempts >= s.max_attempts THEN 'failed'
-                      ELSE 'dispatched' END,
-        lease_until = NULL, dispatched_at = now(), updated_at = now(),
-        rescues = CASE WHEN s.status = 'dispatched' THEN t.rescues + 1 ELSE 0 END,
-        last_error = CASE WHEN s.status = 'running' THEN %(lease_error)s ELSE t.last_error END
+    SET status = CASE WHEN s.attempts >= s.max_attempts THEN 'failed' ELSE 'pending' END,
+        lease_until = NULL, run_token = NULL, run_after = now(), updated_at = now(),
+        last_error = %(lease_error)s
     FROM stuck s WHERE t.id = s.id
-    RETURNING t.id, t.queue, s.status AS from_status, t.status AS to_status
+    RETURNING t.id, t.queue, t.status AS to_status
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
-    SELECT id, from_status, to_status,
-           CASE WHEN from_status = 'running' THEN %(lease_detail)s ELSE %(stale_detail)s END
-    FROM moved
+    SELECT id, 'running', to_status, %(lease_detail)s FROM moved ORDER BY id
 )
 SELECT id, queue, to_status FROM moved
+
+
+-- name: notify_workers
+-- Wakes the workers that serve these queues (their LISTEN), delivered only
+-- when the caller's transaction commits: todos created, given back, rescued
+-- or retried are due now. Worker processes that serve none of these queues
+-- wake, find nothing to claim and wait again.
+SELECT count(pg_notify(%(channel)s, q)) FROM (SELECT DISTINCT q FROM unnest(%(queues)b::text[]) AS u(q)) AS d
 
 
 -- name: cancel_todos
@@ -818,15 +787,15 @@ WITH old AS (
     ORDER BY id
     FOR UPDATE
 ), retried AS (
-    UPDATE todos t SET status = 'pending', attempts = 0, lease_until = NULL, dispatched_at = NULL,
+    UPDATE todos t SET status = 'pending', attempts = 0, lease_until = NULL, run_after = now(),
                        updated_at = now()
     FROM old WHERE t.id = old.id
-    RETURNING t.id, old.status AS from_status
+    RETURNING t.id, t.queue, old.status AS from_status
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
     SELECT id, from_status, 'pending', %(detail)s FROM retried
 )
-SELECT id FROM retried
+SELECT id, queue FROM retried
 
 
 -- name: release_acks

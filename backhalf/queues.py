@@ -1,6 +1,6 @@
 """``[queues.NAME]``: the todo queues the workers serve (DESIGN.md section
-7). Parsed and checked by ``ingest.config``; read by the dispatch relay and
-rescuer (``backhalf.dispatch``) and the workers (``backhalf.worker``)."""
+7). Parsed and checked by ``ingest.config``; read by the rescuer
+(``backhalf.rescue``) and the workers (``backhalf.worker``)."""
 
 from __future__ import annotations
 
@@ -23,23 +23,11 @@ class QueueConfig:
     time_limit_ms: int = 600_000  # a run past it is stopped (dramatiq's TimeLimit) and fails
     min_backoff_ms: int = 1_000  # retry delays, dramatiq's exponential backoff
     max_backoff_ms: int = 60_000
-    # A running todo's lease is time_limit_ms plus this: a todo still running
-    # past it (its worker killed) is rescued and dispatched again.
-    lease_margin_ms: int = 30_000
-    dramatiq_queue: str = ""  # default: the queue's name
     # Retention (the acker's pruner, `switchboard prune`): done and cancelled
     # todos, and failed ones (kept longer: operators retry them), deleted with
     # their todo_events this many days after their last change. None: kept.
     retain_done_days: float | None = None
     retain_failed_days: float | None = None
-
-    @property
-    def lease_ms(self) -> int:
-        return self.time_limit_ms + self.lease_margin_ms
-
-    @property
-    def broker_queue(self) -> str:
-        return self.dramatiq_queue or self.name
 
     @property
     def actor_name(self) -> str:

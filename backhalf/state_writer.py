@@ -1,42 +1,41 @@
-"""One writer per worker process for the todos' state changes: a group commit.
+"""One writer per worker process for the ends of its runs: a group commit.
 
-Every run of a todo changes its state twice (started, then done, failed or
-dispatched for a retry), each durably, before the worker moves on. Done one
-transaction per change from each worker thread, that is two commits, two
-pool checkouts and their round trips per todo, several times dramatiq's own
+Every run of a todo ends durably (done, failed, or pending again for its
+retry), and its worker's claims have their leases extended while they run.
+Done one transaction per change from each worker thread, that is a commit, a
+pool checkout and their round trips per todo, several times dramatiq's own
 cost per message (docs/architecture.md, "The workers' group commit").
 
-Here each worker thread hands its change to the process's writer and waits
-for the answer; the writer takes every change queued meanwhile and writes
-them as one statement (``write_states``) on one autocommit connection: one
-round trip and one commit for the batch (two statements in a transaction
-when an end must release broker acks, ``ack_after = "complete"``). A change
-is answered only after that commit: a start's run begins, and an end is
-reported, only once durable, exactly as with a transaction of its own. The
-batch is what queued while the last one committed (under load, up to 2 ms
-more, for the other threads), so a lone change waits for nothing and a busy
-process commits many at once.
+Here each worker thread hands its run's end to the process's writer and
+goes on to its next todo (:meth:`StateWriter.finish`: settled later, in the
+writer's thread, by a callback), or waits for it (:meth:`StateWriter.end`);
+the writer takes every end queued meanwhile and writes them as one
+statement (``end_runs``) on one autocommit connection: one round trip and
+one commit for the batch (two statements in a transaction when an end must
+release broker acks, ``ack_after = "complete"``, or gives a claim back).
+The batch is what queued while the last one committed (under load, up to
+2 ms more, for the other threads), so a lone end waits for nothing and a
+busy process commits many at once.
 
-No change waits for a row another transaction holds: the statement skips
-it and answers "busy", and the thread asks again a little later, for up to
-about 5 s (the relay, whose message overtook its commit, holds a row for
-milliseconds), then gets :class:`StoreError`, which dramatiq retries.
+No end waits for a row another transaction holds: the statement skips it
+and answers "busy", and the end is asked for again a little later, for up to
+about 5 s (an operator's cancel, the rescuer, or a store deduping to the
+todo hold a row for milliseconds), then given up with :class:`StoreError`:
+the todo stays running until its lease lapses and the rescuer puts it back.
 Waiting inside the batch would hold up every thread of the process.
 
 A batch that fails on the database (a connection lost, a failover) is
 written again after a short wait. That is safe even when the failure hid a
-commit that succeeded: each start carries its run's token, so a start
-written again finds its own run and is answered as started; an end written
-again finds its run ended and is answered as discarded (the state is right;
-only the log line says less). Once the retries are spent, each waiting
-thread gets :class:`StoreError`. A batch the database refuses for the data
-of a change in it (SQLSTATE classes 22 and 23, or the driver refusing a
-parameter) is not written again as it was: it is halved until the change is
-alone, which is answered :class:`ChangeRefused` (never retried), and every
-other change of the batch is written. A transaction that gets no answer within
-the deadline is cancelled by the watchdog; a thread that times out waiting
-for a change the writer has not taken yet withdraws it (a withdrawn change
-is never written).
+commit that succeeded: an end written again finds its run ended and is
+answered as discarded (the state is right; only the log line says less).
+Once the retries are spent, each end gets :class:`StoreError`. A batch the
+database refuses for the data of an end in it (SQLSTATE classes 22 and 23,
+or the driver refusing a parameter) is not written again as it was: it is
+halved until the end is alone, which is answered :class:`ChangeRefused`
+(never retried), and every other end of the batch is written. A transaction
+that gets no answer within the deadline is cancelled by the watchdog; a
+thread that times out waiting for an end the writer has not taken yet
+withdraws it (a withdrawn end is never written).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ import contextlib
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -74,16 +72,6 @@ LINGER_MS = 2.0
 BUSY_RETRY_DELAYS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 1.0, 1.0, 1.0)
 # How often the writer looks up from an empty queue (to notice close()).
 IDLE_WAKE_S = 1.0
-
-
-@dataclass(slots=True)
-class _Start:
-    request: todos.StartRequest  # its token is the run's, kept across retries of its batch
-    answer: Future[todos.Started] = field(default_factory=Future)
-
-    @property
-    def todo_id(self) -> int:
-        return self.request.todo_id
 
 
 class _Settle:
@@ -125,7 +113,7 @@ class _End:
 
 @dataclass(slots=True)
 class _Extend:
-    run: todos.Started
+    run: todos.Claimed
     lease_s: float
     answer: Future[bool | None] = field(default_factory=Future)  # None: busy
 
@@ -162,7 +150,7 @@ class StateWriter:
         self._linger_s = linger_ms / 1000
         self._deadline_s = deadline_ms / 1000
         self._max_batch = max_batch
-        self._queue: queue.SimpleQueue[_Start | _End | _Extend] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_End | _Extend] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._conn: PoolProxiedConnection | None = None
         # The running transaction (a sequence number) and its deadline
@@ -182,22 +170,9 @@ class StateWriter:
 
     # -- the worker threads' side ---------------------------------------------------------
 
-    def start(self, todo_id: int, queue: str, lease_s: float, max_attempts: int) -> todos.Started:
-        """Start todo ``todo_id`` of ``queue``, committed on return (``found``
-        says why not, if it is not to run: ``todos.FOREIGN`` for a todo of
-        another queue)."""
-        token = uuid.uuid4()  # one per run: a retry of its batch keeps it
-
-        def request() -> tuple[_Start, Future[todos.Started]]:
-            change = _Start(todos.StartRequest(todo_id, queue, token, lease_s, max_attempts))
-            return change, change.answer
-
-        return self._ask(request, lambda started: started.found == todos.BUSY, f"todo {todo_id}: starting it")
-
     def end(self, ending: todos.Ending) -> bool:
         """End a run, committed on return; False if the run no longer held
         its todo (its result is discarded)."""
-        assert ending.run.todo is not None
 
         def request() -> tuple[_End, Future[bool | None]]:
             answer: Future[bool | None] = Future()
@@ -208,29 +183,6 @@ class StateWriter:
         assert held is not None
         return held
 
-    def claim(self, requests: Sequence[todos.StartRequest]) -> list[todos.Started | None]:
-        """Start every todo of a batch of fetched messages at once, committed
-        on return, one answer per request in order; None where the start
-        failed (the database refused it, or was out of reach: its run tries
-        alone, :meth:`start`, and says why). A todo whose row another
-        transaction holds is answered ``found = BUSY`` and not asked again
-        here."""
-        changes = [_Start(r) for r in requests]
-        try:
-            for change in changes:
-                self._submit(change)
-        except StoreError:
-            for change in changes:
-                change.answer.cancel()  # withdrawn: never written
-            return [None] * len(changes)
-        answers: list[todos.Started | None] = []
-        for change in changes:
-            try:
-                answers.append(self._await(change.answer, f"todo {change.todo_id}: claiming it"))
-            except StoreError:  # ChangeRefused too
-                answers.append(None)
-        return answers
-
     def finish(self, ending: todos.Ending, settled: Settled) -> None:
         """End a run in the background: queued for the next batch, and
         ``settled`` called from the writer's thread once it is committed or
@@ -238,7 +190,6 @@ class StateWriter:
         does, from a timer). Never raises: a writer that is closed settles
         at once with the error. :meth:`close` waits for every background
         end to settle."""
-        assert ending.run.todo is not None
         with self._background_lock:
             self._background += 1
 
@@ -259,7 +210,6 @@ class StateWriter:
                 return
             self.busy_answers += 1
             if busy_tries >= len(BUSY_RETRY_DELAYS_S):
-                assert ending.run.todo is not None
                 held_elsewhere = f"todo {ending.run.todo.id}: its row stayed locked by another transaction"
                 settled(StoreError(held_elsewhere))
                 return
@@ -274,12 +224,13 @@ class StateWriter:
         except StoreError as exc:
             change.answer.set_exception(exc)
 
-    def extend(self, runs: Sequence[tuple[todos.Started, float]]) -> list[bool | None]:
-        """Each run's lease again from now (it waited in the prefetch after
-        its claim), committed on return: True if extended, False if the run
-        no longer holds its todo (rescued or cancelled while it waited: not
-        to run), None if another transaction held the row (not waited for)."""
-        changes = [_Extend(run, lease_s) for run, lease_s in runs]
+    def extend(self, runs: Sequence[todos.Claimed], lease_s: float) -> list[bool | None]:
+        """Each claim's lease again from now, ``lease_s`` seconds (the
+        worker's lease keeper, while its runs go on), committed on return:
+        True if extended, False if the run no longer holds its todo (rescued
+        or cancelled: a claim not started yet is not run), None if another
+        transaction held the row (not waited for: extended at the next beat)."""
+        changes = [_Extend(run, lease_s) for run in runs]
         for change in changes:
             self._submit(change)
         return [self._await(c.answer, "extending the lease of a claimed todo") for c in changes]
@@ -307,9 +258,7 @@ class StateWriter:
             answers.append(StoreError("its row was held by another transaction") if held is None else held)
         return answers
 
-    def _ask(
-        self, request: Callable[[], tuple[_Start | _End, Future[T]]], busy: Callable[[T], bool], what: str
-    ) -> T:
+    def _ask(self, request: Callable[[], tuple[_End, Future[T]]], busy: Callable[[T], bool], what: str) -> T:
         """Submit a change and wait for its answer, asking again after each
         "busy" (its row held by another transaction), for about 5 s."""
         for delay_s in (*BUSY_RETRY_DELAYS_S, None):
@@ -331,7 +280,7 @@ class StateWriter:
         """The longest a batch takes: every try within the deadline, plus the waits between them."""
         return self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S)
 
-    def _submit(self, request: _Start | _End | _Extend) -> None:
+    def _submit(self, request: _End | _Extend) -> None:
         if self._closing.is_set():
             raise StoreError("the worker is stopping: its state writer is closed")
         self._queue.put(request)
@@ -421,71 +370,66 @@ class StateWriter:
                     if not request.answer.done():
                         request.answer.set_exception(failure)
 
-    def _write(self, batch: list[_Start | _End | _Extend]) -> None:
+    def _write(self, batch: list[_End | _Extend]) -> None:
         # Withdrawn changes (their thread timed out) are dropped, never written.
         taken = [r for r in batch if r.answer.set_running_or_notify_cancel()]
         extends = [r for r in taken if isinstance(r, _Extend)]
         if extends:
             self._extend(extends)
-        pending: list[_Start | _End] = [r for r in taken if not isinstance(r, _Extend)]
+        pending = [r for r in taken if isinstance(r, _End)]
         while pending:
-            starts, ends, pending = _split(pending)
-            self._write_one(starts, ends)
+            ends, pending = _split(pending)
+            self._write_one(ends)
 
-    def _write_one(self, starts: list[_Start], ends: list[_End]) -> None:
+    def _write_one(self, ends: list[_End]) -> None:
         error: StoreError | None = None
         for delay_s in (0.0, *RETRY_DELAYS_S):
             if error is not None:
-                log.warning("todo_states_retried", starts=len(starts), ends=len(ends), error=str(error),
-                            retry_in_s=delay_s)  # fmt: skip
+                log.warning("todo_ends_retried", ends=len(ends), error=str(error), retry_in_s=delay_s)
                 time.sleep(delay_s)
             try:
-                if ends:
-                    failpoints.hit("worker_before_end_commit")
-                held, busy, started = self._transaction(starts, ends)
+                failpoints.hit("worker_before_end_commit")
+                held, busy = self._transaction(ends)
             except Exception as exc:
                 if refused_for_its_data(exc):
-                    self._isolate(starts, ends, exc)
+                    self._isolate(ends, exc)
                     return
                 if not isinstance(exc, psycopg.Error | SQLAlchemyError):
                     raise
                 self._discard_connection()
-                error = StoreError(
-                    f"writing {len(starts)} starts and {len(ends)} ends of todos: {type(exc).__name__}: {exc}"
-                )
+                error = StoreError(f"writing {len(ends)} ends of todos: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
                 continue
             for end in ends:
-                todo = end.ending.run.todo
-                assert todo is not None
-                end.answer.set_result(None if todo.id in busy else todo.id in held)
-            for start, answer in zip(starts, started, strict=True):
-                start.answer.set_result(answer)
+                todo_id = end.ending.run.todo.id
+                end.answer.set_result(None if todo_id in busy else todo_id in held)
             return
         assert error is not None
-        log.error("todo_states_not_written", starts=len(starts), ends=len(ends), error=str(error))
-        for start in starts:
-            start.answer.set_exception(error)
+        log.error("todo_ends_not_written", ends=len(ends), error=str(error))
         for end in ends:
             end.answer.set_exception(error)
 
     def _extend(self, extends: list[_Extend]) -> None:
-        """Leases extended in a statement of their own (rare: a claim that
-        waited long), retried as a batch is; a row locked elsewhere is
+        """Leases extended in a statement of their own (once per lease
+        keeper's beat), retried as a batch is; a row locked elsewhere is
         answered busy, not waited for."""
         error: BaseException | None = None
+        by_lease: dict[float, list[_Extend]] = {}
+        for x in extends:
+            by_lease.setdefault(x.lease_s, []).append(x)
         for delay_s in (0.0, *RETRY_DELAYS_S):
             time.sleep(delay_s)
             try:
                 pg = self._connection()
+                held: dict[int, bool | None] = {}
                 with self._watched():
-                    held = todos.extend_leases(pg, [(x.run, x.lease_s) for x in extends])
+                    for lease_s, group in by_lease.items():
+                        held.update(todos.extend_leases(pg, [x.run for x in group], lease_s))
             except (psycopg.Error, SQLAlchemyError) as exc:
                 self._discard_connection()
                 error = exc
                 continue
             for x in extends:
-                assert x.run.todo is not None
                 x.answer.set_result(held.get(x.run.todo.id, False))
             return
         failure = StoreError(f"extending {len(extends)} leases: {type(error).__name__}: {error}")
@@ -494,37 +438,28 @@ class StateWriter:
         for x in extends:
             x.answer.set_exception(failure)
 
-    def _isolate(self, starts: list[_Start], ends: list[_End], exc: BaseException) -> None:
-        """The database refused the batch for the data of a change in it (an
-        id out of range, a text it cannot store): that change alone is
+    def _isolate(self, ends: list[_End], exc: BaseException) -> None:
+        """The database refused the batch for the data of an end in it (an
+        id out of range, a text it cannot store): that end alone is
         answered with :class:`ChangeRefused` and never written again, and the
-        others are written without it, the batch halved until the change is
+        others are written without it, the batch halved until the end is
         alone (a few more commits, for a batch that has one)."""
-        changes: list[_Start | _End] = [*starts, *ends]
-        if len(changes) == 1:
-            todo_id = _todo_of(changes[0])
+        if len(ends) == 1:
+            todo_id = ends[0].ending.run.todo.id
             reason = f"{type(exc).__name__}: {exc}"
             log.error("todo_state_refused", todo_id=todo_id, error=reason)
             refused = ChangeRefused(f"todo {todo_id}: the database refused its state change: {reason}")
             refused.__cause__ = exc
-            changes[0].answer.set_exception(refused)
+            ends[0].answer.set_exception(refused)
             return
-        half = len(changes) // 2
-        for part in (changes[:half], changes[half:]):
-            starts_part = [c for c in part if isinstance(c, _Start)]
-            self._write_one(starts_part, [c for c in part if isinstance(c, _End)])
+        half = len(ends) // 2
+        for part in (ends[:half], ends[half:]):
+            self._write_one(part)
 
-    def _transaction(
-        self, starts: Sequence[_Start], ends: Sequence[_End]
-    ) -> tuple[set[int], set[int], list[todos.Started]]:
+    def _transaction(self, ends: Sequence[_End]) -> tuple[set[int], set[int]]:
         pg = self._connection()
         with self._watched():
-            return todos.write_states(
-                pg,
-                [e.ending for e in ends],
-                [s.request for s in starts],
-                release=self._releases,
-            )
+            return todos.end_runs(pg, [e.ending for e in ends], release=self._releases)
 
     @contextlib.contextmanager
     def _watched(self) -> Iterator[None]:
@@ -547,7 +482,7 @@ class StateWriter:
             pg = self._conn.driver_connection
             assert isinstance(pg, psycopg.Connection)
             pg.autocommit = True  # a batch without a release is one statement: its own transaction
-            # write_states is prepared once (todos.write_states) and planned
+            # end_runs is prepared once (todos.end_runs) and planned
             # once: left to choose, PostgreSQL planned it afresh at every
             # batch, 0.5-0.7 ms each, more than its execution (issue 25).
             # A plan made once is kept until the table is analyzed again, so
@@ -613,36 +548,18 @@ def refused_for_its_data(exc: BaseException) -> bool:
     return False
 
 
-def _todo_of(change: _Start | _End) -> int:
-    if isinstance(change, _Start):
-        return change.todo_id
-    todo = change.ending.run.todo
-    assert todo is not None
-    return todo.id
-
-
-def _split(batch: Sequence[_Start | _End]) -> tuple[list[_Start], list[_End], list[_Start | _End]]:
-    """One statement changes each todo once: the starts and ends of distinct
-    todos, and what waits for the next batch, so that it meets the state
-    the first change left (a second message for a todo, a redelivery or a
-    rescued copy, then finds it running or done and is skipped as such)."""
-    starts: list[_Start] = []
+def _split(batch: Sequence[_End]) -> tuple[list[_End], list[_End]]:
+    """One statement changes each todo once: the ends of distinct todos, and
+    what waits for the next batch, so that it meets the state the first end
+    left (its run's token is gone then, and it is answered as discarded)."""
     ends: list[_End] = []
-    later: list[_Start | _End] = []
+    later: list[_End] = []
     changed: set[int] = set()
     for request in batch:
-        if isinstance(request, _End):
-            todo = request.ending.run.todo
-            assert todo is not None
-            todo_id = todo.id
-        else:
-            todo_id = request.todo_id
+        todo_id = request.ending.run.todo.id
         if todo_id in changed:
             later.append(request)
             continue
         changed.add(todo_id)
-        if isinstance(request, _End):
-            ends.append(request)
-        else:
-            starts.append(request)
-    return starts, ends, later
+        ends.append(request)
+    return ends, later

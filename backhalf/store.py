@@ -102,11 +102,15 @@ async def _store(cur: Cursor, batch: StoreBatch, records: list[InboxRecord], *, 
     # 5. Another message on a stored entry id: stored again, under its own key.
     if outcome.reused:
         records, outcome = await _store_reused(cur, batch, records, outcome)
-    # 6. Wake the acker, on commit: its drain for the acks, its relay for
-    # the new todos (a push or pub/sub batch has no ack, and its todos would
-    # otherwise wait for the relay's poll).
-    if _ack_state(batch) == "pending" or outcome.created:
-        await cur.execute(queries.NOTIFY_ACKER, {"channel": queries.ACK_CHANNEL, "adapter": batch.adapter})
+    # 6. Wake, on commit, the acker for the acks owed and the workers for
+    # the new todos: one statement for both.
+    acks, created = _ack_state(batch) == "pending", bool(outcome.created)
+    if acks or created:
+        await cur.execute(
+            queries.NOTIFY_STORE,
+            {"acks": acks, "ack_channel": queries.ACK_CHANNEL, "adapter": batch.adapter,
+             "todos": created, "todo_channel": queries.TODO_CHANNEL, "queue": batch.queue},
+        )  # fmt: skip
     return outcome.result(records)
 
 

@@ -42,7 +42,7 @@ class TodoDetail:
     idempotency_key: str
     created_at: datetime
     updated_at: datetime
-    dispatched_at: datetime | None
+    run_after: datetime
     lease_until: datetime | None
     last_error: str | None
     payload: Any  # the decoded JSON
@@ -108,7 +108,7 @@ async def get_todo(conn: AsyncConnection, todo_id: int) -> TodoDetail | None:
                 todos.c.idempotency_key,
                 todos.c.created_at,
                 todos.c.updated_at,
-                todos.c.dispatched_at,
+                todos.c.run_after,
                 todos.c.lease_until,
                 todos.c.last_error,
                 todos.c.payload,

@@ -18,8 +18,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -46,7 +45,9 @@ async def create(conn: AsyncConnection, *, queue: str, key: str, payload: str, d
     result = await conn.exec_driver_sql(
         queries.CREATE_TODO, {"key": key, "payload": payload, **creating(queue, detail)}
     )
-    return int(result.scalar_one())
+    todo_id = int(result.scalar_one())
+    await conn.exec_driver_sql(queries.NOTIFY_WORKERS, {"channel": queries.TODO_CHANNEL, "queues": [queue]})
+    return todo_id
 
 
 async def delete_created(cur: psycopg.AsyncCursor[Any], todo_ids: Sequence[int]) -> None:
@@ -54,13 +55,12 @@ async def delete_created(cur: psycopg.AsyncCursor[Any], todo_ids: Sequence[int])
     await cur.execute(queries.DELETE_TODOS, {"ids": list(todo_ids)})
 
 
-# -- the lifecycle: relay, workers, rescuer, operators -------------------------
+# -- the lifecycle: workers, rescuer, operators --------------------------------
 
-DISPATCHED_BY_RELAY = "dispatched"
-STARTED = "started"
+CLAIMED = "claimed"
 LEASE_EXPIRED_ERROR = "lease expired: the worker running it stopped (killed, or cut off)"
 RESCUED_LEASE = "rescued: its lease expired"
-RESCUED_STALE = "rescued: dispatched with no progress (its message was lost)"
+GIVEN_BACK = "given back unrun: the worker stopped with it claimed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,64 +75,65 @@ class Todo:
 
 
 @dataclass(frozen=True, slots=True)
-class Started:
-    """``start``'s answer: the todo to run, or why there is none."""
+class Claimed:
+    """A todo a worker claimed: what its handler is called with, and the
+    run's token (``todos.run_token``), which only this run holds: the guard
+    of its end and of its lease's extensions."""
 
-    todo: Todo | None
-    found: str | None  # the status it had (None: no such todo; BUSY: its row was held)
-    # The run's token (todos.run_token), which only this run holds: its
-    # end's guard. The lease it set, for the log.
-    token: uuid.UUID | None = None
-    lease_until: datetime | None = None
+    todo: Todo
+    token: uuid.UUID
 
 
-async def claim_pending(
-    cur: psycopg.AsyncCursor[Any], queues: Sequence[str], limit: int
-) -> list[tuple[int, str]]:
-    """Pending todos of ``queues``, up to ``limit`` of each, oldest first,
-    locked until the caller's transaction ends."""
-    await cur.execute(queries.CLAIM_PENDING_TODOS, {"queues": list(queues), "limit": limit})
-    return [(int(i), str(q)) for i, q in await cur.fetchall()]
-
-
-async def mark_dispatched(cur: psycopg.AsyncCursor[Any], ids: Sequence[int], detail: str) -> int:
-    await cur.execute(queries.MARK_DISPATCHED, {"ids": list(ids), "detail": detail})
-    row = await cur.fetchone()
-    return int(row[0]) if row else 0
+def claim(pg: psycopg.Connection[Any], queues: Sequence[str], limit: int, lease_s: float) -> list[Claimed]:
+    """Claim up to ``limit`` due todos of ``queues`` (walked in that order),
+    committed on return (``claim_todos``: one statement; its own transaction
+    on an autocommit connection): running, attempt counted, leased."""
+    params = {"queues": list(queues), "limit": limit, "lease_s": float(lease_s), "detail": CLAIMED}
+    block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
+    with block, pg.cursor() as cur:
+        cur.execute(queries.CLAIM_TODOS, params)
+        rows = cur.fetchall()
+    return [
+        Claimed(Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts)), token)
+        for tid, queue, payload, key, attempts, token in rows
+    ]
 
 
 async def rescue(
-    cur: psycopg.AsyncCursor[Any],
-    queues: Sequence[tuple[str, int, float]],
-    limit: int,
+    cur: psycopg.AsyncCursor[Any], queues: Sequence[tuple[str, int]], limit: int
 ) -> list[tuple[int, str, str]]:
-    """Stuck todos of ``queues`` (name, max_attempts, stale seconds), moved to
-    dispatched (or failed), locked until the caller's transaction ends:
-    (id, queue, new status)."""
+    """Todos of ``queues`` (name, max_attempts) whose lease lapsed, moved back
+    to pending (or failed, their attempts spent), in the caller's
+    transaction: (id, queue, new status). The broker acks waiting for those
+    that failed are released, and the workers of those pending again woken,
+    on commit."""
     await cur.execute(
         queries.RESCUE_TODOS,
         {
-            "queues": [q for q, _, _ in queues],
-            "max_attempts": [m for _, m, _ in queues],
-            "stale_s": [s for _, _, s in queues],
+            "queues": [q for q, _ in queues],
+            "max_attempts": [m for _, m in queues],
             "limit": limit,
             "lease_error": LEASE_EXPIRED_ERROR,
             "lease_detail": RESCUED_LEASE,
-            "stale_detail": RESCUED_STALE,
         },
     )
     moved = [(int(i), str(q), str(s)) for i, q, s in await cur.fetchall()]
     await release_acks(cur, [i for i, _, status in moved if status in TERMINAL])
+    await notify_workers(cur, [q for _, q, status in moved if status == "pending"])
     return moved
 
 
+async def notify_workers(cur: psycopg.AsyncCursor[Any], queues: Sequence[str]) -> None:
+    """Wake the workers of ``queues`` when the caller's transaction commits."""
+    if queues:
+        await cur.execute(queries.NOTIFY_WORKERS, {"channel": queries.TODO_CHANNEL, "queues": list(queues)})
+
+
 TERMINAL = frozenset({"done", "failed", "cancelled"})
-# write_states' answers beside a todo's status: an end that held its todo;
-# a start whose row another transaction holds (it did not wait); a start
-# naming a todo of another queue (its message is refused, never run).
+# end_runs' answers: an end that held its todo; one whose row another
+# transaction held (it did not wait).
 ENDED = "ended"
 BUSY = "busy"
-FOREIGN = "foreign"
 
 
 async def release_acks(cur: psycopg.AsyncCursor[Any], ids: Sequence[int]) -> None:
@@ -143,29 +144,18 @@ async def release_acks(cur: psycopg.AsyncCursor[Any], ids: Sequence[int]) -> Non
         await cur.execute(queries.RELEASE_ACKS, {"ids": list(ids), "channel": queries.ACK_CHANNEL})
 
 
-class StartRequest(NamedTuple):
-    """One start, as :func:`write_states` takes it: the todo, the queue whose
-    actor received its message (a todo of another queue is not started),
-    the run's token, the lease and the queue's attempts."""
-
-    todo_id: int
-    queue: str
-    token: uuid.UUID
-    lease_s: float
-    max_attempts: int
-
-
 @dataclass(frozen=True, slots=True)
 class Ending:
-    """One run's end, as :func:`write_states` takes it."""
+    """One run's end, as :func:`end_runs` takes it."""
 
-    run: Started
-    to_status: str  # done, failed, or dispatched (for a retry, or given back unrun)
+    run: Claimed
+    to_status: str  # done, failed, or pending (a retry after ``delay_s``, or given back unrun)
     error: str | None
     detail: str
     # A claim given back before its handler ran (the worker stopping with
-    # it fetched): dispatched again, its attempt not counted.
+    # it claimed): pending and due now, its attempt not counted.
     unrun: bool = False
+    delay_s: float = 0.0  # a retry's backoff
 
 
 async def release_orphaned_acks(cur: psycopg.AsyncCursor[Any], limit: int) -> int:
@@ -176,103 +166,63 @@ async def release_orphaned_acks(cur: psycopg.AsyncCursor[Any], limit: int) -> in
     return int(row[0]) if row else 0
 
 
-def write_states(
-    pg: psycopg.Connection[Any],
-    endings: Sequence[Ending],
-    starts: Sequence[StartRequest],
-    *,
-    release: bool = True,
-) -> tuple[set[int], set[int], list[Started]]:
-    """Workers' state changes, committed on return: runs ended and todos
-    started (:class:`StartRequest`), every id
-    distinct, in one statement (``write_states``); then, if ``release`` and
-    a run ended, the broker acks waiting for the todos that ended
-    (``release_acks``: a statement of its own after it, in the same
-    transaction). Without a release the statement is the whole transaction:
-    one round trip, on a connection in autocommit mode (the state writer's)
-    or not. A change whose row another transaction holds is not made (and
-    not waited for): the end is in the second set returned, the start
-    answered ``found = BUSY``.
+def end_runs(
+    pg: psycopg.Connection[Any], endings: Sequence[Ending], *, release: bool = True
+) -> tuple[set[int], set[int]]:
+    """Runs ended, committed on return, every todo distinct, in one statement
+    (``end_runs``); then, if ``release`` and a run ended terminal, the
+    broker acks waiting for those todos (``release_acks``: a statement of
+    its own after it, in the same transaction); and where a claim was given
+    back, the workers woken. Without either the statement is the whole
+    transaction: one round trip, on a connection in autocommit mode (the
+    state writer's) or not.
 
     Returns the todos whose run still held them when it ended (the others
-    were cancelled, or rescued or retried and started again: their results
-    are discarded), the ends found busy, and one answer per start, in order."""
-    ids = [e.run.todo.id for e in endings if e.run.todo is not None]
-    assert len(ids) == len(endings), "only a started run can end"
+    were cancelled, or rescued and claimed again: their results are
+    discarded), and the ends whose row another transaction held (not made,
+    not waited for)."""
+    ids = [e.run.todo.id for e in endings]
     terminal = [i for i, e in zip(ids, endings, strict=True) if e.to_status in TERMINAL]
+    given_back = sorted({e.run.todo.queue for e in endings if e.unrun})
     params = {
-        "end_ids": ids,
-        "end_tokens": [e.run.token for e in endings],
+        "ids": ids,
+        "tokens": [e.run.token for e in endings],
         "to_status": [e.to_status for e in endings],
         "errors": [e.error for e in endings],
         "details": [e.detail for e in endings],
         "unrun": [e.unrun for e in endings],
-        "start_ids": [s.todo_id for s in starts],
-        "start_queues": [s.queue for s in starts],
-        "start_tokens": [s.token for s in starts],
-        "lease_s": [float(s.lease_s) for s in starts],
-        "max_attempts": [s.max_attempts for s in starts],
-        "start_detail": STARTED,
-        "foreign": FOREIGN,
+        "delay_s": [float(e.delay_s) for e in endings],
     }
     releasing = release and bool(terminal)
     # One statement alone on an autocommit connection commits by itself; a
     # BEGIN and a COMMIT would be two more round trips.
-    block = pg.transaction() if releasing or not pg.autocommit else contextlib.nullcontext()
+    several = releasing or bool(given_back)
+    block = pg.transaction() if several or not pg.autocommit else contextlib.nullcontext()
     with block, pg.cursor() as cur:
-        cur.execute(queries.WRITE_STATES, params, prepare=True)  # one plan, kept (state_writer)
+        cur.execute(queries.END_RUNS, params, prepare=True)  # one plan, kept (state_writer)
         rows = cur.fetchall()
         if releasing:
             cur.execute(queries.RELEASE_ACKS, {"ids": terminal, "channel": queries.ACK_CHANNEL})
-    held: set[int] = set()
-    busy: set[int] = set()
-    answers: dict[int, Started] = {}
-    end_ids = set(ids)  # distinct from the starts' (the writer's rule)
-    tokens = {s.todo_id: s.token for s in starts}
-    for tid, queue, payload, key, attempts, lease_until, found in rows:
-        if int(tid) in end_ids:
-            (held if found == ENDED else busy).add(int(tid))
-        elif queue is None:
-            answers[int(tid)] = Started(None, found)
-        else:
-            todo = Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts))
-            answers[int(tid)] = Started(todo, found, tokens[int(tid)], lease_until)
-    return held, busy, [answers[s.todo_id] for s in starts]
+        if given_back:
+            cur.execute(queries.NOTIFY_WORKERS, {"channel": queries.TODO_CHANNEL, "queues": given_back})
+    held = {int(tid) for tid, found in rows if found == ENDED}
+    busy = {int(tid) for tid, found in rows if found == BUSY}
+    return held, busy
 
 
 def extend_leases(
-    pg: psycopg.Connection[Any], runs: Sequence[tuple[Started, float]]
+    pg: psycopg.Connection[Any], runs: Sequence[Claimed], lease_s: float
 ) -> dict[int, bool | None]:
     """Each run's lease again from now, ``lease_s`` seconds (``extend_leases``),
     by todo: True if extended, False if the run no longer holds its todo,
     None if another transaction held the row (not waited for). One
     statement; its own transaction on an autocommit connection."""
-    held = [(r.todo.id, r.token, float(s)) for r, s in runs if r.todo is not None and r.token is not None]
-    params = {"ids": [h[0] for h in held], "tokens": [h[1] for h in held], "lease_s": [h[2] for h in held]}
+    params = {"ids": [r.todo.id for r in runs], "tokens": [r.token for r in runs], "lease_s": float(lease_s)}
     block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
     with block, pg.cursor() as cur:
         cur.execute(queries.EXTEND_LEASES, params)
         answers = {"extended": True, "lost": False, "busy": None}
         return {int(i): answers[str(found)] for i, found in cur.fetchall()}
-
-
-def start(
-    pg: psycopg.Connection[Any], todo_id: int, lease_s: float, max_attempts: int, *, queue: str
-) -> Started:
-    """One worker's claim of its todo of ``queue``, committed (:func:`write_states` of one)."""
-    request = StartRequest(todo_id, queue, uuid.uuid4(), lease_s, max_attempts)
-    _, _, (started,) = write_states(pg, [], [request])
-    return started
-
-
-def end_run(
-    pg: psycopg.Connection[Any], run: Started, to_status: str, *, error: str | None, detail: str
-) -> bool:
-    """End one run, committed (:func:`write_states` of one); False if it no
-    longer holds its todo."""
-    assert run.todo is not None
-    held, _, _ = write_states(pg, [Ending(run, to_status, error, detail)], [])
-    return run.todo.id in held
 
 
 async def cancel(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:
@@ -284,5 +234,13 @@ async def cancel(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list
 
 
 async def retry(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:
+    """Failed or cancelled todos pending again, the workers woken on commit."""
     result = await conn.exec_driver_sql(queries.RETRY_TODOS, {"ids": list(ids), "detail": detail})
-    return sorted(int(i) for (i,) in result.all())
+    found: list[Any] = list(result.all())
+    rows = [(int(tid), str(queue)) for tid, queue in found]
+    if rows:
+        queues = sorted({q for _, q in rows})
+        await conn.exec_driver_sql(
+            queries.NOTIFY_WORKERS, {"channel": queries.TODO_CHANNEL, "queues": queues}
+        )
+    return sorted(i for i, _ in rows)

@@ -110,10 +110,9 @@ def log_failure(
 
 def error_kind(exc: BaseException) -> str:
     """The metrics' ``kind`` of a failure: ``broker`` (redis-py's, wrapped as
-        an IngestError at the adapter boundary), ``database`` (the driver's and
-        the back half's, which wrap a database failure, or dramatiq's broker for a
-    dispatch), or
-        ``bug``: anything else is no outage but a fault of ours."""
+    an IngestError at the adapter boundary), ``database`` (the driver's and
+    the back half's, which wrap a database failure), or
+    ``bug``: anything else is no outage but a fault of ours."""
     if isinstance(exc, IngestError):
         return "broker"
     if isinstance(exc, BackhalfError):

@@ -262,8 +262,8 @@ BEGIN
     GRANT USAGE ON SEQUENCE inbox_id_seq, events_id_seq, todos_id_seq, todo_events_id_seq
         TO switchboard_ingester;
 
-    -- The acker: claim_acks marks acks; the relay and the rescuer move todos
-    -- (mark_dispatched, rescue_todos) but create none; release_orphaned_acks;
+    -- The acker: claim_acks marks acks; the rescuer moves todos whose lease
+    -- lapsed (rescue_todos) but creates none; release_orphaned_acks;
     -- the pruner (backhalf.retention) deletes what retention allows; status
     -- reads every table.
     GRANT SELECT ON adapters, events, stream_groups, delivery_attempts TO switchboard_acker;
@@ -272,7 +272,7 @@ BEGIN
     -- cursor_acks makes an adapter's cursor on first use, and moves it.
     GRANT SELECT, INSERT, UPDATE (xid, inbox_id, cluster, moved_at) ON ack_cursors TO switchboard_acker;
     GRANT SELECT, UPDATE (waiting_for), DELETE ON ack_queue TO switchboard_acker;
-    GRANT SELECT, UPDATE (status, dispatched_at, updated_at, lease_until, rescues, last_error), DELETE
+    GRANT SELECT, UPDATE (status, updated_at, lease_until, run_token, run_after, last_error), DELETE
         ON todos TO switchboard_acker;
     GRANT SELECT, INSERT (todo_id, from_status, to_status, detail), DELETE
         ON todo_events TO switchboard_acker;
@@ -282,10 +282,9 @@ BEGIN
     GRANT UPDATE (last_attempt_at) ON delivery_attempts TO switchboard_acker;
     GRANT USAGE ON SEQUENCE todo_events_id_seq TO switchboard_acker;
 
-    -- The worker: write_states (starts and ends of runs) and release_acks
+    -- The worker: claim_todos, end_runs and extend_leases, and release_acks
     -- for ack_after = "complete"; it reads no inbox row, and writes none.
-    GRANT SELECT, UPDATE (status, attempts, rescues, lease_until, run_token, last_error, dispatched_at,
-                          updated_at)
+    GRANT SELECT, UPDATE (status, attempts, lease_until, run_token, run_after, last_error, updated_at)
         ON todos TO switchboard_worker;
     GRANT INSERT (todo_id, from_status, to_status, detail) ON todo_events TO switchboard_worker;
     GRANT SELECT (waiting_for, adapter), UPDATE (waiting_for) ON ack_queue TO switchboard_worker;
@@ -305,7 +304,7 @@ BEGIN
     GRANT INSERT (family, adapter, trust_mode, verified, verify_detail, idempotency_key, source_message_id,
                   payload, todo_id)
         ON events TO switchboard_operator;
-    GRANT INSERT (queue, idempotency_key, payload), UPDATE (status, attempts, lease_until, dispatched_at,
+    GRANT INSERT (queue, idempotency_key, payload), UPDATE (status, attempts, lease_until, run_after,
                                                              updated_at)
         ON todos TO switchboard_operator;
     GRANT INSERT (todo_id, from_status, to_status, detail) ON todo_events TO switchboard_operator;
@@ -408,8 +407,8 @@ BEGIN
         USING (waiting_for IS NULL);
 
     -- todos. An UPDATE policy's USING is true where the role locks rows of
-    -- any status (write_states locks the todo its message names, whatever
-    -- its status, to answer with it; the pruner locks terminal todos; an
+    -- any status (end_runs and extend_leases lock the todos of their runs,
+    -- whatever their status now, to answer with it; the pruner locks terminal todos; an
     -- operator's retry and cancel lock before they read): its WITH CHECK
     -- holds it to its pairs.
     CREATE POLICY switchboard_read ON todos FOR SELECT
@@ -428,9 +427,7 @@ BEGIN
     CREATE POLICY switchboard_acker_update ON todos FOR UPDATE TO switchboard_acker
         USING (true)
         WITH CHECK (EXISTS (SELECT FROM todos o WHERE o.id = todos.id
-                              AND (o.status, todos.status) IN (('pending', 'dispatched'),
-                                                               ('dispatched', 'dispatched'),
-                                                               ('running', 'dispatched'),
+                              AND (o.status, todos.status) IN (('running', 'pending'),
                                                                ('running', 'failed'))));
     -- The pruner (backhalf.retention): terminal todos no ack waits for.
     CREATE POLICY switchboard_acker_delete ON todos FOR DELETE TO switchboard_acker
@@ -444,7 +441,7 @@ BEGIN
                                                                ('running', 'running'),
                                                                ('running', 'done'),
                                                                ('running', 'failed'),
-                                                               ('running', 'dispatched'))));
+                                                               ('running', 'pending'))));
     -- Cancel, retry, and inbox replay's dedup (a no-op update of an active todo).
     CREATE POLICY switchboard_operator_update ON todos FOR UPDATE TO switchboard_operator
         USING (true)
@@ -460,9 +457,7 @@ BEGIN
 
     -- todo_events: each row one of its role's changes, of a todo whose status
     -- (read in the snapshot: before the statement's own change) could make
-    -- that change. Not its from_status itself: a worker's start takes the
-    -- status it locks, which may be newer than its snapshot (the relay's
-    -- commit, pending -> dispatched, landing in between).
+    -- that change.
     CREATE POLICY switchboard_read ON todo_events FOR SELECT
         TO switchboard_ingester, switchboard_acker, switchboard_operator, switchboard_viewer USING (true);
     -- todos_create_cte's 'pending' row: of the todo its statement creates,
@@ -471,24 +466,20 @@ BEGIN
         WITH CHECK (from_status IS NULL AND to_status = 'pending'
                     AND NOT EXISTS (SELECT FROM todos t WHERE t.id = todo_events.todo_id));
     CREATE POLICY switchboard_acker_insert ON todo_events FOR INSERT TO switchboard_acker
-        WITH CHECK ((from_status, to_status) IN (('pending', 'dispatched'), ('dispatched', 'dispatched'),
-                                                 ('running', 'dispatched'), ('running', 'failed'))
+        WITH CHECK ((from_status, to_status) IN (('running', 'pending'), ('running', 'failed'))
                     AND EXISTS (SELECT FROM todos t WHERE t.id = todo_events.todo_id
-                                  AND (t.status, todo_events.to_status) IN (('pending', 'dispatched'),
-                                                                           ('dispatched', 'dispatched'),
-                                                                           ('running', 'dispatched'),
+                                  AND (t.status, todo_events.to_status) IN (('running', 'pending'),
                                                                            ('running', 'failed'))));
     CREATE POLICY switchboard_worker_insert ON todo_events FOR INSERT TO switchboard_worker
         WITH CHECK ((from_status, to_status) IN (('pending', 'running'), ('dispatched', 'running'),
-                                                 ('running', 'running'), ('running', 'done'),
-                                                 ('running', 'failed'), ('running', 'dispatched'))
+                                                 ('running', 'done'), ('running', 'failed'),
+                                                 ('running', 'pending'))
                     AND EXISTS (SELECT FROM todos t WHERE t.id = todo_events.todo_id
                                   AND (t.status, todo_events.to_status) IN (('pending', 'running'),
                                                                            ('dispatched', 'running'),
-                                                                           ('running', 'running'),
                                                                            ('running', 'done'),
                                                                            ('running', 'failed'),
-                                                                           ('running', 'dispatched'))));
+                                                                           ('running', 'pending'))));
     CREATE POLICY switchboard_operator_insert ON todo_events FOR INSERT TO switchboard_operator
         WITH CHECK ((from_status, to_status) IN (('pending', 'cancelled'), ('dispatched', 'cancelled'),
                                                  ('running', 'cancelled'), ('failed', 'pending'),

@@ -42,6 +42,9 @@ ACK_AFTER = ("store", "complete")
 INBOX_STATUSES = ("stored", "rejected")
 TODO_STATUSES = ("pending", "dispatched", "running", "done", "failed", "cancelled")
 ACTIVE_TODO_STATUSES = ("pending", "dispatched", "running")
+# What a worker may claim; 'dispatched' only on rows an older version (the
+# dramatiq relay) left.
+CLAIMABLE_TODO_STATUSES = ("pending", "dispatched")
 EVENT_FAMILIES = ("queue", "push")
 
 
@@ -80,22 +83,17 @@ todos = sa.Table(
     sa.Column("last_error", sa.Text),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
-    # When it was last handed to dramatiq (dispatched, or its retry
-    # scheduled): a todo dispatched that long ago with no progress lost its
-    # message and is dispatched again (the rescuer).
-    sa.Column("dispatched_at", sa.DateTime(timezone=True)),
-    # While running: until when its worker holds it. Past it (the worker was
-    # killed) the rescuer dispatches it again; before it, another delivery
-    # of its message is skipped.
+    # When it may be claimed: its creation, or after a failed attempt the
+    # end of its backoff. The workers claim due todos in this order, so a
+    # retry waiting out its backoff is never read by a claim.
+    sa.Column("run_after", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    # While running: until when its worker holds it, extended by the
+    # worker's heartbeat while the run goes on. Past it (the worker was
+    # killed) the rescuer puts the todo back to pending.
     sa.Column("lease_until", sa.DateTime(timezone=True)),
-    # Dispatched again by the rescuer since it last started: each rescue of a
-    # todo still waiting doubles the wait before the next, so workers away
-    # for an hour leave a handful of copies of its message, not hundreds.
-    sa.Column("rescues", sa.Integer, nullable=False, server_default="0"),
-    # The run's own token, chosen by the worker for its start: a start
-    # written again after its commit's reply was lost finds its own run by
-    # it, instead of a live lease that it would skip (its attempt counted,
-    # the handler never run).
+    # The run's own token, chosen by the claim: only the run holding it may
+    # end the todo or extend its lease, so a run whose todo was cancelled or
+    # rescued and claimed again cannot end the new run.
     sa.Column("run_token", UUID(as_uuid=True)),
     sa.CheckConstraint(_one_of("status", TODO_STATUSES), name="status"),
 )
@@ -110,12 +108,21 @@ sa.Index(
     postgresql_where=TODO_ACTIVE_PREDICATE,
 )
 sa.Index("ix_todos_queue_status", todos.c.queue, todos.c.status)
-# The relay's claim walks pending todos in id order; the rescuer reads
-# running todos by lease and dispatched ones by age. Partial: each index
-# holds only the rows in that state, so it stays small as todos finish.
-sa.Index("ix_todos_pending", todos.c.queue, todos.c.id, postgresql_where=todos.c.status == "pending")
+# The workers' claim walks due todos of a queue in (run_after, id) order:
+# the only index that gives that order holds exactly the claimable rows, so
+# a claim never reads a finished todo whatever the statistics say
+# (docs/architecture.md, "Plans that do not depend on statistics"). The
+# rescuer reads running todos by lease. Partial: each index holds only the
+# rows in that state, so it stays small as todos finish. 'dispatched' rows
+# are an older version's, claimable like pending ones.
+sa.Index(
+    "ix_todos_claimable",
+    todos.c.queue,
+    todos.c.run_after,
+    todos.c.id,
+    postgresql_where=todos.c.status.in_(CLAIMABLE_TODO_STATUSES),
+)
 sa.Index("ix_todos_running_lease", todos.c.lease_until, postgresql_where=todos.c.status == "running")
-sa.Index("ix_todos_dispatched_at", todos.c.dispatched_at, postgresql_where=todos.c.status == "dispatched")
 
 todo_events = sa.Table(
     "todo_events",

@@ -117,7 +117,17 @@ def run(conn: psycopg.Connection[Any], variant: str, n: int, batch: int) -> tupl
             continue
         with conn.transaction():
             conn.execute(store_sql, params).fetchall()
-            conn.execute(queries.NOTIFY_ACKER, {"channel": "probe", "adapter": "bench"})
+            conn.execute(
+                queries.NOTIFY_STORE,
+                {
+                    "acks": True,
+                    "ack_channel": "probe",
+                    "adapter": "bench",
+                    "todos": True,
+                    "todo_channel": "probe_todos",
+                    "queue": "bench",
+                },
+            )
         c1 = backend_cpu_s(pid)
         with conn.transaction():
             if variant in ("queue", "claimnolock"):

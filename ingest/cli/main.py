@@ -137,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if verb.process:
             log.error("config_error", error=str(exc))  # noqa: TRY400 - the message is the whole story
         return EXIT_CONFIG
+    for notice in settings.notices:
+        log.warning("config_key_ignored", notice=notice)
     if verb.process:
         log.info("starting", verb=args.verb, database=redact_url(settings.database.url))
     try:

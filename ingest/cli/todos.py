@@ -163,7 +163,7 @@ def show_lines(todo: todo_views.TodoDetail, events: Sequence[todo_views.TodoEven
         ("idempotency_key", printable(todo.idempotency_key)),
         ("created_at", _utc(todo.created_at, millis=True) + " UTC"),
         ("updated_at", _utc(todo.updated_at, millis=True) + " UTC"),
-        ("dispatched_at", _utc(todo.dispatched_at, millis=True) + (" UTC" if todo.dispatched_at else "")),
+        ("run_after", _utc(todo.run_after, millis=True) + " UTC"),
         ("lease_until", _utc(todo.lease_until, millis=True) + (" UTC" if todo.lease_until else "")),
         ("last_error", printable(redact(todo.last_error)) if todo.last_error is not None else "-"),
     )

@@ -13,7 +13,6 @@ crosses tables. The ``[[adapters]]`` definitions are in
 from __future__ import annotations
 
 import dataclasses
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from backhalf.db import DatabaseSettings
 from backhalf.queues import QueueConfig
 from ingest.config.adapter import (
     ADAPTERS,
-    REDIS_DEFAULT_BROKER,
     RETENTION,
     adapter_tables,
     is_webhook,
@@ -36,7 +34,7 @@ from ingest.config.adapter import read_adapter as read_adapter
 from ingest.config.keys import DAYS_TYPE, Key, Section, check_keys, days, string, table
 from ingest.config.urls import BrokerUrl as BrokerUrl
 from ingest.config.urls import check_redis_url as check_redis_url
-from ingest.config.urls import database_url, env_name
+from ingest.config.urls import database_url
 from ingest.config.urls import with_credentials as with_credentials
 from ingest.config.webhook import RECEIVER, WEBHOOKS, ReceiverSettings, read_webhook
 from ingest.config.webhook import WebhookConfig as WebhookConfig
@@ -47,10 +45,8 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DATABASE_URL_VARIABLE = "SWITCHBOARD_DATABASE_URL"
 REDIS_URL_VARIABLE = "SWITCHBOARD_REDIS_URL"
 METRICS_PORT_VARIABLE = "SWITCHBOARD_METRICS_PORT"
-DEFAULT_IDLE_POLL_MS = 50
-# dramatiq's TimeLimit looks at running actors once a second: a lease must
-# outlast the limit by more than that, or a run on time could be rescued.
-LEASE_MARGIN_MIN_MS = 2_000
+# A claim's lease is extended every third of it: a second at the least.
+LEASE_MIN_MS = 3_000
 # A prune batch is one short transaction: larger ones hold their locks longer
 # and make WAL in bursts, for little more speed (docs/architecture.md, "Retention").
 MAX_PRUNE_BATCH_SIZE = 50_000
@@ -127,7 +123,7 @@ class RedisSettings:
         bool,
         Key(
             doc="`url` is a Redis (or Valkey) Cluster: the default of `cluster` for the adapters that use"
-            " `url` (dramatiq's broker, which cannot be a cluster, then needs a `[dramatiq] url` of its own)",
+            " `url`",
         ),
     ] = False
 
@@ -178,26 +174,11 @@ class AckerSettings:
     shutdown_timeout_s: Annotated[float, _positive("a graceful stop's deadline")] = 10.0
     backoff_initial_ms: Annotated[int, _positive("the first wait of the backoff")] = 100
     backoff_max_ms: Annotated[int, _positive("the backoff's cap")] = 10_000
-    # The dispatch relay (inside `switchboard ack`).
-    dispatch_batch_size: Annotated[
-        int,
-        _positive(
-            "todos of each queue relayed to dramatiq per transaction"
-            " ([Workers](workers.md#dispatch-is-an-outbox))"
-        ),
-    ] = 500
-    # The rescuer: a queue's max_backoff_ms is added to the timeout, as a
-    # retry waits that long at most.
+    # The rescuer: claims whose lease lapsed go back to pending.
     rescue_interval_ms: Annotated[
-        int, _positive("how often stuck todos are looked for ([Workers](workers.md#stuck-work-is-rescued))")
-    ] = 5_000
-    dispatch_timeout_ms: Annotated[
         int,
-        _positive(
-            "dispatched this long (+ the queue's `max_backoff_ms`) with no progress, its message lost:"
-            " dispatched again"
-        ),
-    ] = 300_000
+        _positive("how often lapsed claims are looked for ([Workers](workers.md#leases-and-the-rescuer))"),
+    ] = 5_000
     prune_interval_ms: Annotated[
         int,
         _positive(
@@ -249,20 +230,13 @@ QUEUES = Section(
             doc="dramatiq's exponential backoff between attempts; not above `max_backoff_ms`"
         ),
         "max_backoff_ms": Key(doc="the backoff's cap"),
-        "lease_margin_ms": Key(
-            minimum=LEASE_MARGIN_MIN_MS,
-            doc="a running todo's lease is `time_limit_ms` + this: still running past it (its worker killed),"
-            " it is rescued",
-        ),
         "retain_done_days": _kept(
             "days `done` and `cancelled` todos are kept, with their `todo_events`, after they ended"
             f" {RETENTION}"
         ),
         "retain_failed_days": _kept("days `failed` ones are kept (longer: operators retry them)"),
-        "dramatiq_queue": Key(doc="the dramatiq queue", default_doc="the queue's name"),
     },
 )
-_DRAMATIQ_QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
 
 
 def _queue(name: str, raw: Any) -> QueueConfig:
@@ -270,21 +244,6 @@ def _queue(name: str, raw: Any) -> QueueConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: must be a table")
     queue = QueueConfig(name=name, **QUEUES.read(where, raw))
-    if not _DRAMATIQ_QUEUE_NAME.fullmatch(queue.broker_queue):
-        # dramatiq refuses it when the worker declares the actor, and a
-        # refusal at worker boot is only logged: the queue would go unserved.
-        key = "dramatiq_queue" if queue.dramatiq_queue else "the queue's name"
-        raise ConfigError(
-            f"{where}: {key} {queue.broker_queue!r} is not a dramatiq queue name (letters, digits, '.', '_',"
-            " '-', not starting with a digit, '.' or '-'): set dramatiq_queue"
-        )
-    if queue.broker_queue.endswith((".DQ", ".XQ")):
-        # dramatiq's own suffixes: its delay and dead-letter queues.
-        key = "dramatiq_queue" if queue.dramatiq_queue else "the queue's name"
-        raise ConfigError(
-            f"{where}: {key} {queue.broker_queue!r} ends as dramatiq's delay or dead-letter queues do"
-            " ('.DQ', '.XQ'): set another dramatiq_queue"
-        )
     if queue.min_backoff_ms > queue.max_backoff_ms:
         raise ConfigError(
             f"{where}: key 'min_backoff_ms' ({queue.min_backoff_ms}) must not exceed max_backoff_ms"
@@ -293,30 +252,27 @@ def _queue(name: str, raw: Any) -> QueueConfig:
     return queue
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DramatiqSettings:
-    """``[dramatiq]``, as read; :class:`Settings` keeps it as ``dramatiq_*``."""
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """``[worker]``: how ``switchboard worker`` claims todos (DESIGN.md section 7b)."""
 
-    # The longest a worker's consumer sleeps between fetches from an empty
-    # queue (dramatiq's worker_timeout, 1000 ms by default, which adds up to a
-    # second to a todo arriving at a quiet queue).
-    idle_poll_ms: Annotated[int, Key(doc="longest sleep of a worker between fetches from an empty queue")] = (
-        DEFAULT_IDLE_POLL_MS
-    )
-    url: Annotated[
-        str,
+    # Extended every third of it while the worker holds the claim: only a
+    # worker gone (killed, cut off) lets it lapse, whatever the time limit.
+    lease_ms: Annotated[
+        int,
         Key(
-            parse=check_redis_url,
-            doc="dramatiq's broker; a Redis database of its own per deployment",
-            default_doc=REDIS_DEFAULT_BROKER,
+            minimum=LEASE_MIN_MS,
+            doc="a claim's lease, extended every third of it while its worker lives; a killed worker's"
+            " claims are put back by the acker's rescuer once it lapses"
+            " ([Workers](workers.md#leases-and-the-rescuer))",
         ),
-    ] = DEFAULT_REDIS_URL
-    username_env: Annotated[
-        str | None, Key(parse=env_name, doc="the variable holding its user name, as for an adapter")
-    ] = None
-    password_env: Annotated[
-        str | None, Key(parse=env_name, doc="the variable holding its password, as for an adapter")
-    ] = None
+    ] = 30_000
+    # A NOTIFY wakes the workers at once; the poll covers a lost one and the
+    # end of a retry's backoff.
+    poll_interval_ms: Annotated[
+        int,
+        Key(maximum=1_000, doc="longest wait between claims of a worker with free threads (at most 1000)"),
+    ] = 1_000
 
 
 def check_metrics_port(where: str, value: Any) -> int:
@@ -357,11 +313,10 @@ class MetricsSettings:
 REDIS = Section("[redis]", RedisSettings)
 INGEST = Section("[ingest]", IngestSettings)
 ACKER = Section("[acker]", AckerSettings)
-DRAMATIQ = Section(
-    "[dramatiq]",
-    DramatiqSettings,
-    intro="dramatiq's broker, for the relay in `switchboard ack` and for the workers"
-    " ([workers.md](workers.md)).",
+WORKER = Section(
+    "[worker]",
+    WorkerSettings,
+    intro="How `switchboard worker` claims todos from PostgreSQL ([workers.md](workers.md)).",
 )
 METRICS = Section(
     "[metrics]",
@@ -370,9 +325,21 @@ METRICS = Section(
     ' "[Metrics, health and liveness](operating.md#metrics-health-and-liveness)".',
 )
 # Every table, in the order of the config reference.
-SECTIONS = (DATABASE, REDIS, ADAPTERS, WEBHOOKS, RECEIVER, INGEST, ACKER, QUEUES, DRAMATIQ, METRICS)
-_DEFAULT_BROKER = BrokerUrl(DEFAULT_REDIS_URL)
-_TOP_KEYS = {"database", "redis", "adapters", "receiver", "ingest", "acker", "queues", "metrics", "dramatiq"}
+SECTIONS = (DATABASE, REDIS, ADAPTERS, WEBHOOKS, RECEIVER, INGEST, ACKER, QUEUES, WORKER, METRICS)
+_TOP_KEYS = {"database", "redis", "adapters", "receiver", "ingest", "acker", "queues", "worker", "metrics"}
+# Keys of the dramatiq relay the workers on PostgreSQL replaced (DESIGN.md
+# section 7b): a config written for it keeps loading, each key said once.
+_RELAY_GONE = "the workers take their todos from PostgreSQL, with no relay and no dramatiq Redis"
+RETIRED_KEYS: Mapping[tuple[str, str], str] = {
+    ("dramatiq", "url"): _RELAY_GONE,
+    ("dramatiq", "username_env"): _RELAY_GONE,
+    ("dramatiq", "password_env"): _RELAY_GONE,
+    ("dramatiq", "idle_poll_ms"): "a worker wakes on the store's NOTIFY; see [worker] poll_interval_ms",
+    ("acker", "dispatch_batch_size"): _RELAY_GONE,
+    ("acker", "dispatch_timeout_ms"): _RELAY_GONE,
+    ("queues", "lease_margin_ms"): "a claim's lease is [worker] lease_ms, extended while its worker lives",
+    ("queues", "dramatiq_queue"): "every queue's actor is on dramatiq's queue 'switchboard'",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,12 +349,8 @@ class Settings:
     ingest: IngestSettings = IngestSettings()
     acker: AckerSettings = AckerSettings()
     queues: Mapping[str, QueueConfig] = field(default_factory=dict)
+    worker: WorkerSettings = WorkerSettings()
     metrics: MetricsSettings = MetricsSettings()
-    # dramatiq's broker: [dramatiq] url, else the default broker (redis_url),
-    # with its credentials; wanted by the relay and the workers only.
-    dramatiq_broker: BrokerUrl = _DEFAULT_BROKER
-    # [dramatiq] idle_poll_ms (DramatiqSettings).
-    dramatiq_idle_poll_ms: int = DEFAULT_IDLE_POLL_MS
     # Where ``database.url`` came from, for messages: the variable or the key.
     database_url_origin: str = "[database] url"
     # The broker of adapters that name none: SWITCHBOARD_REDIS_URL, else
@@ -398,6 +361,9 @@ class Settings:
     # `switchboard receive`; every other process leaves them be.
     webhooks: tuple[WebhookConfig, ...] = ()
     receiver: ReceiverSettings = field(default_factory=ReceiverSettings)
+    # Keys the file holds that this version ignores (RETIRED_KEYS), one line
+    # each, said by every command at start.
+    notices: tuple[str, ...] = ()
 
     def adapter(self, name: str) -> AdapterConfig:
         for a in self.adapters:
@@ -436,26 +402,38 @@ def _metrics(raw: Mapping[str, Any], env: Mapping[str, str]) -> MetricsSettings:
     return dataclasses.replace(metrics, port=port)
 
 
-def _dramatiq(
-    raw: Mapping[str, Any], redis_url: str, env: Mapping[str, str], *, redis_cluster: bool = False
-) -> dict[str, Any]:
-    """``[dramatiq]``, as :class:`Settings`'s ``dramatiq_*`` attributes."""
-    if redis_cluster and "url" not in table(raw, "dramatiq"):
-        raise ConfigError(
-            "[dramatiq]: key 'url' is required when [redis] cluster = true: dramatiq's broker (its queues"
-            " and the workers' acks, several keys per call) must be a single Redis, not a cluster"
-        )
-    section = DramatiqSettings(
-        **DRAMATIQ.read("[dramatiq]", table(raw, "dramatiq"), defaults={"url": redis_url})
-    )
-    broker = BrokerUrl.resolve(
-        "[dramatiq]", section.url, env, username_env=section.username_env, password_env=section.password_env
-    )
-    return {"dramatiq_broker": broker, "dramatiq_idle_poll_ms": section.idle_poll_ms}
+def _without_retired(raw: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The file without the keys :data:`RETIRED_KEYS` names, and a notice
+    for each one it held."""
+    notices: list[str] = []
+    kept = dict(raw)
+
+    def strip(where: str, section: str, values: Any) -> Any:
+        if not isinstance(values, Mapping):
+            return values
+        left = dict(values)
+        for (table_name, key), why in RETIRED_KEYS.items():
+            if table_name == section and key in left:
+                del left[key]
+                notices.append(f"{where}: key {key!r} is no longer used and is ignored: {why}")
+        return left
+
+    if "dramatiq" in kept:
+        kept["dramatiq"] = strip("[dramatiq]", "dramatiq", kept["dramatiq"])
+        if not kept["dramatiq"]:
+            del kept["dramatiq"]
+        else:
+            check_keys("[dramatiq]", kept["dramatiq"], set())
+    if "acker" in kept:
+        kept["acker"] = strip("[acker]", "acker", kept["acker"])
+    if isinstance(kept.get("queues"), Mapping):
+        kept["queues"] = {name: strip(f"[queues.{name}]", "queues", q) for name, q in kept["queues"].items()}
+    return kept, tuple(notices)
 
 
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None = None) -> Settings:
     """``base_dir`` anchors relative paths (the config file's directory)."""
+    raw, notices = _without_retired(raw)
     check_keys("config", raw, _TOP_KEYS)
     database = DatabaseSettings(**DATABASE.read("[database]", table(raw, "database"), env=env))
     redis = RedisSettings(**REDIS.read("[redis]", table(raw, "redis"), env=env))
@@ -476,11 +454,12 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         ingest=ingest,
         acker=acker,
         queues=queues,
-        **_dramatiq(raw, redis_url, env, redis_cluster=redis.cluster),
+        worker=WorkerSettings(**WORKER.read("[worker]", table(raw, "worker"))),
         metrics=_metrics(raw, env),
         redis_url=redis_url,
         webhooks=webhooks,
         receiver=ReceiverSettings(**RECEIVER.read("[receiver]", table(raw, "receiver"))),
+        notices=notices,
     )
 
 

@@ -34,13 +34,13 @@ def write_config(
     ingest: Mapping[str, Any] | None = None,
     acker: Mapping[str, Any] | None = None,
     queues: Mapping[str, Mapping[str, Any]] | None = None,
-    dramatiq_url: str | None = None,
+    worker: Mapping[str, Any] | None = None,
     receiver: Mapping[str, Any] | None = None,
 ) -> Path:
     """``[database]`` (its url and ``database``), ``[redis]`` when ``redis_url`` is
     given, one ``[[adapters]]`` table each, ``[ingest]`` / ``[acker]`` when
-    given, one ``[queues.NAME]`` table each, and ``[dramatiq]`` when its url
-    is given, and ``[receiver]`` when given."""
+    given, one ``[queues.NAME]`` table each, and ``[worker]`` and ``[receiver]``
+    when given."""
     text = f"[database]\n{_table({'url': database_url, **(database or {})})}"
     if redis_url is not None:
         text += f"\n[redis]\n{_table({'url': redis_url})}"
@@ -52,8 +52,8 @@ def write_config(
         text += f"\n[acker]\n{_table(acker)}"
     for name, queue in (queues or {}).items():
         text += f"\n[queues.{name}]\n{_table(queue)}"
-    if dramatiq_url is not None:
-        text += f"\n[dramatiq]\n{_table({'url': dramatiq_url})}"
+    if worker is not None:
+        text += f"\n[worker]\n{_table(worker)}"
     if receiver is not None:
         text += f"\n[receiver]\n{_table(receiver)}"
     # The URLs hold the servers' passwords: the file is its owner's alone

@@ -44,7 +44,7 @@ from backhalf.db import libpq_url
 from ingest.embedded.config import write_config
 from ingest.embedded.demo_sources import DemoSource, demo_source
 from ingest.embedded.processes import Processes, SwitchboardProcess, WaitTimedOut, wait_for
-from ingest.embedded.servers import embedded_servers, remove_abandoned
+from ingest.embedded.servers import RedisServer, embedded_postgres, embedded_servers, remove_abandoned
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from ingest.signals import STOP_SIGNALS
 
@@ -82,7 +82,7 @@ def _scalar(db: psycopg.Connection[Any], query: str) -> int:
     return int(row[0]) if row else 0
 
 
-def _write_config(path: Path, db_url: str, redis_url: str, adapter: dict[str, Any]) -> None:
+def _write_config(path: Path, db_url: str, redis_url: str | None, adapter: dict[str, Any]) -> None:
     # Short retry delays: the demo's flaky orders succeed within a second.
     queue = {"handler": "ingest.embedded.demo_handlers:fulfil", "max_attempts": 3,
              "min_backoff_ms": 100, "max_backoff_ms": 500}  # fmt: skip
@@ -185,9 +185,16 @@ def release_interrupted(stop: Stopped) -> None:
 
 def _run(messages: int, transport: str) -> int:
     with contextlib.ExitStack() as stack:
+        # Redis only for the Redis transport: the workers take their todos
+        # from PostgreSQL, so another broker's pipeline runs without one.
+        rs: RedisServer | None = None
         try:
-            servers = stack.enter_context(embedded_servers(PREFIX))
-            base, pg, rs = servers.base, servers.postgres, servers.redis
+            if transport == "redis":
+                servers = stack.enter_context(embedded_servers(PREFIX))
+                base, pg, rs = servers.base, servers.postgres, servers.redis
+            else:
+                alone = stack.enter_context(embedded_postgres(PREFIX))
+                base, pg = alone.base, alone.postgres
             db_url = pg.create_database("switchboard")
         except (RuntimeError, OSError) as exc:
             # The kit's message: its first line says why; the log tail below it
@@ -195,11 +202,13 @@ def _run(messages: int, transport: str) -> int:
             print(f"switchboard demo: {str(exc).splitlines()[0]}", file=sys.stderr)
             return EXIT_FAILURE
         _say(f"demo: working in {base}")
-        _say(
-            f"demo: PostgreSQL on 127.0.0.1:{pg.port} (pid {pg.pid}), "
-            f"Valkey on 127.0.0.1:{rs.port} (pid {rs.pid})"
-        )
-        r = stack.enter_context(contextlib.closing(redis.Redis.from_url(rs.url, socket_timeout=10)))
+        running = f"demo: PostgreSQL on 127.0.0.1:{pg.port} (pid {pg.pid})"
+        if rs is not None:
+            running += f", {rs.binary.name} on 127.0.0.1:{rs.port} (pid {rs.pid})"
+        _say(running)
+        r = None
+        if rs is not None:
+            r = stack.enter_context(contextlib.closing(redis.Redis.from_url(rs.url, socket_timeout=10)))
         try:
             source, where = stack.enter_context(demo_source(transport, base, r))
         except (RuntimeError, OSError) as exc:
@@ -215,7 +224,7 @@ def _run(messages: int, transport: str) -> int:
         migrate.upgrade(db_url)
         _say("demo: migrated")
         config = base / "switchboard.toml"
-        _write_config(config, db_url, rs.url, source.adapter())
+        _write_config(config, db_url, None if rs is None else rs.url, source.adapter())
         try:
             return _drive(config, db_url, source, messages, processes)
         except (WaitTimedOut, ProcessExited) as exc:

@@ -328,11 +328,14 @@ class AmqpSource:
 
 
 @contextlib.contextmanager
-def demo_source(transport: str, base: Path, redis_client: redis.Redis) -> Iterator[tuple[DemoSource, str]]:
+def demo_source(
+    transport: str, base: Path, redis_client: redis.Redis | None
+) -> Iterator[tuple[DemoSource, str]]:
     """The source for ``transport``, and a line saying where its server runs
     (a nats-server, an SQS emulator or a RabbitMQ of its own in ``base`` for
     NATS, SQS and AMQP; Redis is the demo's)."""
     if transport == "redis":
+        assert redis_client is not None, "the Redis demo runs on the demo's Redis"
         yield RedisStreamSource(redis_client), ""
         return
     if transport == "sqs":

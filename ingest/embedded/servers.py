@@ -826,6 +826,26 @@ class EmbeddedServers:
     redis: RedisServer
 
 
+@dataclass(frozen=True)
+class EmbeddedPostgres:
+    base: Path  # the temporary directory; the server has its folder in it
+    postgres: PostgresServer
+
+
+@contextlib.contextmanager
+def embedded_postgres(prefix: str, *, password: str | None = None) -> Iterator[EmbeddedPostgres]:
+    """PostgreSQL alone (``base/pg``) in a new ``temp_base``, started; on exit
+    stopped and the base deleted: for what needs no Redis (the demo of
+    another transport)."""
+    base = temp_base(prefix)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, base, ignore_errors=True)
+        pg = PostgresServer.create(base / "pg", password=password)
+        cleanup.callback(pg.cleanup)
+        pg.start()
+        yield EmbeddedPostgres(base, pg)
+
+
 @contextlib.contextmanager
 def embedded_servers(
     prefix: str,

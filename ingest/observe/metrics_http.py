@@ -73,7 +73,7 @@ MAX_THREADS = 2 * MAX_CONNECTIONS
 CUT_GRACE_S = 0.5
 
 
-# A server the process needs (dramatiq's Redis, for the relay) failing every
+# A server the process needs (a broker its adapters read or ack) failing every
 # try for this long makes the process unhealthy: a blip is retried, a wrong
 # password or a server gone is said.
 SERVER_FAILING_AFTER_S = 10.0

@@ -114,8 +114,6 @@ def _brokers(settings: Settings, verb: str) -> Iterator[tuple[str, str]]:
         named += [(f"adapter {a.name!r}", a.broker) for a in settings.adapters]
     if verb == "ack" and not settings.adapters:
         named.append(("[redis] url", BrokerUrl(settings.redis_url)))  # for the adapters table's adapters
-    if verb == "worker" or (verb == "ack" and settings.queues):
-        named.append(("[dramatiq]", settings.dramatiq_broker))
     for who, broker in named:
         try:
             yield who, broker.url()

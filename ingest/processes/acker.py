@@ -38,21 +38,18 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import acks, db_errors, failpoints, heartbeats, registry
 from backhalf import metrics as m
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, DatabaseSettings, libpq_url, within_deadline
-from backhalf.dispatch import Dispatcher, Enqueuer
 from backhalf.errors import DeadlineExceeded
 from backhalf.queries import ACK_CHANNEL
 from backhalf.records import AckClaim
 from backhalf.registry import AdapterRow
+from backhalf.rescue import Rescuer
 from ingest.adapters import registered
 from ingest.adapters.base import FAMILY, Acknowledger
 from ingest.adapters.factory import acked_by, make_acknowledger
 from ingest.config import AckerSettings, Settings
-from ingest.config.urls import broker_name
 from ingest.errors import AckError, AcksRefused, ConfigError, error_kind, log_failure
 from ingest.lifecycle import Retry, wait_either, wait_stop
 from ingest.observe.heartbeat import database_gauges_loop
-from ingest.observe.logs import redact
-from ingest.observe.metrics_http import Liveness
 from ingest.processes.prune import prune_loop, walks
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
@@ -298,7 +295,7 @@ async def registered_at_start(
 async def _listen_loop(
     database: DatabaseSettings, settings: AckerSettings, wakes: Sequence[asyncio.Event], stop: asyncio.Event
 ) -> None:
-    """Turn NOTIFYs into ``wakes`` (the ack drain's, the relay's); reconnect
+    """Turn NOTIFYs into ``wakes`` (the ack drain's); reconnect
     with backoff; never the only path."""
     # LISTEN is an optimisation: whatever ends it is retried; the driver's and
     # the network's errors are warnings, anything else a bug with its traceback.
@@ -336,48 +333,30 @@ def _set_all(events: Sequence[asyncio.Event]) -> None:
         event.set()
 
 
-async def dispatch_loop(
+async def rescue_loop(
     step: Callable[[], Awaitable[int]],
     settings: AckerSettings,
     stop: asyncio.Event,
     *,
-    failed_event: str,
-    interval_s: float,
-    wake: asyncio.Event | None = None,
     tick: Callable[[], None] = lambda: None,
-    broker: tuple[str, Liveness] | None = None,
 ) -> None:
-    """The relay (``step`` dispatches committed todos; woken by the store's
-    NOTIFY, as a commit may have created todos) and the rescue (``step``
-    dispatches stuck todos again, or fails them; no ``wake``) until stop.
-    After a short batch, wait ``interval_s`` (or for ``wake``); after a full
-    one, go on at once. Failures are logged as ``failed_event``, backed off
-    and retried, never the end of the loop. ``broker``: the name of
-    dramatiq's broker and the liveness told when it fails or answers (a
-    broker that keeps failing makes the process unhealthy, named)."""
+    """The rescuer (``step`` puts lapsed claims back, or fails them) until
+    stop: after a short batch, wait ``rescue_interval_ms``; after a full one,
+    go on at once. Failures are logged, backed off and retried, never the
+    end of the loop."""
     retry = Retry.from_settings(settings, log)
+    interval_s = settings.rescue_interval_ms / 1000
     while not stop.is_set():
         tick()
-        if wake is not None:
-            wake.clear()
         try:
-            dispatched = await step()
-        except Exception as exc:  # noqa: BLE001 - the database, the broker or a bug: back off, go on
-            kind = error_kind(exc)
-            m.ERRORS.labels("ack", kind, m.error_class(exc)).inc()
-            if broker is not None and kind == "broker":
-                cause = exc.__cause__ or exc  # the client's own error: what the operator acts on
-                broker[1].server_failed(broker[0], redact(f"{type(cause).__name__}: {cause}"))
-            await retry.back_off(stop, failed_event, exc)
+            moved = await step()
+        except Exception as exc:  # noqa: BLE001 - the database or a bug: back off, go on
+            m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
+            await retry.back_off(stop, "rescue_failed", exc)
             continue
-        if broker is not None:
-            broker[1].server_answered(broker[0])
         retry.succeeded()
-        if dispatched < settings.dispatch_batch_size:
-            if wake is None:
-                await wait_stop(stop, interval_s)
-            else:
-                await wait_either(wake, stop, interval_s)
+        if moved < settings.batch_size:
+            await wait_stop(stop, interval_s)
 
 
 async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> None:
@@ -393,7 +372,7 @@ async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
 
 class _Acker(ProcessBody):
     """The ack drain, woken by LISTEN; beside it, with ``[queues.*]``, the
-    relay and the rescue, and with ``retain_*`` keys, the pruner."""
+    rescuer, and with ``retain_*`` keys, the pruner."""
 
     role = "ack"
     stopped_event = "acker_stopped"
@@ -409,19 +388,17 @@ class _Acker(ProcessBody):
             cfg.name: make_acknowledger(cfg) for cfg in settings.adapters if acked_by(cfg) == "acker"
         }
         self._refresh: Callable[[], Awaitable[object]] | None = None
-        self._dispatcher: Dispatcher | None = None
+        self._rescuer: Rescuer | None = None
         if settings.queues:
-            self._dispatcher = Dispatcher(
+            self._rescuer = Rescuer(
                 engine,
                 settings.queues,
-                Enqueuer(settings.dramatiq_broker.url()),
-                batch_size=settings.acker.dispatch_batch_size,
-                dispatch_timeout_ms=settings.acker.dispatch_timeout_ms,
+                batch_size=settings.acker.batch_size,
                 deadline_ms=settings.database.transaction_deadline_ms,
             )
         # The slot: what a restart of this process serves again (see
         # backhalf.heartbeats); the adapters acked can grow (the table).
-        self._served_queues = sorted(settings.queues) if self._dispatcher is not None else []
+        self._served_queues = sorted(settings.queues)
         self._slot = heartbeats.slot([cfg.name for cfg in settings.adapters], self._served_queues)
 
     async def start(self, process: Process) -> bool:
@@ -446,10 +423,8 @@ class _Acker(ProcessBody):
 
     def spawn(self, process: Process) -> None:
         settings, stop = self._settings, process.stop
-        wake, relay_wake = asyncio.Event(), asyncio.Event()
-        listener = process.beside(
-            _listen_loop(settings.database, settings.acker, [wake, relay_wake], stop), "listen"
-        )
+        wake = asyncio.Event()
+        listener = process.beside(_listen_loop(settings.database, settings.acker, [wake], stop), "listen")
         # The listener may sit in notifies() for up to the probe interval;
         # it holds no state worth finishing, so stop cancels it.
         process.beside(_stop_listener(listener, stop), "listen-stopper")
@@ -468,10 +443,13 @@ class _Acker(ProcessBody):
         if settings.acker.prune_interval_ms > 0 and walks(settings):
             # Retention: bounded batches on a connection of its own.
             process.work(prune_loop(self._engine, settings, stop), "prune")
-        if self._dispatcher is not None:
-            self._spawn_dispatch(process, self._dispatcher, relay_wake)
+        if self._rescuer is not None:
+            rescue_s = settings.acker.rescue_interval_ms / 1000
+            rescue = rescue_loop(self._rescuer.rescue_once, settings.acker, stop,
+                                 tick=process.watch("rescue", rescue_s))  # fmt: skip
+            process.work(rescue, "rescue")
         else:
-            log.info("dispatch_off", reason="no [queues.*] in the config: todos are not dispatched")
+            log.info("rescue_off", reason="no [queues.*] in the config: lapsed claims are not looked for")
         for cfg in settings.adapters:
             if settings.queues and cfg.queue not in settings.queues:
                 log.warning(
@@ -480,31 +458,6 @@ class _Acker(ProcessBody):
                     queue=cfg.queue,
                     detail=f"no [queues.{cfg.queue}] in the config: its todos stay pending",
                 )
-
-    def _spawn_dispatch(self, process: Process, dispatcher: Dispatcher, relay_wake: asyncio.Event) -> None:
-        """The outbox: committed todos to dramatiq, and stuck ones again."""
-        acker = self._settings.acker
-        poll_s, rescue_s = acker.poll_interval_ms / 1000, acker.rescue_interval_ms / 1000
-        relay = dispatch_loop(
-            dispatcher.relay_once,
-            acker,
-            process.stop,
-            failed_event="dispatch_failed",
-            interval_s=poll_s,
-            wake=relay_wake,
-            tick=process.watch("relay", poll_s),
-            broker=(broker_name(self._settings.dramatiq_broker.url()), process.liveness),
-        )
-        process.work(relay, "relay")
-        rescue = dispatch_loop(
-            dispatcher.rescue_once,
-            acker,
-            process.stop,
-            failed_event="rescue_failed",
-            interval_s=rescue_s,
-            tick=process.watch("rescue", rescue_s),
-        )
-        process.work(rescue, "rescue")
 
     def detail(self) -> Mapping[str, Any]:
         return {"adapters": sorted(self._acknowledgers), "queues": self._served_queues, "slot": self._slot}
@@ -525,7 +478,5 @@ class _Acker(ProcessBody):
         return "database-gauges", loop
 
     async def close(self) -> None:
-        if self._dispatcher is not None:
-            self._dispatcher.close()
         for a in self._acknowledgers.values():
             await a.close()

@@ -37,7 +37,7 @@ def write_config(
     acker: Mapping[str, Any] | None = None,
     database: Mapping[str, Any] | None = None,
     queues: Mapping[str, Mapping[str, Any]] | None = None,
-    dramatiq_url: str | None = None,
+    worker: Mapping[str, Any] | None = None,
     receiver: Mapping[str, Any] | None = None,
 ) -> Path:
     fast = {"backoff_initial_ms": 50, "backoff_max_ms": 1000}
@@ -50,6 +50,6 @@ def write_config(
         ingest={**fast, "enabled_refresh_ms": 200, **(ingest or {})},
         acker={**fast, "poll_interval_ms": 200, **(acker or {})},
         queues=queues,
-        dramatiq_url=dramatiq_url,
+        worker=worker,
         receiver=receiver,
     )

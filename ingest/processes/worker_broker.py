@@ -1,0 +1,494 @@
+"""dramatiq's broker for Switchboard's workers: the todos table itself
+(DESIGN.md section 7b; docs/decisions/0001-workers-on-postgresql.md).
+
+There is no second copy of a todo: a worker process claims due todos
+straight from ``todos`` and hands each to dramatiq's worker threads as a
+message that exists only in memory. What dramatiq keeps is what it is good
+at: its threads, its middleware (time limits, the user's own), its
+processes and signals.
+
+* **Wake and claim** (:class:`Claimer`, on the process's one consumer
+  thread). One connection LISTENs on the store's NOTIFY and runs the claims;
+  a poll every ``[worker] poll_interval_ms`` covers a lost notification and
+  retries whose backoff has ended. One statement (``claim_todos``) claims
+  at most what the free threads can start now, plus a prefetch only where
+  runs are quick: as many todos as the threads finish within
+  ``PREFETCH_WAIT_S``, so a prefetched todo waits a few milliseconds at
+  most, and a process with slow handlers prefetches none (it never holds
+  work its threads cannot start while another process idles). A thread
+  that frees up wakes the claimer at once (a self-pipe beside the
+  connection's socket).
+* **Leases** (:class:`LeaseKeeper`): a claim holds a short lease
+  (``[worker] lease_ms``), extended every third of it for as long as the
+  process holds the claim, run or waiting; a killed process's claims lapse
+  and the acker's rescuer puts them back, whatever the time limit. A claim
+  found lost (cancelled, or rescued after the process was cut off) is not
+  run if it has not started.
+* **Ends** go to the process's :class:`~backhalf.state_writer.StateWriter`
+  (background batches); a claim is held, and its lease extended, until its
+  end is committed or given up.
+* **Stop**: claims dramatiq never started (its work queue, the claimer's
+  own buffer) are given back, pending again and their attempt uncounted.
+
+Every Switchboard actor is on one dramatiq queue, ``switchboard``, so one
+consumer (one claim) serves all of a process's queues and its threads are
+shared among them; the claim walks the queues in turn. Actors of other
+dramatiq queues declared on this broker (an application's own, imported
+with a handler) get a consumer that never yields a message: this broker
+only carries todos, and refuses to enqueue.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import dramatiq
+import psycopg
+import structlog
+from dramatiq.broker import Consumer, MessageProxy
+from dramatiq.errors import DramatiqError
+from psycopg import sql as pgsql
+from sqlalchemy import Engine, PoolProxiedConnection
+from sqlalchemy.exc import SQLAlchemyError
+
+from backhalf import metrics, queries, todos
+from backhalf.errors import StoreError
+from backhalf.queues import ACTOR_PREFIX
+from backhalf.state_writer import StateWriter
+
+log = structlog.get_logger(__name__)
+
+# The one dramatiq queue of every Switchboard actor.
+SWITCHBOARD_QUEUE = "switchboard"
+# A prefetched todo waits at most about this long for a thread: the prefetch
+# is what the threads finish in that time at the runs' recent pace, so only
+# quick handlers get one (docs/workers.md, "Wake and claim").
+PREFETCH_WAIT_S = 0.005
+# The pace is an average that follows the last few dozen runs.
+PACE_WEIGHT = 0.1
+# A claim that failed on the database is tried again after these waits.
+CLAIM_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+GIVEN_BACK = "given back unrun: the worker stopped with it claimed"
+NOT_RUN = "given back unrun: a middleware skipped its message"
+
+
+class TodoMessage(MessageProxy):
+    """A claimed todo as dramatiq's message: in memory only, its claim with it."""
+
+    def __init__(self, message: dramatiq.Message[Any], claim: todos.Claimed) -> None:
+        super().__init__(message)
+        self.claim = claim
+        self.began = 0.0  # monotonic: when a worker thread took it
+        self.ran = False  # whether its actor took the claim
+
+
+class Leases:
+    """The claims this process holds, from their claim until their end is
+    settled (or they are given back): the lease keeper extends them all."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[int, Any], todos.Claimed] = {}
+        self._lost: set[tuple[int, Any]] = set()
+
+    def hold(self, claims: Iterable[todos.Claimed]) -> None:
+        with self._lock:
+            for c in claims:
+                self._held[(c.todo.id, c.token)] = c
+
+    def release(self, claim: todos.Claimed) -> None:
+        with self._lock:
+            key = (claim.todo.id, claim.token)
+            self._held.pop(key, None)
+            self._lost.discard(key)
+
+    def held(self) -> list[todos.Claimed]:
+        with self._lock:
+            return list(self._held.values())
+
+    def lose(self, claim: todos.Claimed) -> bool:
+        """Mark a claim the database says is no longer this run's; False if
+        it is not held any more (its own end came first: nothing lost)."""
+        with self._lock:
+            key = (claim.todo.id, claim.token)
+            if key not in self._held:
+                return False
+            self._lost.add(key)
+            return True
+
+    def lost(self, claim: todos.Claimed) -> bool:
+        with self._lock:
+            return (claim.todo.id, claim.token) in self._lost
+
+
+class LeaseKeeper:
+    """Extends the leases of every claim the process holds, every third of
+    the lease, through the state writer (one statement a beat)."""
+
+    def __init__(self, leases: Leases, writer: StateWriter, lease_s: float) -> None:
+        self._leases, self._writer, self._lease_s = leases, writer, lease_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="switchboard-leases", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        held = self._leases.held()
+        if not held:
+            return
+        answers = self._writer.extend(held, self._lease_s)
+        for claim, extended in zip(held, answers, strict=True):
+            # An end committed since the snapshot released its claim first
+            # (the writer settles an end before it takes the next batch).
+            if extended is False and self._leases.lose(claim):
+                log.warning("todo_claim_lost", todo_id=claim.todo.id, queue=claim.todo.queue,
+                            reason="cancelled or rescued while this worker held it")  # fmt: skip
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._lease_s / 3):
+            try:
+                self.beat()
+            except StoreError as exc:
+                # Missed beats leave a third of the lease, twice, before the
+                # claims lapse: the next beat tries again.
+                log.warning("todo_leases_not_extended", error=str(exc))
+            except Exception as exc:  # the keeper must outlive a bug: claims would lapse under live runs
+                log.exception("todo_lease_keeper_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._lease_s)
+
+
+class Claimer:
+    """Claims due todos for one worker process and hands them to dramatiq
+    as messages; told by the worker threads when one is done with."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        writer: StateWriter,
+        leases: Leases,
+        queues: Sequence[str],
+        *,
+        threads: int,
+        lease_s: float,
+        poll_interval_s: float,
+    ) -> None:
+        self._engine, self._writer, self._leases = engine, writer, leases
+        self._order = collections.deque(queues)
+        self._threads, self._lease_s, self._poll_s = threads, lease_s, poll_interval_s
+        self._lock = threading.Lock()
+        self._in_flight = 0  # claimed and not yet done with (run, skipped or given back)
+        self._pace_s: float | None = None  # the recent runs' average length
+        self._ready: collections.deque[TodoMessage] = collections.deque()
+        self._raw: PoolProxiedConnection | None = None
+        self._wanted = True  # todos may be due: claim when threads are free
+        self._next_poll = 0.0
+        self._failures = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._closed = False
+        self._stopping = False
+
+    # -- the consumer thread ------------------------------------------------------
+
+    def next_message(self, timeout_s: float) -> TodoMessage | None:
+        """The next claimed todo, or None after ``timeout_s`` with none (dramatiq
+        then looks whether it is stopping)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready:
+            now = time.monotonic()
+            if now >= self._next_poll:
+                self._wanted, self._next_poll = True, now + self._poll_s
+            if self._wanted and not self._stopping:
+                free = self._free()
+                if free > 0:
+                    self._claim(free)
+                    continue
+            if now >= deadline:
+                return None
+            self._wait(min(deadline, self._next_poll) - now)
+        return self._ready.popleft()
+
+    def stop_claiming(self) -> None:
+        """The worker is stopping: no more claims."""
+        self._stopping = True
+
+    def _free(self) -> int:
+        """Claims the threads can start now: every free thread, plus what
+        they finish within PREFETCH_WAIT_S at the recent pace."""
+        with self._lock:
+            pace = self._pace_s
+            prefetch = (
+                0
+                if pace is None
+                else min(self._threads, int(self._threads * PREFETCH_WAIT_S / max(pace, 1e-6)))
+            )
+            return self._threads + prefetch - self._in_flight
+
+    def _claim(self, limit: int) -> None:
+        self._order.rotate(-1)  # each claim starts at the next queue: none starves another
+        try:
+            pg = self._connection()
+            claimed = todos.claim(pg, list(self._order), limit, self._lease_s)
+        except (psycopg.Error, SQLAlchemyError) as exc:
+            self._failed(exc)
+            return
+        if self._failures:
+            log.info("todo_claims_resumed", after_failures=self._failures)
+            self._failures = 0
+        # A full claim may have left more due; a short one took what was.
+        self._wanted = len(claimed) >= limit
+        if not claimed:
+            return
+        self._leases.hold(claimed)
+        with self._lock:
+            self._in_flight += len(claimed)
+        for claim in claimed:
+            if metrics.on():
+                metrics.CLAIMED.labels(claim.todo.queue).inc()
+            message: dramatiq.Message[Any] = dramatiq.Message(
+                queue_name=SWITCHBOARD_QUEUE,
+                actor_name=ACTOR_PREFIX + claim.todo.queue,
+                args=(claim.todo.id,),
+                kwargs={},
+                options={},
+            )
+            self._ready.append(TodoMessage(message, claim))
+
+    def _failed(self, exc: BaseException) -> None:
+        """The database refused or dropped a claim: the connection is
+        replaced, and the next claim waits a little longer each time."""
+        self._discard()
+        delay_s = CLAIM_BACKOFF_S[min(self._failures, len(CLAIM_BACKOFF_S) - 1)]
+        self._failures += 1
+        log.warning("todo_claim_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay_s,
+                    failures=self._failures)  # fmt: skip
+        # No claim until the next poll: the wait until then is the backoff.
+        self._wanted, self._next_poll = False, time.monotonic() + delay_s
+
+    def _wait(self, timeout_s: float) -> None:
+        """Until a notification, a thread freed, or ``timeout_s``."""
+        fds = [self._wake_r]
+        pg = self._pg()
+        if pg is not None:
+            if self._notified(pg):
+                return
+            fds.append(pg.fileno())
+        readable, _, _ = select.select(fds, [], [], timeout_s)
+        if self._wake_r in readable:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if pg is not None and pg.fileno() in readable:
+            self._notified(pg)
+
+    def _notified(self, pg: psycopg.Connection[Any]) -> bool:
+        """Whether a notification arrived (read without waiting): todos are due."""
+        try:
+            got = sum(1 for _ in pg.notifies(timeout=0))
+        except psycopg.Error as exc:
+            self._failed(exc)
+            return False
+        if got:
+            self._wanted = True
+        return got > 0
+
+    def _pg(self) -> psycopg.Connection[Any] | None:
+        if self._raw is None:
+            return None
+        pg = self._raw.driver_connection
+        assert isinstance(pg, psycopg.Connection)
+        return pg
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The claimer's own connection, out of the pool for good: LISTEN
+        on it, claims on it (autocommit: each claim its own transaction)."""
+        pg = self._pg()
+        if pg is not None:
+            return pg
+        self._raw = self._engine.raw_connection()
+        pg = self._pg()
+        assert pg is not None
+        pg.autocommit = True
+        pg.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(queries.TODO_CHANNEL)))
+        log.info("listening", channel=queries.TODO_CHANNEL)
+        return pg
+
+    def _discard(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            try:
+                raw.invalidate()
+            except (psycopg.Error, SQLAlchemyError) as exc:
+                log.warning("todo_claimer_connection_discarded", error=f"{type(exc).__name__}: {exc}")
+
+    # -- the worker threads -------------------------------------------------------
+
+    def began(self, message: TodoMessage) -> None:
+        message.began = time.monotonic()
+
+    def done_with(self, message: TodoMessage) -> None:
+        """A message dramatiq is done with (acked or rejected): its thread is
+        free. A claim its actor never took (a middleware skipped the
+        message) is given back."""
+        if not message.ran:
+            self.give_back([message], NOT_RUN)
+        took_s = time.monotonic() - message.began if message.began else None
+        with self._lock:
+            self._in_flight -= 1
+            if took_s is not None and message.ran:
+                pace = self._pace_s
+                self._pace_s = took_s if pace is None else pace + PACE_WEIGHT * (took_s - pace)
+        # A full pipe: the claimer has wake-ups waiting already.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    def give_back(self, messages: Sequence[TodoMessage], detail: str = GIVEN_BACK) -> None:
+        """Claims never started: pending again, due now, attempt uncounted,
+        committed on return (or left to lapse: the rescuer's)."""
+        claims = [m.claim for m in messages]
+        if not claims:
+            return
+        endings = [todos.Ending(c, "pending", None, detail, unrun=True) for c in claims]
+        answers = self._writer.end_all(endings)
+        for claim, answer in zip(claims, answers, strict=True):
+            self._leases.release(claim)
+            if isinstance(answer, BaseException):
+                log.warning("todo_not_given_back", todo_id=claim.todo.id, error=str(answer),
+                            detail="its lease lapses and the rescuer puts it back")  # fmt: skip
+        log.info("todo_claims_given_back", todos=len(claims))
+
+    # -- stop ------------------------------------------------------------------------
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        """dramatiq's work queue at stop: its messages never ran."""
+        mine = [m for m in messages if isinstance(m, TodoMessage)]
+        with self._lock:
+            self._in_flight -= len(mine)
+        self.give_back(mine)
+
+    def close(self) -> None:
+        """Give back what was claimed and not handed out; close the connection.
+        (The wake-up pipe stays open: threads still running tell it when
+        they are done.)"""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping = True
+        ready, self._ready = list(self._ready), collections.deque()
+        with self._lock:
+            self._in_flight -= len(ready)
+        self.give_back(ready)
+        self._discard()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class TodoConsumer(Consumer):
+    """dramatiq's consumer of the ``switchboard`` queue: the claimer's messages."""
+
+    def __init__(self, claimer: Claimer, timeout_ms: int) -> None:
+        self._claimer, self._timeout_s = claimer, timeout_ms / 1000
+
+    def __next__(self) -> MessageProxy | None:
+        return self._claimer.next_message(self._timeout_s)
+
+    def ack(self, message: MessageProxy) -> None:
+        if isinstance(message, TodoMessage):
+            self._claimer.done_with(message)
+
+    def nack(self, message: MessageProxy) -> None:
+        self.ack(message)  # the todo's state is its end's, written by the run
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        self._claimer.requeue(messages)
+
+    def close(self) -> None:
+        self._claimer.close()
+
+
+class _IdleConsumer(Consumer):
+    """A consumer of a queue this broker carries nothing on."""
+
+    def __init__(self, timeout_ms: int) -> None:
+        self._timeout_s = timeout_ms / 1000
+
+    def __next__(self) -> MessageProxy | None:
+        time.sleep(self._timeout_s)
+        return None
+
+    def ack(self, message: MessageProxy) -> None:
+        pass
+
+    def nack(self, message: MessageProxy) -> None:
+        pass
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        pass
+
+
+class NotAQueue(DramatiqError):
+    """Todos are made by Switchboard's store, never sent through dramatiq."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)  # type: ignore[no-untyped-call]
+
+
+class TodoBroker(dramatiq.Broker):
+    """dramatiq's broker over ``todos``: consumes only (one claimer per
+    process, made by the first :meth:`consume`)."""
+
+    def __init__(
+        self, make_claimer: Callable[[], Claimer], middleware: list[dramatiq.Middleware] | None = None
+    ) -> None:
+        super().__init__(middleware=middleware)
+        self._make_claimer = make_claimer
+        self.claimer: Claimer | None = None
+        self.queues: dict[str, None] = {}
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30000) -> Consumer:
+        if queue_name != SWITCHBOARD_QUEUE:
+            return _IdleConsumer(timeout)
+        if self.claimer is None or self.claimer.closed:
+            # A consumer dramatiq restarted after an error: a claimer anew.
+            self.claimer = self._make_claimer()
+        return TodoConsumer(self.claimer, timeout)
+
+    def declare_queue(self, queue_name: str) -> None:
+        if queue_name in self.queues:
+            return
+        self.emit_before("declare_queue", queue_name)
+        self.queues[queue_name] = None
+        self.emit_after("declare_queue", queue_name)
+
+    def enqueue(self, message: dramatiq.Message[Any], *, delay: int | None = None) -> dramatiq.Message[Any]:
+        raise NotAQueue(
+            f"cannot send {message.actor_name!r}: Switchboard's workers take their todos from PostgreSQL;"
+            " todos are made by `switchboard ingest` and `receive`, retried by `switchboard todos retry`"
+        )
+
+    def flush(self, queue_name: str) -> None:
+        """Nothing to drop: the todos are the database's."""
+
+    def flush_all(self) -> None:
+        """Nothing to drop: the todos are the database's."""
+
+    def join(self, queue_name: str, *, timeout: int | None = None) -> None:
+        raise NotAQueue("join: wait for the todos in PostgreSQL instead")
+
+    def close(self) -> None:
+        if self.claimer is not None:
+            self.claimer.close()
