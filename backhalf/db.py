@@ -64,10 +64,15 @@ def redact_url(url: str) -> str:
 
 
 def _connect_args(settings: DatabaseSettings, application_name: str) -> dict[str, Any]:
+    # jit=off: Switchboard's statements are short, and a packaged PostgreSQL
+    # (JIT on, as most distributions build it) compiled the store's 2,000-row
+    # batch for 1.3 s, its planner misled by CTE estimates into costs past
+    # jit_above_cost (docs/decisions/0002-jit-off-for-switchboard-sessions.md).
     options = (
         f"-c statement_timeout={int(settings.statement_timeout_ms)}"
         f" -c lock_timeout={int(settings.lock_timeout_ms)}"
         " -c idle_in_transaction_session_timeout=60000"
+        " -c jit=off"
     )
     return {
         "connect_timeout": settings.connect_timeout_s,
