@@ -97,7 +97,8 @@ chromium:
 # Throughput and latency beside a raw-insert and a naive-consumer baseline and
 # the FastStream peers, on servers of its own; BENCH_ARGS=--quick for a short
 # run, BENCH_ARGS=--peers for the peers alone.
-# The FastStream peers' packages (the bench extra), into the same environment.
+# The peers' packages (the bench extra: FastStream, pgqueuer, procrastinate),
+# into the same environment.
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'

@@ -119,6 +119,7 @@ MARK_CURSOR_ACKS = _block("mark_cursor_acks")
 # The todo lifecycle (backhalf.todos): the workers' claims, ends and leases,
 # the rescuer, the operator's cancel and retry.
 CLAIM_TODOS = _block("claim_todos")
+CLAIMER_SESSION = _block("claimer_session")
 END_RUNS = _block("end_runs")
 EXTEND_LEASES = _block("extend_leases")
 RESCUE_TODOS = _block("rescue_todos")

@@ -11,7 +11,7 @@
 -- server. A block whose name ends in ``_cte`` is one or more complete CTEs
 -- (``name AS (...)``), never a fragment of one; ``backhalf/queries.py``
 -- composes those, at CTE boundaries only, into the statements named there, and
--- ``tests/unit/snapshots/`` holds each composed statement as the server gets
+-- ``tests/unit/backhalf/snapshots/`` holds each composed statement as the server gets
 -- it. Every other block is a whole statement or a composed statement's final
 -- part.
 
@@ -610,16 +610,18 @@ FOR UPDATE
 -- One walk of ``ix_todos_claimable`` (queue, run_after, id; claimable rows
 -- only) per queue, by equality on the queue and a range on run_after, in
 -- the index's own order: it stops at its limit, never reads a finished todo
--- nor a retry still waiting out its backoff, whatever the statistics say.
+-- nor a retry still waiting out its backoff, whatever the statistics say
+-- (on a connection set up by claimer_session, below).
 -- The queues are walked in the order given (the worker rotates it, so no
 -- queue's backlog starves another's); the outer LIMIT stops the walk, and
 -- only the rows it returns are locked.
 --
--- The update reaches its rows by ``id = ANY(ARRAY(...))``: an index probe
--- per row under any plan. Joined to the claimed rows alone, a generic plan
+-- The update reaches its rows by ``id = ANY(ARRAY(...))`` alone: an index
+-- probe per row under any plan. Joined to the claimed rows, a generic plan
 -- guessed LIMIT $n at a tenth of the table and hashed the whole primary key
--- (DESIGN.md section 7b). The join to ``picked`` is for the old status,
--- which todo_events records.
+-- (DESIGN.md section 7b), or probed the key once per pair of rows. The old
+-- status, which todo_events records, comes from ``picked``, joined to
+-- ``claimed`` (two CTEs of a claim's size).
 WITH picked AS (
     SELECT c.id, c.status
     FROM unnest(%(queues)b::text[]) AS q(name)
@@ -635,14 +637,29 @@ WITH picked AS (
     UPDATE todos t
     SET status = 'running', attempts = t.attempts + 1, run_token = gen_random_uuid(),
         lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
-    FROM picked p
-    WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) AND p.id = t.id
-    RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.run_token, p.status AS from_status
+    WHERE t.id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.run_token
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
-    SELECT id, from_status, 'running', %(detail)s FROM claimed ORDER BY id
+    SELECT c.id, p.status, 'running', %(detail)s FROM claimed c JOIN picked p ON p.id = c.id ORDER BY c.id
 )
 SELECT id, queue, payload::text, idempotency_key, attempts, run_token FROM claimed ORDER BY id
+
+
+-- name: claimer_session
+-- Set once on the claimer's own connection, which runs claim_todos alone
+-- (and its LISTEN): the claim's walk must be ix_todos_claimable in its own
+-- order, stopping at the limit, whatever the statistics say. But
+-- ix_todos_queue_status answers the walk's WHERE too (queue, status), and
+-- with statistics taken while few todos were pending PostgreSQL chose it
+-- and sorted what it read: a backlog arriving before the next ANALYZE
+-- (which on a table of months of history is far off) was then read and
+-- sorted whole by every claim, 20,000 rows and 8-13 ms a claim
+-- (tests/integration/backhalf/test_claim_plans.py), a drain quadratic in
+-- its length. With sorts priced out the claimable index, which gives the
+-- order itself, is the one plan left; the statement's other sorts (of the
+-- claimed rows, for todo_events and the answer) are in every plan alike.
+SET enable_sort = off
 
 
 -- name: end_runs

@@ -69,11 +69,24 @@ class Runner:
         todo's, pending again after its backoff."""
         todo = claim.todo
         queue, handler = self._handlers[todo.queue]
-        bound = log.bind(todo_id=todo.id, queue=todo.queue, attempt=todo.attempt)
         if lost:
-            bound.info("todo_skipped", status="claim_lost")
+            _bound(todo).info("todo_skipped", status="claim_lost")
             _tell(settled, False)
             return
+        try:
+            self._run(queue, handler, claim, settled)
+        except BaseException as exc:
+            # Not the handler's failure (dramatiq's Shutdown, a time limit
+            # striking after the handler returned): the claim is let go
+            # unless its end was handed over, and lapses into the rescuer's
+            # hands if no end is written.
+            _tell(settled, exc)
+            raise
+
+    def _run(
+        self, queue: QueueConfig, handler: Handler, claim: todos.Claimed, settled: Settled | None
+    ) -> None:
+        todo = claim.todo
         began = time.perf_counter()
         try:
             _call(handler, todo, queue.time_limit_ms / 1000)
@@ -85,7 +98,7 @@ class Runner:
                 metrics.RUN_SECONDS.labels(todo.queue).observe(time.perf_counter() - began)
                 metrics.ATTEMPTS_FAILED.labels(todo.queue).inc()
             try:
-                self._failed(queue, claim, exc, bound)
+                self._failed(queue, claim, exc)
             finally:
                 _tell(settled, True)
             return
@@ -95,29 +108,29 @@ class Runner:
 
         def done(outcome: bool | BaseException) -> None:
             try:
-                self._done(todo.queue, bound, outcome)
+                self._done(todo, outcome)
             finally:
                 _tell(settled, outcome)
 
         self._writer.finish(ending, done)
 
-    def _done(self, queue_name: str, bound: Any, outcome: bool | BaseException) -> None:
-        """A successful run's end, settled: counted and logged."""
+    def _done(self, todo: todos.Todo, outcome: bool | BaseException) -> None:
+        """A successful run's end, settled: counted, and logged if it went wrong
+        (todo_events has the record of every success: a line per success
+        would cost each todo a write to the log)."""
         if outcome is True:
             if metrics.on():
-                metrics.FINISHED.labels(queue_name, "done").inc()
-            # Debug: a line per success would cost each todo a write to the
-            # log; todo_events has the record of every one.
-            bound.debug("todo_done")
+                metrics.FINISHED.labels(todo.queue, "done").inc()
         elif outcome is False:
-            bound.warning("todo_result_discarded", reason="cancelled or rescued while it ran")
+            _bound(todo).warning("todo_result_discarded", reason="cancelled or rescued while it ran")
         else:
             # The todo stays running until its lease lapses; then the
             # rescuer puts it back and it runs again (at least once).
-            bound.error("todo_end_not_written", error=f"{type(outcome).__name__}: {outcome}")
+            _bound(todo).error("todo_end_not_written", error=f"{type(outcome).__name__}: {outcome}")
 
-    def _failed(self, queue: QueueConfig, claim: todos.Claimed, exc: BaseException, bound: Any) -> None:
+    def _failed(self, queue: QueueConfig, claim: todos.Claimed, exc: BaseException) -> None:
         todo = claim.todo
+        bound = _bound(todo)
         error = stored_error(exc)
         final = todo.attempt >= queue.max_attempts
         delay_s = 0.0 if final else backoff_ms(queue, todo.attempt) / 1000
@@ -164,6 +177,12 @@ def backoff_ms(queue: QueueConfig, attempt: int) -> int:
     ``max_backoff_ms``), as its Retries middleware computed it."""
     _, delay_ms = compute_backoff(attempt - 1, factor=queue.min_backoff_ms, max_backoff=queue.max_backoff_ms)
     return int(min(delay_ms, queue.max_backoff_ms))
+
+
+def _bound(todo: todos.Todo) -> Any:
+    """The run's logger, bound only when there is something to say: a bind
+    per run cost every todo a copy of the context."""
+    return log.bind(todo_id=todo.id, queue=todo.queue, attempt=todo.attempt)
 
 
 def _tell(settled: Settled | None, outcome: bool | BaseException) -> None:

@@ -12,15 +12,27 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    is enabled and stops when the last entry is XACKed and marked.
 4. latency: the same processes at a fixed offered load; XADD -> todo
    committed and XADD -> XACK, from ``track_commit_timestamp``.
-5. downstream (issue 12): a bare dramatiq drain of a no-op actor (its own
-   CLI, the same processes and threads), beside Switchboard end to end
-   (pre-loaded stream -> todos -> dispatched -> the same no-op as a handler
-   -> done, every entry XACKed) with ``switchboard worker``, each with its
-   CPU per message by process; then XADD -> todo done at the offered rates
-   of ``--done-rates``, with where the time goes step by step. The three
-   drains run ``--downstream-rounds`` times (3) interleaved, the order
-   rotated; each figure is the median of its rounds. ``--downstream`` runs
-   this part alone (20,000 messages).
+5. downstream (issues 12, 42): six no-op drains at the same concurrency
+   (2 processes x 8 threads; the asyncio peers at their knobs for 8 per
+   process), each timed from its workers ready to its last job done, with
+   its CPU per todo by process: bare dramatiq on Redis (its own CLI; the
+   queue loaded first and moved in by one RENAME), "dramatiq + one UPDATE
+   per message" (the same, each message one committed UPDATE of its job's
+   row), pgqueuer and procrastinate (scripts/bench_pg_peers.py: each in a
+   database of its own, its schema installed by its own tooling, its jobs
+   written by its own batch enqueue), Switchboard's worker half alone
+   (``switchboard worker`` on todos pre-stored: the rows the store writes)
+   and Switchboard end to end (a pre-loaded stream -> todos -> the same
+   no-op as a handler -> done, every entry XACKed; the clock from enabling
+   the adapter). The PostgreSQL drains' jobs are written by one
+   transaction held open until their workers are ready (listening); its
+   commit starts the clock, as the RENAME does for dramatiq's. Then XADD ->
+   todo done at the offered rates of ``--done-rates``, with where the time
+   goes step by step. The drains run ``--downstream-rounds`` times (3)
+   interleaved, the order rotated; each figure is the median of its
+   rounds, each ratio the median of the rounds' ratios, printed beside
+   issue 42's targets. ``--downstream`` runs this part alone (20,000
+   messages).
 6. metrics (issue 14): ingest + ack with ``[metrics]`` off and on (each
    endpoint scraped every second), runs interleaved, the ratio of medians.
 7. peers (issue 16): Switchboard's ingest + ack beside what a capable user
@@ -53,13 +65,14 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import psycopg
 import redis
@@ -67,12 +80,12 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backhalf import migrate  # noqa: E402
+from backhalf import migrate, queries, todos  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
-from ingest.config import DEFAULT_IDLE_POLL_MS  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
 from ingest.embedded.servers import PostgresServer, RedisServer, embedded_servers, free_port  # noqa: E402
+from ingest.processes.children import die_with_parent  # noqa: E402
 
 STREAM = "bench"
 GROUP = "switchboard"
@@ -484,11 +497,24 @@ def bench_latency(
 # --- 5. downstream ------------------------------------------------------------------------
 
 WORKER_PROCESSES, WORKER_THREADS = 2, 8
-# Switchboard's default [dramatiq] idle_poll_ms, given to the peers' workers too.
-IDLE_POLL_MS = DEFAULT_IDLE_POLL_MS
+# The idle poll of the dramatiq drains' own consumers (dramatiq's
+# dramatiq_worker_timeout, ms): with dramatiq's default (up to a second)
+# they would sleep through the start of the clock while the queue is held
+# aside. Switchboard's workers wake on the store's NOTIFY instead.
+IDLE_POLL_MS = 50
 # The latency to done is measured for this long at each offered rate
-# (``--done-rates``; issue 12's target: p99 at most 100 ms at 500 msg/s).
+# (``--done-rates``).
 DONE_SECONDS = 6.0
+# Issue 42's targets, side by side in one run: (drain, the drain it is
+# divided by, the ratio at least), and XADD -> done at an offered rate
+# (p50, p99 at most, ms).
+RATIO_TARGETS = (
+    ("switchboard", "bare", 1.25),
+    ("switchboard", "update", 2.0),
+    ("worker_half", "pgqueuer", 1.5),
+    ("worker_half", "procrastinate", 10.0),
+)
+LATENCY_TARGETS_MS = {500: (20.0, 60.0)}
 
 
 def dramatiq_url(redis_url: str) -> str:
@@ -509,8 +535,6 @@ def drain_dramatiq(
     the clock starts once the worker processes are ready (start-up apart, as
     Switchboard's), when one RENAME moves it in. CPU of dramatiq's processes
     and of ``servers``, per message, over the same span."""
-    import subprocess
-
     import dramatiq
     from dramatiq.brokers.redis import RedisBroker
 
@@ -524,9 +548,6 @@ def drain_dramatiq(
     client.rename(f"dramatiq:{queue}", f"dramatiq:{queue}.held")
     log_path = workdir / f"{queue}-dramatiq.log"
     log = log_path.open("wb")
-    # The idle poll Switchboard's workers use ([dramatiq] idle_poll_ms): with
-    # dramatiq's own (up to a second), its consumers would sleep through the
-    # start of the clock while the queue is held aside.
     full_env = {**os.environ, **(env or {}), "BENCH_DRAMATIQ_URL": url,
                 "dramatiq_worker_timeout": str(IDLE_POLL_MS)}  # fmt: skip
     proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
@@ -587,37 +608,174 @@ def bench_update_peer(
     return result
 
 
+class WorkerProcesses(Protocol):
+    """What a held drain needs of the processes it starts."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def terminate(self) -> object: ...
+
+
+class PeerProcess:
+    """A worker process of a PostgreSQL peer (scripts/bench_pg_peers.py),
+    run from the repository's root with its output in ``log``; SIGKILLed if
+    the bench dies."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._out = log.open("wb")
+        self._proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
+            argv, cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT, **die_with_parent()
+        )
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+        self._out.close()
+
+
+def count_on(conn: psycopg.Connection[Any], query: str) -> int:
+    row = conn.execute(query).fetchone()
+    return int(row[0]) if row else 0
+
+
+def any_on(conn: psycopg.Connection[Any], query: str) -> bool:
+    row = conn.execute(query).fetchone()
+    return bool(row[0]) if row else False
+
+
+def drain_held(
+    url: str,
+    n: int,
+    *,
+    run: str,
+    write: Callable[[psycopg.Connection[Any]], None],
+    start: Callable[[], Sequence[WorkerProcesses]],
+    ready: Callable[[psycopg.Connection[Any]], bool],
+    any_active_sql: str,
+    servers: dict[str, int],
+) -> tuple[float, dict[str, float]]:
+    """A drain of n jobs in PostgreSQL, timed from its workers ready.
+    ``write`` puts the jobs in one transaction, held open while the worker
+    processes ``start`` returns come up, until ``ready`` (they are
+    listening, and find nothing: the rows are not committed); its commit
+    starts the clock, as the RENAME does for the dramatiq drains, and the
+    clock stops when ``any_active_sql`` finds none. The CPU of the workers
+    (every process ``start`` returned, with its children) and of
+    ``servers``, per job, over the same span."""
+    procs: Sequence[WorkerProcesses] = ()
+
+    def cpu_s() -> dict[str, float]:
+        workers = sum(tree_cpu_seconds(p.pid) for p in procs)
+        return {"workers": workers, **{name: tree_cpu_seconds(pid) for name, pid in servers.items()}}
+
+    conninfo = libpq_url(url)
+    with (
+        psycopg.connect(conninfo, autocommit=True) as holder,
+        psycopg.connect(conninfo, autocommit=True) as watcher,
+    ):
+        # Its questions read the partial indexes of the active states: a scan
+        # of the table, as the finished rows grow, was billed to the run
+        # being measured.
+        watcher.execute("SET enable_seqscan = off")
+        try:
+            with holder.transaction():
+                write(holder)
+                watcher.execute("CHECKPOINT")  # the jobs' pages written out now, not during the run
+                procs = start()
+                wait_for(lambda: ready(watcher), timeout_s=120, what=f"{run}: the workers ready")
+                cpu_before = cpu_s()
+                started = time.perf_counter()
+            # Committed: every job due at once.
+            wait_for(lambda: not any_on(watcher, any_active_sql), timeout_s=900,
+                     what=f"{run}: every job done", interval_s=POLL_S)  # fmt: skip
+            elapsed = time.perf_counter() - started
+            cpu_us = {name: (after - cpu_before[name]) / n * 1e6 for name, after in cpu_s().items()}
+        finally:
+            for proc in procs:
+                proc.terminate()
+    return n / elapsed, cpu_us
+
+
+def bench_pg_peer(
+    workdir: Path, pg: PostgresServer, name: str, n: int, servers: dict[str, int], run: str
+) -> tuple[float, dict[str, float]]:
+    """A PostgreSQL job queue (scripts/bench_pg_peers.py) draining n no-op
+    jobs in a database of its own, its schema installed by its own tooling,
+    its jobs written by its own batch enqueue, drained by
+    ``WORKER_PROCESSES`` worker processes at its knobs for 8 in flight.
+    Every job is checked finished."""
+    import bench_pg_peers  # the bench extra's pgqueuer and procrastinate
+
+    peer = bench_pg_peers.PEERS[name]
+    url = pg.create_database(run)
+    env = {**os.environ, **bench_pg_peers.libpq_env(libpq_url(url))}
+    peer.install(env, workdir / f"{run}-install.log")
+    payloads = [body(i) for i in range(n)]
+    logs = [workdir / f"{run}-worker{i}.log" for i in range(WORKER_PROCESSES)]
+    result = drain_held(
+        url,
+        n,
+        run=run,
+        write=lambda conn: peer.enqueue(conn, payloads),
+        start=lambda: [PeerProcess(peer.worker_argv(), env, log) for log in logs],
+        ready=lambda conn: peer.ready(logs, conn),
+        any_active_sql=peer.any_active_sql,
+        servers=servers,
+    )
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        finished = count_on(conn, peer.finished_sql)
+    pg.drop_database(run)
+    if finished != n:
+        raise SystemExit(f"bench: {name} finished {finished} of {n} jobs; logs in {workdir}")
+    return result
+
+
 # Todos not finished yet, through the partial indexes of the active states
-# only: a count of the done ones would scan a growing table ten times a
-# second and bill it to the run being measured.
+# only: a count of the done ones would scan a growing table and bill it to
+# the run being measured.
 ACTIVE_TODOS = (
     "SELECT (SELECT count(*) FROM todos WHERE status = 'pending')"
-    " + (SELECT count(*) FROM todos WHERE status = 'dispatched')"
     " + (SELECT count(*) FROM todos WHERE status = 'running')"
+)
+# Whether any is left, as the drains ask it every POLL_S: the first one
+# found ends each walk of an index (a count walked every active row's entry
+# at every poll, and billed it to the run being measured).
+ANY_ACTIVE_TODOS = (
+    "SELECT EXISTS (SELECT 1 FROM todos WHERE status = 'pending')"
+    " OR EXISTS (SELECT 1 FROM todos WHERE status = 'running')"
 )
 
 
 def todos_active(url: str) -> int:
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        return active_on(conn)
-
-
-def active_on(conn: psycopg.Connection[Any]) -> int:
-    """The active todos, on a connection the caller keeps (a wait loop that
-    connected at every poll billed the connections to the run)."""
-    row = conn.execute(ACTIVE_TODOS).fetchone()
-    return int(row[0]) if row else 0
+        return count_on(conn, ACTIVE_TODOS)
 
 
 def todos_done(url: str) -> int:
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        row = conn.execute("SELECT count(*) FROM todos WHERE status = 'done'").fetchone()
-        return int(row[0]) if row else 0
+        return count_on(conn, "SELECT count(*) FROM todos WHERE status = 'done'")
+
+
+def workers_ready(worker: SwitchboardProcess) -> bool:
+    """Every worker process booted (``worker_ready``) and LISTENing for the
+    store's NOTIFY (its claimer's ``listening``)."""
+    listening = [e for e in worker.events("listening") if e.get("channel") == queries.TODO_CHANNEL]
+    return len(worker.events("worker_ready")) >= WORKER_PROCESSES and len(listening) >= WORKER_PROCESSES
 
 
 def e2e_config(workdir: Path, url: str, redis_url: str, batch_size: int, run: str) -> Path:
-    """The pipeline with workers: the no-op handler on queue ``bench``."""
-    redis.Redis.from_url(dramatiq_url(redis_url), socket_timeout=10).flushdb()
+    """The pipeline with workers: the no-op handler on queue ``bench``, the
+    [worker] defaults."""
     adapter = {"name": "bench", "mode": "stream", "source": STREAM, "group": GROUP, "queue": "bench",
                "batch_size": batch_size, "block_ms": 100, "url": redis_url}  # fmt: skip
     return config.write_config(
@@ -627,15 +785,71 @@ def e2e_config(workdir: Path, url: str, redis_url: str, batch_size: int, run: st
         ingest={"enabled_refresh_ms": 50, **INGEST_OVERRIDES},
         acker={"batch_size": batch_size * 2, "poll_interval_ms": 100},
         queues={"bench": {"handler": "scripts.bench_actors:noop_handler"}},
-        dramatiq_url=dramatiq_url(redis_url),
     )
+
+
+# The rows the store writes for a todo: the todo, pending, and its 'created'
+# todo_events row, n of them in one statement.
+STORE_TODOS = """
+WITH t AS (
+    INSERT INTO todos (queue, idempotency_key, payload)
+    SELECT 'bench', u.k, u.p::jsonb
+    FROM unnest(%(keys)b::text[], %(payloads)b::text[]) WITH ORDINALITY AS u(k, p, n) ORDER BY u.n
+    RETURNING id
+)
+INSERT INTO todo_events (todo_id, from_status, to_status, detail)
+SELECT id, NULL, 'pending', %(detail)s FROM t
+"""
+
+
+def bench_worker_half(
+    workdir: Path, pg: PostgresServer, redis_url: str, n: int, batch_size: int, run: str
+) -> tuple[float, dict[str, float]]:
+    """Switchboard's worker half alone: n todos pre-stored (the store's rows
+    and its NOTIFY, in the held transaction), drained by ``switchboard
+    worker`` with the no-op handler; the clock and the CPU as the other
+    PostgreSQL drains'. Every todo is checked done."""
+    url = fresh_db(pg, run)
+    config_path = e2e_config(workdir, url, redis_url, batch_size, run)
+    params = {
+        "keys": [f"redis:{STREAM}:{i + 1}-0" for i in range(n)],
+        "payloads": [body(i).decode() for i in range(n)],
+        "detail": todos.CREATED_BY_STORE,
+    }
+
+    def write(conn: psycopg.Connection[Any]) -> None:
+        conn.execute(STORE_TODOS, params)
+        conn.execute(queries.NOTIFY_WORKERS, {"channel": queries.TODO_CHANNEL, "queues": ["bench"]})
+
+    started: list[SwitchboardProcess] = []
+
+    def start() -> list[SwitchboardProcess]:
+        started.append(SwitchboardProcess("worker", config_path, workdir / f"{run}-worker.log", cwd=ROOT))
+        return started
+
+    result = drain_held(
+        url,
+        n,
+        run=run,
+        write=write,
+        start=start,
+        ready=lambda _conn: workers_ready(started[0]),
+        any_active_sql=ANY_ACTIVE_TODOS,
+        servers={"postgres": pg.pid},
+    )
+    done = todos_done(url)
+    pg.drop_database(run)
+    if done != n:
+        raise SystemExit(f"bench: the worker half finished with {done} of {n} todos done; logs in {workdir}")
+    return result
 
 
 def bench_done_latency(
     workdir: Path, url: str, r: redis.Redis, redis_url: str, rate: int, seconds: float, batch_size: int
-) -> list[float]:
+) -> tuple[list[float], list[tuple[float, float]]]:
     """XADD -> todo done (its last commit), in ms, at ``rate`` msg/s offered
-    to the whole deployment: ingester, acker (relay) and workers running."""
+    to the whole deployment: ingester, acker and workers running; and each
+    step's p50 and p99 (STAGE_NAMES), in ms."""
     r.delete(STREAM)
     r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
     set_enabled(url, True)
@@ -648,8 +862,9 @@ def bench_done_latency(
     ]
     sent = 0
     try:
-        for proc in procs:
-            wait_ready(proc)
+        wait_ready(procs[0])
+        wait_ready(procs[1])
+        wait_for(lambda: workers_ready(procs[2]), timeout_s=120, what=f"{run}: the workers ready")
         sent = produce_at(r, rate, seconds)
         try:
             wait_for(lambda: stream_drained(r) and todos_active(url) == 0, timeout_s=120,
@@ -673,59 +888,62 @@ def bench_done_latency(
     if len(rows) != sent:
         raise SystemExit(f"bench: the latency run finished {len(rows)} of {sent} todos")
     assert stages is not None
-    print("    steps, p50/p99 ms: " + ", ".join(
-        f"{name} {p50 * 1000:.0f}/{p99 * 1000:.0f}"
-        for name, (p50, p99) in zip(STAGE_NAMES, stages, strict=True)
-    ))  # fmt: skip
-    return [float(a) * 1000 for (a,) in rows]
+    steps = [(p50 * 1000, p99 * 1000) for p50, p99 in stages]
+    return [float(a) * 1000 for (a,) in rows], steps
 
 
-STAGE_NAMES = ("XADD->pending", "pending->dispatched", "dispatched->running", "running->done")
+# The todo's path (DESIGN.md section 7b): created pending by the store, then
+# claimed (running) by a worker, then done.
+STAGE_NAMES = ("XADD->pending", "pending->running", "running->done")
 STAGES = """
 WITH x AS (
     SELECT (t.payload->>'t')::float8 AS sent,
            extract(epoch FROM min(e.created_at) FILTER (WHERE e.to_status = 'pending')) AS p,
-           extract(epoch FROM min(e.created_at) FILTER (WHERE e.to_status = 'dispatched')) AS d,
            extract(epoch FROM max(e.created_at) FILTER (WHERE e.to_status = 'running')) AS r,
            extract(epoch FROM max(e.created_at) FILTER (WHERE e.to_status = 'done')) AS f
     FROM todos t JOIN todo_events e ON e.todo_id = t.id GROUP BY t.id
 )
 SELECT percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY p - sent),
-       percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY d - p),
-       percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY r - d),
+       percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY r - p),
        percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY f - r)
 FROM x
 """
 
 
 def bench_end_to_end(
-    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, batch_size: int, servers: dict[str, int]
+    workdir: Path,
+    url: str,
+    r: redis.Redis,
+    redis_url: str,
+    n: int,
+    batch_size: int,
+    servers: dict[str, int],
+    run: str,
 ) -> tuple[float, dict[str, float]]:
     """Switchboard end to end: entries to todos done by the no-op handler.
     The clock starts once every process is ready (start-up apart, as the
     bare drain's) with the adapter enabled, and stops when every todo is
     done and every entry acked; the CPU is counted over the same span."""
     preload(r, n)
-    config_path = e2e_config(workdir, url, redis_url, batch_size, "e2e")
-    acker = start("ack", config_path, workdir / "e2e-acker.log")
-    ingester = start("ingest", config_path, workdir / "e2e-ingester.log")
-    worker = SwitchboardProcess("worker", config_path, workdir / "e2e-worker.log", cwd=ROOT)
+    config_path = e2e_config(workdir, url, redis_url, batch_size, run)
+    acker = start("ack", config_path, workdir / f"{run}-acker.log")
+    ingester = start("ingest", config_path, workdir / f"{run}-ingester.log")
+    worker = SwitchboardProcess("worker", config_path, workdir / f"{run}-worker.log", cwd=ROOT)
     pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, **servers}
     watcher: psycopg.Connection[Any] | None = None
     try:
         watcher = psycopg.connect(libpq_url(url), autocommit=True)
-        watcher.execute("SET enable_seqscan = off")  # its counts read the partial indexes, as the table grows
+        watcher.execute("SET enable_seqscan = off")  # it reads the partial indexes, as the table grows
         wait_ready(acker)
         wait_ready(ingester)
-        wait_for(lambda: len(worker.events("worker_ready")) >= WORKER_PROCESSES, timeout_s=120,
-                 what="the workers ready")  # fmt: skip
+        wait_for(lambda: workers_ready(worker), timeout_s=120, what=f"{run}: the workers ready")
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
         set_enabled(url, True)
         # Drained: all n stored (and acked); none active: all finished.
         conn = watcher
-        wait_for(lambda: stream_drained(r) and active_on(conn) == 0, timeout_s=900, what="every todo done",
-                 interval_s=0.1)  # fmt: skip
+        wait_for(lambda: stream_drained(r) and not any_on(conn, ANY_ACTIVE_TODOS), timeout_s=900,
+                 what="every todo done", interval_s=POLL_S)  # fmt: skip
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
     finally:
@@ -741,35 +959,50 @@ def bench_end_to_end(
 
 # Issue 25: the downstream comparison, interleaved, the median of its rounds.
 DOWNSTREAM_ROUNDS = 3
+# The drains, in the first round's order, and how they are printed.
+DRAINS = {
+    "bare": "bare dramatiq no-op drain",
+    "update": "dramatiq + one UPDATE a message",
+    "pgqueuer": "pgqueuer no-op drain",
+    "procrastinate": "procrastinate no-op drain",
+    "worker_half": "Switchboard worker half",
+    "switchboard": "Switchboard end to end",
+}
 
 
 def print_downstream(
     base: Path, pg: Any, rs: Any, n: int, batch_size: int, rates: list[int], rounds: int = DOWNSTREAM_ROUNDS
 ) -> None:
-    """Bare dramatiq, the UPDATE peer and Switchboard end to end, ``rounds``
-    times interleaved (the order rotated each round, so a slow minute of a
-    shared machine falls on each in turn), each figure the median of its
-    rounds and each ratio the median of the rounds' ratios."""
+    """The six drains (DRAINS), ``rounds`` times interleaved (the order
+    rotated each round, so a slow minute of a shared machine falls on each
+    in turn), each figure the median of its rounds and each ratio the
+    median of the rounds' ratios, beside issue 42's targets; then XADD ->
+    done at each of ``rates``."""
     servers = {"postgres": pg.pid, "redis": rs.pid}
+    pg_only = {"postgres": pg.pid}
     r = redis.Redis.from_url(rs.url)
 
-    def switchboard() -> tuple[float, dict[str, float]]:
-        result = bench_end_to_end(base, fresh_db(pg, "e2e"), r, rs.url, n, batch_size, servers)
-        pg.drop_database("e2e")
+    def switchboard(run: str) -> tuple[float, dict[str, float]]:
+        result = bench_end_to_end(base, fresh_db(pg, run), r, rs.url, n, batch_size, servers, run)
+        pg.drop_database(run)
         return result
 
-    runs: dict[str, Callable[[], tuple[float, dict[str, float]]]] = {
-        "bare": lambda: bench_bare_dramatiq(base, rs.url, n, servers),
-        "peer": lambda: bench_update_peer(base, pg, rs.url, n, servers),
+    runs: dict[str, Callable[[str], tuple[float, dict[str, float]]]] = {
+        "bare": lambda _run: bench_bare_dramatiq(base, rs.url, n, servers),
+        "update": lambda _run: bench_update_peer(base, pg, rs.url, n, servers),
+        "pgqueuer": lambda run: bench_pg_peer(base, pg, "pgqueuer", n, pg_only, run),
+        "procrastinate": lambda run: bench_pg_peer(base, pg, "procrastinate", n, pg_only, run),
+        "worker_half": lambda run: bench_worker_half(base, pg, rs.url, n, batch_size, run),
         "switchboard": switchboard,
     }
     results: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in runs}
     order = list(runs)
     for i in range(rounds):
-        for name in order[i % 3 :] + order[: i % 3]:
-            results[name].append(runs[name]())
+        for name in order[i % len(order) :] + order[: i % len(order)]:
+            # A run's name is its database's and its logs': new each round.
+            results[name].append(runs[name](f"{name}_{i + 1}"))
         line = ", ".join(f"{k} {v[-1][0]:,.0f}" for k, v in results.items())
-        print(f"  round {i + 1}: msg/s {line}")
+        print(f"  round {i + 1}: todos/s {line}")
 
     def median_rate(name: str) -> float:
         return statistics.median(x for x, _ in results[name])
@@ -778,30 +1011,32 @@ def print_downstream(
         keys = results[name][0][1]
         return ", ".join(f"{k} {statistics.median(c[k] for _, c in results[name]):.0f} us" for k in keys)
 
-    def ratio(name: str, base_name: str) -> str:
+    shape = f"{WORKER_PROCESSES} processes x {WORKER_THREADS} threads (or the asyncio peers' equivalents)"
+    print(f"  medians of {rounds} rounds, {n:,} todos each, {shape}, from the workers ready:")
+    for name, label in DRAINS.items():
+        print(f"  {label:<34} {median_rate(name):>10,.0f} todos/s")
+        print(f"    CPU per todo                     {cpu(name)}")
+    for name, base_name, target in RATIO_TARGETS:
         each = [a[0] / b[0] for a, b in zip(results[name], results[base_name], strict=True)]
+        ratio = statistics.median(each)
         spread = f" (rounds {min(each):.2f}-{max(each):.2f})" if len(each) > 1 else ""
-        return f"{statistics.median(each):>10.2f}x{spread}"
-
-    shape = f"{WORKER_PROCESSES} processes x {WORKER_THREADS} threads"
-    print(f"  medians of {rounds} rounds, {n} messages, {shape}:")
-    print(f"  bare dramatiq no-op drain       {median_rate('bare'):>10,.0f} msg/s")
-    print("    CPU per message               " + cpu("bare"))
-    print(f"  dramatiq + one UPDATE a message {median_rate('peer'):>10,.0f} msg/s")
-    print("    CPU per message               " + cpu("peer"))
-    print(f"  switchboard end to end (done)   {median_rate('switchboard'):>10,.0f} msg/s")
-    print("    CPU per message               " + cpu("switchboard"))
-    print(f"  ratio to bare dramatiq          {ratio('switchboard', 'bare')}")
-    print(f"  ratio to the UPDATE peer        {ratio('switchboard', 'peer')}")
+        verdict = "met" if ratio >= target else "not met"
+        print(f"  {DRAINS[name]} / {DRAINS[base_name]}: {ratio:.2f}x{spread}"
+              f"  target >= {target:g}x: {verdict}")  # fmt: skip
     for rate in rates:
-        values = bench_done_latency(
-            base, fresh_db(pg, "done_latency"), r, rs.url, rate, DONE_SECONDS, batch_size
-        )
-        pg.drop_database("done_latency")
-        print(
-            f"  XADD -> todo done at {rate}/s     p50 {percentile(values, 50):6.1f} ms  "
-            f"p99 {percentile(values, 99):6.1f} ms  max {max(values):6.1f} ms  (n={len(values)})"
-        )
+        run = f"done_latency_{rate}"
+        values, steps = bench_done_latency(base, fresh_db(pg, run), r, rs.url, rate, DONE_SECONDS, batch_size)
+        pg.drop_database(run)
+        p50, p99 = percentile(values, 50), percentile(values, 99)
+        verdict = ""
+        if (bounds := LATENCY_TARGETS_MS.get(rate)) is not None:
+            met = "met" if p50 <= bounds[0] and p99 <= bounds[1] else "not met"
+            verdict = f"  target p50 <= {bounds[0]:g} ms, p99 <= {bounds[1]:g} ms: {met}"
+        print(f"  XADD -> todo done at {rate}/s  p50 {p50:6.1f} ms  p99 {p99:6.1f} ms"
+              f"  max {max(values):6.1f} ms  (n={len(values)}){verdict}")  # fmt: skip
+        print("    steps, p50/p99 ms: " + ", ".join(
+            f"{name} {a:.0f}/{b:.0f}" for name, (a, b) in zip(STAGE_NAMES, steps, strict=True)
+        ))  # fmt: skip
 
 
 # --- 7. the FastStream peers (issue 16) -------------------------------------------------
@@ -824,8 +1059,6 @@ def bench_peer(
     imports and connections, as Switchboard's starts when its adapter is
     enabled; it stops when every entry is XACKed. The bookkeeping peer's
     marks are then waited for, outside the clock, as Switchboard's are."""
-    import subprocess
-
     preload(r, n)
     argv = [
         sys.executable, str(ROOT / "scripts" / "bench_faststream.py"), "--database", libpq_url(url),
@@ -956,7 +1189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--downstream",
         action="store_true",
-        help="only the downstream figures: a bare dramatiq drain beside Switchboard end to end",
+        help="only the downstream figures: Switchboard's workers and end to end beside four peers' drains",
     )
     parser.add_argument(
         "--peers",

@@ -1,5 +1,5 @@
-"""``switchboard ack``: the acker, committed ack intents to the broker and
-new todos to dramatiq."""
+"""``switchboard ack``: the acker, committed ack intents to the broker; and
+the rescuer, todos whose worker died put back."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from ingest.processes.acker import run_acker
 
 def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = verbs.add_parser(
-        "ack", parents=[common], help="run the acker (committed ack intents -> broker)"
+        "ack",
+        parents=[common],
+        help="run the acker (committed ack intents -> broker; lapsed claims put back)",
     )
     add_metrics_port(parser)
     return parser

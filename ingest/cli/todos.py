@@ -53,9 +53,7 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
         "retry", parents=[common], help="make failed or cancelled todos pending again, attempts reset"
     )
     retry.add_argument("ids", nargs="+", type=positive_int, metavar="ID", help="todo id")
-    cancel = actions.add_parser(
-        "cancel", parents=[common], help="cancel pending, dispatched or running todos"
-    )
+    cancel = actions.add_parser("cancel", parents=[common], help="cancel pending or running todos")
     cancel.add_argument("ids", nargs="+", type=positive_int, metavar="ID", help="todo id")
 
 

@@ -13,7 +13,7 @@ from ingest.config import DEFAULT_CONFIG_PATH, Settings
 
 def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = verbs.add_parser(
-        "worker", parents=[common], help="run dramatiq workers for the todos"
+        "worker", parents=[common], help="run dramatiq workers for the todos (claimed from PostgreSQL)"
     )
     parser.add_argument("--processes", type=positive_int, default=2, help="worker processes (2)")
     parser.add_argument("--threads", type=positive_int, default=8, help="threads per process (8)")

@@ -419,11 +419,14 @@ def _without_retired(raw: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str,
         return left
 
     if "dramatiq" in kept:
-        kept["dramatiq"] = strip("[dramatiq]", "dramatiq", kept["dramatiq"])
+        kept["dramatiq"] = strip("[dramatiq]", "dramatiq", table(kept, "dramatiq"))
         if not kept["dramatiq"]:
             del kept["dramatiq"]
         else:
-            check_keys("[dramatiq]", kept["dramatiq"], set())
+            unknown = sorted(kept["dramatiq"])[0]
+            raise ConfigError(
+                f"[dramatiq]: unknown key {unknown!r} (the table is no longer used: {_RELAY_GONE})"
+            )
     if "acker" in kept:
         kept["acker"] = strip("[acker]", "acker", kept["acker"])
     if isinstance(kept.get("queues"), Mapping):

@@ -854,18 +854,21 @@ def embedded_servers(
     postgres_conf: str = "",
     keep_base: bool = False,
     password: str | None = None,
+    postgres_bin: Path | None = None,
 ) -> Iterator[EmbeddedServers]:
     """PostgreSQL (``base/pg``) and Valkey (``base/redis``) in a new ``temp_base``,
     started; on exit both are stopped and their folders deleted, and the base
     too unless ``keep_base``. ``postgres_conf`` is appended to postgresql.conf.
-    Each server gets its own generated password unless ``password`` is given."""
+    Each server gets its own generated password unless ``password`` is given.
+    ``postgres_bin``: PostgreSQL's binaries from there (a packaged server's,
+    say, with JIT) instead of :func:`postgres_bindir`'s."""
     base = temp_base(prefix)
     with contextlib.ExitStack() as cleanup:
         if not keep_base:
             cleanup.callback(shutil.rmtree, base, ignore_errors=True)
         # Each server is cleaned up (stopped, its folder deleted) even if the
         # other's set-up or clean-up fails.
-        pg = PostgresServer.create(base / "pg", password=password)
+        pg = PostgresServer.create(base / "pg", password=password, bindir=postgres_bin)
         cleanup.callback(pg.cleanup)
         if postgres_conf:
             with (pg.pgdata / "postgresql.conf").open("a") as conf:

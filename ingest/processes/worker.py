@@ -176,9 +176,7 @@ class SwitchboardMiddleware(dramatiq.Middleware):
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
         if isinstance(message, TodoMessage):
             self._current.message = message
-            claimer = self.process_claimer(broker)
-            if claimer is not None:
-                claimer.began(message)
+            message.owner.began(message)
 
     def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
         self._forget(message)

@@ -82,9 +82,10 @@ NOT_RUN = "given back unrun: a middleware skipped its message"
 class TodoMessage(MessageProxy):
     """A claimed todo as dramatiq's message: in memory only, its claim with it."""
 
-    def __init__(self, message: dramatiq.Message[Any], claim: todos.Claimed) -> None:
+    def __init__(self, message: dramatiq.Message[Any], claim: todos.Claimed, owner: Claimer) -> None:
         super().__init__(message)
         self.claim = claim
+        self.owner = owner  # the claimer that made it, which counts it in flight
         self.began = 0.0  # monotonic: when a worker thread took it
         self.ran = False  # whether its actor took the claim
 
@@ -186,6 +187,8 @@ class Claimer:
         self._threads, self._lease_s, self._poll_s = threads, lease_s, poll_interval_s
         self._lock = threading.Lock()
         self._in_flight = 0  # claimed and not yet done with (run, skipped or given back)
+        self._running = 0  # of those, taken by a thread
+        self._sleeping = False  # the consumer waits: a thread freed must wake it
         self._pace_s: float | None = None  # the recent runs' average length
         self._ready: collections.deque[TodoMessage] = collections.deque()
         self._raw: PoolProxiedConnection | None = None
@@ -208,31 +211,48 @@ class Claimer:
             now = time.monotonic()
             if now >= self._next_poll:
                 self._wanted, self._next_poll = True, now + self._poll_s
-            if self._wanted and not self._stopping:
-                free = self._free()
-                if free > 0:
-                    self._claim(free)
-                    continue
+            if (limit := self._worth_claiming()) > 0:
+                self._claim(limit)
+                continue
             if now >= deadline:
                 return None
-            self._wait(min(deadline, self._next_poll) - now)
+            with self._lock:
+                # Said under the lock a finishing thread takes to decide
+                # whether to wake us: no wake-up is lost in between.
+                self._sleeping = True
+            try:
+                if self._worth_claiming() == 0:
+                    self._wait(min(deadline, self._next_poll) - now)
+            finally:
+                self._sleeping = False
         return self._ready.popleft()
+
+    def _worth_claiming(self) -> int:
+        """How many to claim now, 0 for none: todos may be due, and either a
+        thread would idle without one or half the room is free (so that
+        quick runs are claimed in batches, not one per thread freed)."""
+        if not self._wanted or self._stopping:
+            return 0
+        with self._lock:
+            return self._claimable()
 
     def stop_claiming(self) -> None:
         """The worker is stopping: no more claims."""
         self._stopping = True
 
-    def _free(self) -> int:
-        """Claims the threads can start now: every free thread, plus what
-        they finish within PREFETCH_WAIT_S at the recent pace."""
-        with self._lock:
-            pace = self._pace_s
-            prefetch = (
-                0
-                if pace is None
-                else min(self._threads, int(self._threads * PREFETCH_WAIT_S / max(pace, 1e-6)))
-            )
-            return self._threads + prefetch - self._in_flight
+    def _claimable(self) -> int:
+        """(Under the lock.) The free room, if worth a claim now: every free
+        thread plus a prefetch of what the threads finish within
+        PREFETCH_WAIT_S at the recent pace, less what is claimed; claimed
+        when no claim waits for a thread or half the room is free."""
+        pace = self._pace_s
+        prefetch = (
+            0 if pace is None else min(self._threads, int(self._threads * PREFETCH_WAIT_S / max(pace, 1e-6)))
+        )
+        room = self._threads + prefetch
+        free = room - self._in_flight
+        waiting = self._in_flight - self._running
+        return free if free > 0 and (waiting <= 0 or 2 * free >= room) else 0
 
     def _claim(self, limit: int) -> None:
         self._order.rotate(-1)  # each claim starts at the next queue: none starves another
@@ -262,7 +282,7 @@ class Claimer:
                 kwargs={},
                 options={},
             )
-            self._ready.append(TodoMessage(message, claim))
+            self._ready.append(TodoMessage(message, claim, self))
 
     def _failed(self, exc: BaseException) -> None:
         """The database refused or dropped a claim: the connection is
@@ -279,10 +299,15 @@ class Claimer:
         """Until a notification, a thread freed, or ``timeout_s``."""
         fds = [self._wake_r]
         pg = self._pg()
-        if pg is not None:
-            if self._notified(pg):
-                return
-            fds.append(pg.fileno())
+        if pg is not None and self._notified(pg):
+            return
+        # A failed read discarded the connection (its fileno() would raise,
+        # ending dramatiq's consumer): then the wake-up pipe alone, until
+        # the next claim connects again.
+        pg = self._pg()
+        pg_fd = pg.fileno() if pg is not None else None
+        if pg_fd is not None:
+            fds.append(pg_fd)
         readable, _, _ = select.select(fds, [], [], timeout_s)
         if self._wake_r in readable:
             try:
@@ -290,7 +315,7 @@ class Claimer:
                     pass
             except BlockingIOError:
                 pass
-        if pg is not None and pg.fileno() in readable:
+        if pg is not None and pg_fd in readable:
             self._notified(pg)
 
     def _notified(self, pg: psycopg.Connection[Any]) -> bool:
@@ -321,6 +346,7 @@ class Claimer:
         pg = self._pg()
         assert pg is not None
         pg.autocommit = True
+        pg.execute(queries.CLAIMER_SESSION)  # the claim walks ix_todos_claimable (queries.sql says why)
         pg.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(queries.TODO_CHANNEL)))
         log.info("listening", channel=queries.TODO_CHANNEL)
         return pg
@@ -337,6 +363,8 @@ class Claimer:
 
     def began(self, message: TodoMessage) -> None:
         message.began = time.monotonic()
+        with self._lock:
+            self._running += 1
 
     def done_with(self, message: TodoMessage) -> None:
         """A message dramatiq is done with (acked or rejected): its thread is
@@ -347,12 +375,16 @@ class Claimer:
         took_s = time.monotonic() - message.began if message.began else None
         with self._lock:
             self._in_flight -= 1
+            if message.began:
+                self._running -= 1
             if took_s is not None and message.ran:
                 pace = self._pace_s
                 self._pace_s = took_s if pace is None else pace + PACE_WEIGHT * (took_s - pace)
-        # A full pipe: the claimer has wake-ups waiting already.
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
+            wake = self._sleeping and self._wanted and self._claimable() > 0
+        if wake:
+            # A full pipe: the claimer has wake-ups waiting already.
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"\0")
 
     def give_back(self, messages: Sequence[TodoMessage], detail: str = GIVEN_BACK) -> None:
         """Claims never started: pending again, due now, attempt uncounted,
@@ -374,9 +406,14 @@ class Claimer:
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """dramatiq's work queue at stop: its messages never ran."""
         mine = [m for m in messages if isinstance(m, TodoMessage)]
-        with self._lock:
-            self._in_flight -= len(mine)
+        for owner in {m.owner for m in mine}:
+            owner.untrack(sum(1 for m in mine if m.owner is owner))
         self.give_back(mine)
+
+    def untrack(self, count: int) -> None:
+        """``count`` of this claimer's messages will never reach a thread."""
+        with self._lock:
+            self._in_flight -= count
 
     def close(self) -> None:
         """Give back what was claimed and not handed out; close the connection.
@@ -387,8 +424,7 @@ class Claimer:
         self._closed = True
         self._stopping = True
         ready, self._ready = list(self._ready), collections.deque()
-        with self._lock:
-            self._in_flight -= len(ready)
+        self.untrack(len(ready))
         self.give_back(ready)
         self._discard()
 
@@ -408,7 +444,8 @@ class TodoConsumer(Consumer):
 
     def ack(self, message: MessageProxy) -> None:
         if isinstance(message, TodoMessage):
-            self._claimer.done_with(message)
+            # Its own claimer's: a consumer restarted after an error has a new one.
+            message.owner.done_with(message)
 
     def nack(self, message: MessageProxy) -> None:
         self.ack(message)  # the todo's state is its end's, written by the run

@@ -4,13 +4,15 @@ assertions on what reached PostgreSQL."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from backhalf import migrate
+from backhalf import migrate, todos
 from backhalf.db import libpq_url
 
 TEMPLATE = "switchboard_template"
@@ -65,7 +67,7 @@ def acked(db_url: str) -> int:
     return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"))
 
 
-def insert_todos(url: str, n: int, *, queue: str = "q", status: str = "dispatched") -> list[int]:
+def insert_todos(url: str, n: int, *, queue: str = "q", status: str = "pending") -> list[int]:
     """``n`` todos of ``queue`` in ``status``, their ids in order."""
     with psycopg.connect(libpq(url), autocommit=True) as conn:
         rows = conn.execute(
@@ -74,3 +76,54 @@ def insert_todos(url: str, n: int, *, queue: str = "q", status: str = "dispatche
             (queue, status, n),
         ).fetchall()
     return sorted(int(r[0]) for r in rows)
+
+
+def claim(
+    url: str, queues: Sequence[str] = ("q",), limit: int = 100, lease_s: float = 60
+) -> list[todos.Claimed]:
+    """A worker's claim (``claim_todos``), committed, on a connection of its own."""
+    with psycopg.connect(libpq(url), autocommit=True) as pg:
+        return todos.claim(pg, list(queues), limit, lease_s)
+
+
+def claim_todo(url: str, todo_id: int, lease_s: float = 60) -> todos.Claimed:
+    """Todo ``todo_id`` claimed alone by the workers' claim: the other
+    claimable todos of its queue are held locked meanwhile, which the
+    claim's SKIP LOCKED passes over, and left as they were."""
+    with psycopg.connect(libpq(url)) as holder:
+        row = holder.execute("SELECT queue FROM todos WHERE id = %s", (todo_id,)).fetchone()
+        assert row is not None, f"no todo {todo_id}"
+        holder.execute(
+            "SELECT 1 FROM todos WHERE queue = %s AND id <> %s AND status IN ('pending', 'dispatched')"
+            " FOR UPDATE",
+            (row[0], todo_id),
+        )
+        runs = claim(url, [row[0]], 1, lease_s)
+        holder.rollback()
+    assert [r.todo.id for r in runs] == [todo_id], f"todo {todo_id} was not claimable"
+    return runs[0]
+
+
+def end(url: str, *endings: todos.Ending, release: bool = True) -> tuple[set[int], set[int]]:
+    """Runs ended (``end_runs``), committed, on a connection of its own:
+    (the todos whose run held them, those another transaction held)."""
+    with psycopg.connect(libpq(url), autocommit=True) as pg:
+        return todos.end_runs(pg, endings, release=release)
+
+
+class Received(Protocol):
+    def __call__(self, timeout_s: float, stop_after: int | None = None) -> list[str]: ...
+
+
+@contextmanager
+def listening(url: str, channel: str) -> Iterator[Received]:
+    """LISTEN on ``channel`` on a connection of its own; yields
+    ``received(timeout_s, stop_after)``: the payloads delivered within
+    ``timeout_s``, or as soon as ``stop_after`` of them have been."""
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+        def received(timeout_s: float, stop_after: int | None = None) -> list[str]:
+            return [n.payload for n in conn.notifies(timeout=timeout_s, stop_after=stop_after)]
+
+        yield received

@@ -462,22 +462,28 @@ def test_compose_runs_every_process_on_the_servers(compose: dict[str, Any]) -> N
         assert (OPS / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
         config = svc["environment"]["SWITCHBOARD_CONFIG"]
         assert svc["configs"] == [{"source": "switchboard_toml", "target": config}]
-        # Each long-running process with its own Redis users' file (issue 32).
+        # Each long-running process that reaches Redis with its own users'
+        # file (issue 32); the workers reach PostgreSQL only (DESIGN.md 7b).
         assert svc["env_file"] == (
-            "switchboard.env" if verb == "migrate" else ["switchboard.env", f"secrets/{verb}.env"]
+            "switchboard.env"
+            if verb == "migrate"
+            else ["switchboard.env"]
+            if verb == "worker"
+            else ["switchboard.env", f"secrets/{verb}.env"]
         )
         args = parse_cli(["--config", config, *svc["command"]])
         assert args.verb == verb
     assert services["migrate"]["restart"] == "no"
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     # The console reads the brokers as `status` does.
-    for name in ("ingest", "ack", "worker", "web"):
+    for name in ("ingest", "ack", "web"):
         assert services[name]["depends_on"] == {
             "migrate": {"condition": "service_completed_successfully"},
             "valkey": {"condition": "service_healthy"},
         }
-    # The receiver needs no Redis.
-    assert services["receive"]["depends_on"] == {"migrate": {"condition": "service_completed_successfully"}}
+    # The receiver and the workers (their broker is PostgreSQL) need no Redis.
+    for name in ("receive", "worker"):
+        assert services[name]["depends_on"] == {"migrate": {"condition": "service_completed_successfully"}}
     assert services["postgres"]["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
     assert "valkey-cli ping" in services["valkey"]["healthcheck"]["test"][1]
     assert services["valkey"]["secrets"] == ["valkey_conf", "redis_users"]
@@ -548,19 +554,15 @@ def test_the_compose_processes_config_loads_and_serves_healthz() -> None:
     assert [a.name for a in settings.adapters] == ["orders"]
     assert set(settings.queues) == {"orders"}
     # The users of ops/redis-users.acl, from each process's own variables;
-    # dramatiq on a database of its own.
-    env = {
-        "SWITCHBOARD_BROKER_USER": "switchboard-ingester",
-        "SWITCHBOARD_BROKER_PASSWORD": "p1",
-        "SWITCHBOARD_DRAMATIQ_USER": "switchboard-dramatiq",
-        "SWITCHBOARD_DRAMATIQ_PASSWORD": "p2",
-    }
+    # no dramatiq broker (the workers' is PostgreSQL), so no key of it left.
+    env = {"SWITCHBOARD_BROKER_USER": "switchboard-ingester", "SWITCHBOARD_BROKER_PASSWORD": "p1"}
     full = load(path, env)
-    assert full.dramatiq_broker.url() == "redis://switchboard-dramatiq:p2@valkey:6379/1"
+    assert full.adapters[0].broker.url() == "redis://switchboard-ingester:p1@valkey:6379/0"
+    assert full.notices == ()
     acl = (OPS / "redis-users.acl").read_text()
-    for user in (*env.values(), "switchboard-acker", "switchboard-producer"):
-        if user.startswith("switchboard-"):
-            assert f"user {user} on " in acl
+    for user in ("switchboard-ingester", "switchboard-acker", "switchboard-producer"):
+        assert f"user {user} on " in acl
+    assert "switchboard-dramatiq" not in acl
     # The receiver's adapter: its secret from secrets/receive.env, read by
     # `receive` alone (every other process loads the table without it).
     (webhook,) = settings.webhooks

@@ -1,27 +1,32 @@
-"""Claimed at fetch, finished in the background (issue 25), against real
-PostgreSQL: a batch of todos claimed in one call; an end handed to the
-writer settled after its commit (and after a row held elsewhere is let
-go); a claim that waited long gets its lease again from now, or is not run
-if it lost its todo meanwhile; a claim given back unrun uncounts its
-attempt."""
+"""A claimed todo's run and its end, against real PostgreSQL (backhalf.worker,
+backhalf.state_writer): a success ended in the background and settled after
+its commit (and after a row held elsewhere is let go); a failure pending
+again after its backoff, or failed on its last attempt; a claim that lost
+its todo not run, and a result that lost it discarded; claims given back
+unrun, their attempt uncounted; leases extended for their own run only; the
+writer's plans by id whatever the table's size; close waiting for every
+background end."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from backhalf import todos
+from backhalf import queries, todos
 from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
-from backhalf.worker import Claim, Runner
-from tests.support.db import insert_todos, libpq, query, scalar
+from backhalf.worker import Handler, Runner
+from tests.support.db import claim, insert_todos, libpq, listening, query, scalar
 
-QUEUE = QueueConfig(name="q", handler="x:y", time_limit_ms=60_000, lease_margin_ms=4_000, max_attempts=5)
+QUEUE = QueueConfig(name="q", handler="x:y", time_limit_ms=60_000, max_attempts=3, min_backoff_ms=10_000,
+                    max_backoff_ms=20_000)  # fmt: skip
 
 
 @pytest.fixture
@@ -29,51 +34,51 @@ def todo_ids(db_url: str) -> list[int]:
     return insert_todos(db_url, 4)
 
 
-def request(todo_id: int, queue: str = "q") -> todos.StartRequest:
-    return todos.StartRequest(todo_id, queue, uuid.uuid4(), QUEUE.lease_ms / 1000, QUEUE.max_attempts)
+def claimed(db_url: str) -> todos.Claimed:
+    """The oldest due todo, claimed alone."""
+    (run,) = claim(db_url, limit=1)
+    return run
 
 
-def claimed(writer: StateWriter, todo_id: int) -> todos.Started:
-    """Todo ``todo_id`` claimed alone, as a fetch of one message would."""
-    (started,) = writer.claim([request(todo_id)])
-    assert started is not None
-    return started
+def status(db_url: str, todo_id: int) -> str:
+    return str(scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_id}))
 
 
-def test_a_fetched_batch_is_claimed_at_once_each_answered(
-    writer: StateWriter, db_url: str, todo_ids: list[int]
-) -> None:
-    libpq_url = libpq(db_url)
-    with psycopg.connect(libpq_url, autocommit=True) as conn:
-        conn.execute("UPDATE todos SET status = 'done' WHERE id = %s", (todo_ids[1],))
-    answers = writer.claim([request(todo_ids[0]), request(todo_ids[1]), request(todo_ids[2], "other")])
-    assert [a.found if a else None for a in answers] == ["dispatched", "done", todos.FOREIGN]
-    assert answers[0] is not None
-    assert answers[0].todo is not None
-    assert answers[0].todo.attempt == 1
-    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == "running"
-    # One statement for the batch: the started todo's event, nothing for the others.
-    assert query(db_url, "SELECT todo_id, to_status FROM todo_events") == [(todo_ids[0], "running")]
+class Settled:
+    """A run's ``settled`` callback, recorded; ``wait`` for it."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[bool | BaseException] = []
+        self._event = threading.Event()
+
+    def __call__(self, outcome: bool | BaseException) -> None:
+        self.outcomes.append(outcome)
+        self._event.set()
+
+    def wait(self, timeout_s: float = 10) -> list[bool | BaseException]:
+        assert self._event.wait(timeout_s), "never settled"
+        return self.outcomes
+
+
+# -- background ends --------------------------------------------------------------
 
 
 def test_a_background_end_is_settled_after_its_commit_even_past_a_held_row(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    started = claimed(writer, todo_ids[0])
+    run = claimed(db_url)
     settled: list[bool | BaseException] = []
     done = threading.Event()
 
     def on_settled(outcome: bool | BaseException) -> None:
         # Called once durable: the row says so by now.
         settled.append(outcome)
-        settled.append(
-            scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == "done"
-        )
+        settled.append(status(db_url, todo_ids[0]) == "done")
         done.set()
 
     with psycopg.connect(libpq(db_url)) as holder:
         holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
-        writer.finish(todos.Ending(started, "done", None, "done"), on_settled)
+        writer.finish(todos.Ending(run, "done", None, "done"), on_settled)
         time.sleep(0.3)  # the writer answered busy meanwhile and asks again later
         assert not done.is_set()
         assert writer.busy_answers >= 1
@@ -85,103 +90,222 @@ def test_a_background_end_is_settled_after_its_commit_even_past_a_held_row(
 def test_a_background_end_of_a_run_that_lost_its_todo_is_discarded(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    started = claimed(writer, todo_ids[0])
-    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
-        conn.execute("UPDATE todos SET status = 'cancelled' WHERE id = %s", (todo_ids[0],))
-    outcome: list[bool | BaseException] = []
-    done = threading.Event()
-
-    def settled(o: bool | BaseException) -> None:
-        outcome.append(o)
-        done.set()
-
-    writer.finish(todos.Ending(started, "done", None, "done"), settled)
-    assert done.wait(10)
-    assert outcome == [False]
-    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == "cancelled"
+    run = claimed(db_url)
+    query(db_url, "UPDATE todos SET status = 'cancelled' WHERE id = %(i)s", {"i": todo_ids[0]})
+    settled = Settled()
+    writer.finish(todos.Ending(run, "done", None, "done"), settled)
+    assert settled.wait() == [False]
+    assert status(db_url, todo_ids[0]) == "cancelled"
 
 
-def test_a_claim_given_back_unrun_is_dispatched_with_its_attempt_uncounted(
+def test_claims_given_back_unrun_are_due_now_uncounted_and_wake_the_workers(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    answers = writer.claim([request(todo_ids[0]), request(todo_ids[1])])
-    runs = [a for a in answers if a is not None]
+    runs = claim(db_url, limit=2)
     assert scalar(db_url, "SELECT sum(attempts) FROM todos") == 2
-    endings = [todos.Ending(r, "dispatched", None, "given back", unrun=True) for r in runs]
-    assert writer.end_all(endings) == [True, True]
-    rows = query(
-        db_url,
-        "SELECT status, attempts, lease_until, run_token FROM todos"
-        " WHERE attempts > 0 OR status <> 'dispatched' OR lease_until IS NOT NULL",
-    )
-    assert rows == []
+    endings = [todos.Ending(r, "pending", None, todos.GIVEN_BACK, unrun=True) for r in runs]
+    with listening(db_url, queries.TODO_CHANNEL) as received:
+        assert writer.end_all(endings) == [True, True]
+        assert received(5, 1) == ["q"]
+    assert query(db_url, "SELECT DISTINCT status, attempts, lease_until, run_token FROM todos") == [
+        ("pending", 0, None, None)
+    ]
+    assert scalar(db_url, "SELECT count(*) FROM todos WHERE run_after > now()") == 0
     assert (
-        query(db_url, "SELECT from_status, to_status, detail FROM todo_events WHERE detail = 'given back'")
-        == [("running", "dispatched", "given back")] * 2
+        query(db_url, "SELECT from_status, to_status, detail FROM todo_events WHERE to_status = 'pending'")
+        == [("running", "pending", todos.GIVEN_BACK)] * 2
     )
+    # Their next claim is their first attempt again.
+    assert [r.todo.attempt for r in claim(db_url, limit=2)] == [1, 1]
 
 
-def runner_with(writer: StateWriter, ran: list[int]) -> Runner:
-    return Runner(writer, {"q": (QUEUE, lambda todo: ran.append(todo.id))})
-
-
-def test_a_claim_that_waited_long_has_its_lease_again_from_now(
+def test_a_give_back_whose_row_another_transaction_holds_is_left_to_the_rescuer(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    started = claimed(writer, todo_ids[0])
-    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
-        # As if claimed a minute ago: its lease has nearly run out.
-        conn.execute(
-            "UPDATE todos SET lease_until = now() + interval '1 second' WHERE id = %s", (todo_ids[0],)
-        )
-    ran: list[int] = []
-    runner_with(writer, ran).run("q", todo_ids[0], Claim(started, time.monotonic() - 60))
-    assert ran == [todo_ids[0]]
-    # Extended before the run (at least the whole lease from then on), then ended.
-    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == "done"
+    run = claimed(db_url)
+    with psycopg.connect(libpq(db_url)) as holder:
+        holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
+        (answer,) = writer.end_all([todos.Ending(run, "pending", None, todos.GIVEN_BACK, unrun=True)])
+    assert isinstance(answer, Exception)
+    assert "held by another transaction" in str(answer)
+    assert status(db_url, todo_ids[0]) == "running"  # its lease lapses; the rescuer puts it back
+
+
+# -- runs -------------------------------------------------------------------------
+
+
+def runner_with(writer: StateWriter, handler: Handler) -> Runner:
+    return Runner(writer, {"q": (QUEUE, handler)})
+
+
+def test_a_successful_run_is_ended_done_in_the_background(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    run = claimed(db_url)
+    seen: list[todos.Todo] = []
+    settled = Settled()
+    runner_with(writer, seen.append).run(run, settled=settled)
+    assert settled.wait() == [True]
+    assert seen == [run.todo]
     assert query(
-        db_url, "SELECT to_status FROM todo_events WHERE todo_id = %(i)s ORDER BY id", {"i": todo_ids[0]}
-    ) == [("running",), ("done",)]
+        db_url, "SELECT status, attempts, run_token FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}
+    ) == [("done", 1, None)]
+    assert query(db_url, "SELECT to_status FROM todo_events ORDER BY id") == [("running",), ("done",)]
 
 
-def test_a_lease_is_extended_only_for_its_own_run(
+def test_an_async_handler_is_run_to_completion(writer: StateWriter, db_url: str, todo_ids: list[int]) -> None:
+    ran: list[int] = []
+
+    async def handler(todo: todos.Todo) -> None:
+        await asyncio.sleep(0.01)
+        ran.append(todo.id)
+
+    settled = Settled()
+    runner_with(writer, handler).run(claimed(db_url), settled=settled)
+    assert settled.wait() == [True]
+    assert ran == [todo_ids[0]]
+    assert status(db_url, todo_ids[0]) == "done"
+
+
+def failing(message: str) -> Callable[[todos.Todo], None]:
+    def handler(todo: todos.Todo) -> None:
+        raise ValueError(message)
+
+    return handler
+
+
+def test_a_failed_attempt_waits_out_its_backoff_pending_and_is_claimed_again_after_it(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    started = claimed(writer, todo_ids[0])
-    assert writer.extend([(started, 600)]) == [True]
-    lease_left = "SELECT extract(epoch FROM lease_until - now()) FROM todos WHERE id = %(i)s"
-    assert float(scalar(db_url, lease_left, {"i": todo_ids[0]})) > 590
-    other_run = todos.Started(started.todo, started.found, uuid.uuid4(), started.lease_until)
-    assert writer.extend([(other_run, 6000)]) == [False]
-    assert float(scalar(db_url, lease_left, {"i": todo_ids[0]})) < 601
+    settled = Settled()
+    runner_with(writer, failing("boom")).run(claimed(db_url), settled=settled)
+    # Ended before the thread goes on: settled only once committed.
+    assert settled.outcomes == [True]
+    status_, attempts, error, wait_s, detail = query(
+        db_url,
+        "SELECT t.status, t.attempts, t.last_error, extract(epoch FROM t.run_after - now()), e.detail"
+        " FROM todos t JOIN todo_events e ON e.todo_id = t.id AND e.to_status = 'pending' WHERE t.id = %(i)s",
+        {"i": todo_ids[0]},
+    )[0]
+    assert (status_, attempts, error) == ("pending", 1, "ValueError: boom")
+    assert 5 < float(wait_s) <= 20  # min_backoff_ms jittered, at most max_backoff_ms
+    assert detail.startswith("attempt 1 of 3 failed; retried after ")
+    # Not due yet: the next claim takes the other todos first.
+    assert todo_ids[0] not in [r.todo.id for r in claim(db_url, limit=10)]
+
+
+def test_the_last_attempts_failure_fails_the_todo(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    query(db_url, "UPDATE todos SET attempts = 2 WHERE id = %(i)s", {"i": todo_ids[0]})
+    run = claimed(db_url)
+    assert run.todo.attempt == 3
+    with capture_logs() as logs:
+        runner_with(writer, failing("no")).run(run)
+    assert query(
+        db_url, "SELECT status, attempts, last_error FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}
+    ) == [("failed", 3, "ValueError: no")]
+    assert [e["attempts"] for e in logs if e["event"] == "todo_failed"] == [3]
+
+
+def test_a_handlers_error_is_kept_storable_and_without_its_secrets(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    """A NUL (which PostgreSQL refuses in text) and a connection string's
+    password in the handler's error: the todo records the rest."""
+    runner_with(writer, failing("bad\x00byte at postgresql://app:hunter2@db/x")).run(claimed(db_url))
+    error = str(scalar(db_url, "SELECT last_error FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}))
+    assert error.startswith("ValueError: bad")
+    assert "\x00" not in error
+    assert "hunter2" not in error
+    assert status(db_url, todo_ids[0]) == "pending"
 
 
 def test_a_claim_that_lost_its_todo_while_it_waited_does_not_run(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    started = claimed(writer, todo_ids[0])
-    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
-        # The rescuer took it back (its lease expired while it waited).
-        conn.execute("UPDATE todos SET status = 'dispatched', run_token = NULL WHERE id = %s", (todo_ids[0],))
+    run = claimed(db_url)
+    # The rescuer took it back (its lease lapsed while it waited for a thread).
+    query(
+        db_url, "UPDATE todos SET status = 'pending', run_token = NULL WHERE id = %(i)s", {"i": todo_ids[0]}
+    )
     ran: list[int] = []
+    settled = Settled()
     with capture_logs() as logs:
-        runner_with(writer, ran).run("q", todo_ids[0], Claim(started, time.monotonic() - 60))
+        runner_with(writer, lambda todo: ran.append(todo.id)).run(run, lost=True, settled=settled)
     assert ran == []
+    assert settled.outcomes == [False]
     assert [e["status"] for e in logs if e["event"] == "todo_skipped"] == ["claim_lost"]
-    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == "dispatched"
+    assert status(db_url, todo_ids[0]) == "pending"
 
 
-def test_a_run_with_a_fresh_claim_makes_no_start_of_its_own(
+def test_a_result_of_a_run_whose_todo_was_cancelled_meanwhile_is_discarded(
     writer: StateWriter, db_url: str, todo_ids: list[int]
 ) -> None:
-    started = claimed(writer, todo_ids[0])
-    ran: list[int] = []
-    released = threading.Event()
-    runner_with(writer, ran).run("q", todo_ids[0], Claim(started, time.monotonic()), lambda: released.set)
-    assert released.wait(10)
-    assert ran == [todo_ids[0]]
-    assert scalar(db_url, "SELECT attempts FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == 1
-    assert query(db_url, "SELECT to_status FROM todo_events ORDER BY id") == [("running",), ("done",)]
+    def cancelled_while_running(todo: todos.Todo) -> None:
+        query(db_url, "UPDATE todos SET status = 'cancelled' WHERE id = %(i)s", {"i": todo.id})
+
+    settled = Settled()
+    with capture_logs() as logs:
+        runner_with(writer, cancelled_while_running).run(claimed(db_url), settled=settled)
+        assert settled.wait() == [False]
+    assert status(db_url, todo_ids[0]) == "cancelled"
+    assert [e["reason"] for e in logs if e["event"] == "todo_result_discarded"] == [
+        "cancelled or rescued while it ran"
+    ]
+
+
+def test_a_run_stopped_by_no_error_of_its_handler_leaves_the_todo_to_its_lease(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    """dramatiq's Shutdown (a second signal) or a KeyboardInterrupt is not
+    the handler's failure: no end is written, the claim is let go (its lease
+    lapses; the rescuer puts it back), and the exception goes on up."""
+
+    def interrupted(todo: todos.Todo) -> None:
+        raise KeyboardInterrupt
+
+    settled = Settled()
+    with pytest.raises(KeyboardInterrupt):
+        runner_with(writer, interrupted).run(claimed(db_url), settled=settled)
+    assert len(settled.outcomes) == 1
+    assert isinstance(settled.outcomes[0], KeyboardInterrupt)
+    assert query(
+        db_url, "SELECT status, attempts, last_error FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}
+    ) == [("running", 1, None)]
+
+
+# -- leases -----------------------------------------------------------------------
+
+LEASE_LEFT = "SELECT extract(epoch FROM lease_until - now()) FROM todos WHERE id = %(i)s"
+
+
+def test_a_lease_is_extended_only_for_its_own_run(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    run = claimed(db_url)
+    assert writer.extend([run], 600) == [True]
+    assert float(scalar(db_url, LEASE_LEFT, {"i": todo_ids[0]})) > 590
+    other_run = todos.Claimed(run.todo, uuid.uuid4())
+    assert writer.extend([other_run], 6000) == [False]
+    assert float(scalar(db_url, LEASE_LEFT, {"i": todo_ids[0]})) < 601
+    query(db_url, "UPDATE todos SET status = 'cancelled' WHERE id = %(i)s", {"i": todo_ids[0]})
+    assert writer.extend([run], 600) == [False]  # lost: cancelled meanwhile
+
+
+def test_a_lease_held_by_another_transaction_is_answered_busy_not_waited_for(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    run = claimed(db_url)
+    with psycopg.connect(libpq(db_url)) as holder:
+        holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
+        began = time.monotonic()
+        assert writer.extend([run], 600) == [None]
+        assert time.monotonic() - began < 5  # the connection's lock timeout is far longer
+    assert writer.extend([run], 600) == [True]
+
+
+# -- the writer's plans -----------------------------------------------------------
 
 
 def todos_seq_scans(db_url: str, writer: StateWriter) -> int:
@@ -211,25 +335,21 @@ def test_the_writers_plan_made_on_a_small_table_still_reads_todos_by_id_once_it_
     )
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         conn.execute(grow, (1, 2000))  # an ingester's first batch
-    writer.claim([request(todo_ids[0])])  # planned now
+    runs = claim(db_url, limit=4)
+    assert writer.end(todos.Ending(runs[0], "done", None, "done"))  # planned now
+    assert writer.extend([runs[1]], 60) == [True]
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         conn.execute(grow, (2001, 30000))  # not analyzed yet: the plan is kept
     before = todos_seq_scans(db_url, writer)
-    answers = writer.claim([request(todo_ids[1]), request(todo_ids[2])])
-    assert all(a is not None and a.todo is not None for a in answers)
+    assert writer.end(todos.Ending(runs[1], "pending", "boom", "retry", delay_s=5))
+    assert writer.end_all(
+        [todos.Ending(r, "pending", None, todos.GIVEN_BACK, unrun=True) for r in runs[2:]]
+    ) == [
+        True,
+        True,
+    ]
+    assert writer.extend([runs[0]], 60) == [False]
     assert todos_seq_scans(db_url, writer) == before
-
-
-def test_a_lease_held_by_another_transaction_is_answered_busy_not_waited_for(
-    writer: StateWriter, db_url: str, todo_ids: list[int]
-) -> None:
-    started = claimed(writer, todo_ids[0])
-    with psycopg.connect(libpq(db_url)) as holder:
-        holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
-        began = time.monotonic()
-        assert writer.extend([(started, 600)]) == [None]
-        assert time.monotonic() - began < 5  # the connection's lock timeout is far longer
-    assert writer.extend([(started, 600)]) == [True]
 
 
 def test_close_waits_for_a_background_end_asked_for_again(
@@ -237,13 +357,25 @@ def test_close_waits_for_a_background_end_asked_for_again(
 ) -> None:
     """An end answered busy is retried from a timer: closing the writer
     meanwhile must still write it, not drop it."""
-    started = claimed(writer, todo_ids[0])
+    run = claimed(db_url)
     outcome: list[bool | BaseException] = []
     holder = psycopg.connect(libpq(db_url))
     holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
-    writer.finish(todos.Ending(started, "done", None, "done"), outcome.append)
+    writer.finish(todos.Ending(run, "done", None, "done"), outcome.append)
     time.sleep(0.1)  # answered busy at least once by now: a timer will ask again
     threading.Timer(0.5, holder.close).start()  # the lock goes while close() waits
     writer.close()
     assert outcome == [True]
-    assert scalar(db_url, "SELECT status FROM todos WHERE id = %(i)s", {"i": todo_ids[0]}) == "done"
+    assert status(db_url, todo_ids[0]) == "done"
+
+
+def test_a_closed_writer_refuses_ends_and_settles_a_background_one_with_the_error(
+    writer: StateWriter, db_url: str, todo_ids: list[int]
+) -> None:
+    run = claimed(db_url)
+    writer.close()
+    settled = Settled()
+    writer.finish(todos.Ending(run, "done", None, "done"), settled)
+    (outcome,) = settled.wait()
+    assert "closed" in str(outcome)
+    assert status(db_url, todo_ids[0]) == "running"

@@ -120,3 +120,44 @@ def test_0010_grants_its_column_to_the_shipped_ingester_role(servers: ServerUrls
         assert granted is True
     finally:
         db.drop_test_database(servers.database, url)
+
+
+def test_0013_leaves_an_older_versions_todos_claimable_and_its_runs_to_their_leases(
+    servers: ServerUrls,
+) -> None:
+    """Todos the relay left behind, migrated: pending and dispatched ones
+    are due at once and claimed in id order, as pending ones; a running one
+    keeps its lease (the rescuer puts it back once it lapses); finished ones
+    stay finished. Downgraded again, the relay's columns are back."""
+    url = db.create_test_database(servers.database, migrated=False)
+    try:
+        migrate.upgrade(url, "0012")
+        db.query(
+            url,
+            "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, dispatched_at, rescues,"
+            " lease_until, run_token) VALUES"
+            " ('q', 'pending', '{}', 'pending', 0, NULL, 0, NULL, NULL),"
+            " ('q', 'dispatched', '{}', 'dispatched', 1, now() - interval '1 hour', 2, NULL, NULL),"
+            " ('q', 'running', '{}', 'running', 1, now(), 0, now() + interval '1 hour', gen_random_uuid()),"
+            " ('q', 'done', '{}', 'done', 1, NULL, 0, NULL, NULL)",
+        )
+        migrate.upgrade(url)
+        assert db.query(url, "SELECT count(*) FROM todos WHERE run_after <= now()") == [(4,)]
+        claimed = db.claim(url, ["q"], 10)
+        assert [(c.todo.idempotency_key, c.todo.attempt) for c in claimed] == [
+            ("pending", 1),
+            ("dispatched", 2),
+        ]
+        assert dict(db.query(url, "SELECT idempotency_key, status FROM todos")) == {
+            "pending": "running", "dispatched": "running", "running": "running", "done": "done",
+        }  # fmt: skip
+        assert (
+            db.scalar(url, "SELECT count(*) FROM todos WHERE lease_until > now() + interval '50 minutes'")
+            == 1
+        )
+        command.downgrade(migrate.alembic_config(url), "0012")
+        assert db.scalar(url, "SELECT count(*) FROM todos WHERE rescues = 0 AND dispatched_at IS NULL") == 4
+        migrate.upgrade(url)
+        migrate.check(url)
+    finally:
+        db.drop_test_database(servers.database, url)

@@ -10,10 +10,10 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.errors import StoreError
-from backhalf.queries import ACK_CHANNEL
+from backhalf.queries import ACK_CHANNEL, TODO_CHANNEL
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
-from tests.support.db import libpq, query, scalar
+from tests.support.db import libpq, listening, query, scalar
 
 
 @pytest.fixture
@@ -223,37 +223,55 @@ async def test_notify_reaches_the_acker_only_on_commit(engine: AsyncEngine, db_u
         assert await notified(5.0) == ["orders"]
 
 
-async def test_a_batch_without_acks_wakes_the_relay_for_its_new_todos(
+async def test_new_todos_wake_the_workers_of_their_queue_only_on_commit(
     engine: AsyncEngine, db_url: str
 ) -> None:
-    """A push (or pub/sub) batch owes no ack, but its todos wait for the
-    relay: the commit notifies, so they are dispatched at once, not at the
-    relay's next poll. A batch that creates nothing stays silent."""
+    """The store NOTIFYs the workers' channel with the todos' queue as its
+    payload, delivered when its transaction commits (their claim reads the
+    committed rows); a batch that creates no todo (a redelivery) wakes no
+    worker, though its ack is owed again."""
+    with listening(db_url, TODO_CHANNEL) as todos_due, listening(db_url, ACK_CHANNEL) as acks_owed:
+        async with engine.begin() as conn:
+            await store(conn, batch(rec("1-0"), rec("2-0")))
+            assert todos_due(0.3) == []  # stored, not committed: silence
+        assert todos_due(5, 1) == ["orders"]  # one notification for the batch
+        assert todos_due(0.3) == []
+        assert acks_owed(5, 1) == ["orders"]
+        async with engine.begin() as conn:
+            result = await store(conn, batch(rec("1-0")))  # a redelivery: no todo made
+        assert result.todos_created == 0
+        assert todos_due(0.5) == []
+        assert acks_owed(5, 1) == ["orders"]
+
+
+async def test_a_batch_without_acks_wakes_the_workers_and_not_the_acker(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    """A push (or pub/sub) batch owes no ack, but its todos are due: the
+    commit wakes the workers of its queue at once, not at their next poll,
+    and leaves the acker be. A batch that creates nothing stays silent."""
     pushed = Provenance(
         family="push", trust_mode="hmac-sha256", verified=True, verify_detail="github secret: S"
     )
     no_ack = StoreBatch(
-        adapter="orders",
-        queue="orders",
+        adapter="orders-mirror",
+        queue="refunds",
         consumer=None,
         ack_after="store",
         ack=AckTarget("none"),
         provenance=pushed,
         records=[rec("1-0")],
     )
-    async with await psycopg.AsyncConnection.connect(libpq(db_url), autocommit=True) as listener:
-        await listener.execute(f"LISTEN {ACK_CHANNEL}")
-
-        async def notified(timeout_s: float) -> list[str]:
-            return [n.payload async for n in listener.notifies(timeout=timeout_s, stop_after=1)]
-
+    with listening(db_url, TODO_CHANNEL) as todos_due, listening(db_url, ACK_CHANNEL) as acks_owed:
         async with engine.begin() as conn:
             await store(conn, no_ack)
-        assert await notified(5.0) == ["orders"]
+        assert todos_due(5, 1) == ["refunds"]  # the batch's queue, not its adapter
         async with engine.begin() as conn:
             result = await store(conn, no_ack)  # a duplicate: no todo made
         assert result.todos_created == 0
-        assert await notified(0.5) == []
+        assert todos_due(0.5) == []
+        assert acks_owed(0.3) == []
+    assert query(db_url, "SELECT queue, status FROM todos") == [("refunds", "pending")]
 
 
 async def test_concurrent_stores_of_one_entry_make_one_todo(engine: AsyncEngine, db_url: str) -> None:

@@ -16,7 +16,7 @@ from backhalf.db import DatabaseSettings, create_sync_engine, driver_connection
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.state_writer import StateWriter
 from backhalf.store import store
-from tests.support.db import libpq, query, scalar
+from tests.support.db import claim_todo, end, libpq, query, scalar
 
 PULLED = Provenance(family="queue", trust_mode="queue", verified=False, verify_detail="redis acl: default")
 
@@ -68,12 +68,10 @@ async def claim(engine: AsyncEngine, adapter: str = "orders") -> list[int]:
 
 
 def run_to(db_url: str, todo_id: int, to_status: str) -> None:
-    """A worker's run of the todo, from start to ``to_status``."""
-    queue = scalar(db_url, "SELECT queue FROM todos WHERE id = %(t)s", {"t": todo_id})
-    with psycopg.connect(libpq(db_url)) as conn:
-        run = todos.start(conn, todo_id, 60, 5, queue=queue)
-    with psycopg.connect(libpq(db_url)) as conn:
-        assert todos.end_run(conn, run, to_status, error=None, detail=to_status)
+    """A worker's run of the todo, from its claim to ``to_status`` (pending:
+    a retry, due again at once)."""
+    run = claim_todo(db_url, todo_id)
+    assert end(db_url, todos.Ending(run, to_status, None, to_status)) == ({todo_id}, set())
 
 
 async def test_the_ack_waits_for_the_todo_and_is_owed_once_it_is_done(
@@ -84,7 +82,7 @@ async def test_the_ack_waits_for_the_todo_and_is_owed_once_it_is_done(
     (todo_1, todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
     assert query(db_url, "SELECT waiting_for FROM ack_queue ORDER BY inbox_id") == [(todo_1,), (todo_2,)]
     assert await claim(engine) == []
-    run_to(db_url, todo_1, "dispatched")  # a retry is no end
+    run_to(db_url, todo_1, "pending")  # a retry is no end
     assert await claim(engine) == []
     run_to(db_url, todo_1, "done")
     (inbox_1,) = query(db_url, "SELECT id FROM inbox WHERE todo_id = %(t)s", {"t": todo_1})[0]
@@ -99,15 +97,15 @@ async def test_cancel_and_the_rescuers_failure_release_the_ack(engine: AsyncEngi
     (todo_1, todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
     async with engine.begin() as conn:
         assert await todos.cancel(conn, [todo_1], "cancelled by an operator") == [todo_1]
-    with psycopg.connect(libpq(db_url)) as conn:
-        todos.start(conn, todo_2, 60, 1, queue="orders")
+    claim_todo(db_url, todo_2)
     query(
         db_url, "UPDATE todos SET lease_until = now() - interval '1 second' WHERE id = %(t)s", {"t": todo_2}
     )
     async with engine.begin() as conn:
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
-            assert await todos.rescue(cur, [("orders", 1, 60.0)], 10) == [(todo_2, "orders", "failed")]
+            # Its worker died on its last attempt: failed, which is an end.
+            assert await todos.rescue(cur, [("orders", 1)], 10) == [(todo_2, "orders", "failed")]
     assert len(await claim(engine)) == 2
     assert scalar(db_url, "SELECT count(*) FROM ack_queue WHERE waiting_for IS NOT NULL") == 0
 
@@ -174,11 +172,10 @@ async def test_a_redelivery_racing_its_todos_end_is_owed_at_once(engine: AsyncEn
     async with engine.begin() as conn:
         await acks.claim(conn, ["orders"], 10)
         await todos.retry(conn, [todo_id], "retried by an operator")
-    with psycopg.connect(libpq(db_url)) as pg:
-        run = todos.start(pg, todo_id, 60, 5, queue="orders")
+    run = claim_todo(db_url, todo_id)
     ender = psycopg.connect(libpq(db_url))
     try:
-        held, _, _ = todos.write_states(ender, [todos.Ending(run, "done", None, "done")], [])  # committed
+        held, _ = todos.end_runs(ender, [todos.Ending(run, "done", None, "done")])  # committed
         assert held == {todo_id}
         # The same end, as a transaction still open: the lock the store meets.
         query(db_url, "UPDATE todos SET status = 'running' WHERE id = %(t)s", {"t": todo_id})
@@ -237,7 +234,7 @@ async def test_an_end_racing_a_store_deduped_to_its_todo_still_releases_it(
         create_sync_engine(DatabaseSettings(url=db_url), pool_size=1), deadline_ms=10_000, threads=2
     )
     try:
-        run = writer.start(todo_id, "jobs", 60, 5)
+        run = claim_todo(db_url, todo_id)
         conn = await engine.connect()
         try:
             tx = await conn.begin()
@@ -270,10 +267,8 @@ async def test_the_rescuer_releases_acks_a_worker_left_waiting(engine: AsyncEngi
     async with engine.begin() as conn:
         await store(conn, stream_batch(entry(1), entry(2)))
     (todo_1, _todo_2) = [r[0] for r in query(db_url, "SELECT id FROM todos ORDER BY id")]
-    with psycopg.connect(libpq(db_url)) as conn:
-        run = todos.start(conn, todo_1, 60, 5, queue="orders")
-        held, _, _ = todos.write_states(conn, [todos.Ending(run, "done", None, "done")], [], release=False)
-    assert held == {todo_1}
+    run = claim_todo(db_url, todo_1)
+    assert end(db_url, todos.Ending(run, "done", None, "done"), release=False) == ({todo_1}, set())
     assert await claim(engine) == []
     async with engine.begin() as conn:
         pg = await driver_connection(conn)

@@ -9,7 +9,7 @@ from typing import cast
 
 import redis
 
-from backhalf.db import DatabaseSettings, create_engine
+from backhalf.db import DatabaseSettings, create_engine, create_sync_engine
 from ingest.config import from_mapping
 from ingest.lifecycle import leftover_tasks
 from ingest.processes.acker import run_acker
@@ -72,3 +72,22 @@ async def test_engine_sessions_carry_statement_and_lock_timeouts(db_url: str) ->
             assert lock.scalar() == "567ms"
     finally:
         await engine.dispose()
+
+
+async def test_every_session_of_ours_compiles_no_statement_with_jit(db_url: str) -> None:
+    """A packaged PostgreSQL has jit = on, and the store's estimates pass its
+    threshold (1.3 s of compiling a 2,000-message batch): every engine of
+    ours, async and sync (the workers'), turns it off for its own sessions
+    (docs/decisions/0002-jit-off-for-switchboard-sessions.md)."""
+    engine = create_engine(DatabaseSettings(url=db_url))
+    try:
+        async with engine.connect() as conn:
+            assert (await conn.exec_driver_sql("SHOW jit")).scalar() == "off"
+    finally:
+        await engine.dispose()
+    sync_engine = create_sync_engine(DatabaseSettings(url=db_url), pool_size=1)
+    try:
+        with sync_engine.connect() as sync_conn:
+            assert sync_conn.exec_driver_sql("SHOW jit").scalar() == "off"
+    finally:
+        sync_engine.dispose()

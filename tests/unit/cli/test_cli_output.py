@@ -66,14 +66,14 @@ def test_todos_show_lists_every_field_the_payload_and_the_history() -> None:
         idempotency_key="k",
         created_at=at,
         updated_at=at,
-        dispatched_at=None,
+        run_after=at + timedelta(seconds=30),
         lease_until=at + timedelta(minutes=5),
         last_error="first\nsecond",
         payload={"n": 1, "s": "é"},
     )
     events = [
         TodoEvent(at, None, "pending", "created"),
-        TodoEvent(at + timedelta(seconds=1), "pending", "dispatched", "dispatched"),
+        TodoEvent(at + timedelta(seconds=1), "pending", "running", "claimed"),
     ]
     assert todos_command.show_lines(todo, events) == [
         "id               7",
@@ -83,7 +83,7 @@ def test_todos_show_lists_every_field_the_payload_and_the_history() -> None:
         "idempotency_key  k",
         "created_at       2026-12-01 10:00:00.123 UTC",
         "updated_at       2026-12-01 10:00:00.123 UTC",
-        "dispatched_at    -",
+        "run_after        2026-12-01 10:00:30.123 UTC",
         "lease_until      2026-12-01 10:05:00.123 UTC",
         "last_error       first",
         "                 second",
@@ -93,8 +93,8 @@ def test_todos_show_lists_every_field_the_payload_and_the_history() -> None:
         '    "s": "é"',
         "  }",
         "history:",
-        "  CREATED_AT (UTC)         CHANGE                 DETAIL",
-        "  2026-12-01 10:00:00.123  (new) -> pending       created",
-        "  2026-12-01 10:00:01.123  pending -> dispatched  dispatched",
+        "  CREATED_AT (UTC)         CHANGE              DETAIL",
+        "  2026-12-01 10:00:00.123  (new) -> pending    created",
+        "  2026-12-01 10:00:01.123  pending -> running  claimed",
     ]
     assert todos_command.show_lines(todo, [])[-1] == "history: no todo_events rows"

@@ -87,11 +87,10 @@ def _trail(*, created: datetime) -> Trail:
         ack_group="g", ack_entry_id="1796119200000-0", ack_copies=1, ack_after="store",
         ack_state="acked", acked_at=T + 30 * MS, stored_at=T + 12 * MS, todo_id=9, event_id=4,
     )  # fmt: skip
-    todo = TodoDetail(9, "orders", "done", 1, row.idempotency_key, created, T, None, None, None, {})
+    todo = TodoDetail(9, "orders", "done", 1, row.idempotency_key, created, T, created, None, None, {})
     history = [
         TodoEvent(created, None, "pending", "created"),
-        TodoEvent(T + 20 * MS, "pending", "dispatched", "dispatched"),
-        TodoEvent(T + 40 * MS, "dispatched", "running", "started"),
+        TodoEvent(T + 40 * MS, "pending", "running", "claimed"),
         TodoEvent(T + 90 * MS, "running", "done", None),
     ]
     return Trail(
@@ -106,9 +105,8 @@ def test_the_timeline_runs_from_the_xadd_in_time_order() -> None:
         (12 * MS, "stored: inbox row 5, stored"),
         (12 * MS, "event 4 recorded"),
         (12 * MS, "todo 9: (new) -> pending (created)"),
-        (20 * MS, "todo 9: pending -> dispatched (dispatched)"),
         (30 * MS, "acked: XACK orders g 1796119200000-0"),
-        (40 * MS, "todo 9: dispatched -> running (started)"),
+        (40 * MS, "todo 9: pending -> running (claimed)"),
         (90 * MS, "todo 9: running -> done"),
     ]
     lines = text_lines(_trail(created=T + 12 * MS))

@@ -40,17 +40,12 @@ def test_a_clustered_lists_keys_share_its_slot_and_a_single_servers_keep_their_n
     assert key_base("jobs", cluster=True) == "{jobs}"
 
 
-def _settings(
-    redis: dict[str, object], *adapters: dict[str, object], dramatiq: dict[str, object] | None = None
-) -> Settings:
-
+def _settings(redis: dict[str, object], *adapters: dict[str, object]) -> Settings:
     raw: dict[str, object] = {
         "database": {"url": "postgresql://u@h/db"},
         "redis": redis,
         "adapters": list(adapters),
     }
-    if dramatiq is not None:
-        raw["dramatiq"] = dramatiq
     return from_mapping(raw, {})
 
 
@@ -59,13 +54,14 @@ def test_redis_cluster_is_the_default_of_the_adapters_on_its_url_only() -> None:
         {"url": "redis://node-1:7000/0", "cluster": True},
         {"name": "a", "source": "a"},
         {"name": "b", "source": "b", "url": "redis://single:6379/0"},
-        dramatiq={"url": "redis://single:6379/1"},
     )
     assert [(a.name, a.cluster) for a in s.adapters] == [("a", True), ("b", False)]
 
 
-def test_a_cluster_default_needs_a_dramatiq_broker_of_its_own() -> None:
-    with pytest.raises(
-        ConfigError, match=r"\[dramatiq\]: key 'url' is required when \[redis\] cluster = true"
-    ):
-        _settings({"url": "redis://node-1:7000/0", "cluster": True}, {"name": "a", "source": "a"})
+def test_a_cluster_default_needs_no_broker_of_dramatiq_beside_it() -> None:
+    """The workers' broker is PostgreSQL (DESIGN.md section 7b): a [redis]
+    cluster loads with no [dramatiq] url, which once had to name a single
+    server of its own."""
+    s = _settings({"url": "redis://node-1:7000/0", "cluster": True}, {"name": "a", "source": "a"})
+    assert [(a.name, a.cluster) for a in s.adapters] == [("a", True)]
+    assert s.notices == ()

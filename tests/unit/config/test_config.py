@@ -565,13 +565,9 @@ def test_queues_are_read_with_their_defaults_and_checked() -> None:
         {},
     )
     q = s.queues["orders"]
-    assert (q.handler, q.max_attempts, q.time_limit_ms, q.broker_queue, q.actor_name) == (
-        "myapp.handlers:handle_order", 7, 600_000, "orders", "switchboard:orders",
+    assert (q.handler, q.max_attempts, q.time_limit_ms, q.min_backoff_ms, q.max_backoff_ms, q.actor_name) == (
+        "myapp.handlers:handle_order", 7, 600_000, 1_000, 60_000, "switchboard:orders",
     )  # fmt: skip
-    assert q.lease_ms == 600_000 + 30_000
-    assert s.dramatiq_broker.url() == "redis://r:1/0"  # the default broker unless [dramatiq] url says
-    other = from_mapping({"database": DB, "dramatiq": {"url": "redis://d:2/3"}}, {})
-    assert other.dramatiq_broker.url() == "redis://d:2/3"
 
 
 @pytest.mark.parametrize(
@@ -745,26 +741,15 @@ def test_a_password_from_the_environment_keeps_the_urls_user_or_the_default_url(
     assert parse_url(b.broker.url())["password"] == "p"
 
 
-def test_dramatiqs_credentials_come_from_the_environment() -> None:
-    raw = {
-        "database": DB,
-        "adapters": [adapter()],
-        "dramatiq": {"url": "redis://cache/1", "username_env": "DQ_USER", "password_env": "DQ_PW"},
-    }
-    s = from_mapping(raw, {"DQ_USER": "switchboard-dramatiq", "DQ_PW": SECRET_PW})
-    assert parse_url(s.dramatiq_broker.url())["username"] == "switchboard-dramatiq"
-    assert parse_url(s.dramatiq_broker.url())["password"] == SECRET_PW
-    assert s.adapters[0].broker.url() == "redis://localhost:6379/0"  # only dramatiq's
-
-
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
         ({"adapters": [adapter(password_env="not a name")]},
          "adapter 'orders': key 'password_env' must name an environment variable: letters, digits and _"
          " (got 'not a name')"),
-        ({"adapters": [adapter()], "dramatiq": {"username_env": 5}},
-         "[dramatiq]: key 'username_env' must name an environment variable: letters, digits and _ (got 5)"),
+        ({"adapters": [adapter(username_env=5)]},
+         "adapter 'orders': key 'username_env' must name an environment variable: letters, digits and _"
+         " (got 5)"),
     ],
 )  # fmt: skip
 def test_a_bad_credential_key_is_refused_at_load(raw: dict[str, Any], message: str) -> None:
@@ -795,30 +780,17 @@ def test_an_unset_credential_variable_is_an_error_where_the_broker_is_needed(
     assert SECRET_PW not in str(info.value)
 
 
-def test_an_unset_dramatiq_credential_is_an_error_for_the_relay_and_workers_only() -> None:
-    raw = {"database": DB, "adapters": [adapter()], "dramatiq": {"password_env": "DQ_PW"}}
-    settings = from_mapping(raw, {})
-    make_acknowledger(settings.adapters[0])  # the acks need no dramatiq
-    with pytest.raises(ConfigError) as info:
-        settings.dramatiq_broker.url()
-    assert (
-        str(info.value)
-        == "[dramatiq]: key 'password_env': the environment variable 'DQ_PW' is not set or empty"
-    )
-
-
 def test_a_broker_url_lacking_its_credentials_is_no_string_in_the_settings() -> None:
     """Errors are errors, not strings in a valid object: a broker's URL is
     reached only through ``BrokerUrl.url()``, which raises the error built at
     load when a variable is unset; the settings hold no URL of an adapter or
-    of dramatiq as a string, and their repr shows neither URL nor secret."""
+    as a string, and their repr shows neither URL nor secret."""
     raw = {
         "database": DB,
         "adapters": [
             adapter(url="redis://deploy:file-pw@cache:6379/0", password_env="ORDERS_PW"),
             adapter(name="b", source="b", queue="b", url="redis://cache:6379/2", password_env="B_PW"),
         ],
-        "dramatiq": {"url": "redis://dq@cache/1", "password_env": "DQ_PW"},
     }
     s = from_mapping(raw, {"B_PW": SECRET_PW})
     missing, complete = s.adapters
@@ -836,8 +808,6 @@ def test_a_broker_url_lacking_its_credentials_is_no_string_in_the_settings() -> 
     assert missing.broker.identity() == ("cache", "6379", "0")  # which broker needs no credentials
     assert complete.broker.url() == f"redis://:{quote(SECRET_PW, safe='')}@cache:6379/2"
     assert repr(complete.broker) == "BrokerUrl(complete)"
-    with pytest.raises(ConfigError, match=r"^\[dramatiq\]: key 'password_env': .*'DQ_PW'"):
-        s.dramatiq_broker.url()
     assert from_mapping(raw, {"B_PW": SECRET_PW}) == s  # equal when loaded alike
     assert from_mapping(raw, {"B_PW": SECRET_PW, "ORDERS_PW": "x"}) != s
 
@@ -857,13 +827,12 @@ def test_a_broker_url_lacking_its_credentials_is_no_string_in_the_settings() -> 
          " enabled_refresh_ms, max_batch_bytes, max_inflight_bytes, shutdown_timeout_s)"),
         ({"acker": {"bogus": 1}},
          "[acker]: unknown key 'bogus' (allowed: backoff_initial_ms, backoff_max_ms, batch_size,"
-         " dispatch_batch_size, dispatch_timeout_ms, poll_interval_ms, prune_batch_size, prune_interval_ms,"
-         " prune_pause_ms, rescue_interval_ms, shutdown_timeout_s)"),
+         " poll_interval_ms, prune_batch_size, prune_interval_ms, prune_pause_ms, rescue_interval_ms,"
+         " shutdown_timeout_s)"),
         ({"queues": {"q": {"handler": "m:f", "bogus": 1}}},
-         "[queues.q]: unknown key 'bogus' (allowed: dramatiq_queue, handler, lease_margin_ms, max_attempts,"
-         " max_backoff_ms, min_backoff_ms, retain_done_days, retain_failed_days, time_limit_ms)"),
-        ({"dramatiq": {"bogus": 1}},
-         "[dramatiq]: unknown key 'bogus' (allowed: idle_poll_ms, password_env, url, username_env)"),
+         "[queues.q]: unknown key 'bogus' (allowed: handler, max_attempts, max_backoff_ms, min_backoff_ms,"
+         " retain_done_days, retain_failed_days, time_limit_ms)"),
+        ({"worker": {"bogus": 1}}, "[worker]: unknown key 'bogus' (allowed: lease_ms, poll_interval_ms)"),
         ({"metrics": {"bogus": 1}},
          "[metrics]: unknown key 'bogus' (allowed: address, port, refresh_interval_ms)"),
         ({"database": {}}, "[database]: key 'url' is required (or set SWITCHBOARD_DATABASE_URL)"),
@@ -878,19 +847,14 @@ def test_a_broker_url_lacking_its_credentials_is_no_string_in_the_settings() -> 
          "[acker]: key 'prune_pause_ms': must be a positive integer (got False)"),
         ({"queues": {"q": {}}},
          "[queues.q]: key 'handler' is required ('module:function' that does the todos)"),
-        ({"queues": {"q": {"handler": "m:f", "lease_margin_ms": 1999}}},
-         "[queues.q]: key 'lease_margin_ms': must be an integer >= 2000 (got 1999)"),
-        ({"queues": {"q": {"handler": "m:f", "dramatiq_queue": ""}}},
-         "[queues.q]: key 'dramatiq_queue': must be a non-empty string (got '')"),
-        ({"queues": {"q": {"handler": "m:f", "dramatiq_queue": "x.DQ"}}},
-         "[queues.q]: dramatiq_queue 'x.DQ' ends as dramatiq's delay or dead-letter queues do ('.DQ', '.XQ'):"
-         " set another dramatiq_queue"),
         ({"queues": {"q": {"handler": "m:f", "retain_done_days": 0}}},
          "[queues.q]: key 'retain_done_days' must be a number of days, > 0 and <= 36500 (got 0)"),
-        ({"dramatiq": {"idle_poll_ms": 0}},
-         "[dramatiq]: key 'idle_poll_ms': must be an integer >= 1 (got 0)"),
-        ({"dramatiq": {"url": "http://d"}},
-         "[dramatiq]: key 'url' must be a redis://, rediss:// or unix:// URL"),
+        ({"worker": {"lease_ms": 2999}}, "[worker]: key 'lease_ms': must be an integer >= 3000 (got 2999)"),
+        ({"worker": {"poll_interval_ms": 1001}}, "[worker]: key 'poll_interval_ms' must be at most 1000"),
+        ({"worker": {"poll_interval_ms": 0}},
+         "[worker]: key 'poll_interval_ms': must be an integer >= 1 (got 0)"),
+        ({"worker": 5}, "[worker]: must be a table"),
+        ({"dramatiq": 5}, "[dramatiq]: must be a table"),
         ({"queues": []}, "[queues]: must be a table"),
         ({"queues": {"q": 1}}, "[queues.q]: must be a table"),
         ({"adapters": {}}, "[[adapters]]: must be an array of tables"),
