@@ -84,7 +84,13 @@ from backhalf import migrate, queries, todos  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
-from ingest.embedded.servers import PostgresServer, RedisServer, embedded_servers, free_port  # noqa: E402
+from ingest.embedded.servers import (  # noqa: E402
+    PostgresServer,
+    RedisServer,
+    embedded_servers,
+    free_port,
+    packaged_postgres_bindir,
+)
 from ingest.processes.children import die_with_parent  # noqa: E402
 
 STREAM = "bench"
@@ -1170,6 +1176,22 @@ def bench_console_part(base: Path, pg: PostgresServer, rs: RedisServer, quick: b
     bench_console.compare(base, pg, rs.url, quick=quick)
 
 
+def print_postgres(pg: PostgresServer) -> None:
+    """Which PostgreSQL the figures are of: its version, where its binaries
+    are, whether it can JIT and whether the server's default would (every
+    Switchboard session sets jit = off: decision 0002)."""
+    with psycopg.connect(libpq_url(pg.url()), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT current_setting('server_version'), pg_jit_available(), current_setting('jit')"
+        ).fetchone()
+    assert row is not None
+    version, available, default = row
+    print(
+        f"bench: PostgreSQL {version} from {pg.bindir}, JIT available {available},"
+        f" the server's default jit = {default}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1218,6 +1240,11 @@ def main(argv: list[str] | None = None) -> int:
         help="PostgreSQL on its default settings (but listen_addresses): shared_buffers 128MB",
     )
     parser.add_argument(
+        "--packaged-postgres",
+        action="store_true",
+        help="the machine's packaged PostgreSQL (Debian's, JIT on as users run it) instead of pgserver's",
+    )
+    parser.add_argument(
         "--done-rates",
         type=lambda text: [int(x) for x in text.split(",")],
         default=[500],
@@ -1242,12 +1269,24 @@ def main(argv: list[str] | None = None) -> int:
     pg_conf = "track_commit_timestamp = on\nshared_buffers = 1GB\nmax_wal_size = 4GB\n"
     if args.stock_postgres:  # the defaults the embedded server overrides, set back
         pg_conf = "shared_buffers = 128MB\nmax_connections = 100\n"
+    postgres_bin = None
+    if args.packaged_postgres:
+        postgres_bin = packaged_postgres_bindir()
+        if postgres_bin is None:
+            raise SystemExit(
+                "bench: --packaged-postgres: no /usr/lib/postgresql/*/bin/postgres on this machine"
+            )
     with embedded_servers(
-        "switchboard-bench-", appendfsync="everysec", postgres_conf=pg_conf, keep_base=args.keep_logs
+        "switchboard-bench-",
+        appendfsync="everysec",
+        postgres_conf=pg_conf,
+        keep_base=args.keep_logs,
+        postgres_bin=postgres_bin,
     ) as servers:
         base, pg, rs = servers.base, servers.postgres, servers.redis
         try:
             r = redis.Redis.from_url(rs.url)
+            print_postgres(pg)
             if args.backlog:
                 small, _ = bench_backlog(base, fresh_db(pg, "small"), r, rs.url, 10_000, args.batch_size)
                 pg.drop_database("small")

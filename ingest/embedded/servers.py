@@ -229,9 +229,18 @@ def postgres_bindir() -> Path:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)  # noqa: S603
         if out.returncode == 0 and (Path(out.stdout.strip()) / "postgres").exists():
             return Path(out.stdout.strip())
+    packaged = packaged_postgres_bindir()
+    if packaged is None:
+        raise RuntimeError("no PostgreSQL binaries: install pgserver or a PostgreSQL server")
+    return packaged
+
+
+def packaged_postgres_bindir() -> Path | None:
+    """The newest Debian-packaged PostgreSQL's binaries (built with JIT, as
+    most distributions' are), if any: where users run it."""
     found = [p for p in Path("/usr/lib/postgresql").glob("*/bin") if (p / "postgres").exists()]
     if not found:
-        raise RuntimeError("no PostgreSQL binaries: install pgserver or a PostgreSQL server")
+        return None
     return max(found, key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else -1)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import dramatiq
 import structlog
-from dramatiq.middleware import Retries, default_middleware
+from dramatiq.middleware import ShutdownNotifications, TimeLimit
 
 from backhalf import heartbeats, metrics
 from backhalf.db import create_sync_engine
@@ -230,10 +230,15 @@ class SwitchboardMiddleware(dramatiq.Middleware):
 
 
 def switchboard_broker(settings: Settings, *, threads: int = 8, queues: Sequence[str] = ()) -> TodoBroker:
-    """The workers' broker over PostgreSQL: dramatiq's default middleware but
-    ``Retries``, and Switchboard's first (an application adds its own with
-    ``broker.add_middleware``)."""
-    middleware = [m() for m in default_middleware if m is not Retries]
+    """The workers' broker over PostgreSQL: Switchboard's middleware first, then
+    dramatiq's TimeLimit and ShutdownNotifications (an application adds its
+    own with ``broker.add_middleware``)."""
+    # dramatiq's defaults that mean something for a todo: its time limit, and
+    # the shutdown notice an actor may ask for. Not Retries (a todo's retries
+    # are its own, in PostgreSQL), nor Callbacks and Pipelines (each sends a
+    # message, which this broker refuses), nor AgeLimit (a message's age is
+    # its claim's, a few milliseconds; a todo's own age is in its row).
+    middleware = [TimeLimit(), ShutdownNotifications()]
     switchboard = SwitchboardMiddleware(settings, threads=threads, queues=queues)
     broker = TodoBroker(lambda: switchboard.process().claimer(), middleware=[switchboard, *middleware])
     # Here, not at process boot: a failure there is only logged by dramatiq,

@@ -71,6 +71,8 @@ SWITCHBOARD_QUEUE = "switchboard"
 # is what the threads finish in that time at the runs' recent pace, so only
 # quick handlers get one (docs/workers.md, "Wake and claim").
 PREFETCH_WAIT_S = 0.005
+# And never more than this many per thread, whatever the pace.
+PREFETCH_MAX_PER_THREAD = 4
 # The pace is an average that follows the last few dozen runs.
 PACE_WEIGHT = 0.1
 # A claim that failed on the database is tried again after these waits.
@@ -247,7 +249,12 @@ class Claimer:
         when no claim waits for a thread or half the room is free."""
         pace = self._pace_s
         prefetch = (
-            0 if pace is None else min(self._threads, int(self._threads * PREFETCH_WAIT_S / max(pace, 1e-6)))
+            0
+            if pace is None
+            else min(
+                PREFETCH_MAX_PER_THREAD * self._threads,
+                int(self._threads * PREFETCH_WAIT_S / max(pace, 1e-6)),
+            )
         )
         room = self._threads + prefetch
         free = room - self._in_flight
