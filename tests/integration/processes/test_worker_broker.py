@@ -120,13 +120,15 @@ def test_a_claim_takes_only_what_the_free_threads_can_start(
 
 def test_the_claimers_connection_walks_the_claimable_index(claimers: Claimers, db_url: str) -> None:
     """Its session prices sorts out (queries.sql, claimer_session): the
-    claim's plan cannot be a read and sort of a whole backlog."""
+    claim's plan cannot be a read and sort of a whole backlog; and its
+    commits wait for no WAL flush (a claim lost in a crash is run again)."""
     insert_todos(db_url, 1)
     claimer = claimers()
     next_message(claimer)
     pg = claimer._pg()
     assert pg is not None
     assert pg.execute("SHOW enable_sort").fetchone() == ("off",)
+    assert pg.execute("SHOW synchronous_commit").fetchone() == ("off",)
 
 
 async def test_the_stores_notification_wakes_the_claimer_long_before_its_poll(
