@@ -78,8 +78,11 @@ class RedisStreamSource:
 
 
 class NatsSource:
-    """A JetStream stream on the demo's own nats-server; the calls run on one
-    event loop kept for the demo's length (nats-py is asyncio only)."""
+    """A JetStream stream on the demo's own nats-server, through nats-py
+    (asyncio only) on an event loop of its own thread (``_LoopThread``: a
+    stop signal must not land inside the loop's callbacks, where nats-py
+    would log it as a connection error and time out), kept for the demo's
+    length."""
 
     transport = "nats"
     source_word = "stream"
@@ -88,15 +91,31 @@ class NatsSource:
     # The demo's ack_wait: what the killed ingester held comes back this soon.
     ACK_WAIT_MS = 3000
     restart_note = f"what it held and never stored comes back after ack_wait ({ACK_WAIT_MS} ms)"
+    CALL_TIMEOUT_S = 10.0
+    # A chunk's publishes, each acked by the stream, with room to spare.
+    PRODUCE_TIMEOUT_S = 60.0
 
-    def __init__(self, url: str, runner: asyncio.Runner) -> None:
+    def __init__(self, url: str) -> None:
         import nats  # the nats extra, which the embedded kit installs
+        from nats.aio.client import Client
+        from nats.js import JetStreamContext
 
-        self._url, self._runner = url, runner
+        self._url = url
         self.process_env: dict[str, str] = {}
-        self._client = runner.run(nats.connect(url, allow_reconnect=False, connect_timeout=5))
-        self._js = self._client.jetstream(timeout=10)
-        runner.run(self._js.add_stream(name=NATS_STREAM, subjects=[f"{NATS_STREAM}.>"]))
+        self._client: Client | None = None
+        self._loop = _LoopThread("demo-nats")
+
+        async def open_stream() -> JetStreamContext:
+            self._client = await nats.connect(url, allow_reconnect=False, connect_timeout=5)
+            js = self._client.jetstream(timeout=self.CALL_TIMEOUT_S)
+            await js.add_stream(name=NATS_STREAM, subjects=[f"{NATS_STREAM}.>"])
+            return js
+
+        try:
+            self._js = self._loop.call(open_stream, self.CALL_TIMEOUT_S * 3)
+        except BaseException:
+            self.close()
+            raise
 
     def adapter(self) -> dict[str, Any]:
         return {
@@ -111,20 +130,29 @@ class NatsSource:
 
     def produce(self, bodies: list[bytes]) -> None:
         async def publish() -> None:
-            acks = [await self._js.publish(NATS_SUBJECT, body, timeout=10) for body in bodies]
+            acks = [
+                await self._js.publish(NATS_SUBJECT, body, timeout=self.CALL_TIMEOUT_S) for body in bodies
+            ]
             assert len(acks) == len(bodies)
 
-        self._runner.run(publish())
+        self._loop.call(publish, self.PRODUCE_TIMEOUT_S)
 
     def unacked(self) -> int:
         async def figures() -> int:
             info = await self._js.consumer_info(NATS_STREAM, GROUP)
             return int(info.num_ack_pending or 0) + int(info.num_pending or 0)
 
-        return self._runner.run(figures())
+        return self._loop.call(figures, self.CALL_TIMEOUT_S)
 
     def close(self) -> None:
-        self._runner.run(self._client.close())
+        async def close_client() -> None:
+            if self._client is not None:
+                await self._client.close()
+
+        try:
+            self._loop.call(close_client, self.CALL_TIMEOUT_S)
+        finally:
+            self._loop.close(self.CALL_TIMEOUT_S)
 
 
 class SqsSource:
@@ -360,8 +388,8 @@ def demo_source(
         return
     from ingest.embedded.nats_server import nats_server
 
-    with nats_server(base / "nats") as server, asyncio.Runner() as runner:
-        source = NatsSource(server.url, runner)
+    with nats_server(base / "nats") as server:
+        source = NatsSource(server.url)
         try:
             yield source, f"NATS (JetStream) on 127.0.0.1:{server.port} (pid {server.pid})"
         finally:

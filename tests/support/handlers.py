@@ -58,6 +58,11 @@ def scripted(todo: Todo) -> None:
     _record(todo, "done")
 
 
+def nothing(todo: Todo) -> None:
+    """Does nothing, records nothing: the quickest run there is (a worker's
+    recent pace quick, so it prefetches; tests/system/test_claims.py)."""
+
+
 # Errors built from input, as real handlers raise them (``"raise": NAME``):
 # what PostgreSQL's text refuses, what UTF-8 cannot encode, a megabyte of
 # letters (a slow path for a careless pattern).

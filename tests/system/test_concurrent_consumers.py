@@ -40,7 +40,7 @@ class DuplicateWatcher(threading.Thread):
             while not self._stop_event.wait(0.02):
                 self.duplicates += conn.execute(
                     "SELECT queue, idempotency_key, count(*) FROM todos"
-                    " WHERE status IN ('pending', 'dispatched', 'running')"
+                    " WHERE status NOT IN ('done', 'failed', 'cancelled')"  # every active todo
                     " GROUP BY 1, 2 HAVING count(*) > 1"
                 ).fetchall()
                 self.polls += 1

@@ -36,10 +36,12 @@ def test_demo_runs_the_whole_pipeline_on_embedded_servers() -> None:
 
 def test_demo_over_nats_ignores_the_callers_switchboard_environment() -> None:
     """``--transport nats``: the same story through JetStream on a nats-server
-    of the demo's own. And a user who exported SWITCHBOARD_DATABASE_URL for
-    production (as the README's "A minimal deployment" does) and runs the
-    demo: its processes use the demo's own servers, never the database,
-    Redis or NATS the environment names."""
+    of the demo's own, and no Redis at all (issue 42: the workers take their
+    todos from PostgreSQL): PostgreSQL is the one server on its line. And a
+    user who exported SWITCHBOARD_DATABASE_URL for production (as the
+    README's "A minimal deployment" does) and runs the demo: its processes
+    use the demo's own servers, never the database, Redis or NATS the
+    environment names."""
     elsewhere = {
         "SWITCHBOARD_DATABASE_URL": "postgresql://someone@127.0.0.1:1/production",
         "SWITCHBOARD_REDIS_URL": "redis://127.0.0.1:1/0",
@@ -48,7 +50,11 @@ def test_demo_over_nats_ignores_the_callers_switchboard_environment() -> None:
     result = switchboard("demo", "--transport", "nats", "--messages", "300", env=elsewhere, timeout_s=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "NATS (JetStream) on 127.0.0.1:" in result.stdout
+    assert re.search(r"^demo: PostgreSQL on 127\.0\.0\.1:\d+ \(pid \d+\)$", result.stdout, re.MULTILINE)
+    assert "valkey" not in result.stdout.lower()
+    assert "redis" not in result.stdout.lower()
     assert "todos created           300" in result.stdout
+    assert "todos done (workers)    300" in result.stdout
     assert "acked (+ACK)            300" in result.stdout
     assert "unacked in JetStream    0" in result.stdout
     assert "verify_detail      nats user: switchboard" in result.stdout
@@ -181,18 +187,29 @@ def _roles(tree: dict[int, list[str]], demo_pid: int) -> dict[str, int]:
             roles["postmaster"] = pid
         elif name in ("valkey-server", "redis-server"):
             roles["valkey"] = pid
+        elif name == "nats-server":
+            roles["nats"] = pid
         elif "--consumer" in argv:
             roles["ingester"] = pid
         elif argv[-1] == "ack":
             roles["acker"] = pid
+        elif "ingest.processes.worker_app" in argv:  # `switchboard worker`, exec'd into dramatiq's CLI
+            roles["worker"] = pid
     return roles
+
+
+def _expected_roles(transport: str) -> set[str]:
+    """The demo's children once it runs: Valkey for the Redis transport only."""
+    return {"postmaster", "ingester", "acker", "worker"} | (
+        {"valkey"} if transport == "redis" else {"nats"} if transport == "nats" else set()
+    )
 
 
 def _start_demo(
     tmp_path: Path, transport: str = "redis"
 ) -> tuple[subprocess.Popen[bytes], Path, Path, dict[int, list[str]]]:
-    """A long demo, until its servers, ingester and acker run: the process, its
-    output file, its folder and its process tree then."""
+    """A long demo, until its servers, ingester, acker and workers run: the
+    process, its output file, its folder and its process tree then."""
     out = tmp_path / "demo.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
     command = [sys.executable, *STRICT_FLAGS, "-m", "ingest", "demo", "--messages", "10000000"]
@@ -209,10 +226,11 @@ def _start_demo(
             timeout_s=120,
             what=f"the demo to report its folder; {out}",
         )
+        expected = _expected_roles(transport)
         wait_for(
-            lambda: proc.poll() is None and len(_roles(_tree(proc.pid), proc.pid)) == 4,
+            lambda: proc.poll() is None and set(_roles(_tree(proc.pid), proc.pid)) >= expected,
             timeout_s=60,
-            what="the demo's postmaster, Valkey, ingester and acker",
+            what=f"the demo's {', '.join(sorted(expected))}",
         )
     except BaseException:
         proc.kill()
@@ -233,6 +251,28 @@ def _assert_all_gone(tree: dict[int, list[str]], base: Path) -> None:
 
 def test_sigterm_stops_everything_the_demo_started_and_removes_its_folder(tmp_path: Path) -> None:
     proc, out, base, tree = _start_demo(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=90)
+    text = out.read_text()
+    assert code == 128 + signal.SIGTERM, text
+    assert "demo: stopped by SIGTERM" in text
+    assert "Traceback" not in text, text
+    _assert_all_gone(tree, base)
+    assert not base.exists()
+
+
+def test_a_demo_over_nats_runs_no_redis_and_sigterm_stops_it_all(tmp_path: Path) -> None:
+    """Issue 42: a deployment that ingests from no Redis runs none. The demo
+    over NATS, running: its children are PostgreSQL, nats-server, the
+    ingester, the acker and the workers, and no Valkey or Redis anywhere in
+    its process tree; it says so (PostgreSQL alone on its line). A stop
+    signal stops them all."""
+    proc, out, base, tree = _start_demo(tmp_path, "nats")
+    names = {Path(argv[0]).name for argv in tree.values() if argv}
+    assert not names & {"valkey-server", "redis-server"}, names
+    assert set(_roles(tree, proc.pid)) == _expected_roles("nats")
+    text = out.read_text()
+    assert re.search(r"^demo: PostgreSQL on 127\.0\.0\.1:\d+ \(pid \d+\)$", text, re.MULTILINE), text
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=90)
     text = out.read_text()

@@ -17,7 +17,7 @@ from backhalf.worker import MAX_ERROR_CHARS
 from ingest.embedded.processes import wait_for
 from tests.support.config import stream_adapter
 from tests.support.db import query, scalar
-from tests.support.downstream import QUEUE, dramatiq_url, statuses, stop_all
+from tests.support.downstream import QUEUE, statuses, stop_all
 from tests.support.processes import Processes
 
 pytestmark = pytest.mark.system
@@ -28,9 +28,7 @@ GOOD = 12
 def test_errors_built_from_input_fail_only_their_own_todo(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
 ) -> None:
-    config = make_config(
-        stream_adapter(STREAM, batch_size=50), queues={STREAM: QUEUE}, dramatiq_url=dramatiq_url(redis_url)
-    )
+    config = make_config(stream_adapter(STREAM, batch_size=50), queues={STREAM: QUEUE})
     payloads = [{"raise": kind} for kind in ("nul", "surrogate", "huge")] + [{"n": i} for i in range(GOOD)]
     with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
         for payload in payloads:
@@ -58,5 +56,5 @@ def test_errors_built_from_input_fail_only_their_own_todo(
     good = [i for (i,) in query(db_url, "SELECT id FROM todos WHERE status = 'done'")]
     assert {ran[i] for i in good} == {1}
     assert scalar(db_url, "SELECT count(*) FROM todo_events WHERE detail LIKE 'rescued%%'") == 0
-    for event in ("todo_states_crashed", "todo_states_retried", "todo_state_refused"):
+    for event in ("todo_states_crashed", "todo_ends_retried", "todo_ends_not_written", "todo_state_refused"):
         assert worker.events(event) == [], event

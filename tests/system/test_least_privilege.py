@@ -14,6 +14,9 @@ the database URL of its own login user and the broker user of its role.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ from ingest.embedded.servers import RedisServer
 from tests.support import db, handlers
 from tests.support.acl import password_for, shipped_acl_redis
 from tests.support.config import stream_adapter, write_config
-from tests.support.downstream import QUEUE, statuses
+from tests.support.downstream import FAST_RESCUE, QUEUE, SHORT_LEASE, statuses
 from tests.support.processes import Processes, assert_clean_exit, switchboard
 from tests.support.roles import (
     INSUFFICIENT_PRIVILEGE,
@@ -78,9 +81,9 @@ def _broker_env(role: str) -> dict[str, str]:
 
 def _config(path: Path, rdb: RoleDatabase, role: str, server: RedisServer) -> Path:
     """One process role's config: its database login, its broker user for the
-    adapters (from the environment: ``_broker_env``), dramatiq's user for the
-    relay and the workers (in its URL). The workers never reach the adapters'
-    broker: their config names no credentials."""
+    adapters (from the environment: ``_broker_env``). The workers reach no
+    Redis at all (their broker is PostgreSQL): their config names no
+    credentials."""
     broker = _redis_as(server, None)
     credentials = (
         {"username_env": USER_VARIABLE, "password_env": PASSWORD_VARIABLE} if role != "worker" else {}
@@ -108,7 +111,6 @@ def _config(path: Path, rdb: RoleDatabase, role: str, server: RedisServer) -> Pa
         adapters=adapters,
         # retain_done_days: the pruner's todo walk, under the acker's policies.
         queues={"orders": {**QUEUE, "retain_done_days": 1}, "jobs": {**QUEUE, "retain_done_days": 1}},
-        dramatiq_url=_redis_as(server, "switchboard-dramatiq", 1),
     )
 
 
@@ -204,6 +206,127 @@ def test_the_pipeline_runs_under_the_shipped_roles_and_users(
     assert "permission denied" not in logs
     assert "InsufficientPrivilege" not in logs
     assert "row-level security" not in logs
+
+
+def test_the_todo_lifecycle_runs_under_the_shipped_roles(
+    tmp_path: Path, roles_db: RoleDatabase, servers: ServerUrls, procs: Processes
+) -> None:
+    """Workers on PostgreSQL (issue 42), each step as the role that takes it:
+    the worker's claims, lease extensions, retries and ends as the worker's
+    login; the rescue of a claim whose worker was killed -9 as the acker's;
+    `todos cancel` of a running todo (its late end discarded) and `todos
+    retry` of a failed one as the operator's. Every change lands, and none
+    was refused on the way."""
+    migrate_and_grant(roles_db)
+    admin = roles_db.admin_url
+    handlers.create_runs_table(libpq_url(admin))
+    extra: dict[str, dict[str, Mapping[str, int]]] = {
+        "acker": {"acker": FAST_RESCUE},
+        "worker": {"worker": SHORT_LEASE},  # a killed worker's claims lapse within the bounded wait
+        "operator": {},
+    }
+    configs = {
+        role: write_config(
+            tmp_path / f"{role}.toml",
+            database_url=roles_db.url(role),
+            redis_url=servers.redis,  # no adapter: nothing here reads a broker
+            adapters=[],
+            queues={"orders": QUEUE},
+            **extra[role],
+        )
+        for role in extra
+    }
+    max_attempts = QUEUE["max_attempts"]
+    assert isinstance(max_attempts, int)
+    payloads = {
+        "killed": {"n": 0, "sleep_s": 30},  # its worker is killed -9 mid-run
+        "failing": {"n": 1, "fail_times": max_attempts},  # fails every attempt
+        "cancelled": {"n": 2, "sleep_s": 6},  # cancelled while it runs
+        "quick": {"n": 3},
+    }
+    todo = {
+        name: db.scalar(
+            admin,
+            "WITH t AS (INSERT INTO todos (queue, idempotency_key, payload)"
+            " VALUES ('orders', %(k)s, %(p)s) RETURNING id),"
+            " logged AS (INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+            " SELECT id, NULL, 'pending', 'created' FROM t)"
+            " SELECT id FROM t",
+            {"k": f"k-{name}", "p": json.dumps(payload)},
+        )
+        for name, payload in payloads.items()
+    }
+    handler_env = {handlers.DB_VARIABLE: libpq_url(admin)}
+    acker = procs.start("ack", configs["acker"], name="acker-1")
+    worker = procs.start("worker", configs["worker"], name="worker-1", env=handler_env,
+                         args=["--processes", "1", "--threads", "4"])  # fmt: skip
+
+    def status_of(name: str) -> str:
+        return str(db.scalar(admin, "SELECT status FROM todos WHERE id = %(t)s", {"t": todo[name]}))
+
+    def started(name: str) -> bool:
+        runs = "SELECT count(*) FROM handler_runs WHERE todo_id = %(t)s AND outcome = 'started'"
+        return bool(db.scalar(admin, runs, {"t": todo[name]}))
+
+    wait_for(
+        lambda: (status_of("failing"), status_of("quick")) == ("failed", "done")
+        and started("killed") and started("cancelled"),
+        timeout_s=60,
+        what="the failing todo failed, the quick one done, the two long ones running",
+    )  # fmt: skip
+
+    def operator(*args: str) -> subprocess.CompletedProcess[str]:
+        done = switchboard("--config", str(configs["operator"]), "todos", *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    cancelled = operator("cancel", str(todo["cancelled"])).stdout
+    assert cancelled.startswith(f"todo {todo['cancelled']}: cancelled (was running")
+    # Its run goes on to its end, which is discarded: the todo stays cancelled.
+    wait_for(
+        lambda: any(e.get("todo_id") == todo["cancelled"] for e in worker.events("todo_result_discarded")),
+        timeout_s=30,
+        what="the cancelled todo's late end discarded",
+    )
+    assert status_of("cancelled") == "cancelled"
+
+    # The rescued run and the retried todo must succeed.
+    db.query(admin, "UPDATE todos SET payload = payload - 'sleep_s' - 'fail_times'")
+    (pid,) = db.query(admin, "SELECT pid FROM handler_runs WHERE todo_id = %(t)s", {"t": todo["killed"]})[0]
+    os.kill(pid, signal.SIGKILL)
+    worker.wait(30)  # dramatiq's main process ends when one of its worker processes dies
+    wait_for(lambda: status_of("killed") == "pending", timeout_s=30, what="the killed run's claim rescued")
+    operator("retry", str(todo["failing"]))
+    second = procs.start("worker", configs["worker"], name="worker-2", env=handler_env)
+    wait_for(lambda: statuses(admin) == {"done": 3, "cancelled": 1}, timeout_s=60, what="the rest done")
+    assert second.terminate() == 0, second.raw_log()[-3000:]
+    assert_clean_exit(acker, acker.terminate())
+
+    def trail(name: str) -> list[tuple[Any, ...]]:
+        return db.query(
+            admin,
+            "SELECT from_status, to_status, detail FROM todo_events WHERE todo_id = %(t)s ORDER BY id",
+            {"t": todo[name]},
+        )
+
+    assert [(f, t) for f, t, _ in trail("killed")] == [
+        (None, "pending"), ("pending", "running"), ("running", "pending"), ("pending", "running"),
+        ("running", "done"),
+    ]  # fmt: skip
+    assert trail("killed")[2][2] == "rescued: its lease expired"  # by the acker's login
+    retries = [("pending", "running"), ("running", "pending")] * (max_attempts - 1)
+    assert [(f, t) for f, t, _ in trail("failing")] == [
+        (None, "pending"), *retries, ("pending", "running"), ("running", "failed"),
+        ("failed", "pending"), ("pending", "running"), ("running", "done"),
+    ]  # fmt: skip
+    assert [(f, t) for f, t, _ in trail("cancelled")] == [
+        (None, "pending"), ("pending", "running"), ("running", "cancelled"),
+    ]  # fmt: skip
+    assert db.scalar(admin, "SELECT attempts FROM todos WHERE id = %(t)s", {"t": todo["failing"]}) == 1
+    logs = procs.logs_text()
+    for refused in ("permission denied", "InsufficientPrivilege", "row-level security", "todo_state_refused",
+                    "todo_ends_not_written", "todo_leases_not_extended", "todo_claim_failed"):  # fmt: skip
+        assert refused not in logs, refused
 
 
 def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> None:
@@ -356,17 +479,17 @@ def test_each_broker_user_is_refused_what_it_is_not_granted(acl_redis: RedisServ
         producer.xadd("orders", {"body": "{}"}, id="1-1")
         producer.xgroup_create("orders", "switchboard", id="0")
         producer.rpush(processing_key("jobs", "c1"), "x")
-    ingester, acker, dramatiq = (
-        _client(acl_redis, f"switchboard-{role}") for role in ("ingester", "acker", "dramatiq")
-    )
-    script = "return redis.call('rpush', 'jobs', 'x')"  # dramatiq's script, off its keys
+    ingester, acker = (_client(acl_redis, f"switchboard-{role}") for role in ("ingester", "acker"))
+    # The acker's own script command (its list acks), declaring a key of its
+    # own and reaching for another inside.
+    script = "return redis.call('lrem', 'other', 1, 'x')"
     refused: dict[str, Callable[[], object]] = {
         # The ingester reads and claims, and never acks: XACK and LREM are the acker's.
         "ingester XACK": lambda: ingester.xack("orders", "switchboard", "1-1"),
         "ingester LREM": lambda: ingester.lrem(processing_key("jobs", "c1"), 1, "x"),
         "ingester EVAL": lambda: ingester.eval("return 1", 0),
         "ingester XADD": lambda: ingester.xadd("orders", {"body": "{}"}),
-        "ingester dramatiq's keys": lambda: ingester.get("dramatiq:default"),
+        "ingester a key off its patterns": lambda: ingester.get("other:key"),
         # The acker acks and observes, and never reads a message.
         "acker XREADGROUP": lambda: acker.xreadgroup("switchboard", "c1", {"orders": ">"}, count=1),
         "acker XCLAIM": lambda: acker.xclaim("orders", "switchboard", "c1", 0, ["1-1"]),
@@ -374,14 +497,9 @@ def test_each_broker_user_is_refused_what_it_is_not_granted(acl_redis: RedisServ
         "acker BLMOVE": lambda: acker.blmove("jobs", processing_key("jobs", "c1"), 1),
         "acker LMOVE": lambda: acker.lmove(processing_key("jobs", "c1"), "jobs"),
         "acker SUBSCRIBE": lambda: acker.execute_command("SUBSCRIBE", "notifications"),  # type: ignore[no-untyped-call]
-        "acker dramatiq's keys": lambda: acker.llen("dramatiq:default"),
-        # The relay's and the workers' user: dramatiq's keys, through its scripts.
-        "dramatiq GET": lambda: dramatiq.get("dramatiq:default.msgs"),
-        "dramatiq XLEN orders": lambda: dramatiq.xlen("orders"),
-        "dramatiq HGET off its keys": lambda: dramatiq.hget("orders", "x"),
-        "dramatiq RPUSH off its keys": lambda: dramatiq.rpush("jobs", "x"),
-        "dramatiq script off its keys": lambda: dramatiq.register_script(script)(keys=["dramatiq"]),
-        "dramatiq FLUSHALL": lambda: dramatiq.flushall(),
+        "acker a key off its patterns": lambda: acker.llen("other:key"),
+        "acker script off its keys": lambda: acker.eval(script, 1, "jobs"),
+        "acker FLUSHALL": lambda: acker.flushall(),
     }
     outcome: dict[str, str] = {}
     try:
@@ -398,9 +516,9 @@ def test_each_broker_user_is_refused_what_it_is_not_granted(acl_redis: RedisServ
         in_script = (
             "ResponseError: ACL failure in script: No permissions to access a key script: on @user_script:1."
         )
-        assert outcome == {**dict.fromkeys(refused, "NOPERM"), "dramatiq script off its keys": in_script}
+        assert outcome == {**dict.fromkeys(refused, "NOPERM"), "acker script off its keys": in_script}
     finally:
-        for client in (ingester, acker, dramatiq):
+        for client in (ingester, acker):
             client.close()
     with redis.Redis.from_url(acl_redis.url, socket_timeout=10) as producer:
         # Nothing refused changed anything.
@@ -408,7 +526,7 @@ def test_each_broker_user_is_refused_what_it_is_not_granted(acl_redis: RedisServ
         assert producer.lrange(processing_key("jobs", "c1"), 0, -1) == [b"x"]
         assert producer.llen("jobs") == 0
         assert {e["username"] for e in producer.acl_log(count=128)} == {
-            "switchboard-ingester", "switchboard-acker", "switchboard-dramatiq",
+            "switchboard-ingester", "switchboard-acker",
         }  # fmt: skip
 
 

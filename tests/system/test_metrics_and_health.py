@@ -21,12 +21,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backhalf.heartbeats import HEARTBEAT_TTL_S
 from ingest.embedded.processes import SwitchboardProcess, wait_for
+from ingest.embedded.servers import PostgresServer
 from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY
 from ingest.observe.metrics_http import HEAD_TIMEOUT_S, MAX_CONNECTIONS
-from tests.support.config import stream_adapter
-from tests.support.db import query, scalar
-from tests.support.downstream import QUEUE, dramatiq_url, statuses, stop_all
-from tests.support.processes import Processes, assert_clean_exit, switchboard
+from tests.support import handlers
+from tests.support.config import stream_adapter, write_config
+from tests.support.db import libpq, query, scalar
+from tests.support.downstream import QUEUE, SHORT_LEASE, assert_one_path, statuses, stop_all, trail
+from tests.support.processes import (
+    Processes,
+    assert_clean_exit,
+    switchboard,
+    with_secret_db,
+    with_secret_redis,
+)
 from tests.support.trickle import Tricklers
 
 pytestmark = pytest.mark.system
@@ -72,11 +80,7 @@ def healthz(port: int) -> tuple[int, dict[str, object]]:
 def test_each_process_exports_what_reached_postgresql_and_redis(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
 ) -> None:
-    config = make_config(
-        stream_adapter(STREAM, batch_size=20),
-        queues={STREAM: QUEUE},
-        dramatiq_url=dramatiq_url(redis_url),
-    )
+    config = make_config(stream_adapter(STREAM, batch_size=20), queues={STREAM: QUEUE})
     ports = {verb: free_port() for verb in ("ingest", "ack", "worker")}
     running: list[SwitchboardProcess] = [
         procs.start(verb, config, name=f"{verb}-1", env={"SWITCHBOARD_METRICS_PORT": str(port)})
@@ -171,8 +175,8 @@ def test_each_process_exports_what_reached_postgresql_and_redis(
 
     acker = scrape(ports["ack"])
     assert sample(acker, "switchboard_acks_total", adapter=STREAM) == 50
-    dispatched = scalar(db_url, "SELECT count(*) FROM todo_events WHERE to_status = 'dispatched'")
-    assert sample(acker, "switchboard_todos_dispatched_total", queue=STREAM) == dispatched == 48
+    # No relay: the acker dispatches nothing (the workers claim from PostgreSQL).
+    assert not [name for name, _ in acker if name.startswith("switchboard_todos_dispatched")]
     wait_for(
         lambda: (
             sample(scrape(ports["ack"]), "switchboard_pending_acks", adapter=STREAM) == 0
@@ -185,6 +189,8 @@ def test_each_process_exports_what_reached_postgresql_and_redis(
     worker = scrape(ports["worker"])
     done = scalar(db_url, "SELECT count(*) FROM todos WHERE status = 'done'")
     assert sample(worker, "switchboard_todos_finished_total", queue=STREAM, status="done") == done == 48
+    claimed = scalar(db_url, "SELECT count(*) FROM todo_events WHERE to_status = 'running'")
+    assert sample(worker, "switchboard_todos_claimed_total", queue=STREAM) == claimed == 48
     assert sample(worker, "switchboard_todo_run_duration_seconds_count", queue=STREAM) == scalar(
         runs_db, "SELECT count(*) FROM handler_runs WHERE outcome <> 'started'"
     )
@@ -296,67 +302,132 @@ def test_slow_clients_neither_starve_healthz_nor_hold_the_process_at_sigterm(
     assert stopped_in < STOP_BOUND_S
 
 
-def test_a_dramatiq_broker_the_relay_cannot_use_makes_the_acker_unhealthy(
-    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
+def test_a_config_written_for_the_relay_runs_and_says_what_it_ignores(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
 ) -> None:
-    """Issue 24: `[dramatiq] url` without the password Redis needs. The relay
-    fails every try: /healthz answers 503 naming the broker and the error,
-    `status` calls the acker failing with the same words and exits
-    unhealthy; no password anywhere."""
-    parts = urlsplit(dramatiq_url(redis_url))
-    wrong = f"redis://default:not-the-password@{parts.hostname}:{parts.port}{parts.path}"
-    config = make_config(stream_adapter(STREAM), queues={STREAM: QUEUE}, dramatiq_url=wrong)
+    """Issue 42: the keys of the dramatiq relay (`[dramatiq] url`, here with a
+    password Redis refuses, `[acker]` dispatch keys, `[queues.*]
+    lease_margin_ms`) are accepted and ignored, one notice each, by every
+    process: nothing connects to that broker, the todos are done, /healthz
+    says ok and `status` is healthy; no password anywhere."""
+    parts = urlsplit(redis_url)
+    wrong = f"redis://default:not-the-password@{parts.hostname}:{parts.port}/1"
+    config = make_config(
+        stream_adapter(STREAM),
+        queues={STREAM: QUEUE},
+        acker={"dispatch_batch_size": 100, "dispatch_timeout_ms": 300000},
+    )
+    text = config.read_text().replace(f"[queues.{STREAM}]\n", f"[queues.{STREAM}]\nlease_margin_ms = 2000\n")
+    config.write_text(f'{text}\n[dramatiq]\nurl = "{wrong}"\n')
+    retired = [
+        ("[dramatiq]", "url"),
+        ("[acker]", "dispatch_batch_size"),
+        ("[acker]", "dispatch_timeout_ms"),
+        (f"[queues.{STREAM}]", "lease_margin_ms"),
+    ]
     with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
-        r.xadd(STREAM, {"body": "{}"})
-    port = free_port()
-    procs.start("ingest", config, name="ingest-1")
-    acker = procs.start("ack", config, name="ack-1", env={"SWITCHBOARD_METRICS_PORT": str(port)})
-    broker = f"dramatiq broker at {parts.hostname}:{parts.port}{parts.path}"
+        r.acl_log_reset()  # a login refused from now on is this test's processes'
+        for i in range(10):
+            r.xadd(STREAM, {"body": json.dumps({"n": i})})
+    ports = {verb: free_port() for verb in ("ack", "worker")}
+    running = [
+        procs.start("ingest", config, name="ingest-1"),
+        *(
+            procs.start(v, config, name=f"{v}-1", env={"SWITCHBOARD_METRICS_PORT": str(p)})
+            for v, p in ports.items()
+        ),
+    ]
+    wait_for(lambda: statuses(db_url) == {"done": 10}, timeout_s=60, what="10 todos done")
+    for verb, port in ports.items():
 
-    def failing() -> bool:
-        code, body = healthz(port)
-        return code == 503 and broker in dict(body.get("failing") or {})  # type: ignore[call-overload]
+        def healthy(port: int = port) -> bool:
+            return healthz(port)[0] == 200
 
-    wait_for(failing, timeout_s=60, what="/healthz naming the failing broker")
-    _, body = healthz(port)
-    assert "AuthenticationError" in str(body["failing"])
-
-    def status_failing() -> bool:
-        return switchboard("--config", str(config), "status").returncode == EXIT_UNHEALTHY
-
-    wait_for(status_failing, timeout_s=60, what="status unhealthy")
+        wait_for(healthy, timeout_s=60, what=f"{verb}'s /healthz")
+        assert "failing" not in healthz(port)[1], verb
     shown = switchboard("--config", str(config), "status")
-    assert f"{broker} failing: " in shown.stdout
-    assert "FAILING" in shown.stdout
-    assert "not-the-password" not in shown.stdout + shown.stderr + json.dumps(body)
-    assert "not-the-password" not in acker.raw_log()
+    assert shown.returncode == EXIT_OK, shown.stdout + shown.stderr
+    assert "FAILING" not in shown.stdout
+    for proc in running:
+        notices = [e["notice"] for e in proc.events("config_key_ignored")]
+        assert [(n.split(": key ")[0], n.split("'")[1]) for n in notices] == retired, (proc.verb, notices)
+        assert all("is no longer used and is ignored" in n for n in notices)
+    stop_all(running)
+    for text in (procs.logs_text(), shown.stdout + shown.stderr):
+        assert "not-the-password" not in text
+    # Nothing tried to log in with the relay's URL.
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        assert [e for e in r.acl_log(count=128) if e["reason"] == "auth"] == []
 
 
-def test_a_dramatiq_broker_the_workers_cannot_use_makes_them_unhealthy(
-    procs: Processes, make_config: Callable[..., Path], redis_url: str, runs_db: str
+def test_postgresql_restarted_under_a_running_worker(
+    procs: Processes, tmp_path: Path, own_postgres: tuple[PostgresServer, str], redis_url: str
 ) -> None:
-    """Issue 24: the workers with `[dramatiq] url` lacking the password: their
-    heartbeat names the broker and its error once it has failed every ping
-    for 10 s, the workers' /healthz answers 503 with it, status calls them
-    failing; no password anywhere."""
-    parts = urlsplit(dramatiq_url(redis_url))
-    wrong = f"redis://default:not-the-password@{parts.hostname}:{parts.port}{parts.path}"
-    config = make_config(stream_adapter(STREAM), queues={STREAM: QUEUE}, dramatiq_url=wrong)
+    """PostgreSQL stopped and started again under a worker that is idle and
+    listening: its claims fail and back off, its /healthz answers 503 while
+    the database is down; once it is back the worker resumes claiming (its
+    LISTEN connection made anew) and drains the todos stored since, its
+    /healthz is ok again and `status` shows it alive, nothing dead. The
+    same process throughout; killed -9 at the end, its metrics process goes
+    with it."""
+    pg, url = own_postgres
+    runs_url = libpq(url)
+    handlers.create_runs_table(runs_url)
+    config = write_config(
+        tmp_path / "switchboard.toml",
+        database_url=with_secret_db(url),
+        redis_url=with_secret_redis(redis_url),
+        adapters=[stream_adapter(STREAM, batch_size=50)],
+        queues={STREAM: QUEUE},
+        worker=SHORT_LEASE,
+    )
     port = free_port()
-    worker = procs.start("worker", config, name="worker-1", env={"SWITCHBOARD_METRICS_PORT": str(port)})
-    broker = f"dramatiq broker at {parts.hostname}:{parts.port}{parts.path}"
+    ingester = procs.start("ingest", config, name="ingest-1")
+    worker = procs.start(
+        "worker",
+        config,
+        name="worker-1",
+        env={"SWITCHBOARD_METRICS_PORT": str(port), handlers.DB_VARIABLE: runs_url},
+        args=["--processes", "1"],
+    )
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        for i in range(10):
+            r.xadd(STREAM, {"body": json.dumps({"n": i})})
+    wait_for(lambda: statuses(url) == {"done": 10}, timeout_s=60, what="the first 10 todos done")
+    wait_for(lambda: healthz(port)[0] == 200, timeout_s=60, what="the workers' /healthz")
 
-    def failing() -> bool:
-        code, body = healthz(port)
-        return code == 503 and broker in dict(body.get("failing") or {})  # type: ignore[call-overload]
+    pg.stop(mode="fast")
+    wait_for(lambda: worker.events("todo_claim_failed"), timeout_s=30, what="the worker's claims failing")
+    wait_for(lambda: healthz(port)[0] == 503, timeout_s=30, what="the workers' /healthz unhealthy")
+    assert healthz(port)[1]["database"] == {"ok": False, "error": "OperationalError"}
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        for i in range(10, 30):
+            r.xadd(STREAM, {"body": json.dumps({"n": i})})
+    assert worker.alive()
+    pg.start()
 
-    wait_for(failing, timeout_s=90, what="the workers' /healthz naming the failing broker")
-    shown = switchboard("--config", str(config), "status")
-    assert f"{broker}: AuthenticationError" in shown.stdout
-    assert "FAILING" in shown.stdout
-    assert "not-the-password" not in shown.stdout + shown.stderr + str(healthz(port)[1])
-    assert "not-the-password" not in worker.raw_log()
+    wait_for(lambda: statuses(url) == {"done": 30}, timeout_s=90, what="the 20 stored since done")
+    assert worker.alive()
+    # The same claimer resumed: dramatiq's consumer never failed (and was
+    # not restarted, with a claimer anew, after a critical line).
+    assert worker.events("todo_claims_resumed")
+    assert [e for e in worker.logs() if e.get("level") == "critical"] == []
+    wait_for(lambda: healthz(port)[0] == 200, timeout_s=60, what="the workers' /healthz ok again")
+
+    def worker_alive_in_status() -> bool:
+        shown = switchboard("--config", str(config), "status", "--json")
+        served = json.loads(shown.stdout)[0]["processes"] if shown.returncode == EXIT_OK else {}
+        return len(served.get("worker", [])) == 1 and served.get("dead") == []
+
+    wait_for(worker_alive_in_status, timeout_s=60, what="status: the worker alive, nothing dead")
+    done = dict(query(url, "SELECT todo_id, count(*) FROM handler_runs WHERE outcome = 'done' GROUP BY 1"))
+    assert set(done) == {int(i) for (i,) in query(url, "SELECT id FROM todos")}
+    assert set(done.values()) == {1}  # nothing ran while the database was down
+    for (todo_id,) in query(url, "SELECT id FROM todos"):
+        assert_one_path(trail(url, todo_id))
+    assert_clean_exit(ingester, ingester.terminate())
     # dramatiq's main process killed outright: its metrics process goes with
     # it (it was left serving the port alone).
     worker.kill()
     wait_for(lambda: healthz(port) == (0, {}), timeout_s=30, what="the workers' endpoint gone with them")
+    procs.assert_no_secret_logged()

@@ -1,7 +1,8 @@
 """Network faults through an in-repo TCP proxy between real switchboard
 processes and real servers: latency, a Redis blackhole (no reset: only
 timeouts can tell), and a PostgreSQL connection cut right after COMMIT was
-sent, before its reply (the outcome is unknown to the ingester)."""
+sent, before its reply (the outcome is unknown to the ingester), or right
+after a worker's batch of ends was sent (unknown to its state writer)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from ingest.embedded.processes import SwitchboardProcess, wait_for
 from ingest.embedded.servers import RedisServer
 from tests.support.config import stream_adapter, write_config
-from tests.support.db import acked, scalar
+from tests.support.db import acked, query, scalar
+from tests.support.downstream import QUEUE, statuses, stop_all, trail
 from tests.support.oracle import assert_clean_end, assert_exactly_once, wait_all_acked
 from tests.support.processes import Processes, assert_clean_exit, with_secret_db
 from tests.support.proxy import Proxy, proxy_to
@@ -142,3 +144,56 @@ def test_added_latency_changes_nothing_but_speed(
         acker = procs.start("ack", config, name="acker-1")
         wait_all_acked(db_url, redis_url, 300, timeout_s=60, what="all acked")
         assert_clean_end(db_url, redis_url, ids, ingester, acker)
+
+
+def test_a_workers_end_whose_commit_reply_is_lost_is_written_again_and_found_ended(
+    procs: Processes, tmp_path: Path, db_url: str, redis_url: str, runs_db: str
+) -> None:
+    """Workers on PostgreSQL (issue 42): the worker reaches PostgreSQL through
+    the proxy, and its first batch of ends (end_runs, on an autocommit
+    connection: its own transaction) is cut right after it was sent, before
+    its reply: the state writer cannot tell whether it committed. It writes
+    the batch again on a new connection, which finds those runs ended
+    already (the first write committed) and leaves them as they are: every
+    todo done once, its handler run once, nothing rescued."""
+    adapters: list[Mapping[str, Any]] = [stream_adapter(STREAM, batch_size=50)]
+    queues = {STREAM: QUEUE}
+    config = write_config(
+        tmp_path / "switchboard.toml",
+        database_url=with_secret_db(db_url),
+        redis_url=redis_url,
+        adapters=adapters,
+        queues=queues,
+    )
+    with proxy_to(db_port(db_url)) as proxy:
+        # end_runs is prepared (its text sent once, alone), then executed: cut
+        # after the execution of a batch that ends runs done.
+        proxy.cut_only_after = b"AS e(id, token, to_status"
+        proxy.cut_after = b"done"
+        worker_config = write_config(
+            tmp_path / "worker.toml",
+            database_url=with_secret_db(proxy.url_for(db_url)),
+            redis_url=redis_url,
+            adapters=adapters,
+            queues=queues,
+        )
+        ingester = procs.start("ingest", config, name="ingester-1")
+        acker = procs.start("ack", config, name="acker-1")
+        worker = procs.start("worker", worker_config, name="worker-1", args=["--processes", "1"])
+        produce(redis_url, STREAM, 20)
+        wait_for(lambda: statuses(db_url) == {"done": 20}, timeout_s=60, what="20 todos done")
+        assert proxy.cuts == 1
+        assert worker.events("todo_ends_retried")
+        # Written again, the ends of the batch whose commit went unanswered
+        # find their runs ended: their results are the ones stored already.
+        assert worker.events("todo_result_discarded")
+        stop_all([ingester, acker, worker])
+    ids = [int(i) for (i,) in query(db_url, "SELECT id FROM todos")]
+    runs = "SELECT todo_id, count(*) FROM handler_runs WHERE outcome = 'started' GROUP BY todo_id"
+    assert dict(query(db_url, runs)) == dict.fromkeys(ids, 1)
+    for todo_id in ids:
+        assert trail(db_url, todo_id) == [(None, "pending"), ("pending", "running"), ("running", "done")]
+    assert scalar(db_url, "SELECT count(*) FROM todos WHERE attempts <> 1") == 0
+    assert scalar(db_url, "SELECT count(*) FROM todo_events WHERE detail LIKE 'rescued%%'") == 0
+    assert worker.events("todo_ends_not_written") == []
+    procs.assert_no_secret_logged()

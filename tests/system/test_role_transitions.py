@@ -34,7 +34,7 @@ import sqlalchemy as sa
 from psycopg import errors, sql
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from backhalf import heartbeats, todos
+from backhalf import heartbeats, queries, todos
 from backhalf.db import libpq_url
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
@@ -81,7 +81,7 @@ def _tables(url: str) -> list[list[tuple[Any, ...]]]:
 # included) plus one silent for days.
 SEED_TODOS = {
     "pending": ("k-pending", "pending"),
-    "dispatched": ("k-dispatched", "dispatched"),
+    "dispatched": ("k-dispatched", "dispatched"),  # left so by an older version (the dramatiq relay)
     "running": ("k-running", "running"),
     "done": ("k-done", "done"),
     "failed": ("k-failed", "failed"),
@@ -97,10 +97,9 @@ def _seed(url: str) -> dict[str, Any]:
     for name, (key, status) in SEED_TODOS.items():
         ids[name] = db.scalar(
             url,
-            "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, lease_until, run_token,"
-            " dispatched_at)"
+            "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, lease_until, run_token)"
             " VALUES ('orders', %(key)s, '{}', %(status)s, %(attempts)s,"
-            " CASE WHEN %(running)s THEN now() + interval '1 day' END, %(token)s, now())"
+            " CASE WHEN %(running)s THEN now() + interval '1 day' END, %(token)s)"
             " RETURNING id",
             {
                 "key": key,
@@ -295,28 +294,30 @@ def _beat(instance: str, role: str) -> Sql:
 PROCESS_ROLES = {"ingester": "ingest", "acker": "ack", "worker": "worker", "operator": "web", "viewer": "web"}
 
 FORBIDDEN = [
-    # The acker (relay, rescuer) moves todos to dispatched or failed only, and
-    # never one that ended: nothing it does finishes, cancels or revives work.
+    # The acker (its rescuer) moves running todos back to pending or to
+    # failed only: nothing it does claims, finishes, cancels or revives work.
     Case("acker sets a pending todo done", "acker", _set_status("done", "pending"), REFUSED),
     Case("acker sets a running todo done", "acker", _set_status("done", "running"), REFUSED),
     Case("acker cancels a running todo", "acker", _set_status("cancelled", "running"), REFUSED),
     Case("acker sets a done todo back to pending", "acker", _set_status("pending", "done"), REFUSED),
-    Case("acker dispatches a done todo again", "acker", _set_status("dispatched", "done"), REFUSED),
-    Case("acker dispatches a cancelled todo again", "acker", _set_status("dispatched", "cancelled"), REFUSED),
+    Case("acker revives a cancelled todo", "acker", _set_status("pending", "cancelled"), REFUSED),
+    Case("acker revives a failed todo", "acker", _set_status("pending", "failed"), REFUSED),
+    Case("acker claims a pending todo", "acker", _set_status("running", "pending"), REFUSED),
     Case("acker fails a pending todo", "acker", _set_status("failed", "pending"), REFUSED),
     Case("acker deletes an active todo", "acker", "DELETE FROM todos WHERE id = %(pending)s", NO_ROW),
     Case("acker deletes a running todo", "acker", "DELETE FROM todos WHERE id = %(running)s", NO_ROW),
     Case(
         "acker deletes a todo an ack waits for", "acker", "DELETE FROM todos WHERE id = %(awaited)s", NO_ROW
     ),
-    # The worker starts (to running) and ends (from running) runs.
+    # The worker claims (to running) and ends (from running) runs.
     Case("worker sets a pending todo done", "worker", _set_status("done", "pending"), REFUSED),
-    Case("worker sets a dispatched todo failed", "worker", _set_status("failed", "dispatched"), REFUSED),
+    Case("worker fails a pending todo", "worker", _set_status("failed", "pending"), REFUSED),
     Case("worker cancels a running todo", "worker", _set_status("cancelled", "running"), REFUSED),
     Case("worker sets a done todo back to pending", "worker", _set_status("pending", "done"), REFUSED),
     Case("worker starts a done todo again", "worker", _set_status("running", "done"), REFUSED),
     Case("worker starts a cancelled todo", "worker", _set_status("running", "cancelled"), REFUSED),
-    Case("worker dispatches a failed todo again", "worker", _set_status("dispatched", "failed"), REFUSED),
+    Case("worker revives a failed todo", "worker", _set_status("pending", "failed"), REFUSED),
+    Case("worker revives a cancelled todo", "worker", _set_status("pending", "cancelled"), REFUSED),
     Case("worker deletes a todo", "worker", "DELETE FROM todos WHERE id = %(done)s", REFUSED),
     # The ingester creates todos and dedups to active ones; it deletes only
     # the todos its own transaction created (the store's undo).
@@ -344,7 +345,7 @@ FORBIDDEN = [
     Case("operator sets a done todo back to pending", "operator", _set_status("pending", "done"), REFUSED),
     Case("operator cancels a done todo", "operator", _set_status("cancelled", "done"), REFUSED),
     Case("operator sets a pending todo done", "operator", _set_status("done", "pending"), REFUSED),
-    Case("operator dispatches a todo", "operator", _set_status("dispatched", "pending"), REFUSED),
+    Case("operator claims a todo", "operator", _set_status("running", "pending"), REFUSED),
     Case("operator deletes a todo", "operator", "DELETE FROM todos WHERE id = %(done)s", REFUSED),
     # todo_events: each role logs its own changes only, of a todo in the
     # status the row says it left; nobody rewrites history.
@@ -354,7 +355,8 @@ FORBIDDEN = [
     Case("acker forges a revival", "acker", _log("done", "pending", "done"), REFUSED),
     Case("acker logs a rescue of a todo not running", "acker", _log("running", "failed", "pending"), REFUSED),
     Case("acker logs a creation", "acker", _log(None, "pending", "pending"), REFUSED),
-    Case("acker logs a dispatch of a done todo", "acker", _log("pending", "dispatched", "done"), REFUSED),
+    Case("acker logs a put-back of a done todo", "acker", _log("running", "pending", "done"), REFUSED),
+    Case("acker logs a claim", "acker", _log("pending", "running", "pending"), REFUSED),
     Case("worker forges a skipped run", "worker", _log("pending", "done", "pending"), REFUSED),
     Case("worker logs an end of a todo not running", "worker", _log("running", "done", "pending"), REFUSED),
     Case("worker forges a cancel", "worker", _log("running", "cancelled", "running"), REFUSED),
@@ -592,15 +594,27 @@ def test_each_forbidden_change_is_refused(seeded: tuple[RoleDatabase, dict[str, 
     assert _tables(rdb.admin_url) == before  # nothing reached a table
 
 
-def _start(from_status: str, todo: str) -> Sql:
-    """write_states' start, as one statement: the todo running, logged."""
+def _claim(from_status: str, todo: str) -> Sql:
+    """claim_todos' change, as one statement: the todo running, leased, logged."""
     return Sql(
         "WITH logged AS (INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
-        f" VALUES (%({todo})s, %(from_status)s, 'running', 'started'))"
-        " UPDATE todos SET status = 'running', attempts = attempts + 1, rescues = 0,"
-        " lease_until = now() + interval '1 minute', run_token = gen_random_uuid(), updated_at = now()"
+        f" VALUES (%({todo})s, %(from_status)s, 'running', 'claimed'))"
+        " UPDATE todos SET status = 'running', attempts = attempts + 1,"
+        " lease_until = now() + interval '30 seconds', run_token = gen_random_uuid(), updated_at = now()"
         f" WHERE id = %({todo})s",
         {"from_status": from_status},
+    )
+
+
+def _back_to_pending(todo: str, detail: str, columns: str) -> Sql:
+    """end_runs' or rescue_todos' put-back of a running todo, with the
+    columns it writes beside the status, logged."""
+    return Sql(
+        "WITH logged AS (INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+        f" VALUES (%({todo})s, 'running', 'pending', %(detail)s))"
+        f" UPDATE todos SET status = 'pending', lease_until = NULL, run_token = NULL, {columns},"
+        f" updated_at = now() WHERE id = %({todo})s",
+        {"detail": detail},
     )
 
 
@@ -613,22 +627,53 @@ def _change(from_status: str, to_status: str, todo: str) -> Sql:
 ALLOWED = [
     # What the processes do, each as its own statement (rolled back): the
     # policies above leave them room.
-    Case("worker starts a pending todo", "worker", _start("pending", "pending"), 1),
-    Case("worker starts a dispatched todo", "worker", _start("dispatched", "dispatched"), 1),
-    Case("worker starts a running todo again (lease expired)", "worker", _start("running", "running"), 1),
-    *(
-        Case(f"worker ends a run: {status}", "worker", _change("running", status, "running"), 1)
-        for status in ("done", "failed", "dispatched")
+    Case("worker claims a pending todo", "worker", _claim("pending", "pending"), 1),
+    Case(
+        "worker claims a todo an older version left dispatched",
+        "worker",
+        _claim("dispatched", "dispatched"),
+        1,
     ),
     Case(
-        "worker locks a done todo it is asked to start",
+        "worker extends a lease",
+        "worker",
+        "UPDATE todos SET lease_until = now() + interval '30 seconds' WHERE id = %(running)s",
+        1,
+    ),
+    *(
+        Case(f"worker ends a run: {status}", "worker", _change("running", status, "running"), 1)
+        for status in ("done", "failed")
+    ),
+    Case(
+        "worker ends a run: a retry after its backoff",
+        "worker",
+        _back_to_pending(
+            "running",
+            "attempt 1 of 3 failed",
+            "last_error = 'planned', run_after = now() + interval '1 second'",
+        ),
+        1,
+    ),
+    Case(
+        "worker gives back a claim it never ran",
+        "worker",
+        _back_to_pending("running", "given back unrun", "attempts = attempts - 1, run_after = now()"),
+        1,
+    ),
+    Case(
+        "worker locks a todo that ended under its run",
         "worker",
         "SELECT 1 FROM todos WHERE id = %(done)s FOR UPDATE",
         1,
     ),
-    Case("acker dispatches a pending todo", "acker", _change("pending", "dispatched", "pending"), 1),
-    Case("acker rescues a dispatched todo", "acker", _change("dispatched", "dispatched", "dispatched"), 1),
-    Case("acker rescues a running todo", "acker", _change("running", "dispatched", "running"), 1),
+    Case(
+        "acker rescues a running todo",
+        "acker",
+        _back_to_pending(
+            "running", "rescued: its lease expired", "last_error = 'lease expired', run_after = now()"
+        ),
+        1,
+    ),
     Case("acker fails a running todo out of attempts", "acker", _change("running", "failed", "running"), 1),
     Case("acker prunes a done todo", "acker", "DELETE FROM todos WHERE id = %(done)s", 1),
     Case(
@@ -660,6 +705,12 @@ ALLOWED = [
         for role in ("worker", "acker", "operator")
     ),
     Case("operator cancels a running todo", "operator", _change("running", "cancelled", "running"), 1),
+    Case(
+        "operator cancels a todo an older version left dispatched",
+        "operator",
+        _change("dispatched", "cancelled", "dispatched"),
+        1,
+    ),
     Case("operator retries a failed todo", "operator", _change("failed", "pending", "failed"), 1),
     Case("operator retries a cancelled todo", "operator", _change("cancelled", "pending", "cancelled"), 1),
     Case("ingester dedups to an active todo", "ingester", DEDUP, 1),
@@ -978,32 +1029,29 @@ def test_the_operator_commands_run_as_the_operator(
 def test_the_rescuer_and_the_workers_own_statements_run_under_their_roles(
     granted: RoleDatabase,
 ) -> None:
-    """backhalf.todos' own functions, as the roles that call them: the
-    rescuer's (rescue, release_orphaned_acks) as the acker, a worker's
-    starts and ends as the worker, including a start of a todo that ended,
-    which its lock must still see (answered with its status, not "busy")."""
+    """backhalf.todos' own functions, as the roles that call them: a worker's
+    claim, lease extensions and ends (done, failed, a retry after its
+    backoff, a claim given back unrun) as the worker, including those of a
+    run whose todo was cancelled under it, which its lock must still see
+    (answered lost and not held, not "busy"); the rescuer's (rescue,
+    release_orphaned_acks) as the acker."""
     admin = granted.admin_url
+    lapsed = datetime.now(UTC) - timedelta(minutes=1)
     todo = {
         name: db.scalar(
             admin,
-            "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, lease_until,"
-            " dispatched_at) VALUES ('orders', %(k)s, '{}', %(s)s, %(a)s, %(lease)s, %(dispatched)s)"
-            " RETURNING id",
-            {
-                "k": f"k-{name}",
-                "s": status,
-                "a": attempts,
-                "lease": lease,
-                # Only the stale one waited past stale_s (1 s) for its run.
-                "dispatched": datetime.now(UTC) - timedelta(hours=1 if name == "stale" else 0),
-            },
+            "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, lease_until)"
+            " VALUES ('orders', %(k)s, '{}', %(s)s, %(a)s, %(lease)s) RETURNING id",
+            {"k": f"k-{name}", "s": status, "a": attempts, "lease": lease},
         )
         for name, status, attempts, lease in (
-            ("out_of_attempts", "running", 3, datetime.now(UTC) - timedelta(minutes=1)),
-            ("lease_expired", "running", 1, datetime.now(UTC) - timedelta(minutes=1)),
-            ("stale", "dispatched", 0, None),
+            ("out_of_attempts", "running", 3, lapsed),
+            ("lease_expired", "running", 1, lapsed),
             ("to_fail", "pending", 0, None),
-            ("to_retry", "dispatched", 0, None),
+            ("to_retry", "dispatched", 0, None),  # as an older version left it
+            ("to_give_back", "pending", 0, None),
+            ("to_finish", "pending", 0, None),
+            ("cancelled_under", "pending", 0, None),
             ("done", "done", 1, None),
             ("cancelled", "cancelled", 1, None),
         )
@@ -1015,51 +1063,74 @@ def test_the_rescuer_and_the_workers_own_statements_run_under_their_roles(
             " VALUES (%(i)s, 'orders', 'xack', 'orders', %(k)s, %(t)s)",
             {"i": inbox_id, "k": f"k-{inbox_id}", "t": waiting_for},
         )
+
+    with psycopg.connect(libpq_url(granted.url("worker")), autocommit=True) as pg:
+        claimed = {c.todo.id: c for c in todos.claim(pg, ["orders"], 10, 60.0)}
+        claimable = ("to_fail", "to_retry", "to_give_back", "to_finish", "cancelled_under")
+        assert sorted(claimed) == sorted(todo[n] for n in claimable)
+        db.query(  # an operator's cancel, as cancel_todos writes it
+            admin,
+            "WITH logged AS (INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
+            " VALUES (%(t)s, 'running', 'cancelled', 'cancelled by an operator'))"
+            " UPDATE todos SET status = 'cancelled', lease_until = NULL WHERE id = %(t)s",
+            {"t": todo["cancelled_under"]},
+        )
+        extended = todos.extend_leases(
+            pg, [claimed[todo["to_finish"]], claimed[todo["cancelled_under"]]], 60.0
+        )
+        assert extended == {todo["to_finish"]: True, todo["cancelled_under"]: False}
+        endings = [
+            todos.Ending(claimed[todo["to_fail"]], "failed", "Planned: planned", "attempt 1 of 1 failed"),
+            todos.Ending(claimed[todo["to_retry"]], "pending", "Planned: planned", "retried", delay_s=30.0),
+            todos.Ending(claimed[todo["to_give_back"]], "pending", None, todos.GIVEN_BACK, unrun=True),
+            todos.Ending(claimed[todo["to_finish"]], "done", None, "done"),
+            todos.Ending(claimed[todo["cancelled_under"]], "done", None, "done"),
+        ]
+        held, busy = todos.end_runs(pg, endings)
+    assert held == {todo[n] for n in ("to_fail", "to_retry", "to_give_back", "to_finish")}
+    assert busy == set()
+
     moved, orphans = asyncio.run(_rescue_as(granted.url("acker")))
     assert sorted((i, s) for i, _, s in moved) == sorted(
-        [
-            (todo["out_of_attempts"], "failed"),
-            (todo["lease_expired"], "dispatched"),
-            (todo["stale"], "dispatched"),
-        ]
+        [(todo["out_of_attempts"], "failed"), (todo["lease_expired"], "pending")]
     )
     assert orphans == 1  # the done todo's; the failed one's was released by the rescue
     assert db.query(admin, "SELECT waiting_for FROM ack_queue") == [(None,), (None,)]
 
-    with psycopg.connect(libpq_url(granted.url("worker")), autocommit=True) as pg:
-        for name, end in (("to_fail", "failed"), ("to_retry", "dispatched")):
-            run = todos.start(pg, todo[name], 60.0, 3, queue="orders")
-            assert run.todo is not None, run
-            assert todos.end_run(pg, run, end, error="planned", detail=end)
-        for name in ("done", "cancelled"):
-            skipped = todos.start(pg, todo[name], 60.0, 3, queue="orders")
-            assert (skipped.todo, skipped.found) == (None, name)
-    assert dict(db.query(admin, "SELECT idempotency_key, status FROM todos")) == {
-        "k-out_of_attempts": "failed",
-        "k-lease_expired": "dispatched",
-        "k-stale": "dispatched",
-        "k-to_fail": "failed",
-        "k-to_retry": "dispatched",
-        "k-done": "done",
-        "k-cancelled": "cancelled",
+    rows = db.query(
+        admin, "SELECT idempotency_key, status, attempts, run_after > now() FROM todos WHERE status <> 'done'"
+    )
+    assert {k: (s, a, later) for k, s, a, later in rows} == {
+        "k-out_of_attempts": ("failed", 3, False),
+        "k-lease_expired": ("pending", 1, False),  # due at once
+        "k-to_fail": ("failed", 1, False),
+        "k-to_retry": ("pending", 1, True),  # due after its backoff
+        "k-to_give_back": ("pending", 0, False),  # its attempt uncounted
+        "k-cancelled_under": ("cancelled", 1, False),  # the late end discarded
+        "k-cancelled": ("cancelled", 1, False),
     }
     history = db.query(admin, "SELECT todo_id, from_status, to_status FROM todo_events ORDER BY todo_id, id")
     assert history == [
         (todo["out_of_attempts"], "running", "failed"),
-        (todo["lease_expired"], "running", "dispatched"),
-        (todo["stale"], "dispatched", "dispatched"),
+        (todo["lease_expired"], "running", "pending"),
         (todo["to_fail"], "pending", "running"),
         (todo["to_fail"], "running", "failed"),
         (todo["to_retry"], "dispatched", "running"),
-        (todo["to_retry"], "running", "dispatched"),
+        (todo["to_retry"], "running", "pending"),
+        (todo["to_give_back"], "pending", "running"),
+        (todo["to_give_back"], "running", "pending"),
+        (todo["to_finish"], "pending", "running"),
+        (todo["to_finish"], "running", "done"),
+        (todo["cancelled_under"], "pending", "running"),
+        (todo["cancelled_under"], "running", "cancelled"),
     ]
 
 
 async def _rescue_as(url: str) -> tuple[list[tuple[int, str, str]], int]:
-    """One pass of the rescuer (backhalf.dispatch), as ``url``'s user."""
+    """One pass of the rescuer (backhalf.rescue), as ``url``'s user."""
     async with await psycopg.AsyncConnection.connect(libpq_url(url)) as conn:
         async with conn.cursor() as cur:
-            moved = await todos.rescue(cur, [("orders", 3, 1.0)], 100)
+            moved = await todos.rescue(cur, [("orders", 3)], 100)
             orphans = await todos.release_orphaned_acks(cur, 100)
         await conn.commit()
     return moved, orphans
@@ -1083,61 +1154,70 @@ def test_a_run_leaves_exactly_the_files_policies(granted: RoleDatabase) -> None:
     assert set(db.query(admin, names)) == made | {("inbox", "site_auditor_read")}
 
 
-# write_states' start, shaped as it is, except that it waits for the row
-# lock (write_states skips a locked row, and asks again later).
-START_WAITING = (
-    "WITH locked AS (SELECT id, status FROM todos WHERE id = %(todo)s FOR UPDATE),"
-    " changed AS (UPDATE todos t SET status = 'running', attempts = t.attempts + 1,"
-    " lease_until = now() + interval '1 minute', run_token = gen_random_uuid(), updated_at = now()"
-    " FROM locked l WHERE t.id = l.id AND l.status IN ('pending', 'dispatched')"
-    " RETURNING t.id, l.status AS from_status)"
-    " INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
-    " SELECT id, from_status, 'running', 'started' FROM changed"
-)
+# Held uncommitted under an operator's cancel of the same todo: the
+# rescuer's put-back of a lapsed claim, and a worker's claim.
+OVERTAKING = {
+    "rescue": (
+        "acker",
+        "running",
+        queries.RESCUE_TODOS,
+        {"queues": ["orders"], "max_attempts": [3], "limit": 10, "lease_error": todos.LEASE_EXPIRED_ERROR,
+         "lease_detail": todos.RESCUED_LEASE},
+        ("running", "pending"),
+    ),
+    "claim": (
+        "worker",
+        "pending",
+        queries.CLAIM_TODOS,
+        {"queues": ["orders"], "limit": 10, "lease_s": 60.0, "detail": todos.CLAIMED},
+        ("pending", "running"),
+    ),
+}  # fmt: skip
 
 
-def test_a_start_the_relays_commit_overtakes_is_allowed(granted: RoleDatabase) -> None:
+@pytest.mark.parametrize("overtaking", sorted(OVERTAKING))
+def test_a_cancel_another_roles_commit_overtakes_is_allowed(granted: RoleDatabase, overtaking: str) -> None:
     """The policies read a todo's status before a change in the statement's
-    snapshot; a worker's start logs the status it locked. When the relay's
-    commit (pending -> dispatched) lands between the two, which a message
-    overtaking that commit makes common, the start is one of the worker's
-    pairs either way and is allowed."""
+    snapshot; an operator's cancel (cancel_todos) logs the status it locked.
+    When the rescuer's put-back or a worker's claim of the same todo commits
+    between the two (the cancel waits for its row lock), the cancel is one
+    of the operator's pairs either way and is allowed."""
+    role, status, statement, params, change = OVERTAKING[overtaking]
     admin = granted.admin_url
     todo_id = db.scalar(
         admin,
-        "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k1', '{}') RETURNING id",
+        "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, lease_until)"
+        " VALUES ('orders', 'k1', '{}', %(s)s, %(a)s, now() - interval '1 minute') RETURNING id",
+        {"s": status, "a": 1 if status == "running" else 0},
     )
-    with psycopg.connect(libpq_url(granted.url("acker"))) as relay:
-        # mark_dispatched's change, held uncommitted: the relay enqueues first.
-        relay.execute(
-            "WITH logged AS (INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
-            " VALUES (%(todo)s, 'pending', 'dispatched', 'dispatched'))"
-            " UPDATE todos SET status = 'dispatched', dispatched_at = now(), updated_at = now()"
-            " WHERE id = %(todo)s",
-            {"todo": todo_id},
-        )
+    with psycopg.connect(libpq_url(granted.url(role))) as first:
+        assert [int(r[0]) for r in first.execute(statement, params).fetchall()] == [todo_id]
         with (
-            psycopg.connect(libpq_url(granted.url("worker")), autocommit=True) as worker,
+            psycopg.connect(libpq_url(granted.url("operator")), autocommit=True) as operator,
             ThreadPoolExecutor(1) as pool,
         ):
-            start = pool.submit(worker.execute, START_WAITING, {"todo": todo_id})
+            cancel = pool.submit(
+                lambda: operator.execute(
+                    queries.CANCEL_TODOS, {"ids": [todo_id], "detail": "cancelled by an operator"}
+                ).fetchall()
+            )
             wait_for(
                 lambda: (
                     db.scalar(
                         admin,
                         "SELECT count(*) FROM pg_stat_activity"
                         " WHERE usename = %(u)s AND wait_event_type = 'Lock'",
-                        {"u": granted.login("worker")},
+                        {"u": granted.login("operator")},
                     )
                     == 1
                 ),
                 timeout_s=10,
-                what="the worker's start waiting for the relay's row lock",
+                what=f"the operator's cancel waiting for the {role}'s row lock",
             )
-            relay.commit()
-            assert start.result(timeout=10).rowcount == 1
+            first.commit()
+            assert cancel.result(timeout=10) == [(todo_id,)]
     assert db.query(admin, "SELECT from_status, to_status FROM todo_events ORDER BY id") == [
-        ("pending", "dispatched"),
-        ("dispatched", "running"),
+        change,
+        (change[1], "cancelled"),
     ]
-    assert db.scalar(admin, "SELECT status FROM todos") == "running"
+    assert db.scalar(admin, "SELECT status FROM todos") == "cancelled"

@@ -6,12 +6,13 @@ The planted secret (``SECRET``, fresh per run) is the real password of a
 PostgreSQL and a Valkey this module starts, so the working URLs carry it for
 real: the database URL (in the config and in SWITCHBOARD_DATABASE_URL), an
 adapter's own broker URL, SWITCHBOARD_REDIS_URL (the broker of the adapter
-without one, and [redis] url) and dramatiq's broker password (through
-``password_env``; the next test writes it in the [dramatiq] url). The same secret is the
-wrong password of a role and a Redis user that have another, for the logins
-refused. Then: a handler whose error names a URL with it, a poison message,
-each server stopped mid-run, a port nothing listens on, a URL the config
-refuses, and every read-only command, the metrics and /healthz on the way."""
+without one, and [redis] url), and the retired [dramatiq] url a config
+written for the relay still holds (the next test: accepted and ignored, its
+notice names the key only). The same secret is the wrong password of a role
+and a Redis user that have another, for the logins refused. Then: a
+handler whose error names a URL with it, a poison message, each server
+stopped mid-run, a port nothing listens on, a URL the config refuses, and
+every read-only command, the metrics and /healthz on the way."""
 
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def test_a_planted_password_reaches_no_output_while_everything_fails(
                 "block_ms": 200,
             },
         ],
-        # Two attempts: after the first, dramatiq logs the error itself (a retry).
+        # Two attempts: after the first, the worker logs the error (a retry).
         queues={
             STREAM: {
                 "handler": "tests.support.handlers:leaky",
@@ -217,18 +218,9 @@ def test_a_planted_password_reaches_no_output_while_everything_fails(
             }
         },
     )
-    # dramatiq's broker with its credentials from the environment
-    # (password_env), the other way a password reaches a process.
-    with config.open("a") as f:
-        f.write(
-            f'\n[dramatiq]\nurl = "redis://127.0.0.1:{secret_servers.valkey.port}/1"\n'
-            'username_env = "SB_DRAMATIQ_USER"\npassword_env = "SB_DRAMATIQ_PASSWORD"\n'
-        )
     env = {
         "SWITCHBOARD_DATABASE_URL": db_url,
         "SWITCHBOARD_REDIS_URL": secret_servers.redis_url(),
-        "SB_DRAMATIQ_USER": "default",
-        "SB_DRAMATIQ_PASSWORD": SECRET,
         handlers.LEAKY_URL_VARIABLE: secret_servers.redis_url(db=5),
     }
     procs = Processes(tmp_path)
@@ -287,10 +279,10 @@ def test_a_planted_password_reaches_no_output_while_everything_fails(
         for where in ("todos show", "todos list", "trace"):
             assert f"redis://default:***@127.0.0.1:{secret_servers.valkey.port}/5" in seen.text(where), where
 
-        # Valkey gone mid-run, with an ack and a dispatch owed: the acker is
-        # stopped (SIGSTOP) while an entry is stored, so once Valkey is gone
-        # its XACK and its relay's enqueue fail too, as the ingester's reads
-        # and the workers' fetches do.
+        # Valkey gone mid-run, with an ack owed: the acker is stopped
+        # (SIGSTOP) while an entry is stored, so once Valkey is gone its XACK
+        # fails too, as the ingester's reads do. (The workers reach no Redis:
+        # their broker is PostgreSQL.)
         acker = running[1]
         acker.signal(signal.SIGSTOP)
         try:
@@ -305,7 +297,7 @@ def test_a_planted_password_reaches_no_output_while_everything_fails(
             secret_servers.valkey.kill()
         finally:
             acker.signal(signal.SIGCONT)
-        wait_for_more_problems(running, before, "the broker out of reach")
+        wait_for_more_problems(running[:2], before, "the broker out of reach")
         for verb, port in ports.items():
             scrape(seen, f"{verb} (broker down)", port)
         codes = run_all(
@@ -341,11 +333,12 @@ def test_a_planted_password_reaches_no_output_while_everything_fails(
             )
         for proc in running:
             assert proc.terminate() == EXIT_OK, proc.raw_log()[-3000:]
-        # dramatiq's own line for the retried run, with its traceback, went
-        # through the redaction: the URL is there, its password masked.
-        retried = [e for e in running[2].logs() if str(e["event"]).startswith("Failed to process message")]
+        # The worker's line for the failed first attempt carries the
+        # handler's error through the redaction: the URL is there, its
+        # password masked.
+        retried = running[2].events("todo_attempt_failed")
         assert retried, running[2].raw_log()[-3000:]
-        assert "cannot connect to redis://default:***@" in str(retried[0].get("exception"))
+        assert "cannot connect to redis://default:***@" in str(retried[0].get("error"))
     finally:
         procs.kill_all()
         for proc in procs.all:
@@ -364,14 +357,18 @@ def test_refused_and_unreachable_logins_and_bad_urls_show_no_password(
     nowhere_redis = f"redis://default:{SECRET}@127.0.0.1:{free_port()}/0"  # nothing listens there
 
     def config(name: str, database: str, broker: str) -> Path:
-        return write_config(
+        path = write_config(
             tmp_path / f"{name}.toml",
             database_url=database,
             redis_url=broker,
             adapters=[stream_adapter(STREAM, url=broker)],
             queues={STREAM: {"handler": "tests.support.handlers:scripted"}},
-            dramatiq_url=broker,
         )
+        # As a config written for the dramatiq relay has it: accepted and
+        # ignored, its notice naming the key, never the URL.
+        with path.open("a") as f:
+            f.write(f'\n[dramatiq]\nurl = "{broker}"\n')
+        return path
 
     wrong_db_config = config("wrong-db", wrong_db, secret_servers.redis_url())
     nowhere_db_config = config("nowhere-db", nowhere_db, secret_servers.redis_url())
@@ -417,21 +414,24 @@ def test_refused_and_unreachable_logins_and_bad_urls_show_no_password(
             procs.start("ingest", nowhere_db_config, name="ingest-nowhere-db",
                         env={"SWITCHBOARD_METRICS_PORT": str(metrics_port)}),
             procs.start("ingest", wrong_redis_config, name="ingest-wrong-redis"),
-            procs.start("worker", wrong_redis_config, name="worker-wrong-redis"),
+            # Its broker is the database: the refused login is its claims'.
+            procs.start("worker", wrong_db_config, name="worker-wrong-db"),
         ]  # fmt: skip
         for proc in retrying:
             wait_for(logged_problems(proc), timeout_s=90, what=f"{proc.log_path.name}: its failure")
         # The refusal is what they logged, not just any trouble.
-        for proc in retrying[1:]:
-            assert any("username-password" in json.dumps(line) for line in problems(proc)), proc.raw_log()[
-                -3000:
-            ]
+        for proc, refusal in zip(
+            retrying[1:], ("username-password", "password authentication failed"), strict=True
+        ):
+            assert any(refusal in json.dumps(line) for line in problems(proc)), proc.raw_log()[-3000:]
         # Never answered: 503 at once, its body saying why.
         wait_for(health_is(metrics_port, 503), timeout_s=30, what="/healthz to say 503")
         scrape(seen, "ingest (database unreachable)", metrics_port)
         for proc in retrying:
             assert proc.alive(), f"{proc.log_path.name} ended: {proc.raw_log()[-3000:]}"
             assert proc.terminate() == EXIT_OK, proc.raw_log()[-3000:]
+        # Each said it ignores the relay's key (and showed no URL: below).
+        assert all(proc.events("config_key_ignored") for proc in procs.all)
     finally:
         procs.kill_all()
         for proc in procs.all:

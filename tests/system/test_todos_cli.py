@@ -47,15 +47,15 @@ def insert_todo(
     last_error: str | None = None,
     payload: Any = None,
     updated_at: datetime = T0,
-    dispatched_at: datetime | None = None,
+    run_after: datetime = T0,
     lease_until: datetime | None = None,
 ) -> int:
     todo_id = db.scalar(
         db_url,
         "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, last_error,"
-        " created_at, updated_at, dispatched_at, lease_until)"
+        " created_at, updated_at, run_after, lease_until)"
         " VALUES (%(queue)s, %(key)s, %(payload)s::jsonb, %(status)s, %(attempts)s, %(error)s,"
-        " %(created)s, %(updated)s, %(dispatched)s, %(lease)s) RETURNING id",
+        " %(created)s, %(updated)s, %(run_after)s, %(lease)s) RETURNING id",
         {
             "queue": queue,
             "key": key,
@@ -65,7 +65,7 @@ def insert_todo(
             "error": last_error,
             "created": T0,
             "updated": updated_at,
-            "dispatched": dispatched_at,
+            "run_after": run_after,
             "lease": lease_until,
         },
     )
@@ -84,9 +84,10 @@ def insert_event(
 
 
 def todo_row(db_url: str, todo_id: int) -> tuple[Any, ...]:
+    """Status, attempts, whether it is due now (run_after), lease_until."""
     (row,) = db.query(
         db_url,
-        "SELECT status, attempts, dispatched_at, lease_until FROM todos WHERE id = %(id)s",
+        "SELECT status, attempts, run_after <= now(), lease_until FROM todos WHERE id = %(id)s",
         {"id": todo_id},
     )
     return row
@@ -149,7 +150,7 @@ def test_list_filters_by_queue_status_and_limit(todos_cli: Any, db_url: str) -> 
     assert listed("--queue", "billing", "--status", "cancelled") == [ids["cancelled"]]
     assert listed("--limit", "2") == [ids["running"], ids["done"]]
     assert listed("--queue", "nowhere") == []
-    empty = todos_cli("list", "--status", "dispatched")
+    empty = todos_cli("list", "--queue", "billing", "--status", "pending")
     assert (empty.returncode, empty.stdout) == (0, "no todos match\n")
 
 
@@ -192,16 +193,22 @@ def test_show_prints_the_todo_its_payload_and_its_history_in_order(todos_cli: An
         last_error="ValueError: no\nsecond line",
         payload={"order": 7, "items": ["a", "é"]},
         updated_at=T0 + timedelta(seconds=9),
-        dispatched_at=T0 + timedelta(seconds=5),
+        run_after=T0 + timedelta(seconds=5),
     )
     other = insert_todo(db_url, "other", "pending")
     # Written out of order: the history is ordered by time, not by row id.
     insert_event(db_url, todo_id, "running", "failed", "handler raised", T0 + timedelta(seconds=9))
     insert_event(db_url, todo_id, None, "pending", "created", T0)
-    insert_event(db_url, todo_id, "pending", "dispatched", "dispatched", T0 + timedelta(seconds=1))
+    insert_event(db_url, todo_id, "pending", "running", "claimed", T0 + timedelta(seconds=1))
     insert_event(
-        db_url, todo_id, "dispatched", "running", "started", T0 + timedelta(seconds=2, milliseconds=250)
+        db_url,
+        todo_id,
+        "running",
+        "pending",
+        "attempt 1 of 3 failed; retried after 4 s",
+        T0 + timedelta(seconds=1, milliseconds=250),
     )
+    insert_event(db_url, todo_id, "pending", "running", "claimed", T0 + timedelta(seconds=5, milliseconds=3))
     insert_event(db_url, other, None, "pending", "not this todo's", T0)
 
     result = todos_cli("show", str(todo_id))
@@ -216,7 +223,7 @@ def test_show_prints_the_todo_its_payload_and_its_history_in_order(todos_cli: An
         "idempotency_key": "redis:orders:1-0",
         "created_at": "2026-12-01 10:00:00.000 UTC",
         "updated_at": "2026-12-01 10:00:09.000 UTC",
-        "dispatched_at": "2026-12-01 10:00:05.000 UTC",
+        "run_after": "2026-12-01 10:00:05.000 UTC",
         "lease_until": "-",
         "last_error": "ValueError: no",
     }
@@ -228,12 +235,14 @@ def test_show_prints_the_todo_its_payload_and_its_history_in_order(todos_cli: An
     assert history[0].split() == ["CREATED_AT", "(UTC)", "CHANGE", "DETAIL"]
     assert [line.split(None, 2)[2].split("  ")[0].strip() for line in history[1:]] == [
         "(new) -> pending",
-        "pending -> dispatched",
-        "dispatched -> running",
+        "pending -> running",
+        "running -> pending",
+        "pending -> running",
         "running -> failed",
     ]
-    assert history[3].split()[:2] == ["2026-12-01", "10:00:02.250"]
-    assert history[4].endswith("handler raised")
+    assert history[3].split()[:2] == ["2026-12-01", "10:00:01.250"]
+    assert history[3].endswith("attempt 1 of 3 failed; retried after 4 s")
+    assert history[5].endswith("handler raised")
     assert "not this todo's" not in out
 
     as_json = todos_cli("show", str(todo_id), "--json")
@@ -244,8 +253,9 @@ def test_show_prints_the_todo_its_payload_and_its_history_in_order(todos_cli: An
     assert document["lease_until"] is None
     assert [(e["from_status"], e["to_status"]) for e in document["history"]] == [
         (None, "pending"),
-        ("pending", "dispatched"),
-        ("dispatched", "running"),
+        ("pending", "running"),
+        ("running", "pending"),
+        ("pending", "running"),
         ("running", "failed"),
     ]
 
@@ -268,7 +278,8 @@ def test_retry_makes_failed_and_cancelled_todos_pending_with_attempts_reset(
     todos_cli: Any, db_url: str
 ) -> None:
     ids = five_todos(db_url)
-    db.query(db_url, "UPDATE todos SET dispatched_at = %(t)s WHERE status = 'failed'", {"t": T0})
+    # A failed retry's backoff left it due later: the operator's retry makes it due now.
+    db.query(db_url, "UPDATE todos SET run_after = now() + interval '1 hour' WHERE status = 'failed'")
     result = todos_cli("retry", str(ids["failed"]), str(ids["cancelled"]))
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
@@ -277,7 +288,7 @@ def test_retry_makes_failed_and_cancelled_todos_pending_with_attempts_reset(
         f"todo {ids['cancelled']}: pending again (was cancelled), attempts reset to 0",
     ]
     for name in ("failed", "cancelled"):
-        assert todo_row(db_url, ids[name]) == ("pending", 0, None, None)
+        assert todo_row(db_url, ids[name]) == ("pending", 0, True, None)
         assert events_of(db_url, ids[name]) == [(name, "pending", "retried by an operator")]
     assert db.scalar(
         db_url, "SELECT updated_at > %(t)s FROM todos WHERE id = %(id)s", {"t": T0, "id": ids["failed"]}
@@ -330,7 +341,7 @@ def test_retry_is_refused_while_an_active_todo_holds_the_same_queue_and_key(
     assert result.stdout.splitlines() == [
         f"todo {elsewhere}: pending again (was cancelled), attempts reset to 0"
     ]
-    assert todo_row(db_url, old) == ("failed", 5, None, None)
+    assert todo_row(db_url, old) == ("failed", 5, True, None)
     assert events_of(db_url, old) == []
     assert todo_row(db_url, holder)[0] == "running"
     # Once the holder is finished, the retry goes through.
@@ -379,7 +390,7 @@ def test_retry_racing_a_new_active_todo_reports_the_unique_violation_as_a_refusa
     (line,) = result.stderr.splitlines()
     assert f"todo {old} " in line
     assert f"todo {holder[0]} (pending)" in line
-    assert todo_row(db_url, old) == ("failed", 3, None, None)
+    assert todo_row(db_url, old) == ("failed", 3, True, None)
     assert events_of(db_url, old) == []
 
 
@@ -388,7 +399,7 @@ def test_retry_racing_a_new_active_todo_reports_the_unique_violation_as_a_refusa
 
 def test_cancel_cancels_active_todos_with_their_log_rows(todos_cli: Any, db_url: str) -> None:
     ids = five_todos(db_url)
-    dispatched = insert_todo(db_url, "k-dispatched", "dispatched", dispatched_at=T0)
+    dispatched = insert_todo(db_url, "k-dispatched", "dispatched")  # as an older version (the relay) left it
     result = todos_cli("cancel", str(ids["pending"]), str(dispatched), str(ids["running"]))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [

@@ -19,7 +19,7 @@ import redis
 from ingest.embedded.processes import wait_for
 from tests.support import db
 from tests.support.config import stream_adapter
-from tests.support.downstream import QUEUE, dramatiq_url, statuses, stop_all
+from tests.support.downstream import QUEUE, statuses, stop_all
 from tests.support.processes import SECRET, Processes, switchboard
 
 pytestmark = pytest.mark.system
@@ -49,11 +49,7 @@ def at(text: str) -> datetime:
 def test_trace_follows_a_message_from_xadd_to_done_and_acked(
     procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str, runs_db: str
 ) -> None:
-    config = make_config(
-        stream_adapter("orders", batch_size=10),
-        queues={"orders": QUEUE},
-        dramatiq_url=dramatiq_url(redis_url),
-    )
+    config = make_config(stream_adapter("orders", batch_size=10), queues={"orders": QUEUE})
     with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
         good = r.xadd("orders", {"body": json.dumps({"n": 1})}).decode()
         poison = r.xadd("orders", {"body": POISON}).decode()
@@ -108,7 +104,7 @@ def test_trace_follows_a_message_from_xadd_to_done_and_acked(
     assert [
         (e["from_status"], e["to_status"], e["detail"], at(e["created_at"])) for e in trail["todo_events"]
     ] == [tuple(h) for h in history]
-    assert [h[1] for h in history] == ["pending", "dispatched", "running", "done"]
+    assert [h[1] for h in history] == ["pending", "running", "done"]
     # The timeline starts at the XADD (the entry id's milliseconds) and runs
     # through every recorded moment in order.
     xadd = datetime.fromtimestamp(int(good.split("-")[0]) / 1000, UTC)
@@ -129,7 +125,7 @@ def test_trace_follows_a_message_from_xadd_to_done_and_acked(
     assert text.returncode == 0, text.stderr
     assert text.stdout.startswith(f"inbox row {inbox_id}: adapter orders (redis stream, source orders)\n")
     assert "+0.000 s  XADD" in text.stdout
-    assert f"todo {todo_id}: dispatched -> running" in text.stdout
+    assert f"todo {todo_id}: pending -> running" in text.stdout
     assert f"acked: XACK orders switchboard {good}" in text.stdout
 
     # The poison entry: its body readable (the terminal escape shown, not

@@ -223,8 +223,9 @@ def test_a_message_sent_to_a_switchboard_actor_is_refused(tmp_path: Path) -> Non
     )  # fmt: skip
     broker = switchboard_broker(settings, threads=1)
     broker.emit_after("process_boot")
-    message = dramatiq.Message(queue_name="switchboard", actor_name=f"switchboard:{STREAM}",
-                               args=(1,), kwargs={}, options={})  # fmt: skip
+    message: dramatiq.Message[None] = dramatiq.Message(
+        queue_name="switchboard", actor_name=f"switchboard:{STREAM}", args=(1,), kwargs={}, options={}
+    )
     with pytest.raises(NotAQueue, match="take their todos from PostgreSQL"):
         broker.enqueue(message)
 
