@@ -17,8 +17,8 @@
 --   switchboard_migrator  LOGIN: owns the schema; runs `switchboard migrate`.
 --   switchboard_ingester  NOLOGIN group: `switchboard ingest` and
 --                         `switchboard receive` (the webhook receiver).
---   switchboard_acker     NOLOGIN group: `switchboard ack` (acks, the dispatch
---                         relay, the rescuer, the pruner), `switchboard prune`,
+--   switchboard_acker     NOLOGIN group: `switchboard ack` (acks, the rescuer,
+--                         the pruner), `switchboard prune`,
 --                         `switchboard status` and the read-only commands
 --                         (trace, inbox list/show, todos list/show); a member
 --                         of the auditor, for the views `status` reads.
@@ -55,12 +55,10 @@
 -- row as it was before the statement, even inside a statement whose CTEs
 -- change it (one primary-key probe per row written). A row changed by a
 -- commit between the statement's snapshot and its lock is read as it was
--- at the snapshot. The pairs allow the common case, the relay's commit
--- (pending -> dispatched) landing under a worker's start of the same todo
--- (its message overtook the commit): both are the worker's starts. A rarer
--- one, an operator's retry landing under a start of the todo it retries,
--- is refused once and written again by its caller (the workers' state
--- writer writes again a batch refused for other than its data). A done
+-- at the snapshot. Such a change (an operator's retry landing under a
+-- worker's end of the same todo, say) is refused once and written again by
+-- its caller (the workers' state writer writes again a batch refused for
+-- other than its data). A done
 -- todo never changes again, so a todo done at the snapshot is done.
 --
 -- * The ingester writes ack_state and acked_at only to ask for an ack again
@@ -79,10 +77,11 @@
 --   the ingester's dedup (a no-op UPDATE of the active todo) gives an
 --   existing todo a new xmin too.
 -- * The todos' state changes, by role (backhalf/queries.sql, "The todo
---   lifecycle"): the acker only pending -> dispatched (the relay), dispatched
---   -> dispatched and running -> dispatched or failed (the rescuer); the
---   worker only pending, dispatched or running -> running (a start) and
---   running -> done, failed or dispatched (an end); the operator only
+--   lifecycle"): the acker only running -> pending or failed (the rescuer,
+--   a lapsed lease); the worker only pending (or an older version's
+--   dispatched) -> running (a claim), running -> running (a lease extended)
+--   and running -> done, failed or pending (an end, a retry or a claim
+--   given back); the operator only
 --   pending, dispatched or running -> cancelled and failed or cancelled ->
 --   pending (and the no-op update of inbox replay's dedup). Nobody moves a
 --   done todo. A todo_events row must be one of its role's pairs, of a todo
