@@ -2,9 +2,9 @@
 on PostgreSQL as their broker (DESIGN.md section 7b).
 
 :func:`switchboard_broker` is the whole of it: a
-:class:`~ingest.processes.worker_broker.TodoBroker` with dramatiq's own
-middleware (but ``Retries``: a todo's retries are its own, pending again
-after its backoff) and Switchboard's, which declares one actor per
+:class:`~ingest.processes.worker_broker.TodoBroker` with the dramatiq
+middleware that means something for a todo (its time limit, the shutdown
+notice) and Switchboard's, which declares one actor per
 configured queue (``switchboard:NAME``, with its time limit) that runs the
 claimed todo through :class:`backhalf.worker.Runner`, and starts the worker
 process's heartbeat. ``switchboard worker`` runs dramatiq's own CLI (its
