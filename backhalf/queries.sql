@@ -613,8 +613,9 @@ FOR UPDATE
 -- nor a retry still waiting out its backoff, whatever the statistics say
 -- (on a connection set up by claimer_session, below).
 -- The queues are walked in the order given (the worker rotates it, so no
--- queue's backlog starves another's); the outer LIMIT stops the walk, and
--- only the rows it returns are locked.
+-- queue's backlog starves another's), each up to a limit of its own (the
+-- free threads, and a prefetch only for a queue whose runs are quick); the
+-- outer LIMIT stops the walk, and only the rows it returns are locked.
 --
 -- The update reaches its rows by ``id = ANY(ARRAY(...))`` alone: an index
 -- probe per row under any plan. Joined to the claimed rows, a generic plan
@@ -624,12 +625,12 @@ FOR UPDATE
 -- ``claimed`` (two CTEs of a claim's size).
 WITH picked AS (
     SELECT c.id, c.status
-    FROM unnest(%(queues)b::text[]) AS q(name)
+    FROM unnest(%(queues)b::text[], %(limits)b::int4[]) AS q(name, lim)
     CROSS JOIN LATERAL (
         SELECT id, status FROM todos
         WHERE queue = q.name AND status IN ('pending', 'dispatched') AND run_after <= now()
         ORDER BY run_after, id
-        LIMIT %(limit)s
+        LIMIT q.lim
         FOR UPDATE SKIP LOCKED
     ) AS c
     LIMIT %(limit)s
@@ -737,10 +738,13 @@ WITH x AS (
     UPDATE todos t SET lease_until = now() + make_interval(secs => %(lease_s)s)
     FROM x JOIN locked l ON l.id = x.id
     WHERE t.id = x.id AND t.status = 'running' AND t.run_token = x.token
-    RETURNING t.id
+    RETURNING t.id, t.run_token
 )
-SELECT x.id, CASE WHEN e.id IS NOT NULL THEN 'extended' WHEN l.id IS NULL THEN 'busy' ELSE 'lost' END
-FROM x LEFT JOIN locked l ON l.id = x.id LEFT JOIN extended e ON e.id = x.id
+-- By run, not by todo: a process may hold an old claim of a todo (rescued
+-- while it was cut off) beside a new one; only the new one is extended.
+SELECT x.id, x.token,
+       CASE WHEN e.id IS NOT NULL THEN 'extended' WHEN l.id IS NULL THEN 'busy' ELSE 'lost' END
+FROM x LEFT JOIN locked l ON l.id = x.id LEFT JOIN extended e ON e.id = x.id AND e.run_token = x.token
 
 
 -- name: rescue_todos

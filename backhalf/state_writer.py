@@ -44,6 +44,7 @@ import contextlib
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -421,7 +422,7 @@ class StateWriter:
             time.sleep(delay_s)
             try:
                 pg = self._connection()
-                held: dict[int, bool | None] = {}
+                held: dict[tuple[int, uuid.UUID], bool | None] = {}
                 with self._watched():
                     for lease_s, group in by_lease.items():
                         held.update(todos.extend_leases(pg, [x.run for x in group], lease_s))
@@ -430,7 +431,7 @@ class StateWriter:
                 error = exc
                 continue
             for x in extends:
-                x.answer.set_result(held.get(x.run.todo.id, False))
+                x.answer.set_result(held.get((x.run.todo.id, x.run.token), False))
             return
         failure = StoreError(f"extending {len(extends)} leases: {type(error).__name__}: {error}")
         failure.__cause__ = error

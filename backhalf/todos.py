@@ -84,11 +84,21 @@ class Claimed:
     token: uuid.UUID
 
 
-def claim(pg: psycopg.Connection[Any], queues: Sequence[str], limit: int, lease_s: float) -> list[Claimed]:
-    """Claim up to ``limit`` due todos of ``queues`` (walked in that order),
-    committed on return (``claim_todos``: one statement; its own transaction
-    on an autocommit connection): running, attempt counted, leased."""
-    params = {"queues": list(queues), "limit": limit, "lease_s": float(lease_s), "detail": CLAIMED}
+def claim(
+    pg: psycopg.Connection[Any],
+    queues: Sequence[str],
+    limit: int,
+    lease_s: float,
+    *,
+    per_queue: Sequence[int] | None = None,
+) -> list[Claimed]:
+    """Claim up to ``limit`` due todos of ``queues`` (walked in that order,
+    each up to its ``per_queue`` limit, ``limit`` by default), committed on
+    return (``claim_todos``: one statement; its own transaction on an
+    autocommit connection): running, attempt counted, leased."""
+    limits = [limit] * len(queues) if per_queue is None else [min(limit, n) for n in per_queue]
+    params = {"queues": list(queues), "limits": limits, "limit": limit, "lease_s": float(lease_s),
+              "detail": CLAIMED}  # fmt: skip
     block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
     with block, pg.cursor() as cur:
         cur.execute(queries.CLAIM_TODOS, params)
@@ -212,17 +222,17 @@ def end_runs(
 
 def extend_leases(
     pg: psycopg.Connection[Any], runs: Sequence[Claimed], lease_s: float
-) -> dict[int, bool | None]:
+) -> dict[tuple[int, uuid.UUID], bool | None]:
     """Each run's lease again from now, ``lease_s`` seconds (``extend_leases``),
-    by todo: True if extended, False if the run no longer holds its todo,
-    None if another transaction held the row (not waited for). One
-    statement; its own transaction on an autocommit connection."""
+    by run (todo id, token): True if extended, False if the run no longer
+    holds its todo, None if another transaction held the row (not waited
+    for). One statement; its own transaction on an autocommit connection."""
     params = {"ids": [r.todo.id for r in runs], "tokens": [r.token for r in runs], "lease_s": float(lease_s)}
     block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
     with block, pg.cursor() as cur:
         cur.execute(queries.EXTEND_LEASES, params)
         answers = {"extended": True, "lost": False, "busy": None}
-        return {int(i): answers[str(found)] for i, found in cur.fetchall()}
+        return {(int(i), token): answers[str(found)] for i, token, found in cur.fetchall()}
 
 
 async def cancel(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:

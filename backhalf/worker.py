@@ -93,14 +93,17 @@ class Runner:
         # dramatiq's TimeLimitExceeded is a BaseException; KeyboardInterrupt,
         # SystemExit and dramatiq's Shutdown are not the handler's failure:
         # they end the run unended, and the rescuer puts the todo back.
-        except (Exception, TimeLimitExceeded) as exc:  # noqa: BLE001 - whatever it raised is the attempt's failure
+        # An async handler's own CancelledError (a BaseException) is its
+        # failure too, not a stop of the worker's.
+        except (Exception, TimeLimitExceeded, asyncio.CancelledError) as exc:  # noqa: BLE001 - whatever it raised is the attempt's failure
             if metrics.on():
                 metrics.RUN_SECONDS.labels(todo.queue).observe(time.perf_counter() - began)
                 metrics.ATTEMPTS_FAILED.labels(todo.queue).inc()
-            try:
-                self._failed(queue, claim, exc)
-            finally:
-                _tell(settled, True)
+            # Let go before the end is written: a lease beat between its
+            # commit and a later release would call the claim lost. An end
+            # not written leaves the claim to lapse, as it must.
+            _tell(settled, True)
+            self._failed(queue, claim, exc)
             return
         if metrics.on():
             metrics.RUN_SECONDS.labels(todo.queue).observe(time.perf_counter() - began)

@@ -449,7 +449,10 @@ class _Acker(ProcessBody):
                                  tick=process.watch("rescue", rescue_s))  # fmt: skip
             process.work(rescue, "rescue")
         else:
-            log.info("rescue_off", reason="no [queues.*] in the config: lapsed claims are not looked for")
+            # A warning: a worker killed with claims would leave them running
+            # for good, with no acker to put them back.
+            log.warning("rescue_off", reason="no [queues.*] in the config: lapsed claims are not looked for",
+                        hint="give the acker the workers' [queues.*]")  # fmt: skip
         for cfg in settings.adapters:
             if settings.queues and cfg.queue not in settings.queues:
                 log.warning(

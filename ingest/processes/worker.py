@@ -211,10 +211,13 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         log.info("worker_ready", queues=self._served, threads=self._threads)
 
     def before_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
-        """SIGTERM: no more claims; running handlers finish."""
+        """SIGTERM: no more claims; the claims no thread has started are given
+        back now (not once the last running handler ends); running handlers
+        finish."""
         claimer = self.process_claimer(broker)
         if claimer is not None:
             claimer.stop_claiming()
+            claimer.drain(worker.work_queue)
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Once every worker thread has stopped and the unrun claims are

@@ -47,6 +47,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from queue import Empty, Queue
 from typing import Any
 
 import dramatiq
@@ -191,7 +192,9 @@ class Claimer:
         self._in_flight = 0  # claimed and not yet done with (run, skipped or given back)
         self._running = 0  # of those, taken by a thread
         self._sleeping = False  # the consumer waits: a thread freed must wake it
-        self._pace_s: float | None = None  # the recent runs' average length
+        # The recent runs' average length, per queue: a queue's prefetch
+        # follows its own pace, so a slow queue never rides on a quick one's.
+        self._pace_s: dict[str, float] = {}
         self._ready: collections.deque[TodoMessage] = collections.deque()
         self._raw: PoolProxiedConnection | None = None
         self._wanted = True  # todos may be due: claim when threads are free
@@ -200,7 +203,6 @@ class Claimer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._closed = False
         self._stopping = False
 
     # -- the consumer thread ------------------------------------------------------
@@ -208,6 +210,8 @@ class Claimer:
     def next_message(self, timeout_s: float) -> TodoMessage | None:
         """The next claimed todo, or None after ``timeout_s`` with none (dramatiq
         then looks whether it is stopping)."""
+        if self._stopping and self._ready:
+            self.release()  # claimed before the stop: given back, not started
         deadline = time.monotonic() + timeout_s
         while not self._ready:
             now = time.monotonic()
@@ -242,30 +246,37 @@ class Claimer:
         """The worker is stopping: no more claims."""
         self._stopping = True
 
+    def _prefetch(self, queue: str) -> int:
+        """(Under the lock.) What the threads finish of ``queue``'s todos within
+        PREFETCH_WAIT_S at its recent pace: 0 until one of its runs is timed."""
+        pace = self._pace_s.get(queue)
+        if pace is None:
+            return 0
+        return min(
+            PREFETCH_MAX_PER_THREAD * self._threads, int(self._threads * PREFETCH_WAIT_S / max(pace, 1e-6))
+        )
+
     def _claimable(self) -> int:
         """(Under the lock.) The free room, if worth a claim now: every free
-        thread plus a prefetch of what the threads finish within
-        PREFETCH_WAIT_S at the recent pace, less what is claimed; claimed
-        when no claim waits for a thread or half the room is free."""
-        pace = self._pace_s
-        prefetch = (
-            0
-            if pace is None
-            else min(
-                PREFETCH_MAX_PER_THREAD * self._threads,
-                int(self._threads * PREFETCH_WAIT_S / max(pace, 1e-6)),
-            )
-        )
-        room = self._threads + prefetch
+        thread plus the quickest served queue's prefetch, less what is
+        claimed; claimed when no claim waits for a thread or half the room
+        is free (quick runs claimed in batches, not one per thread freed)."""
+        room = self._threads + max((self._prefetch(q) for q in self._order), default=0)
         free = room - self._in_flight
         waiting = self._in_flight - self._running
         return free if free > 0 and (waiting <= 0 or 2 * free >= room) else 0
+
+    def _limits(self) -> list[int]:
+        """Per queue, in the claim's order, what it may add: the free threads
+        and that queue's own prefetch."""
+        with self._lock:
+            return [max(0, self._threads + self._prefetch(q) - self._in_flight) for q in self._order]
 
     def _claim(self, limit: int) -> None:
         self._order.rotate(-1)  # each claim starts at the next queue: none starves another
         try:
             pg = self._connection()
-            claimed = todos.claim(pg, list(self._order), limit, self._lease_s)
+            claimed = todos.claim(pg, list(self._order), limit, self._lease_s, per_queue=self._limits())
         except (psycopg.Error, SQLAlchemyError) as exc:
             self._failed(exc)
             return
@@ -276,20 +287,27 @@ class Claimer:
         self._wanted = len(claimed) >= limit
         if not claimed:
             return
+        messages = [
+            TodoMessage(
+                dramatiq.Message(
+                    queue_name=SWITCHBOARD_QUEUE,
+                    actor_name=ACTOR_PREFIX + claim.todo.queue,
+                    args=(claim.todo.id,),
+                    kwargs={},
+                    options={},
+                ),
+                claim,
+                self,
+            )
+            for claim in claimed
+        ]
         self._leases.hold(claimed)
         with self._lock:
             self._in_flight += len(claimed)
-        for claim in claimed:
-            if metrics.on():
+        self._ready.extend(messages)
+        if metrics.on():
+            for claim in claimed:
                 metrics.CLAIMED.labels(claim.todo.queue).inc()
-            message: dramatiq.Message[Any] = dramatiq.Message(
-                queue_name=SWITCHBOARD_QUEUE,
-                actor_name=ACTOR_PREFIX + claim.todo.queue,
-                args=(claim.todo.id,),
-                kwargs={},
-                options={},
-            )
-            self._ready.append(TodoMessage(message, claim, self))
 
     def _failed(self, exc: BaseException) -> None:
         """The database refused or dropped a claim: the connection is
@@ -304,7 +322,6 @@ class Claimer:
 
     def _wait(self, timeout_s: float) -> None:
         """Until a notification, a thread freed, or ``timeout_s``."""
-        fds = [self._wake_r]
         pg = self._pg()
         if pg is not None and self._notified(pg):
             return
@@ -313,16 +330,16 @@ class Claimer:
         # the next claim connects again.
         pg = self._pg()
         pg_fd = pg.fileno() if pg is not None else None
+        poller = select.poll()  # not select(): no limit on the descriptors' numbers
+        poller.register(self._wake_r, select.POLLIN)
         if pg_fd is not None:
-            fds.append(pg_fd)
-        readable, _, _ = select.select(fds, [], [], timeout_s)
-        if self._wake_r in readable:
-            try:
+            poller.register(pg_fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(max(0, int(timeout_s * 1000)))}
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
                 while os.read(self._wake_r, 4096):
                     pass
-            except BlockingIOError:
-                pass
-        if pg is not None and pg_fd in readable:
+        if pg is not None and pg_fd in ready:
             self._notified(pg)
 
     def _notified(self, pg: psycopg.Connection[Any]) -> bool:
@@ -369,44 +386,65 @@ class Claimer:
     # -- the worker threads -------------------------------------------------------
 
     def began(self, message: TodoMessage) -> None:
+        """A thread took a claimed message: the room a claim is worth may
+        open now (the last waiting claim taken)."""
         message.began = time.monotonic()
         with self._lock:
             self._running += 1
+            wake = self._sleeping and self._wanted and self._claimable() > 0
+        if wake:
+            self._wake()
+
+    def _wake(self) -> None:
+        # A full pipe: the claimer has wake-ups waiting already.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
 
     def done_with(self, message: TodoMessage) -> None:
         """A message dramatiq is done with (acked or rejected): its thread is
         free. A claim its actor never took (a middleware skipped the
         message) is given back."""
-        if not message.ran:
-            self.give_back([message], NOT_RUN)
-        took_s = time.monotonic() - message.began if message.began else None
-        with self._lock:
-            self._in_flight -= 1
-            if message.began:
-                self._running -= 1
-            if took_s is not None and message.ran:
-                pace = self._pace_s
-                self._pace_s = took_s if pace is None else pace + PACE_WEIGHT * (took_s - pace)
-            wake = self._sleeping and self._wanted and self._claimable() > 0
-        if wake:
-            # A full pipe: the claimer has wake-ups waiting already.
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"\0")
+        try:
+            if not message.ran:
+                # Not due again at once: a middleware that skips it would
+                # otherwise have it claimed and skipped in a loop.
+                self.give_back([message], NOT_RUN, delay_s=self._poll_s)
+        finally:
+            took_s = time.monotonic() - message.began if message.began else None
+            queue = message.claim.todo.queue
+            with self._lock:
+                self._in_flight -= 1
+                if message.began:
+                    self._running -= 1
+                if took_s is not None and message.ran:
+                    pace = self._pace_s.get(queue)
+                    self._pace_s[queue] = took_s if pace is None else pace + PACE_WEIGHT * (took_s - pace)
+                wake = self._sleeping and self._wanted and self._claimable() > 0
+            if wake:
+                self._wake()
 
-    def give_back(self, messages: Sequence[TodoMessage], detail: str = GIVEN_BACK) -> None:
-        """Claims never started: pending again, due now, attempt uncounted,
-        committed on return (or left to lapse: the rescuer's)."""
+    def give_back(
+        self, messages: Sequence[TodoMessage], detail: str = GIVEN_BACK, *, delay_s: float = 0.0
+    ) -> None:
+        """Claims never started: pending again (due after ``delay_s``), attempt
+        uncounted, committed on return; or, not written, left to lapse into
+        the rescuer's hands. Released from the lease keeper first: a beat
+        between the commit and the release would call them lost."""
         claims = [m.claim for m in messages]
         if not claims:
             return
-        endings = [todos.Ending(c, "pending", None, detail, unrun=True) for c in claims]
-        answers = self._writer.end_all(endings)
-        for claim, answer in zip(claims, answers, strict=True):
+        for claim in claims:
             self._leases.release(claim)
+        endings = [todos.Ending(c, "pending", None, detail, unrun=True, delay_s=delay_s) for c in claims]
+        try:
+            answers: list[bool | BaseException] = self._writer.end_all(endings)
+        except Exception as exc:  # noqa: BLE001 - whatever kept them from being written: they lapse
+            answers = [exc] * len(claims)
+        for claim, answer in zip(claims, answers, strict=True):
             if isinstance(answer, BaseException):
                 log.warning("todo_not_given_back", todo_id=claim.todo.id, error=str(answer),
                             detail="its lease lapses and the rescuer puts it back")  # fmt: skip
-        log.info("todo_claims_given_back", todos=len(claims))
+        log.info("todo_claims_given_back", todos=len(claims), detail=detail)
 
     # -- stop ------------------------------------------------------------------------
 
@@ -422,22 +460,35 @@ class Claimer:
         with self._lock:
             self._in_flight -= count
 
-    def close(self) -> None:
-        """Give back what was claimed and not handed out; close the connection.
-        (The wake-up pipe stays open: threads still running tell it when
-        they are done.)"""
-        if self._closed:
-            return
-        self._closed = True
-        self._stopping = True
+    def drain(self, work_queue: Queue[Any]) -> None:
+        """SIGTERM: the claims waiting in dramatiq's work queue for a thread
+        are given back now, not when the last running handler ends (dramatiq
+        requeues its work queue only then). A thread takes an item or this
+        does, never both."""
+        mine: list[TodoMessage] = []
+        others = []
+        while True:
+            try:
+                item = work_queue.get_nowait()
+            except Empty:
+                break
+            work_queue.task_done()
+            if isinstance(item.message, TodoMessage):
+                mine.append(item.message)
+            else:
+                others.append(item)
+        for item in others:  # not ours (another queue's): back for dramatiq
+            work_queue.put(item)
+        self.requeue(mine)
+
+    def release(self) -> None:
+        """Give back what was claimed and not handed out, and drop the
+        connection: dramatiq's consumer closing (at stop, or restarted after
+        an error, when the same claimer serves its next consumer)."""
         ready, self._ready = list(self._ready), collections.deque()
         self.untrack(len(ready))
         self.give_back(ready)
         self._discard()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
 
 class TodoConsumer(Consumer):
@@ -461,7 +512,7 @@ class TodoConsumer(Consumer):
         self._claimer.requeue(messages)
 
     def close(self) -> None:
-        self._claimer.close()
+        self._claimer.release()
 
 
 class _IdleConsumer(Consumer):
@@ -506,8 +557,9 @@ class TodoBroker(dramatiq.Broker):
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30000) -> Consumer:
         if queue_name != SWITCHBOARD_QUEUE:
             return _IdleConsumer(timeout)
-        if self.claimer is None or self.claimer.closed:
-            # A consumer dramatiq restarted after an error: a claimer anew.
+        if self.claimer is None:
+            # One per process: a consumer dramatiq restarts after an error
+            # gets the same one, its counts of what is in flight whole.
             self.claimer = self._make_claimer()
         return TodoConsumer(self.claimer, timeout)
 
@@ -535,4 +587,4 @@ class TodoBroker(dramatiq.Broker):
 
     def close(self) -> None:
         if self.claimer is not None:
-            self.claimer.close()
+            self.claimer.release()

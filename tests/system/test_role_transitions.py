@@ -1169,7 +1169,7 @@ OVERTAKING = {
         "worker",
         "pending",
         queries.CLAIM_TODOS,
-        {"queues": ["orders"], "limit": 10, "lease_s": 60.0, "detail": todos.CLAIMED},
+        {"queues": ["orders"], "limits": [10], "limit": 10, "lease_s": 60.0, "detail": todos.CLAIMED},
         ("pending", "running"),
     ),
 }  # fmt: skip

@@ -30,7 +30,8 @@ from tests.support.plans import scans_of
 DONE = 50_000
 BACKLOG = 20_000
 LIMIT = 8  # more than a queue's pending todos: both queues are walked
-PARAMS = {"queues": ["orders", "refunds"], "limit": LIMIT, "lease_s": 60.0, "detail": todos.CLAIMED}
+PARAMS = {"queues": ["orders", "refunds"], "limits": [LIMIT, LIMIT], "limit": LIMIT, "lease_s": 60.0,
+          "detail": todos.CLAIMED}  # fmt: skip
 # The statement as a server-side prepared one ($n for each parameter), for
 # a plan PostgreSQL makes once, before it knows the values.
 GENERIC = (
@@ -38,6 +39,7 @@ GENERIC = (
     .replace("%(limit)s", "$2")
     .replace("%(lease_s)s", "$3")
     .replace("%(detail)s", "$4")
+    .replace("%(limits)b", "$5")
 )
 
 
@@ -75,10 +77,12 @@ def _explain(conn: psycopg.Connection[Any], *, generic: bool) -> dict[str, Any]:
     """The claim's plan, run (and rolled back): the claim itself, not a guess."""
     if generic:
         conn.execute("SET plan_cache_mode = force_generic_plan")
-        conn.execute(sql.SQL("PREPARE claim(text[], int, float8, text) AS {}").format(sql.SQL(GENERIC)))
-        statement = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({}, {}, {}, {})").format(
-            *(sql.Literal(PARAMS[k]) for k in ("queues", "limit", "lease_s", "detail"))
+        conn.execute(
+            sql.SQL("PREPARE claim(text[], int, float8, text, int4[]) AS {}").format(sql.SQL(GENERIC))
         )
+        statement = sql.SQL(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({}, {}, {}, {}, {})"
+        ).format(*(sql.Literal(PARAMS[k]) for k in ("queues", "limit", "lease_s", "detail", "limits")))
         with conn.transaction(force_rollback=True):
             row = conn.execute(statement).fetchone()
         generic_plans = conn.execute("SELECT generic_plans FROM pg_prepared_statements").fetchone()

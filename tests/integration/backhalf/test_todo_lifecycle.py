@@ -105,7 +105,7 @@ def test_a_claim_skips_rows_another_claim_holds_and_never_waits_for_them(db_url:
     is still open (its rows locked) when the second runs; the second takes
     the other rows at once, and together they took each todo once."""
     all_ids = insert_todos(db_url, 6)
-    params = {"queues": ["q"], "limit": 3, "lease_s": 60.0, "detail": todos.CLAIMED}
+    params = {"queues": ["q"], "limits": [3], "limit": 3, "lease_s": 60.0, "detail": todos.CLAIMED}
     with psycopg.connect(libpq(db_url)) as first:
         first.execute("SET lock_timeout = '10s'")
         held = [int(r[0]) for r in first.execute(queries.CLAIM_TODOS, params).fetchall()]
@@ -287,8 +287,11 @@ def lease_left_s(db_url: str, todo_id: int) -> float:
 
 
 def extend(db_url: str, runs: list[todos.Claimed], lease_s: float) -> dict[int, bool | None]:
+    """By todo id, each run's answer (``extend_leases`` answers by run)."""
     with psycopg.connect(libpq(db_url), autocommit=True) as pg:
-        return todos.extend_leases(pg, runs, lease_s)
+        answers = todos.extend_leases(pg, runs, lease_s)
+    assert set(answers) == {(r.todo.id, r.token) for r in runs}
+    return {todo_id: answer for (todo_id, _token), answer in answers.items()}
 
 
 def test_a_lease_is_extended_for_its_own_run_only(db_url: str) -> None:
@@ -312,7 +315,7 @@ def test_a_lease_whose_row_another_transaction_holds_is_answered_busy_at_once(db
         began = time.monotonic()
         with psycopg.connect(libpq(db_url), autocommit=True) as pg:
             pg.execute("SET lock_timeout = '10s'")
-            assert todos.extend_leases(pg, [run], 600) == {todo_id: None}
+            assert todos.extend_leases(pg, [run], 600) == {(todo_id, run.token): None}
         assert time.monotonic() - began < 5
     assert lease_left_s(db_url, todo_id) <= 10
     assert extend(db_url, [run], 600) == {todo_id: True}
@@ -420,3 +423,15 @@ async def test_a_cancel_takes_a_todo_out_of_the_queue(engine: AsyncEngine, db_ur
     assert query(db_url, "SELECT status, lease_until FROM todos") == [("cancelled", None)]
     for run in runs:  # its late end is discarded
         assert end(db_url, todos.Ending(run, "done", None, "done")) == (set(), set())
+
+
+def test_an_old_claim_of_a_todo_claimed_again_is_answered_lost_beside_the_new(db_url: str) -> None:
+    """A process cut off long enough to be rescued may hold an old claim of
+    a todo it then claims again: each run gets its own answer, by token."""
+    (todo_id,) = insert_todos(db_url, 1)
+    (old,) = claim(db_url, lease_s=10)
+    query(db_url, "UPDATE todos SET status = 'pending', run_token = NULL WHERE id = %(i)s", {"i": todo_id})
+    (new,) = claim(db_url, lease_s=10)
+    with psycopg.connect(libpq(db_url), autocommit=True) as pg:
+        answers = todos.extend_leases(pg, [old, new], 600)
+    assert answers == {(todo_id, old.token): False, (todo_id, new.token): True}

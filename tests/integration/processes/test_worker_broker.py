@@ -74,7 +74,7 @@ class Claimers:
 
     def close(self) -> None:
         for claimer in self._made:
-            claimer.close()
+            claimer.release()
 
 
 @pytest.fixture
@@ -171,8 +171,7 @@ def test_claims_not_handed_out_are_given_back_at_close(
     ids = insert_todos(db_url, 3)
     claimer = claimers(threads=3)
     taken = next_message(claimer)  # the other two wait in the claimer
-    claimer.close()
-    assert claimer.closed
+    claimer.release()
     assert dict(query(db_url, "SELECT id, status FROM todos")) == {
         ids[0]: "running", ids[1]: "pending", ids[2]: "pending",
     }  # fmt: skip
@@ -181,7 +180,13 @@ def test_claims_not_handed_out_are_given_back_at_close(
     ) == [(0, True)]
     assert scalar(db_url, "SELECT count(*) FROM todo_events WHERE detail = %(d)s", {"d": GIVEN_BACK}) == 2
     assert [c.todo.id for c in leases.held()] == [taken.claim.todo.id]
-    assert claimer.next_message(0.2) is None  # closed: claims no more
+    # The same claimer serves the consumer dramatiq starts next (after an
+    # error): connected again, its count of what is in flight whole.
+    again = next_message(claimer)
+    assert again.claim.todo.id in ids[1:]
+    claimer.stop_claiming()
+    claimer.release()
+    assert claimer.next_message(0.2) is None  # stopping: claims no more
 
 
 def test_dramatiqs_work_queue_at_stop_is_given_back(claimers: Claimers, leases: Leases, db_url: str) -> None:
@@ -305,3 +310,46 @@ def test_a_dramatiq_worker_in_this_process_runs_the_todos_through_the_broker(
     )
     # Each todo's trail: claimed, then its end (a retry pending between).
     assert scalar(db_url, "SELECT count(*) FROM todo_events WHERE detail = 'claimed'") == 8
+
+
+def test_a_slow_queue_gets_no_prefetch_from_a_quick_queues_pace(claimers: Claimers, db_url: str) -> None:
+    """The prefetch follows each queue's own pace: with a quick queue timed
+    and a slow one not, a claim that starts at the slow queue takes only what
+    the free threads can start, and the prefetch comes from the quick one."""
+    slow = insert_todos(db_url, 20, queue="slow")
+    quick = insert_todos(db_url, 20, queue="quick")
+    claimer = claimers(queues=("quick", "slow"), threads=2)
+    claimer._pace_s["quick"] = 0.0001  # runs of 0.1 ms: the most prefetch allowed
+    # The claim starts at the queue after the first (the order rotates): slow.
+    first = next_message(claimer)
+    claimed = [first.claim.todo.id] + [m.claim.todo.id for m in claimer._ready]
+    assert len([i for i in claimed if i in slow]) == 2  # the two free threads' only
+    assert len([i for i in claimed if i in quick]) > 2  # the quick queue's prefetch
+
+
+def test_at_sigterm_the_claims_waiting_in_dramatiqs_work_queue_are_given_back_at_once(
+    claimers: Claimers, leases: Leases, db_url: str
+) -> None:
+    """Not once the last running handler ends: dramatiq empties its work
+    queue only after its threads have stopped, a long handler's time later."""
+    from queue import PriorityQueue
+
+    from dramatiq.worker import _WorkQueueItem
+
+    insert_todos(db_url, 3)
+    claimer = claimers(threads=3)
+    running = next_message(claimer)
+    claimer.began(running)  # a thread runs it, for long
+    work_queue: PriorityQueue[_WorkQueueItem] = PriorityQueue()
+    for _ in range(2):
+        work_queue.put(_WorkQueueItem(0, next_message(claimer)))
+    claimer.stop_claiming()
+    claimer.drain(work_queue)
+    assert work_queue.empty()
+    assert work_queue.unfinished_tasks == 0
+    assert dict(query(db_url, "SELECT status, count(*) FROM todos GROUP BY status")) == {
+        "running": 1,
+        "pending": 2,
+    }
+    assert [c.todo.id for c in leases.held()] == [running.claim.todo.id]
+    assert claimer.next_message(0.2) is None  # stopping: no claim of them again
