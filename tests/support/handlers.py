@@ -46,6 +46,8 @@ def scripted(todo: Todo) -> None:
     ``always_fail``, ``sleep_s`` (after recording the start), ``raise`` (one
     of :data:`ERROR_TEXTS`, every run)."""
     payload: dict[str, Any] = todo.payload if isinstance(todo.payload, dict) else {}
+    if payload.get("w") is not None:
+        return  # a warm-up run: quick, unrecorded, so the worker times its queue quick
     _record(todo, "started")
     if payload.get("sleep_s"):
         time.sleep(float(payload["sleep_s"]))

@@ -1078,7 +1078,10 @@ def test_the_rescuer_and_the_workers_own_statements_run_under_their_roles(
         extended = todos.extend_leases(
             pg, [claimed[todo["to_finish"]], claimed[todo["cancelled_under"]]], 60.0
         )
-        assert extended == {todo["to_finish"]: True, todo["cancelled_under"]: False}
+        assert extended == {
+            (todo["to_finish"], claimed[todo["to_finish"]].token): True,
+            (todo["cancelled_under"], claimed[todo["cancelled_under"]].token): False,
+        }
         endings = [
             todos.Ending(claimed[todo["to_fail"]], "failed", "Planned: planned", "attempt 1 of 1 failed"),
             todos.Ending(claimed[todo["to_retry"]], "pending", "Planned: planned", "retried", delay_s=30.0),
