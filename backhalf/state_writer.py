@@ -1,7 +1,7 @@
 """One writer per worker process for the ends of its runs: a group commit.
 
 Every run of a todo ends durably (done, failed, or pending again for its
-retry), and its worker's claims have their leases extended while they run.
+retry; a claim given back unrun).
 Done one transaction per change from each worker thread, that is a commit, a
 pool checkout and their round trips per todo, several times dramatiq's own
 cost per message (docs/architecture.md, "The workers' group commit").
@@ -44,11 +44,10 @@ import contextlib
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
@@ -112,13 +111,6 @@ class _End:
     answer: Future[bool | None] | _Settle  # None: busy
 
 
-@dataclass(slots=True)
-class _Extend:
-    run: todos.Claimed
-    lease_s: float
-    answer: Future[bool | None] = field(default_factory=Future)  # None: busy
-
-
 # What a background end (StateWriter.finish) reports to its callback, in
 # the writer's thread once the end is settled: whether its run still held
 # the todo (False: cancelled or rescued meanwhile, the result discarded), or
@@ -151,7 +143,7 @@ class StateWriter:
         self._linger_s = linger_ms / 1000
         self._deadline_s = deadline_ms / 1000
         self._max_batch = max_batch
-        self._queue: queue.SimpleQueue[_End | _Extend] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_End] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._conn: PoolProxiedConnection | None = None
         # The running transaction (a sequence number) and its deadline
@@ -225,17 +217,6 @@ class StateWriter:
         except StoreError as exc:
             change.answer.set_exception(exc)
 
-    def extend(self, runs: Sequence[todos.Claimed], lease_s: float) -> list[bool | None]:
-        """Each claim's lease again from now, ``lease_s`` seconds (the
-        worker's lease keeper, while its runs go on), committed on return:
-        True if extended, False if the run no longer holds its todo (rescued
-        or cancelled: a claim not started yet is not run), None if another
-        transaction held the row (not waited for: extended at the next beat)."""
-        changes = [_Extend(run, lease_s) for run in runs]
-        for change in changes:
-            self._submit(change)
-        return [self._await(c.answer, "extending the lease of a claimed todo") for c in changes]
-
     def end_all(self, endings: Sequence[todos.Ending]) -> list[bool | BaseException]:
         """Several ends at once (claims given back), each committed or failed
         on return: whether its run held the todo, or why it was not
@@ -281,7 +262,7 @@ class StateWriter:
         """The longest a batch takes: every try within the deadline, plus the waits between them."""
         return self._deadline_s * (len(RETRY_DELAYS_S) + 1) + sum(RETRY_DELAYS_S)
 
-    def _submit(self, request: _End | _Extend) -> None:
+    def _submit(self, request: _End) -> None:
         if self._closing.is_set():
             raise StoreError("the worker is stopping: its state writer is closed")
         self._queue.put(request)
@@ -371,13 +352,9 @@ class StateWriter:
                     if not request.answer.done():
                         request.answer.set_exception(failure)
 
-    def _write(self, batch: list[_End | _Extend]) -> None:
+    def _write(self, batch: list[_End]) -> None:
         # Withdrawn changes (their thread timed out) are dropped, never written.
-        taken = [r for r in batch if r.answer.set_running_or_notify_cancel()]
-        extends = [r for r in taken if isinstance(r, _Extend)]
-        if extends:
-            self._extend(extends)
-        pending = [r for r in taken if isinstance(r, _End)]
+        pending = [r for r in batch if r.answer.set_running_or_notify_cancel()]
         while pending:
             ends, pending = _split(pending)
             self._write_one(ends)
@@ -409,35 +386,6 @@ class StateWriter:
         log.error("todo_ends_not_written", ends=len(ends), error=str(error))
         for end in ends:
             end.answer.set_exception(error)
-
-    def _extend(self, extends: list[_Extend]) -> None:
-        """Leases extended in a statement of their own (once per lease
-        keeper's beat), retried as a batch is; a row locked elsewhere is
-        answered busy, not waited for."""
-        error: BaseException | None = None
-        by_lease: dict[float, list[_Extend]] = {}
-        for x in extends:
-            by_lease.setdefault(x.lease_s, []).append(x)
-        for delay_s in (0.0, *RETRY_DELAYS_S):
-            time.sleep(delay_s)
-            try:
-                pg = self._connection()
-                held: dict[tuple[int, uuid.UUID], bool | None] = {}
-                with self._watched():
-                    for lease_s, group in by_lease.items():
-                        held.update(todos.extend_leases(pg, [x.run for x in group], lease_s))
-            except (psycopg.Error, SQLAlchemyError) as exc:
-                self._discard_connection()
-                error = exc
-                continue
-            for x in extends:
-                x.answer.set_result(held.get((x.run.todo.id, x.run.token), False))
-            return
-        failure = StoreError(f"extending {len(extends)} leases: {type(error).__name__}: {error}")
-        failure.__cause__ = error
-        log.error("todo_leases_not_extended", runs=len(extends), error=str(failure))
-        for x in extends:
-            x.answer.set_exception(failure)
 
     def _isolate(self, ends: list[_End], exc: BaseException) -> None:
         """The database refused the batch for the data of an end in it (an

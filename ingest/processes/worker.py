@@ -94,12 +94,13 @@ def resolve_handler(queue: QueueConfig) -> Handler:
 
 class _Process:
     """What one worker process holds once it consumes: the state writer
-    (one connection), the claimer (one more), the leases and their keeper."""
+    (one connection), the claimer (one more), the leases and their keeper
+    (a third)."""
 
     def __init__(self, settings: Settings, threads: int, served: Sequence[str], handlers: Any) -> None:
         worker = settings.worker
         self.lease_s = worker.lease_ms / 1000
-        self.engine = create_sync_engine(settings.database, pool_size=2)
+        self.engine = create_sync_engine(settings.database, pool_size=3)
         self.writer = StateWriter(
             self.engine,
             deadline_ms=settings.database.transaction_deadline_ms,
@@ -108,7 +109,7 @@ class _Process:
         )
         self.runner = Runner(self.writer, handlers)
         self.leases = Leases()
-        self.keeper = LeaseKeeper(self.leases, self.writer, self.lease_s)
+        self.keeper = LeaseKeeper(self.leases, self.engine, self.lease_s)
         self._claimer_args = (served, threads, worker.poll_interval_ms / 1000)
 
     def claimer(self) -> Claimer:

@@ -60,7 +60,6 @@ from sqlalchemy import Engine, PoolProxiedConnection
 from sqlalchemy.exc import SQLAlchemyError
 
 from backhalf import metrics, queries, todos
-from backhalf.errors import StoreError
 from backhalf.queues import ACTOR_PREFIX
 from backhalf.state_writer import StateWriter
 
@@ -134,10 +133,13 @@ class Leases:
 
 class LeaseKeeper:
     """Extends the leases of every claim the process holds, every third of
-    the lease, through the state writer (one statement a beat)."""
+    the lease, one statement a beat, on a connection of its own: never
+    behind an end batch the database is slow to answer (a lease lapsing
+    under a live run would let the rescuer run it twice at once)."""
 
-    def __init__(self, leases: Leases, writer: StateWriter, lease_s: float) -> None:
-        self._leases, self._writer, self._lease_s = leases, writer, lease_s
+    def __init__(self, leases: Leases, engine: Engine, lease_s: float) -> None:
+        self._leases, self._engine, self._lease_s = leases, engine, lease_s
+        self._raw: PoolProxiedConnection | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="switchboard-leases", daemon=True)
         self._thread.start()
@@ -146,10 +148,16 @@ class LeaseKeeper:
         held = self._leases.held()
         if not held:
             return
-        answers = self._writer.extend(held, self._lease_s)
-        for claim, extended in zip(held, answers, strict=True):
-            # An end committed since the snapshot released its claim first
-            # (the writer settles an end before it takes the next batch).
+        try:
+            answers = todos.extend_leases(self._connection(), held, self._lease_s)
+        except (psycopg.Error, SQLAlchemyError):
+            self._discard()
+            raise
+        for claim in held:
+            extended = answers.get((claim.todo.id, claim.token), False)
+            # An end committed since the snapshot released its claim first:
+            # nothing lost (a background end is settled in the writer's
+            # thread, a failed run's and a give-back let go before writing).
             if extended is False and self._leases.lose(claim):
                 log.warning("todo_claim_lost", todo_id=claim.todo.id, queue=claim.todo.queue,
                             reason="cancelled or rescued while this worker held it")  # fmt: skip
@@ -158,16 +166,36 @@ class LeaseKeeper:
         while not self._stop.wait(self._lease_s / 3):
             try:
                 self.beat()
-            except StoreError as exc:
+            except (psycopg.Error, SQLAlchemyError) as exc:
                 # Missed beats leave a third of the lease, twice, before the
-                # claims lapse: the next beat tries again.
-                log.warning("todo_leases_not_extended", error=str(exc))
+                # claims lapse: the next beat tries again, connected anew.
+                log.warning("todo_leases_not_extended", error=f"{type(exc).__name__}: {exc}")
             except Exception as exc:  # the keeper must outlive a bug: claims would lapse under live runs
                 log.exception("todo_lease_keeper_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """Its own, out of the pool for good, autocommit: each beat one
+        statement, bounded by the engine's statement and lock timeouts."""
+        if self._raw is None:
+            self._raw = self._engine.raw_connection()
+            pg = self._raw.driver_connection
+            assert isinstance(pg, psycopg.Connection)
+            pg.autocommit = True
+        pg = self._raw.driver_connection
+        assert isinstance(pg, psycopg.Connection)
+        return pg
+
+    def _discard(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            with contextlib.suppress(psycopg.Error, SQLAlchemyError):
+                raw.invalidate()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._lease_s)
+        if not self._thread.is_alive():
+            self._discard()
 
 
 class Claimer:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import psycopg
@@ -275,35 +274,8 @@ def test_a_run_stopped_by_no_error_of_its_handler_leaves_the_todo_to_its_lease(
     ) == [("running", 1, None)]
 
 
-# -- leases -----------------------------------------------------------------------
-
-LEASE_LEFT = "SELECT extract(epoch FROM lease_until - now()) FROM todos WHERE id = %(i)s"
-
-
-def test_a_lease_is_extended_only_for_its_own_run(
-    writer: StateWriter, db_url: str, todo_ids: list[int]
-) -> None:
-    run = claimed(db_url)
-    assert writer.extend([run], 600) == [True]
-    assert float(scalar(db_url, LEASE_LEFT, {"i": todo_ids[0]})) > 590
-    other_run = todos.Claimed(run.todo, uuid.uuid4())
-    assert writer.extend([other_run], 6000) == [False]
-    assert float(scalar(db_url, LEASE_LEFT, {"i": todo_ids[0]})) < 601
-    query(db_url, "UPDATE todos SET status = 'cancelled' WHERE id = %(i)s", {"i": todo_ids[0]})
-    assert writer.extend([run], 600) == [False]  # lost: cancelled meanwhile
-
-
-def test_a_lease_held_by_another_transaction_is_answered_busy_not_waited_for(
-    writer: StateWriter, db_url: str, todo_ids: list[int]
-) -> None:
-    run = claimed(db_url)
-    with psycopg.connect(libpq(db_url)) as holder:
-        holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
-        began = time.monotonic()
-        assert writer.extend([run], 600) == [None]
-        assert time.monotonic() - began < 5  # the connection's lock timeout is far longer
-    assert writer.extend([run], 600) == [True]
-
+# The leases' statement (extend_leases) is tested in test_todo_lifecycle.py,
+# the lease keeper that runs it in tests/integration/processes/test_worker_broker.py.
 
 # -- the writer's plans -----------------------------------------------------------
 
@@ -337,7 +309,6 @@ def test_the_writers_plan_made_on_a_small_table_still_reads_todos_by_id_once_it_
         conn.execute(grow, (1, 2000))  # an ingester's first batch
     runs = claim(db_url, limit=4)
     assert writer.end(todos.Ending(runs[0], "done", None, "done"))  # planned now
-    assert writer.extend([runs[1]], 60) == [True]
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         conn.execute(grow, (2001, 30000))  # not analyzed yet: the plan is kept
     before = todos_seq_scans(db_url, writer)
@@ -348,7 +319,6 @@ def test_the_writers_plan_made_on_a_small_table_still_reads_todos_by_id_once_it_
         True,
         True,
     ]
-    assert writer.extend([runs[0]], 60) == [False]
     assert todos_seq_scans(db_url, writer) == before
 
 

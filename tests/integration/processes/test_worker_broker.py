@@ -223,14 +223,14 @@ LEASE_LEFT = "SELECT id, extract(epoch FROM lease_until - now()) FROM todos WHER
 
 
 def test_the_lease_keeper_extends_every_held_claim_and_marks_the_lost_ones(
-    writer: StateWriter, leases: Leases, db_url: str
+    sync_engine: Engine, leases: Leases, db_url: str
 ) -> None:
     ids = insert_todos(db_url, 3)
     kept, lost, released = claim(db_url, lease_s=5)
     leases.hold([kept, lost, released])
     leases.release(released)
     query(db_url, "UPDATE todos SET status = 'cancelled' WHERE id = %(i)s", {"i": lost.todo.id})
-    keeper = LeaseKeeper(leases, writer, lease_s=60)
+    keeper = LeaseKeeper(leases, sync_engine, lease_s=60)
     try:
         with capture_logs() as logs:
             keeper.beat()
@@ -353,3 +353,30 @@ def test_at_sigterm_the_claims_waiting_in_dramatiqs_work_queue_are_given_back_at
     }
     assert [c.todo.id for c in leases.held()] == [running.claim.todo.id]
     assert claimer.next_message(0.2) is None  # stopping: no claim of them again
+
+
+def test_the_lease_keeper_extends_while_the_writer_is_stuck_on_an_end(
+    sync_engine: Engine, writer: StateWriter, leases: Leases, db_url: str
+) -> None:
+    """Its own connection: a lease beat never waits behind an end batch the
+    database is slow to answer (a lease lapsing under a live run lets the
+    rescuer run it twice at once)."""
+    ids = insert_todos(db_url, 2)
+    ending, kept = claim(db_url, lease_s=5)
+    leases.hold([kept])
+    with psycopg.connect(libpq(db_url)) as holder:
+        # The end's row locked elsewhere: the writer asks for it again and
+        # again (about 5 s), its thread busy with it.
+        holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (ending.todo.id,))
+        done: list[bool | BaseException] = []
+        writer.finish(todos.Ending(ending, "done", None, "done"), done.append)
+        keeper = LeaseKeeper(leases, sync_engine, lease_s=60)
+        try:
+            began = time.monotonic()
+            keeper.beat()
+            assert time.monotonic() - began < 2
+        finally:
+            keeper.close()
+        assert done == []  # the end still waits
+    left = {i: float(s) for i, s in query(db_url, LEASE_LEFT)}
+    assert left[ids[1]] > 55
