@@ -4,14 +4,14 @@ wait bounded (pool checkout, connect, statement, lock, dead peer)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import psycopg
 import structlog
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, PoolProxiedConnection, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -189,3 +189,51 @@ async def within_deadline(
         if not deadline.expired():
             raise  # a timeout of something else inside the block
         raise DeadlineExceeded(f"{what}: no reply from the database within {deadline_ms} ms") from exc
+
+
+class HeldConnection:
+    """One connection of ``engine`` taken out of its pool for good, in
+    autocommit (each statement its own transaction, no checkout, ping and
+    reset per use), made on first use by ``setup`` and discarded (invalidated)
+    after a failure, to be made anew at the next: what a worker's claimer
+    and lease keeper hold. ``name`` names it in the log."""
+
+    def __init__(
+        self, engine: Engine, name: str, setup: Callable[[psycopg.Connection[Any]], None] = lambda pg: None
+    ) -> None:
+        self._engine, self._name, self._setup = engine, name, setup
+        self._raw: PoolProxiedConnection | None = None
+
+    def current(self) -> psycopg.Connection[Any] | None:
+        """The connection held now, None if there is none."""
+        if self._raw is None:
+            return None
+        pg = self._raw.driver_connection
+        assert isinstance(pg, psycopg.Connection)
+        return pg
+
+    def get(self) -> psycopg.Connection[Any]:
+        """The connection, made (and set up) if none is held."""
+        pg = self.current()
+        if pg is not None:
+            return pg
+        self._raw = self._engine.raw_connection()
+        pg = self.current()
+        assert pg is not None
+        try:
+            pg.autocommit = True
+            self._setup(pg)
+        except BaseException:
+            self.discard()
+            raise
+        return pg
+
+    def discard(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            try:
+                raw.invalidate()
+            except (psycopg.Error, SQLAlchemyError) as exc:
+                log.warning(
+                    "connection_discarded", connection=self._name, error=f"{type(exc).__name__}: {exc}"
+                )

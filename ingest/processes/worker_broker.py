@@ -56,10 +56,11 @@ import structlog
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import DramatiqError
 from psycopg import sql as pgsql
-from sqlalchemy import Engine, PoolProxiedConnection
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from backhalf import metrics, queries, todos
+from backhalf.db import HeldConnection
 from backhalf.queues import ACTOR_PREFIX
 from backhalf.state_writer import StateWriter
 
@@ -138,8 +139,9 @@ class LeaseKeeper:
     under a live run would let the rescuer run it twice at once)."""
 
     def __init__(self, leases: Leases, engine: Engine, lease_s: float) -> None:
-        self._leases, self._engine, self._lease_s = leases, engine, lease_s
-        self._raw: PoolProxiedConnection | None = None
+        self._leases, self._lease_s = leases, lease_s
+        # Its own: each beat one statement, bounded by the engine's timeouts.
+        self._conn = HeldConnection(engine, "lease keeper")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="switchboard-leases", daemon=True)
         self._thread.start()
@@ -149,9 +151,9 @@ class LeaseKeeper:
         if not held:
             return
         try:
-            answers = todos.extend_leases(self._connection(), held, self._lease_s)
+            answers = todos.extend_leases(self._conn.get(), held, self._lease_s)
         except (psycopg.Error, SQLAlchemyError):
-            self._discard()
+            self._conn.discard()
             raise
         for claim in held:
             extended = answers.get((claim.todo.id, claim.token), False)
@@ -173,29 +175,11 @@ class LeaseKeeper:
             except Exception as exc:  # the keeper must outlive a bug: claims would lapse under live runs
                 log.exception("todo_lease_keeper_failed", error=f"{type(exc).__name__}: {exc}")
 
-    def _connection(self) -> psycopg.Connection[Any]:
-        """Its own, out of the pool for good, autocommit: each beat one
-        statement, bounded by the engine's statement and lock timeouts."""
-        if self._raw is None:
-            self._raw = self._engine.raw_connection()
-            pg = self._raw.driver_connection
-            assert isinstance(pg, psycopg.Connection)
-            pg.autocommit = True
-        pg = self._raw.driver_connection
-        assert isinstance(pg, psycopg.Connection)
-        return pg
-
-    def _discard(self) -> None:
-        raw, self._raw = self._raw, None
-        if raw is not None:
-            with contextlib.suppress(psycopg.Error, SQLAlchemyError):
-                raw.invalidate()
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._lease_s)
         if not self._thread.is_alive():
-            self._discard()
+            self._conn.discard()
 
 
 class Claimer:
@@ -213,7 +197,7 @@ class Claimer:
         lease_s: float,
         poll_interval_s: float,
     ) -> None:
-        self._engine, self._writer, self._leases = engine, writer, leases
+        self._writer, self._leases = writer, leases
         self._order = collections.deque(queues)
         self._threads, self._lease_s, self._poll_s = threads, lease_s, poll_interval_s
         self._lock = threading.Lock()
@@ -224,7 +208,9 @@ class Claimer:
         # follows its own pace, so a slow queue never rides on a quick one's.
         self._pace_s: dict[str, float] = {}
         self._ready: collections.deque[TodoMessage] = collections.deque()
-        self._raw: PoolProxiedConnection | None = None
+        # LISTEN and claims on it; its session prices sorts out and commits
+        # without waiting for a flush (queries.sql, claimer_session).
+        self._conn = HeldConnection(engine, "claimer", _claimer_session)
         self._wanted = True  # todos may be due: claim when threads are free
         self._next_poll = 0.0
         self._failures = 0
@@ -303,7 +289,7 @@ class Claimer:
     def _claim(self, limit: int) -> None:
         self._order.rotate(-1)  # each claim starts at the next queue: none starves another
         try:
-            pg = self._connection()
+            pg = self._conn.get()
             claimed = todos.claim(pg, list(self._order), limit, self._lease_s, per_queue=self._limits())
         except (psycopg.Error, SQLAlchemyError) as exc:
             self._failed(exc)
@@ -340,7 +326,7 @@ class Claimer:
     def _failed(self, exc: BaseException) -> None:
         """The database refused or dropped a claim: the connection is
         replaced, and the next claim waits a little longer each time."""
-        self._discard()
+        self._conn.discard()
         delay_s = CLAIM_BACKOFF_S[min(self._failures, len(CLAIM_BACKOFF_S) - 1)]
         self._failures += 1
         log.warning("todo_claim_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay_s,
@@ -382,34 +368,7 @@ class Claimer:
         return got > 0
 
     def _pg(self) -> psycopg.Connection[Any] | None:
-        if self._raw is None:
-            return None
-        pg = self._raw.driver_connection
-        assert isinstance(pg, psycopg.Connection)
-        return pg
-
-    def _connection(self) -> psycopg.Connection[Any]:
-        """The claimer's own connection, out of the pool for good: LISTEN
-        on it, claims on it (autocommit: each claim its own transaction)."""
-        pg = self._pg()
-        if pg is not None:
-            return pg
-        self._raw = self._engine.raw_connection()
-        pg = self._pg()
-        assert pg is not None
-        pg.autocommit = True
-        pg.execute(queries.CLAIMER_SESSION)  # the claim walks ix_todos_claimable (queries.sql says why)
-        pg.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(queries.TODO_CHANNEL)))
-        log.info("listening", channel=queries.TODO_CHANNEL)
-        return pg
-
-    def _discard(self) -> None:
-        raw, self._raw = self._raw, None
-        if raw is not None:
-            try:
-                raw.invalidate()
-            except (psycopg.Error, SQLAlchemyError) as exc:
-                log.warning("todo_claimer_connection_discarded", error=f"{type(exc).__name__}: {exc}")
+        return self._conn.current()
 
     # -- the worker threads -------------------------------------------------------
 
@@ -516,7 +475,13 @@ class Claimer:
         ready, self._ready = list(self._ready), collections.deque()
         self.untrack(len(ready))
         self.give_back(ready)
-        self._discard()
+        self._conn.discard()
+
+
+def _claimer_session(pg: psycopg.Connection[Any]) -> None:
+    pg.execute(queries.CLAIMER_SESSION)  # the claim walks ix_todos_claimable (queries.sql says why)
+    pg.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(queries.TODO_CHANNEL)))
+    log.info("listening", channel=queries.TODO_CHANNEL)
 
 
 class TodoConsumer(Consumer):
