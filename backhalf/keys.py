@@ -3,13 +3,29 @@
 * native id (stream entry):     ``{prefix}:{source}:{entry-id}``
 * no native id (list, pub/sub): ``{prefix}:{source}:{sha256(body) hex}``
 * a reused entry id (another body on a stored id): ``{native key}:{sha256(body) hex}``
+* a producer's id (AMQP ``message_id``): ``{prefix}:{source}:{key_id(id)}``, the
+  id with ``%``, ``:``, whitespace and control characters percent-encoded
+  (:func:`key_id`): a producer cannot end its id in what looks like a reused
+  id's digest, nor send a NUL PostgreSQL cannot store, and ids that differ
+  make keys that differ.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
 DEFAULT_PREFIX = "redis"
+# What a producer's id may not carry into a key as it is: the escape itself,
+# the key's separator, whitespace, and every control character (NUL among
+# them, which no PostgreSQL text holds), and a lone surrogate (a JSON
+# client's decoding of "\\ud800", which UTF-8 cannot encode). Unicode
+# letters stay readable.
+_UNSAFE_IN_KEY = re.compile(r"[%:\s\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# What a text column refuses: NUL, and what UTF-8 cannot encode.
+_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+# U+FFFD, Unicode's own mark for a character that could not be kept.
+_REPLACEMENT = "\ufffd"
 
 
 def native_key(prefix: str, source: str, message_id: str) -> str:
@@ -26,3 +42,33 @@ def reused_key(key: str, body_sha256: bytes) -> str:
     redelivery of that message dedups to it; distinct per body, so it cannot
     meet the entry's own key or another message's."""
     return f"{key}:{body_sha256.hex()}"
+
+
+def key_id(producer_id: str) -> str:
+    """A producer-chosen id in the form a key may hold: injective (``%`` is
+    escaped too, so two ids never share a form), with no ``:`` (nothing a
+    producer sends can take the shape of :func:`reused_key`'s suffix or of
+    another source's key) and nothing PostgreSQL refuses. An id of plain
+    characters (a UUID, ``order-42``) is itself, so its key reads as before."""
+    return _UNSAFE_IN_KEY.sub(_percent, producer_id)
+
+
+def _percent(match: re.Match[str]) -> str:
+    char = match.group()
+    try:
+        # A byte a client kept as a surrogate escape (not UTF-8 on the wire:
+        # ingest.adapters.amqp.frames) is escaped as that byte...
+        raw = char.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        # ... any other lone surrogate as the three bytes it would be.
+        raw = char.encode("utf-8", "surrogatepass")
+    return "".join(f"%{b:02X}" for b in raw)
+
+
+def storable_id(producer_id: str) -> str:
+    """A producer's id as received, made storable: a NUL (which no text
+    column holds) or a lone surrogate becomes U+FFFD; everything else is
+    kept as sent. For
+    ``source_message_id``, read by people and ``trace``; the key uses
+    :func:`key_id`, which is unambiguous."""
+    return _UNSTORABLE.sub(_REPLACEMENT, producer_id)

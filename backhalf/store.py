@@ -34,27 +34,40 @@ PendingCopies = dict[tuple[str, str | None], int]
 Written = tuple[str, bool | None, int | None, int | None, bool | None]
 
 
-def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | None) -> list[InboxRecord]:
-    # One statement may not touch a row twice (ON CONFLICT DO UPDATE), and a
-    # batch can hold the same message twice: a PEL re-read overlapping a
-    # claim, or several copies of one list body. Merge them, counting both.
-    # (Records are left as they are otherwise: this runs per message.)
-    merged: dict[str, InboxRecord] = {}
+def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | None) -> list[list[InboxRecord]]:
+    """The batch in rounds, each storable by one statement.
+
+    One statement may not touch a row twice (ON CONFLICT DO UPDATE), and a
+    batch can hold the same message twice: a PEL re-read overlapping a
+    claim, or several copies of one list body. Copies of one message (the
+    same key and the same whole-message digest) are merged, counting both.
+    The same key on another body is another message (a producer's id used
+    twice, a reused entry id): never merged away, it goes in the next round,
+    which meets the row the round before stored and takes the reused-id
+    path (``_store_reused``) or, where the id alone names the message,
+    deduplicates. (Records are left as they are otherwise: this runs per
+    message; a digest is computed only for a key seen twice.)"""
+    rounds: list[dict[str, InboxRecord]] = [{}]
     for rec in records:
-        seen = merged.get(rec.idempotency_key)
-        if seen is None:
-            merged[rec.idempotency_key] = rec
-        elif _ack_key(seen, default_ack_key) != _ack_key(rec, default_ack_key):
-            # Adapters deliver one ack target per batch; events link by key.
-            raise StoreError(f"key {rec.idempotency_key} appears with two ack keys in one batch")
+        key = rec.idempotency_key
+        for merged in rounds:
+            seen = merged.get(key)
+            if seen is None:
+                merged[key] = rec
+                break
+            if _ack_key(seen, default_ack_key) != _ack_key(rec, default_ack_key):
+                # Adapters deliver one ack target per batch; events link by key.
+                raise StoreError(f"key {key} appears with two ack keys in one batch")
+            if _digest(seen) == _digest(rec):
+                merged[key] = seen._replace(
+                    ack_copies=seen.ack_copies + rec.ack_copies, deliveries=seen.deliveries + rec.deliveries
+                )
+                break
         else:
-            merged[rec.idempotency_key] = seen._replace(
-                ack_copies=seen.ack_copies + rec.ack_copies,
-                deliveries=seen.deliveries + rec.deliveries,
-            )
+            rounds.append({key: rec})
     # A fixed lock order: two ingesters storing overlapping entries (a claim
     # racing a slow consumer) queue behind each other instead of deadlocking.
-    return sorted(merged.values(), key=attrgetter("idempotency_key"))
+    return [sorted(merged.values(), key=attrgetter("idempotency_key")) for merged in rounds if merged]
 
 
 def _ack_key(rec: InboxRecord, default: str | None) -> str | None:
@@ -63,10 +76,10 @@ def _ack_key(rec: InboxRecord, default: str | None) -> str | None:
 
 async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:
     """Store ``batch`` in the caller's transaction; raise :class:`StoreError`."""
-    records = _merge_duplicates(batch.records, batch.ack.key)
-    if not records:
+    rounds = _merge_duplicates(batch.records, batch.ack.key)
+    if not rounds:
         return StoreResult(0, 0, 0, 0, 0)
-    native = {r.source_message_id is not None for r in records}
+    native = {r.source_message_id is not None for r in batch.records}
     if len(native) != 1:
         raise StoreError(f"adapter {batch.adapter}: a batch mixes messages with and without native ids")
     if batch.ack.by_body and (batch.ack.by_cursor or True in native):
@@ -75,10 +88,14 @@ async def store(conn: AsyncConnection, batch: StoreBatch) -> StoreResult:
             f"adapter {batch.adapter}: ack target {batch.ack.kind!r} counts copies of a body,"
             " so its messages must be keyed by body and queued, not found by the cursor"
         )
-    with wrap_driver_errors(StoreError, f"adapter {batch.adapter}: storing {len(records)} messages failed"):
+    with wrap_driver_errors(
+        StoreError, f"adapter {batch.adapter}: storing {len(batch.records)} messages failed"
+    ):
         pg = await driver_connection(conn)
         async with pg.cursor() as cur:
-            return await _store(cur, batch, records, native=native.pop())
+            is_native = native.pop()
+            results = [await _store(cur, batch, records, native=is_native) for records in rounds]
+    return results[0] if len(results) == 1 else StoreResult.total(results)
 
 
 async def _store(cur: Cursor, batch: StoreBatch, records: list[InboxRecord], *, native: bool) -> StoreResult:
@@ -312,10 +329,12 @@ async def _store_reused(
     }
     again = sorted(derived.values(), key=attrgetter("idempotency_key"))
     second = _Outcome.of(await _write(cur, batch, again, set(), native=True))
-    if second.reused:  # a sha256 collision, or a bug: refuse rather than drop
-        raise StoreError(f"adapter {batch.adapter}: derived keys {second.reused[:3]} also hold another body")
     if second.lost:
         await _undo_lost(cur, second)
+    if second.reused:
+        rejected, second = await _reject_conflicts(cur, batch, again, second)
+        derived = {key: rejected.get(r.idempotency_key, r) for key, r in derived.items()}
+        again = sorted(derived.values(), key=attrgetter("idempotency_key"))
     combined = _Outcome(
         inserted=outcome.inserted | second.inserted,
         todos=outcome.todos + second.todos,
@@ -328,6 +347,40 @@ async def _store_reused(
         ],
     )
     return [derived.get(r.idempotency_key, r) for r in records], combined
+
+
+async def _reject_conflicts(
+    cur: Cursor, batch: StoreBatch, again: list[InboxRecord], second: _Outcome
+) -> tuple[dict[str, InboxRecord], _Outcome]:
+    """Messages whose derived key, too, holds another body: each is that one
+    message's rejection, stored under the derived key's own derived form
+    (stable: its redelivery dedups to it), never its batch's failure. No
+    transport's id can take a derived key's shape (``keys.key_id``), so only
+    ids written to look like one by hand, or a sha256 collision, come here."""
+    conflicted = set(second.reused)
+    rejected = {
+        r.idempotency_key: r._replace(
+            idempotency_key=keys.reused_key(r.idempotency_key, _digest(r)),
+            payload=None,
+            error=f"derived_key_conflict: another body is stored under {r.idempotency_key}, the key"
+            " this message's id was moved to; stored rejected under its own",
+        )
+        for r in again
+        if r.idempotency_key in conflicted
+    }
+    third = _Outcome.of(
+        await _write(
+            cur, batch, sorted(rejected.values(), key=attrgetter("idempotency_key")), set(), native=True
+        )
+    )
+    if third.reused:  # a third body on the same id and digests: a sha256 collision
+        raise StoreError(f"adapter {batch.adapter}: derived keys {third.reused[:3]} also hold another body")
+    combined = _Outcome(
+        inserted=second.inserted | third.inserted,
+        todos=second.todos + third.todos,
+        created=second.created + third.created,
+    )
+    return rejected, combined
 
 
 def _digest(rec: InboxRecord) -> bytes:

@@ -15,8 +15,11 @@
 -- The roles (ops/README.md has the table of what each may do):
 --
 --   switchboard_migrator  LOGIN: owns the schema; runs `switchboard migrate`.
---   switchboard_ingester  NOLOGIN group: `switchboard ingest` and
---                         `switchboard receive` (the webhook receiver).
+--   switchboard_ingester  NOLOGIN group: `switchboard ingest` (the pull
+--                         adapters).
+--   switchboard_receiver  NOLOGIN group: `switchboard receive` (the webhook
+--                         receiver): its push adapters' inbox rows (with no
+--                         ack target), events and todos, and its heartbeat.
 --   switchboard_acker     NOLOGIN group: `switchboard ack` (acks, the rescuer,
 --                         the pruner), `switchboard prune`,
 --                         `switchboard status` and the read-only commands
@@ -120,6 +123,9 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_ingester') THEN
         CREATE ROLE switchboard_ingester NOLOGIN;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_receiver') THEN
+        CREATE ROLE switchboard_receiver NOLOGIN;
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_acker') THEN
         CREATE ROLE switchboard_acker NOLOGIN;
     END IF;
@@ -137,6 +143,9 @@ BEGIN
     END IF;
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_ingester_login') THEN
         CREATE ROLE switchboard_ingester_login LOGIN IN ROLE switchboard_ingester;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_receiver_login') THEN
+        CREATE ROLE switchboard_receiver_login LOGIN IN ROLE switchboard_receiver;
     END IF;
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_acker_login') THEN
         CREATE ROLE switchboard_acker_login LOGIN IN ROLE switchboard_acker;
@@ -157,14 +166,26 @@ END
 $roles$;
 
 -- The migrator creates the schema in public (PostgreSQL 15 took CREATE on
--- public from PUBLIC); the others only use it. CONNECT on the database is
--- PUBLIC's by default; where it was revoked, grant it to the seven roles.
--- Before 15, PUBLIC could create in public: taken back here (a no-op on 15+).
+-- public from PUBLIC); the others only use it. Before 15, PUBLIC could
+-- create in public: taken back here (a no-op on 15+).
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE, CREATE ON SCHEMA public TO switchboard_migrator;
 GRANT USAGE ON SCHEMA public
-    TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator, switchboard_viewer,
-       switchboard_auditor;
+    TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker, switchboard_operator,
+       switchboard_viewer, switchboard_auditor;
+-- CONNECT (and TEMPORARY) on Switchboard's database are PUBLIC's by default:
+-- any login of the cluster could connect and, holding a transaction open,
+-- hold back the acker's cursor (backhalf/queries.sql, ack_horizon_cte) and
+-- with it every stream ack. Only Switchboard's roles connect here (grant
+-- CONNECT to a role of your own that must).
+DO $connect$
+BEGIN
+    EXECUTE format('REVOKE CONNECT, TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO switchboard_migrator, switchboard_ingester,'
+                   ' switchboard_receiver, switchboard_acker, switchboard_worker, switchboard_operator,'
+                   ' switchboard_viewer, switchboard_auditor', current_database());
+END
+$connect$;
 -- `switchboard status` (the acker's, and the operator's) reads the audit views too.
 -- Not the viewer: the console reads the tables (backhalf.console_views), no view.
 GRANT switchboard_auditor TO switchboard_acker, switchboard_operator;
@@ -207,23 +228,23 @@ BEGIN
     -- Start from nothing, so a grant taken out of this file is revoked by its next run.
     REVOKE ALL ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events, delivery_attempts,
                   stream_groups, processes, alembic_version
-        FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-             switchboard_viewer, switchboard_auditor;
+        FROM switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
+             switchboard_operator, switchboard_viewer, switchboard_auditor;
     REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
-        FROM switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-             switchboard_viewer, switchboard_auditor;
+        FROM switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
+             switchboard_operator, switchboard_viewer, switchboard_auditor;
 
     -- Every process role: its heartbeat row (backhalf.heartbeats), and the
     -- rows a day silent it deletes; `status` reads them all. Whose rows: the
     -- policies below. The console (`switchboard web`) is a process too, run
     -- as the operator's login or the viewer's.
     GRANT SELECT, INSERT, DELETE, UPDATE (seen_at, detail, stopped_at) ON processes
-        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-           switchboard_viewer;
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
+           switchboard_operator, switchboard_viewer;
     -- Every process reads the migration version at start (not migrated: exit 3).
     GRANT SELECT ON alembic_version
-        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-           switchboard_viewer;
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
+           switchboard_operator, switchboard_viewer;
 
     -- The ingester (backhalf.store, registry, attempts, stream_groups).
     -- Registration: its adapters' rows, never the operator's `enabled` flag.
@@ -260,6 +281,36 @@ BEGIN
         TO switchboard_ingester;
     GRANT USAGE ON SEQUENCE inbox_id_seq, events_id_seq, todos_id_seq, todo_events_id_seq
         TO switchboard_ingester;
+
+    -- The receiver (`switchboard receive`: backhalf.store with no ack, as
+    -- ingest.processes.push_store calls it, and registry). The store's one
+    -- statement names ack_queue and the inbox's ack columns whatever it
+    -- writes (privileges are checked per statement, not per row), so they
+    -- are granted and the policies below refuse any row with an ack target
+    -- or an ack queued. Registration: its adapters' rows (family 'push').
+    GRANT SELECT, INSERT (name, family, transport, mode, settings),
+          UPDATE (transport, mode, settings, updated_at) ON adapters TO switchboard_receiver;
+    GRANT SELECT (start_id) ON stream_groups TO switchboard_receiver;
+    GRANT SELECT, INSERT (queue, idempotency_key, payload), UPDATE (updated_at), DELETE
+        ON todos TO switchboard_receiver;
+    GRANT SELECT (id, todo_id), INSERT (todo_id, from_status, to_status, detail), DELETE
+        ON todo_events TO switchboard_receiver;
+    GRANT SELECT, INSERT (family, adapter, trust_mode, verified, verify_detail, idempotency_key,
+                          source_message_id, payload, todo_id), DELETE
+        ON events TO switchboard_receiver;
+    GRANT SELECT,
+          INSERT (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
+                  ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after, ack_state,
+                  deliveries, status, error, todo_id, event_id, ack_xid, source_attributes),
+          UPDATE (ack_copies, deliveries, consumer, ack_key, ack_group, ack_entry_id, ack_state, acked_at,
+                  ack_xid)
+        ON inbox TO switchboard_receiver;
+    -- ack_queue: named by the statement (no policy lets the receiver see or
+    -- write a row of it).
+    GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body)
+        ON ack_queue TO switchboard_receiver;
+    GRANT USAGE ON SEQUENCE inbox_id_seq, events_id_seq, todos_id_seq, todo_events_id_seq
+        TO switchboard_receiver;
 
     -- The acker: claim_acks marks acks; the rescuer moves todos whose lease
     -- lapsed (rescue_todos) but creates none; release_orphaned_acks;
@@ -331,6 +382,7 @@ BEGIN
     -- Row-level rules (the header says why). Every switchboard_* policy is
     -- dropped and made again, so a run always leaves exactly these, whatever
     -- an earlier version of this file made.
+    ALTER TABLE adapters ENABLE ROW LEVEL SECURITY;
     ALTER TABLE inbox ENABLE ROW LEVEL SECURITY;
     ALTER TABLE ack_queue ENABLE ROW LEVEL SECURITY;
     ALTER TABLE todos ENABLE ROW LEVEL SECURITY;
@@ -344,26 +396,71 @@ BEGIN
         EXECUTE format('DROP POLICY %I ON %I', pol.policyname, pol.tablename);
     END LOOP;
 
+    -- adapters: each storing role registers its own family's adapters (the
+    -- ingester 'queue', the receiver 'push'), and the rows it may store for
+    -- are those (inbox, events and todos below); the operator flips
+    -- `enabled` on any.
+    CREATE POLICY switchboard_read ON adapters FOR SELECT
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_operator,
+           switchboard_viewer
+        USING (true);
+    CREATE POLICY switchboard_ingester_register ON adapters FOR ALL TO switchboard_ingester
+        USING (family = 'queue') WITH CHECK (family = 'queue');
+    CREATE POLICY switchboard_receiver_register ON adapters FOR ALL TO switchboard_receiver
+        USING (family = 'push') WITH CHECK (family = 'push');
+    CREATE POLICY switchboard_operator_enable ON adapters FOR UPDATE TO switchboard_operator
+        USING (true) WITH CHECK (true);
+
     -- inbox.
     CREATE POLICY switchboard_read ON inbox FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_operator, switchboard_viewer USING (true);
-    -- The store's rows: never acked, 'none' only for what nothing acks, and
-    -- ack_xid only the storing transaction's own id.
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_operator,
+           switchboard_viewer
+        USING (true);
+    -- The store's rows, of a pull adapter: never acked, 'none' only for what
+    -- nothing acks, and ack_xid only the storing transaction's own id.
     CREATE POLICY switchboard_ingester_insert ON inbox FOR INSERT TO switchboard_ingester
         WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL AND (ack_state = 'none') = (ack_kind = 'none')
-                    AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8));
+                    AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8)
+                    AND EXISTS (SELECT FROM adapters a WHERE a.name = inbox.adapter AND a.family = 'queue'));
     -- merge_inbox_body and a redelivery (store_inbox_native_cte): the same,
     -- and a row keeps its ack's stream or list (ack_key), pending or not (an
     -- acked row asked for again is pending by the same statement): repointed,
-    -- the acker would ack an entry never stored. Its
-    -- group may change: the same entry redelivered through a group renamed
-    -- in the config is acked in the group that holds it now.
+    -- the acker would ack an entry never stored. Its group and its entry's
+    -- ref (ack_group, ack_entry_id) change only on a row this transaction is
+    -- storing again, which asks for its ack again by this transaction's id
+    -- (ack_xid): a JetStream redelivery's newer reply subject, the same entry
+    -- redelivered through a group renamed in the config. The acker, for its
+    -- part, acts only on targets its own config names (the acknowledgers'
+    -- ``ack_target_refused``), whatever a row says.
     CREATE POLICY switchboard_ingester_update ON inbox FOR UPDATE TO switchboard_ingester
         USING (true)
         WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL AND (ack_state = 'none') = (ack_kind = 'none')
                     AND (ack_xid IS NULL OR ack_xid = pg_current_xact_id()::text::int8)
                     AND NOT EXISTS (SELECT FROM inbox o
-                                    WHERE o.id = inbox.id AND o.ack_key IS DISTINCT FROM inbox.ack_key));
+                                    WHERE o.id = inbox.id
+                                      AND (o.ack_key IS DISTINCT FROM inbox.ack_key
+                                           OR (inbox.ack_xid IS DISTINCT FROM pg_current_xact_id()::text::int8
+                                               AND (o.ack_group, o.ack_entry_id)
+                                                   IS DISTINCT FROM (inbox.ack_group, inbox.ack_entry_id)))));
+    -- A consumer-acked transport (AMQP: the ingester acks on the channel that
+    -- received the messages, after the commit; mark_own_acks,
+    -- settle_own_acks): its pending intents marked acked, their target
+    -- unchanged. Only this kind: every other ack is the acker's.
+    CREATE POLICY switchboard_ingester_own_acks ON inbox FOR UPDATE TO switchboard_ingester
+        USING (ack_kind = 'amqp' AND ack_state = 'pending')
+        WITH CHECK (ack_kind = 'amqp' AND ack_state = 'acked' AND acked_at IS NOT NULL AND ack_xid IS NULL
+                    AND NOT EXISTS (SELECT FROM inbox o
+                                    WHERE o.id = inbox.id
+                                      AND (o.ack_key, o.ack_group, o.ack_entry_id)
+                                          IS DISTINCT FROM (inbox.ack_key, inbox.ack_group, inbox.ack_entry_id)));
+    -- The receiver's rows: a push adapter's, with no ack at all (nothing to
+    -- ack: the HTTP answer is the acknowledgement), as first stored or as a
+    -- resent delivery's ON CONFLICT update leaves them.
+    CREATE POLICY switchboard_receiver_store ON inbox FOR ALL TO switchboard_receiver
+        USING (ack_kind = 'none')
+        WITH CHECK (ack_kind = 'none' AND ack_state = 'none' AND acked_at IS NULL AND ack_xid IS NULL
+                    AND ack_key IS NULL AND ack_group IS NULL AND ack_entry_id IS NULL
+                    AND EXISTS (SELECT FROM adapters a WHERE a.name = inbox.adapter AND a.family = 'push'));
     -- claim_acks and mark_cursor_acks mark pending rows acked, with their
     -- time; reset_ack_cursor re-stamps pending ones. Any row: the pruner
     -- locks the acked rows it deletes.
@@ -392,6 +489,9 @@ BEGIN
         WITH CHECK (true);
     CREATE POLICY switchboard_ingester_lock ON ack_queue FOR UPDATE TO switchboard_ingester
         USING (true) WITH CHECK (false);
+    -- The store's statement names ack_queue; a push row queues no ack.
+    CREATE POLICY switchboard_receiver_none ON ack_queue FOR INSERT TO switchboard_receiver
+        WITH CHECK (false);
     -- release_acks (worker, operator's cancel, rescuer) and
     -- release_orphaned_acks: an ack waiting for a todo that has ended.
     CREATE POLICY switchboard_release ON ack_queue FOR UPDATE
@@ -411,17 +511,27 @@ BEGIN
     -- operator's retry and cancel lock before they read): its WITH CHECK
     -- holds it to its pairs.
     CREATE POLICY switchboard_read ON todos FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-           switchboard_viewer
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
+           switchboard_operator, switchboard_viewer
         USING (true);
-    CREATE POLICY switchboard_create ON todos FOR INSERT TO switchboard_ingester, switchboard_operator
+    -- The store's todos: on the queue of one of the role's own adapters
+    -- (registered with its family); inbox replay's, the operator's, on any.
+    CREATE POLICY switchboard_create ON todos FOR INSERT TO switchboard_operator
         WITH CHECK (status = 'pending');
+    CREATE POLICY switchboard_ingester_create ON todos FOR INSERT TO switchboard_ingester
+        WITH CHECK (status = 'pending'
+                    AND EXISTS (SELECT FROM adapters a
+                                WHERE a.family = 'queue' AND a.settings ->> 'queue' = todos.queue));
+    CREATE POLICY switchboard_receiver_create ON todos FOR INSERT TO switchboard_receiver
+        WITH CHECK (status = 'pending'
+                    AND EXISTS (SELECT FROM adapters a
+                                WHERE a.family = 'push' AND a.settings ->> 'queue' = todos.queue));
     -- The dedup's no-op update, and store_ack_queue_cte's FOR SHARE: active todos.
-    CREATE POLICY switchboard_ingester_update ON todos FOR UPDATE TO switchboard_ingester
+    CREATE POLICY switchboard_ingester_update ON todos FOR UPDATE TO switchboard_ingester, switchboard_receiver
         USING (status IN ('pending', 'dispatched', 'running'))
         WITH CHECK (status IN ('pending', 'dispatched', 'running'));
     -- The store's undo: todos this transaction created.
-    CREATE POLICY switchboard_ingester_delete ON todos FOR DELETE TO switchboard_ingester
+    CREATE POLICY switchboard_ingester_delete ON todos FOR DELETE TO switchboard_ingester, switchboard_receiver
         USING (xmin = pg_current_xact_id()::xid AND created_at = now() AND status = 'pending');
     CREATE POLICY switchboard_acker_update ON todos FOR UPDATE TO switchboard_acker
         USING (true)
@@ -458,10 +568,13 @@ BEGIN
     -- (read in the snapshot: before the statement's own change) could make
     -- that change.
     CREATE POLICY switchboard_read ON todo_events FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_operator, switchboard_viewer USING (true);
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_operator,
+           switchboard_viewer
+        USING (true);
     -- todos_create_cte's 'pending' row: of the todo its statement creates,
     -- which the snapshot does not hold yet.
-    CREATE POLICY switchboard_created ON todo_events FOR INSERT TO switchboard_ingester, switchboard_operator
+    CREATE POLICY switchboard_created ON todo_events FOR INSERT
+        TO switchboard_ingester, switchboard_receiver, switchboard_operator
         WITH CHECK (from_status IS NULL AND to_status = 'pending'
                     AND NOT EXISTS (SELECT FROM todos t WHERE t.id = todo_events.todo_id));
     CREATE POLICY switchboard_acker_insert ON todo_events FOR INSERT TO switchboard_acker
@@ -490,7 +603,8 @@ BEGIN
                                                                            ('failed', 'pending'),
                                                                            ('cancelled', 'pending'))));
     -- The store's undo (delete_todos): the rows this transaction inserted.
-    CREATE POLICY switchboard_ingester_delete ON todo_events FOR DELETE TO switchboard_ingester
+    CREATE POLICY switchboard_ingester_delete ON todo_events FOR DELETE
+        TO switchboard_ingester, switchboard_receiver
         USING (xmin = pg_current_xact_id()::xid);
     -- The pruner: the history of a todo that is terminal, or gone.
     CREATE POLICY switchboard_acker_delete ON todo_events FOR DELETE TO switchboard_acker
@@ -500,13 +614,22 @@ BEGIN
 
     -- events.
     CREATE POLICY switchboard_read ON events FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_operator, switchboard_viewer USING (true);
-    CREATE POLICY switchboard_ingester_insert ON events FOR INSERT TO switchboard_ingester WITH CHECK (true);
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_operator,
+           switchboard_viewer
+        USING (true);
+    -- A pull event is never verified (a broker vouches for no sender); a
+    -- push event is the receiver's, of one of its adapters.
+    CREATE POLICY switchboard_ingester_insert ON events FOR INSERT TO switchboard_ingester
+        WITH CHECK (family = 'queue' AND trust_mode = 'queue' AND NOT verified
+                    AND EXISTS (SELECT FROM adapters a WHERE a.name = events.adapter AND a.family = 'queue'));
+    CREATE POLICY switchboard_receiver_insert ON events FOR INSERT TO switchboard_receiver
+        WITH CHECK (family = 'push'
+                    AND EXISTS (SELECT FROM adapters a WHERE a.name = events.adapter AND a.family = 'push'));
     -- Inbox replay's event is never verified: the operator vouches for nothing.
     CREATE POLICY switchboard_operator_insert ON events FOR INSERT TO switchboard_operator
         WITH CHECK (NOT verified);
     -- The store's undo (delete_events): the rows this transaction inserted.
-    CREATE POLICY switchboard_ingester_delete ON events FOR DELETE TO switchboard_ingester
+    CREATE POLICY switchboard_ingester_delete ON events FOR DELETE TO switchboard_ingester, switchboard_receiver
         USING (xmin = pg_current_xact_id()::xid);
     -- The pruner deletes an inbox row's event with it (retention's walk
     -- holds the inbox row; no index leads from an event to it).
@@ -515,14 +638,18 @@ BEGIN
     -- processes: each process role its own rows (`role`); the day-silent
     -- clean-up (backhalf.heartbeats.forget_statement, FORGET_AFTER_S) anyone's.
     CREATE POLICY switchboard_read ON processes FOR SELECT
-        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-           switchboard_viewer
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
+           switchboard_operator, switchboard_viewer
         USING (true);
-    -- `switchboard receive` (role 'receive', migration 0011) runs as the ingester.
     CREATE POLICY switchboard_ingester_insert ON processes FOR INSERT TO switchboard_ingester
-        WITH CHECK (role IN ('ingest', 'receive'));
+        WITH CHECK (role = 'ingest');
     CREATE POLICY switchboard_ingester_update ON processes FOR UPDATE TO switchboard_ingester
-        USING (role IN ('ingest', 'receive')) WITH CHECK (role IN ('ingest', 'receive'));
+        USING (role = 'ingest') WITH CHECK (role = 'ingest');
+    -- `switchboard receive` (role 'receive', migration 0011).
+    CREATE POLICY switchboard_receiver_insert ON processes FOR INSERT TO switchboard_receiver
+        WITH CHECK (role = 'receive');
+    CREATE POLICY switchboard_receiver_update ON processes FOR UPDATE TO switchboard_receiver
+        USING (role = 'receive') WITH CHECK (role = 'receive');
     CREATE POLICY switchboard_acker_insert ON processes FOR INSERT TO switchboard_acker
         WITH CHECK (role = 'ack');
     CREATE POLICY switchboard_acker_update ON processes FOR UPDATE TO switchboard_acker
@@ -538,8 +665,8 @@ BEGIN
     CREATE POLICY switchboard_web_update ON processes FOR UPDATE TO switchboard_operator, switchboard_viewer
         USING (role = 'web') WITH CHECK (role = 'web');
     CREATE POLICY switchboard_forget ON processes FOR DELETE
-        TO switchboard_ingester, switchboard_acker, switchboard_worker, switchboard_operator,
-           switchboard_viewer
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
+           switchboard_operator, switchboard_viewer
         USING (stopped_at < now() - interval '1 day' OR seen_at < now() - interval '1 day');
 END
 $grants$;

@@ -26,7 +26,7 @@ from tests.support import db
 from tests.support.processes import switchboard
 
 ROLES_SQL = Path(__file__).parents[2] / "ops" / "roles.sql"
-ROLES = ("migrator", "ingester", "acker", "worker", "operator", "viewer", "auditor")
+ROLES = ("migrator", "ingester", "receiver", "acker", "worker", "operator", "viewer", "auditor")
 # A test password, one for every login user: a constant, never a log line.
 LOGIN_PASSWORD = "least-privilege-test-pw"
 INSUFFICIENT_PRIVILEGE = "42501"

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import pytest
 import redis
+from sqlalchemy.engine import make_url
 
 from backhalf.db import libpq_url
 from ingest.adapters.redis.lists import processing_key
@@ -357,9 +359,94 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
         " VALUES (%(inbox)s, 'orders', 'xack', 'orders', 'k1', %(todo)s)",
         {"inbox": inbox_id, "todo": todo_id},
     )
+    # A push adapter of the receiver's, on a queue of its own.
+    db.query(
+        admin,
+        "INSERT INTO adapters (name, family, transport, mode, settings)"
+        """ VALUES ('billing', 'push', 'webhook', 'standard-webhooks', '{"queue": "billing"}')""",
+    )
+    db.query(admin, """UPDATE adapters SET settings = '{"queue": "orders"}' WHERE name = 'orders'""")
     ids = {"inbox": inbox_id, "todo": todo_id}
-    ingester, acker, worker, auditor = (roles_db.url(r) for r in ("ingester", "acker", "worker", "auditor"))
+    ingester, receiver, acker, worker, auditor = (
+        roles_db.url(r) for r in ("ingester", "receiver", "acker", "worker", "auditor")
+    )
+    push_row = (
+        "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key, ack_group,"
+        " ack_entry_id, ack_state, status) VALUES ({adapter}, 'webhook:billing:d1', 'd1', '\\x7b7d', {kind},"
+        " {key}, {group}, {entry}, {state}, 'stored')"
+    )
     refused = {
+        # No role but the ingester sets an ack target, and the ingester only on
+        # a row it is storing again (which takes this transaction's ack_xid):
+        # never repointed to another group or entry in place.
+        "ingester UPDATE inbox ack_group": (
+            ingester,
+            "UPDATE inbox SET ack_group = 'someone-elses-group' WHERE id = %(inbox)s",
+        ),
+        "ingester UPDATE inbox ack_entry_id": (
+            ingester,
+            "UPDATE inbox SET ack_entry_id = '9-0' WHERE id = %(inbox)s",
+        ),
+        "ingester INSERT a verified event": (
+            ingester,
+            "INSERT INTO events (family, adapter, trust_mode, verified, verify_detail, idempotency_key,"
+            " payload) VALUES ('push', 'billing', 'hmac-sha256', true, 'standard-webhooks', 'forged', '{}')",
+        ),
+        "ingester INSERT todos on a queue of none of its adapters": (
+            ingester,
+            "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('payments', 'k7', '{}')",
+        ),
+        "ingester INSERT inbox of a push adapter": (
+            ingester,
+            push_row.format(
+                adapter="'billing'", kind="'none'", key="NULL", group="NULL", entry="NULL", state="'none'"
+            ),
+        ),
+        "ingester heartbeat as the receiver": (
+            ingester,
+            "INSERT INTO processes (instance, role, host, pid, started_at, seen_at)"
+            " VALUES (gen_random_uuid(), 'receive', 'h', 1, now(), now())",
+        ),
+        # The receiver: its push adapters' rows, with no ack target, nothing more.
+        "receiver INSERT inbox with an ack target": (
+            receiver,
+            push_row.format(
+                adapter="'billing'",
+                kind="'xack'",
+                key="'orders'",
+                group="'switchboard'",
+                entry="'1-0'",
+                state="'pending'",
+            ),
+        ),
+        "receiver INSERT inbox of a pull adapter": (
+            receiver,
+            push_row.format(
+                adapter="'orders'", kind="'none'", key="NULL", group="NULL", entry="NULL", state="'none'"
+            ),
+        ),
+        "receiver INSERT a pull event": (
+            receiver,
+            "INSERT INTO events (family, adapter, trust_mode, verified, verify_detail, idempotency_key,"
+            " payload) VALUES ('queue', 'orders', 'queue', false, 'redis acl: x', 'forged', '{}')",
+        ),
+        "receiver INSERT todos on a pull adapter's queue": (
+            receiver,
+            "INSERT INTO todos (queue, idempotency_key, payload) VALUES ('orders', 'k8', '{}')",
+        ),
+        "receiver INSERT ack_queue": (
+            receiver,
+            "INSERT INTO ack_queue (inbox_id, adapter, ack_kind, ack_key, idempotency_key)"
+            " VALUES (%(inbox)s, 'orders', 'xack', 'orders', 'k1')",
+        ),
+        "receiver DELETE inbox": (receiver, "DELETE FROM inbox WHERE id = %(inbox)s"),
+        "receiver UPDATE todos.status": (receiver, "UPDATE todos SET status = 'done' WHERE id = %(todo)s"),
+        "receiver UPDATE adapters.enabled": (receiver, "UPDATE adapters SET enabled = false"),
+        "receiver heartbeat as the ingester": (
+            receiver,
+            "INSERT INTO processes (instance, role, host, pid, started_at, seen_at)"
+            " VALUES (gen_random_uuid(), 'ingest', 'h', 1, now(), now())",
+        ),
         # The acker marks acks and moves todos, but creates none, and no inbox row.
         "acker INSERT todos": (
             acker,
@@ -432,8 +519,38 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
     }
     got = {what: sqlstate(url, statement, ids) for what, (url, statement) in refused.items()}
     assert got == dict.fromkeys(refused, INSUFFICIENT_PRIVILEGE)
+    # Rows a role's policies do not let it change are not there for its
+    # UPDATE at all: no error, and no row changed (asserted below).
+    unseen = {
+        "receiver UPDATE inbox ack_state acked": (
+            receiver,
+            "UPDATE inbox SET ack_state = 'acked', acked_at = now() WHERE id = %(inbox)s",
+        ),
+        "receiver UPDATE inbox ack_group": (
+            receiver,
+            "UPDATE inbox SET ack_group = 'someone-elses-group' WHERE id = %(inbox)s",
+        ),
+        "ingester UPDATE a push adapter": (
+            ingester,
+            "UPDATE adapters SET settings = '{}' WHERE name = 'billing'",
+        ),
+        "receiver UPDATE a pull adapter": (
+            receiver,
+            "UPDATE adapters SET settings = '{}' WHERE name = 'orders'",
+        ),
+    }
+    for what, (url, statement) in unseen.items():
+        assert sqlstate(url, statement, ids) is None, what
+    assert db.query(admin, "SELECT name, settings FROM adapters ORDER BY name") == [
+        ("billing", {"queue": "billing"}),
+        ("orders", {"queue": "orders"}),
+    ]
     # Nothing reached the tables.
-    assert db.query(admin, "SELECT ack_state, acked_at FROM inbox") == [("pending", None)]
+    assert db.query(admin, "SELECT ack_state, acked_at, ack_group, ack_entry_id FROM inbox") == [
+        ("pending", None, "switchboard", "1-0")
+    ]
+    assert db.scalar(admin, "SELECT count(*) FROM events") == 0
+    assert db.scalar(admin, "SELECT count(*) FROM processes") == 0
     assert db.query(admin, "SELECT waiting_for FROM ack_queue") == [(todo_id,)]
     assert db.scalar(admin, "SELECT count(*) FROM todos") == 1
     assert db.scalar(admin, "SELECT bool_and(enabled) FROM adapters") is True
@@ -468,6 +585,60 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
     assert sqlstate(ingester, redelivery.format(state="'acked'")) == INSUFFICIENT_PRIVILEGE
     assert sqlstate(ingester, redelivery.format(state="'pending'")) is None
     assert db.query(admin, "SELECT ack_state, acked_at, deliveries FROM inbox") == [("pending", None, 2)]
+    # Storing it again (this transaction's ack_xid, as by_cursor stores do)
+    # takes the newest delivery's ref; in place, without storing, it may not.
+    again = redelivery.format(state="'pending'").replace(
+        "acked_at = NULL", "acked_at = NULL, ack_entry_id = '1-1', ack_xid = pg_current_xact_id()::text::int8"
+    )
+    assert sqlstate(ingester, again) is None
+    assert db.query(admin, "SELECT ack_entry_id FROM inbox") == [("1-1",)]
+    # The receiver stores a push delivery, and its resend.
+    push = push_row.format(
+        adapter="'billing'", kind="'none'", key="NULL", group="NULL", entry="NULL", state="'none'"
+    ) + (
+        " ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL"
+        " DO UPDATE SET deliveries = inbox.deliveries + 1"
+    )
+    assert sqlstate(receiver, push) is None
+    assert sqlstate(receiver, push) is None
+    assert db.query(admin, "SELECT deliveries FROM inbox WHERE adapter = 'billing'") == [(2,)]
+    # An AMQP adapter's ingester marks the acks it sent on its own channel,
+    # and only those (every other kind is the acker's, refused above).
+    db.query(admin, "INSERT INTO adapters (name, transport, mode) VALUES ('rabbit', 'amqp', 'queue')")
+    amqp_id = db.scalar(
+        admin,
+        "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key,"
+        " ack_entry_id, ack_state, status, ack_xid) VALUES ('rabbit', 'amqp:q:m1', 'm1', '\\x7b7d', 'amqp',"
+        " 'q', 's1:1', 'pending', 'stored', 1) RETURNING id",
+    )
+    own = "UPDATE inbox SET ack_state = 'acked', acked_at = now(), ack_xid = NULL{also} WHERE id = %(id)s"
+    assert sqlstate(ingester, own.format(also=", ack_entry_id = 's2:1'"), {"id": amqp_id}) == (
+        INSUFFICIENT_PRIVILEGE
+    )
+    assert sqlstate(ingester, own.format(also=""), {"id": amqp_id}) is None
+    assert db.query(admin, "SELECT ack_state FROM inbox WHERE id = %(id)s", {"id": amqp_id}) == [("acked",)]
+
+
+def test_only_switchboards_roles_connect_to_its_database(roles_db: RoleDatabase) -> None:
+    """CONNECT is taken from PUBLIC: a login of the cluster with no grant
+    cannot connect, so cannot hold a transaction open here (which would
+    hold back the acker's cursor and every stream ack)."""
+    stranger = f"{roles_db.prefix}_stranger"
+    with psycopg.connect(libpq_url(roles_db.admin_url), autocommit=True, connect_timeout=10) as conn:
+        conn.execute(
+            psycopg.sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                psycopg.sql.Identifier(stranger), psycopg.sql.Literal("stranger-pw")
+            )
+        )
+    try:
+        url = make_url(roles_db.admin_url).set(username=stranger, password="stranger-pw")
+        with pytest.raises(psycopg.OperationalError, match="permission denied for database"):
+            psycopg.connect(libpq_url(url.render_as_string(hide_password=False)), connect_timeout=10).close()
+        for role in ("ingester", "receiver", "acker", "worker", "operator", "viewer", "auditor", "migrator"):
+            assert sqlstate(roles_db.url(role), "SELECT 1") is None, role
+    finally:
+        with psycopg.connect(libpq_url(roles_db.admin_url), autocommit=True, connect_timeout=10) as conn:
+            conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(stranger)))
 
 
 def _client(server: RedisServer, user: str) -> redis.Redis:

@@ -267,18 +267,22 @@ def test_a_commit_that_fails_at_an_injected_point_is_503_and_the_receiver_goes_o
     receiver.stop()  # the injected fault's traceback is in the log: no clean-exit check
 
 
-def test_the_receiver_runs_as_the_shipped_ingester_role(
+def test_the_receiver_runs_as_the_shipped_receiver_role(
     procs: Processes, tmp_path: Path, servers: ServerUrls
 ) -> None:
     with role_database(servers.database) as rdb:
         migrate_and_grant(rdb)
-        config, port = receiver_config(tmp_path / "receive.toml", rdb.url("ingester"), [HOOK])
+        config, port = receiver_config(tmp_path / "receive.toml", rdb.url("receiver"), [HOOK])
         receiver = procs.start("receive", config, name="receiver-1", env=ENV)
         wait_listening(receiver)
         body, headers = _delivery(10)
         answer = post(port, "/hooks/billing", body, headers)
         assert answer.status == 200, answer.body
+        # The sender's retry of the same delivery: deduplicated, as the receiver's role may.
+        again = post(port, "/hooks/billing", body, headers)
+        assert again.status == 200, again.body
         assert scalar(rdb.admin_url, "SELECT count(*) FROM todos") == 1
+        assert scalar(rdb.admin_url, "SELECT deliveries FROM inbox") == 2
         wait_for(
             lambda: scalar(rdb.admin_url, "SELECT count(*) FROM processes WHERE role = 'receive'") == 1,
             timeout_s=30,

@@ -12,9 +12,13 @@ has no part. ``describe_ack`` puts an intent in the words of that ack.
 
 from __future__ import annotations
 
-from ingest.adapters.amqp import queue
+from ingest.adapters.amqp import frames, queue
 from ingest.adapters.amqp.queue import AmqpQueueAdapter, no_acker
 from ingest.adapters.base import AckIntentView, ModeImplementation
+
+# Before any frame is read: a producer's short string that is not UTF-8 must
+# not end the connection (frames.py says why).
+frames.install()
 
 MODES: dict[str, ModeImplementation] = {
     "queue": ModeImplementation(AmqpQueueAdapter, no_acker, queue.ACK_KIND, acked_by="consumer"),

@@ -27,8 +27,11 @@ next channel settles its earlier channels' rows at its start
 (``ConsumerLedger.settle_acks``).
 
 Keys: ``{key_prefix}:{queue}:{message_id}`` where the message carries the
-``message_id`` property, else ``{key_prefix}:{queue}:{sha256(body)}``; the
-inbox's ``source_message_id`` is that id or that digest (a departure from
+``message_id`` property (the producer's choice, so taken into the key only
+as ``backhalf.keys.key_id`` escapes it: no ``:``, no NUL, no id that differs
+making the same key), else ``{key_prefix}:{queue}:{sha256(body)}``; the
+inbox's ``source_message_id`` is that id as received (a NUL made U+FFFD,
+``keys.storable_id``) or that digest (a departure from
 DESIGN.md, which says NULL: see docs/architecture.md), so every AMQP row is
 deduplicated by the inbox for as long as it is kept, not only while its todo
 is active, and a batch mixing both kinds is one statement.
@@ -50,7 +53,7 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 
-from backhalf.keys import native_key
+from backhalf.keys import key_id, native_key, storable_id
 from backhalf.records import AckTarget
 from ingest.adapters.amqp.common import (
     CALL_TIMEOUT_S,
@@ -350,8 +353,14 @@ class AmqpQueueAdapter:
 
     def _delivery(self, message: DeliveredMessage, session: str) -> Delivery:
         body = message.body
-        message_id = message.header.properties.message_id or hashlib.sha256(body).hexdigest()
-        key = native_key(self._cfg.key_prefix, self._cfg.source, message_id)
+        producer_id = message.header.properties.message_id
+        if producer_id:
+            # The producer's choice: data, never trusted as a key as it is.
+            message_id = storable_id(producer_id)
+            key = native_key(self._cfg.key_prefix, self._cfg.source, key_id(producer_id))
+        else:
+            message_id = hashlib.sha256(body).hexdigest()
+            key = native_key(self._cfg.key_prefix, self._cfg.source, message_id)
         ref = f"{session}:{_tag(message)}"
         # A classic queue says only that a message came before, not how
         # often: a lower bound, which the poll loop treats as a suspect.

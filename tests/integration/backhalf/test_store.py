@@ -345,6 +345,67 @@ async def test_a_redelivery_of_the_reused_id_message_dedups_to_its_todo(
     assert scalar(db_url, "SELECT max(deliveries) FROM inbox") == 3
 
 
+async def test_two_messages_on_one_id_in_one_batch_are_two_messages(engine: AsyncEngine, db_url: str) -> None:
+    """A producer's id used twice with different bodies in one batch (AMQP's
+    ``message_id`` is the producer's choice): the second is not merged into
+    the first as a copy; it is stored under its derived key. A copy of the
+    same message in the batch is still one row, counted twice."""
+    async with engine.begin() as conn:
+        result = await store(
+            conn,
+            batch(
+                rec("1-0", '{"n": 1}'), rec("1-0", '{"n": 2}'), rec("1-0", '{"n": 1}'), rec("2-0", '{"n": 3}')
+            ),
+        )
+    second = hashlib.sha256(b'{"n": 2}').hexdigest()
+    derived = f"redis:orders:1-0:{second}"
+    assert (result.new, result.todos_created, result.reused) == (3, 3, (("1-0", derived),))
+    assert query(db_url, "SELECT idempotency_key, body, deliveries FROM inbox ORDER BY idempotency_key") == [
+        ("redis:orders:1-0", b'{"n": 1}', 2),
+        (derived, b'{"n": 2}', 1),
+        ("redis:orders:2-0", b'{"n": 3}', 1),
+    ]
+
+
+async def test_a_derived_key_conflict_is_that_messages_rejection_not_its_batchs_failure(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    """The review's three messages, with ids taken into keys as they were
+    (an id that looks like a derived key): ``1-0``, then ``1-0:<digest of B>``
+    holding another body, then ``1-0`` with body B, whose derived key is
+    taken. That message alone is rejected, under a key of its own; the rest
+    of its batch is stored, and a redelivery of the batch dedups."""
+    body_b = '{"n": 20}'
+    squatter = f"1-0:{hashlib.sha256(body_b.encode()).hexdigest()}"
+    async with engine.begin() as conn:
+        await store(conn, batch(rec("1-0", '{"n": 1}'), rec(squatter, '{"n": 666}')))
+    for deliveries in (1, 2):
+        async with engine.begin() as conn:
+            result = await store(
+                conn,
+                batch(
+                    other("1-0", body_b, deliveries), rec("2-0", '{"n": 2}')._replace(deliveries=deliveries)
+                ),
+            )
+        if deliveries == 1:
+            assert (result.new, result.rejected, result.todos_created) == (2, 1, 1)
+            assert result.rejected_errors[0].startswith("derived_key_conflict:")
+        else:
+            assert (result.new, result.rejected, result.todos_created) == (0, 0, 0)
+    rows = query(
+        db_url,
+        "SELECT idempotency_key, status, body, todo_id IS NOT NULL FROM inbox ORDER BY id",
+    )
+    assert [(status, body, has_todo) for _, status, body, has_todo in rows] == [
+        ("stored", b'{"n": 1}', True),
+        ("stored", b'{"n": 666}', True),
+        ("stored", b'{"n": 2}', True),
+        ("rejected", body_b.encode(), False),
+    ]
+    assert rows[3][0] == f"redis:orders:{squatter}:{hashlib.sha256(body_b.encode()).hexdigest()}"
+    assert scalar(db_url, "SELECT count(*) FROM todos") == 3
+
+
 async def test_a_lost_entry_report_on_a_stored_id_is_a_redelivery(engine: AsyncEngine, db_url: str) -> None:
     """An entry trimmed while pending comes back without its body: nothing
     to compare, so it is the stored entry again (re-acked), not a new one."""
