@@ -9,19 +9,29 @@ processes' log processor (``ingest.observe.logs``) uses the same function.
 
 What it removes (``tests/unit/backhalf/test_redaction.py`` has a table):
 
-* a URL's password (``scheme://user:***@host``);
+* a URL's password (``scheme://user:***@host``), and a NATS URL's token (a
+  user name with no password, ``nats://***@host``, which nats-py sends as
+  a token);
 * the value of a secret-named key: ``password``, ``passwd``, ``pwd``,
-  ``secret`` (``client_secret``), ``token`` (``access_token``,
-  ``refresh_token``, ``X-Amz-Security-Token``), ``api_key``/``apikey``,
-  ``secret_key``/``private_key``, ``signature`` (``X-Amz-Signature``),
-  ``credential`` (``X-Amz-Credential``) and ``sig`` (an Azure SAS), written
-  ``key=value`` (a DSN, a query string), ``"key": value`` (JSON, a repr) or
-  ``key: value`` where a key starts (a YAML line, a header, a flow mapping);
+  ``passphrase``, ``secret`` (``client_secret``), ``token``
+  (``access_token``, ``refresh_token``, ``X-Amz-Security-Token``),
+  ``api_key``/``apikey``, ``secret_key``/``private_key``, ``signature``
+  (``X-Amz-Signature``, ``Stripe-Signature``, ``webhook-signature``,
+  ``X-Hub-Signature-256``), ``credential`` (``X-Amz-Credential``),
+  ``cookie`` (``Cookie``, ``Set-Cookie``) and ``sig`` (an Azure SAS),
+  written ``key=value`` (a DSN, a query string), ``"key": value`` (JSON, a
+  repr), ``("key", value)`` (a repr's pair: a header list) or ``key:
+  value`` where a key starts (a YAML line, a header, a flow mapping); a
+  signature list (Standard Webhooks' ``v1,SIG v1,SIG``, Stripe's
+  ``t=..,v1=..``) is one value, commas and all;
 * an ``Authorization`` header's credentials, whatever the scheme, and a
   ``Bearer`` token wherever it stands.
 
 Only the key's own name counts: ``tokens=3``, ``secretary: x`` and "the
-password: check it" are left alone.
+password: check it" are left alone. So is a dotted name in the middle of
+a line followed by prose (``todos.run_token: a worker's start ...``, a
+migration's title): a column or an attribute named in a sentence, not a
+key with its value (``Error: settings.password: hunter2`` is one).
 
 Every pattern here takes linear time on any input (issue 33: the URL pattern
 once took ten minutes on a megabyte of letters). A pattern that can begin
@@ -52,9 +62,13 @@ _SECRET_NAMES = (
     "password",
     "passwd",
     "pwd",
+    "passphrase",
     "secret",
     "token",
     "signature",
+    "signature-256",  # GitHub's X-Hub-Signature-256
+    "signature_256",
+    "cookie",
     "credential",
     "credentials",
     "apikey",
@@ -68,26 +82,34 @@ _SECRET_NAMES = (
     "private_key",
     "private-key",
 )
-_PASSWORD_NAMES = ("password", "passwd", "pwd")
+_PASSWORD_NAMES = ("password", "passwd", "pwd", "passphrase")
 
 
-def _key_ending(names: tuple[str, ...], *word_ends: str) -> str:
+def _key_ending(names: tuple[str, ...], *word_ends: str, dotted: bool = True) -> str:
     """A key that ends with one of ``names``, or with one of ``word_ends``
     after no letter or digit. The key is the whole run of key characters
     (the first lookbehind: it starts where the run starts), taken
     possessively, and its end is then tested by a lookbehind per name: each
-    run is walked once, whatever it holds."""
+    run is walked once, whatever it holds. ``dotted`` False: a run holding
+    a "." is no key (it is a qualified name), and no key starts inside it."""
     ends = [f"(?<={re.escape(n)})" for n in names]
     ends += [f"(?<={re.escape(w)})(?<![a-z0-9]{re.escape(w)})" for w in word_ends]
-    return r"(?<![\w.-])[\w.-]++(?:" + "|".join(ends) + ")"
+    run = r"[\w.-]++" if dotted else r"[\w-]++(?!\.)"
+    return r"(?<![\w.-])" + run + "(?:" + "|".join(ends) + ")"
 
 
 _SECRET_KEY = _key_ending(_SECRET_NAMES, "sig")
+_UNDOTTED_SECRET_KEY = _key_ending(_SECRET_NAMES, "sig", dotted=False)
 _PASSWORD_KEY = _key_ending(_PASSWORD_NAMES)
+_PAIR_KEY = _key_ending((*_SECRET_NAMES, "authorization"), "sig")
 
 # A quoted value ends at its closing quote, or at the end of the line when it
 # was cut off.
 _QUOTED = r"""'(?:[^'\\\n]|\\.)*+'?|"(?:[^"\\\n]|\\.)*+"?"""
+# A signature list is one value, commas and spaces within: Standard
+# Webhooks' "v1,SIG v1,SIG" (webhook-signature) and Stripe's "t=..,v1=..".
+# Each begins with a literal, so no position is scanned twice.
+_SIGNATURE_LIST = r"""v\d++,[^\s,&"'<>}]++(?:[ \t]++v\d++,[^\s,&"'<>}]++)*+|t=\d++,[^\s&"'<>}]++"""
 
 # password=... in DSNs and keyword lists (PGPASSWORD=..., ODBC's Pwd=...). An
 # unquoted value ends at whitespace, as libpq reads it (a password may hold
@@ -96,20 +118,38 @@ _PASSWORD_ASSIGNED = re.compile(rf"(?P<head>{_PASSWORD_KEY}[ \t]*+=[ \t]*+)(?:{_
 # token=..., ?sig=...&: the other names' unquoted values end at whitespace,
 # "&" (the next query parameter) or a quote (the string a URL sits in).
 _SECRET_ASSIGNED = re.compile(
-    rf"""(?P<head>{_SECRET_KEY}[ \t]*+=[ \t]*+)(?:{_QUOTED}|[^\s&"'=<>][^\s&"'<>]*+)""", re.IGNORECASE
+    rf"""(?P<head>{_SECRET_KEY}[ \t]*+=[ \t]*+)(?:{_QUOTED}|{_SIGNATURE_LIST}|[^\s&"'=<>][^\s&"'<>]*+)""",
+    re.IGNORECASE,
 )
 # 'password': '...' in a repr, "access_token": "..." in JSON.
 _QUOTED_KEY = re.compile(
     rf"""(?P<head>["']{_SECRET_KEY}["']\s*+:\s*+)(?:{_QUOTED}|[^\s,}}\]]++)""", re.IGNORECASE
 )
+# ('password', '...') in a repr: a pair, as a header list holds them
+# (b'cookie', b'...' too).
+_PAIR = re.compile(
+    rf"""(?P<head>\([ \t]*+b?["']{_PAIR_KEY}["'][ \t]*+,[ \t]*+)(?:b?(?:{_QUOTED})|[^\s,)\]]++)""",
+    re.IGNORECASE,
+)
 # password: ... where a key starts: at the start of a line (YAML, a header,
 # a list item "- "), after "{", ",", ";", "(" or "[" (a flow mapping), or
 # after another colon ("ValueError: token: ..."); never mid-sentence ("the
 # password: check it"). A space must follow the colon, as YAML needs. The
-# value runs to the end of the line, or of its flow mapping's entry.
+# value runs to the end of the line, or of its flow mapping's entry; a
+# signature list is one value.
 _COLON_KEY = re.compile(
-    rf"""(?P<head>(?:^|(?<=[{{,;:(\[]))[ \t]*+(?:-[ \t]++)?{_SECRET_KEY}[ \t]*+:[ \t]++)"""
-    rf"""(?:{_QUOTED}|[^\s,}}][^\n,}}]*+)""",
+    rf"""(?P<head>(?:^[ \t]*+(?:-[ \t]++)?{_SECRET_KEY}|(?<=[{{,;:(\[])[ \t]*+{_UNDOTTED_SECRET_KEY})"""
+    rf"""[ \t]*+:[ \t]++)(?:{_QUOTED}|{_SIGNATURE_LIST}|[^\s,}}][^\r\n,}}]*+)""",
+    re.IGNORECASE | re.MULTILINE,
+)
+# A dotted name in the middle of a line is a key only when one value (a
+# word, or a quoted string) follows it to the end of its line or entry
+# ("Error: settings.password: hunter2"); followed by prose it is a column
+# or an attribute named in a sentence ("...; todos.run_token: a worker's
+# start recognizes its own run", a migration's title), and left alone.
+_DOTTED_COLON_KEY = re.compile(
+    rf"""(?P<head>(?<=[{{,;:(\[])[ \t]*+{_SECRET_KEY}[ \t]*+:[ \t]++)"""
+    rf"""(?:{_QUOTED}|(?:{_SIGNATURE_LIST}|[^\s,}}]++)(?=[ \t]*+(?:[\r\n,}}]|$)))""",
     re.IGNORECASE | re.MULTILINE,
 )
 # Authorization: Bearer ..., Basic ..., or a bare credential; as a header,
@@ -122,8 +162,11 @@ _AUTHORIZATION = re.compile(
 # a word ("bearer tokens are refused" is left alone).
 _BEARER = re.compile(r"(?P<head>(?<![a-z0-9])bearer[ \t]++)[a-z0-9._~+/-]{16,}+=*+", re.IGNORECASE)
 
+# nats://TOKEN@host (tls:// too): a NATS URL's user name alone is a token.
+_URL_TOKEN = re.compile(r"(?P<head>(?<![a-zA-Z0-9+.-])(?:nats|tls)://)[^:/@\s]++(?=@)", re.IGNORECASE)
+
 # Cheap tests first: most log lines hold none of these, and skip every pattern.
-_SECRET_HINTS = ("secret", "token", "sig", "credential", "api", "private")
+_SECRET_HINTS = ("secret", "token", "sig", "credential", "api", "private", "cookie")
 _PASSWORD_HINTS = ("pass", "pwd")
 
 
@@ -171,6 +214,8 @@ def _masked(pattern: re.Pattern[str], text: str) -> str:
 def redact(text: str) -> str:
     text = _url_passwords(text)
     lowered = text.lower()
+    if "s://" in lowered:  # nats://, tls://
+        text = _masked(_URL_TOKEN, text)
     passwords = any(hint in lowered for hint in _PASSWORD_HINTS)
     secrets = passwords or any(hint in lowered for hint in _SECRET_HINTS)
     if "=" in text:
@@ -181,6 +226,9 @@ def redact(text: str) -> str:
     if secrets and ":" in text:
         text = _masked(_QUOTED_KEY, text)
         text = _masked(_COLON_KEY, text)
+        text = _masked(_DOTTED_COLON_KEY, text)
+    if (secrets or "authorization" in lowered) and "," in text:
+        text = _masked(_PAIR, text)
     if "authorization" in lowered:
         text = _masked(_AUTHORIZATION, text)
     if "bearer" in lowered:

@@ -27,6 +27,7 @@ from ingest.config.adapter import (
     adapter_tables,
     is_webhook,
     read_adapters,
+    source_identity,
 )
 from ingest.config.adapter import AdapterConfig as AdapterConfig
 from ingest.config.adapter import adapter_keys as adapter_keys
@@ -446,6 +447,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     )
     webhooks = _webhooks(raw, base_dir if base_dir is not None else Path.cwd())
     _names_unique(adapters, webhooks)
+    _key_spaces_apart(adapters, webhooks)
     ingest = IngestSettings(**INGEST.read("[ingest]", table(raw, "ingest")))
     _check_inflight_room(ingest, adapters)
     acker = AckerSettings(**ACKER.read("[acker]", table(raw, "acker")))
@@ -482,6 +484,36 @@ def _names_unique(adapters: tuple[AdapterConfig, ...], webhooks: tuple[WebhookCo
     for n in names:
         if n in pulled or names.count(n) > 1:
             raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
+
+
+def _key_spaces_apart(adapters: tuple[AdapterConfig, ...], webhooks: tuple[WebhookConfig, ...]) -> None:
+    """Two adapters whose keys begin alike (``{key_prefix}:{source}:``, DESIGN.md
+    sections 5, 6b and 12) take a message of one and a message of the other
+    that carry the same id for one message: one todo, where their queue is
+    the same (the todos dedup on queue and key), and a trail that cannot
+    tell them apart. Refused, unless both read the very same messages (a
+    stream's groups, a channel's subscribers on one server), where the same
+    key is the same message. A webhook's delivery ids are its sender's, so
+    its keys are its own."""
+    owners: dict[str, AdapterConfig | WebhookConfig] = {}
+    every: list[AdapterConfig | WebhookConfig] = [*adapters, *webhooks]
+    for a in every:
+        first = owners.setdefault(a.key_space, a)
+        if first is a:
+            continue
+        if (
+            isinstance(first, AdapterConfig)
+            and isinstance(a, AdapterConfig)
+            and source_identity(first) == source_identity(a)
+        ):
+            continue
+        raise ConfigError(
+            f"adapter {a.name!r}: keys 'key_prefix' and 'source' make the keys of adapter {first.name!r}"
+            f" ({a.key_space}...) from another source (broker, database, region, transport, mode or"
+            " sender): a message of each with the same id would be taken for one, a single todo where"
+            " their queue is the same; only adapters reading the very same messages (a stream's groups,"
+            " a channel's subscribers) may share keys: give one of them a distinct key_prefix"
+        )
 
 
 def load(path: str | Path, env: Mapping[str, str]) -> Settings:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
-from backhalf.keys import DEFAULT_PREFIX
+from backhalf.keys import DEFAULT_PREFIX, native_key
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, string
 from ingest.config.urls import AWS_ENDPOINT, URL_CHECKS, BrokerUrl, check_broker_url, env_name
@@ -525,6 +525,14 @@ class AdapterConfig:
     ] = None
     body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
 
+    @property
+    def key_space(self) -> str:
+        """What each of this adapter's idempotency keys begins with,
+        ``{key_prefix}:{source}:``, as its transport forms them: an SQS
+        queue by its name, whether ``source`` gives the name or the URL."""
+        source = sqs_queue_name(self.source) if self.transport == "sqs" else self.source
+        return native_key(self.key_prefix, source, "")
+
     def public_settings(self) -> dict[str, Any]:
         """What goes into ``adapters.settings``: the settings that apply to
         this adapter's mode, never the broker URL; an unset ``schema`` is left
@@ -685,6 +693,17 @@ def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[
         raise ConfigError(f"{label}: key 'schema': {exc}") from exc
 
 
+def source_identity(a: AdapterConfig) -> tuple[str, ...]:
+    """Which messages an adapter reads, whatever its group: its transport
+    and mode, the server (and database or vhost) its URL reaches, whoever
+    logs in, and the source there. An SQS queue URL names its account and
+    region; a queue name, with the endpoint and the region."""
+    source = a.source
+    if a.transport == "sqs" and "://" not in source:
+        source = f"{a.region or ''}:{source}"
+    return (a.transport, a.mode, *a.broker.identity(), source)
+
+
 def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
     """Two adapters reading one stream with one consumer group (or one list)
     split its messages between them at random, and after a crash a message
@@ -693,28 +712,25 @@ def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
     readers: dict[tuple[str, ...], AdapterConfig] = {}
     for a in adapters:
         if a.mode == "stream":
-            what = (a.mode, *a.broker.identity(), a.source, a.group)
+            what = (*source_identity(a), a.group)
             key, read = "group", f"stream {a.source!r} with group {a.group!r}"
             hint = "fan-out needs a distinct group"
         elif a.mode == "jetstream":
-            what = (a.mode, *a.broker.identity(), a.source, a.group)
+            what = (*source_identity(a), a.group)
             key, read = "group", f"JetStream stream {a.source!r} with durable consumer {a.group!r}"
             hint = "fan-out needs a distinct group"
         elif a.transport == "sqs":
-            # A queue URL names its account and region; a name, with the
-            # endpoint and region.
-            where = a.source if "://" in a.source else f"{a.region or ''}:{a.source}"
-            what = (a.transport, *a.broker.identity(), where)
+            what = source_identity(a)
             key, read = "source", f"SQS queue {sqs_queue_name(a.source)!r}"
             hint = "one adapter per queue (fan-out is SNS to several queues); run more ingesters for more"
         elif a.transport == "amqp":
-            what = (a.transport, *a.broker.identity(), a.source)
+            what = source_identity(a)
             key, read = "source", f"AMQP queue {a.source!r}"
             hint = (
                 "one adapter per queue (fan-out is an exchange bound to several queues); run more ingesters"
             )
         elif a.mode == "list":
-            what = (a.mode, *a.broker.identity(), a.source)
+            what = source_identity(a)
             key, read = "source", f"list {a.source!r}"
             hint = "one adapter per list; run more ingesters for more consumers"
         else:

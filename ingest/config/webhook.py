@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
+from backhalf.keys import native_key
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, string
 from ingest.config.urls import env_name
@@ -186,6 +187,12 @@ class WebhookConfig:
         _retention("retain_rejected_days", "days rejected rows are kept (at least the senders' retry span)"),
     ] = None
     body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
+
+    @property
+    def key_space(self) -> str:
+        """What each of this adapter's idempotency keys begins with:
+        ``{key_prefix}:{source}:``, the delivery id after it."""
+        return native_key(self.key_prefix, self.source, "")
 
     def public_settings(self) -> dict[str, Any]:
         """What goes into ``adapters.settings``: never the secrets' names."""

@@ -47,6 +47,9 @@ def _redact_value(value: Any) -> Any:
         return _redact_value(f"{type(value).__name__}: {value}")
     if isinstance(value, Mapping):
         return {k: _redact_value(v) for k, v in value.items()}
+    if _is_secret_pair(value):
+        # ("Cookie", "sid=..."): a header list's pair, its name a secret's.
+        return [_redact_value(value[0]), "***"]
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_redact_value(v) for v in value]
     text = cut(repr(value), LOG_VALUE_MAX_CHARS, tail=LOG_VALUE_TAIL_CHARS)
@@ -55,11 +58,25 @@ def _redact_value(value: Any) -> Any:
 
 
 # A field named as a secret (log.info(..., token=...)) is masked whatever
-# its value looks like: redaction of the text alone sees no key.
+# its value looks like: redaction of the text alone sees no key. A pair's
+# name (a header's) is matched the same way, "-" standing for "_".
 _SECRET_FIELD = re.compile(
-    r"(?:^|_)(?:password|passwd|pwd|secret|token|api_?key|authorization|credentials?|signature)$",
+    r"(?:^|[_-])(?:password|passwd|pwd|passphrase|secret|token|api[_-]?key|authorization|credentials?"
+    r"|signature(?:[_-]256)?|cookie)$",
     re.IGNORECASE,
 )
+
+
+def _is_secret_pair(value: Any) -> bool:
+    """A two-item tuple whose first item names a secret: ``("password",
+    "x")``, ``(b"authorization", b"Basic ...")``, a header list's pair. Its
+    items alone, redacted one by one, would show no key."""
+    if not isinstance(value, tuple) or len(value) != 2:
+        return False
+    name = value[0].decode("latin-1") if isinstance(value[0], bytes) else value[0]
+    return (
+        isinstance(name, str) and _SECRET_FIELD.search(name) is not None and value[1] not in (None, "", b"")
+    )
 
 
 def redact_credentials(

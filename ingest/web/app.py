@@ -26,7 +26,15 @@ from backhalf.errors import DeadlineExceeded
 from backhalf.redaction import redact
 from ingest.web import actions, pages
 from ingest.web.console import Console
-from ingest.web.security import HEADERS, SESSION_COOKIE, SESSION_S, same_origin
+from ingest.web.security import (
+    GUESS_DELAY_MAX_S,
+    HEADERS,
+    SESSION_COOKIE,
+    SESSION_S,
+    Guard,
+    client_of,
+    same_origin,
+)
 from ingest.web.static_files import StaticFiles
 
 log = structlog.get_logger(__name__)
@@ -75,19 +83,16 @@ class _Guarded(BaseHTTPMiddleware):
         if "\x00" in unquote(request.url.query) or "\x00" in path:
             # Text PostgreSQL cannot hold: a refusal, not a database error.
             return PlainTextResponse("a NUL character in the request", status_code=400)
-        if not path.startswith(OPEN_PATHS) and not guard.authenticated(request):
-            # A browser's page goes to the sign-in form; a live fragment's
-            # poll (htmx) and an API client are told, not redirected (htmx
-            # would swap the form into the page).
-            browsing = "authorization" not in request.headers and "hx-request" not in request.headers
-            if request.method == "GET" and browsing:
-                return RedirectResponse("/login", status_code=303)
-            return PlainTextResponse("not signed in", status_code=401)
+        if not path.startswith(OPEN_PATHS):
+            unsigned = await _sign_in_refusal(guard, request)
+            if unsigned is not None:
+                return unsigned
         if request.method == "POST":
             refused = await _post_refusal(console, request)
             if refused is not None:
-                log.warning("web_post_refused", path=path, status=refused.status_code)
-                return refused
+                reason, response = refused
+                guard.refusals.note(client_of(request), reason)
+                return response
         try:
             return await call_next(request)
         except DBAPIError as exc:
@@ -107,6 +112,42 @@ class _Guarded(BaseHTTPMiddleware):
             return _unavailable(console, request)
 
 
+async def _sign_in_refusal(guard: Guard, request: Request) -> Response | None:
+    """None for a request that is signed in. A wrong token or a forged
+    session is a guess: logged with the client's others and answered late
+    (``security.Refusals``); no credential at all, or a session that ran
+    out, is sent to sign in at once."""
+    client = client_of(request)
+    verdict = guard.verdict(request)
+    if verdict.signed_in:
+        # A right credential is never held up by others' guesses (behind a
+        # proxy every user shares one client address).
+        if verdict.by_token:
+            guard.refusals.succeeded(client)
+        return None
+    if verdict.guess is not None:
+        if guard.refusals.busy(client):
+            return _too_many_guesses(guard, client)
+        await guard.refusals.wrong_guess(client, verdict.guess)
+    # A browser's page goes to the sign-in form; a live fragment's poll
+    # (htmx) and an API client are told, not redirected (htmx would swap
+    # the form into the page).
+    browsing = "authorization" not in request.headers and "hx-request" not in request.headers
+    if request.method == "GET" and browsing:
+        return RedirectResponse("/login", status_code=303)
+    return PlainTextResponse("not signed in", status_code=401)
+
+
+def _too_many_guesses(guard: Guard, client: str) -> Response:
+    """Answered before the credential is read: the answer tells nothing."""
+    guard.refusals.note(client, "too_many_guesses")
+    return PlainTextResponse(
+        "refused: too many wrong sign-ins from this address are waiting; try again in a few seconds",
+        status_code=429,
+        headers={"Retry-After": str(int(GUESS_DELAY_MAX_S))},
+    )
+
+
 def _unavailable(console: Console, request: Request) -> Response:
     return console.page(
         request,
@@ -116,26 +157,27 @@ def _unavailable(console: Console, request: Request) -> Response:
     )
 
 
-async def _post_refusal(console: Console, request: Request) -> Response | None:
-    """Why a POST is refused, or None. The login form is POSTed before any
-    session exists: it needs the same origin only."""
+async def _post_refusal(console: Console, request: Request) -> tuple[str, Response] | None:
+    """Why a POST is refused (the reason logged, the answer), or None. The
+    login form is POSTed before any session exists: it needs the same
+    origin only."""
     if not same_origin(request):
-        return PlainTextResponse("refused: a POST from another origin", status_code=403)
+        return "cross_origin", PlainTextResponse("refused: a POST from another origin", status_code=403)
     if request.url.path in ("/login", "/logout"):  # no session yet, or ending it
         return None
     if console.read_only:
-        return PlainTextResponse(
+        return "read_only", PlainTextResponse(
             f"refused: this console is read-only ({console.read_only_why})", status_code=403
         )
     try:
         fields = await form(request)
     except ValueError:
-        return PlainTextResponse("refused: form too large", status_code=413)
+        return "form_too_large", PlainTextResponse("refused: form too large", status_code=413)
     if any("\x00" in value for values in fields.values() for value in values):
-        return PlainTextResponse("refused: a NUL character in the form", status_code=400)
+        return "nul_in_form", PlainTextResponse("refused: a NUL character in the form", status_code=400)
     request.state.form = fields
     if not console.guard.csrf_matches(request, (fields.get("csrf") or [""])[0]):
-        return PlainTextResponse(
+        return "csrf", PlainTextResponse(
             "refused: the form's CSRF token is missing or stale; reload the page", status_code=403
         )
     return None
@@ -158,9 +200,13 @@ async def login(request: Request) -> Response:
     offered = (fields.get("token") or [""])[0]
     if guard.token is None:
         return RedirectResponse("/", status_code=303)
+    client = client_of(request)
     if not guard.token_matches(offered):
-        log.warning("web_login_refused")
+        if guard.refusals.busy(client):
+            return _too_many_guesses(guard, client)
+        await guard.refusals.wrong_guess(client, "wrong_token")
         return console.page(request, "login.html", status_code=401, failed=True)
+    guard.refusals.succeeded(client)
     response = RedirectResponse("/", status_code=303)
     response.set_cookie(
         SESSION_COOKIE,

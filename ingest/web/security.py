@@ -16,20 +16,33 @@
 - **Headers** on every answer: a Content-Security-Policy with no inline
   script or style and nothing off-origin, ``nosniff``, ``no-store``, no
   framing, no referrer sent elsewhere.
+- **Refusals** (:class:`Refusals`), by client address: logged in one
+  ``web_refused`` line per client every ``REFUSAL_LOG_EVERY_S``, with the
+  count since its last line, never one line per request. A wrong guess (a
+  wrong token, a forged session cookie) is answered late: 0.5 s, doubling
+  with each consecutive one from that client up to 4 s, on an asyncio sleep
+  that holds no other request; the token itself, given right, ends the run.
+  A client with ``GUESSES_WAITING_MAX`` guesses being held is answered 429
+  at once (a right credential always passes), so guessing in parallel gains nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 from urllib.parse import urlsplit
 
+import structlog
 from starlette.requests import Request
+
+log = structlog.get_logger(__name__)
 
 TOKEN_VARIABLE = "SWITCHBOARD_WEB_TOKEN"  # noqa: S105 - the variable's name, not a token
 SESSION_COOKIE = "switchboard_session"
@@ -59,6 +72,14 @@ HEADERS: Mapping[str, str] = {
     "Cross-Origin-Opener-Policy": "same-origin",
     "Cross-Origin-Resource-Policy": "same-origin",
 }
+# Wrong guesses and refusals (issue 43).
+GUESS_DELAY_S = 0.5  # the first wrong guess's wait; each consecutive one doubles it
+GUESS_DELAY_MAX_S = 4.0
+GUESS_MEMORY_S = 900.0  # a run of wrong guesses this old is forgotten
+GUESSES_WAITING_MAX = 4  # per client; further wrong guesses meanwhile are answered 429
+REFUSAL_LOG_EVERY_S = 10.0  # one web_refused line per client per this, with a count
+REFUSAL_LINES_MAX = 20  # web_refused lines per REFUSAL_LOG_EVERY_S, all clients together
+CLIENTS_TRACKED_MAX = 4096  # the least recently refused are forgotten past this
 LOOPBACK_NAMES = ("localhost",)
 FORWARDED_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-real-ip")
 
@@ -81,12 +102,130 @@ def _host_of(authority: str) -> str:
     return authority.rsplit(":", 1)[0] if authority.count(":") == 1 else authority
 
 
+def client_of(request: Request) -> str:
+    """The address a request came from (a proxy's, behind one: all its
+    clients are then one client here)."""
+    return request.client.host if request.client is not None else "unknown"
+
+
+@dataclass(slots=True)
+class _Client:
+    failures: int = 0  # consecutive wrong guesses
+    last_failure_at: float = 0.0
+    waiting: int = 0  # wrong guesses being held now
+    logged_at: float | None = None
+    unlogged: dict[str, int] = field(default_factory=dict)  # refusals by reason since the last line
+
+
+class Refusals:
+    """The console's refusals, by client: logged a line at a time per
+    client (``web_refused``: ``refused``, the refusals by reason since its
+    last line, this one included), at most ``REFUSAL_LINES_MAX`` lines for
+    all clients per ``REFUSAL_LOG_EVERY_S`` (a client left out has its
+    count carried to its next line); a wrong guess answered late. Anyone who
+    can reach the console can be refused, so neither costs more than a
+    dictionary entry per client, and at most ``CLIENTS_TRACKED_MAX`` of
+    those."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._clock = clock
+        self._sleep = sleep
+        self._clients: dict[str, _Client] = {}  # the least recently refused first
+        self._window_at = -REFUSAL_LOG_EVERY_S
+        self._lines = 0
+
+    def busy(self, client: str) -> bool:
+        """Whether ``client`` has as many wrong guesses held as it may."""
+        state = self._clients.get(client)
+        return state is not None and state.waiting >= GUESSES_WAITING_MAX
+
+    def succeeded(self, client: str) -> None:
+        """The token given right: the client's run of wrong guesses ends."""
+        state = self._clients.get(client)
+        if state is not None:
+            state.failures = 0
+
+    def note(self, client: str, reason: str) -> None:
+        """A refusal that is no guess (a POST from another origin, a stale
+        CSRF token, too many guesses at once): logged, answered at once."""
+        self._log(client, self._state(client), reason, 0.0)
+
+    async def wrong_guess(self, client: str, reason: str) -> None:
+        """A wrong token or a forged session: logged, then held for the
+        client's delay before its refusal is answered."""
+        state = self._state(client)
+        now = self._clock()
+        if now - state.last_failure_at > GUESS_MEMORY_S:
+            state.failures = 0
+        state.failures += 1
+        state.last_failure_at = now
+        delay_s = min(GUESS_DELAY_S * 2 ** min(state.failures - 1, 16), GUESS_DELAY_MAX_S)
+        self._log(client, state, reason, delay_s)
+        state.waiting += 1
+        try:
+            await self._sleep(delay_s)
+        finally:
+            state.waiting -= 1
+
+    def _state(self, client: str) -> _Client:
+        state = self._clients.pop(client, None) or _Client()
+        self._clients[client] = state  # now the most recent
+        while len(self._clients) > CLIENTS_TRACKED_MAX:
+            del self._clients[next(iter(self._clients))]
+        return state
+
+    def _log(self, client: str, state: _Client, reason: str, delay_s: float) -> None:
+        state.unlogged[reason] = state.unlogged.get(reason, 0) + 1
+        now = self._clock()
+        if state.logged_at is not None and now - state.logged_at < REFUSAL_LOG_EVERY_S:
+            return
+        if now - self._window_at >= REFUSAL_LOG_EVERY_S:
+            self._window_at, self._lines = now, 0
+        if self._lines >= REFUSAL_LINES_MAX:
+            return  # counted on this client's next line
+        self._lines += 1
+        state.logged_at = now
+        log.warning(
+            "web_refused",
+            client=client,
+            refused=dict(state.unlogged),
+            consecutive_wrong_guesses=state.failures,
+            delay_s=delay_s,
+        )
+        state.unlogged.clear()
+
+
+Guess = Literal["wrong_token", "forged_session"]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether a request is signed in; ``by_token``: by the token itself
+    (a right guess, which ends a client's run of wrong ones); ``guess``: the
+    wrong credential it carried, which is slowed and logged. Neither: no
+    credential, or a session that merely ran out."""
+
+    signed_in: bool
+    by_token: bool = False
+    guess: Guess | None = None
+
+
+_SIGNED_IN = Verdict(signed_in=True)
+_SIGNED_IN_BY_TOKEN = Verdict(signed_in=True, by_token=True)
+_NOT_SIGNED_IN = Verdict(signed_in=False)
+
+
 @dataclass(frozen=True)
 class Guard:
     """The console's checks; ``token`` None: loopback only, no login."""
 
     token: str | None
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    refusals: Refusals = field(default_factory=Refusals, repr=False, compare=False)
 
     def __repr__(self) -> str:  # the token never reaches a log line or a traceback
         return f"Guard(token={'set' if self.token else 'unset'})"
@@ -102,23 +241,50 @@ class Guard:
         token = (self.token or "").encode()
         return hmac.new(token, f"switchboard web session {issued}".encode(), hashlib.sha256).hexdigest()
 
-    def session_valid(self, cookie: str) -> bool:
+    def session(self, cookie: str) -> Literal["none", "valid", "expired", "forged"]:
+        """A session cookie's standing: ``forged`` when its HMAC does not
+        check (a guess, or a session of a token since rotated)."""
+        if not cookie:
+            return "none"
         issued, _, signature = cookie.partition(".")
         if not issued.isdigit() or not hmac.compare_digest(signature.encode(), self._sign(issued).encode()):
-            return False
-        return 0 <= time.time() - int(issued) < SESSION_S
+            return "forged"
+        return "valid" if 0 <= time.time() - int(issued) < SESSION_S else "expired"
+
+    def session_valid(self, cookie: str) -> bool:
+        return self.session(cookie) == "valid"
 
     def token_matches(self, offered: str) -> bool:
-        return self.token is not None and hmac.compare_digest(offered.encode(), self.token.encode())
+        """In constant time: digests are compared, so neither how much of
+        the token a guess got right nor the token's length shows."""
+        if self.token is None:
+            return False
+        offered_digest = hashlib.sha256(offered.encode("utf-8", "surrogatepass")).digest()
+        return hmac.compare_digest(offered_digest, hashlib.sha256(self.token.encode()).digest())
+
+    def verdict(self, request: Request) -> Verdict:
+        """Whether the request may read: no token is set, or it carries the
+        token (``Authorization: Bearer``) or a session cookie; if not, the
+        wrong credential it carried, if any."""
+        if self.token is None:
+            return _SIGNED_IN
+        authorization = request.headers.get("authorization")
+        if authorization is not None:
+            scheme, _, credential = authorization.partition(" ")
+            if scheme.lower() == "bearer" and self.token_matches(credential.strip()):
+                return _SIGNED_IN_BY_TOKEN
+        session = self.session(request.cookies.get(SESSION_COOKIE, ""))
+        if session == "valid":
+            return _SIGNED_IN
+        if authorization is not None:
+            return Verdict(signed_in=False, guess="wrong_token")
+        if session == "forged":
+            return Verdict(signed_in=False, guess="forged_session")
+        return _NOT_SIGNED_IN
 
     def authenticated(self, request: Request) -> bool:
         """The request may read: no token is set, or it carries the token or a session cookie."""
-        if self.token is None:
-            return True
-        scheme, _, credential = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and self.token_matches(credential.strip()):
-            return True
-        return self.session_valid(request.cookies.get(SESSION_COOKIE, ""))
+        return self.verdict(request).signed_in
 
     def host_allowed(self, request: Request) -> bool:
         """Without a token, only requests addressed to a loopback name (DNS

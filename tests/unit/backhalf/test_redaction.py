@@ -9,6 +9,7 @@ import time
 import pytest
 
 from backhalf.redaction import redact
+from ingest.observe import logs
 
 # (text, what it must become): each secret carrier once, as it reaches logs
 # and last_error.
@@ -80,12 +81,57 @@ CARRIERS = [
     ('{"password":"hunter2","user":"u"}', '{"password":***,"user":"u"}'),
     ("{'api_key': 'abcdef', 'n': 1}", "{'api_key': ***, 'n': 1}"),
     ('{"secret": 12345, "n": 1}', '{"secret": ***, "n": 1}'),
+    # Issue 43. ("key", value) pairs in a repr: a tuple, a header list.
+    ("('password', 'x')", "('password', ***)"),
+    ("[('user', 'u'), ('password', \"hunter2\")]", "[('user', 'u'), ('password', ***)]"),
+    (
+        "[(b'host', b'h'), (b'cookie', b'sid=abc'), (b'authorization', b'Basic dXNlcjpwYXNz')]",
+        "[(b'host', b'h'), (b'cookie', ***), (b'authorization', ***)]",
+    ),
+    # Cookies, whatever their parts.
+    ("Cookie: session=abc; csrftoken=def", "Cookie: ***"),
+    ("Set-Cookie: sid=abc; Path=/; HttpOnly\r\nHost: h", "Set-Cookie: ***\r\nHost: h"),
+    # A passphrase is a password.
+    ("passphrase=correct-horse ./run", "passphrase=*** ./run"),
+    ("ssh:\n  passphrase: correct horse\n", "ssh:\n  passphrase: ***\n"),
+    # A NATS URL's token (its user name alone), and its password.
+    ("nats://s3cr3tT0ken@nats.internal:4222", "nats://***@nats.internal:4222"),
+    ("connect tls://s3cr3tT0ken@nats.internal:4222 failed", "connect tls://***@nats.internal:4222 failed"),
+    ("nats://ingest:hunter2@nats.internal:4222", "nats://ingest:***@nats.internal:4222"),
+    # Webhook signatures: a list of them is one value.
+    (
+        "webhook-signature: v1,K5oZfzN95Z9UVu1EsfQmfVNQhnkZ2pj9o9NDN/H/pI4= v1,3ruV2RuUEuvTCDHnjJ=\nx: 1",
+        "webhook-signature: ***\nx: 1",
+    ),
+    ("Stripe-Signature: t=1492774577,v1=5257a869e7ec,v0=6ffbb59b2300", "Stripe-Signature: ***"),
+    ("X-Hub-Signature-256: sha256=757107ea0eb2509fc211", "X-Hub-Signature-256: ***"),
+    ("webhook_signature=v1,abc= v1,def=&n=1", "webhook_signature=***&n=1"),
+    # A dotted key in the middle of a line, with one value.
+    ("ConfigError: settings.password: hunter2", "ConfigError: settings.password: ***"),
 ]
 
 
 @pytest.mark.parametrize(("text", "redacted"), CARRIERS)
 def test_each_secret_carrier_is_redacted(text: str, redacted: str) -> None:
     assert redact(text) == redacted
+
+
+def test_a_logged_pair_named_as_a_secret_is_masked() -> None:
+    """A tuple logged as a field is rendered as a list of its items, each
+    redacted alone: a pair's name must mask its value there too."""
+    event = logs.redact_credentials(
+        None,
+        "info",
+        {
+            "event": "x",
+            "pair": ("password", "hunter2"),
+            "headers": [(b"cookie", b"sid=abc"), ("Host", "h"), ("X-Hub-Signature-256", "sha256=ab")],
+            "counted": ("token_count", 3),
+        },
+    )
+    assert event["pair"] == ["password", "***"]
+    assert event["headers"] == [[b"cookie", "***"], ["Host", "h"], ["X-Hub-Signature-256", "***"]]
+    assert event["counted"] == ["token_count", 3]
 
 
 @pytest.mark.parametrize(
@@ -102,6 +148,11 @@ def test_each_secret_carrier_is_redacted(text: str, redacted: str) -> None:
         'password authentication failed for user "u"',
         "urn:secret:abc and a=b:c",
         "token==expected",  # no value after the sign
+        # Issue 43: a column named in a migration's title, as alembic logs it.
+        "Running upgrade 0004 -> 0005, ack_queue.waiting_for: acks that wait for their todo's end"
+        ' (ack_after = "complete"); todos.run_token: a worker\'s start recognizes its own run',
+        "nats://nats.internal:4222\npostgresql://switchboard@db/switchboard",  # a user name is no token
+        "cookies=3 ('user', 'u') ('token_count', 3)",
     ],
 )
 def test_ordinary_words_are_left_alone(text: str) -> None:
@@ -142,6 +193,10 @@ ADVERSARIAL = {
     "bearers": "bearer " * (MB // 7),
     "dashes": "- " * (MB // 2),
     "at signs": "@" * MB,
+    "pairs": "('token', " * (MB // 9),
+    "signature lists": "sig: v1,a v1,b " * (MB // 15),
+    "dotted keys mid-line": ": a.token: " * (MB // 11),
+    "nats heads, no @": "nats://a" * (MB // 8),
 }
 # Measured here at 0.01 to 0.35 s of CPU each. The bound only catches a
 # pattern that is not linear (one rescan per position is minutes on a

@@ -623,13 +623,105 @@ def test_two_adapters_on_one_list_are_refused() -> None:
 def test_fan_out_is_distinct_groups_brokers_or_databases() -> None:
     allowed = [
         [adapter(), adapter(name="audit", queue="audit", group="audit")],  # fan-out
-        [adapter(), adapter(name="b", url="redis://localhost:6379/1")],  # another database
-        [adapter(), adapter(name="b", url="redis://cache-2:6379/0")],  # another server
+        # Another database, another server: keys of their own (issue 43).
+        [adapter(), adapter(name="b", url="redis://localhost:6379/1", key_prefix="redis-db1")],
+        [adapter(), adapter(name="b", url="redis://cache-2:6379/0", key_prefix="cache-2")],
         [adapter(mode="pubsub", delivery="at-most-once"),
          adapter(name="b", mode="pubsub", delivery="at-most-once")],  # pub/sub broadcasts
     ]  # fmt: skip
     for adapters in allowed:
         assert len(from_mapping({"database": DB, "adapters": adapters}, {}).adapters) == 2
+
+
+# --- key namespaces apart (issue 43) --------------------------------------------
+
+SQS_URL = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders"
+HOOK = {"transport": "webhook", "secrets_env": ["WHSEC"]}
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "space"),
+    [
+        # One stream name on two Redis servers, or in two databases.
+        (adapter(), adapter(name="b", url="redis://cache-2:6379/0"), "redis:orders:"),
+        (adapter(), adapter(name="b", url="redis://localhost:6379/1", queue="other"), "redis:orders:"),
+        # A list and a channel of one name: other messages, the same body digests.
+        (
+            adapter(mode="list"),
+            adapter(name="b", mode="pubsub", delivery="at-most-once"),
+            "redis:orders:",
+        ),
+        # One JetStream stream name on two NATS servers.
+        (
+            {"name": "a", "transport": "nats", "source": "ORDERS"},
+            {"name": "b", "transport": "nats", "source": "ORDERS", "url": "nats://nats-2:4222"},
+            "nats:ORDERS:",
+        ),
+        # One SQS queue by its URL and by its name: one namespace, sqs:{queue name}.
+        (
+            {"name": "a", "transport": "sqs", "source": SQS_URL},
+            {"name": "b", "transport": "sqs", "source": "orders", "region": "eu-west-1"},
+            "sqs:orders:",
+        ),
+        # Queues of one name in two regions.
+        (
+            {"name": "a", "transport": "sqs", "source": "orders", "region": "eu-west-1"},
+            {"name": "b", "transport": "sqs", "source": "orders", "region": "us-east-1"},
+            "sqs:orders:",
+        ),
+        # One AMQP queue name on two brokers, or in two vhosts.
+        (
+            {"name": "a", "transport": "amqp", "source": "orders"},
+            {"name": "b", "transport": "amqp", "source": "orders", "url": "amqp://h/other"},
+            "amqp:orders:",
+        ),
+        # Two transports told to share a prefix.
+        (
+            adapter(key_prefix="shop"),
+            {"name": "b", "transport": "nats", "source": "orders", "key_prefix": "shop"},
+            "shop:orders:",
+        ),
+        # Two webhook senders on one source; a webhook on a stream's keys.
+        (
+            {"name": "a", "source": "billing", **HOOK},
+            {"name": "b", "source": "billing", **HOOK},
+            "webhook:billing:",
+        ),
+        (adapter(), {"name": "b", "source": "orders", "key_prefix": "redis", **HOOK}, "redis:orders:"),
+        # The same keys from another split of prefix and source.
+        (adapter(key_prefix="a:b", source="c"), adapter(name="b", key_prefix="a", source="b:c"), "a:b:c:"),
+    ],
+)
+def test_adapters_whose_keys_overlap_are_refused(
+    first: dict[str, Any], second: dict[str, Any], space: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({"database": DB, "adapters": [first, second]}, {})
+    message = str(info.value)
+    assert message.startswith(
+        f"adapter 'b': keys 'key_prefix' and 'source' make the keys of adapter {first['name']!r} ({space}...)"
+    ), message
+    assert "give one of them a distinct key_prefix" in message
+
+
+def test_adapters_reading_the_same_messages_may_share_keys() -> None:
+    allowed = [
+        # A stream's groups, a JetStream stream's consumers, a channel's
+        # subscribers: the same key is the same message.
+        [adapter(), adapter(name="b", group="audit", queue="audit")],
+        [adapter(), adapter(name="b", group="audit")],  # to one queue: one todo per message
+        [{"name": "a", "transport": "nats", "source": "ORDERS"},
+         {"name": "b", "transport": "nats", "source": "ORDERS", "group": "audit", "subject": "orders.eu"}],
+        # A push and a pull adapter of one source under their own prefixes
+        # (ops/compose.switchboard.toml): the same todo shape, keys apart.
+        [adapter(), {"name": "orders-webhook", "source": "orders", "queue": "orders", **HOOK}],
+        # Distinct prefixes, or distinct sources.
+        [adapter(), adapter(name="b", url="redis://cache-2:6379/0", key_prefix="cache-2")],
+        [{"name": "a", "source": "billing", **HOOK}, {"name": "b", "source": "billing-eu", **HOOK}],
+    ]  # fmt: skip
+    for adapters in allowed:
+        settings = from_mapping({"database": DB, "adapters": adapters}, {})
+        assert len(settings.adapters) + len(settings.webhooks) == 2
 
 
 # --- retention (issue 14) -------------------------------------------------------
