@@ -16,6 +16,12 @@ batch to honour that (a stream's lost-entry reports, a list's recovery
 locks, pub/sub's messages themselves) it keeps in an :class:`Unconfirmed`:
 ``returned`` per batch, ``confirmed`` on ``stored()``, ``rewound`` on
 ``rewind()``.
+
+Ack targets: an ack intent is a row of the ``inbox`` table, and a login that
+may write such a row can name any target in it. Each acknowledger acts only
+on the targets its own adapter config names (the stream and group, the
+processing lists, the consumer's ack subjects, the queue) and discharges the
+others untouched (:func:`own_targets`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
+
+import structlog
 
 from backhalf.normalize import Content
 from backhalf.records import AckClaim, AckKind, AckParty, AckTarget, Family, PendingIntent, Provenance
@@ -47,7 +55,10 @@ __all__ = [
     "PendingCopies",
     "PullAdapter",
     "Unconfirmed",
+    "own_targets",
 ]
+
+log = structlog.get_logger(__name__)
 
 # Every adapter here belongs to the pull family (DESIGN.md section 4): its
 # events say so, and name the broker identity the adapter consumed as, which
@@ -235,12 +246,60 @@ class Acknowledger(Protocol):
         (an SQS batch delete's failed entries), which stay owed and are
         retried, [] when every one was acked. Raise
         :class:`ingest.errors.AckError` where none could be (the broker is
-        down). Must be idempotent: a claim may be acked again after a crash."""
+        down). Must be idempotent: a claim may be acked again after a crash.
+        A claim whose target the adapter's config does not name is not sent
+        to the broker, and not returned either (:func:`own_targets`): it is
+        marked acked with the rest."""
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:
-        """The marks of these claims committed: clean up (best effort, never raises)."""
+        """The marks of these claims committed: clean up (best effort, never
+        raises), and only for the claims ``ack`` acted on: the others name
+        targets that are not the adapter's."""
 
     async def close(self) -> None: ...
+
+
+# One ``ack_target_refused`` line names at most this many targets, each cut
+# to this length: what it names is whatever a row holds.
+REFUSED_TARGETS_NAMED = 20
+REFUSED_TARGET_CHARS = 200
+
+
+def own_targets(
+    claims: Sequence[AckClaim],
+    allowed: Callable[[AckClaim], bool],
+    *,
+    adapter: str,
+    target: Callable[[AckClaim], str],
+) -> list[AckClaim]:
+    """The claims whose target ``allowed`` finds in the adapter's own config;
+    the others are left out, with one error line for them all
+    (``ack_target_refused``: the adapter, their inbox ids, ``target`` of each,
+    never a credential: the targets are broker names).
+
+    A row's ack intent is data: any login that may write an inbox row can
+    point it at another application's stream, group, list or queue, and the
+    acker must not ack there for it. Those claims are not returned as
+    refused either: a refused claim stays owed and is retried forever, while
+    one left out here is marked acked with the rest and costs nothing again.
+    An incomplete intent (no target, no ref) is left out the same way: no
+    adapter writes one, and no broker call can discharge it."""
+    ours: list[AckClaim] = []
+    foreign: list[AckClaim] = []
+    for claim in claims:
+        (ours if allowed(claim) else foreign).append(claim)
+    if foreign:
+        named = sorted({target(c)[:REFUSED_TARGET_CHARS] for c in foreign})
+        log.error(
+            "ack_target_refused",
+            adapter=adapter,
+            inbox_ids=sorted({c.inbox_id for c in foreign}),
+            targets=named[:REFUSED_TARGETS_NAMED],
+            refused=len(foreign),
+            detail="ack intents naming targets this adapter's config does not: not sent to the broker,"
+            " marked acked (a row repointed, or written by another login, or before a config change)",
+        )
+    return ours
 
 
 class Unconfirmed(Generic[T]):

@@ -11,7 +11,7 @@ _READS = "the acker's or the operator's"
 _ROLE_OF: dict[str, str] = {
     "migrate": "the migrator's (it owns the schema)",
     "ingest": "the ingester's",
-    "receive": "the ingester's (it stores as the ingester does)",
+    "receive": "the receiver's",
     "ack": "the acker's",
     "worker": "the worker's",
     "prune": "the acker's",

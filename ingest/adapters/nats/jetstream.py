@@ -49,7 +49,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
 from ingest.adapters.nats.common import REQUEST_TIMEOUT_S, connect, nats_errors, server_label, user_name
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError, GroupMissing
@@ -57,9 +57,6 @@ from ingest.errors import AckError, BrokerError, GroupMissing
 # This mode's ack kind, registered in ingest.adapters.nats.MODES.
 ACK_KIND = "jsack"
 ACK_BODY = b"+ACK"
-# What every JetStream ack subject starts with, with or without a domain:
-# the acker publishes to nothing else, whatever a row says.
-ACK_PREFIX = "$JS."
 # How often, at most, an empty fetch asks whether the consumer is full of
 # unacked deliveries (max_ack_pending), to say why nothing comes.
 FULL_CHECK_INTERVAL_S = 5.0
@@ -370,26 +367,50 @@ class JetStreamAdapter:
         await self._close_client()
 
 
-def _acks_its_consumer(claim: AckClaim) -> bool:
-    """Whether the intent's ref is a JetStream ack subject of the intent's own
-    stream and consumer (``$JS.ACK.<stream>.<consumer>.…``, or with a domain
-    and an account hash between ``ACK`` and the stream): the acker publishes
-    to nothing else, whatever a row says."""
-    if claim.ref is None or claim.key is None or claim.group is None or not claim.ref.startswith(ACK_PREFIX):
+# JetStream ack subjects, as nats-py's ``Msg.Metadata`` reads them:
+# ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>``
+# (9 tokens), or ``$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.`` and
+# the same five numbers, then a random token the server adds (12; nats-py
+# takes 11 too, and so does this). Where the stream and consumer names stand,
+# and where the five numbers start.
+_V1_TOKENS = 9
+_V2_MIN_TOKENS = 11
+_V1_NAMES, _V2_NAMES = slice(2, 4), slice(4, 6)
+_V1_NUMBERS, _V2_NUMBERS = slice(4, 9), slice(6, 11)
+_WILDCARDS = frozenset("*>")
+
+
+def is_ack_subject_of(ref: str, stream: str, consumer: str) -> bool:
+    """Whether ``ref`` is a JetStream ack subject of ``stream``'s durable
+    ``consumer``, in either form, every token a literal (no wildcard, none
+    empty) and its five numbers all digits: the acker publishes to nothing
+    else, whatever a row says. A domain form's domain and account hash are
+    not checked: the config names neither, and the subject stays in this
+    connection's account."""
+    tokens = ref.split(".")
+    if tokens[:2] != ["$JS", "ACK"]:
         return False
-    tokens = claim.ref.split(".")
-    if tokens[1:2] != ["ACK"]:
+    if len(tokens) == _V1_TOKENS:
+        names, numbers = tokens[_V1_NAMES], tokens[_V1_NUMBERS]
+    elif len(tokens) >= _V2_MIN_TOKENS:
+        names, numbers = tokens[_V2_NAMES], tokens[_V2_NUMBERS]
+    else:
         return False
-    if len(tokens) == 9:
-        return tokens[2:4] == [claim.key, claim.group]
-    return len(tokens) >= 12 and tokens[4:6] == [claim.key, claim.group]
+    literal = all(t and t.isprintable() and " " not in t and not _WILDCARDS & set(t) for t in tokens)
+    counted = all(n.isascii() and n.isdigit() for n in numbers)
+    return literal and counted and names == [stream, consumer]
+
+
+def _jsack_target(claim: AckClaim) -> str:
+    """An intent's target for the log: its stream, consumer and subject."""
+    return f"{claim.kind} {claim.key} {claim.group} {claim.ref}"
 
 
 def _message_time_ns(ref: str) -> int:
     """The message's time in the stream (ns since the epoch) from its ack
     subject; 0 where the subject's form is not known (never given up)."""
     tokens = ref.split(".")
-    at = 7 if len(tokens) == 9 else 9 if len(tokens) >= 12 else None
+    at = 7 if len(tokens) == _V1_TOKENS else 9 if len(tokens) >= _V2_MIN_TOKENS else None
     if at is None or not tokens[at].isdigit():
         return 0
     return int(tokens[at])
@@ -435,7 +456,12 @@ class _Replies:
 
 
 class JetStreamAcknowledger:
-    """``+ACK`` to each committed intent's reply subject, each answered."""
+    """``+ACK`` to each committed intent's reply subject, each answered:
+    only to ack subjects of the adapter's own stream and durable consumer
+    (``is_ack_subject_of``), whatever a row says. An intent of the adapter's
+    former consumer, after ``group`` is renamed in the config, is refused
+    too: nothing reads that consumer any more, and its deliveries are not
+    this adapter's to ack."""
 
     def __init__(self, config: AdapterConfig) -> None:
         self._cfg = config
@@ -464,16 +490,23 @@ class JetStreamAcknowledger:
             self._replies = replies
         return self._client, self._replies
 
+    def _ours(self, claim: AckClaim) -> bool:
+        stream, consumer = self._cfg.source, self._cfg.group
+        return (
+            claim.kind == ACK_KIND
+            and claim.key == stream
+            and claim.group == consumer
+            and claim.ref is not None
+            and is_ack_subject_of(claim.ref, stream, consumer)
+        )
+
     async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
-        for c in claims:
-            if not _acks_its_consumer(c):
-                raise AckError(
-                    f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete jsack intent, or one"
-                    " whose reply subject is not an ack of its stream's consumer"
-                )
+        ours = own_targets(claims, self._ours, adapter=self._name, target=_jsack_target)
+        if not ours:
+            return []
         async with self._one_wave:
             client, replies = await self._connection()
-            current = await self._of_current_streams(client, claims)
+            current = await self._of_current_streams(client, ours)
             for start in range(0, len(current), ACK_WAVE):
                 await self._ack_wave(client, replies, current[start : start + ACK_WAVE])
         return []

@@ -30,6 +30,7 @@ heartbeat has expired. A live consumer's list is never touched.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -41,7 +42,7 @@ from redis.exceptions import RedisError
 
 from backhalf.keys import body_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
 from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect, redis_errors
 from ingest.config import AdapterConfig
 from ingest.errors import AckError
@@ -77,6 +78,28 @@ def processing_key(source: str, consumer: str, *, cluster: bool = False) -> str:
 
 def removed_marker(processing: str, inbox_id: int) -> str:
     return f"{processing}:removed:{inbox_id}"
+
+
+# The tail of a removed-marker's name: a key that ends so is a marker of a
+# processing list, not a list (a consumer named so would collide with it).
+_MARKER_TAIL = re.compile(r":removed:[0-9]+\Z")
+
+
+def is_processing_key(key: str, source: str, *, cluster: bool = False) -> bool:
+    """Whether ``key`` is ``processing_key(source, consumer, cluster=cluster)``
+    of some consumer: the source's own key base (the hash-tag form on a
+    Cluster, the plain name elsewhere, never the other), ``:processing:``,
+    then a consumer name, not empty and not a removed-marker's tail."""
+    prefix = f"{key_base(source, cluster=cluster)}:processing:"
+    if not key.startswith(prefix):
+        return False
+    consumer = key[len(prefix) :]
+    return bool(consumer) and _MARKER_TAIL.search(consumer) is None
+
+
+def _lrem_target(claim: AckClaim) -> str:
+    """An intent's target for the log: the list it names."""
+    return f"{claim.kind} {claim.key}"
 
 
 # LREM of exactly one intent's copies, guarded by a marker per inbox row so
@@ -332,26 +355,46 @@ class ListAdapter(RedisEndpoint):
 
 
 class ListAcknowledger:
-    """LREM of exactly the stored copies, one pipeline per batch."""
+    """LREM of exactly the stored copies, one pipeline per batch, on the
+    adapter's own processing lists only (``is_processing_key``): an intent
+    naming any other key is never sent, whatever its row says, since LREM
+    there would remove another application's item. The consumer's name is
+    any (every ingester's list, and a reaped one's, is the adapter's); the
+    source list and ``cluster`` are the config's, so intents stored before
+    either changed are refused (their lists are no longer read anyway)."""
 
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
+        self._source = config.source
+        self._cluster = config.cluster
         self._client = connect(config.broker.url(), cluster=config.cluster)
 
+    def _ours(self, claim: AckClaim) -> bool:
+        return (
+            claim.kind == ACK_KIND
+            and claim.key is not None
+            and claim.body is not None
+            and is_processing_key(claim.key, self._source, cluster=self._cluster)
+        )
+
     async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
+        ours = own_targets(claims, self._ours, adapter=self._name, target=_lrem_target)
+        if not ours:
+            return []
         pipe = self._client.pipeline(transaction=False)
-        for c in claims:
-            if c.key is None or c.body is None:
-                raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete lrem intent")
+        for c in ours:
+            assert c.key is not None  # _ours
+            assert c.body is not None
             marker = removed_marker(c.key, c.inbox_id)
             pipe.eval(GUARDED_LREM, 2, c.key, marker, c.copies, c.body, REMOVED_MARKER_TTL_MS)
-        with redis_errors(self._name, f"LREM of {len(claims)} intents", error=AckError):
+        with redis_errors(self._name, f"LREM of {len(ours)} intents", error=AckError):
             await pipe.execute()
         return []
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:
-        """After the acker's commit: the markers have done their job."""
-        markers = [removed_marker(c.key, c.inbox_id) for c in claims if c.key is not None]
+        """After the acker's commit: the markers have done their job. Only
+        our own lists' markers: another key's marker was never written."""
+        markers = [removed_marker(c.key, c.inbox_id) for c in claims if self._ours(c) and c.key is not None]
         try:
             if markers:
                 await self._client.delete(*markers)

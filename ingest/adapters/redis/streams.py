@@ -17,13 +17,14 @@ a claim sweep (XPENDING, XRANGE, XCLAIM) of entries idle longer than ``claim_idl
 consumer's, or our own stuck ones), then new entries (``>``, blocking up to
 ``block_ms``). Everything redelivered flows through the same idempotent store.
 
-Idempotency key: ``{key_prefix}:{source}:{entry-id}``. Ack: XACK, batched per
-stream and group.
+Idempotency key: ``{key_prefix}:{source}:{entry-id}``. Ack: XACK, one call
+per batch, of intents naming this adapter's stream and group only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from backhalf.keys import native_key
 from backhalf.normalize import MAX_FIELDS, FieldMap, RefusedFieldMap
 from backhalf.records import AckClaim, AckTarget
 from backhalf.stream_groups import StreamGroup
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
 from ingest.adapters.redis.common import (
     RedisEndpoint,
     RedisErrorKind,
@@ -75,6 +76,25 @@ def _entries(resp: Any) -> list[Entry]:
         (entries,) = resp.values()
         return list(entries)
     return list(resp[0][1])
+
+
+# A stream entry id as Redis gives it: milliseconds and sequence, each a
+# 64-bit unsigned number.
+_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+_U64_MAX = 2**64 - 1
+
+
+def is_entry_id(ref: str) -> bool:
+    """Whether ``ref`` is a complete stream entry id (``<ms>-<seq>``), the
+    only form an intent of this mode holds: anything else XACK would refuse
+    for the whole call."""
+    match = _ENTRY_ID.fullmatch(ref)
+    return match is not None and all(int(part) <= _U64_MAX for part in match.groups())
+
+
+def _xack_target(claim: AckClaim) -> str:
+    """An intent's target for the log: its stream, group and entry id."""
+    return f"{claim.kind} {claim.key} {claim.group} {claim.ref}"
 
 
 # The start of a stream that does not exist yet: MKSTREAM creates it empty,
@@ -471,26 +491,45 @@ class StreamAdapter(RedisEndpoint):
 
 
 class StreamAcknowledger:
-    """XACK for committed intents: one call per stream and group per batch."""
+    """XACK for committed intents: one call per batch, on the adapter's own
+    stream and group only (``own_targets``).
+
+    An intent naming another stream or group is never XACKed, whatever its
+    row says: that could ack another application's pending entry. This
+    includes the adapter's own former group after ``group`` is renamed in
+    the config: its entries stay in the old group's PEL (XGROUP DESTROY it
+    once nothing reads it), and those the new group delivers again are
+    deduplicated to their inbox rows, which then name the new group.
+    """
 
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
+        self._stream = config.source
+        self._group = config.group
         self._client = connect(config.broker.url(), cluster=config.cluster)
 
+    def _ours(self, claim: AckClaim) -> bool:
+        return (
+            claim.kind == ACK_KIND
+            and claim.key == self._stream
+            and claim.group == self._group
+            and claim.ref is not None
+            and is_entry_id(claim.ref)
+        )
+
     async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
-        targets: dict[tuple[str, str], list[str]] = {}
-        for c in claims:
-            if c.key is None or c.group is None or c.ref is None:
-                raise AckError(f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete xack intent")
-            targets.setdefault((c.key, c.group), []).append(c.ref)
-        for (stream, group), ids in targets.items():
-            what = f"XACK {stream} {group} ({len(ids)} ids)"
-            with tolerating(RedisErrorKind.NOGROUP, self._name, what, error=AckError) as reply:
-                await self._client.xack(stream, group, *ids)
-            if reply.tolerated:
-                # No group, no PEL: nothing is left to acknowledge. If the group
-                # is recreated, the entries are redelivered and re-requested.
-                log.warning("ack_group_missing", adapter=self._name, stream=stream, group=group, ids=len(ids))
+        ours = own_targets(claims, self._ours, adapter=self._name, target=_xack_target)
+        if not ours:
+            return []
+        stream, group = self._stream, self._group
+        ids = list(dict.fromkeys(c.ref for c in ours if c.ref is not None))
+        what = f"XACK {stream} {group} ({len(ids)} ids)"
+        with tolerating(RedisErrorKind.NOGROUP, self._name, what, error=AckError) as reply:
+            await self._client.xack(stream, group, *ids)
+        if reply.tolerated:
+            # No group, no PEL: nothing is left to acknowledge. If the group
+            # is recreated, the entries are redelivered and re-requested.
+            log.warning("ack_group_missing", adapter=self._name, stream=stream, group=group, ids=len(ids))
         return []
 
     async def acked(self, claims: Sequence[AckClaim]) -> None:

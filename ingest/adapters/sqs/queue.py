@@ -51,9 +51,9 @@ from typing import Any
 
 import structlog
 
-from backhalf.keys import native_key
+from backhalf.keys import key_id, native_key, storable_id
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
 from ingest.adapters.sqs.common import (
     MAX_CONCURRENT_CALLS,
     MAX_PER_CALL,
@@ -326,9 +326,12 @@ class SqsQueueAdapter:
         return list(reply.get("Messages", []))
 
     def _delivery(self, message: Mapping[str, Any]) -> Delivery:
-        message_id = str(message["MessageId"])
+        # AWS's own id (a UUID), but an SQS-compatible server's is whatever it
+        # says: taken into the key as any id from outside is (keys.key_id).
+        raw_id = str(message["MessageId"])
+        message_id = storable_id(raw_id)
         attributes = message.get("Attributes", {})
-        key = native_key(self._cfg.key_prefix, self._queue, message_id)
+        key = native_key(self._cfg.key_prefix, self._queue, key_id(raw_id))
         audited = {name: str(attributes[name]) for name in _AUDITED if name in attributes}
         return Delivery(
             key,
@@ -431,9 +434,17 @@ def _redrive(policy: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _sqsdel_target(claim: AckClaim) -> str:
+    """An intent's target for the log: the queue it names (not its receipt
+    handle, an opaque token as long as a message)."""
+    return f"{claim.kind} {claim.key}"
+
+
 class SqsDeleter:
     """``DeleteMessageBatch`` with each committed intent's receipt handle,
-    10 a call; an entry the queue refused is left owed, never counted done."""
+    10 a call; an entry the queue refused is left owed, never counted done.
+    Only intents that name the adapter's own queue (by name, as the adapter
+    stores them) are deleted (``own_targets``)."""
 
     def __init__(self, config: AdapterConfig) -> None:
         self._cfg = config
@@ -458,20 +469,22 @@ class SqsDeleter:
             self._stack, self._client, self._url = stack, client, url
         return self._client, self._url
 
+    def _ours(self, claim: AckClaim) -> bool:
+        return claim.kind == ACK_KIND and claim.key == self._queue and bool(claim.ref)
+
     async def ack(self, claims: Sequence[AckClaim]) -> list[AckClaim]:
-        for c in claims:
-            if c.key != self._queue or not c.ref:
-                raise AckError(
-                    f"adapter {self._name}: inbox row {c.inbox_id} has an incomplete sqsdel intent, or one"
-                    f" for another queue than {self._queue}"
-                )
+        # Deletes go to this adapter's queue URL whatever a row says; an
+        # intent naming another queue is not this adapter's to delete.
+        ours = own_targets(claims, self._ours, adapter=self._name, target=_sqsdel_target)
+        if not ours:
+            return []
         # One delete per inbox row (a row may be claimed twice in a drain:
         # by the cursor, and from the ack queue).
-        unique = list({c.inbox_id: c for c in claims}.values())
+        unique = list({c.inbox_id: c for c in ours}.values())
         client, url = await self._connection()
         outcomes = await _bounded([self._delete(client, url, chunk) for chunk in _chunks(unique)])
         left_ids = {c.inbox_id for chunk_left in outcomes for c in chunk_left}
-        return [c for c in claims if c.inbox_id in left_ids]
+        return [c for c in ours if c.inbox_id in left_ids]
 
     async def _delete(self, client: Client, url: str, chunk: Sequence[AckClaim]) -> list[AckClaim]:
         """One DeleteMessageBatch; the claims left owed (every one, if the call failed)."""

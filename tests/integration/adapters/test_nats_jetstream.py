@@ -274,3 +274,83 @@ async def test_a_creds_file_the_server_refuses_is_a_broker_error(
             await adapter.start()
     finally:
         await adapter.close()
+
+
+async def test_acks_go_only_to_the_adapters_own_stream_and_consumer(
+    db_url: str, nats_url: str, broker: Streams
+) -> None:
+    """Issue 43: an intent's reply subject, stream and consumer are a row's
+    data, which any login that may write the row can point elsewhere. A
+    reply subject of another consumer of the stream (with the row's group
+    pointed there too, or not), or of another stream's consumer, gets no
+    +ACK: those messages are redelivered to their own consumers, none of
+    those intents is returned as refused (it would stay owed forever), one
+    error line names them, and the adapter's own intent is acked."""
+    cfg = config(db_url, nats_url)
+    await broker.publish(SUBJECT, b'{"n": 1}')
+    await broker.create("PAYMENTS")
+    await broker.publish("PAYMENTS.new", b'{"n": 2}')
+    # Another application's consumer of the same stream, and another
+    # stream's consumer named as the adapter's.
+    others = []
+    for stream, durable in ((STREAM, "billing"), ("PAYMENTS", GROUP)):
+        await broker.js.add_consumer(
+            stream, config=ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=1)
+        )
+        sub = await broker.js.pull_subscribe_bind(durable=durable, stream=stream)
+        (msg,) = await sub.fetch(1, timeout=5)
+        others.append((sub, msg))
+    (_, billing), (_, payments) = others
+    adapter = make_adapter(cfg, ledger=None)
+    try:
+        (mine,) = await adapter.read(1)
+    finally:
+        await adapter.close()
+    claims = [
+        AckClaim(1, "orders", "jsack", STREAM, GROUP, mine.ack_ref, copies=1, body=None),
+        AckClaim(2, "orders", "jsack", STREAM, "billing", billing.reply, copies=1, body=None),
+        AckClaim(3, "orders", "jsack", STREAM, GROUP, billing.reply, copies=1, body=None),
+        AckClaim(4, "orders", "jsack", "PAYMENTS", GROUP, payments.reply, copies=1, body=None),
+    ]
+    acknowledger = make_acknowledger(cfg)
+    try:
+        with capture_logs() as logs:
+            refused = await acknowledger.ack(claims)
+    finally:
+        await acknowledger.close()
+    assert refused == []
+    assert await broker.unacked(STREAM, GROUP) == 0  # the adapter's own: acked
+    assert (await broker.unacked(STREAM, "billing"), await broker.unacked("PAYMENTS", GROUP)) == (1, 1)
+    for sub, msg in others:  # their ack_wait lapses: delivered to them again
+        (again,) = await sub.fetch(1, timeout=5)
+        assert (again.data, again.metadata.num_delivered) == (msg.data, 2)
+        await sub.unsubscribe()
+    (line,) = [e for e in logs if e["event"] == "ack_target_refused"]
+    assert (line["log_level"], line["adapter"], line["inbox_ids"]) == ("error", "orders", [2, 3, 4])
+    assert line["targets"] == sorted(
+        [
+            f"jsack {STREAM} billing {billing.reply}",
+            f"jsack {STREAM} {GROUP} {billing.reply}",
+            f"jsack PAYMENTS {GROUP} {payments.reply}",
+        ]
+    )
+
+
+async def test_after_a_consumer_is_renamed_the_old_consumers_acks_are_not_sent(
+    db_url: str, nats_url: str, broker: Streams
+) -> None:
+    """The config names one durable consumer: an intent stored under the
+    name it had before is refused like any other consumer's."""
+    await broker.publish(SUBJECT, b'{"n": 1}')
+    adapter = make_adapter(config(db_url, nats_url), ledger=None)
+    try:
+        (old,) = await adapter.read(1)
+    finally:
+        await adapter.close()
+    acknowledger = make_acknowledger(config(db_url, nats_url, group="switchboard-v2"))
+    try:
+        claim = AckClaim(1, "orders", "jsack", STREAM, GROUP, old.ack_ref, copies=1, body=None)
+        assert await acknowledger.ack([claim]) == []
+    finally:
+        await acknowledger.close()
+    assert await broker.unacked(STREAM, GROUP) == 1

@@ -7,10 +7,13 @@ import hashlib
 import json
 
 import redis
+from structlog.testing import capture_logs
 
 from backhalf.db import DatabaseSettings, create_engine
-from ingest.adapters.redis.lists import ListAdapter, processing_key
+from backhalf.records import AckClaim
+from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter, processing_key, removed_marker
 from ingest.processes.poll import ledger_for
+from tests.support.cluster import cluster_client, owned_cluster
 from tests.support.db import query, scalar
 from tests.support.in_process import JOBS, list_adapter, pipeline, settings, wait_until
 
@@ -92,3 +95,69 @@ async def test_reaper_takes_a_dead_consumers_list_never_a_live_ones(
     assert query(db_url, "SELECT payload FROM todos") == [({"owner": "dead"},)]
     assert r.lrange(processing_key(JOBS, "alive"), 0, -1) == [b'{"owner": "alive"}']
     assert r.sismember(f"{JOBS}:consumers", "alive")
+
+
+async def test_lrem_goes_only_to_the_adapters_processing_lists(
+    db_url: str, redis_url: str, r: redis.Redis
+) -> None:
+    """Issue 43: an intent's list is a row's data, which any login that may
+    write the row can point elsewhere. Any consumer's processing list of the
+    source is the adapter's; another application's list, another source's
+    processing list, or the Cluster form of the name on an adapter without
+    ``cluster`` is not: no LREM there and no marker written, none deleted
+    after the commit, and none of them returned as refused (they would stay
+    owed forever). One error line names them."""
+    body = b'{"job": 1}'
+    mine, other_consumer = processing_key(JOBS, "c1"), processing_key(JOBS, "c2")
+    foreign = ["other", processing_key("payments", "c1"), processing_key(JOBS, "c1", cluster=True)]
+    for key in [mine, other_consumer, *foreign]:
+        r.lpush(key, body)
+    r.set(removed_marker("other", 3), b"theirs")  # another application's key, named like a marker
+    claims = [
+        AckClaim(1, JOBS, "lrem", mine, None, None, 1, body),
+        AckClaim(2, JOBS, "lrem", other_consumer, None, None, 1, body),
+        *[AckClaim(3 + i, JOBS, "lrem", key, None, None, 1, body) for i, key in enumerate(foreign)],
+        AckClaim(6, JOBS, "xack", mine, "switchboard", "1-0", 1, None),  # not this mode's kind
+    ]
+    acker = ListAcknowledger(settings(db_url, redis_url, list_adapter()).adapters[0])
+    try:
+        with capture_logs() as logs:
+            refused = await acker.ack(claims)
+        markers = {c.inbox_id: r.get(removed_marker(c.key or "", c.inbox_id)) for c in claims}
+        await acker.acked(claims)
+    finally:
+        await acker.close()
+    assert refused == []
+    assert (r.llen(mine), r.llen(other_consumer)) == (0, 0)
+    assert [r.lrange(key, 0, -1) for key in foreign] == [[body]] * 3
+    assert markers == {1: b"1", 2: b"1", 3: b"theirs", 4: None, 5: None, 6: None}
+    assert r.get(removed_marker("other", 3)) == b"theirs"
+    assert not r.exists(removed_marker(mine, 1), removed_marker(other_consumer, 2))
+    (line,) = [e for e in logs if e["event"] == "ack_target_refused"]
+    assert (line["log_level"], line["adapter"], line["inbox_ids"]) == ("error", JOBS, [3, 4, 5, 6])
+    assert line["targets"] == sorted([*(f"lrem {key}" for key in foreign), f"xack {mine}"])
+
+
+async def test_a_cluster_adapter_acks_its_hash_tagged_lists_only(db_url: str) -> None:
+    """With ``cluster = true`` the processing lists are ``{jobs}:processing:*``,
+    all in the list's slot; the plain form is another key, in another slot."""
+    body = b'{"job": 2}'
+    tagged, plain = processing_key(JOBS, "c1", cluster=True), processing_key(JOBS, "c1")
+    with owned_cluster(masters=1) as cluster:
+        broker = cluster_client(cluster)
+        try:
+            broker.lpush(tagged, body)
+            broker.lpush(plain, body)
+            table = list_adapter(url=cluster.url, cluster=True)
+            acker = ListAcknowledger(settings(db_url, "redis://127.0.0.1:1/0", table).adapters[0])
+            try:
+                claims = [
+                    AckClaim(1, JOBS, "lrem", tagged, None, None, 1, body),
+                    AckClaim(2, JOBS, "lrem", plain, None, None, 1, body),
+                ]
+                assert await acker.ack(claims) == []
+            finally:
+                await acker.close()
+            assert (broker.llen(tagged), broker.lrange(plain, 0, -1)) == (0, [body])
+        finally:
+            broker.close()

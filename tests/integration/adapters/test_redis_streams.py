@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import pytest
 import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
+from structlog.testing import capture_logs
 
 from backhalf.errors import StoreError
 from backhalf.normalize import FieldMap
@@ -18,6 +19,8 @@ from backhalf.stream_groups import GroupStartLedger, StreamGroup
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import AdapterConfig, from_mapping
 from ingest.errors import AckError, BrokerError, GroupMissing
+from ingest.processes.acker import drain_adapter
+from ingest.processes.poll import to_record
 from tests.support.acl import acl_rules
 from tests.support.db import query
 from tests.support.servers import as_redis_user
@@ -211,14 +214,119 @@ async def test_ack_on_a_vanished_group_passes_another_error_fails(cfg, r, adapte
     r.xgroup_destroy(STREAM, GROUP)
     r.set("not-a-stream", "x")
     acker = StreamAcknowledger(cfg())
+    wrong_type = StreamAcknowledger(cfg(source="not-a-stream"))
     try:
         await acker.ack([AckClaim(1, "orders", "xack", STREAM, GROUP, entry, 1, None)])
         with pytest.raises(AckError) as info:
-            await acker.ack([AckClaim(2, "orders", "xack", "not-a-stream", GROUP, entry, 1, None)])
+            await wrong_type.ack([AckClaim(2, "orders", "xack", "not-a-stream", GROUP, entry, 1, None)])
     finally:
         await acker.close()
+        await wrong_type.close()
     assert "XACK not-a-stream switchboard (1 ids)" in str(info.value)
     assert isinstance(info.value.__cause__, redis.ResponseError)
+
+
+async def test_acks_go_only_to_the_adapters_own_stream_and_group(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
+    """Issue 43: an intent's target is a row's data, which any login that may
+    write the row can point elsewhere. Intents naming another group of the
+    stream, another stream, or no entry id are not XACKed, and not returned
+    as refused (they would stay owed forever): the other groups' PELs keep
+    their entries, one error line names them, and the adapter's own intent
+    in the same batch is acked."""
+    mine = r.xadd(STREAM, {"body": b"{}"}).decode()
+    a = StreamAdapter(cfg())
+    adapters.append(a)
+    await a.read(10)
+    # Another application's group on the same stream, holding the same entry,
+    # and another stream whose group has the adapter's group's name.
+    r.xgroup_create(STREAM, "billing", id="0")
+    r.xreadgroup("billing", "b1", {STREAM: ">"})
+    theirs = r.xadd("payments", {"body": b"{}"}).decode()
+    r.xgroup_create("payments", GROUP, id="0")
+    r.xreadgroup(GROUP, "p1", {"payments": ">"})
+    claims = [
+        AckClaim(1, "orders", "xack", STREAM, GROUP, mine, 1, None),
+        AckClaim(2, "orders", "xack", STREAM, "billing", mine, 1, None),
+        AckClaim(3, "orders", "xack", "payments", GROUP, theirs, 1, None),
+        AckClaim(4, "orders", "xack", STREAM, GROUP, "not-an-id", 1, None),
+        AckClaim(5, "orders", "lrem", STREAM, GROUP, mine, 1, b"{}"),  # not this mode's kind
+    ]
+    acker = StreamAcknowledger(cfg())
+    try:
+        with capture_logs() as logs:
+            refused = await acker.ack(claims)
+        await acker.acked(claims)
+    finally:
+        await acker.close()
+    assert refused == []
+    assert r.xpending(STREAM, GROUP)["pending"] == 0  # the adapter's own: acked
+    assert [p["message_id"].decode() for p in r.xpending_range(STREAM, "billing", "-", "+", 10)] == [mine]
+    assert [p["message_id"].decode() for p in r.xpending_range("payments", GROUP, "-", "+", 10)] == [theirs]
+    (line,) = [e for e in logs if e["event"] == "ack_target_refused"]
+    assert (line["log_level"], line["adapter"], line["inbox_ids"]) == ("error", "orders", [2, 3, 4, 5])
+    assert line["targets"] == [
+        f"lrem {STREAM} {GROUP} {mine}",
+        f"xack {STREAM} billing {mine}",
+        f"xack {STREAM} {GROUP} not-an-id",
+        f"xack payments {GROUP} {theirs}",
+    ]
+
+
+async def test_after_a_group_is_renamed_the_old_groups_intents_are_not_acked(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]
+    """The config names one group: an intent stored under the name it had
+    before is refused like any other group's (its entry stays in the old
+    group's PEL, which nothing reads any more)."""
+    entry = r.xadd(STREAM, {"body": b"{}"}).decode()
+    old = StreamAdapter(cfg())
+    adapters.append(old)
+    await old.read(10)
+    renamed = StreamAcknowledger(cfg(group="switchboard-v2"))
+    try:
+        assert await renamed.ack([AckClaim(1, "orders", "xack", STREAM, GROUP, entry, 1, None)]) == []
+    finally:
+        await renamed.close()
+    assert r.xpending(STREAM, GROUP)["pending"] == 1
+
+
+async def test_a_repointed_row_is_marked_acked_without_an_xack_and_costs_nothing_again(  # type: ignore[no-untyped-def]
+    cfg, r, adapters, engine, db_url
+) -> None:
+    """The finding itself (issue 43): a stored row's ack_group pointed at
+    another application's group of the same stream. The acker's drain
+    leaves that group's PEL alone, raises nothing (no AcksRefused: the row
+    is not owed), marks the row acked, and the next drain finds nothing."""
+    entry = r.xadd(STREAM, {"body": b'{"n": 1}'}).decode()
+    r.xgroup_create(STREAM, "billing", id="0")
+    r.xreadgroup("billing", "b1", {STREAM: ">"})
+    config = cfg()
+    a = StreamAdapter(config)
+    adapters.append(a)
+    deliveries = await a.read(10)
+    batch = StoreBatch(
+        "orders",
+        config.queue,
+        config.consumer,
+        "store",
+        a.ack_target,
+        Provenance("queue", "queue", False, a.identity),
+        [to_record(d, config) for d in deliveries],
+    )
+    async with engine.begin() as conn:
+        await store(conn, batch)
+    query(db_url, "UPDATE inbox SET ack_group = 'billing' RETURNING id")
+    acker = StreamAcknowledger(config)
+    try:
+        with capture_logs() as logs:
+            assert await drain_adapter(engine, "orders", acker, limit=100) == 1
+            assert await drain_adapter(engine, "orders", acker, limit=100) == 0
+    finally:
+        await acker.close()
+    assert query(db_url, "SELECT ack_state FROM inbox") == [("acked",)]
+    assert [p["message_id"].decode() for p in r.xpending_range(STREAM, "billing", "-", "+", 10)] == [entry]
+    assert [e["inbox_ids"] for e in logs if e["event"] == "ack_target_refused"] == [
+        [i for (i,) in query(db_url, "SELECT id FROM inbox")]
+    ]
+    assert [e for e in logs if e["event"] == "acks_refused"] == []
 
 
 async def test_lost_report_survives_a_failed_store(cfg, r, adapters) -> None:  # type: ignore[no-untyped-def]

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
+from structlog.testing import capture_logs
 
+from backhalf.records import AckClaim
 from ingest.adapters.factory import make_acknowledger, make_adapter
 from ingest.config import AdapterConfig, Settings
 from ingest.errors import AckError, BrokerError
@@ -22,7 +24,7 @@ from ingest.processes.acker import drain_adapter, drain_loop
 from ingest.processes.ingester import run_ingester
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
-from tests.support.sqs import REGION, client, counts, create_queue, send, use_emulator_credentials
+from tests.support.sqs import REGION, client, counts, create_queue, receive, send, use_emulator_credentials
 
 NAME = "orders"
 
@@ -325,3 +327,75 @@ async def test_an_aws_profile_that_does_not_exist_is_a_broker_error_naming_it(
     with pytest.raises(BrokerError, match=r"creating the sqs client .*config profile \(no-such-profile\)"):
         await adapter.start()
     await adapter.close()
+
+
+async def test_deletes_go_only_to_the_adapters_own_queue(
+    db_url: str, redis_url: str, sqs_endpoint: str, sqs: Any
+) -> None:
+    """Issue 43: an intent's queue and receipt handle are a row's data,
+    which any login that may write the row can point elsewhere. An intent
+    naming another queue is not deleted, not returned as refused (it would
+    stay owed forever), and named in one error line; the adapter's own
+    intent in the same batch is deleted."""
+    queue, other = unique("orders"), unique("billing")
+    url, other_url = create_queue(sqs, queue), create_queue(sqs, other, visibility_timeout_s=1)
+    send(sqs, url, bodies(1))
+    send(sqs, other_url, bodies(1, tag="billing"))
+    (mine,) = receive(sqs, url)
+    (theirs,) = receive(sqs, other_url)
+    claims = [
+        AckClaim(1, NAME, "sqsdel", queue, None, mine["ReceiptHandle"], 1, None),
+        AckClaim(2, NAME, "sqsdel", other, None, theirs["ReceiptHandle"], 1, None),
+        AckClaim(3, NAME, "sqsdel", other_url, None, theirs["ReceiptHandle"], 1, None),
+    ]
+    acknowledger = make_acknowledger(one(settings(db_url, redis_url, table(sqs_endpoint, queue))))
+    try:
+        with capture_logs() as logs:
+            refused = await acknowledger.ack(claims)
+    finally:
+        await acknowledger.close()
+    assert refused == []
+    assert counts(sqs, url) == (0, 0, 0)  # the adapter's own: deleted
+    # The other queue's message is still there: received again once its
+    # visibility lapses.
+    (again,) = receive(sqs, other_url, wait_time_s=5)
+    assert (again["MessageId"], again["Body"]) == (theirs["MessageId"], theirs["Body"])
+    (line,) = [e for e in logs if e["event"] == "ack_target_refused"]
+    assert (line["log_level"], line["adapter"], line["inbox_ids"]) == ("error", NAME, [2, 3])
+    assert line["targets"] == sorted([f"sqsdel {other}", f"sqsdel {other_url}"])
+    assert not any(theirs["ReceiptHandle"] in str(e) for e in logs)  # no handle in the logs
+
+
+async def test_a_row_repointed_at_another_queue_is_marked_acked_without_a_delete(
+    db_url: str, redis_url: str, sqs_endpoint: str, sqs: Any, engine: AsyncEngine
+) -> None:
+    """The finding (issue 43), through the acker's drain: a stored row's
+    ack_key and handle pointed at another application's queue. The drain
+    raises nothing (the row is not owed), marks every row acked, deletes
+    the adapter's other message, and the other queue keeps its own."""
+    queue, other = unique("orders"), unique("billing")
+    url, other_url = create_queue(sqs, queue), create_queue(sqs, other, visibility_timeout_s=1)
+    s = settings(db_url, redis_url, table(sqs_endpoint, queue))
+    send(sqs, url, bodies(2))
+    send(sqs, other_url, bodies(1, tag="billing"))
+    async with pipeline(s, acker=False):
+        await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") == 2)
+    (theirs,) = receive(sqs, other_url)
+    query(
+        db_url,
+        "UPDATE inbox SET ack_key = %(q)s, ack_entry_id = %(h)s WHERE id = (SELECT min(id) FROM inbox)"
+        " RETURNING id",
+        {"q": other, "h": theirs["ReceiptHandle"]},
+    )
+    acknowledger = make_acknowledger(one(s))
+    try:
+        assert await drain_adapter(engine, NAME, acknowledger, limit=100) == 2
+        assert await drain_adapter(engine, NAME, acknowledger, limit=100) == 0
+    finally:
+        await acknowledger.close()
+    assert query(db_url, "SELECT DISTINCT ack_state FROM inbox") == [("acked",)]
+    # The repointed row's own message was not deleted either (its row names
+    # another queue now): it stays in flight until its visibility lapses.
+    assert counts(sqs, url) == (0, 1, 0)
+    (again,) = receive(sqs, other_url, wait_time_s=5)
+    assert again["MessageId"] == theirs["MessageId"]

@@ -157,11 +157,14 @@ async def test_one_broker_down_does_not_stall_another_adapter(
         await registry.register(
             c, name="broken", family="queue", transport="redis", mode="stream", settings={}
         )
+    # Its own stream and group (source "x", the default group): an intent
+    # naming any other would be discharged without a call to its broker.
     query(
         db_url,
         """INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key,
                               ack_group, ack_entry_id, ack_state, status)
-           VALUES ('broken', 'redis:x:1-0', '1-0', '', 'xack', 'x', 'g', '1-0', 'pending', 'stored')""",
+           VALUES ('broken', 'redis:x:1-0', '1-0', '', 'xack', 'x', 'switchboard', '1-0', 'pending',
+                   'stored')""",
     )
     dead = StreamAcknowledger(
         from_mapping(

@@ -85,28 +85,6 @@ def test_the_acker_has_no_part_in_an_adapter_its_ingester_acks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ref", "acks"),
-    [
-        ("$JS.ACK.ORDERS.switchboard.1.7.7.1796221376233174239.0", True),
-        # A domain and an account hash before the stream (the v2 layout).
-        ("$JS.ACK.hub.ACCHASH.ORDERS.switchboard.1.7.7.1796221376233174239.0.token", True),
-        ("$JS.ACK.OTHER.switchboard.1.7.7.1796221376233174239.0", False),  # another stream's
-        ("$JS.ACK.ORDERS.other.1.7.7.1796221376233174239.0", False),  # another consumer's
-        ("orders.new", False),  # no ack subject at all: never published to
-        ("$JS.API.STREAM.DELETE.ORDERS", False),
-    ],
-)
-def test_the_acker_acks_only_its_consumers_ack_subjects(ref: str, acks: bool) -> None:
-    """A row's ref is data: the acker publishes +ACK to nothing but an ack
-    subject of the row's own stream and consumer."""
-    from backhalf.records import AckClaim
-    from ingest.adapters.nats.jetstream import _acks_its_consumer
-
-    claim = AckClaim(1, "orders", "jsack", "ORDERS", "switchboard", ref, copies=1, body=None)
-    assert _acks_its_consumer(claim) is acks
-
-
-@pytest.mark.parametrize(
     "reply",
     [
         "$JS.ACK.ORDERS.switchboard.3.41.40.1796221376233174239.7",
