@@ -332,11 +332,16 @@ class SqsQueueAdapter:
         message_id = storable_id(raw_id)
         attributes = message.get("Attributes", {})
         key = native_key(self._cfg.key_prefix, self._queue, key_id(raw_id))
-        audited = {name: str(attributes[name]) for name in _AUDITED if name in attributes}
+        # A FIFO queue's group id is the producer's too: made storable (jsonb
+        # holds no NUL), or its row could never be written, not even rejected.
+        audited = {name: storable_id(str(attributes[name])) for name in _AUDITED if name in attributes}
         return Delivery(
             key,
             message_id,
-            body=str(message.get("Body", "")).encode(),
+            # A lone surrogate (a server's "\ud800") kept as the bytes it
+            # stood for: the body then fails its format and is rejected, as
+            # any body that is not UTF-8, instead of failing the read.
+            body=str(message.get("Body", "")).encode("utf-8", "surrogatepass"),
             ack_ref=str(message["ReceiptHandle"]),
             deliveries=int(attributes.get("ApproximateReceiveCount", 1)),
             attributes=json.dumps(audited) if audited else None,
