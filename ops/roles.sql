@@ -426,12 +426,12 @@ BEGIN
     -- and a row keeps its ack's stream or list (ack_key), pending or not (an
     -- acked row asked for again is pending by the same statement): repointed,
     -- the acker would ack an entry never stored. Its group and its entry's
-    -- ref (ack_group, ack_entry_id) change only on a row this transaction is
-    -- storing again, which asks for its ack again by this transaction's id
-    -- (ack_xid): a JetStream redelivery's newer reply subject, the same entry
-    -- redelivered through a group renamed in the config. The acker, for its
-    -- part, acts only on targets its own config names (the acknowledgers'
-    -- ``ack_target_refused``), whatever a row says.
+    -- ref (ack_group, ack_entry_id) change only on a row stored again, which
+    -- counts the delivery (``deliveries`` up): a JetStream redelivery's newer
+    -- reply subject, the same entry redelivered through a group renamed in
+    -- the config. The acker, for its part, acts only on targets its own
+    -- config names (the acknowledgers' ``ack_target_refused``), whatever a
+    -- row says.
     CREATE POLICY switchboard_ingester_update ON inbox FOR UPDATE TO switchboard_ingester
         USING (true)
         WITH CHECK (ack_state <> 'acked' AND acked_at IS NULL AND (ack_state = 'none') = (ack_kind = 'none')
@@ -439,7 +439,7 @@ BEGIN
                     AND NOT EXISTS (SELECT FROM inbox o
                                     WHERE o.id = inbox.id
                                       AND (o.ack_key IS DISTINCT FROM inbox.ack_key
-                                           OR (inbox.ack_xid IS DISTINCT FROM pg_current_xact_id()::text::int8
+                                           OR (inbox.deliveries <= o.deliveries
                                                AND (o.ack_group, o.ack_entry_id)
                                                    IS DISTINCT FROM (inbox.ack_group, inbox.ack_entry_id)))));
     -- A consumer-acked transport (AMQP: the ingester acks on the channel that

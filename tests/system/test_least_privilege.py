@@ -585,10 +585,17 @@ def test_each_role_is_refused_what_it_is_not_granted(roles_db: RoleDatabase) -> 
     assert sqlstate(ingester, redelivery.format(state="'acked'")) == INSUFFICIENT_PRIVILEGE
     assert sqlstate(ingester, redelivery.format(state="'pending'")) is None
     assert db.query(admin, "SELECT ack_state, acked_at, deliveries FROM inbox") == [("pending", None, 2)]
-    # Storing it again (this transaction's ack_xid, as by_cursor stores do)
-    # takes the newest delivery's ref; in place, without storing, it may not.
+    # Storing it again (a delivery counted) takes the newest delivery's ref
+    # (a JetStream reply subject), with or without an ack_xid (ack_after =
+    # "complete" queues the ack instead); in place, without a delivery
+    # counted, it may not, even under this transaction's ack_xid.
+    in_place = (
+        "UPDATE inbox SET ack_entry_id = '1-2', ack_xid = pg_current_xact_id()::text::int8"
+        " WHERE id = %(inbox)s"
+    )
+    assert sqlstate(ingester, in_place, ids) == INSUFFICIENT_PRIVILEGE
     again = redelivery.format(state="'pending'").replace(
-        "acked_at = NULL", "acked_at = NULL, ack_entry_id = '1-1', ack_xid = pg_current_xact_id()::text::int8"
+        "acked_at = NULL", "acked_at = NULL, ack_entry_id = '1-1'"
     )
     assert sqlstate(ingester, again) is None
     assert db.query(admin, "SELECT ack_entry_id FROM inbox") == [("1-1",)]
