@@ -9,6 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from backhalf import queries
 from schema import todos
 
 
@@ -57,8 +58,10 @@ async def message_trail(conn: AsyncConnection, idempotency_key: str) -> list[dic
 
 @dataclass(frozen=True, slots=True)
 class HorizonHolder:
-    """The oldest transaction of this database still holding a transaction
-    id: stream acks stored after it wait for it to end (queries.sql,
+    """The oldest transaction that holds the ack cursor's horizon: a session
+    of this database with a transaction id whose login may write the inbox
+    (a login with no such right holds nothing back), or a prepared
+    transaction. Stream acks stored after it wait for it to end (queries.sql,
     ``ack_horizon_cte``). A session's state and age are shown only to its
     own role (or pg_read_all_stats): None otherwise."""
 
@@ -77,25 +80,12 @@ class HorizonHolder:
         return f"{what} ({', '.join(f for f in facts if f)})"
 
 
-# No value comes from outside: the statement has no parameter.
-_HOLDER = sa.text(
-    "SELECT 'session' AS kind, pid::text AS name, usename AS who, age(backend_xid) AS behind,"
-    " now() - xact_start AS open_for, state"
-    " FROM pg_stat_activity"
-    " WHERE backend_xid IS NOT NULL AND datname = current_database() AND pid <> pg_backend_pid()"
-    " UNION ALL"
-    # A prepared transaction of any database: it is shown by no session,
-    # so it holds the ack cursor back wherever it was prepared.
-    " SELECT 'prepared transaction', gid, owner::text, age(transaction), now() - prepared, NULL"
-    " FROM pg_prepared_xacts"
-    " ORDER BY behind DESC LIMIT 1"
-)
-
-
 async def ack_horizon_holder(conn: AsyncConnection) -> HorizonHolder | None:
-    """The oldest transaction of this database with an id of its own, or None."""
-    row = (await conn.execute(_HOLDER)).first()
+    """The oldest transaction holding the ack cursor's horizon back (one of
+    this database with an id of its own whose login may write the inbox, or
+    a prepared transaction), or None. No parameter: nothing from outside."""
+    row = (await conn.exec_driver_sql(queries.ACK_HORIZON_HOLDER)).first()
     if row is None:
         return None
-    kind, name, who, behind, open_for, state = row
+    kind, name, who, behind, open_for, state = tuple(row)
     return HorizonHolder(str(kind), str(name), who, int(behind), open_for, state)

@@ -110,9 +110,12 @@ LOCK_PENDING_COPIES = _block("lock_pending_copies")
 OWED_NATIVE = _block("owed_native")
 MARK_OWN_ACKS = _block("mark_own_acks")
 SETTLE_OWN_ACKS = _block("settle_own_acks")
-# The horizon first: the cursor's statements read one snapshot.
-CURSOR_PEEK = _with("ack_horizon_cte", "cursor_peek_cte", then="cursor_peek")
-CURSOR_ACKS = _with("ack_horizon_cte", "cursor_acks_cte", then="cursor_acks")
+# The horizon first: the cursor's statements read one snapshot. Which
+# sessions may write what the cursor reads (the writers), the horizon, and
+# `status`'s question by the same rule.
+CURSOR_PEEK = _with("ack_writers_cte", "ack_horizon_cte", "cursor_peek_cte", then="cursor_peek")
+CURSOR_ACKS = _with("ack_writers_cte", "ack_horizon_cte", "cursor_acks_cte", then="cursor_acks")
+ACK_HORIZON_HOLDER = _with("ack_writers_cte", then="ack_horizon_holder")
 RESET_ACK_CURSOR = _block("reset_ack_cursor")
 MARK_CURSOR_ACKS = _block("mark_cursor_acks")
 
@@ -136,6 +139,7 @@ COMPOSED: dict[str, str] = {
     "create_todo": CREATE_TODO,
     "cursor_peek": CURSOR_PEEK,
     "cursor_acks": CURSOR_ACKS,
+    "ack_horizon_holder": ACK_HORIZON_HOLDER,
 }
 
 if _unused := sorted(set(_BLOCKS) - _used):

@@ -162,8 +162,9 @@ ev AS (
 -- (Redis restored from an older snapshot, a stream deleted and refilled with
 -- explicit ids) is not updated and so not returned: the store stores it
 -- again under a derived key (backhalf.store, "reused ids"), except where the
--- id alone names the message (``id_names_message``: a webhook's delivery id,
--- whose resend may carry its body serialized anew). The comparison
+-- id alone names the message (``id_names_message``: a webhook's signed
+-- delivery id, whose resend may carry its body serialized anew; not
+-- GitHub's, which is outside the signature). The comparison
 -- reads the stored body only on a conflict, which first deliveries do not
 -- meet.
 --
@@ -382,20 +383,53 @@ RETURNING id, adapter, ack_kind, ack_key, ack_group, ack_entry_id, ack_copies,
           CASE WHEN claimed.by_body THEN body END AS body
 
 
+-- name: ack_writers_cte
+-- The roles whose sessions may write what the ack cursor reads (issue 43):
+-- an inbox row's ``ack_xid`` (INSERT or UPDATE of that column, table-wide
+-- grants and pg_write_all_data included), the inbox's owner and every role
+-- that may act as it (the owner can grant itself anything, even after
+-- revoking its own rights), superusers, and CREATEROLE roles (before
+-- PostgreSQL 16 they may grant themselves any role, a writer's too). A
+-- session may write if its login is a member of one of these in any way:
+-- ``pg_has_role(..., 'MEMBER')`` is true for a NOINHERIT membership too,
+-- through which the session can ``SET ROLE`` to the writer mid-transaction,
+-- and for a superuser always. pg_roles, not pg_authid: every role may read
+-- it. Materialized, and read only for a session of this database that holds
+-- an id and whose login has no such right of its own (a worker's, an
+-- operator's, a stranger's), so most looks never compute it.
+writers AS MATERIALIZED (
+    SELECT r.oid FROM pg_roles AS r
+    WHERE r.rolsuper OR r.rolcreaterole
+       OR pg_has_role(r.oid, (SELECT c.relowner FROM pg_class AS c WHERE c.oid = 'inbox'::regclass), 'MEMBER')
+       OR has_column_privilege(r.oid, 'inbox'::regclass, 'ack_xid', 'INSERT, UPDATE')
+)
+
+
 -- name: ack_horizon_cte
 -- Where the ack cursor may walk to (``h.xmin``): below the oldest transaction
 -- still running that may write this database's rows, as of this statement's
 -- snapshot. Every transaction below it has ended, so a row stored later has
 -- a larger ack_xid and can never land behind the cursor. Transaction ids are
--- the cluster's, so the snapshot's own xmin is held back by a transaction in
--- any database, even one Switchboard's roles cannot reach; one that
--- pg_stat_activity shows with an id in another database cannot write a row
--- here and is passed over (datid and backend_xid are shown for every
--- session, whatever the role). Any other (this database's, a prepared
--- transaction, one that ended after the snapshot, one not shown) bounds the
--- walk, as the snapshot's xmin does. ``running``: those transactions, for
--- the peek's ``held``. The comparison is of the ids' low 32 bits
--- (backend_xid is an xid): ids running at once are less than 2^31 apart.
+-- the cluster's, so the snapshot's own xmin is held back by any transaction
+-- of the cluster; two kinds that pg_stat_activity shows cannot write a row
+-- the cursor reads and are passed over (datid, usesysid and backend_xid are
+-- shown for every session, whatever the role): one in another database, and
+-- one of this database whose login is no writer (ack_writers_cte: a
+-- worker's, an operator's, a login with no grant at all that merely holds a
+-- transaction open, issue 43). Any other (a writer's, a prepared
+-- transaction, one that ended after the snapshot, one not shown, one whose
+-- login pg_stat_activity does not name) bounds the walk, as the snapshot's
+-- xmin does: the test is ``IS FALSE``, so a NULL bounds. Rights are judged
+-- as they are now, not as they were when the transaction began: a writer
+-- whose role is granted to a session mid-transaction (or revoked from one
+-- that has written) can leave rows behind the cursor, which the claim sweep
+-- then redelivers and acks (docs/architecture.md, "The horizon"). A
+-- SECURITY DEFINER function of a writer's that another role may call would
+-- make that role a writer too: Switchboard makes none. ``running``: the
+-- transactions that bound, for the peek's ``held``. The comparison is of
+-- the ids' low 32 bits (backend_xid is an xid): ids running at once are less
+-- than 2^31 apart. The writer check short-circuits on the login's own right,
+-- so Switchboard's ingesters and ackers never read ``writers``.
 h AS (
     SELECT snap.xmax, coalesce(min(ours.xid), snap.xmax) AS xmin, count(ours.xid) AS running
     FROM (SELECT s, pg_snapshot_xmax(s)::text::int8 AS xmax FROM pg_current_snapshot() AS s) AS snap
@@ -404,7 +438,10 @@ h AS (
         WHERE x::text::int8 %% 4294967296 NOT IN (
             SELECT a.backend_xid::text::int8 FROM pg_stat_activity AS a
             WHERE a.backend_xid IS NOT NULL
-              AND a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database()))
+              AND (a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database())
+                   OR (has_column_privilege(a.usesysid, 'inbox'::regclass, 'ack_xid', 'INSERT, UPDATE')
+                       OR EXISTS (SELECT FROM writers AS w WHERE pg_has_role(a.usesysid, w.oid, 'MEMBER')))
+                      IS FALSE))
     ) AS ours ON true
     GROUP BY snap.xmax
 )
@@ -496,6 +533,25 @@ LEFT JOIN LATERAL (
     ORDER BY ack_xid, id
     LIMIT %(limit)s
 ) AS i ON true
+
+
+-- name: ack_horizon_holder
+-- ``switchboard status`` (backhalf.audit.ack_horizon_holder): the oldest
+-- transaction holding the ack cursor's horizon back, by the horizon's own
+-- rule (ack_horizon_cte): a session of this database with an id whose
+-- login may write (``IS NOT FALSE``: one pg_stat_activity names no login
+-- for bounds too), or a prepared transaction of any database, which no
+-- session shows.
+SELECT 'session' AS kind, a.pid::text AS name, a.usename AS who, age(a.backend_xid) AS behind,
+       now() - a.xact_start AS open_for, a.state
+FROM pg_stat_activity AS a
+WHERE a.backend_xid IS NOT NULL AND a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND (has_column_privilege(a.usesysid, 'inbox'::regclass, 'ack_xid', 'INSERT, UPDATE')
+       OR EXISTS (SELECT FROM writers AS w WHERE pg_has_role(a.usesysid, w.oid, 'MEMBER'))) IS NOT FALSE
+UNION ALL
+SELECT 'prepared transaction', gid, owner::text, age(transaction), now() - prepared, NULL
+FROM pg_prepared_xacts
+ORDER BY behind DESC LIMIT 1
 
 
 -- name: reset_ack_cursor

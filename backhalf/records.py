@@ -108,9 +108,11 @@ class StoreBatch:
     # (a group recreated from 0 re-reads a whole stream that way).
     check_stored: bool = False
     # The native id alone names the message: a stored id met with another
-    # body is the same message sent again (a webhook's delivery id; Stripe
-    # signs a retry afresh, with its counters moved), not a reused id to
-    # store apart. A broker's entry id is not such a name (backhalf.store).
+    # body is the same message sent again (a webhook's delivery id that its
+    # sender signs; Stripe signs a retry afresh, with its counters moved),
+    # not a reused id to store apart. A broker's entry id is not such a name
+    # (backhalf.store), nor an id outside the signature (GitHub's: anyone
+    # with one signed body could send it under another delivery's id).
     id_names_message: bool = False
 
 

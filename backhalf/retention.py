@@ -45,6 +45,22 @@ Why the statements are shaped as they are:
   planner could turn into a scan of a table it has not analyzed.
 * A row's linked rows go in the same statement: an inbox row's ``events``
   row (``inbox.event_id``), a todo's ``todo_events``.
+* **Never a row younger than its floor** (issue 43), whatever ``age`` the
+  caller passes: the cutoff is ``now()`` minus the greater of the two. An
+  inbox row's dedup is what stops a redelivery, or a webhook sender's retry,
+  from making a second todo, so a mis-set retention (or a caller that skips
+  the config's checks) must not delete a row its broker may still deliver
+  again: :data:`PULL_FLOOR` (the config's one-hour minimum,
+  ``ingest.config.adapter.RETENTION_FLOOR_MS``) for a walk of queue
+  adapters, :data:`PUSH_FLOOR` (the senders' three-day retry span,
+  ``ingest.config.webhook.SENDER_RETRY_DAYS``) as soon as one of its
+  adapters is registered as anything else. Each delete carries its own
+  floor: an event goes only with its inbox row and only once it is as old
+  (an inbox row whose event is younger, a replay's, is kept until it is
+  not, so no event is left behind), a todo only with its whole history
+  past :data:`TODO_FLOOR`, a delivery attempt only past
+  :data:`ATTEMPTS_FLOOR`. ``ops/roles.sql``'s row policies hold the acker's
+  role to the same floors, against a caller that sends SQL of its own.
 
 Every value is a bound parameter; cutoffs are the database's ``now()``
 minus an interval, so no host's clock matters.
@@ -64,7 +80,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf.db import wrap_driver_errors
 from backhalf.errors import PruneError
-from schema import ACTIVE_TODO_STATUSES, delivery_attempts, events, inbox, todo_events, todos
+from schema import ACTIVE_TODO_STATUSES, adapters, delivery_attempts, events, inbox, todo_events, todos
 from schema.tables import ack_queue
 
 # Inbox rows whose broker ack is done: acked, or never owed one (pub/sub).
@@ -73,8 +89,25 @@ ACK_DONE_STATES = ("acked", "none")
 # is an outcome an operator replays, and both are terminal.
 DONE_STATUSES = ("done", "cancelled")
 FAILED_STATUSES = ("failed",)
+# The floors (issue 43; the module docstring says why): no row younger is
+# deleted, whatever the configured retention.
+PULL_FLOOR = timedelta(hours=1)  # ingest.config.adapter.RETENTION_FLOOR_MS
+PUSH_FLOOR = timedelta(days=3)  # ingest.config.webhook.SENDER_RETRY_DAYS
+TODO_FLOOR = timedelta(hours=1)
+ATTEMPTS_FLOOR = PULL_FLOOR  # a stale attempt is judged on the acked rows' horizon
+_FLOORS = {
+    "pull_floor": PULL_FLOOR,
+    "push_floor": PUSH_FLOOR,
+    "todo_floor": TODO_FLOOR,
+    "attempts_floor": ATTEMPTS_FLOOR,
+}
+_QUEUE_FAMILY = "queue"
 
 InboxStatus = Literal["stored", "rejected"]
+
+# The adapters walking together: those with the same retention share one
+# read of the inbox (``ingest.processes.prune`` groups them), counted apart.
+_ADAPTERS = sa.any_(sa.bindparam("adapters", type_=postgresql.ARRAY(sa.Text)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +130,34 @@ class Batch:
     by_owner: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-def _cutoff() -> Any:
-    return sa.func.now() - sa.bindparam("age", type_=sa.Interval)
+def _floored(floor: Any) -> Any:
+    """``now()`` minus the walk's ``age``, or minus ``floor`` where that is longer."""
+    return sa.func.now() - sa.func.greatest(sa.bindparam("age", type_=sa.Interval), floor)
+
+
+def _inbox_cutoff() -> Any:
+    """The inbox walk's cutoff: its adapters' floor is the push floor if one
+    of them is registered as other than a queue adapter (one computed once
+    per statement: ``adapters`` is a handful of rows; an adapter not
+    registered has no inbox rows, its foreign key says so)."""
+    pushed = (
+        sa.select(sa.func.bool_or(adapters.c.family != _QUEUE_FAMILY))
+        .where(adapters.c.name == _ADAPTERS)
+        .scalar_subquery()
+    )
+    floor = sa.case(
+        (sa.func.coalesce(pushed, sa.false()), sa.bindparam("push_floor", type_=sa.Interval)),
+        else_=sa.bindparam("pull_floor", type_=sa.Interval),
+    )
+    return _floored(floor)
+
+
+def _todo_cutoff() -> Any:
+    return _floored(sa.bindparam("todo_floor", type_=sa.Interval))
+
+
+def _attempts_cutoff() -> Any:
+    return _floored(sa.bindparam("attempts_floor", type_=sa.Interval))
 
 
 def _array_of(select: sa.Select[Any]) -> Any:
@@ -143,17 +202,29 @@ def _held(mine: Any, condition: Any) -> Any:
     return sa.select(sa.func.array_agg(mine.c.id)).where(condition).scalar_subquery().label("held_ids")
 
 
-# The adapters walking together: those with the same retention share one
-# read of the inbox (``ingest.processes.prune`` groups them), counted apart.
-_ADAPTERS = sa.any_(sa.bindparam("adapters", type_=postgresql.ARRAY(sa.Text)))
-
-
 def _by_adapter(cte: Any, *where: Any) -> Any:
     """``{adapter: rows}`` of ``cte`` (None: no rows)."""
     counted = (
         sa.select(cte.c.adapter, sa.func.count().label("n")).where(*where).group_by(cte.c.adapter).subquery()
     )
     return sa.select(sa.func.json_object_agg(counted.c.adapter, counted.c.n)).scalar_subquery()
+
+
+def _younger_event(event_id: Any) -> Any:
+    """The row's event is newer than the cutoff (an inbox replay's, written
+    long after its row): the row waits for it, so its event never outlives
+    it. A primary-key probe."""
+    return sa.exists().where(events.c.id == event_id, events.c.received_at >= _inbox_cutoff())
+
+
+def _inbox_done(scan: Any, *, dry_run: bool) -> Any:
+    """A scanned row is prunable as far as the scan can tell: its ack done,
+    none queued. A dry run also asks what the delete asks of each row it
+    takes (its event as old); a real run leaves that to the delete, which
+    holds back a row it refuses."""
+    queued = sa.exists().where(ack_queue.c.inbox_id == scan.c.id)
+    younger = [~_younger_event(scan.c.event_id)] if dry_run else []
+    return sa.and_(scan.c.ack_state.in_(ACK_DONE_STATES), ~queued, *younger)
 
 
 def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
@@ -168,14 +239,10 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False
             inbox.c.adapter == sa.bindparam("adapter"), inbox.c.status == "rejected"
         )
     scan = scan_query.order_by(inbox.c.id).limit(sa.bindparam("limit", type_=sa.Integer)).cte("scan")
-    edge = sa.select(sa.func.min(scan.c.id)).where(scan.c.stored_at >= _cutoff()).scalar_subquery()
-    queued = sa.exists().where(ack_queue.c.inbox_id == scan.c.id)
+    edge = sa.select(sa.func.min(scan.c.id)).where(scan.c.stored_at >= _inbox_cutoff()).scalar_subquery()
     mine = (
         sa.select(
-            scan.c.id,
-            scan.c.adapter,
-            scan.c.event_id,
-            sa.and_(scan.c.ack_state.in_(ACK_DONE_STATES), ~queued).label("done"),
+            scan.c.id, scan.c.adapter, scan.c.event_id, _inbox_done(scan, dry_run=dry_run).label("done")
         )
         .where(
             scan.c.adapter == _ADAPTERS,
@@ -197,7 +264,7 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False
         inbox.c.adapter == _ADAPTERS,
         inbox.c.status == sa.bindparam("status"),
         inbox.c.ack_state.in_(ACK_DONE_STATES),
-        inbox.c.stored_at < _cutoff(),
+        inbox.c.stored_at < _inbox_cutoff(),
         ~sa.exists().where(ack_queue.c.inbox_id == inbox.c.id),
     )
     locked = (
@@ -206,15 +273,25 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False
         .with_for_update(skip_locked=True)
         .cte("locked")
     )
+    # Its event's age is read once the row is locked: an event never changes.
     gone = (
         sa.delete(inbox)
-        .where(inbox.c.id == _array_of(sa.select(locked.c.id)), *still_prunable)
+        .where(
+            inbox.c.id == _array_of(sa.select(locked.c.id)),
+            *still_prunable,
+            ~_younger_event(inbox.c.event_id),
+        )
         .returning(inbox.c.id, inbox.c.adapter, inbox.c.event_id)
         .cte("gone")
     )
+    # Only the events of the rows deleted here, and only as old as they are.
     gone_events = (
         sa.delete(events)
-        .where(events.c.id == _array_of(sa.select(gone.c.event_id).where(gone.c.event_id.isnot(None))))
+        .where(
+            events.c.id == _array_of(sa.select(gone.c.event_id).where(gone.c.event_id.isnot(None))),
+            events.c.adapter == _ADAPTERS,
+            events.c.received_at < _inbox_cutoff(),
+        )
         .returning(events.c.id, events.c.adapter)
         .cte("gone_events")
     )
@@ -259,6 +336,7 @@ async def prune_inbox(
         "status": status,
         "age": age,
         "limit": limit,
+        **_FLOORS,
     }
     params.update({"cursor": cursor} if ids is None else {"ids": list(ids)})
     names = ", ".join(adapters)
@@ -268,6 +346,23 @@ async def prune_inbox(
     by_owner = {a: {"inbox": int(inbox_by.get(a, 0)), "events": int(events_by.get(a, 0))} for a in adapters}
     totals = {t: sum(counts[t] for counts in by_owner.values()) for t in ("inbox", "events")}
     return dataclasses.replace(_batch(row, totals), by_owner=by_owner)
+
+
+def _younger_history(todo_id: Any) -> Any:
+    """A row of the todo's history is newer than the cutoff: the todo waits,
+    so its history goes with it whole. A todo's every change writes its row
+    in the same statement, so only a row written by hand is ever younger.
+    ``ix_todo_events_todo_id`` probes."""
+    return sa.exists().where(todo_events.c.todo_id == todo_id, todo_events.c.created_at >= _todo_cutoff())
+
+
+def _todo_done(scan: Any, statuses: Any, *, dry_run: bool) -> Any:
+    """A scanned todo is prunable as far as the scan can tell: in the walk's
+    statuses, past the cutoff, no ack waiting for it. A dry run also asks
+    what the delete asks of each todo it takes (its history as old)."""
+    awaited = sa.exists().where(ack_queue.c.waiting_for == scan.c.id)
+    younger = [~_younger_history(scan.c.id)] if dry_run else []
+    return sa.and_(scan.c.status.in_(statuses), scan.c.updated_at < _todo_cutoff(), ~awaited, *younger)
 
 
 def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
@@ -281,13 +376,9 @@ def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
     )
     # updated_at >= created_at: a todo created after the cutoff cannot have
     # finished before it, and created_at follows the id.
-    edge = sa.select(sa.func.min(scan.c.id)).where(scan.c.created_at >= _cutoff()).scalar_subquery()
-    awaited = sa.exists().where(ack_queue.c.waiting_for == scan.c.id)
+    edge = sa.select(sa.func.min(scan.c.id)).where(scan.c.created_at >= _todo_cutoff()).scalar_subquery()
     mine = (
-        sa.select(
-            scan.c.id,
-            sa.and_(scan.c.status.in_(statuses), scan.c.updated_at < _cutoff(), ~awaited).label("done"),
-        )
+        sa.select(scan.c.id, _todo_done(scan, statuses, dry_run=dry_run).label("done"))
         .where(
             scan.c.queue == sa.bindparam("queue"),
             # An active todo may still end in this walk's statuses: it holds
@@ -311,7 +402,7 @@ def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
     still_prunable = (
         todos.c.queue == sa.bindparam("queue"),
         todos.c.status.in_(statuses),
-        todos.c.updated_at < _cutoff(),
+        todos.c.updated_at < _todo_cutoff(),
         # An ack_after = "complete" ack waiting for it: released by the
         # transaction that ends the todo, so none should be left; kept if one is.
         ~sa.exists().where(ack_queue.c.waiting_for == todos.c.id),
@@ -324,13 +415,18 @@ def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
     )
     gone = (
         sa.delete(todos)
-        .where(todos.c.id == _array_of(sa.select(locked.c.id)), *still_prunable)
+        .where(
+            todos.c.id == _array_of(sa.select(locked.c.id)), *still_prunable, ~_younger_history(todos.c.id)
+        )
         .returning(todos.c.id)
         .cte("gone")
     )
     gone_events = (
         sa.delete(todo_events)
-        .where(todo_events.c.todo_id == _array_of(sa.select(gone.c.id)))
+        .where(
+            todo_events.c.todo_id == _array_of(sa.select(gone.c.id)),
+            todo_events.c.created_at < _todo_cutoff(),
+        )
         .returning(todo_events.c.id)
         .cte("gone_events")
     )
@@ -367,7 +463,13 @@ async def prune_todos(
     ones). A dry run counts them."""
     if set(statuses) & set(ACTIVE_TODO_STATUSES):
         raise ValueError(f"only terminal todos are pruned, not {sorted(statuses)}")
-    params: dict[str, Any] = {"queue": queue, "statuses": list(statuses), "age": age, "limit": limit}
+    params: dict[str, Any] = {
+        "queue": queue,
+        "statuses": list(statuses),
+        "age": age,
+        "limit": limit,
+        **_FLOORS,
+    }
     params.update({"cursor": cursor} if ids is None else {"ids": list(ids)})
     with wrap_driver_errors(PruneError, f"queue {queue}: pruning {'/'.join(statuses)} todos"):
         row = (await conn.execute(_TODOS[(dry_run, ids is not None)], params)).one()
@@ -381,7 +483,7 @@ async def prune_todos(
 # primary key (adapter first) is enough to find an adapter's rows.
 _OLD_ATTEMPTS = (
     delivery_attempts.c.adapter == sa.bindparam("adapter"),
-    delivery_attempts.c.last_attempt_at < _cutoff(),
+    delivery_attempts.c.last_attempt_at < _attempts_cutoff(),
 )
 _ATTEMPT_KEY = sa.tuple_(delivery_attempts.c.adapter, delivery_attempts.c.idempotency_key)
 _PRUNE_ATTEMPTS = sa.delete(delivery_attempts).where(
@@ -411,7 +513,7 @@ _COUNT_ATTEMPTS = sa.select(
     sa.select(sa.func.max(_ATTEMPTS_PAGE.c.idempotency_key)).scalar_subquery().label("last_key"),
     sa.select(sa.func.count())
     .select_from(_ATTEMPTS_PAGE)
-    .where(_ATTEMPTS_PAGE.c.last_attempt_at < _cutoff())
+    .where(_ATTEMPTS_PAGE.c.last_attempt_at < _attempts_cutoff())
     .scalar_subquery()
     .label("old"),
 )
@@ -432,7 +534,7 @@ async def count_attempts(
 ) -> AttemptsPage:
     """Of the ``limit`` delivery attempts of ``adapter`` after key ``after``
     (``""``: from the first), how many were last made more than ``age`` ago."""
-    params = {"adapter": adapter, "age": age, "after": after, "limit": limit}
+    params = {"adapter": adapter, "age": age, "after": after, "limit": limit, **_FLOORS}
     with wrap_driver_errors(PruneError, f"adapter {adapter}: counting delivery attempts"):
         row = (await conn.execute(_COUNT_ATTEMPTS, params)).one()
     return AttemptsPage(row.scanned, row.last_key, row.old)
@@ -442,6 +544,6 @@ async def prune_attempts(conn: AsyncConnection, *, adapter: str, age: timedelta,
     """Delete up to ``limit`` of an adapter's delivery attempts last made more
     than ``age`` ago; return how many. A message attempted since keeps its
     count: it is still a suspect. (A dry run counts with :func:`count_attempts`.)"""
-    params = {"adapter": adapter, "age": age, "limit": limit}
+    params = {"adapter": adapter, "age": age, "limit": limit, **_FLOORS}
     with wrap_driver_errors(PruneError, f"adapter {adapter}: pruning delivery attempts"):
         return (await conn.execute(_PRUNE_ATTEMPTS, params)).rowcount

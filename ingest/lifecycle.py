@@ -54,6 +54,42 @@ async def cancel_and_wait(task: asyncio.Task[object], timeout_s: float) -> bool:
     return True
 
 
+# A notification (LISTEN/NOTIFY) is a hint that any login connected to the
+# database can send, as often as it likes (issue 43): what it may cost.
+NOTIFIED_GAP_MIN_S = 0.005
+NOTIFIED_GAP_MAX_S = 0.1
+
+
+class NotifiedLooks:
+    """How soon a notification may make a loop look again (the acker's
+    drain, a worker's claim): never sooner than ``gap_s`` after the loop's
+    last look ended, whatever caused that one, so a burst of notifications
+    is one look and a flood of them a bounded rate of looks. The gap doubles
+    after a look a notification caused that found nothing, up to ``max_s``,
+    and is back at ``min_s`` after any look that found work: forged
+    notifications cost a few looks a second, a real one waits at most a few
+    milliseconds while the loop's looks find work, and at most ``max_s``
+    after a run of empty ones. Times are the caller's clock's."""
+
+    def __init__(self, min_s: float = NOTIFIED_GAP_MIN_S, max_s: float = NOTIFIED_GAP_MAX_S) -> None:
+        self.min_s, self.max_s = min_s, max(min_s, max_s)
+        self.gap_s = min_s
+        self._last = float("-inf")
+
+    def due_at(self) -> float:
+        """From when a notification may cause a look."""
+        return self._last + self.gap_s
+
+    def looked(self, at: float, *, notified: bool, found: bool) -> None:
+        """A look ended at ``at``: caused by a notification or not, and
+        whether it found anything to do."""
+        self._last = at
+        if found:
+            self.gap_s = self.min_s
+        elif notified:
+            self.gap_s = min(self.gap_s * 2, self.max_s)
+
+
 class Backoff:
     """Exponential backoff with full jitter, capped; reset after a success."""
 

@@ -389,6 +389,7 @@ BEGIN
     ALTER TABLE todo_events ENABLE ROW LEVEL SECURITY;
     ALTER TABLE events ENABLE ROW LEVEL SECURITY;
     ALTER TABLE processes ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE delivery_attempts ENABLE ROW LEVEL SECURITY;
     FOR pol IN
         SELECT tablename, policyname FROM pg_policies
         WHERE schemaname = 'public' AND left(policyname, length('switchboard_')) = 'switchboard_'
@@ -469,10 +470,16 @@ BEGIN
         WITH CHECK ((ack_state = 'acked' AND acked_at IS NOT NULL)
                     OR (ack_state = 'pending' AND acked_at IS NULL));
     -- The pruner: only rows whose ack is done and no longer queued
-    -- (backhalf.retention's own condition, ACK_DONE_STATES).
+    -- (backhalf.retention's own condition, ACK_DONE_STATES), and never one
+    -- younger than retention's floors (backhalf.retention: an hour; three
+    -- days, the senders' retry span, for a push adapter's), whatever the
+    -- config says: a resend must still meet the row that dedups it.
     CREATE POLICY switchboard_acker_delete ON inbox FOR DELETE TO switchboard_acker
         USING (ack_state IN ('acked', 'none')
-               AND NOT EXISTS (SELECT FROM ack_queue q WHERE q.inbox_id = inbox.id));
+               AND NOT EXISTS (SELECT FROM ack_queue q WHERE q.inbox_id = inbox.id)
+               AND stored_at < now() - interval '1 hour'
+               AND (stored_at < now() - interval '3 days'
+                    OR EXISTS (SELECT FROM adapters a WHERE a.name = inbox.adapter AND a.family = 'queue')));
     -- Inbox replay: a rejected row becomes 'stored', with its todo and event.
     -- Any row may be locked: replay locks before it reads the status.
     CREATE POLICY switchboard_operator_replay ON inbox FOR UPDATE TO switchboard_operator
@@ -533,15 +540,20 @@ BEGIN
     -- The store's undo: todos this transaction created.
     CREATE POLICY switchboard_ingester_delete ON todos FOR DELETE TO switchboard_ingester, switchboard_receiver
         USING (xmin = pg_current_xact_id()::xid AND created_at = now() AND status = 'pending');
+    -- (updated_at now: else a todo moved to failed could carry an old
+    -- updated_at past the delete's floor below.)
     CREATE POLICY switchboard_acker_update ON todos FOR UPDATE TO switchboard_acker
         USING (true)
-        WITH CHECK (EXISTS (SELECT FROM todos o WHERE o.id = todos.id
+        WITH CHECK (updated_at = now()
+                    AND EXISTS (SELECT FROM todos o WHERE o.id = todos.id
                               AND (o.status, todos.status) IN (('running', 'pending'),
                                                                ('running', 'failed'))));
-    -- The pruner (backhalf.retention): terminal todos no ack waits for.
+    -- The pruner (backhalf.retention): terminal todos no ack waits for, an
+    -- hour ended at least (retention's floor).
     CREATE POLICY switchboard_acker_delete ON todos FOR DELETE TO switchboard_acker
         USING (status IN ('done', 'failed', 'cancelled')
-               AND NOT EXISTS (SELECT FROM ack_queue q WHERE q.waiting_for = todos.id));
+               AND NOT EXISTS (SELECT FROM ack_queue q WHERE q.waiting_for = todos.id)
+               AND updated_at < now() - interval '1 hour');
     CREATE POLICY switchboard_worker_update ON todos FOR UPDATE TO switchboard_worker
         USING (true)
         WITH CHECK (EXISTS (SELECT FROM todos o WHERE o.id = todos.id
@@ -606,9 +618,11 @@ BEGIN
     CREATE POLICY switchboard_ingester_delete ON todo_events FOR DELETE
         TO switchboard_ingester, switchboard_receiver
         USING (xmin = pg_current_xact_id()::xid);
-    -- The pruner: the history of a todo that is terminal, or gone.
+    -- The pruner: the history of a todo that is terminal, or gone, an hour
+    -- old at least.
     CREATE POLICY switchboard_acker_delete ON todo_events FOR DELETE TO switchboard_acker
-        USING (NOT EXISTS (SELECT FROM todos t
+        USING (created_at < now() - interval '1 hour'
+               AND NOT EXISTS (SELECT FROM todos t
                            WHERE t.id = todo_events.todo_id
                              AND t.status IN ('pending', 'dispatched', 'running')));
 
@@ -632,8 +646,24 @@ BEGIN
     CREATE POLICY switchboard_ingester_delete ON events FOR DELETE TO switchboard_ingester, switchboard_receiver
         USING (xmin = pg_current_xact_id()::xid);
     -- The pruner deletes an inbox row's event with it (retention's walk
-    -- holds the inbox row; no index leads from an event to it).
-    CREATE POLICY switchboard_acker_delete ON events FOR DELETE TO switchboard_acker USING (true);
+    -- holds the inbox row and names the link; no index leads from an event
+    -- to it, so the policy holds the age): past the inbox's floors.
+    CREATE POLICY switchboard_acker_delete ON events FOR DELETE TO switchboard_acker
+        USING (received_at < now() - interval '1 hour'
+               AND (received_at < now() - interval '3 days'
+                    OR EXISTS (SELECT FROM adapters a WHERE a.name = events.adapter AND a.family = 'queue')));
+
+    -- delivery_attempts: the ingester's count of lone attempts; the pruner
+    -- locks (a lock needs UPDATE on a column) and deletes those past
+    -- retention's floor.
+    CREATE POLICY switchboard_read ON delivery_attempts FOR SELECT
+        TO switchboard_ingester, switchboard_acker, switchboard_operator USING (true);
+    CREATE POLICY switchboard_ingester_attempts ON delivery_attempts FOR ALL TO switchboard_ingester
+        USING (true) WITH CHECK (true);
+    CREATE POLICY switchboard_acker_lock ON delivery_attempts FOR UPDATE TO switchboard_acker
+        USING (last_attempt_at < now() - interval '1 hour') WITH CHECK (false);
+    CREATE POLICY switchboard_acker_delete ON delivery_attempts FOR DELETE TO switchboard_acker
+        USING (last_attempt_at < now() - interval '1 hour');
 
     -- processes: each process role its own rows (`role`); the day-silent
     -- clean-up (backhalf.heartbeats.forget_statement, FORGET_AFTER_S) anyone's.

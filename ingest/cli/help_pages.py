@@ -41,7 +41,8 @@ EXAMPLES: dict[str, str] = {
     "trace": "switchboard trace redis:orders:1700000000000-0",
     "prune": "switchboard prune --dry-run",
     "status": "switchboard status --json",
-    "web": "switchboard web --listen 0.0.0.0:8089 --metrics-port 9468",
+    # Loopback, behind a TLS proxy: never a bare 0.0.0.0 (the console speaks plain HTTP).
+    "web": "switchboard web --listen 127.0.0.1:8089 --metrics-port 9468",
     "demo": "switchboard demo --messages 1000",
 }
 

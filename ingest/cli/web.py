@@ -26,7 +26,8 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
         type=listen_argument,
         default=DEFAULT_LISTEN,
         metavar="HOST:PORT",
-        help=f"where to serve (default {DEFAULT_LISTEN}; off loopback only with SWITCHBOARD_WEB_TOKEN set)",
+        help=f"where to serve, in plain HTTP (default {DEFAULT_LISTEN}: loopback, with a TLS-terminating"
+        " proxy in front); an address off loopback needs SWITCHBOARD_WEB_TOKEN",
     )
     parser.add_argument(
         "--read-only", action="store_true", help="show no actions and refuse every POST (403)"

@@ -2,7 +2,10 @@
 
 Woken by NOTIFY (sent by the store, delivered only on commit) with a polling
 fallback, so a lost notification or a dropped LISTEN connection delays acks by
-at most ``poll_interval_ms``. Each drain is one transaction per adapter:
+at most ``poll_interval_ms``. Any login connected to the database can NOTIFY
+too, so a notification is a hint (:class:`Hints`): one naming no adapter
+acked here is dropped, and the others make at most one look at the adapters
+they name, no sooner than a gap after the last look (issue 43). Each drain is one transaction per adapter:
 claim the stream acks owed through the adapter's cursor (one acker at a time
 holds it) and the queued intents, marking the queued ones acked in the same
 statement (``FOR UPDATE SKIP LOCKED``: several ackers split the work), send
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Container, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import psycopg
@@ -48,7 +51,7 @@ from ingest.adapters.base import FAMILY, Acknowledger
 from ingest.adapters.factory import acked_by, make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.errors import AckError, AcksRefused, ConfigError, error_kind, log_failure
-from ingest.lifecycle import Retry, wait_either, wait_stop
+from ingest.lifecycle import NOTIFIED_GAP_MAX_S, NotifiedLooks, Retry, wait_either, wait_stop
 from ingest.observe.heartbeat import database_gauges_loop
 from ingest.processes.prune import prune_loop, walks
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
@@ -156,6 +159,38 @@ async def drain_once(
     return total
 
 
+class Hints:
+    """What notifications asked the drain loop for since it last took them:
+    the adapters they named, each checked against those acked here
+    (``known``), or every adapter after the LISTEN connection was (re)made
+    (notifications may have been lost). A payload is anyone's text (any
+    login connected to the database may NOTIFY on the channel): a name not
+    acked here is dropped at once and wakes nothing, and a known one is only
+    a hint of where to look (issue 43)."""
+
+    def __init__(self, known: Container[str]) -> None:
+        self._known = known
+        self._named: set[str] = set()
+        self._everything = False
+
+    def note(self, payload: str) -> bool:
+        """Keep ``payload`` if it names an adapter acked here; whether it did."""
+        if payload not in self._known:
+            return False
+        self._named.add(payload)
+        return True
+
+    def everything(self) -> None:
+        self._everything = True
+
+    def take(self) -> frozenset[str] | None:
+        """The adapters named since the last take, forgotten now (None: every adapter)."""
+        named, everything = frozenset(self._named), self._everything
+        self._named.clear()
+        self._everything = False
+        return None if everything or not named else named
+
+
 async def drain_loop(
     engine: AsyncEngine,
     acknowledgers: Mapping[str, Acknowledger],
@@ -167,59 +202,141 @@ async def drain_loop(
     refresh: Callable[[], Awaitable[object]] | None = None,
     refresh_interval_s: float = REGISTRY_REFRESH_S,
     tick: Callable[[], None] = lambda: None,
+    hints: Hints | None = None,
 ) -> None:
     """Drain every adapter until stop. ``refresh``, if given, runs every
-    ``refresh_interval_s`` and may add acknowledgers to ``acknowledgers``."""
-    loop = asyncio.get_running_loop()
-    held_wait_s = HELD_RETRY_S
-    retries: dict[str, Retry] = {}
-    retry_at: dict[str, float] = {}
-    next_refresh = loop.time() + refresh_interval_s
+    ``refresh_interval_s`` and may add acknowledgers to ``acknowledgers``.
+    ``wake`` is set by notifications: a look they cause drains only the
+    adapters ``hints`` holds (every one without hints), and comes no sooner
+    than the gap of :class:`~ingest.lifecycle.NotifiedLooks` after the last
+    look; the poll, the held acks' look again, a backoff's end and a full
+    drain's next look drain every adapter, at once."""
+    drains = _Drains(engine, acknowledgers, settings, deadline_ms, stop, refresh, refresh_interval_s)
+    cause = "timer"
     while not stop.is_set():
         tick()
-        if refresh is not None and loop.time() >= next_refresh:
-            next_refresh = loop.time() + refresh_interval_s
-            try:
-                await refresh()
-            except Exception as exc:  # noqa: BLE001 - the acknowledgers we have go on; next time
-                log_failure(log, "adapters_refresh_failed", exc, retry_in_s=refresh_interval_s)
+        await drains.refresh_due()
         wake.clear()  # set again by any NOTIFY that arrives while we drain
-        more_waiting = held = drained_any = False
-        for adapter, acknowledger in list(acknowledgers.items()):
-            if loop.time() < retry_at.get(adapter, 0.0) or stop.is_set():
+        named = hints.take() if hints is not None else None
+        only = named if cause == "notify" else None
+        more_waiting, drained_any = await drains.look(only)
+        drains.gate.looked(drains.now(), notified=cause == "notify", found=drained_any)
+        if more_waiting:
+            cause = "more"  # a full batch: look again at once
+            continue
+        cause = await _next_look(wake, stop, drains.now, drains.timer_at(), drains.gate.due_at())
+
+
+class _Drains:
+    """The drain loop's state between looks: per adapter its backoff and
+    whether acks are held back; when the next timed look is due."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        acknowledgers: Mapping[str, Acknowledger],
+        settings: AckerSettings,
+        deadline_ms: int,
+        stop: asyncio.Event,
+        refresh: Callable[[], Awaitable[object]] | None,
+        refresh_interval_s: float,
+    ) -> None:
+        self._engine, self._acknowledgers, self._settings = engine, acknowledgers, settings
+        self._deadline_ms, self._stop = deadline_ms, stop
+        self._refresh, self._refresh_interval_s = refresh, refresh_interval_s
+        self.now = asyncio.get_running_loop().time
+        self._poll_s = settings.poll_interval_ms / 1000
+        self.gate = NotifiedLooks(max_s=min(NOTIFIED_GAP_MAX_S, self._poll_s))
+        self._held_wait_s = HELD_RETRY_S
+        self._held: set[str] = set()
+        self._retries: dict[str, Retry] = {}
+        self._retry_at: dict[str, float] = {}
+        self._next_refresh = self.now() + refresh_interval_s
+
+    async def refresh_due(self) -> None:
+        if self._refresh is None or self.now() < self._next_refresh:
+            return
+        self._next_refresh = self.now() + self._refresh_interval_s
+        try:
+            await self._refresh()
+        except Exception as exc:  # noqa: BLE001 - the acknowledgers we have go on; next time
+            log_failure(log, "adapters_refresh_failed", exc, retry_in_s=self._refresh_interval_s)
+
+    async def look(self, only: frozenset[str] | None) -> tuple[bool, bool]:
+        """One drain of each adapter (of ``only``, if given) not backing off;
+        whether one was full (more waiting), and whether any drained."""
+        more_waiting = drained_any = False
+        for adapter, acknowledger in list(self._acknowledgers.items()):
+            if only is not None and adapter not in only:
                 continue
-            try:
-                drained, adapter_held = await _drain(
-                    engine, adapter, acknowledger, settings.batch_size, deadline_ms
-                )
-            except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
-                m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
-                acked = _acked_anyway(adapter, exc)
-                if acked is None:
-                    retry = retries.setdefault(adapter, Retry.from_settings(settings, log))
-                    retry_at[adapter] = loop.time() + retry.failed("ack_failed", exc, adapter=adapter)
-                    continue
-                drained, adapter_held = acked, False
-            if adapter in retries:
-                retries[adapter].succeeded()
-            more_waiting |= drained >= settings.batch_size
-            held |= adapter_held
+            if self.now() < self._retry_at.get(adapter, 0.0) or self._stop.is_set():
+                continue
+            drained = await self._drain_one(adapter, acknowledger)
+            more_waiting |= drained >= self._settings.batch_size
             drained_any |= drained > 0
         # Acks the cursor could not take yet (a transaction below a committed
         # store's was still running) are looked for again soon: usually that
         # transaction ends within milliseconds, and no NOTIFY says when. The
-        # wait doubles while rounds find nothing (a long transaction costs one
+        # wait doubles while looks find nothing (a long transaction costs one
         # empty claim per poll interval) and starts over after one that did.
-        poll_s = settings.poll_interval_ms / 1000
-        held_wait_s = min(held_wait_s * 2, poll_s) if held and not drained_any else HELD_RETRY_S
-        if not more_waiting:
-            timeout_s = min(poll_s, held_wait_s) if held else poll_s
-            upcoming = [t - loop.time() for t in retry_at.values() if t > loop.time()]
-            if refresh is not None:
-                upcoming.append(max(0.0, next_refresh - loop.time()))
-            if upcoming:
-                timeout_s = min(timeout_s, *upcoming)
-            await wait_either(wake, stop, timeout_s)
+        if self._held and not drained_any:
+            self._held_wait_s = min(self._held_wait_s * 2, self._poll_s)
+        else:
+            self._held_wait_s = HELD_RETRY_S
+        return more_waiting, drained_any
+
+    async def _drain_one(self, adapter: str, acknowledger: Acknowledger) -> int:
+        try:
+            drained, held = await _drain(
+                self._engine, adapter, acknowledger, self._settings.batch_size, self._deadline_ms
+            )
+        except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
+            m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
+            acked = _acked_anyway(adapter, exc)
+            if acked is None:
+                retry = self._retries.setdefault(adapter, Retry.from_settings(self._settings, log))
+                self._retry_at[adapter] = self.now() + retry.failed("ack_failed", exc, adapter=adapter)
+                self._held.discard(adapter)  # its backoff's end is its next look
+                return 0
+            drained, held = acked, False
+        if adapter in self._retries:
+            self._retries[adapter].succeeded()
+        if held:
+            self._held.add(adapter)
+        else:
+            self._held.discard(adapter)
+        return drained
+
+    def timer_at(self) -> float:
+        """When the next timed look is due: the poll, held acks' look again,
+        the next backoff's end, the adapters table's next read."""
+        now = self.now()
+        held = bool(self._held.intersection(self._acknowledgers))
+        due = [now + (min(self._poll_s, self._held_wait_s) if held else self._poll_s)]
+        due += [t for t in self._retry_at.values() if t > now]
+        if self._refresh is not None:
+            due.append(max(now, self._next_refresh))
+        return min(due)
+
+
+async def _next_look(
+    wake: asyncio.Event, stop: asyncio.Event, now: Callable[[], float], timer_at: float, notify_at: float
+) -> str:
+    """Wait for the next look and say what caused it: ``timer`` once
+    ``timer_at`` comes; ``notify`` once a notification has come and
+    ``notify_at`` has passed (a burst is one look; earlier ones wait out
+    the gap); ``stop``."""
+    while not stop.is_set():
+        at = now()
+        if at >= timer_at:
+            return "timer"
+        if wake.is_set():
+            if at >= notify_at:
+                return "notify"
+            await wait_stop(stop, min(timer_at, notify_at) - at)
+        else:
+            await wait_either(wake, stop, timer_at - at)
+    return "stop"
 
 
 def _acked_anyway(adapter: str, exc: Exception) -> int | None:
@@ -293,10 +410,17 @@ async def registered_at_start(
 
 
 async def _listen_loop(
-    database: DatabaseSettings, settings: AckerSettings, wakes: Sequence[asyncio.Event], stop: asyncio.Event
+    database: DatabaseSettings,
+    settings: AckerSettings,
+    wake: asyncio.Event,
+    hints: Hints,
+    stop: asyncio.Event,
 ) -> None:
-    """Turn NOTIFYs into ``wakes`` (the ack drain's); reconnect
-    with backoff; never the only path."""
+    """Turn NOTIFYs that name an adapter acked here into ``hints`` and
+    ``wake`` (the ack drain's); reconnect with backoff; never the only path.
+    A notification costs a set lookup here and at most a share of one look
+    (``drain_loop``): never a statement of its own. The connection is
+    probed once per ``LISTEN_PROBE_INTERVAL_S`` however many arrive."""
     # LISTEN is an optimisation: whatever ends it is retried; the driver's and
     # the network's errors are warnings, anything else a bug with its traceback.
     retry = Retry.from_settings(settings, log, expected=(psycopg.Error, TimeoutError, OSError))
@@ -317,20 +441,22 @@ async def _listen_loop(
                     await conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(ACK_CHANNEL)))
                 log.info("listening", channel=ACK_CHANNEL)
                 retry.succeeded()
-                _set_all(wakes)  # anything committed before LISTEN took effect
+                _everything(wake, hints)  # anything committed before LISTEN took effect
                 while not stop.is_set():
-                    async for _ in conn.notifies(timeout=LISTEN_PROBE_INTERVAL_S, stop_after=1):
-                        _set_all(wakes)
+                    # Every notification of the interval, then one probe.
+                    async for notify in conn.notifies(timeout=LISTEN_PROBE_INTERVAL_S):
+                        if hints.note(notify.payload):
+                            wake.set()
                     async with asyncio.timeout(LISTEN_PROBE_TIMEOUT_S):
                         await conn.execute("SELECT 1")
         except Exception as exc:  # noqa: BLE001 - LISTEN is an optimisation; polling goes on
-            _set_all(wakes)  # notifications may have been lost: poll now
+            _everything(wake, hints)  # notifications may have been lost: look now
             await retry.back_off(stop, "listen_failed", exc)
 
 
-def _set_all(events: Sequence[asyncio.Event]) -> None:
-    for event in events:
-        event.set()
+def _everything(wake: asyncio.Event, hints: Hints) -> None:
+    hints.everything()
+    wake.set()
 
 
 async def rescue_loop(
@@ -423,8 +549,10 @@ class _Acker(ProcessBody):
 
     def spawn(self, process: Process) -> None:
         settings, stop = self._settings, process.stop
-        wake = asyncio.Event()
-        listener = process.beside(_listen_loop(settings.database, settings.acker, [wake], stop), "listen")
+        wake, hints = asyncio.Event(), Hints(self._acknowledgers)
+        listener = process.beside(
+            _listen_loop(settings.database, settings.acker, wake, hints, stop), "listen"
+        )
         # The listener may sit in notifies() for up to the probe interval;
         # it holds no state worth finishing, so stop cancels it.
         process.beside(_stop_listener(listener, stop), "listen-stopper")
@@ -438,6 +566,7 @@ class _Acker(ProcessBody):
             process.deadline_ms,
             refresh=self._refresh,
             tick=process.watch("drain", poll_s),
+            hints=hints,
         )
         process.work(drain, "drain")
         if settings.acker.prune_interval_ms > 0 and walks(settings):

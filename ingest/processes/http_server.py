@@ -1,5 +1,7 @@
 """What the HTTP processes (``receive``, ``web``) share: a listening socket
-bound before any work, and uvicorn without signal handlers of its own."""
+bound before any work, and uvicorn without signal handlers of its own, its
+accept failures logged once per interval (``http_guard`` holds the limits on
+what a client may hold)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import uvicorn
 
 from ingest.config.webhook import split_listen
 from ingest.errors import ConfigError
+from ingest.processes.http_guard import accept_errors_logged
 
 
 def bind(listen: str, what: str) -> socket.socket:
@@ -39,11 +42,17 @@ def bind(listen: str, what: str) -> socket.socket:
 
 class Server(uvicorn.Server):
     """uvicorn without its own signal handlers: the process's stop ends it;
-    ``up`` is set once it serves (uvicorn itself says so by a flag only)."""
+    ``up`` is set once it serves (uvicorn itself says so by a flag only).
+    Out of file descriptors, asyncio's accept logs every try, with a
+    traceback, thousands a second: one line every few seconds instead."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.up = asyncio.Event()
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        with accept_errors_logged(asyncio.get_running_loop()):
+            await super().serve(sockets=sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)

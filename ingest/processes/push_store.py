@@ -9,6 +9,14 @@ the records that arrive while the committers are busy share the next
 commit, so a delivery costs a share of a transaction instead of a whole one.
 A failed transaction fails every request in it (503: their senders retry,
 the keys dedup); one record's poison is its own (stored as rejected).
+
+Where the sender signs its delivery id (``id_names_message``), a stored id
+met with another body is the same delivery resent, a duplicate. Where it
+does not (GitHub), a different body under a stored id is stored as its own
+message under the reused-id form of the key (``backhalf.store``), so
+nobody holding one signed body can make a pending delivery's id name that
+body instead (issue 43), even when both are handed in together (the store
+takes two bodies under one key in turn).
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ class _Waiting:
     queue: str
     provenance: Provenance
     record: InboxRecord
+    # The delivery id names this one message (the sender signs it): another
+    # body under it is the same delivery resent. False: GitHub's.
+    id_names_message: bool
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     # Its request gave up (answered 503) before a committer took it: never
     # stored then, so a database that is away does not leave a backlog of
@@ -66,13 +77,22 @@ class PushStore:
         self._deadline_ms = deadline_ms
         self._waiting: asyncio.Queue[_Waiting] = asyncio.Queue(MAX_WAITING)
 
-    async def store(self, adapter: str, queue: str, provenance: Provenance, record: InboxRecord) -> None:
+    async def store(
+        self,
+        adapter: str,
+        queue: str,
+        provenance: Provenance,
+        record: InboxRecord,
+        *,
+        id_names_message: bool = True,
+    ) -> None:
         """Return once ``record`` is committed; raise StoreError (or
         DeadlineExceeded) if its transaction failed: the outcome may be
         unknown (a COMMIT without its reply), and the sender's retry dedups.
         With ``MAX_WAITING`` records waiting already (the database slower
-        than the deliveries), StoreError at once."""
-        waiting = _Waiting(adapter, queue, provenance, record)
+        than the deliveries), StoreError at once. ``id_names_message``: the
+        sender signs the delivery id (module docstring)."""
+        waiting = _Waiting(adapter, queue, provenance, record, id_names_message)
         try:
             self._waiting.put_nowait(waiting)
         except asyncio.QueueFull as exc:
@@ -111,9 +131,9 @@ class PushStore:
             await held.drop()
 
     async def _commit(self, held: _HeldConnection, taken: list[_Waiting]) -> None:
-        groups: dict[tuple[str, str, Provenance], list[_Waiting]] = defaultdict(list)
+        groups: dict[_Group, list[_Waiting]] = defaultdict(list)
         for w in taken:
-            groups[w.adapter, w.queue, w.provenance].append(w)
+            groups[w.adapter, w.queue, w.provenance, w.id_names_message].append(w)
         began = time.perf_counter()
         results: list[tuple[str, StoreResult]] = []
         try:
@@ -121,7 +141,9 @@ class PushStore:
             async with within_deadline(held.begin(), self._deadline_ms, what) as conn:
                 # One order for every transaction: two committers holding
                 # duplicates of two adapters lock them alike, not crosswise.
-                for (adapter, queue, provenance), ws in sorted(groups.items(), key=_group_order):
+                for (adapter, queue, provenance, names), ws in sorted(groups.items(), key=_group_order):
+                    # Two bodies under one key share no statement: the store
+                    # takes them in turn, so the second meets the first's row.
                     batch = StoreBatch(
                         adapter=adapter,
                         queue=queue,
@@ -130,7 +152,7 @@ class PushStore:
                         ack=_NO_ACK,
                         provenance=provenance,
                         records=[w.record for w in ws],
-                        id_names_message=True,  # a resend may be serialized anew
+                        id_names_message=names,
                     )
                     results.append((adapter, await store(conn, batch)))
                 failpoints.hit("receiver_before_commit")
@@ -156,6 +178,16 @@ class PushStore:
         store_s = time.perf_counter() - began
         for adapter, result in results:
             metrics.count_store(adapter, result, store_s, lost_reason="")
+            for delivery_id, key in result.reused:
+                # A signed body under a delivery id that holds another: a
+                # capture sent again, or the genuine delivery after one.
+                log.warning(
+                    "delivery_id_reused",
+                    adapter=adapter,
+                    delivery_id=delivery_id,
+                    key=key,
+                    detail="another body is stored under this unsigned id: stored as its own message",
+                )
 
 
 class _HeldConnection:
@@ -190,9 +222,13 @@ class _HeldConnection:
             await conn.close()
 
 
-def _group_order(item: tuple[tuple[str, str, Provenance], list[_Waiting]]) -> tuple[str, str, str]:
-    (adapter, queue, provenance), _ = item
-    return adapter, queue, provenance.verify_detail or ""
+# (adapter, queue, provenance, id_names_message): one store call's batch.
+_Group = tuple[str, str, Provenance, bool]
+
+
+def _group_order(item: tuple[_Group, list[_Waiting]]) -> tuple[str, str, str, bool]:
+    (adapter, queue, provenance, names), _ = item
+    return adapter, queue, provenance.verify_detail or "", names
 
 
 def _fail(taken: list[_Waiting], error: Exception) -> None:

@@ -17,6 +17,9 @@ uvicorn serves the Starlette app inside this process's TaskGroup, on a
 socket bound before any work (a taken port is a config error, exit 2), with
 its signal handling off: the skeleton's stop ends it gracefully (no new
 connection; requests in flight are answered), then the committers stop.
+Its h11 protocol is ``http_guard``'s: a head within a few seconds, the whole
+request within ``respond_within_ms`` and a second, connections capped per
+address and in all, body bytes in flight capped (:func:`receiver_limits`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from ingest.config import Settings, WebhookConfig
 from ingest.config.webhook import resolve_secrets
 from ingest.errors import ConfigError
 from ingest.lifecycle import wait_stop
+from ingest.processes.http_guard import BACKLOG, REQUEST_GRACE_S, Limits, guarded_h11, within_file_limit
 from ingest.processes.http_server import Server, bind
 from ingest.processes.ingester import Registration, register_adapters
 from ingest.processes.poll import to_record
@@ -59,8 +63,32 @@ REFUSAL_LOG_EVERY_S = 10.0  # one delivery_refused line per adapter and reason p
 NORMALIZE_INLINE_BYTES = 64 * 1024  # larger bodies, or any with a schema, are decoded off the loop
 UNKNOWN = "-"  # the metrics' adapter label of a path that names none
 ANY_METHOD = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT")
-# Requests served at once; past it uvicorn answers 503 itself (the sender retries).
+# Requests served at once, counting those whose sender has gone and whose
+# store is still running; past it uvicorn answers 503 itself (the sender
+# retries). Connections are capped below it (http_guard): an idle socket
+# never counts here.
 MAX_CONCURRENT_REQUESTS = 2000
+# Connections open at once (fewer under a low open-file limit), half of them
+# from one address at most; one waiting for its head is cut for a newcomer.
+MAX_CONNECTIONS = 1000
+# Request bodies received and not yet answered, over all requests (at least
+# two of the largest max_message_bytes): a delivery whose declared length
+# does not fit is 503 with Retry-After before its body is read.
+BODY_BYTES_IN_FLIGHT = 64 * 1024 * 1024
+
+
+def receiver_limits(settings: Settings) -> Limits:
+    """What one client may hold of the receiver. A declared length over an
+    adapter's ``max_message_bytes`` is the app's 413 (with its metric), never
+    the guard's; whatever body does arrive counts against the bytes in flight."""
+    largest = max(w.max_message_bytes for w in settings.webhooks)
+    return Limits(
+        request_timeout_s=settings.receiver.respond_within_ms / 1000 + REQUEST_GRACE_S,
+        max_connections=within_file_limit(MAX_CONNECTIONS),
+        max_body_bytes=largest,
+        body_bytes_in_flight=max(BODY_BYTES_IN_FLIGHT, 2 * largest),
+        refuse_too_large=False,
+    )
 
 
 def webhook_key(cfg: WebhookConfig, delivery_id: str) -> str:
@@ -129,7 +157,12 @@ class Endpoint:
             record = to_record(delivery, cfg)
         else:
             record = await asyncio.to_thread(to_record, delivery, cfg)
-        await self._push.store(cfg.name, cfg.queue, push_provenance(cfg.mode, verified), record)
+        provenance = push_provenance(cfg.mode, verified)
+        # An unsigned delivery id (GitHub's) names no message: another body
+        # under a stored one is stored as its own (push_store, issue 43).
+        await self._push.store(
+            cfg.name, cfg.queue, provenance, record, id_names_message=self._scheme.signs_delivery_id
+        )
         return JSONResponse({"status": "stored" if record.error is None else "rejected"})
 
     async def _body(self, request: Request) -> bytes:
@@ -281,10 +314,13 @@ class _ReceiverBody(ProcessBody):
 
     async def _serve(self, process: Process) -> None:
         receiver = Receiver(self._endpoints, self._settings, process)
+        limits = receiver_limits(self._settings)
         config = uvicorn.Config(
             receiver.app(),
             lifespan="off",
-            http="h11",  # what the behaviour above was built and tested on, whatever else is installed
+            # h11, whatever else is installed (what the behaviour above was
+            # built and tested on), with the guard's deadlines and caps.
+            http=guarded_h11(limits),
             ws="none",
             # uvicorn logs a line per malformed request (anyone can send
             # one): only its errors reach the log; refusals are ours, rate-limited.
@@ -292,6 +328,7 @@ class _ReceiverBody(ProcessBody):
             log_level="error",
             access_log=False,
             limit_concurrency=MAX_CONCURRENT_REQUESTS,
+            backlog=BACKLOG,
             server_header=False,
             timeout_keep_alive=5,
             timeout_graceful_shutdown=int(self._settings.receiver.respond_within_ms / 1000) + 1,
@@ -308,6 +345,8 @@ class _ReceiverBody(ProcessBody):
                     "receiver_listening",
                     listen=self._settings.receiver.listen,
                     adapters=sorted(self._endpoints),
+                    max_connections=limits.max_connections,
+                    max_per_client=limits.max_per_client,
                 )
             await process.stop.wait()
             server.should_exit = True  # no new connection; requests in flight are answered

@@ -17,7 +17,11 @@ processes and signals.
   most, and a process with slow handlers prefetches none (it never holds
   work its threads cannot start while another process idles). A thread
   that frees up wakes the claimer at once (a self-pipe beside the
-  connection's socket).
+  connection's socket). A notification is a hint anyone connected to the
+  database can send (issue 43): one naming no queue this process serves
+  is dropped, and the claim others cause comes no sooner than a gap after
+  the last claim (:class:`~ingest.lifecycle.NotifiedLooks`), so a burst is
+  one claim and a flood a few a second.
 * **Leases** (:class:`LeaseKeeper`): a claim holds a short lease
   (``[worker] lease_ms``), extended every third of it for as long as the
   process holds the claim, run or waiting; a killed process's claims lapse
@@ -63,6 +67,7 @@ from backhalf import metrics, queries, todos
 from backhalf.db import HeldConnection
 from backhalf.queues import ACTOR_PREFIX
 from backhalf.state_writer import StateWriter
+from ingest.lifecycle import NOTIFIED_GAP_MAX_S, NotifiedLooks
 
 log = structlog.get_logger(__name__)
 
@@ -213,6 +218,12 @@ class Claimer:
         self._conn = HeldConnection(engine, "claimer", _claimer_session)
         self._wanted = True  # todos may be due: claim when threads are free
         self._next_poll = 0.0
+        # A notification naming a queue served here: todos may be due once
+        # the gap after the last claim has passed.
+        self._served = frozenset(queues)
+        self._hinted = False
+        self._by_notify = False  # the wanted claim is a notification's
+        self._gate = NotifiedLooks(max_s=min(NOTIFIED_GAP_MAX_S, poll_interval_s))
         self._failures = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -229,8 +240,7 @@ class Claimer:
         deadline = time.monotonic() + timeout_s
         while not self._ready:
             now = time.monotonic()
-            if now >= self._next_poll:
-                self._wanted, self._next_poll = True, now + self._poll_s
+            self._due(now)
             if (limit := self._worth_claiming()) > 0:
                 self._claim(limit)
                 continue
@@ -242,10 +252,20 @@ class Claimer:
                 self._sleeping = True
             try:
                 if self._worth_claiming() == 0:
-                    self._wait(min(deadline, self._next_poll) - now)
+                    notified_at = self._gate.due_at() if self._hinted else deadline
+                    self._wait(min(deadline, self._next_poll, notified_at) - now)
             finally:
                 self._sleeping = False
         return self._ready.popleft()
+
+    def _due(self, now: float) -> None:
+        """Todos may be due: the poll's time has come, or a notification's
+        gap after the last claim has passed."""
+        if now >= self._next_poll:
+            self._wanted, self._by_notify, self._next_poll = True, False, now + self._poll_s
+        if self._hinted and now >= self._gate.due_at():
+            self._by_notify = not self._wanted  # a claim wanted anyway is not the notification's
+            self._wanted, self._hinted = True, False
 
     def _worth_claiming(self) -> int:
         """How many to claim now, 0 for none: todos may be due, and either a
@@ -288,12 +308,15 @@ class Claimer:
 
     def _claim(self, limit: int) -> None:
         self._order.rotate(-1)  # each claim starts at the next queue: none starves another
+        by_notify, self._by_notify = self._by_notify, False
         try:
             pg = self._conn.get()
             claimed = todos.claim(pg, list(self._order), limit, self._lease_s, per_queue=self._limits())
         except (psycopg.Error, SQLAlchemyError) as exc:
+            self._gate.looked(time.monotonic(), notified=by_notify, found=False)
             self._failed(exc)
             return
+        self._gate.looked(time.monotonic(), notified=by_notify, found=bool(claimed))
         if self._failures:
             log.info("todo_claims_resumed", after_failures=self._failures)
             self._failures = 0
@@ -332,7 +355,7 @@ class Claimer:
         log.warning("todo_claim_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay_s,
                     failures=self._failures)  # fmt: skip
         # No claim until the next poll: the wait until then is the backoff.
-        self._wanted, self._next_poll = False, time.monotonic() + delay_s
+        self._wanted, self._hinted, self._next_poll = False, False, time.monotonic() + delay_s
 
     def _wait(self, timeout_s: float) -> None:
         """Until a notification, a thread freed, or ``timeout_s``."""
@@ -357,14 +380,15 @@ class Claimer:
             self._notified(pg)
 
     def _notified(self, pg: psycopg.Connection[Any]) -> bool:
-        """Whether a notification arrived (read without waiting): todos are due."""
+        """Whether a notification naming a queue served here arrived (read
+        without waiting): todos may be due, from the gap's end on. The
+        others (another process's queues, anyone's text) are read and dropped."""
         try:
-            got = sum(1 for _ in pg.notifies(timeout=0))
+            got = sum(1 for n in pg.notifies(timeout=0) if n.payload in self._served)
         except psycopg.Error as exc:
             self._failed(exc)
             return False
-        if got:
-            self._wanted = True
+        self._hinted |= got > 0
         return got > 0
 
     def _pg(self) -> psycopg.Connection[Any] | None:

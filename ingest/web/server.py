@@ -7,6 +7,11 @@ without a token: a ConfigError, exit 2) and bound, and the database is asked
 whether this login may act (``has_column_privilege`` on what the actions
 write); a login that may not makes the console read-only, as
 ``--read-only`` does.
+
+Its h11 protocol is ``http_guard``'s, as the receiver's: a head within a few
+seconds, a request within its deadline, connections capped per address and
+in all, a form over ``MAX_FORM_BYTES`` refused (413) by its declared length
+before it is read (:func:`web_limits`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ingest.config import Settings
 from ingest.config.webhook import split_listen
 from ingest.errors import ConfigError
 from ingest.lifecycle import wait_stop
+from ingest.processes.http_guard import BACKLOG, REQUEST_GRACE_S, Limits, guarded_h11, within_file_limit
 from ingest.processes.http_server import Server, bind
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 from ingest.web import app as web_app
@@ -39,6 +45,11 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:8089"
 SHUTDOWN_S = 5.0
+# Connections open at once (fewer under a low open-file limit): a few
+# operators' browsers, six or so each, or the proxy in front of them.
+MAX_CONNECTIONS = 256
+# Forms received and not yet answered, over all requests: 64 of the largest.
+BODY_BYTES_IN_FLIGHT = 64 * web_app.MAX_FORM_BYTES
 # What the actions write: a login without one of these privileges cannot act.
 WRITES = (
     ("adapters", "enabled", "UPDATE"),
@@ -54,6 +65,20 @@ WRITES = (
 class WebOptions:
     listen: str = DEFAULT_LISTEN
     read_only: bool = False
+
+
+def web_limits(settings: Settings) -> Limits:
+    """What one client may hold of the console. A page reads under the
+    transaction deadline, the overview's figures under twice it: the request
+    gets that, and a second."""
+    deadline_s = settings.database.transaction_deadline_ms / 1000
+    return Limits(
+        request_timeout_s=2 * deadline_s + REQUEST_GRACE_S,
+        max_connections=within_file_limit(MAX_CONNECTIONS),
+        max_body_bytes=web_app.MAX_FORM_BYTES,
+        body_bytes_in_flight=BODY_BYTES_IN_FLIGHT,
+        refuse_too_large=True,
+    )
 
 
 def check_bound(sock: socket.socket, listen: str, guard: Guard) -> None:
@@ -143,15 +168,17 @@ class _WebBody(ProcessBody):
             overview=OverviewCache(self._requests, self._settings),
             healthy=process.liveness.report,
         )
+        limits = web_limits(self._settings)
         config = uvicorn.Config(
             web_app.build(console),
             lifespan="off",
-            http="h11",
+            http=guarded_h11(limits),
             ws="none",
             log_config=None,
             log_level="error",
             access_log=False,
             server_header=False,
+            backlog=BACKLOG,
             timeout_keep_alive=5,
             timeout_graceful_shutdown=int(SHUTDOWN_S),
         )
@@ -170,6 +197,8 @@ class _WebBody(ProcessBody):
                     read_only=console.read_only,
                     read_only_why=self._read_only_why,
                     signin="token" if self._guard.token else "none (loopback only)",
+                    max_connections=limits.max_connections,
+                    max_per_client=limits.max_per_client,
                 )
             stopping = asyncio.create_task(process.stop.wait(), name="web-stop")
             # The server ending by itself (not asked to) ends the process: a

@@ -51,7 +51,7 @@ def publish_raw(url: str, messages: list[tuple[bytes | str | None, bytes]]) -> N
                 body=body,
                 properties=pika.BasicProperties(
                     delivery_mode=pika.DeliveryMode.Persistent,
-                    message_id=message_id,  # type: ignore[arg-type]  # bytes: sent unchecked
+                    message_id=message_id,  # bytes: pika sends them unchecked
                 ),
                 mandatory=True,
             )

@@ -179,12 +179,16 @@ def test_the_pipeline_runs_under_the_shipped_roles_and_users(
     # Retention under the acker's row policies: everything here is acked and
     # done, so once older than its retention it all goes, with its events and
     # todo_events (the policies let the pruner take exactly that).
+    # Every row with the rows written beside it (the pruner takes a row only
+    # with its event, a todo only with its history, each past its floor).
     db.query(admin, "UPDATE inbox SET stored_at = stored_at - interval '2 days'")
+    db.query(admin, "UPDATE events SET received_at = received_at - interval '2 days'")
     db.query(
         admin,
         "UPDATE todos SET created_at = created_at - interval '2 days',"
         " updated_at = updated_at - interval '2 days'",
     )
+    db.query(admin, "UPDATE todo_events SET created_at = created_at - interval '2 days'")
     aged = switchboard("--config", str(configs["acker"]), "prune", env=_broker_env("acker"))
     assert aged.returncode == 0, aged.stdout + aged.stderr
     left = db.query(

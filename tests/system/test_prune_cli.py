@@ -18,12 +18,14 @@ pytestmark = pytest.mark.system
 
 def seed(url: str) -> None:
     """orders: 6 inbox rows (with events) 10 days old, one of them pending;
-    3 done todos 10 days old (2 log rows each) and a running one."""
+    3 done todos 10 days old (2 log rows each) and a running one. Each row's
+    linked rows are as old as it is, as the store and the lifecycle write them."""
     db.query(url, "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')")
     db.query(
         url,
-        "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload)"
-        " SELECT 'queue', 'orders', 'queue', false, 'k' || n, '{}' FROM generate_series(1, 6) AS n",
+        "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload, received_at)"
+        " SELECT 'queue', 'orders', 'queue', false, 'k' || n, '{}', now() - interval '10 days'"
+        " FROM generate_series(1, 6) AS n",
     )
     db.query(
         url,
@@ -45,7 +47,8 @@ def seed(url: str) -> None:
     )
     db.query(
         url,
-        "INSERT INTO todo_events (todo_id, to_status) SELECT id, 'pending' FROM todos, generate_series(1, 2)",
+        "INSERT INTO todo_events (todo_id, to_status, created_at)"
+        " SELECT id, 'pending', now() - interval '10 days' FROM todos, generate_series(1, 2)",
     )
 
 

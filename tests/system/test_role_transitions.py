@@ -93,7 +93,11 @@ SEED_TODOS = {
 
 def _seed(url: str) -> dict[str, Any]:
     ids: dict[str, Any] = {}
-    db.query(url, "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')")
+    db.query(
+        url,
+        "INSERT INTO adapters (name, transport, mode, settings)"
+        """ VALUES ('orders', 'redis', 'stream', '{"queue": "orders"}')""",
+    )
     for name, (key, status) in SEED_TODOS.items():
         ids[name] = db.scalar(
             url,
@@ -162,6 +166,15 @@ def _seed(url: str) -> dict[str, Any]:
         " RETURNING id",
         {"todo": ids["pending"]},
     )
+    # Two days old: past every floor retention keeps (an hour; three days
+    # only for a push adapter's rows), so the pruner's cases may delete.
+    for table, column in (
+        ("todos", "updated_at"),
+        ("todo_events", "created_at"),
+        ("inbox", "stored_at"),
+        ("events", "received_at"),
+    ):
+        db.query(url, f"UPDATE {table} SET {column} = now() - interval '2 days'")  # names, not values
     for name, role, silent_days in (
         ("ingest", "ingest", 0),
         ("ack", "ack", 0),
@@ -819,7 +832,11 @@ async def test_the_store_undoes_its_own_rows_as_the_ingester(granted: RoleDataba
     insert meets the stored row, then deletes them (delete_todos,
     delete_events): its own transaction's rows, which the policies allow."""
     admin = granted.admin_url
-    db.query(admin, "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')")
+    db.query(
+        admin,
+        "INSERT INTO adapters (name, transport, mode, settings)"
+        """ VALUES ('orders', 'redis', 'stream', '{"queue": "orders"}')""",
+    )
     batch = StoreBatch(
         adapter="orders",
         queue="orders",
@@ -851,6 +868,58 @@ async def test_the_store_undoes_its_own_rows_as_the_ingester(granted: RoleDataba
         " (SELECT count(*) FROM todo_events), (SELECT deliveries FROM inbox)"
     )
     assert db.query(admin, counts) == [(1, 1, 1, 2)]
+
+
+def test_the_pruner_deletes_nothing_younger_than_retentions_floors(granted: RoleDatabase) -> None:
+    """Whatever retention a config sets, the acker's login deletes no row
+    younger than the floors (an hour; three days for a push adapter's
+    inbox rows and events, the senders' retry span): a just-finished
+    delivery keeps the row its resend dedups against."""
+    admin = granted.admin_url
+    db.query(
+        admin,
+        "INSERT INTO adapters (name, family, transport, mode, settings) VALUES"
+        """ ('orders', 'queue', 'redis', 'stream', '{"queue": "orders"}'),"""
+        """ ('billing', 'push', 'webhook', 'github', '{"queue": "billing"}')""",
+    )
+    todo = db.scalar(
+        admin,
+        "INSERT INTO todos (queue, idempotency_key, payload, status, attempts)"
+        " VALUES ('orders', 'k-young', '{}', 'done', 1) RETURNING id",
+    )
+    db.query(
+        admin,
+        "INSERT INTO todo_events (todo_id, from_status, to_status) VALUES (%(id)s, NULL, 'pending')",
+        {"id": todo},
+    )
+    for adapter, age in (("orders", "10 minutes"), ("billing", "2 days")):
+        db.query(
+            admin,
+            "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_state,"
+            " status, stored_at) VALUES (%(adapter)s, %(adapter)s || ':1', '1', '\\x7b7d', 'none', 'none',"
+            " 'stored', now() - %(age)s::interval)",
+            {"adapter": adapter, "age": age},
+        )
+        db.query(
+            admin,
+            "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload,"
+            " received_at) VALUES ('queue', %(adapter)s, 'queue', false, %(adapter)s || ':1', '{}',"
+            " now() - %(age)s::interval)",
+            {"adapter": adapter, "age": age},
+        )
+    db.query(
+        admin, "INSERT INTO delivery_attempts (adapter, idempotency_key, attempts) VALUES ('orders', 'k', 1)"
+    )
+    before = _tables(admin)
+    acker = granted.url("acker")
+    with psycopg.connect(libpq_url(acker), autocommit=True, connect_timeout=10) as conn:
+        deleted = {
+            table: conn.execute(f"DELETE FROM {table}").rowcount  # names, not values
+            for table in ("inbox", "events", "todo_events", "todos", "delivery_attempts")
+        }
+    assert deleted == dict.fromkeys(deleted, 0)
+    assert _tables(admin) == before
+    assert db.scalar(admin, "SELECT count(*) FROM delivery_attempts") == 1
 
 
 def test_heartbeats_run_as_each_process_role(granted: RoleDatabase) -> None:

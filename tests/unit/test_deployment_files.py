@@ -183,6 +183,19 @@ def test_the_console_unit_listens_on_loopback_for_a_proxy() -> None:
         assert said in text
 
 
+def test_the_http_units_leave_their_servers_every_connection_they_serve() -> None:
+    """Under systemd's default soft limit (1024) the receiver would cap itself
+    at fewer connections than it serves (issue 43): each HTTP unit raises it
+    to cover its connections and the descriptors kept beside them."""
+    from ingest.processes import http_guard, receiver
+
+    for name, connections in (
+        ("switchboard-receive.service", receiver.MAX_CONNECTIONS),
+        ("switchboard-web.service", web_server.MAX_CONNECTIONS),
+    ):
+        assert int(one(service(name), "LimitNOFILE")) >= connections + http_guard.FD_RESERVE, name
+
+
 def test_the_migration_is_a_oneshot_the_others_wait_for() -> None:
     svc = service("switchboard-migrate.service")
     assert one(svc, "Type") == "oneshot"

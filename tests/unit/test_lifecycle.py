@@ -9,7 +9,7 @@ import structlog
 
 from backhalf.errors import StoreError
 from ingest.config import from_mapping
-from ingest.lifecycle import Backoff, Retry
+from ingest.lifecycle import Backoff, NotifiedLooks, Retry
 
 
 def test_backoff_is_exponential_jittered_and_capped() -> None:
@@ -118,3 +118,17 @@ def test_a_loops_retry_is_made_from_its_sections_backoff_keys() -> None:
     assert 0.02 <= delays[0] <= 0.04
     assert all(d <= 0.08 for d in delays), "capped at backoff_max_ms"
     assert [e["log_level"] for e in logged] == ["warning"] * 4 + ["error"]
+
+
+def test_a_notified_look_waits_its_gap_which_grows_while_looks_find_nothing() -> None:
+    gate = NotifiedLooks(min_s=0.005, max_s=0.04)
+    assert gate.due_at() == float("-inf")  # no look yet: at once
+    gate.looked(10.0, notified=True, found=False)
+    assert gate.due_at() == 10.01
+    for _ in range(5):  # forged: empty looks, the gap doubles up to its bound
+        gate.looked(20.0, notified=True, found=False)
+    assert gate.due_at() == 20.04
+    gate.looked(30.0, notified=False, found=False)  # a poll's empty look changes no gap
+    assert gate.due_at() == 30.04
+    gate.looked(40.0, notified=False, found=True)  # work found, however: back to the least
+    assert gate.due_at() == 40.005

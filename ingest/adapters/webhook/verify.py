@@ -113,6 +113,13 @@ class Scheme:
     """One mode's checks, for one adapter."""
 
     name: str
+    # Whether the signature covers the delivery id. Where it does, the id
+    # names one message: a stored id met with another body is its sender's
+    # resend, serialized anew, and a duplicate. Where it does not (GitHub's
+    # X-GitHub-Delivery), anyone holding one signed body can send it under
+    # another delivery's id, so the id names nothing and a different body
+    # under a stored id is stored as its own message (issue 43).
+    signs_delivery_id: bool = True
 
     def __init__(self, cfg: WebhookConfig, secrets: Sequence[Secret], clock: Callable[[], float]) -> None:
         self._cfg = cfg
@@ -167,6 +174,7 @@ class GitHub(Scheme):
     of a captured delivery under its own id (docs/webhooks.md)."""
 
     name = "github"
+    signs_delivery_id = False  # GitHub signs the body only
 
     def check_headers(self, headers: Headers) -> Signed:
         delivery_id = _delivery_id(_required(headers, "x-github-delivery"), "X-GitHub-Delivery")

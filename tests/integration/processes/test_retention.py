@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import retention
+from backhalf import registry, retention
 from backhalf.db import libpq_url
 from ingest.config import Settings, from_mapping
 from ingest.processes.prune import Pruner, Walk, prune_loop, walks
@@ -40,12 +40,14 @@ def add_inbox(
     """One inbox row stored ``age_days`` ago (and its event); ``queued``: its
     ack intent in ack_queue."""
     event_id = None
-    if with_event:
+    if with_event:  # received with its row, as the store writes both
         event_id = db.scalar(
             url,
-            "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload)"
-            " VALUES ('queue', %(a)s, 'queue', false, 'k', '{}') RETURNING id",
-            {"a": adapter},
+            "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload,"
+            " received_at) VALUES ('queue', %(a)s, 'queue', false, 'k', '{}',"
+            " now() - make_interval(secs => %(age)s))"
+            " RETURNING id",
+            {"a": adapter, "age": age_days * 86_400},
         )
     inbox_id = int(
         db.scalar(
@@ -78,11 +80,12 @@ def add_todo(url: str, queue: str, status: str, *, age_days: float, log_rows: in
             {"q": queue, "s": status, "age": age_days * 86_400},
         )
     )
-    for _ in range(log_rows):
+    for _ in range(log_rows):  # written with the todo's last change, as the lifecycle writes them
         db.query(
             url,
-            "INSERT INTO todo_events (todo_id, to_status) VALUES (%(id)s, %(s)s)",
-            {"id": todo_id, "s": status},
+            "INSERT INTO todo_events (todo_id, to_status, created_at)"
+            " VALUES (%(id)s, %(s)s, now() - make_interval(secs => %(age)s))",
+            {"id": todo_id, "s": status, "age": age_days * 86_400},
         )
     return todo_id
 
@@ -501,3 +504,93 @@ async def test_held_rows_past_the_bound_are_found_by_the_next_full_sweep(
     assert (result.full_sweep, result.deleted["inbox"]) == (True, 1)
     assert ids(db_url, "inbox") == set()
     assert first not in ids(db_url, "inbox")
+
+
+MINUTE_DAYS = 1 / 1440
+
+
+async def test_no_walk_deletes_a_row_younger_than_its_floor_whatever_its_age(
+    db_url: str, engine: AsyncEngine
+) -> None:
+    """Issue 43: a retention set below the config's minimums (a walk built
+    by hand, a config that skipped its checks) still keeps every row younger
+    than its floor: an hour for a queue adapter's rows, a todo and a delivery
+    attempt; three days (the senders' retry span) for a webhook adapter's,
+    whose inbox row is all that dedups a sender's retry."""
+    async with engine.begin() as conn:
+        await registry.register(
+            conn, name="gh", family="push", transport="webhook", mode="github", settings={}
+        )
+    # Oldest first, as ids follow time.
+    old_push = add_inbox(db_url, "gh", age_days=4)
+    young_push = add_inbox(db_url, "gh", age_days=2)
+    old_pull = add_inbox(db_url, "orders", age_days=120 * MINUTE_DAYS)
+    young_pull = add_inbox(db_url, "orders", age_days=30 * MINUTE_DAYS)
+    young = {young_push, young_pull}
+    old_todo = add_todo(db_url, "orders", "done", age_days=120 * MINUTE_DAYS)
+    young_todo = add_todo(db_url, "orders", "done", age_days=30 * MINUTE_DAYS)
+    db.query(
+        db_url,
+        "INSERT INTO delivery_attempts (adapter, idempotency_key, attempts, last_attempt_at) VALUES"
+        " ('orders', 'young', 3, now() - interval '30 minutes'),"
+        " ('orders', 'old', 3, now() - interval '2 hours')",
+    )
+    minute = timedelta(minutes=1)
+    found = [
+        Walk("acked", "orders", minute),
+        Walk("acked", "gh", DAY),
+        Walk("done", "orders", minute),
+        Walk("attempts", "orders", minute),
+    ]
+
+    # A dry run counts what the real run deletes: the old rows only.
+    dry = {(r.walk.name, r.walk.kind): r.deleted for r in await pruner(engine, found).run(dry_run=True)}
+    results = {(r.walk.name, r.walk.kind): r.deleted for r in await pruner(engine, found).run()}
+
+    assert results == dry
+    assert results[("orders", "acked")] == {"inbox": 1, "events": 1}
+    assert results[("gh", "acked")] == {"inbox": 1, "events": 1}
+    assert results[("orders", "done")] == {"todos": 1, "todo_events": 2}
+    assert results[("orders", "attempts")] == {"delivery_attempts": 1}
+    assert ids(db_url, "inbox") == young
+    assert {old_push, old_pull}.isdisjoint(ids(db_url, "inbox"))
+    assert ids(db_url, "events") == {event_of(db_url, i) for i in young}
+    assert ids(db_url, "todos") == {young_todo}
+    assert todo_event_owners(db_url) == {young_todo}
+    assert old_todo not in ids(db_url, "todos")
+    assert db.query(db_url, "SELECT idempotency_key FROM delivery_attempts") == [("young",)]
+
+
+async def test_a_row_waits_for_its_younger_event_so_no_event_is_left_behind(
+    db_url: str, engine: AsyncEngine
+) -> None:
+    """An inbox replay writes a new event for an old row: the row is past its
+    retention, its event is not. The event is deleted only with its row and
+    only once it is as old (the delete's own floor), so the row waits for it
+    rather than leave it behind, with nothing left to find it by."""
+    replayed = add_inbox(db_url, "orders", age_days=10)
+    db.query(
+        db_url,
+        "UPDATE events SET received_at = now() - interval '1 day'"
+        " WHERE id = (SELECT event_id FROM inbox WHERE id = %(id)s)",
+        {"id": replayed},
+    )
+    other = add_inbox(db_url, "orders", age_days=10)
+    acker_pruner = pruner(engine, [Walk("acked", "orders", 7 * DAY)])
+
+    [result] = await acker_pruner.run()
+    assert (result.deleted, result.held) == ({"inbox": 1, "events": 1}, 1)
+    assert ids(db_url, "inbox") == {replayed}
+    assert ids(db_url, "events") == {event_of(db_url, replayed)}
+    assert other not in ids(db_url, "inbox")
+
+    db.query(
+        db_url,
+        "UPDATE events SET received_at = now() - interval '8 days'"
+        " WHERE id = (SELECT event_id FROM inbox WHERE id = %(id)s)",
+        {"id": replayed},
+    )
+    [again] = await acker_pruner.run()
+    assert again.deleted == {"inbox": 1, "events": 1}
+    assert ids(db_url, "inbox") == set()
+    assert ids(db_url, "events") == set()

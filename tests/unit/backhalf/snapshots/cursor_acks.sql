@@ -1,4 +1,10 @@
-WITH h AS (
+WITH writers AS MATERIALIZED (
+    SELECT r.oid FROM pg_roles AS r
+    WHERE r.rolsuper OR r.rolcreaterole
+       OR pg_has_role(r.oid, (SELECT c.relowner FROM pg_class AS c WHERE c.oid = 'inbox'::regclass), 'MEMBER')
+       OR has_column_privilege(r.oid, 'inbox'::regclass, 'ack_xid', 'INSERT, UPDATE')
+),
+h AS (
     SELECT snap.xmax, coalesce(min(ours.xid), snap.xmax) AS xmin, count(ours.xid) AS running
     FROM (SELECT s, pg_snapshot_xmax(s)::text::int8 AS xmax FROM pg_current_snapshot() AS s) AS snap
     LEFT JOIN LATERAL (
@@ -6,7 +12,10 @@ WITH h AS (
         WHERE x::text::int8 %% 4294967296 NOT IN (
             SELECT a.backend_xid::text::int8 FROM pg_stat_activity AS a
             WHERE a.backend_xid IS NOT NULL
-              AND a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database()))
+              AND (a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database())
+                   OR (has_column_privilege(a.usesysid, 'inbox'::regclass, 'ack_xid', 'INSERT, UPDATE')
+                       OR EXISTS (SELECT FROM writers AS w WHERE pg_has_role(a.usesysid, w.oid, 'MEMBER')))
+                      IS FALSE))
     ) AS ours ON true
     GROUP BY snap.xmax
 ),
