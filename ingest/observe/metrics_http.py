@@ -95,12 +95,14 @@ class Liveness:
         # server -> (failing since, the last error): cleared by an answer.
         self._servers: dict[str, tuple[float, str]] = {}
 
-    def server_failed(self, server: str, error: str) -> None:
-        """A try to reach ``server`` (say ``dramatiq broker at host:port``)
-        failed with ``error`` (no credential in either)."""
+    def server_failed(self, server: str, error: str, *, at_once: bool = False) -> None:
+        """A try to reach ``server`` (say ``redis broker at host:port``)
+        failed with ``error`` (no credential in either). ``at_once``: the
+        server refused us (a login): failing now, not after the bound."""
         now = time.monotonic()
+        start = now - SERVER_FAILING_AFTER_S if at_once else now
         with self._lock:
-            since = self._servers.get(server, (now, error))[0]
+            since = min(self._servers.get(server, (start, error))[0], start)
             self._servers[server] = (since, error)
 
     def server_answered(self, server: str) -> None:

@@ -52,6 +52,7 @@ from ingest.adapters.factory import acked_by, make_acknowledger
 from ingest.config import AckerSettings, Settings
 from ingest.errors import AckError, AcksRefused, ConfigError, error_kind, log_failure
 from ingest.lifecycle import NOTIFIED_GAP_MAX_S, NotifiedLooks, Retry, wait_either, wait_stop
+from ingest.observe.dependency import Dependency
 from ingest.observe.heartbeat import database_gauges_loop
 from ingest.processes.prune import prune_loop, walks
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
@@ -203,6 +204,7 @@ async def drain_loop(
     refresh_interval_s: float = REGISTRY_REFRESH_S,
     tick: Callable[[], None] = lambda: None,
     hints: Hints | None = None,
+    broker_health: Callable[[str], Dependency] | None = None,
 ) -> None:
     """Drain every adapter until stop. ``refresh``, if given, runs every
     ``refresh_interval_s`` and may add acknowledgers to ``acknowledgers``.
@@ -212,6 +214,7 @@ async def drain_loop(
     look; the poll, the held acks' look again, a backoff's end and a full
     drain's next look drain every adapter, at once."""
     drains = _Drains(engine, acknowledgers, settings, deadline_ms, stop, refresh, refresh_interval_s)
+    drains.broker_health = broker_health
     cause = "timer"
     while not stop.is_set():
         tick()
@@ -252,6 +255,9 @@ class _Drains:
         self._retries: dict[str, Retry] = {}
         self._retry_at: dict[str, float] = {}
         self._next_refresh = self.now() + refresh_interval_s
+        # Each adapter's broker, for /healthz, the heartbeat and status.
+        self.broker_health: Callable[[str], Dependency] | None = None
+        self._health: dict[str, Dependency] = {}
 
     async def refresh_due(self) -> None:
         if self._refresh is None or self.now() < self._next_refresh:
@@ -292,6 +298,8 @@ class _Drains:
             )
         except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
             m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
+            if error_kind(exc) == "broker" and (health := self._health_of(adapter)) is not None:
+                health.failed(exc)
             acked = _acked_anyway(adapter, exc)
             if acked is None:
                 retry = self._retries.setdefault(adapter, Retry.from_settings(self._settings, log))
@@ -301,11 +309,21 @@ class _Drains:
             drained, held = acked, False
         if adapter in self._retries:
             self._retries[adapter].succeeded()
+        if drained and (health := self._health_of(adapter)) is not None:
+            health.answered()  # the broker took this drain's acks
         if held:
             self._held.add(adapter)
         else:
             self._held.discard(adapter)
         return drained
+
+    def _health_of(self, adapter: str) -> Dependency | None:
+        """How ``adapter``'s broker is reported (None: not at all)."""
+        if self.broker_health is None:
+            return None
+        if adapter not in self._health:
+            self._health[adapter] = self.broker_health(f"broker of adapter {adapter} (its acks)")
+        return self._health[adapter]
 
     def timer_at(self) -> float:
         """When the next timed look is due: the poll, held acks' look again,
@@ -567,6 +585,7 @@ class _Acker(ProcessBody):
             refresh=self._refresh,
             tick=process.watch("drain", poll_s),
             hints=hints,
+            broker_health=process.dependency,
         )
         process.work(drain, "drain")
         if settings.acker.prune_interval_ms > 0 and walks(settings):

@@ -162,6 +162,7 @@ class _Ingester(ProcessBody):
                 tick=process.watch(
                     f"poll:{cfg.name}", max(cfg.block_ms, settings.ingest.enabled_refresh_ms) / 1000
                 ),
+                broker_health=process.dependency(f"{cfg.transport} broker at {a.broker} ({cfg.name})"),
             )
             for a, cfg in pairs
         }

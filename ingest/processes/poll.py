@@ -37,6 +37,7 @@ from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapte
 from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import EXPECTED_FAILURES, BrokerError, error_kind
 from ingest.lifecycle import Retry, cancel_and_wait, wait_stop
+from ingest.observe.dependency import Dependency
 from ingest.processes.commits import Commits
 
 log = structlog.get_logger(__name__)
@@ -152,9 +153,12 @@ class PollLoop:
         *,
         deadline_ms: int = DEFAULT_TRANSACTION_DEADLINE_MS,
         tick: Callable[[], None] = lambda: None,
+        broker_health: Dependency | None = None,
     ) -> None:
         self._adapter = adapter
         self._tick = tick  # /healthz: the loop turns
+        # /healthz, the heartbeat and status: the broker answering or not.
+        self._broker_health = broker_health
         self._cfg = config
         self._engine = engine
         self._deadline_ms = deadline_ms
@@ -253,6 +257,8 @@ class PollLoop:
             return  # stopped while a schema was still validating: _wind_down abandons it
         fetched = await self._prefetch
         self._prefetch = None
+        if self._broker_health is not None:
+            self._broker_health.answered()
         if not fetched.deliveries:
             retry.succeeded()
             return
@@ -293,6 +299,8 @@ class PollLoop:
         # record of un-acked messages (from memory only for pub/sub, which
         # keeps none).
         self._adapter.rewind()
+        if isinstance(exc, BrokerError) and self._broker_health is not None:
+            self._broker_health.failed(exc)
         event = "broker_error" if isinstance(exc, BrokerError) else "store_failed"
         metrics.ERRORS.labels("ingest", error_kind(exc), metrics.error_class(exc)).inc()
         await retry.back_off(self._stop, event, exc, broker=self._adapter.broker)

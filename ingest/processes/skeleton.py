@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.db import create_engine
 from ingest.config import Settings
+from ingest.observe.dependency import Dependency
 from ingest.observe.heartbeat import heartbeat_loop, loop_bound_s, new_liveness, serving
 from ingest.observe.metrics_http import Liveness
 
@@ -67,6 +68,12 @@ class Process:
         """The tick of a loop that sleeps up to ``own_interval_s`` between
         turns: /healthz calls it stuck after ``loop_bound_s`` without one."""
         return self.liveness.watch(loop, loop_bound_s(self.settings, own_interval_s))
+
+    def dependency(self, server: str) -> Dependency:
+        """How a loop reports a server it needs (``server``: a label, no
+        credential): every process judges its servers by the same rule
+        (``ingest.observe.dependency``)."""
+        return Dependency(self.liveness, server)
 
     def work(self, job: Job, name: str) -> asyncio.Task[None]:
         """A task that ends on stop, waited for under the shutdown deadline."""

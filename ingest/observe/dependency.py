@@ -1,0 +1,64 @@
+"""A server a process needs (a broker its adapters read or ack), as its
+health judges it: one rule for every process (issue 44).
+
+A loop that reaches a server reports each failure and each answer through
+the :class:`Dependency` its process hands it (``Process.dependency``). A
+server refusing or failing every try for ``SERVER_FAILING_AFTER_S`` (10 s)
+makes the process FAILING: ``/healthz`` answers 503 naming it and the
+error, the heartbeat carries it (``detail.failing``), and ``status`` says
+FAILING and exits non-zero. A refused login (a wrong password, a user
+without the right) is FAILING at its first try: waiting does not fix it,
+and the operator should hear of it before the backlog does.
+"""
+
+from __future__ import annotations
+
+import re
+
+from backhalf.db_errors import error_chain
+from backhalf.redaction import redact
+from ingest.observe.metrics_http import Liveness
+
+# What each broker's client says when it refuses the login or the user's
+# rights, by exception name (no client is imported: each is an extra) or by
+# the server's words: Redis (WRONGPASS, NOAUTH, NOPERM), RabbitMQ
+# (ACCESS_REFUSED, 403), NATS (Authorization Violation), AWS (its codes).
+_REFUSAL_TYPES = frozenset(
+    {
+        "AuthenticationError",
+        "AuthenticationWrongNumberOfArgsError",
+        "NoPermissionError",
+        "ProbableAuthenticationError",
+        "AuthorizationError",
+    }
+)
+_REFUSAL_WORDS = re.compile(
+    r"WRONGPASS|NOAUTH|NOPERM|ACCESS_REFUSED|authorization violation|authentication failed"
+    r"|InvalidClientTokenId|SignatureDoesNotMatch|UnrecognizedClientException|AccessDenied",
+    re.IGNORECASE,
+)
+
+
+def refused_login(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is a server refusing who we are."""
+    for error in error_chain(exc):
+        if type(error).__name__ in _REFUSAL_TYPES or _REFUSAL_WORDS.search(str(error)):
+            return True
+    return False
+
+
+class Dependency:
+    """One server a loop reaches, reported to the process's liveness."""
+
+    __slots__ = ("_liveness", "server")
+
+    def __init__(self, liveness: Liveness, server: str) -> None:
+        self._liveness = liveness
+        self.server = server  # a label: a host and port, never a credential
+
+    def failed(self, exc: BaseException) -> None:
+        """A try failed: FAILING after 10 s of nothing else, at once for a refused login."""
+        self._liveness.server_failed(self.server, redact(str(exc)), at_once=refused_login(exc))
+
+    def answered(self) -> None:
+        self._liveness.server_answered(self.server)
