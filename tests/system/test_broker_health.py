@@ -125,4 +125,4 @@ def test_a_refused_broker_login_makes_the_ingester_and_the_acker_failing(
         assert_clean_exit(proc, proc.terminate())
     procs.assert_no_secret_logged()
     for proc in started:
-        assert WRONG not in proc.raw_log(), proc.name
+        assert WRONG not in proc.raw_log()
