@@ -7,6 +7,7 @@ Reads only: every write to ``todos`` and ``todo_events`` is in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from backhalf.heartbeats import ProcessRow
 from schema import todo_events, todos
 from schema.tables import TODO_ACTIVE_PREDICATE
 
@@ -164,3 +166,32 @@ async def active_holder(conn: AsyncConnection, queue: str, key: str, *, other_th
         )
     ).first()
     return None if row is None else TodoState(*row)
+
+
+# A worker process alive enough to claim (its heartbeat fresh).
+_SERVING = ("alive", "stuck", "failing")
+
+
+def waiting_reason(todo: TodoDetail, processes: Sequence[ProcessRow], now: datetime) -> str | None:
+    """Why a pending todo has not run yet, in a few words (None: it is not
+    waiting). Read from what the workers' heartbeats say they serve
+    (``detail.queues``) and the todo's own ``run_after``."""
+    if todo.status not in ("pending", "dispatched"):
+        return None
+    if todo.run_after > now:
+        wait_s = (todo.run_after - now).total_seconds()
+        return f"waits for its retry's backoff: claimable in {wait_s:.0f} s"
+    serving = [
+        p
+        for p in processes
+        if p.role == "worker" and p.state in _SERVING and todo.queue in (p.detail.get("queues") or ())
+    ]
+    if not serving:
+        return (
+            f"no live worker serves queue {todo.queue}: start `switchboard worker`"
+            f" (with --queues {todo.queue}, if it names queues)"
+        )
+    return (
+        f"claimable now: {len(serving)} live worker process(es) serve queue {todo.queue},"
+        " every thread busy or about to claim"
+    )

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import todo_views
+from backhalf import heartbeats, todo_views
 from backhalf.db import create_engine
 from backhalf.redaction import redact
 from ingest.actions import todos as todo_actions
@@ -94,14 +94,22 @@ async def _show(engine: AsyncEngine, todo_id: int, *, as_json: bool) -> int:
     async with engine.connect() as conn:
         todo = await todo_views.get_todo(conn, todo_id)
         events = await todo_views.history(conn, todo_id) if todo is not None else []
+        waiting = None
+        if todo is not None and todo.status in ("pending", "dispatched"):
+            procs = await heartbeats.list_processes(conn)
+            waiting = todo_views.waiting_reason(todo, procs, datetime.now(UTC))
     if todo is None:
         print(f"{_PROG} show: todo {todo_id} does not exist", file=sys.stderr)
         return EXIT_FAILURE
     if as_json:
-        document = {**dataclasses.asdict(todo), "history": [dataclasses.asdict(e) for e in events]}
+        document = {
+            **dataclasses.asdict(todo),
+            "waiting": waiting,
+            "history": [dataclasses.asdict(e) for e in events],
+        }
         print(json.dumps(document, indent=2, default=_json_value, ensure_ascii=False))
     else:
-        print("\n".join(show_lines(todo, events)))
+        print("\n".join(show_lines(todo, events, waiting)))
     return EXIT_OK
 
 
@@ -152,11 +160,13 @@ def list_table(rows: Sequence[todo_views.TodoRow]) -> list[str]:
     return table(header, cells, right=frozenset({0, 3}))
 
 
-def show_lines(todo: todo_views.TodoDetail, events: Sequence[todo_views.TodoEvent]) -> list[str]:
+def show_lines(
+    todo: todo_views.TodoDetail, events: Sequence[todo_views.TodoEvent], waiting: str | None = None
+) -> list[str]:
     fields = (
         ("id", str(todo.id)),
         ("queue", todo.queue),
-        ("status", todo.status),
+        ("status", todo.status if waiting is None else f"{todo.status}: {waiting}"),
         ("attempts", str(todo.attempts)),
         ("idempotency_key", printable(todo.idempotency_key)),
         ("created_at", _utc(todo.created_at, millis=True) + " UTC"),

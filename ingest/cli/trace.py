@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from backhalf import trace
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from backhalf import heartbeats, todo_views, trace
 from backhalf.db import create_engine
 from backhalf.redaction import redact
 from ingest.cli.text_table import printable
@@ -74,19 +76,35 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
                 ids = await trace.inbox_ids_by_key(conn, args.target)
                 missing = f"no inbox row has the idempotency key {args.target!r}"
             found = await trace.trails(conn, ids)
+            waiting = await _waiting(conn, found)
     finally:
         await engine.dispose()
     if not found:
         print(f"{_PROG}: {missing}", file=sys.stderr)
         return EXIT_FAILURE
     if args.json:
-        print(json.dumps([document(t) for t in found], indent=2, default=_json_value, ensure_ascii=False))
+        documents = [{**document(t), "waiting": waiting.get(id(t))} for t in found]
+        print(json.dumps(documents, indent=2, default=_json_value, ensure_ascii=False))
     else:
-        print("\n".join(lines_of(found)))
+        print("\n".join(lines_of(found, waiting)))
     return EXIT_OK
 
 
-def text_lines(t: trace.Trail) -> list[str]:
+async def _waiting(conn: AsyncConnection, found: Sequence[trace.Trail]) -> dict[int, str]:
+    """Why each pending todo of ``found`` waits (by the trail's ``id()``)."""
+    pending = [t for t in found if t.todo is not None and t.todo.status in ("pending", "dispatched")]
+    if not pending:
+        return {}
+    procs = await heartbeats.list_processes(conn)
+    now = datetime.now(UTC)
+    return {
+        id(t): reason
+        for t in pending
+        if t.todo is not None and (reason := todo_views.waiting_reason(t.todo, procs, now)) is not None
+    }
+
+
+def text_lines(t: trace.Trail, waiting: str | None = None) -> list[str]:
     row = t.inbox
     kind = f"{row.transport or '?'} {row.mode or '?'}"
     lines = [f"inbox row {row.inbox_id}: adapter {row.adapter} ({kind}, source {row.source or '?'})"]
@@ -115,6 +133,8 @@ def text_lines(t: trace.Trail) -> list[str]:
         fields.append(
             ("todo", f"{todo.id}: queue {todo.queue}, {todo.status}, attempts {todo.attempts}{note}")
         )
+        if waiting is not None:
+            fields.append(("waiting", waiting))
         if todo.last_error:
             fields.append(("last error", redact(todo.last_error)))  # older rows: stored unredacted
     width = max(len(name) for name, _ in fields)
@@ -157,13 +177,14 @@ def _json_value(value: object) -> str:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def lines_of(found: Sequence[trace.Trail]) -> list[str]:
-    """All trails' text, a blank line between them."""
+def lines_of(found: Sequence[trace.Trail], waiting: dict[int, str] | None = None) -> list[str]:
+    """All trails' text, a blank line between them; ``waiting``: why a
+    pending todo waits, by the trail's ``id()``."""
     out: list[str] = []
     for i, t in enumerate(found):
         if i:
             out.append("")
-        out.extend(text_lines(t))
+        out.extend(text_lines(t, (waiting or {}).get(id(t))))
     return out
 
 

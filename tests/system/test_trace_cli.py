@@ -144,3 +144,24 @@ def test_trace_follows_a_message_from_xadd_to_done_and_acked(
     assert "; UTF-8 text\n  plain words,\n  not JSON \\u001b[31m\n" in shown.stdout
     assert "\x1b" not in shown.stdout
     assert f"\n{'todo_id'.ljust(17)}  -\n" in shown.stdout
+
+
+def test_trace_and_todos_show_say_why_a_pending_todo_waits(
+    procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
+) -> None:
+    """Issue 44: a todo left pending says why: here no worker serves its
+    queue; then a retry's backoff."""
+    config = make_config(stream_adapter("orders", batch_size=10), queues={"orders": QUEUE})
+    with redis.Redis.from_url(redis_url, socket_timeout=10) as r:
+        entry = r.xadd("orders", {"body": json.dumps({"n": 2})}).decode()
+    ingester = procs.start("ingest", config, name="ingester-1")
+    wait_for(lambda: statuses(db_url) == {"pending": 1}, timeout_s=60, what="the todo stored")
+    stop_all([ingester])
+    run = cli(config)
+    text = run("trace", f"redis:orders:{entry}")
+    assert text.returncode == 0, text.stderr
+    assert "waiting     no live worker serves queue orders" in text.stdout, text.stdout
+    todo_id = db.scalar(db_url, "SELECT id FROM todos")
+    db.query(db_url, "UPDATE todos SET run_after = now() + interval '1 hour'")
+    shown = run("todos", "show", str(todo_id), "--json")
+    assert json.loads(shown.stdout)["waiting"].startswith("waits for its retry's backoff: claimable in 3")
