@@ -3,15 +3,17 @@ message gets exactly one inbox row and the adapter goes on storing the
 messages after it, each in one delivery. The review's reproductions, on a
 RabbitMQ of the test's own: a NUL in the id (no PostgreSQL text holds one),
 three ids that collided through ``:`` with a reused id's derived key, bytes
-that are not UTF-8 (RabbitMQ passes properties through unchecked), and the
-longest id AMQP carries."""
+that are not UTF-8 (RabbitMQ passes properties through unchecked), the
+longest id AMQP carries, a header key that is not UTF-8 and a timestamp
+past the year 9999."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pika
 import pytest
@@ -33,9 +35,9 @@ def rabbit() -> Iterator[RabbitMqServer]:
         yield server
 
 
-def publish_raw(url: str, messages: list[tuple[bytes | str | None, bytes]]) -> None:
+def publish_raw(url: str, messages: Sequence[tuple[bytes | str | None, bytes]], **extra: Any) -> None:
     """Publish (message_id, body) pairs in order, as any producer may: pika
-    sends a ``bytes`` id as it is, UTF-8 or not."""
+    sends a ``bytes`` id as it is, UTF-8 or not; ``extra``: more properties."""
     params = pika.URLParameters(url)
     params.socket_timeout = TIMEOUT_S
     params.blocked_connection_timeout = TIMEOUT_S
@@ -52,6 +54,7 @@ def publish_raw(url: str, messages: list[tuple[bytes | str | None, bytes]]) -> N
                 properties=pika.BasicProperties(
                     delivery_mode=pika.DeliveryMode.Persistent,
                     message_id=message_id,  # bytes: pika sends them unchecked
+                    **extra,
                 ),
                 mandatory=True,
             )
@@ -91,8 +94,13 @@ def test_hostile_message_ids_each_get_one_row_and_stop_nothing(
     )
     ingester = procs.start("ingest", config, name="ingester-1")
     wait_ready(ingester)
-    publish_raw(rabbit.url, [*hostile[:4], *normal[:20], *hostile[4:], *normal[20:]])
-    total = len(hostile) + len(normal)
+    publish_raw(rabbit.url, [*hostile[:4], *normal[:20], *hostile[4:], *normal[20:30]])
+    # Properties pamqp cannot decode at all: a header key that is not UTF-8,
+    # a timestamp past the year 9999. Kept, keyed by their bodies.
+    publish_raw(rabbit.url, [("h-1", body(6))], headers={b"\xff\xfe": "x"})
+    publish_raw(rabbit.url, [("t-1", body(7))], timestamp=2**63 - 1)
+    publish_raw(rabbit.url, normal[30:])
+    total = len(hostile) + len(normal) + 2
 
     def settled() -> bool:
         ready, unacked, _ = queue_counts(rabbit.url, QUEUE)
@@ -119,6 +127,13 @@ def test_hostile_message_ids_each_get_one_row_and_stop_nothing(
     )
     assert by_body[body(5)][0] == "amqp:orders:" + "x%3A" * 127
     assert by_body[body(5)][1] == "x:" * 127
+    assert by_body[body(6)] == ("amqp:orders:h-1", "h-1", "stored")  # a table key: decoded
+    assert by_body[body(7)] == (  # the timestamp: its properties dropped, keyed by its body
+        f"amqp:orders:{hashlib.sha256(body(7)).hexdigest()}",
+        hashlib.sha256(body(7)).hexdigest(),
+        "stored",
+    )
+    assert ingester.events("amqp_properties_undecodable")
     # Bytes that are not UTF-8 (which once ended every connection that
     # read them): escaped byte for byte in the key, U+FFFD in the row.
     assert by_body[body(4)] == ("amqp:orders:%FF%FE%20not%20utf-8", "\ufffd\ufffd not utf-8", "stored")

@@ -63,6 +63,7 @@ from ingest.adapters.amqp.common import (
     server_label,
     user_of,
 )
+from ingest.adapters.amqp.frames import UNDECODABLE
 from ingest.adapters.base import Acknowledger, ConsumerLedger, Delivery, OpenLedger, Unconfirmed
 from ingest.config import AdapterConfig
 from ingest.config.urls import amqp_vhost
@@ -353,7 +354,12 @@ class AmqpQueueAdapter:
 
     def _delivery(self, message: DeliveredMessage, session: str) -> Delivery:
         body = message.body
-        producer_id = message.header.properties.message_id
+        properties = message.header.properties
+        undecodable = (properties.headers or {}).get(UNDECODABLE)
+        if undecodable is not None:
+            # Its properties are gone (frames.py): keyed by its body.
+            log.warning("amqp_properties_undecodable", adapter=self.name, error=str(undecodable))
+        producer_id = properties.message_id
         if producer_id:
             # The producer's choice: data, never trusted as a key as it is.
             message_id = storable_id(producer_id)
