@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
 from backhalf.keys import DEFAULT_PREFIX, native_key
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
-from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, string
+from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, got, string
 from ingest.config.urls import AWS_ENDPOINT, URL_CHECKS, BrokerUrl, check_broker_url, env_name
 from ingest.errors import ConfigError
 
@@ -53,15 +53,19 @@ RETENTION = "([Retention](operating.md#retention))"
 CREDENTIALS = "([security.md](security.md#broker-passwords-from-the-environment))"
 
 
+DELIVERIES = ("at-least-once", "at-most-once")
+ACK_AFTER = ("store", "complete")
+
+
 def _mode(where: str, value: Any) -> str:
     if value not in MODES:
-        raise ConfigError(f"{where} must be one of {', '.join(MODES)} (got {value!r})")
+        raise ConfigError(f"{where} must be one of {', '.join(MODES)} {got(value, MODES)}")
     return str(value)
 
 
 def _delivery(where: str, value: Any) -> str:
-    if value not in ("at-least-once", "at-most-once"):
-        raise ConfigError(f'{where} must be "at-least-once" or "at-most-once" (got {value!r})')
+    if value not in DELIVERIES:
+        raise ConfigError(f'{where} must be "at-least-once" or "at-most-once" {got(value, DELIVERIES)}')
     return str(value)
 
 
@@ -76,7 +80,8 @@ def _pubsub_is_at_most_once(label: str, values: Mapping[str, Any]) -> None:
 def _transport(where: str, value: Any) -> str:
     if value not in TRANSPORT_MODES:
         # A webhook's table is read by its own definitions (ingest.config.webhook).
-        raise ConfigError(f"{where} must be one of {', '.join(TRANSPORT_MODES)}, webhook (got {value!r})")
+        transports = (*TRANSPORT_MODES, "webhook")
+        raise ConfigError(f"{where} must be one of {', '.join(transports)} {got(value, transports)}")
     return str(value)
 
 
@@ -157,25 +162,50 @@ def _source_rule(label: str, values: Mapping[str, Any]) -> None:
     _cluster_source(label, values)
 
 
+def hash_tag(key: str) -> str | None:
+    """What Redis Cluster hashes of ``key`` in place of the whole key: the
+    text between its first ``{`` and the first ``}`` after it, when that is
+    not empty (``queue:{jobs}:in`` hashes as ``jobs``); None: the whole key
+    is hashed."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1 : end] if end > start + 1 else None
+
+
+def list_key_base(source: str, *, cluster: bool = False) -> str:
+    """What a list adapter's derived keys (processing lists, consumers,
+    heartbeats, recovery locks, removed-markers) begin with
+    (:mod:`ingest.adapters.redis.lists` draws the layout): the list's name;
+    on a Redis Cluster, a name with no hash tag of its own wrapped in one
+    (``jobs``: ``{jobs}``), and a name with one (``{jobs}``,
+    ``queue:{jobs}:in``) as it is, its tag pinning every derived key to its
+    slot. Config refuses the names neither form keeps in their slot
+    (``_cluster_source``), and two lists of one cluster whose keys these
+    forms would merge (``jobs`` and ``{jobs}``, ``_list_keys_apart``)."""
+    return f"{{{source}}}" if cluster and hash_tag(source) is None else source
+
+
 def _cluster_source(label: str, values: Mapping[str, Any]) -> None:
-    """On a cluster, a list's derived keys carry the source's name as their
-    hash tag (``{jobs}:processing:c1``), so they live in its slot; a name
-    with braces of its own would not hash as the list does."""
-    if (
-        values.get("cluster")
-        and values["mode"] == "list"
-        and ("{" in values["source"] or "}" in values["source"])
-    ):
+    """On a cluster, every key a list adapter derives must hash to the
+    list's slot (BLMOVE, the guarded LREM and recovery never span two). A
+    name with no hash tag but a '}' (``jobs}``, ``{}jobs``, whose empty
+    '{}' is no tag) cannot be wrapped in a tag that hashes as it does."""
+    source = values["source"]
+    if not values.get("cluster") or values["mode"] != "list":
+        return
+    derived = f"{list_key_base(source, cluster=True)}:processing:c"
+    if hash_tag(derived) != (hash_tag(source) or source):
         raise ConfigError(
-            f"{label}: key 'source' = {values['source']!r}: on a cluster (cluster = true) a list's processing"
-            " lists are named '{source}:processing:...', in the list's hash slot, which a name holding '{' or"
-            " '}' would not share: rename the list without braces"
+            f"{label}: key 'source' = {source!r}: on a cluster (cluster = true) a list's processing lists"
+            " are named '{source}:processing:...' to share its hash slot, which a name holding '}' and no"
+            " hash tag would not: give the name a hash tag of its own ('{jobs}', 'queue:{jobs}:in') or no"
+            " braces"
         )
 
 
 def _ack_after(where: str, value: Any) -> str:
-    if value not in ("store", "complete"):
-        raise ConfigError(f'{where} must be "store" or "complete" (got {value!r})')
+    if value not in ACK_AFTER:
+        raise ConfigError(f'{where} must be "store" or "complete" {got(value, ACK_AFTER)}')
     return str(value)
 
 
@@ -210,7 +240,9 @@ def _format(where: str, value: Any) -> BodyFormat:
     try:
         return BodyFormat(value)
     except ValueError as exc:
-        raise ConfigError(f"{where} must be json, text or bytes (got {value!r})") from exc
+        raise ConfigError(
+            f"{where} must be json, text or bytes {got(value, [f.value for f in BodyFormat])}"
+        ) from exc
 
 
 _START_ID = re.compile(r"\$|\d+(-\d+)?")
@@ -593,6 +625,7 @@ def read_adapters(
         if names.count(n) > 1:
             raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
     _check_one_reader_each(adapters)
+    _list_keys_apart(adapters)
     return adapters
 
 
@@ -740,4 +773,27 @@ def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
             raise ConfigError(
                 f"adapter {a.name!r}: key {key!r}: adapter {first.name!r} already reads {read}"
                 f" on the same broker; {hint}"
+            )
+
+
+def _list_keys_apart(adapters: tuple[AdapterConfig, ...]) -> None:
+    """Two lists of one broker whose derived keys would be the same (on a
+    cluster, ``jobs`` wraps into ``{jobs}``, the very name of the list
+    ``{jobs}``): their consumers would move onto one processing list, and
+    each recovery would redeliver the other's messages as its own. Refused;
+    the lists themselves stay apart by :func:`_check_one_reader_each`. A
+    cluster is known by its ``url``: two adapters naming two of its nodes
+    are not compared."""
+    bases: dict[tuple[str, ...], AdapterConfig] = {}
+    for a in adapters:
+        if a.mode != "list":
+            continue
+        base = list_key_base(a.source, cluster=a.cluster)
+        first = bases.setdefault((*a.broker.identity(), base), a)
+        if first is not a:
+            raise ConfigError(
+                f"adapter {a.name!r}: key 'source' = {a.source!r}: its processing lists would be those of"
+                f" the list {first.source!r} of adapter {first.name!r} on the same broker"
+                f" ({base}:processing:...), and each adapter's recovery would take the other's messages:"
+                " rename one list"
             )

@@ -12,8 +12,9 @@ keys, types, bounds, required keys and defaults from it, and
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
@@ -118,10 +119,32 @@ def _bounded(key: Key, kind: type) -> Parse:
     return number
 
 
+def close_match(value: Any, known: Iterable[str]) -> str | None:
+    """The known name closest to a typo (``bach_size``: ``batch_size``), by
+    difflib's ratio at its default cutoff, or None when none is close: the
+    one place a config error learns its "did you mean"."""
+    if not isinstance(value, str) or not value:
+        return None
+    found = difflib.get_close_matches(value, sorted(known), n=1)
+    return found[0] if found else None
+
+
+def got(value: Any, choices: Iterable[str]) -> str:
+    """The tail of a refused choice's message: ``(got 'lsit')``, and
+    ``(got 'lsit'; did you mean 'list'?)`` when one choice is close."""
+    near = close_match(value, choices)
+    return f"(got {value!r})" if near is None else f"(got {value!r}; did you mean {near!r}?)"
+
+
 def check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    """An unknown key is an error naming it, with the closest allowed key
+    when one is close, else every allowed key (the message stays one line)."""
     unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+    if not unknown:
+        return
+    near = close_match(unknown[0], allowed)
+    hint = f"did you mean {near!r}?" if near is not None else f"allowed: {', '.join(sorted(allowed))}"
+    raise ConfigError(f"{where}: unknown key {unknown[0]!r} ({hint})")
 
 
 @dataclass(frozen=True, slots=True)

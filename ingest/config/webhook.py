@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
 from backhalf.keys import native_key
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
-from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, string
+from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, got, string
 from ingest.config.urls import env_name
 from ingest.errors import ConfigError
 
@@ -54,7 +54,7 @@ def _route_name(where: str, value: Any) -> str:
 
 def _webhook_mode(where: str, value: Any) -> str:
     if value not in WEBHOOK_MODES:
-        raise ConfigError(f"{where} must be one of {', '.join(WEBHOOK_MODES)} (got {value!r})")
+        raise ConfigError(f"{where} must be one of {', '.join(WEBHOOK_MODES)} {got(value, WEBHOOK_MODES)}")
     return str(value)
 
 
@@ -79,7 +79,9 @@ def _format(where: str, value: Any) -> BodyFormat:
     try:
         return BodyFormat(value)
     except ValueError as exc:
-        raise ConfigError(f"{where} must be json, text or bytes (got {value!r})") from exc
+        raise ConfigError(
+            f"{where} must be json, text or bytes {got(value, [f.value for f in BodyFormat])}"
+        ) from exc
 
 
 def _covers_sender_retries(key: str) -> Rule:

@@ -9,9 +9,14 @@ Key layout::
     {source}:recovering:{processing}      recovery lock (SET NX PX), one recoverer per list
 
 (``{source}`` is the list's name. On a Redis Cluster, ``cluster = true``,
-the derived keys begin with the name as a hash tag instead, literally
-``{jobs}:processing:c1`` for the list ``jobs``: every key of one list lives
-in the list's own slot, so producers keep pushing to the name they know.)
+every key of one list lives in the list's own slot, so producers keep
+pushing to the name they know: a name without a hash tag is wrapped in one,
+``{jobs}:processing:c1`` for ``jobs``; a name with a tag of its own (its
+first ``{...}``, not empty) is used as it is, ``{jobs}:processing:c1`` for
+``{jobs}`` and ``queue:{jobs}:in:processing:c1`` for ``queue:{jobs}:in``,
+since its tag already leads every derived key to its slot. Config refuses a
+name neither form keeps in its slot (a ``}`` and no tag), and two lists whose
+keys would be the same: ``jobs`` and ``{jobs}`` on one broker.)
 
 Items are moved from the tail (RIGHT) of the source to the head (LEFT) of the
 processing list, so LPUSH producers get FIFO order. The ack intent is
@@ -45,6 +50,7 @@ from backhalf.records import AckClaim, AckTarget
 from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
 from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect, redis_errors
 from ingest.config import AdapterConfig
+from ingest.config.adapter import list_key_base
 from ingest.errors import AckError
 from ingest.lifecycle import wait_stop
 
@@ -65,11 +71,11 @@ RECOVERY_LOCK_TTL_MS = 30_000
 
 def key_base(source: str, *, cluster: bool = False) -> str:
     """What a list's derived keys begin with: its name, or on a Redis
-    Cluster its name as a hash tag (``{jobs}``), so that they all live in the
-    list's own slot (a tag hashes as the name does) and BLMOVE, the guarded
-    LREM and recovery never span two slots. Config refuses a clustered
-    list whose name holds braces."""
-    return f"{{{source}}}" if cluster else source
+    Cluster a name that hashes to the list's slot: ``{jobs}`` for ``jobs``
+    (a tag hashes as the name does), the name itself where it holds a hash
+    tag (``{jobs}``, ``queue:{jobs}:in``), so that BLMOVE, the guarded LREM
+    and recovery never span two slots (``ingest.config.adapter``)."""
+    return list_key_base(source, cluster=cluster)
 
 
 def processing_key(source: str, consumer: str, *, cluster: bool = False) -> str:
@@ -88,8 +94,9 @@ _MARKER_TAIL = re.compile(r":removed:[0-9]+\Z")
 def is_processing_key(key: str, source: str, *, cluster: bool = False) -> bool:
     """Whether ``key`` is ``processing_key(source, consumer, cluster=cluster)``
     of some consumer: the source's own key base (the hash-tag form on a
-    Cluster, the plain name elsewhere, never the other), ``:processing:``,
-    then a consumer name, not empty and not a removed-marker's tail."""
+    Cluster, the plain name elsewhere, never the other; a name with a hash
+    tag of its own is its key base in both), ``:processing:``, then a
+    consumer name, not empty and not a removed-marker's tail."""
     prefix = f"{key_base(source, cluster=cluster)}:processing:"
     if not key.startswith(prefix):
         return False
@@ -361,7 +368,9 @@ class ListAcknowledger:
     there would remove another application's item. The consumer's name is
     any (every ingester's list, and a reaped one's, is the adapter's); the
     source list and ``cluster`` are the config's, so intents stored before
-    either changed are refused (their lists are no longer read anyway)."""
+    either changed are refused (their lists are no longer read anyway),
+    but for a name with a hash tag of its own, whose lists are the same
+    either way."""
 
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name

@@ -1,6 +1,7 @@
 """``cluster = true`` on a Redis adapter: a boolean, for the Redis modes only,
-and a list whose name holds braces is refused (its derived keys carry the
-name as their hash tag, which braces of its own would break)."""
+and a list whose name no derived key can share the slot of is refused (its
+derived keys carry the name as their hash tag, which a lone ``}`` would
+break; a name's own hash tag is kept: tests/unit/config/test_cluster_hash_tag.py)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ def test_cluster_applies_to_the_redis_modes_only() -> None:
         read_adapter({"name": "a", "transport": "nats", "source": "S", "cluster": True}, REDIS)
 
 
-def test_a_clustered_list_whose_name_holds_braces_is_refused_with_the_fix() -> None:
-    with pytest.raises(ConfigError, match=r"rename the list without braces"):
-        read_adapter({"name": "a", "mode": "list", "source": "{jobs}", "cluster": True}, REDIS)
+def test_a_clustered_list_whose_name_no_tag_can_keep_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"give the name a hash tag of its own \('\{jobs\}'"):
+        read_adapter({"name": "a", "mode": "list", "source": "jobs}", "cluster": True}, REDIS)
     # Without a cluster, or for a stream (no derived keys), a name is a name.
-    assert read_adapter({"name": "a", "mode": "list", "source": "{jobs}"}, REDIS).source == "{jobs}"
-    assert read_adapter({"name": "a", "source": "{jobs}", "cluster": True}, REDIS).cluster
+    assert read_adapter({"name": "a", "mode": "list", "source": "jobs}"}, REDIS).source == "jobs}"
+    assert read_adapter({"name": "a", "source": "jobs}", "cluster": True}, REDIS).cluster
 
 
 def test_a_clustered_lists_keys_share_its_slot_and_a_single_servers_keep_their_names() -> None:
