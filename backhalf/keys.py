@@ -5,7 +5,7 @@
 * a reused entry id (another body on a stored id): ``{native key}:{sha256(body) hex}``
 * a producer's id (AMQP ``message_id``): ``{prefix}:{source}:{key_id(id)}``, the
   id with ``%``, ``:``, whitespace and control characters percent-encoded
-  (:func:`key_id`): a producer cannot end its id in what looks like a reused
+  and a lone surrogate as ``%uXXXX`` (:func:`key_id`): a producer cannot end its id in what looks like a reused
   id's digest, nor send a NUL PostgreSQL cannot store, and ids that differ
   make keys that differ.
 """
@@ -55,14 +55,12 @@ def key_id(producer_id: str) -> str:
 
 def _percent(match: re.Match[str]) -> str:
     char = match.group()
-    try:
-        # A byte a client kept as a surrogate escape (not UTF-8 on the wire:
-        # ingest.adapters.amqp.frames) is escaped as that byte...
-        raw = char.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        # ... any other lone surrogate as the three bytes it would be.
-        raw = char.encode("utf-8", "surrogatepass")
-    return "".join(f"%{b:02X}" for b in raw)
+    if "\ud800" <= char <= "\udfff":
+        # A lone surrogate (a byte that was not UTF-8, kept by a client as a
+        # surrogate escape; or a JSON "\\ud800") has an escape of its own,
+        # so it never spells the bytes of a real character ("\\x80").
+        return f"%u{ord(char):04X}"
+    return "".join(f"%{b:02X}" for b in char.encode("utf-8"))
 
 
 def storable_id(producer_id: str) -> str:

@@ -142,14 +142,15 @@ _COLON_KEY = re.compile(
     rf"""[ \t]*+:[ \t]++)(?:{_QUOTED}|{_SIGNATURE_LIST}|[^\s,}}][^\r\n,}}]*+)""",
     re.IGNORECASE | re.MULTILINE,
 )
-# A dotted name in the middle of a line is a key only when one value (a
-# word, or a quoted string) follows it to the end of its line or entry
-# ("Error: settings.password: hunter2"); followed by prose it is a column
-# or an attribute named in a sentence ("...; todos.run_token: a worker's
-# start recognizes its own run", a migration's title), and left alone.
+# A dotted name in the middle of a line is a key too ("Error:
+# settings.password: hunter2 (from env)"): its value runs to the end of the
+# line or of its entry, as for any key. One name is exempt: Switchboard's
+# own column todos.run_token, which a migration's title names in prose
+# ("...; todos.run_token: a worker's start recognizes its own run"): a
+# run's token guards its end from another run and opens nothing.
 _DOTTED_COLON_KEY = re.compile(
-    rf"""(?P<head>(?<=[{{,;:(\[])[ \t]*+{_SECRET_KEY}[ \t]*+:[ \t]++)"""
-    rf"""(?:{_QUOTED}|(?:{_SIGNATURE_LIST}|[^\s,}}]++)(?=[ \t]*+(?:[\r\n,}}]|$)))""",
+    rf"""(?P<head>(?<=[{{,;:(\[])[ \t]*+{_SECRET_KEY}(?<!run_token)[ \t]*+:[ \t]++)"""
+    rf"""(?:{_QUOTED}|{_SIGNATURE_LIST}|[^\s,}}][^\r\n,}}]*+)""",
     re.IGNORECASE | re.MULTILINE,
 )
 # Authorization: Bearer ..., Basic ..., or a bare credential; as a header,

@@ -331,19 +331,22 @@ async def _store_reused(
     second = _Outcome.of(await _write(cur, batch, again, set(), native=True))
     if second.lost:
         await _undo_lost(cur, second)
+    rejected: dict[str, InboxRecord] = {}
     if second.reused:
         rejected, second = await _reject_conflicts(cur, batch, again, second)
         derived = {key: rejected.get(r.idempotency_key, r) for key, r in derived.items()}
         again = sorted(derived.values(), key=attrgetter("idempotency_key"))
+    conflicted = {r.idempotency_key for r in rejected.values()}
     combined = _Outcome(
         inserted=outcome.inserted | second.inserted,
         todos=outcome.todos + second.todos,
         created=outcome.created + second.created,
-        # A redelivery of one (its derived row found) is no news.
+        # A redelivery of one (its derived row found) is no news; one
+        # rejected on a conflict is a rejection, not a message stored.
         stored_reused=[
             (str(r.source_message_id), r.idempotency_key)
             for r in again
-            if r.idempotency_key in second.inserted
+            if r.idempotency_key in second.inserted and r.idempotency_key not in conflicted
         ],
     )
     return [derived.get(r.idempotency_key, r) for r in records], combined
@@ -362,7 +365,9 @@ async def _reject_conflicts(
         r.idempotency_key: r._replace(
             idempotency_key=keys.reused_key(r.idempotency_key, _digest(r)),
             payload=None,
-            error=f"derived_key_conflict: another body is stored under {r.idempotency_key}, the key"
+            # A message already rejected keeps its own reason.
+            error=r.error
+            or f"derived_key_conflict: another body is stored under {r.idempotency_key}, the key"
             " this message's id was moved to; stored rejected under its own",
         )
         for r in again

@@ -46,8 +46,8 @@
 --
 -- Column grants are where the table grant would allow more than the code
 -- does. What no grant can say, which rows and which changes of a row, is
--- said by row-level security policies on inbox, ack_queue, todos,
--- todo_events, events and processes. RLS binds every role but the tables'
+-- said by row-level security policies on adapters, inbox, ack_queue, todos,
+-- todo_events, events, delivery_attempts and processes. RLS binds every role but the tables'
 -- owner: not the migrator, nor the audit views, which run with its rights.
 -- In a policy, USING is read on the row as it was (and, for UPDATE, also
 -- decides which rows a FOR UPDATE / FOR SHARE lock sees: a row it refuses
@@ -65,7 +65,9 @@
 -- todo never changes again, so a todo done at the snapshot is done.
 --
 -- * The ingester writes ack_state and acked_at only to ask for an ack again
---   (store_inbox_native_cte: ack_state back to 'pending', acked_at NULL), and
+--   (store_inbox_native_cte: ack_state back to 'pending', acked_at NULL), or
+--   to mark the acks an AMQP adapter sent on its own channel (mark_own_acks,
+--   settle_own_acks: ack_kind 'amqp' only, the target unchanged), and
 --   'none' only for a row whose ack_kind is 'none'; an ack_xid only its own
 --   transaction's id (an older one would put the row behind the acker's
 --   cursor); and never a row's ack stream or list (ack_key), which
@@ -100,9 +102,8 @@
 -- * The operator's inbox replay makes only a 'rejected' row 'stored', with
 --   its todo and event; its event is never `verified`.
 -- * processes: each process role inserts and updates only rows of its own
---   `role` (ingest, ack, worker; the ingester's also receive, the webhook
---   receiver's, which stores as the ingester does; the operator's and the
---   viewer's web, the console's, whichever of them it runs as); any of them
+--   `role` (ingest, receive, ack, worker; the operator's and the viewer's
+--   web, the console's, whichever of them it runs as); any of them
 --   deletes a row stopped or silent for a day
 --   (backhalf.heartbeats.FORGET_AFTER_S), and no other.
 --
@@ -523,6 +524,11 @@ BEGIN
         USING (true);
     -- The store's todos: on the queue of one of the role's own adapters
     -- (registered with its family); inbox replay's, the operator's, on any.
+    -- The role registers its adapters itself, so this holds it to the
+    -- queues its family's rows name (a change shows in adapters.updated_at),
+    -- not against itself. During a rollout that changes an adapter's queue,
+    -- an ingester still on the old config has its stores refused (42501,
+    -- retried: nothing lost) until it is restarted.
     CREATE POLICY switchboard_create ON todos FOR INSERT TO switchboard_operator
         WITH CHECK (status = 'pending');
     CREATE POLICY switchboard_ingester_create ON todos FOR INSERT TO switchboard_ingester

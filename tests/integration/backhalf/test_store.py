@@ -390,6 +390,7 @@ async def test_a_derived_key_conflict_is_that_messages_rejection_not_its_batchs_
         if deliveries == 1:
             assert (result.new, result.rejected, result.todos_created) == (2, 1, 1)
             assert result.rejected_errors[0].startswith("derived_key_conflict:")
+            assert result.reused == ()  # rejected, not "stored under its own key"
         else:
             assert (result.new, result.rejected, result.todos_created) == (0, 0, 0)
     rows = query(

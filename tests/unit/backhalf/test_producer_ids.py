@@ -27,6 +27,9 @@ HOSTILE = [
     "%25",
     "é😀",
     "",
+    "\x80",
+    "\udcc2\udc80",  # the bytes of "\x80", as a surrogate escape or a JSON client keeps them
+    "\udced\udca0\udc80",
 ]
 
 

@@ -211,3 +211,17 @@ def test_a_megabyte_of_any_shape_is_redacted_in_linear_time(shape: str) -> None:
     started = time.thread_time()
     redact(text)
     assert time.thread_time() - started < CPU_BOUND_S
+
+
+@pytest.mark.parametrize(
+    ("text", "kept"),
+    [
+        ("Error: settings.password: hunter2 (from env)", "Error: settings.password: ***"),
+        ("Error: settings.password: correct horse battery", "Error: settings.password: ***"),
+        ("x, db.token: abc123def456 rest", "x, db.token: ***"),
+    ],
+)
+def test_a_dotted_key_mid_line_masks_its_value_to_the_end_of_the_line(text: str, kept: str) -> None:
+    """A review's finding: a dotted key followed by more than one word once
+    leaked its value (only a lone word was masked)."""
+    assert redact(text) == kept
