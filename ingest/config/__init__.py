@@ -514,6 +514,33 @@ def _key_spaces_apart(adapters: tuple[AdapterConfig, ...], webhooks: tuple[Webho
             " their queue is the same; only adapters reading the very same messages (a stream's groups,"
             " a channel's subscribers) may share keys: give one of them a distinct key_prefix"
         )
+    _key_spaces_not_nested(every)
+
+
+def _key_spaces_not_nested(every: list[AdapterConfig | WebhookConfig]) -> None:
+    """A key space inside another (``amqp:orders:`` and ``amqp:orders:eu:``)
+    is refused where the outer one's ids are a producer's or a sender's (an
+    AMQP ``message_id``, a webhook's delivery id): the outer's message ``eu``
+    sent again with another body is stored under ``amqp:orders:eu:<digest>``
+    (a reused id's key), which the inner's message with that digest for its
+    id spells too. A broker's own ids (a stream entry, a sequence, an SQS
+    MessageId) cannot be ``eu``: nested spaces are fine there (streams
+    ``orders`` and ``orders:eu``)."""
+    for outer in every:
+        if not _ids_from_outside(outer):
+            continue
+        for inner in every:
+            if inner.key_space != outer.key_space and inner.key_space.startswith(outer.key_space):
+                raise ConfigError(
+                    f"adapter {inner.name!r}: its keys ({inner.key_space}...) lie inside those of adapter"
+                    f" {outer.name!r} ({outer.key_space}...), whose ids its producers choose: a message of"
+                    f" {outer.name!r} sent again under its id with another body takes a key that a message of"
+                    f" {inner.name!r} can spell too: give one of them a distinct key_prefix"
+                )
+
+
+def _ids_from_outside(a: AdapterConfig | WebhookConfig) -> bool:
+    return isinstance(a, WebhookConfig) or a.transport == "amqp"
 
 
 def load(path: str | Path, env: Mapping[str, str]) -> Settings:

@@ -724,6 +724,36 @@ def test_adapters_reading_the_same_messages_may_share_keys() -> None:
         assert len(settings.adapters) + len(settings.webhooks) == 2
 
 
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        # An AMQP queue's ids are its producers': "orders" holds "orders:eu".
+        (
+            {"name": "a", "transport": "amqp", "source": "orders"},
+            {"name": "b", "transport": "amqp", "source": "orders:eu"},
+        ),
+        # A webhook's delivery ids are its sender's.
+        ({"name": "a", "source": "billing", **HOOK}, {"name": "b", "source": "billing:eu", **HOOK}),
+    ],
+)
+def test_a_key_space_inside_one_whose_ids_producers_choose_is_refused(
+    outer: dict[str, Any], inner: dict[str, Any]
+) -> None:
+    """A review's finding: the outer's message "eu" sent again with another
+    body is keyed {outer}eu:<digest>, which the inner's message <digest> spells."""
+    for adapters in ([outer, inner], [inner, outer]):
+        with pytest.raises(ConfigError, match="lie inside those of adapter 'a'"):
+            from_mapping({"database": DB, "adapters": adapters}, {})
+
+
+def test_nested_key_spaces_of_a_brokers_own_ids_are_fine() -> None:
+    """Stream entry ids cannot be "eu": streams "orders" and "orders:eu" are apart."""
+    settings = from_mapping(
+        {"database": DB, "adapters": [adapter(), adapter(name="b", source="orders:eu")]}, {}
+    )
+    assert len(settings.adapters) == 2
+
+
 # --- retention (issue 14) -------------------------------------------------------
 
 
