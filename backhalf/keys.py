@@ -5,9 +5,9 @@
 * a reused entry id (another body on a stored id): ``{native key}:{sha256(body) hex}``
 * a producer's id (AMQP ``message_id``): ``{prefix}:{source}:{key_id(id)}``, the
   id with ``%``, ``:``, whitespace and control characters percent-encoded
-  and a lone surrogate as ``%uXXXX`` (:func:`key_id`): a producer cannot end its id in what looks like a reused
-  id's digest, nor send a NUL PostgreSQL cannot store, and ids that differ
-  make keys that differ.
+  and a lone surrogate as ``%uXXXX`` (:func:`key_id`): a producer cannot end
+  its id in what looks like a reused id's digest, nor send a NUL PostgreSQL
+  cannot store, and ids that differ make keys that differ.
 """
 
 from __future__ import annotations

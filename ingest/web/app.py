@@ -10,7 +10,7 @@ shipped in the wheel, plus ``console.js``; no inline script or style.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl, unquote, urlencode
 
 import psycopg
 import structlog
@@ -33,6 +33,7 @@ from ingest.web.security import (
     SESSION_S,
     Guard,
     client_of,
+    safe_next,
     same_origin,
 )
 from ingest.web.static_files import StaticFiles
@@ -134,8 +135,23 @@ async def _sign_in_refusal(guard: Guard, request: Request) -> Response | None:
     # the form into the page).
     browsing = "authorization" not in request.headers and "hx-request" not in request.headers
     if request.method == "GET" and browsing:
-        return RedirectResponse("/login", status_code=303)
+        return RedirectResponse(_login_url(asked(request)), status_code=303)
     return PlainTextResponse("not signed in", status_code=401)
+
+
+def asked(request: Request) -> str:
+    """The path and query a request asked for, as the browser sent them
+    (still percent-encoded)."""
+    raw = request.scope.get("raw_path")
+    path = raw.decode("latin-1") if isinstance(raw, bytes) else request.url.path
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    return f"{path}?{query}" if query else path
+
+
+def _login_url(next_path: str) -> str:
+    """The sign-in form, told where to go back to (a safe path only)."""
+    target = safe_next(next_path)
+    return "/login" if target == "/" else "/login?" + urlencode({"next": target})
 
 
 def _too_many_guesses(guard: Guard, client: str) -> Response:
@@ -185,9 +201,10 @@ async def _post_refusal(console: Console, request: Request) -> tuple[str, Respon
 
 async def login_page(request: Request) -> Response:
     console: Console = request.app.state.console
+    target = safe_next(request.query_params.get("next", ""))
     if console.guard.token is None:
-        return RedirectResponse("/", status_code=303)
-    return console.page(request, "login.html", failed=False)
+        return RedirectResponse(target, status_code=303)
+    return console.page(request, "login.html", failed=False, next=target)
 
 
 async def login(request: Request) -> Response:
@@ -198,16 +215,19 @@ async def login(request: Request) -> Response:
     except ValueError:
         return PlainTextResponse("refused: form too large", status_code=413)
     offered = (fields.get("token") or [""])[0]
+    # The page asked for before signing in (the form carries it on); only a
+    # path of this console, never another origin.
+    target = safe_next((fields.get("next") or [""])[0])
     if guard.token is None:
-        return RedirectResponse("/", status_code=303)
+        return RedirectResponse(target, status_code=303)
     client = client_of(request)
     if not guard.token_matches(offered):
         if guard.refusals.busy(client):
             return _too_many_guesses(guard, client)
         await guard.refusals.wrong_guess(client, "wrong_token")
-        return console.page(request, "login.html", status_code=401, failed=True)
+        return console.page(request, "login.html", status_code=401, failed=True, next=target)
     guard.refusals.succeeded(client)
-    response = RedirectResponse("/", status_code=303)
+    response = RedirectResponse(target, status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
         guard.new_session(),

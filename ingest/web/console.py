@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import jinja2
@@ -18,23 +17,8 @@ from starlette.responses import HTMLResponse
 from backhalf.db import within_deadline
 from ingest.config import Settings
 from ingest.web.figures import OverviewCache
+from ingest.web.formats import age, utc
 from ingest.web.security import Guard
-
-
-def utc(moment: datetime | None) -> str:
-    if moment is None:
-        return "-"
-    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 @dataclass

@@ -5,6 +5,8 @@ fed with figures that stay cheap on a big inbox: the last hour's per minute
 (``backhalf.console_views``: the window's rows only), the acks owed
 (``backhalf.backlog``: ``ack_queue`` and the cursors' rows), the active
 todos (their partial indexes). ``status`` counts the whole tables instead.
+What needs attention (failed, long-running and waiting todos, rejected rows,
+failing processes) is judged on bounded reads too (``ingest.web.attention``).
 
 One reading serves every request for ``TTL_S``: ten open tabs polling every
 two seconds ask the database and the brokers once, not ten times.
@@ -28,6 +30,8 @@ from backhalf.errors import DeadlineExceeded
 from backhalf.heartbeats import ProcessRow
 from ingest.config import Settings
 from ingest.observe import status
+from ingest.web import attention
+from ingest.web.attention import Attention
 
 TTL_S = 1.5
 
@@ -36,11 +40,13 @@ TTL_S = 1.5
 class Overview:
     """One reading: the status report (one dict per adapter, as ``status
     --json`` gives it, its counts those of the last hour), the minutes
-    behind its charts, and the processes."""
+    behind its charts, the processes, what needs attention and the verdict."""
 
     report: Sequence[Mapping[str, Any]]
     minutes: Mapping[str, Sequence[MinuteFigures]]
     processes: Sequence[ProcessRow]
+    attention: Sequence[Attention]
+    verdict: str
 
 
 async def read_overview(engine: AsyncEngine, settings: Settings) -> Overview:
@@ -54,6 +60,7 @@ async def read_overview(engine: AsyncEngine, settings: Settings) -> Overview:
         active = await backlog.active_todos(conn)
         holder = await audit.ack_horizon_holder(conn)
         procs = await heartbeats.list_processes(conn)
+        readings = await attention.read(conn, procs, active)
     by_adapter = console_views.by_adapter(minutes)
     counts = {name: _counts(row, by_adapter.get(name, []), owed.get(name)) for name, row in rows.items()}
     todos: dict[str, dict[str, int]] = {}
@@ -61,7 +68,8 @@ async def read_overview(engine: AsyncEngine, settings: Settings) -> Overview:
         todos.setdefault(queue, {})[todo_status] = n
     figures = status.Figures(rows, counts, todos, holder)
     report = await status.collect(settings, procs, None, db=figures)
-    return Overview(report, by_adapter, procs)
+    standing = attention.judge(readings, settings)
+    return Overview(report, by_adapter, procs, standing, attention.verdict(standing, report))
 
 
 def _counts(

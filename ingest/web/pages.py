@@ -20,10 +20,14 @@ from starlette.routing import Route
 
 from backhalf import console_views, heartbeats, inbox_views, todo_views, trace
 from backhalf.console_views import MinuteFigures
+from backhalf.heartbeats import ProcessRow
+from ingest.actions.todos import RETRYABLE_STATUSES
+from ingest.config import Settings
 from ingest.observe import inbox_text, status
 from ingest.observe.trail import ENTRY_ID, ack_command, offset, timeline
+from ingest.web import attention
 from ingest.web.console import console_of
-from schema import TODO_STATUSES
+from schema import ACTIVE_TODO_STATUSES, TODO_STATUSES
 
 PAGE_SIZE = 50
 CHART_COLUMNS = ("consumed", "deduplicated_inbox", "deduplicated_todo", "rejected", "acked")
@@ -105,7 +109,29 @@ async def _overview(request: Request, template: str) -> Response:
         }
         for r in view.report
     ]
-    return console.page(request, template, rows=rows, procs=view.processes)
+    shown, hidden = shown_processes(view.processes, show_all=False)
+    return console.page(
+        request,
+        template,
+        rows=rows,
+        procs=shown,
+        hidden=hidden,
+        show_all=False,
+        attention=view.attention,
+        verdict=view.verdict,
+    )
+
+
+# Processes that ended on purpose: listed on asking (``show=all``) only.
+ENDED_STATES = ("stopped", "replaced")
+
+
+def shown_processes(procs: Sequence[ProcessRow], *, show_all: bool) -> tuple[list[ProcessRow], int]:
+    """The processes to list, and how many stopped or replaced ones are not."""
+    if show_all:
+        return list(procs), 0
+    shown = [p for p in procs if p.state not in ENDED_STATES]
+    return shown, len(procs) - len(shown)
 
 
 async def processes(request: Request) -> Response:
@@ -120,7 +146,11 @@ async def _processes(request: Request, template: str) -> Response:
     console = console_of(request)
     async with console.read("listing the processes") as conn:
         procs = await heartbeats.list_processes(conn)
-    return console.page(request, template, procs=procs, failing=status.FAILING)
+    show_all = request.query_params.get("show") == "all"
+    shown, hidden = shown_processes(procs, show_all=show_all)
+    return console.page(
+        request, template, procs=shown, hidden=hidden, show_all=show_all, failing=status.FAILING
+    )
 
 
 # -- trail -------------------------------------------------------------------------------
@@ -274,12 +304,38 @@ async def todos(request: Request) -> Response:
         request,
         "todos.html",
         rows=rows,
+        ages={t.id: _since(t.updated_at) for t in rows},
+        over={t.id for t in rows if _over_limit(console.settings, t.status, t.queue, t.updated_at)},
+        actions=bulk_actions(wanted),
         typed=typed,
         problem=problem,
         statuses=TODO_STATUSES,
         next_query=next_query,
         queues=sorted(console.settings.queues),
     )
+
+
+def _since(moment: datetime) -> float:
+    """Seconds since ``moment`` (a todo's last change), by the console's clock."""
+    return max(0.0, (datetime.now(UTC) - moment).total_seconds())
+
+
+def _over_limit(settings: Settings, todo_status: str, queue: str, updated_at: datetime) -> bool:
+    """A running todo past its queue's time limit (``ingest.web.attention``'s long-running)."""
+    return todo_status == "running" and _since(updated_at) > attention.time_limit_s(settings, queue)
+
+
+def bulk_actions(wanted: str | None) -> list[str]:
+    """The bulk actions a list filtered by status ``wanted`` offers: those
+    that can act on its todos (both on an unfiltered list: its dry run says
+    which todos each would take)."""
+    if wanted is None:
+        return ["retry", "cancel"]
+    return [
+        action
+        for action, statuses in (("retry", RETRYABLE_STATUSES), ("cancel", ACTIVE_TODO_STATUSES))
+        if wanted in statuses
+    ]
 
 
 async def todo(request: Request) -> Response:
@@ -303,6 +359,11 @@ async def todo_page(
         "todo.html",
         status_code=409 if refused else 200,
         todo=detail,
+        age_s=_since(detail.updated_at),
+        time_limit_s=attention.time_limit_s(console.settings, detail.queue),
+        over=_over_limit(console.settings, detail.status, detail.queue, detail.updated_at),
+        can_retry=detail.status in RETRYABLE_STATUSES,
+        can_cancel=detail.status in ACTIVE_TODO_STATUSES,
         history=history,
         notice=notice,
         refused=refused,

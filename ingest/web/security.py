@@ -307,6 +307,31 @@ class Guard:
         return bool(offered) and hmac.compare_digest(offered.encode(), self.csrf_token(request).encode())
 
 
+NEXT_MAX_CHARS = 2048
+SIGN_IN_PATHS = ("/login", "/logout")
+
+
+def safe_next(target: str) -> str:
+    """Where to go after signing in: ``target`` when it is a path of this
+    console (``/todos?status=failed``), else ``/``. Refused: anything not
+    starting with one ``/`` (``//host`` and ``/\\host`` are another origin to a
+    browser), a scheme or host, any character outside printable ASCII
+    (browsers drop tabs and newlines, which would join ``/`` and ``/host``),
+    a backslash anywhere, the sign-in pages themselves, and long ones."""
+    if (
+        len(target) > NEXT_MAX_CHARS
+        or not target.startswith("/")
+        or target.startswith("//")
+        or "\\" in target
+        or not all("!" <= c <= "~" for c in target)
+    ):
+        return "/"
+    parts = urlsplit(target)
+    if parts.scheme or parts.netloc or parts.path in SIGN_IN_PATHS:
+        return "/"
+    return target
+
+
 def same_origin(request: Request) -> bool:
     """Whether a POST comes from a page of this console: its ``Origin`` (else
     its ``Referer``) names the host and port the request was sent to. The

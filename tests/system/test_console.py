@@ -156,6 +156,41 @@ def test_the_overview_updates_live_and_a_killed_ingester_shows_dead(
     page_problems.assert_clean()
 
 
+def test_the_overview_says_live_what_needs_attention_and_links_to_the_rows(
+    stack: tuple[str, SwitchboardProcess, Path], page: Page, page_problems: PageProblems, db_url: str
+) -> None:
+    """A todo fails: the overview says so without a reload, its link lists
+    it, the todo offers Retry (not Cancel), and once it is dealt with the
+    verdict is ok again (tests/system/test_console_attention.py has every kind)."""
+    url, _, _ = stack
+    page.goto(url + "/")
+    verdict = page.get_by_test_id("overview-verdict")
+    expect(verdict).to_have_text("ok", timeout=15_000)
+    page.evaluate("window.__notReloaded = true")
+    [(todo_id,)] = query(
+        db_url,
+        "INSERT INTO todos (queue, idempotency_key, payload, status, attempts, last_error)"
+        " VALUES ('orders', 'k-failed', '{}', 'failed', 5, 'boom') RETURNING id",
+    )
+    failed = page.locator('[data-testid=attention][data-kind="failed-todos"]')
+    expect(failed).to_have_attribute("data-count", "1", timeout=10_000)
+    expect(verdict).not_to_have_text("ok")
+    assert page.evaluate("window.__notReloaded") is True  # htmx swapped it in
+    failed.get_by_test_id("attention-link").click()
+    expect(page).to_have_url(url + "/todos?status=failed")
+    page.locator(f'[data-testid=todo-row][data-id="{todo_id}"] a').click()
+    expect(page.get_by_test_id("todo-cancel")).to_have_count(0)
+    page.get_by_test_id("todo-retry").click()
+    expect(page.get_by_test_id("todo-status")).to_have_text("pending")
+    # No worker runs here: cancelled before it would wait for one too long.
+    page.get_by_test_id("todo-cancel").click()
+    expect(page.get_by_test_id("todo-status")).to_have_text("cancelled")
+    page.goto(url + "/")
+    expect(verdict).to_have_text("ok", timeout=10_000)
+    expect(page.get_by_test_id("attention")).to_have_count(0)
+    page_problems.assert_clean()
+
+
 def test_a_trail_by_entry_id_shows_every_step_in_order(
     acked_stack: tuple[str, SwitchboardProcess, Path],
     page: Page,
@@ -289,22 +324,31 @@ def test_cancel_retry_and_the_refusal_of_a_retry(
     page.goto(f"{url}/todos?status=pending")
     expect(page.get_by_test_id("todo-row")).to_have_count(1)
     page.goto(f"{url}/todos/{todo_id}")
+    # Each status shows the action it allows, and that one only.
+    assert page.get_by_test_id("todo-retry").count() == 0
     page.get_by_test_id("todo-cancel").click()
     expect(page.get_by_test_id("action-notice")).to_contain_text("cancelled")
     assert scalar(db_url, "SELECT status FROM todos WHERE id = %(id)s", {"id": todo_id}) == "cancelled"
+    expect(page.get_by_test_id("todo-cancel")).to_have_count(0)
     page.get_by_test_id("todo-retry").click()
     expect(page.get_by_test_id("todo-status")).to_have_text("pending")
     assert scalar(db_url, "SELECT status FROM todos WHERE id = %(id)s", {"id": todo_id}) == "pending"
+    expect(page.get_by_test_id("todo-retry")).to_have_count(0)
+    # A race: the CLI cancels it and the page shows Retry; the CLI retries it
+    # first, so the page's Retry is refused, in the CLI's own words.
+    assert switchboard("--config", str(stack[2]), "todos", "cancel", str(todo_id)).returncode == 0
+    page.goto(f"{url}/todos/{todo_id}")
+    assert switchboard("--config", str(stack[2]), "todos", "retry", str(todo_id)).returncode == 0
     page.get_by_test_id("todo-retry").click()
-    # The CLI's own refusal text.
     expect(page.get_by_test_id("action-refused")).to_have_text(
         f"todo {todo_id} is pending, not failed or cancelled: only those can be retried"
     )
+    expect(page.get_by_test_id("todo-retry")).to_have_count(0)  # the page as the todo is now
     refused = switchboard("--config", str(stack[2]), "todos", "retry", str(todo_id))
     assert f"todo {todo_id} is pending, not failed or cancelled" in refused.stderr + refused.stdout
     assert scalar(db_url, "SELECT status FROM todos WHERE id = %(id)s", {"id": todo_id}) == "pending"
     details = [r[0] for r in query(db_url, "SELECT detail FROM todo_events ORDER BY id")]
-    assert details.count("retried by an operator") == 1
+    assert details.count("retried by an operator") == 2  # the page's, then the CLI's
     _expect_refusal_logged(page_problems, 409, "/retry")
     page_problems.assert_clean()
 
@@ -426,15 +470,17 @@ def test_the_token_guards_every_page_and_is_shown_nowhere(
 ) -> None:
     _, web_config = _configs(tmp_path, db_url, redis_url)
     url = _start_web(procs, web_config, env={"SWITCHBOARD_WEB_TOKEN": TOKEN})
-    page.goto(url + "/todos")
-    assert page.url == url + "/login"
+    page.goto(url + "/todos?status=failed")
+    assert page.url == url + "/login?next=%2Ftodos%3Fstatus%3Dfailed"
     page.get_by_test_id("login-token").fill("not-the-token-at-all")
     page.get_by_test_id("login-submit").click()
     expect(page.get_by_test_id("login-failed")).to_be_visible()
     _expect_refusal_logged(page_problems, 401, "/login")
     page.get_by_test_id("login-token").fill(TOKEN)
     page.get_by_test_id("login-submit").click()
-    expect(page).to_have_url(url + "/")
+    # Signed in, on the page asked for (a wrong token first did not lose it).
+    expect(page).to_have_url(url + "/todos?status=failed")
+    expect(page.get_by_test_id("filter-status")).to_have_value("failed")
     [cookie] = page.context.cookies()
     assert cookie["httpOnly"] is True
     assert cookie["sameSite"] == "Strict"
@@ -446,7 +492,7 @@ def test_the_token_guards_every_page_and_is_shown_nowhere(
     # Without the cookie: no page; with the bearer token: the page.
     assert urllib.request.urlopen(url + "/healthz", timeout=10).read() == b"ok"
     with urllib.request.urlopen(url + "/todos", timeout=10) as unauthenticated:
-        assert unauthenticated.url == url + "/login"  # sent to sign in, shown nothing
+        assert unauthenticated.url == url + "/login?next=%2Ftodos"  # sent to sign in, shown nothing
         assert b"login-token" in unauthenticated.read()
     bearer = urllib.request.Request(url + "/todos", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(bearer, timeout=10) as answer:

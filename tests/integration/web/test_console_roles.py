@@ -135,6 +135,11 @@ async def _page_reads(engine: AsyncEngine, settings: Settings, ids: dict[str, in
             "overview": [_adapter(r) for r in overview.report],
             "overview minutes": {a: sum(m.consumed for m in ms) for a, ms in overview.minutes.items()},
             "overview processes": sorted(p.role for p in overview.processes),
+            # What needs attention (ingest.web.attention), but the kinds that
+            # change with time alone (a process's silence, a todo's wait).
+            "overview attention": {
+                a.kind: a.count for a in overview.attention if a.kind in ("failed-todos", "rejected-inbox")
+            },
             "processes": sorted(p.role for p in await heartbeats.list_processes(conn)),
             "trail": [_trail(t) for t in by_key],
             "trail by todo": await trace.inbox_ids_by_todo(conn, ids["todo"]),
@@ -161,6 +166,7 @@ async def test_the_viewer_reads_every_page_as_the_owner_does_and_may_not_act(
         (seeded["stored"], "redis", seeded["event"], seeded["todo"], [(None, "pending")])
     ]
     assert as_viewer["rejected"] == [seeded["rejected"]]
+    assert as_viewer["overview attention"] == {"rejected-inbox": 1}
     assert as_viewer["inbox row"] == (b"not json", "invalid_json: expecting value")
     assert as_viewer["todos"] == [seeded["todo"]]
     assert as_viewer["history"] == [(None, "pending")]

@@ -89,3 +89,16 @@ def test_the_csrf_token_is_the_sessions_and_the_processes() -> None:
     other = _request({"Cookie": f"{SESSION_COOKIE}=1.abc"})
     assert not guard.csrf_matches(other, token)
     assert not Guard(TOKEN).csrf_matches(one, token)  # a restarted console drew a new key
+
+
+@pytest.mark.parametrize(
+    ("target", "kept"),
+    [("/todos?status=failed", True), ("/todos?status=failed&queue=a%20b", True), ("/inbox/7", True),
+     ("/trace?key=redis%3Aorders%3A1-0", True), ("/", True), ("//evil.example/x", False),
+     ("https://evil.example/", False), ("http:evil.example", False), ("/\\evil.example", False),
+     ("\\/evil.example", False), ("/\t/evil.example", False), ("/\n/evil.example", False),
+     ("/todos?x=\u00e9", False), ("evil.example", False), ("", False), ("/login", False),
+     ("/login?next=/x", False), ("/logout", False), ("/" + "a" * security.NEXT_MAX_CHARS, False)],
+)  # fmt: skip
+def test_only_a_path_of_the_console_is_gone_back_to_after_signing_in(target: str, kept: bool) -> None:
+    assert security.safe_next(target) == (target if kept else "/")
