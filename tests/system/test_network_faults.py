@@ -31,10 +31,17 @@ def db_port(db_url: str) -> int:
 
 
 def ingester_through_proxy(
-    procs: Processes, tmp_path: Path, proxy: Proxy, db_url: str, redis_url: str, **database: int
+    procs: Processes,
+    tmp_path: Path,
+    proxy: Proxy,
+    db_url: str,
+    redis_url: str,
+    *,
+    hold_acker: Callable[[], object] = lambda: True,
+    **database: int,
 ) -> tuple[SwitchboardProcess, SwitchboardProcess]:
-    """An acker on PostgreSQL directly and an ingester through the proxy,
-    started in that order."""
+    """An acker on PostgreSQL directly and an ingester through the proxy:
+    the acker starts once ``hold_acker`` holds (at once by default)."""
     adapters: list[Mapping[str, Any]] = [stream_adapter(STREAM, batch_size=50)]
     ingest_config = write_config(
         tmp_path / "ingest.toml",
@@ -46,21 +53,31 @@ def ingester_through_proxy(
     ack_config = write_config(
         tmp_path / "ack.toml", database_url=with_secret_db(db_url), redis_url=redis_url, adapters=adapters
     )
-    acker = procs.start("ack", ack_config, name="acker-1")
-    return acker, procs.start("ingest", ingest_config, name="ingester-1")
+    ingester = procs.start("ingest", ingest_config, name="ingester-1")
+    wait_for(hold_acker, timeout_s=60, what="the moment to start the acker")
+    return procs.start("ack", ack_config, name="acker-1"), ingester
 
 
 def test_commit_reply_lost_outcome_unknown_redelivery_resolves_it(
     procs: Processes, tmp_path: Path, db_url: str, redis_url: str
 ) -> None:
     with proxy_to(db_port(db_url)) as proxy:
-        acker, ingester = ingester_through_proxy(procs, tmp_path, proxy, db_url, redis_url)
-        wait_for(lambda: ingester.events("group_created"), timeout_s=30, what="the consumer group")
         # A store's COMMIT, not a heartbeat's or another transaction's that
         # may come first on a loaded machine (seen in CI).
         proxy.cut_only_after = b"INSERT INTO inbox"
         proxy.cut_after = b"COMMIT"
         ids = produce(redis_url, STREAM, 300)
+
+        def all_stored() -> bool:
+            return bool(scalar(db_url, "SELECT count(*) FROM inbox") == 300)
+
+        # The acker only once the ingester has stored everything, the batch
+        # whose COMMIT reply was lost included: an acker running meanwhile
+        # may ack that committed batch before the ingester reads it again
+        # from its pending list, and then there is no redelivery to see.
+        acker, ingester = ingester_through_proxy(
+            procs, tmp_path, proxy, db_url, redis_url, hold_acker=all_stored
+        )
         wait_all_acked(db_url, redis_url, 300, timeout_s=60, what="all acked")
         assert proxy.cuts == 1
         failures = ingester.events("store_failed")
