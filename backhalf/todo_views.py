@@ -168,8 +168,8 @@ async def active_holder(conn: AsyncConnection, queue: str, key: str, *, other_th
     return None if row is None else TodoState(*row)
 
 
-# A worker process alive enough to claim (its heartbeat fresh).
-_SERVING = ("alive", "stuck", "failing")
+# A worker process that claims: alive (a stuck or failing one does not, as the console judges it too).
+_SERVING = ("alive",)
 
 
 def waiting_reason(todo: TodoDetail, processes: Sequence[ProcessRow], now: datetime) -> str | None:

@@ -68,6 +68,12 @@ class wrapped_errors:  # a context manager, named like contextlib's
             raise self._error(f"adapter {self._adapter}: {self._what}: {self.detail(exc)}") from exc
 
 
+class AcksRolledBack(AckError):
+    """The broker answered, refusing some acks one by one, and none could be
+    marked (some were claimed from the ack queue): the drain rolled back and
+    backs off; the broker itself is up."""
+
+
 class AcksRefused(AckError):
     """The broker refused some acks one by one (they stay pending) and took
     ``acked`` others, which are marked: the drain committed."""

@@ -16,13 +16,18 @@ from __future__ import annotations
 import re
 
 from backhalf.db_errors import error_chain
+from backhalf.errors import BackhalfError
 from backhalf.redaction import redact
+from ingest.errors import IngestError
 from ingest.observe.metrics_http import Liveness
 
 # What each broker's client says when it refuses the login or the user's
-# rights, by exception name (no client is imported: each is an extra) or by
-# the server's words: Redis (WRONGPASS, NOAUTH, NOPERM), RabbitMQ
-# (ACCESS_REFUSED, 403), NATS (Authorization Violation), AWS (its codes).
+# rights: by exception name (no client is imported: each is an extra), or by
+# the server's own code in the client's message, case and word exact: Redis
+# starts its error with WRONGPASS, NOAUTH or NOPERM; RabbitMQ's close reason
+# is ACCESS_REFUSED; NATS says 'Authorization Violation'; botocore writes
+# the AWS code in parentheses. Only the client's errors are read, never our
+# wrappers' text, which names adapters, hosts and sources ("noauth-orders").
 _REFUSAL_TYPES = frozenset(
     {
         "AuthenticationError",
@@ -33,15 +38,17 @@ _REFUSAL_TYPES = frozenset(
     }
 )
 _REFUSAL_WORDS = re.compile(
-    r"WRONGPASS|NOAUTH|NOPERM|ACCESS_REFUSED|authorization violation|authentication failed"
-    r"|InvalidClientTokenId|SignatureDoesNotMatch|UnrecognizedClientException|AccessDenied",
-    re.IGNORECASE,
+    r"^(?:WRONGPASS|NOAUTH|NOPERM)\b|\bACCESS_REFUSED\b|Authorization Violation"
+    r"|\((?:InvalidClientTokenId|SignatureDoesNotMatch|UnrecognizedClientException|AccessDenied"
+    r"|AccessDeniedException)\)"
 )
 
 
 def refused_login(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it wraps) is a server refusing who we are."""
+    """Whether ``exc`` wraps a server refusing who we are."""
     for error in error_chain(exc):
+        if isinstance(error, IngestError | BackhalfError):
+            continue  # our own words: names a producer or an operator chose
         if type(error).__name__ in _REFUSAL_TYPES or _REFUSAL_WORDS.search(str(error)):
             return True
     return False

@@ -87,7 +87,7 @@ FAILING = ("dead", "stuck", "failing")
 ROLES = ("ingest", "ack", "receive", "worker")
 
 
-def _why(p: ProcessRow) -> str:
+def why(p: ProcessRow) -> str:
     """Why a process is in FAILING, in a few words."""
     if p.state == "dead":
         return f"silent {p.silent_s:.0f} s"
@@ -107,7 +107,7 @@ def _processes_of(procs: Sequence[ProcessRow], adapter: str, queue: str) -> dict
     out: dict[str, Any] = {
         role: [_label(p) for p in mine if p.role == role and p.state == "alive"] for role in ROLES
     }
-    out["dead"] = [f"{_label(p)}, {_why(p)}" for p in mine if p.state in FAILING]
+    out["dead"] = [f"{_label(p)}, {why(p)}" for p in mine if p.state in FAILING]
     running = {p.role for p in mine if p.state in ("alive", "stuck", "failing")}
     out["not_running"] = sorted({p.role for p in mine} - running)
     return out

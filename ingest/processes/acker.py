@@ -50,7 +50,7 @@ from ingest.adapters import registered
 from ingest.adapters.base import FAMILY, Acknowledger
 from ingest.adapters.factory import acked_by, make_acknowledger
 from ingest.config import AckerSettings, Settings
-from ingest.errors import AckError, AcksRefused, ConfigError, error_kind, log_failure
+from ingest.errors import AcksRefused, AcksRolledBack, ConfigError, error_kind, log_failure
 from ingest.lifecycle import NOTIFIED_GAP_MAX_S, NotifiedLooks, Retry, wait_either, wait_stop
 from ingest.observe.dependency import Dependency
 from ingest.observe.heartbeat import database_gauges_loop
@@ -140,7 +140,7 @@ def _leave_owed(
     cursor_ids = {c.inbox_id for c in by_cursor.claims} if by_cursor is not None else set()
     queued_ids = {c.inbox_id for c in claims[len(by_cursor.claims) if by_cursor is not None else 0 :]}
     if owed & queued_ids or not owed <= cursor_ids:
-        raise AckError(
+        raise AcksRolledBack(
             f"adapter {adapter}: the broker refused {len(owed)} acks one by one, some claimed from the"
             " ack queue: none is marked, all are retried"
         )
@@ -298,8 +298,12 @@ class _Drains:
             )
         except Exception as exc:  # noqa: BLE001 - broker, database or a bug: log, back off, go on
             m.ERRORS.labels("ack", error_kind(exc), m.error_class(exc)).inc()
-            if error_kind(exc) == "broker" and (health := self._health_of(adapter)) is not None:
-                health.failed(exc)
+            if (health := self._health_of(adapter)) is not None and error_kind(exc) == "broker":
+                # Acks refused one by one: the broker answered.
+                if isinstance(exc, AcksRefused | AcksRolledBack):
+                    health.answered()
+                else:
+                    health.failed(exc)
             acked = _acked_anyway(adapter, exc)
             if acked is None:
                 retry = self._retries.setdefault(adapter, Retry.from_settings(self._settings, log))
@@ -309,8 +313,10 @@ class _Drains:
             drained, held = acked, False
         if adapter in self._retries:
             self._retries[adapter].succeeded()
-        if drained and (health := self._health_of(adapter)) is not None:
-            health.answered()  # the broker took this drain's acks
+        if (health := self._health_of(adapter)) is not None:
+            # A drain that ended well: the broker took its acks, or none was
+            # owed (or another acker holds the cursor): nothing is failing.
+            health.answered()
         if held:
             self._held.add(adapter)
         else:

@@ -137,7 +137,13 @@ class _Ingester(ProcessBody):
         names = [cfg.name for cfg in settings.adapters]
         consumers = sorted({cfg.consumer for cfg in settings.adapters})
         # The slot: what a restart of this process reads again (see backhalf.heartbeats).
-        self._detail = {"adapters": names, "consumers": consumers, "slot": heartbeats.slot(names, consumers)}
+        self._detail = {
+            "adapters": names,
+            "consumers": consumers,
+            # Which consumer reads which adapter: what two ingesters may not share.
+            "reading": sorted([cfg.name, cfg.consumer] for cfg in settings.adapters),
+            "slot": heartbeats.slot(names, consumers),
+        }
 
     async def start(self, process: Process) -> bool:
         settings = self._settings
@@ -164,10 +170,11 @@ class _Ingester(ProcessBody):
             log_failure(log, "heartbeats_unread", exc)  # a warning's worth: start anyway
             return
         for row in taken_consumers(rows, self._detail, socket.gethostname()):
+            shared = _pairs_shared(self._detail, row.detail)
             log.warning(
                 "consumer_name_in_use",
-                consumers=sorted(set(self._detail["consumers"]) & set(row.detail.get("consumers") or ())),
-                adapters=sorted(set(self._detail["adapters"]) & set(row.detail.get("adapters") or ())),
+                consumers=sorted({consumer for _, consumer in shared}),
+                adapters=sorted({adapter for adapter, _ in shared}),
                 other_host=row.host,
                 other_pid=row.pid,
                 detail="another live ingester reads these adapters under the same consumer name: give each"
@@ -220,16 +227,26 @@ def taken_consumers(
     """The live ingesters (not this process: it has not beaten yet) whose
     adapters and consumer names meet ``ours``; on this host only those whose
     pid still runs (a crashed slot's row stays fresh a few seconds)."""
-    adapters, consumers = set(ours["adapters"]), set(ours["consumers"])
     return [
         row
         for row in rows
         if row.role == _Ingester.role
         and row.state in ("alive", "stuck", "failing")
-        and adapters & set(row.detail.get("adapters") or ())
-        and consumers & set(row.detail.get("consumers") or ())
+        and _pairs_shared(ours, row.detail)
         and (row.host != host or _pid_runs(row.pid))
     ]
+
+
+def _pairs_shared(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> set[tuple[str, str]]:
+    """The (adapter, consumer) pairs both read; for a row written before
+    ``reading`` existed, every pair its adapters and consumers could make."""
+
+    def pairs(detail: Mapping[str, Any]) -> set[tuple[str, str]]:
+        if "reading" in detail:
+            return {(str(a), str(c)) for a, c in detail["reading"]}
+        return {(str(a), str(c)) for a in detail.get("adapters") or () for c in detail.get("consumers") or ()}
+
+    return pairs(ours) & pairs(theirs)
 
 
 def _pid_runs(pid: int) -> bool:

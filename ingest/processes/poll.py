@@ -242,6 +242,10 @@ class PollLoop:
                     await self._commits.wait_all()
                     await self._adapter.pause()
                     self._paused = True
+                    if self._broker_health is not None:
+                        # Disabled (the remedy for a broker that is down):
+                        # not read, so not failing either.
+                        self._broker_health.answered()
                 await wait_stop(self._stop, self._settings.enabled_refresh_ms / 1000)
                 return
             self._paused = False

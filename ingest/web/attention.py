@@ -220,5 +220,10 @@ def _failing(procs: Sequence[ProcessRow]) -> Attention | None:
         more=False,
         what="processes dead, stuck or failing",
         href="/processes",
-        detail="; ".join(f"{p.role} {p.host}:{p.pid} {p.state}, seen {age(p.silent_s)} ago" for p in failing),
+        # A failing one names its server and error (redacted), as status does.
+        detail="; ".join(
+            f"{p.role} {p.host}:{p.pid} {p.state}, seen {age(p.silent_s)} ago"
+            + (f" ({status.why(p)})" if p.state == "failing" else "")
+            for p in failing
+        ),
     )

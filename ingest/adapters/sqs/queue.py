@@ -487,12 +487,22 @@ class SqsDeleter:
         # by the cursor, and from the ack queue).
         unique = list({c.inbox_id: c for c in ours}.values())
         client, url = await self._connection()
-        outcomes = await _bounded([self._delete(client, url, chunk) for chunk in _chunks(unique)])
+        outcomes = await _bounded(
+            [self._delete(client, url, chunk) for chunk in _chunks(unique)], return_exceptions=True
+        )
+        # A call that failed whole (the queue unreachable, the key refused):
+        # the broker did not answer, which the protocol says by raising
+        # (backed off, and judged by the process's health), once every call
+        # has ended. The chunks deleted meanwhile are deleted again later.
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
+            raise failed[0]
         left_ids = {c.inbox_id for chunk_left in outcomes for c in chunk_left}
         return [c for c in ours if c.inbox_id in left_ids]
 
     async def _delete(self, client: Client, url: str, chunk: Sequence[AckClaim]) -> list[AckClaim]:
-        """One DeleteMessageBatch; the claims left owed (every one, if the call failed)."""
+        """One DeleteMessageBatch; the claims the queue refused one by one.
+        A call that failed whole raises its AckError."""
         entries = [{"Id": str(i), "ReceiptHandle": c.ref} for i, c in enumerate(chunk)]
         try:
             with sqs_errors(
@@ -506,11 +516,8 @@ class SqsDeleter:
                 # see): owed, and given up only when it lasts (_still_owed).
                 log.warning("delete_queue_missing", adapter=self._name, queue=self._queue, deletes=len(chunk))
                 return self._still_owed([(c, MISSING_QUEUE) for c in chunk])
-            log.warning(
-                "delete_failed", adapter=self._name, queue=self._queue, deletes=len(chunk), error=str(exc)
-            )
             await self._forget_connection()
-            return list(chunk)
+            raise
         failed = reply.get("Failed", [])
         if not failed:
             return []

@@ -28,7 +28,12 @@ def test_a_retry_waiting_for_its_backoff_says_when() -> None:
 
 
 def test_no_live_worker_for_the_queue_is_named() -> None:
-    procs = [worker(["billing"]), worker(["orders"], state="dead"), worker(["orders"], state="stopped")]
+    procs = [
+        worker(["billing"]),
+        worker(["orders"], state="dead"),
+        worker(["orders"], state="stopped"),
+        worker(["orders"], state="stuck"),  # does not claim: as the console judges it
+    ]
     reason = waiting_reason(todo(), procs, NOW)
     assert reason is not None
     assert reason.startswith("no live worker serves queue orders")
