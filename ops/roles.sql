@@ -247,20 +247,28 @@ BEGIN
         TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
            switchboard_operator, switchboard_viewer;
 
-    -- The ingester (backhalf.store, registry, attempts, stream_groups).
+    -- The two storing roles: the ingester (`switchboard ingest`: backhalf.store,
+    -- registry, attempts, stream_groups) and the receiver (`switchboard
+    -- receive`: backhalf.store with no ack, as ingest.processes.push_store
+    -- calls it, and registry). One store statement serves both and names the
+    -- inbox's ack columns and ack_queue whatever it writes (privileges are
+    -- checked per statement, not per row): the same grants, and the policies
+    -- below tell them apart (the receiver: its push adapters' rows, with no
+    -- ack target and no ack queued).
     -- Registration: its adapters' rows, never the operator's `enabled` flag.
     GRANT SELECT, INSERT (name, family, transport, mode, settings),
-          UPDATE (transport, mode, settings, updated_at) ON adapters TO switchboard_ingester;
+          UPDATE (transport, mode, settings, updated_at)
+        ON adapters TO switchboard_ingester, switchboard_receiver;
     -- todos_create_cte: insert, or the no-op update of a dedup; the store's
     -- undo deletes what it created (delete_todos); store_ack_queue_cte locks
     -- with FOR SHARE, which the updated_at grant covers.
     GRANT SELECT, INSERT (queue, idempotency_key, payload), UPDATE (updated_at), DELETE
-        ON todos TO switchboard_ingester;
+        ON todos TO switchboard_ingester, switchboard_receiver;
     GRANT SELECT (id, todo_id), INSERT (todo_id, from_status, to_status, detail), DELETE
-        ON todo_events TO switchboard_ingester;
+        ON todo_events TO switchboard_ingester, switchboard_receiver;
     GRANT SELECT, INSERT (family, adapter, trust_mode, verified, verify_detail, idempotency_key,
                           source_message_id, payload, todo_id), DELETE
-        ON events TO switchboard_ingester;
+        ON events TO switchboard_ingester, switchboard_receiver;
     GRANT SELECT,
           INSERT (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                   ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after, ack_state,
@@ -271,47 +279,20 @@ BEGIN
           -- the newest delivery's ack ref, a JetStream reply subject).
           UPDATE (ack_copies, deliveries, consumer, ack_key, ack_group, ack_entry_id, ack_state, acked_at,
                   ack_xid)
-        ON inbox TO switchboard_ingester;
-    -- Queues acks; the UPDATE grant is for row locks only (policy below).
-    GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body),
-          UPDATE (waiting_for)
-        ON ack_queue TO switchboard_ingester;
+        ON inbox TO switchboard_ingester, switchboard_receiver;
+    GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body)
+        ON ack_queue TO switchboard_ingester, switchboard_receiver;
+    GRANT USAGE ON SEQUENCE inbox_id_seq, events_id_seq, todos_id_seq, todo_events_id_seq
+        TO switchboard_ingester, switchboard_receiver;
+    -- The ingester's alone. It queues acks; the UPDATE grant on ack_queue
+    -- is for row locks only (policy below).
+    GRANT UPDATE (waiting_for) ON ack_queue TO switchboard_ingester;
     GRANT SELECT, INSERT (adapter, idempotency_key, attempts), UPDATE (attempts, last_attempt_at), DELETE
         ON delivery_attempts TO switchboard_ingester;
     GRANT SELECT, INSERT (broker, stream, group_name, adapter, start_id) ON stream_groups
         TO switchboard_ingester;
-    GRANT USAGE ON SEQUENCE inbox_id_seq, events_id_seq, todos_id_seq, todo_events_id_seq
-        TO switchboard_ingester;
-
-    -- The receiver (`switchboard receive`: backhalf.store with no ack, as
-    -- ingest.processes.push_store calls it, and registry). The store's one
-    -- statement names ack_queue and the inbox's ack columns whatever it
-    -- writes (privileges are checked per statement, not per row), so they
-    -- are granted and the policies below refuse any row with an ack target
-    -- or an ack queued. Registration: its adapters' rows (family 'push').
-    GRANT SELECT, INSERT (name, family, transport, mode, settings),
-          UPDATE (transport, mode, settings, updated_at) ON adapters TO switchboard_receiver;
+    -- The receiver's registration checks the table is there (stream_groups.present).
     GRANT SELECT (start_id) ON stream_groups TO switchboard_receiver;
-    GRANT SELECT, INSERT (queue, idempotency_key, payload), UPDATE (updated_at), DELETE
-        ON todos TO switchboard_receiver;
-    GRANT SELECT (id, todo_id), INSERT (todo_id, from_status, to_status, detail), DELETE
-        ON todo_events TO switchboard_receiver;
-    GRANT SELECT, INSERT (family, adapter, trust_mode, verified, verify_detail, idempotency_key,
-                          source_message_id, payload, todo_id), DELETE
-        ON events TO switchboard_receiver;
-    GRANT SELECT,
-          INSERT (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
-                  ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after, ack_state,
-                  deliveries, status, error, todo_id, event_id, ack_xid, source_attributes),
-          UPDATE (ack_copies, deliveries, consumer, ack_key, ack_group, ack_entry_id, ack_state, acked_at,
-                  ack_xid)
-        ON inbox TO switchboard_receiver;
-    -- ack_queue: named by the statement (no policy lets the receiver see or
-    -- write a row of it).
-    GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body)
-        ON ack_queue TO switchboard_receiver;
-    GRANT USAGE ON SEQUENCE inbox_id_seq, events_id_seq, todos_id_seq, todo_events_id_seq
-        TO switchboard_receiver;
 
     -- The acker: claim_acks marks acks; the rescuer moves todos whose lease
     -- lapsed (rescue_todos) but creates none; release_orphaned_acks;

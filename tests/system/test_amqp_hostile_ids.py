@@ -15,18 +15,17 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import pika
 import pytest
 
 from ingest.embedded.processes import wait_for, wait_ready
 from ingest.embedded.rabbitmq_server import RabbitMqServer
 from tests.support.amqp import declare_queue, owned_rabbitmq, queue_counts
+from tests.support.amqp_plain import publish_plain
 from tests.support.db import query, scalar
 from tests.support.processes import Processes, assert_clean_exit
 
 pytestmark = pytest.mark.system
 QUEUE = "orders"
-TIMEOUT_S = 10.0
 
 
 @pytest.fixture
@@ -36,30 +35,7 @@ def rabbit() -> Iterator[RabbitMqServer]:
 
 
 def publish_raw(url: str, messages: Sequence[tuple[bytes | str | None, bytes]], **extra: Any) -> None:
-    """Publish (message_id, body) pairs in order, as any producer may: pika
-    sends a ``bytes`` id as it is, UTF-8 or not; ``extra``: more properties."""
-    params = pika.URLParameters(url)
-    params.socket_timeout = TIMEOUT_S
-    params.blocked_connection_timeout = TIMEOUT_S
-    params.connection_attempts = 1
-    connection = pika.BlockingConnection(params)
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
-        for message_id, body in messages:
-            channel.basic_publish(
-                exchange="",
-                routing_key=QUEUE,
-                body=body,
-                properties=pika.BasicProperties(
-                    delivery_mode=pika.DeliveryMode.Persistent,
-                    message_id=message_id,  # bytes: pika sends them unchecked
-                    **extra,
-                ),
-                mandatory=True,
-            )
-    finally:
-        connection.close()
+    publish_plain(url, QUEUE, messages, **extra)
 
 
 def body(n: int) -> bytes:
