@@ -26,8 +26,10 @@ from ingest.observe.metrics_http import Liveness
 # the server's own code in the client's message, case and word exact: Redis
 # starts its error with WRONGPASS, NOAUTH or NOPERM; RabbitMQ's close reason
 # is ACCESS_REFUSED; NATS says 'Authorization Violation'; botocore writes
-# the AWS code in parentheses. Only the client's errors are read, never our
-# wrappers' text, which names adapters, hosts and sources ("noauth-orders").
+# the AWS code in parentheses, or (an error whose code it could not read)
+# quotes the XML answer, the code in <Code>. Only the client's errors are
+# read, never our wrappers' text, which names adapters, hosts and sources
+# ("noauth-orders").
 _REFUSAL_TYPES = frozenset(
     {
         "AuthenticationError",
@@ -39,8 +41,8 @@ _REFUSAL_TYPES = frozenset(
 )
 _REFUSAL_WORDS = re.compile(
     r"^(?:WRONGPASS|NOAUTH|NOPERM)\b|\bACCESS_REFUSED\b|Authorization Violation"
-    r"|\((?:InvalidClientTokenId|SignatureDoesNotMatch|UnrecognizedClientException|AccessDenied"
-    r"|AccessDeniedException)\)"
+    r"|[(>](?:InvalidClientTokenId|SignatureDoesNotMatch|UnrecognizedClientException|AccessDenied"
+    r"|AccessDeniedException)[)<]"
 )
 
 

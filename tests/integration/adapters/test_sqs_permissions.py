@@ -23,7 +23,8 @@ from backhalf.records import AckClaim
 from ingest.adapters.factory import make_acknowledger, make_adapter
 from ingest.config import Settings
 from ingest.embedded.sqs_server import SqsServer
-from ingest.errors import BrokerError
+from ingest.errors import AckError, BrokerError
+from ingest.observe.dependency import refused_login
 from ingest.processes.acker import run_acker
 from ingest.processes.ingester import run_ingester
 from tests.support.db import query, scalar
@@ -136,10 +137,14 @@ async def test_the_shipped_policies_run_the_pipeline_and_refuse_the_other_side(
     (handle,) = query(db_url, "SELECT ack_entry_id FROM inbox ORDER BY id LIMIT 1")[0]
     deleter = make_acknowledger(cfg)
     try:
-        refused = await deleter.ack([AckClaim(1, "orders", "sqsdel", "orders", None, handle, 1, None)])
+        # A call refused whole: an error the acker backs off on, and a
+        # refused login its health says at once (issue 44), not an ack
+        # refused one by one.
+        with pytest.raises(AckError, match="AccessDenied") as raised:
+            await deleter.ack([AckClaim(1, "orders", "sqsdel", "orders", None, handle, 1, None)])
     finally:
         await deleter.close()
-    assert len(refused) == 1  # AccessDenied: the delete left owed
+    assert refused_login(raised.value)
     assert counts(figures, url)[:2] == (0, 5)  # all five in flight, none deleted
 
     # The acker's user deletes them, and may not receive.
