@@ -676,8 +676,12 @@ def test_a_bulk_replay_past_its_first_batch_takes_the_next_and_pins_only_replaya
     db_url: str,
 ) -> None:
     url, _, _ = stack
-    # 101 rows the fixed rule takes, then one no rule takes (not JSON).
-    _xadd(redis_url, *(json.dumps({"n": f"bad {i}"}) for i in range(101)), "{not json")
+    # 101 rows the fixed rule takes, then one no rule takes (not JSON),
+    # stored after them: within one batch rows take ids in key order, and
+    # "...-100" sorts before "...-99", so it could land among the first 100.
+    _xadd(redis_url, *(json.dumps({"n": f"bad {i}"}) for i in range(101)))
+    _wait_rows(db_url, 101, "status = 'rejected'")
+    _xadd(redis_url, "{not json")
     _wait_rows(db_url, 102, "status = 'rejected'")
     page.goto(f"{url}/inbox?status=rejected&adapter=orders")
     page.get_by_test_id("replay-dry-run").click()
