@@ -3,7 +3,7 @@ todos, running todos and for how long, the oldest claimable todo of a queue,
 rejected inbox rows. Read every few seconds while a browser shows the
 overview, so each read is bounded by an index, whatever the history holds:
 
-* **failed todos**: ``ix_todos_queue_status`` (queue, status). The queues
+* **failed todos**: ``ix_todos_queue_status_id`` (queue, status, id). The queues
   are found by a loose scan of that index (one descent per queue, however
   many todos each holds), then each queue's failed entries are read, at
   most ``limit`` + 1: past ``limit`` the count says "more" ("1000+"). The
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from backhalf import todo_views
 from schema import inbox, todos
 from schema.tables import CLAIMABLE_TODO_STATUSES
 
@@ -68,17 +69,8 @@ class RunningTodo:
     running_s: float  # since its claim
 
 
-def _queues() -> sa.CTE:
-    """Every queue that has a todo: a loose scan of ``ix_todos_queue_status``
-    (the next queue is the least one above the last, one index descent)."""
-    found = sa.select(sa.func.min(todos.c.queue).label("queue")).cte("queues", recursive=True)
-    later = todos.alias("later")
-    following = sa.select(sa.func.min(later.c.queue)).where(later.c.queue > found.c.queue).scalar_subquery()
-    return found.union_all(sa.select(following).where(found.c.queue.isnot(None)))
-
-
 async def failed_todos(conn: AsyncConnection, limit: int = COUNT_LIMIT) -> FailedTodos:
-    queues = _queues()
+    queues = todo_views.distinct_queues()
     read = (
         sa.select(todos.c.id)
         .where(todos.c.queue == queues.c.queue, todos.c.status == "failed")
@@ -88,6 +80,7 @@ async def failed_todos(conn: AsyncConnection, limit: int = COUNT_LIMIT) -> Faile
     per_queue = (
         sa.select(queues.c.queue, sa.func.count(), sa.func.max(read.c.id))
         .select_from(queues.join(read, sa.true()))
+        .where(queues.c.queue.isnot(None))
         .group_by(queues.c.queue)
     )
     rows = [(q, int(n), int(top)) for q, n, top in await conn.execute(per_queue)]

@@ -707,7 +707,7 @@ SELECT id, queue, payload::text, idempotency_key, attempts, run_token FROM claim
 -- Set once on the claimer's own connection, which runs claim_todos alone
 -- (and its LISTEN): the claim's walk must be ix_todos_claimable in its own
 -- order, stopping at the limit, whatever the statistics say. But
--- ix_todos_queue_status answers the walk's WHERE too (queue, status), and
+-- ix_todos_queue_status (now ix_todos_queue_status_id) answers the walk's WHERE too, and
 -- with statistics taken while few todos were pending PostgreSQL chose it
 -- and sorted what it read: a backlog arriving before the next ANALYZE
 -- (which on a table of months of history is far off) was then read and

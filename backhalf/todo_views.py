@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf.heartbeats import ProcessRow
 from schema import todo_events, todos
-from schema.tables import TODO_ACTIVE_PREDICATE
+from schema.tables import TODO_ACTIVE_PREDICATE, TODO_STATUSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +70,17 @@ class TodoState:
     status: str
 
 
+def distinct_queues() -> sa.CTE:
+    """Every queue that has a todo: a loose scan of ``ix_todos_queue_status_id``
+    (the next queue is the least one above the last: one index descent per
+    queue, however many todos each holds)."""
+    found = sa.select(sa.func.min(todos.c.queue).label("queue")).cte("queues", recursive=True)
+    later = todos.alias("later")
+    following = sa.select(sa.func.min(later.c.queue)).where(later.c.queue > found.c.queue).scalar_subquery()
+    # The last row is NULL (no queue above the last one): callers skip it.
+    return found.union_all(sa.select(following).where(found.c.queue.isnot(None)))
+
+
 async def list_todos(
     conn: AsyncConnection,
     *,
@@ -79,8 +90,16 @@ async def list_todos(
     before_id: int | None = None,
 ) -> list[TodoRow]:
     """Todos, newest (highest id) first; ``before_id``: only those with a
-    lower id (the next page, keyset: no OFFSET walks the pages before it)."""
-    query = sa.select(
+    lower id (the next page, keyset: no OFFSET walks the pages before it).
+
+    Each page reads about ``limit`` rows however many the history holds
+    (issue 45, tests/integration/processes/test_flat_in_history.py): with a
+    queue and a status, ``ix_todos_queue_status_id`` backwards; with
+    neither, the primary key backwards; with only one of them, that walk
+    once per queue (found by a loose scan) or per status, merged. A filter
+    on the primary key alone found rare rows (the failed ones among months
+    of done) only after reading every newer todo."""
+    columns = [
         todos.c.id,
         todos.c.queue,
         todos.c.status,
@@ -88,15 +107,34 @@ async def list_todos(
         todos.c.idempotency_key,
         todos.c.last_error,
         todos.c.updated_at,
-    )
-    if queue is not None:
-        query = query.where(todos.c.queue == queue)
+    ]
+    newer_than_page = [todos.c.id < before_id] if before_id is not None else []
+    # With the queue and status fixed, ordering by them too is the same
+    # order, and the index's own: no plan that sorts or filters is cheaper.
+    in_index_order = (todos.c.queue.desc(), todos.c.status.desc(), todos.c.id.desc())
+    if queue is None and status is None:
+        query = sa.select(*columns).where(*newer_than_page).order_by(todos.c.id.desc()).limit(limit)
+        return [TodoRow(*row) for row in await conn.execute(query)]
+    if queue is not None and status is not None:
+        where = [todos.c.queue == queue, todos.c.status == status, *newer_than_page]
+        query = sa.select(*columns).where(*where).order_by(*in_index_order).limit(limit)
+        return [TodoRow(*row) for row in await conn.execute(query)]
     if status is not None:
-        query = query.where(todos.c.status == status)
-    if before_id is not None:
-        query = query.where(todos.c.id < before_id)
-    rows = await conn.execute(query.order_by(todos.c.id.desc()).limit(limit))
-    return [TodoRow(*row) for row in rows]
+        queues = distinct_queues()
+        walks: Any = sa.select(queues.c.queue).where(queues.c.queue.isnot(None)).subquery("walks")
+        own = [todos.c.queue == walks.c.queue, todos.c.status == status]
+    else:
+        walks = sa.values(sa.column("status", sa.Text), name="walks").data([(s,) for s in TODO_STATUSES])
+        own = [todos.c.queue == queue, todos.c.status == walks.c.status]
+    walk = (
+        sa.select(*columns)
+        .where(*own, *newer_than_page)
+        .order_by(*in_index_order)
+        .limit(limit)
+        .lateral("walk")
+    )
+    merged = sa.select(walk).select_from(walks).join(walk, sa.true()).order_by(walk.c.id.desc()).limit(limit)
+    return [TodoRow(*row) for row in await conn.execute(merged)]
 
 
 async def get_todo(conn: AsyncConnection, todo_id: int) -> TodoDetail | None:

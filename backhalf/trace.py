@@ -4,16 +4,15 @@ it, and for each its broker coordinates, its event, its todo with every
 
 Reads only; SQLAlchemy Core, every value a bound parameter.
 
-How a message is found, and what it costs. The inbox's only key index is
+How a message is found, and what it costs. The inbox's key indexes are
 ``uq_inbox_native_key`` on ``(adapter, idempotency_key)`` for rows with a
-native id (stream entries), and the hot insert path is why no other exists.
-So a key is probed once per registered adapter through that index, and an
-entry id is turned into each registered stream adapter's native key
-(``{key_prefix}:{source}:{entry-id}``, from the ``adapters`` row) and probed
-the same way: both cost a handful of index lookups however big the inbox is.
-A key with no native row (a list or pub/sub message, whose rows carry no
-index) is looked up by a scan of the inbox, bounded by the session's
-``statement_timeout``. Another message stored on a reused entry id has a
+native id (stream entries) and ``ix_inbox_body_key`` on the same columns for
+rows without one (list items, pub/sub messages). So a key is probed twice
+per registered adapter, and an entry id is turned into each registered
+stream adapter's native key (``{key_prefix}:{source}:{entry-id}``, from the
+``adapters`` row) and probed the same way: both cost a handful of index
+lookups however big the inbox is (issue 45; a key with no native row was a
+scan of the whole inbox before). Another message stored on a reused entry id has a
 derived key of its own (``backhalf.keys.reused_key``): trace it by that key.
 """
 
@@ -119,25 +118,17 @@ async def _inbox_rows(conn: AsyncConnection, ids: list[int]) -> list[InboxTrail]
 
 
 async def inbox_ids_by_key(conn: AsyncConnection, key: str) -> list[int]:
-    """Inbox rows with this idempotency key, in any adapter: the native
-    index per registered adapter first, a scan only if that finds none."""
-    probe = (
-        sa.select(inbox.c.id)
-        .where(
-            inbox.c.adapter == adapters.c.name,
-            inbox.c.idempotency_key == key,
-            inbox.c.source_message_id.isnot(None),
+    """Inbox rows with this idempotency key, in any adapter: per registered
+    adapter, a probe of the native index and one of the body-key index."""
+    found: set[int] = set()
+    for has_native_id in (inbox.c.source_message_id.isnot(None), inbox.c.source_message_id.is_(None)):
+        probe = (
+            sa.select(inbox.c.id)
+            .where(inbox.c.adapter == adapters.c.name, inbox.c.idempotency_key == key, has_native_id)
+            .lateral("probe")
         )
-        .lateral("probe")
-    )
-    found = list(await conn.scalars(sa.select(probe.c.id).select_from(adapters.join(probe, sa.true()))))
-    if found:
-        return sorted(found)
-    # List and pub/sub rows: no index covers them (see the module docstring).
-    scanned = await conn.scalars(
-        sa.select(inbox.c.id).where(inbox.c.idempotency_key == key).order_by(inbox.c.id)
-    )
-    return list(scanned)
+        found.update(await conn.scalars(sa.select(probe.c.id).select_from(adapters.join(probe, sa.true()))))
+    return sorted(found)
 
 
 async def inbox_ids_by_todo(conn: AsyncConnection, todo_id: int) -> list[int]:

@@ -107,7 +107,11 @@ sa.Index(
     unique=True,
     postgresql_where=TODO_ACTIVE_PREDICATE,
 )
-sa.Index("ix_todos_queue_status", todos.c.queue, todos.c.status)
+# A queue's todos of one status, newest first: the console's and the CLI's
+# pages (``backhalf.todo_views.list_todos``), the overview's failed todos and
+# the loose scan that finds the queues, each reading about a page whatever
+# the history holds (issue 45; migration 0014 added ``id``).
+sa.Index("ix_todos_queue_status_id", todos.c.queue, todos.c.status, todos.c.id)
 # The workers' claim walks due todos of a queue in (run_after, id) order:
 # the only index that gives that order holds exactly the claimable rows, so
 # a claim never reads a finished todo whatever the statistics say
@@ -241,6 +245,16 @@ sa.Index(
     inbox.c.ack_xid,
     inbox.c.id,
     postgresql_where=inbox.c.ack_xid.isnot(None),
+)
+# A list item's or pub/sub message's rows (no native id) by key, for trace:
+# without it, tracing one was a scan of the whole inbox (issue 45). Stream
+# entries' rows are in uq_inbox_native_key instead, so a stream insert pays
+# for no entry here.
+sa.Index(
+    "ix_inbox_body_key",
+    inbox.c.adapter,
+    inbox.c.idempotency_key,
+    postgresql_where=inbox.c.source_message_id.is_(None),
 )
 # There is no index on inbox.todo_id: the audit views join the other way,
 # through the todos primary key, and every index entry costs on the hot insert.

@@ -54,6 +54,11 @@ all measured in one run on the same machine, so noise cancels in the ratios.
 10. console (issue 31, scripts/bench_console.py): ``switchboard web``'s
    pages over loopback on a million-row inbox (100,000 with ``--quick``),
    each beside one ``count(*)`` of that inbox (``--console`` alone).
+11. history (issue 45, scripts/bench_history.py): ingest + ack on an empty
+   database beside a database retaining 1,000,000 finished messages over 30
+   days (100,000 with ``--quick``; ``--history N`` runs this part alone with
+   N), interleaved rounds, the ratio per round (target >= 0.9x). With
+   ``--packaged-postgres`` on Debian's server, JIT on as users run it.
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -1176,6 +1181,15 @@ def bench_console_part(base: Path, pg: PostgresServer, rs: RedisServer, quick: b
     bench_console.compare(base, pg, rs.url, quick=quick)
 
 
+def bench_history_part(base: Path, pg: PostgresServer, rs: RedisServer, retained: int, n: int) -> None:
+    """scripts/bench_history.py's comparison on this run's servers; its databases dropped after."""
+    import bench_history
+
+    bench_history.compare(base, pg, rs.url, retained, n)
+    pg.drop_database("hist_empty")
+    pg.drop_database("hist_full")
+
+
 def print_postgres(pg: PostgresServer) -> None:
     """Which PostgreSQL the figures are of: its version, where its binaries
     are, whether it can JIT and whether the server's default would (every
@@ -1238,6 +1252,9 @@ def main(argv: list[str] | None = None) -> int:
         "--stock-postgres",
         action="store_true",
         help="PostgreSQL on its default settings (but listen_addresses): shared_buffers 128MB",
+    )
+    parser.add_argument(
+        "--history", type=int, metavar="N", help="only the history part, with N finished messages retained"
     )
     parser.add_argument(
         "--packaged-postgres",
@@ -1328,6 +1345,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench: {os.cpu_count()} CPUs, the console only")
                 bench_console_part(base, pg, rs, args.quick)
                 return 0
+            if args.history:
+                print(f"bench: {os.cpu_count()} CPUs, the history only")
+                bench_history_part(base, pg, rs, args.history, args.messages or 50_000)
+                return 0
             if args.downstream:
                 down_n = args.messages or 20_000
                 print(f"bench: {os.cpu_count()} CPUs, downstream only, {down_n} messages")
@@ -1372,6 +1393,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             bench_webhooks_part(base, pg, args.quick)
             bench_console_part(base, pg, rs, args.quick)
+            bench_history_part(
+                base, pg, rs, 100_000 if args.quick else 1_000_000, 20_000 if args.quick else 50_000
+            )
             metrics_n = max(n, METRICS_MIN_MESSAGES)
             runs = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
             print_metrics_overhead(runs, metrics_n)
