@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402
 
 from backhalf.db import libpq_url  # noqa: E402
-from ingest.embedded import history  # noqa: E402
+from ingest.embedded import config, history  # noqa: E402
 from ingest.embedded.processes import wait_for  # noqa: E402
 from ingest.embedded.servers import PostgresServer, embedded_servers, packaged_postgres_bindir  # noqa: E402
 
@@ -92,8 +93,115 @@ def ingest_and_ack(base: Path, url: str, r: redis.Redis, redis_url: str, n: int,
     return n / elapsed
 
 
+WAL_LSN = "SELECT pg_current_wal_lsn()::text"
+WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)::int8"
+
+
+def _acked_entries(r: redis.Redis) -> int:
+    """Entries the group has read and acked (Redis's count: no PostgreSQL
+    poll is billed to the measurement)."""
+    (group,) = r.xinfo_groups(bench.STREAM)
+    return int(group["entries-read"] or 0) - int(group["pending"])
+
+
+def retention_under_ingest(
+    base: Path,
+    url: str,
+    r: redis.Redis,
+    redis_url: str,
+    empty_rate: float,
+    keep_days: int,
+    bytes_per_new: float,
+) -> dict[str, float]:
+    """``switchboard prune`` of everything older than ``keep_days`` while the
+    ingester and acker drain a stream at full speed: the prune's seconds and
+    WAL, ingest meanwhile against ``empty_rate``, the tables' size before,
+    after and after a VACUUM."""
+    before_bytes = table_bytes(url)
+    keep = {"retain_acked_days": keep_days, "retain_rejected_days": keep_days}
+    prune_config = config.write_config(
+        base / "hist-prune.toml",
+        database_url=url,
+        adapters=[
+            {
+                "name": "bench",
+                "mode": "stream",
+                "source": bench.STREAM,
+                "queue": "bench",
+                "url": redis_url,
+                **keep,
+            }
+        ],
+        acker={"prune_interval_ms": 0},
+        queues={
+            "bench": {
+                "handler": "ingest.embedded.demo_handlers:fulfil",
+                "retain_done_days": keep_days,
+                "retain_failed_days": keep_days,
+            }
+        },
+    )
+    # More entries than the prune outlasts at full speed; what is left is dropped.
+    bench.preload(r, max(200_000, int(empty_rate * 60)))
+    ingester, acker = bench.start_pipeline(base, url, redis_url, 2000, "hist-prune-pipeline")
+    try:
+        bench.set_enabled(url, True)
+        time.sleep(3)  # past the start: a steady drain when the prune begins
+        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+            row = conn.execute(WAL_LSN).fetchone()
+            lsn = str(row[0]) if row else "0/0"
+        acked_at_start, started = _acked_entries(r), time.perf_counter()
+        pruned = subprocess.run(  # noqa: S603 - our own CLI, fixed arguments
+            [sys.executable, "-m", "ingest", "--config", str(prune_config), "prune"],
+            capture_output=True, text=True, check=True, timeout=3600,
+        )  # fmt: skip
+        prune_s = time.perf_counter() - started
+        ingested = _acked_entries(r) - acked_at_start
+        during = ingested / prune_s
+        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+            row = conn.execute(WAL_SINCE, (lsn,)).fetchone()
+            wal = int(row[0]) if row else 0
+    finally:
+        ingester.terminate()
+        acker.terminate()
+    bench.set_enabled(url, False)
+    ingested_in_all = _acked_entries(r)
+    r.delete(bench.STREAM)
+    after_bytes = table_bytes(url)
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute("VACUUM inbox, events, todos, todo_events")
+    vacuumed = table_bytes(url)
+    print(f"  retention of all but {keep_days} days, while ingest runs (switchboard prune):")
+    for line in (pruned.stdout + pruned.stderr).splitlines():
+        print(f"    | {line}")
+    print(
+        f"    the prune                        {prune_s:>10,.1f} s,"
+        f" WAL {wal / 2**30:,.2f} GiB (ingest's included)"
+    )
+    print(
+        f"    ingest + ack meanwhile           {during:>10,.0f} msg/s,"
+        f" {during / empty_rate:.2f}x empty (target >= 0.8x)"
+    )
+    # The messages ingested while the pipeline ran take room too: counted at
+    # what each took in the empty database (which holds only such messages).
+    new_bytes = ingested_in_all * bytes_per_new
+    print(
+        f"    tables {before_bytes / 2**30:.2f} GiB before, {after_bytes / 2**30:.2f} after,"
+        f" {vacuumed / 2**30:.2f} after VACUUM: {vacuumed / before_bytes:.2f}x"
+        f" ({(vacuumed - new_bytes) / before_bytes:.2f}x net of those ingested meanwhile; target <= 0.5x)"
+    )
+    return {"prune_s": prune_s, "wal": wal, "during": during, "size_ratio": vacuumed / before_bytes}
+
+
 def compare(
-    base: Path, pg: PostgresServer, redis_url: str, retained: int, n: int, days: int = 30
+    base: Path,
+    pg: PostgresServer,
+    redis_url: str,
+    retained: int,
+    n: int,
+    days: int = 30,
+    *,
+    retention: bool = True,
 ) -> dict[str, Any]:
     """Interleaved rounds on an empty database and a retaining one; prints and returns the figures."""
     r = redis.Redis.from_url(redis_url)
@@ -118,7 +226,14 @@ def compare(
         f"  ratio retained/empty (median of {ROUNDS} rounds)"
         f" {statistics.median(ratios):.2f}x (target >= 0.9x)"
     )
-    return {"empty": empty_rate, "retained": full_rate, "ratio": statistics.median(ratios)}
+    figures: dict[str, Any] = {"empty": empty_rate, "retained": full_rate, "ratio": statistics.median(ratios)}
+    if retention:
+        figures.update(
+            retention_under_ingest(
+                base, full, r, redis_url, empty_rate, days * 7 // 30, table_bytes(empty) / (ROUNDS * n)
+            )
+        )
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
