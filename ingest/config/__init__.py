@@ -77,6 +77,7 @@ def _deadline_after_statements(label: str, values: Mapping[str, Any]) -> None:
         )
 
 
+HISTORY = "([History in partitions](operating.md#history-in-partitions))"
 OPERATING_DATABASE = "([operating.md](operating.md#the-database-commits-deadlines-connections))"
 
 # backhalf.db.DatabaseSettings cannot import Key (backhalf never imports
@@ -196,6 +197,19 @@ class AckerSettings:
         int,
         _positive("pause between prune batches, so autovacuum and replicas keep up (0 = none)", zero=True),
     ] = 10
+    # The history tables' partitions (backhalf.partitions, issue 45).
+    retain_history_days: Annotated[
+        float | None,
+        _kept(
+            "days the history (`inbox`, `events`, `todo_events`) is kept: a partition whose newest row is"
+            " older is dropped whole, nothing owed in it; also how long a native id is deduplicated"
+            f" {HISTORY}"
+        ),
+    ] = None
+    partition_hours: Annotated[
+        int,
+        _positive(f"hours of history one partition holds, begun when its first row is this old {HISTORY}"),
+    ] = 24
 
 
 def _handler(where: str, value: Any) -> str:
