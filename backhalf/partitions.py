@@ -180,12 +180,14 @@ async def upkeep(
     owed_seen: dict[tuple[str, int], float] | None = None,
 ) -> Upkeep:
     """One pass over the history tables, on an autocommit connection: the
-    partitions ahead made, a new period begun where the current one's first
-    row is ``period`` old, and (``keep``) every partition before the current
-    one whose newest row is older than ``keep`` dropped, unless an ack in it
-    is still owed. ``owed_seen``: when each such partition was last found
-    owing (kept by the caller between passes), so it is read again only
-    every :data:`OWED_RECHECK_S`."""
+    partitions ahead made; with ``keep``, a new period begun where the
+    current one's first row is ``period`` old, and every partition before
+    the current one whose newest row is older than ``keep`` dropped, unless
+    an ack in it is still owed. Without ``keep`` no period begins: the
+    partitions would only multiply the probes of lookups not by id.
+    ``owed_seen``: when each such partition was last found owing (kept by
+    the caller between passes), so it is read again only every
+    :data:`OWED_RECHECK_S`."""
     done = Upkeep()
     async with pg.cursor() as cur:
         for table in PARTITIONED_TABLES:
@@ -212,6 +214,11 @@ async def _upkeep_table(
         if n not in numbers:
             done.made.setdefault(table, []).append(n)
             numbers.append(n)
+    if keep is None:
+        # Nothing is ever dropped: one partition holds it all, and lookups
+        # not by id (a todo's history, a key) probe one partition, not one
+        # per period since the start.
+        return
     began = await _first_row_at(cur, table, current, newest=False)
     if began is not None and current + 1 in numbers and await _older_than(cur, began, period):
         # The identity moves to the next partition's first id: every id
@@ -227,8 +234,6 @@ async def _upkeep_table(
         )
         done.begun[table] = current + 1
         current += 1
-    if keep is None:
-        return
     for n in (m for m in numbers if m < current):
         newest = await _first_row_at(cur, table, n, newest=True)
         if newest is not None and not await _older_than(cur, newest, keep):

@@ -68,7 +68,7 @@ def _partition_of(db_url: str, table: str, key_column: str, key: str) -> list[st
         str(name)
         for (name,) in query(
             db_url,
-            f"SELECT tableoid::regclass::text FROM {table} WHERE {key_column} = %(k)s ORDER BY id",  # noqa: S608
+            f"SELECT tableoid::regclass::text FROM {table} WHERE {key_column} = %(k)s ORDER BY id",
             {"k": key},
         )
     ]
@@ -83,11 +83,11 @@ async def test_a_new_period_lands_in_the_next_partition_and_dedups_against_the_o
 ) -> None:
     await _store(engine, rec("1-0"), rec("2-0"))
     _age(db_url, 2)
-    done = await upkeep_once(engine, _settings(None))
+    done = await upkeep_once(engine, _settings(30))
     assert done.begun == dict.fromkeys(HISTORY, 1)
     assert done.dropped == {}
     # Partitions ahead of the new current one.
-    assert {t: sorted(n) for t, n in done.made.items()} == dict.fromkeys(HISTORY, [2])
+    assert {t: sorted(n) for t, n in done.made.items()} == {key: [2] for key in HISTORY}
     await _store(engine, rec("3-0"), rec("1-0"))  # a new entry, and a redelivery of an old one
     assert _partition_of(db_url, "inbox", "idempotency_key", "redis:orders:3-0") == ["inbox_p000001"]
     assert _partition_of(db_url, "inbox", "idempotency_key", "redis:orders:1-0") == ["inbox_p000000"]
@@ -111,7 +111,7 @@ async def test_partitions_past_the_history_go_whole_and_their_keys_with_them(
     # history, goes.
     done = await upkeep_once(engine, _settings(7))
     assert done.begun == dict.fromkeys(HISTORY, 1)
-    assert done.dropped == dict.fromkeys(HISTORY, [0])
+    assert done.dropped == {key: [0] for key in HISTORY}
     await _store(engine, rec("3-0"))
     names = {n for (n,) in query(db_url, "SELECT relname::text FROM pg_class WHERE relname ~ '_p000000$'")}
     assert names == set()
@@ -164,6 +164,17 @@ async def test_a_role_that_does_not_own_the_tables_is_told_not_failed(db_url: st
     # Partition 1 was made by the migration; 2, ahead, was refused.
     assert done.refused == list(HISTORY)
     assert done.made == {}
+
+
+async def test_without_a_history_retention_one_partition_holds_it_all(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    await _store(engine, rec("1-0"))
+    _age(db_url, 40)
+    done = await upkeep_once(engine, _settings(None))
+    assert (done.begun, done.dropped) == ({}, {})
+    await _store(engine, rec("2-0"))
+    assert _partition_of(db_url, "inbox", "idempotency_key", "redis:orders:2-0") == ["inbox_p000000"]
 
 
 @pytest.mark.parametrize("table", HISTORY)
