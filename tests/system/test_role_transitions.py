@@ -266,7 +266,8 @@ def _redelivery(ack_key: str, ack_group: str, entry: str = "1-0", key: str = "k-
     its key names in inbox_keys; here found by its key directly)."""
     return Sql(
         "UPDATE inbox SET deliveries = inbox.deliveries + 1, ack_key = %(ack_key)s,"
-        " ack_group = %(ack_group)s, ack_entry_id = %(entry)s, ack_state = 'pending', acked_at = NULL, ack_xid = NULL"
+        " ack_group = %(ack_group)s, ack_entry_id = %(entry)s, ack_state = 'pending', acked_at = NULL,"
+        " ack_xid = NULL"
         " WHERE adapter = 'orders' AND idempotency_key = %(key)s AND source_message_id IS NOT NULL",
         {"key": key, "entry": entry, "ack_key": ack_key, "ack_group": ack_group},
     )
