@@ -52,6 +52,13 @@ def number_of(row_id: int) -> int:
     return max(0, row_id // PERIOD_IDS)
 
 
+def id_bounds(ids: list[int]) -> dict[str, int | None]:
+    """The lowest and highest of ``ids``: bound parameters that let PostgreSQL
+    read only the partitions between them (an ``= ANY(array)`` alone is
+    looked up in every partition; decision 0005)."""
+    return {"low_id": min(ids, default=None), "high_id": max(ids, default=None)}
+
+
 def _bound(n: int) -> sql.Composable:
     return sql.SQL("MINVALUE") if n == 0 else sql.Literal(first_id(n))
 

@@ -340,7 +340,7 @@ SELECT idempotency_key FROM written
 -- Events of messages already stored (our inbox insert conflicted: a
 -- concurrent store won, or a recreated group delivered them again): the
 -- stored row's event is the record; ours would be a second history row.
-DELETE FROM events WHERE id = ANY(%(ids)b::int8[])
+DELETE FROM events WHERE id = ANY(%(ids)b::int8[]) AND id BETWEEN %(low_id)s AND %(high_id)s
 
 
 -- name: delete_todos
@@ -633,6 +633,8 @@ SELECT count(*) FROM restamped
 
 
 -- name: mark_cursor_acks
+-- (``low_id``, ``high_id``: the ids' bounds, by which only the partitions
+-- between them are read, not every one: backhalf.partitions.id_bounds.)
 -- After the XACK, in the claim's transaction: the rows claimed by the
 -- cursor marked acked, and the cursor moved past them. A row asked for its
 -- ack again by a store since the claim read it has an ack_xid at or above
@@ -642,7 +644,8 @@ SELECT count(*) FROM restamped
 -- newest version. ``acked_at`` is this statement's time, after the XACK.
 WITH marked AS (
     UPDATE inbox SET ack_state = 'acked', acked_at = statement_timestamp()
-    WHERE id = ANY(%(ids)b::int8[]) AND ack_xid < %(xmin)s AND ack_state = 'pending'
+    WHERE id = ANY(%(ids)b::int8[]) AND id BETWEEN %(low_id)s AND %(high_id)s
+      AND ack_xid < %(xmin)s AND ack_state = 'pending'
     RETURNING id
 )
 UPDATE ack_cursors SET xid = %(to_xid)s, inbox_id = %(to_id)s, moved_at = now()

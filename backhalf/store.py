@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import failpoints, keys, queries, todos
+from backhalf import failpoints, keys, partitions, queries, todos
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import StoreError
 from backhalf.records import InboxRecord, StoreBatch, StoreResult
@@ -323,7 +323,8 @@ class _Outcome:
 async def _undo_lost(cur: Cursor, outcome: _Outcome) -> None:
     """Delete our events of the lost rows and the todos we created for them,
     and count those todos neither created nor deduped."""
-    await cur.execute(queries.DELETE_EVENTS, {"ids": [event_id for event_id, _, _ in outcome.lost]})
+    ids = [event_id for event_id, _, _ in outcome.lost]
+    await cur.execute(queries.DELETE_EVENTS, {"ids": ids, **partitions.id_bounds(ids)})
     ours = [todo_id for _, todo_id, was_created in outcome.lost if was_created and todo_id is not None]
     if ours:
         await todos.delete_created(cur, ours)
