@@ -111,6 +111,7 @@ def attach_existing(table: str, old: str) -> list[sql.Composed]:
 _WRITTEN_AT = {"inbox": "stored_at", "events": "received_at", "todo_events": "created_at"}
 AHEAD = 2  # empty partitions kept ready past the current one
 UPKEEP_LOCK = 0x5B_0045  # the session advisory lock one pass holds (backhalf.migrate's is another)
+UPKEEP_STATEMENT_TIMEOUT = "10min"
 # A partition past its retention that still holds something owed (an ack
 # pending) is looked at again only this often: each look reads it whole.
 OWED_RECHECK_S = 3600.0
@@ -142,14 +143,21 @@ async def _numbers(cur: psycopg.AsyncCursor[Any], table: str) -> list[int]:
     return sorted(int(name[len(prefix) :]) for (name,) in await cur.fetchall() if name.startswith(prefix))
 
 
-async def _current(cur: psycopg.AsyncCursor[Any], table: str) -> int:
-    """The partition the table's identity hands ids out of now (NULL: none
-    handed out yet, partition 0)."""
+async def _sequence_at(cur: psycopg.AsyncCursor[Any], table: str) -> int:
+    """Where the table's identity stands: its ``last_value``, read from the
+    sequence itself (``pg_sequence_last_value`` answers NULL right after a
+    ``setval(..., false)``, which is how a period begins)."""
     await cur.execute(
-        "SELECT pg_sequence_last_value(pg_get_serial_sequence(%(table)s, 'id')::regclass)", {"table": table}
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.oid = pg_get_serial_sequence(%(table)s, 'id')::regclass",
+        {"table": table},
     )
     row = await cur.fetchone()
-    return number_of(int(row[0])) if row and row[0] is not None else 0
+    if row is None:
+        raise ValueError(f"{table} has no identity")
+    await cur.execute(sql.SQL("SELECT last_value FROM {}").format(sql.Identifier(str(row[0]), str(row[1]))))
+    value = await cur.fetchone()
+    return int(value[0]) if value else 0
 
 
 async def _first_row_at(
@@ -194,14 +202,39 @@ async def upkeep(
     partitions would only multiply the probes of lookups not by id.
     ``owed_seen``: when each such partition was last found owing (kept by
     the caller between passes), so it is read again only every
-    :data:`OWED_RECHECK_S`."""
+    :data:`OWED_RECHECK_S`. One pass at a time (two ackers, a migrate):
+    under a session advisory lock, or none at all."""
     done = Upkeep()
+    seen = owed_seen if owed_seen is not None else {}
     async with pg.cursor() as cur:
-        for table in PARTITIONED_TABLES:
-            await _upkeep_table(
-                cur, pg, table, period, keep, done, owed_seen if owed_seen is not None else {}
-            )
+        await cur.execute("SELECT pg_try_advisory_lock(%(key)s)", {"key": UPKEEP_LOCK})
+        row = await cur.fetchone()
+        if not (row and row[0]):
+            return done
+        # Bounded, but longer than a request's: a partition's owed check
+        # reads it whole, and a detach waits for the transactions before it.
+        await cur.execute(
+            "SELECT set_config('statement_timeout', %(t)s, false)", {"t": UPKEEP_STATEMENT_TIMEOUT}
+        )
+        try:
+            owner = await _owns_history(cur)
+            for table in PARTITIONED_TABLES:
+                await _upkeep_table(cur, pg, table, period, keep, done, seen, owner=owner)
+        finally:
+            await cur.execute("RESET statement_timeout")
+            await cur.execute("SELECT pg_advisory_unlock(%(key)s)", {"key": UPKEEP_LOCK})
     return done
+
+
+async def _owns_history(cur: psycopg.AsyncCursor[Any]) -> bool:
+    """May this session make and drop the history's partitions (is it, or
+    is it a member of, the tables' owner)?"""
+    await cur.execute(
+        "SELECT bool_and(pg_has_role(current_user, c.relowner, 'USAGE')) FROM pg_class c"
+        " WHERE c.oid IN ('inbox'::regclass, 'events'::regclass, 'todo_events'::regclass)"
+    )
+    row = await cur.fetchone()
+    return bool(row and row[0])
 
 
 async def _upkeep_table(
@@ -212,13 +245,20 @@ async def _upkeep_table(
     keep: timedelta | None,
     done: Upkeep,
     owed_seen: dict[tuple[str, int], float],
+    *,
+    owner: bool,
 ) -> None:
+    if not owner:
+        done.refused.append(table)
+    else:
+        await _finish_interrupted(cur, table)
     numbers = await _numbers(cur, table)
-    current = await _current(cur, table)
+    current = number_of(await _sequence_at(cur, table))
     for n in range(current + 1, current + 1 + AHEAD):
-        if n not in numbers and not await _ddl(pg, create(table, n), table, done):
-            break
-        if n not in numbers:
+        if n not in numbers and owner:
+            async with pg.transaction():  # all of it or nothing: no half-made partition
+                for statement in create(table, n):
+                    await cur.execute(statement)
             done.made.setdefault(table, []).append(n)
             numbers.append(n)
     if keep is None:
@@ -229,27 +269,89 @@ async def _upkeep_table(
     began = await _first_row_at(cur, table, current, newest=False)
     if began is not None and current + 1 in numbers and await _older_than(cur, began, period):
         # The identity moves to the next partition's first id: every id
-        # handed out from now on lands there. (Ids already drawn finish in
-        # the partition they belong to.)
-        # Only forward: under the upkeep lock no other pass moves it, and
-        # nextval only ever raises it.
-        await cur.execute(
-            "SELECT setval(pg_get_serial_sequence(%(table)s, 'id'), %(next)s, false)"
-            " WHERE coalesce(pg_sequence_last_value(pg_get_serial_sequence(%(table)s, 'id')::regclass), 0)"
-            " < %(next)s",
-            {"table": table, "next": first_id(current + 1)},
-        )
-        done.begun[table] = current + 1
+        # handed out from now on lands there (ids already drawn finish in
+        # the partition they belong to). Only forward, under the lock.
+        if await _sequence_at(cur, table) < first_id(current + 1):
+            await cur.execute(
+                "SELECT setval(pg_get_serial_sequence(%(table)s, 'id'), %(next)s, false)",
+                {"table": table, "next": first_id(current + 1)},
+            )
+            done.begun[table] = current + 1
         current += 1
+    if not owner:
+        return
     for n in (m for m in numbers if m < current):
         newest = await _first_row_at(cur, table, n, newest=True)
         if newest is not None and not await _older_than(cur, newest, keep):
             break  # the later ones are newer still
-        if table == "inbox" and await _still_owed(cur, n, owed_seen):
+        if table == "inbox" and not await _release_keys(cur, pg, n, owed_seen):
             continue
-        if not await _retire(cur, pg, table, n, done):
-            break
+        await _retire(cur, table, n)
         done.dropped.setdefault(table, []).append(n)
+
+
+async def _finish_interrupted(cur: psycopg.AsyncCursor[Any], table: str) -> None:
+    """A pass cut off mid-way: a detach left pending is finished, and a
+    partition detached but not dropped (or made but not attached) is
+    dropped. Each is of this module's names, and empty of anything owed:
+    only a retirement detaches."""
+    await cur.execute(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+        " WHERE i.inhparent = %(t)s::regclass AND i.inhdetachpending",
+        {"t": table},
+    )
+    for (name,) in await cur.fetchall():
+        await cur.execute(
+            sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(
+                sql.Identifier(table), sql.Identifier(str(name))
+            )
+        )
+    await cur.execute(
+        "SELECT c.relname FROM pg_class c WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace"
+        " AND c.relname ~ ('^' || %(t)s || '_p[0-9]{6}$') AND NOT c.relispartition",
+        {"t": table},
+    )
+    for (name,) in await cur.fetchall():
+        await cur.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(str(name))))
+
+
+async def _release_keys(
+    cur: psycopg.AsyncCursor[Any],
+    pg: psycopg.AsyncConnection[Any],
+    n: int,
+    owed_seen: dict[tuple[str, int], float],
+) -> bool:
+    """Delete inbox partition ``n``'s native keys, unless an ack in it is
+    owed. In one transaction with a check after the delete: a store holding
+    one of the keys (a late redelivery) is waited for, and a row it made
+    pending again is then seen, and the keys stay. With the keys gone no
+    store reaches the partition's rows. False: kept."""
+    seen = owed_seen.get(("inbox", n))
+    if seen is not None and time.monotonic() - seen < OWED_RECHECK_S:
+        return False
+    lo, hi = (first_id(n) if n else -(2**63)), first_id(n + 1)
+    owing: list[bool] = []  # set inside: the transaction block swallows its Rollback
+    async with pg.transaction():
+        await cur.execute(
+            "DELETE FROM inbox_keys WHERE inbox_id >= %(lo)s AND inbox_id < %(hi)s", {"lo": lo, "hi": hi}
+        )
+        if await _owed(cur, n):
+            owing.append(True)
+            raise psycopg.Rollback  # the keys stay
+    if owing:
+        owed_seen[("inbox", n)] = time.monotonic()
+        return False
+    owed_seen.pop(("inbox", n), None)
+    return True
+
+
+async def _retire(cur: psycopg.AsyncCursor[Any], table: str, n: int) -> None:
+    """Detach partition ``n`` without blocking the table's writers, then drop it."""
+    name = sql.Identifier(partition_name(table, n))
+    await cur.execute(
+        sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.Identifier(table), name)
+    )
+    await cur.execute(sql.SQL("DROP TABLE {}").format(name))
 
 
 async def _older_than(cur: psycopg.AsyncCursor[Any], moment: datetime, age: timedelta) -> bool:
@@ -257,53 +359,3 @@ async def _older_than(cur: psycopg.AsyncCursor[Any], moment: datetime, age: time
     await cur.execute("SELECT %(moment)s < now() - %(age)s", {"moment": moment, "age": age})
     row = await cur.fetchone()
     return bool(row and row[0])
-
-
-async def _still_owed(cur: psycopg.AsyncCursor[Any], n: int, owed_seen: dict[tuple[str, int], float]) -> bool:
-    seen = owed_seen.get(("inbox", n))
-    if seen is not None and time.monotonic() - seen < OWED_RECHECK_S:
-        return True
-    if await _owed(cur, n):
-        owed_seen[("inbox", n)] = time.monotonic()
-        return True
-    owed_seen.pop(("inbox", n), None)
-    return False
-
-
-async def _retire(
-    cur: psycopg.AsyncCursor[Any], pg: psycopg.AsyncConnection[Any], table: str, n: int, done: Upkeep
-) -> bool:
-    """Drop partition ``n`` of ``table``: its native keys first (inbox), so
-    no key outlives its row; detached without blocking the table's writers,
-    then dropped. False: not ours to drop."""
-    if table == "inbox":
-        lo, hi = (first_id(n) if n else -(2**63)), first_id(n + 1)
-        while True:  # bounded batches: each a short transaction
-            await cur.execute(
-                "DELETE FROM inbox_keys WHERE inbox_id IN (SELECT inbox_id FROM inbox_keys"
-                " WHERE inbox_id >= %(lo)s AND inbox_id < %(hi)s LIMIT 10000)",
-                {"lo": lo, "hi": hi},
-            )
-            if cur.rowcount == 0:
-                break
-    name = sql.Identifier(partition_name(table, n))
-    statements = [
-        sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.Identifier(table), name),
-        sql.SQL("DROP TABLE {}").format(name),
-    ]
-    return await _ddl(pg, statements, table, done)
-
-
-async def _ddl(
-    pg: psycopg.AsyncConnection[Any], statements: list[sql.Composed], table: str, done: Upkeep
-) -> bool:
-    """Run DDL that only the tables' owner may; refused, say so once and go on."""
-    try:
-        async with pg.cursor() as cur:
-            for statement in statements:
-                await cur.execute(statement)
-    except psycopg.errors.InsufficientPrivilege:
-        if table not in done.refused:
-            done.refused.append(table)
-        return False
-    return True

@@ -351,6 +351,8 @@ async def _store_reused(
     second = _Outcome.of(await _write(cur, batch, again, set(), native=True))
     if second.lost:
         await _undo_lost(cur, second)
+    if second.reused:  # another store's derived row, committed after our snapshot
+        await _redeliver(cur, batch, again, second)
     rejected: dict[str, InboxRecord] = {}
     if second.reused:
         rejected, second = await _reject_conflicts(cur, batch, again, second)
@@ -398,6 +400,10 @@ async def _reject_conflicts(
             cur, batch, sorted(rejected.values(), key=attrgetter("idempotency_key")), set(), native=True
         )
     )
+    if third.lost:
+        await _undo_lost(cur, third)
+    if third.reused:
+        await _redeliver(cur, batch, list(rejected.values()), third)
     if third.reused:  # a third body on the same id and digests: a sha256 collision
         raise StoreError(f"adapter {batch.adapter}: derived keys {third.reused[:3]} also hold another body")
     combined = _Outcome(

@@ -235,6 +235,18 @@ BEGIN
                   delivery_attempts, stream_groups, processes, alembic_version
         FROM switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
              switchboard_operator, switchboard_viewer, switchboard_auditor;
+    -- The history's partitions are reached through their partitioned tables
+    -- only (partition 0 was the table itself before migration 0015, and kept
+    -- its grants).
+    FOR owned IN
+        SELECT c.relname, c.relkind, '' AS owner FROM pg_class c
+        WHERE c.relnamespace = 'public'::regnamespace AND c.relkind = 'r'
+          AND c.relname ~ '^(inbox|events|todo_events)_p[0-9]{6}$'
+    LOOP
+        EXECUTE format('REVOKE ALL ON %I FROM switchboard_ingester, switchboard_receiver, switchboard_acker,'
+                       ' switchboard_worker, switchboard_operator, switchboard_viewer, switchboard_auditor',
+                       owned.relname);
+    END LOOP;
     REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
         FROM switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
              switchboard_operator, switchboard_viewer, switchboard_auditor;
@@ -325,6 +337,10 @@ BEGIN
     -- row lock needs UPDATE on one column: the least telling one.
     GRANT UPDATE (last_attempt_at) ON delivery_attempts TO switchboard_acker;
     GRANT USAGE ON SEQUENCE todo_events_id_seq TO switchboard_acker;
+    -- The history's partitions (backhalf.partitions): where the identities
+    -- stand, and a new period begun (setval). Making and dropping the
+    -- partitions is the owner's: `switchboard migrate`.
+    GRANT SELECT, UPDATE ON SEQUENCE inbox_id_seq, events_id_seq, todo_events_id_seq TO switchboard_acker;
 
     -- The worker: claim_todos, end_runs and extend_leases, and release_acks
     -- for ack_after = "complete"; it reads no inbox row, and writes none.
@@ -498,7 +514,9 @@ BEGIN
     CREATE POLICY switchboard_acker_delete ON inbox_keys FOR DELETE TO switchboard_acker
         USING (NOT EXISTS (SELECT FROM inbox i
                            WHERE i.id = inbox_keys.inbox_id
-                             AND (i.stored_at >= now() - interval '1 hour'
+                             AND (i.ack_state = 'pending'
+                                  OR EXISTS (SELECT FROM ack_queue q WHERE q.inbox_id = i.id)
+                                  OR i.stored_at >= now() - interval '1 hour'
                                   OR (i.stored_at >= now() - interval '3 days'
                                       AND NOT EXISTS (SELECT FROM adapters a
                                                       WHERE a.name = i.adapter AND a.family = 'queue')))));

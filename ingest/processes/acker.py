@@ -598,8 +598,9 @@ class _Acker(ProcessBody):
         if settings.acker.prune_interval_ms > 0 and walks(settings):
             # Retention: bounded batches on a connection of its own.
             process.work(prune_loop(self._engine, settings, stop), "prune")
-        # The history's partitions: ahead, a new period, the old ones dropped.
-        process.work(upkeep_loop(self._engine, settings, stop), "partitions")
+        if settings.acker.prune_interval_ms > 0 and settings.acker.retain_history_days is not None:
+            # The history's partitions: ahead, a new period, the old ones dropped.
+            process.work(upkeep_loop(self._engine, settings, stop), "partitions")
         if self._rescuer is not None:
             rescue_s = settings.acker.rescue_interval_ms / 1000
             rescue = rescue_loop(self._rescuer.rescue_once, settings.acker, stop,

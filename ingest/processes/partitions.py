@@ -1,14 +1,16 @@
-"""The history tables' partitions, kept by the acker (and by one pass of
-``switchboard prune`` and ``switchboard migrate``): partitions made ahead, a
-new period begun every ``[acker] partition_hours``, and with ``[acker]
-retain_history_days`` the partitions past it dropped whole
-(:mod:`backhalf.partitions` says how; issue 45).
+"""The history tables' partitions, kept by the acker every ``[acker]
+prune_interval_ms`` where ``[acker] retain_history_days`` is set (and by
+one pass of ``switchboard prune`` and ``switchboard migrate``): partitions
+made ahead, a new period begun every ``partition_hours``, the partitions
+past the history dropped whole (:mod:`backhalf.partitions` says how;
+issue 45).
 
 Making and dropping a partition is the tables' owner's to do: an acker
-running as the shipped ``switchboard_acker`` role is refused, says so once
+running as the shipped ``switchboard_acker`` role may not, says so once
 (``partitions_not_ours``), and goes on beginning periods where partitions
-are ready (the role may move the identities) while ``switchboard migrate``,
-run as the owner, makes them (docs/operating.md, "History in partitions").
+are ready (ops/roles.sql lets it move the identities), while ``switchboard
+migrate``, run as the owner daily, makes and drops them (docs/operating.md,
+"History in partitions").
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from ingest.config import AckerSettings, Settings
 from ingest.lifecycle import Retry, wait_stop
 
 log = structlog.get_logger(__name__)
-
-UPKEEP_INTERVAL_S = 60.0
 
 
 def _keep(acker: AckerSettings) -> timedelta | None:
@@ -63,8 +63,8 @@ async def upkeep_once(
 
 
 async def upkeep_loop(engine: AsyncEngine, settings: Settings, stop: asyncio.Event) -> None:
-    """The acker's task: a pass every minute; failures logged, backed off
-    and retried, never the end of the process."""
+    """The acker's task: a pass every ``prune_interval_ms``; failures
+    logged, backed off and retried, never the end of the process."""
     acker = settings.acker
     retry = Retry.from_settings(acker, log)
     owed_seen: dict[tuple[str, int], float] = {}
@@ -81,7 +81,7 @@ async def upkeep_loop(engine: AsyncEngine, settings: Settings, stop: asyncio.Eve
             log.warning(
                 "partitions_not_ours",
                 tables=done.refused,
-                hint="run `switchboard migrate` (the tables' owner) daily: it makes the partitions ahead"
+                hint="run `switchboard migrate` as the tables' owner daily: it makes the partitions ahead"
                 " and drops those past retain_history_days",
             )
-        await wait_stop(stop, UPKEEP_INTERVAL_S)
+        await wait_stop(stop, acker.prune_interval_ms / 1000)

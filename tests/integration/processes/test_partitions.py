@@ -151,7 +151,7 @@ async def test_a_role_that_does_not_own_the_tables_is_told_not_failed(db_url: st
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         conn.execute(f"CREATE ROLE {guest}")
         conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {guest}")
-        conn.execute(f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {guest}")
+        conn.execute(f"GRANT SELECT, USAGE ON ALL SEQUENCES IN SCHEMA public TO {guest}")
         try:
             async with await psycopg.AsyncConnection.connect(
                 libpq(db_url), autocommit=True, options=f"-c role={guest}"
