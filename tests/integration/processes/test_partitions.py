@@ -123,7 +123,7 @@ async def test_partitions_past_the_history_go_whole_and_their_keys_with_them(
     assert scalar(db_url, "SELECT count(*) FROM todos WHERE idempotency_key = 'redis:orders:1-0'") == 2
 
 
-async def test_a_partition_with_an_ack_owed_is_kept_and_the_newer_ones_wait(
+async def test_an_inbox_partition_with_an_ack_owed_is_kept_until_it_is_acked(
     engine: AsyncEngine, db_url: str
 ) -> None:
     await _store(engine, rec("1-0"), rec("2-0"))
