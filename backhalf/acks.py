@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import queries
+from backhalf import partitions, queries
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import AckStateError
 from backhalf.records import AckClaim, PendingIntent
@@ -135,7 +135,8 @@ async def mark_by_cursor(conn: AsyncConnection, adapter: str, claimed: CursorCla
                 queries.MARK_CURSOR_ACKS,
                 {
                     "adapter": adapter,
-                    "ids": [c.inbox_id for c in claimed.claims],
+                    "ids": (ids := [c.inbox_id for c in claimed.claims]),
+                    **partitions.id_bounds(ids),
                     "xmin": claimed.xmin,
                     "to_xid": claimed.to[0],
                     "to_id": claimed.to[1],

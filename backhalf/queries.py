@@ -78,9 +78,22 @@ STORE_NATIVE = _with(
     "store_rows_cte",
     "todos_create_cte",
     "store_events_cte",
+    "store_keys_cte",
     "store_inbox_native_cte",
+    "store_again_cte",
+    "store_written_native_cte",
     "store_ack_queue_cte",
     then="store_result",
+)
+# The redeliveries a write could not see (rows committed by another store
+# after its snapshot): asked again in a statement of their own.
+REDELIVER_NATIVE = _with(
+    "store_rows_cte",
+    "known_keys_cte",
+    "store_again_cte",
+    "store_written_again_cte",
+    "store_ack_queue_cte",
+    then="redeliver_result",
 )
 STORE_BODY = _with(
     "store_rows_cte",
@@ -135,6 +148,7 @@ RELEASE_ORPHANED_ACKS = _block("release_orphaned_acks")
 # The statements composed from several blocks, by name, for the snapshot test.
 COMPOSED: dict[str, str] = {
     "store_native": STORE_NATIVE,
+    "redeliver_native": REDELIVER_NATIVE,
     "store_body": STORE_BODY,
     "create_todo": CREATE_TODO,
     "cursor_peek": CURSOR_PEEK,

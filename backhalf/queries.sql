@@ -26,13 +26,13 @@
 -- loop with the key as its index condition. The plain form, ``idempotency_key
 -- = ANY(...)``, was planned on a table not analyzed yet (a new database
 -- draining a backlog: autoanalyze waits at least ``autovacuum_naptime``) as a
--- bitmap scan of every ``uq_inbox_native_key`` entry of the adapter plus a
+-- bitmap scan of every entry of the adapter in the keys' index plus a
 -- recheck of every heap page, a cost that grows with the table
 -- (docs/architecture.md, "Plans that do not depend on statistics").
 SELECT u.k FROM unnest(%(keys)b::text[]) AS u(k)
 CROSS JOIN LATERAL (
-    SELECT 1 FROM inbox
-    WHERE adapter = %(adapter)s AND idempotency_key = u.k AND source_message_id IS NOT NULL
+    SELECT 1 FROM inbox_keys
+    WHERE adapter = %(adapter)s AND idempotency_key = u.k
     LIMIT 1
 ) AS found
 
@@ -147,12 +147,37 @@ ev AS (
 )
 
 
+-- name: store_keys_cte
+-- Stream entries (native ids) are stored once per adapter while their inbox
+-- rows are kept; ``inbox_keys`` holds their keys (the inbox is partitioned,
+-- and a unique index there could not span its partitions: decision 0005).
+-- Each key of the batch is claimed here, in key order (u is sorted): a new
+-- key with the id its inbox row will take (``fresh``), a stored one with its
+-- row's id, locked. Two stores of one key meet on the key's row: the second
+-- waits for the first to commit and then finds it (the no-op update returns
+-- it). ``xmax = 0`` is true exactly for rows this statement inserted. An id
+-- drawn for a key that was stored already is never used: ids are not dense.
+keyed AS (
+    INSERT INTO inbox_keys AS k (adapter, idempotency_key, inbox_id)
+    SELECT %(adapter)s, u.k, nextval(pg_get_serial_sequence('inbox', 'id')) FROM u ORDER BY u.n
+    ON CONFLICT (adapter, idempotency_key) DO UPDATE SET inbox_id = k.inbox_id
+    RETURNING k.idempotency_key, k.inbox_id, (k.xmax = 0) AS fresh
+)
+
+
+-- name: known_keys_cte
+-- The stored keys of the batch, for ``redeliver_native``: the keys of rows
+-- committed by another store after the write's snapshot was taken.
+keyed AS (
+    SELECT k.idempotency_key, k.inbox_id, false AS fresh FROM inbox_keys k
+    WHERE k.adapter = %(adapter)s AND k.idempotency_key = ANY(%(keys)b::text[])
+)
+
+
 -- name: store_inbox_native_cte
--- Stream entries (native ids) are stored once per adapter while inbox rows
--- are kept. A redelivery of a stored entry bumps ``deliveries`` and asks the
--- acker again (XACK is idempotent; the entry may be pending again after its
--- group was recreated). ``xmax = 0`` is true exactly for rows this statement
--- inserted.
+-- A new key's row is inserted under the id its key took. A stored key's row
+-- is a redelivery: it bumps ``deliveries`` and asks the acker again (XACK is
+-- idempotent; the entry may be pending again after its group was recreated).
 --
 -- Only a redelivery: the same entry id with the same message (compared by
 -- the whole message's sha256, kept for a prefix and computed for a whole
@@ -165,8 +190,10 @@ ev AS (
 -- id alone names the message (``id_names_message``: a webhook's signed
 -- delivery id, whose resend may carry its body serialized anew; not
 -- GitHub's, which is outside the signature). The comparison
--- reads the stored body only on a conflict, which first deliveries do not
--- meet.
+-- reads the stored body only for a stored key, which first deliveries do not
+-- have. A row another store committed after this statement began is not
+-- seen by this statement's update (nor returned): the store asks again
+-- (``redeliver_native``) before it takes a key for reused.
 --
 -- ``ack_xid`` (``by_cursor``: stream entries acked on store): the storing
 -- transaction's id, by which the acker finds the row (cursor_acks); a
@@ -176,34 +203,60 @@ ev AS (
 -- delivery, and the newest is the one sure to ack (a Redis entry id is the
 -- same in every delivery).
 --
--- The same insert as store_inbox_body_cte plus the ON CONFLICT clause
+-- The same insert as store_inbox_body_cte plus the id its key took
 -- (tests/unit/test_queries.py holds them to that).
-written AS (
-    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
+fresh AS (
+    INSERT INTO inbox (id, adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                        ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
                        ack_state, deliveries, status, error, todo_id, event_id, ack_xid, source_attributes)
-    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
+    SELECT keyed.inbox_id, %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
            %(ack_kind)s, coalesce(u.ak, %(ack_key)s), %(ack_group)s,
            CASE WHEN %(entry_is_id)s THEN u.m ELSE u.e END, coalesce(u.c, 1), %(ack_after)s,
            %(ack_state)s, coalesce(u.d, 1), CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
            ev.todo_id, ev.id, CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END,
            u.sa::jsonb
-    FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
+    FROM u JOIN keyed ON keyed.idempotency_key = u.k AND keyed.fresh
+    LEFT JOIN ev ON ev.idempotency_key = u.k
     ORDER BY u.n
-    ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
-    DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
-                  consumer = excluded.consumer,
-                  ack_key = excluded.ack_key,
-                  ack_group = excluded.ack_group,
-                  ack_entry_id = excluded.ack_entry_id,
-                  ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
-                  acked_at = NULL,
-                  ack_xid = excluded.ack_xid
-    WHERE %(id_names_message)s
-       OR coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(excluded.body_sha256, sha256(excluded.body))
-       OR starts_with(excluded.error, 'lost_before_ingest')
-    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id,
-              (xmax = 0) AS inserted
+    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id, true AS inserted
+)
+
+
+-- name: store_again_cte
+-- The redeliveries of stored keys (see store_inbox_native_cte), each row
+-- reached by its id: one partition, one probe. The row must hold the key
+-- that named it: a key pointing elsewhere (forged, or left behind) never
+-- moves another message's ack.
+again AS (
+    UPDATE inbox SET deliveries = GREATEST(inbox.deliveries + 1, coalesce(r.d, 1)),
+                     consumer = %(consumer)s,
+                     ack_key = coalesce(r.ak, %(ack_key)s),
+                     ack_group = %(ack_group)s,
+                     ack_entry_id = CASE WHEN %(entry_is_id)s THEN r.m ELSE r.e END,
+                     ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
+                     acked_at = NULL,
+                     ack_xid = CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END
+    FROM (SELECT u.*, keyed.inbox_id FROM u JOIN keyed ON keyed.idempotency_key = u.k AND NOT keyed.fresh) AS r
+    WHERE inbox.id = r.inbox_id AND inbox.adapter = %(adapter)s AND inbox.idempotency_key = r.k
+      AND (%(id_names_message)s
+           OR coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(r.bh, sha256(r.b))
+           OR starts_with(r.err, 'lost_before_ingest'))
+    RETURNING inbox.id, inbox.adapter, inbox.idempotency_key, inbox.ack_kind, inbox.ack_key, inbox.ack_state,
+              inbox.ack_after, inbox.todo_id, false AS inserted
+)
+
+
+-- name: store_written_native_cte
+-- The rows written, as the acker's queue and the result read them.
+written AS (
+    SELECT * FROM fresh UNION ALL SELECT * FROM again
+)
+
+
+-- name: store_written_again_cte
+-- redeliver_native's rows written: the redeliveries only.
+written AS (
+    SELECT * FROM again
 )
 
 
@@ -280,11 +333,16 @@ LEFT JOIN ev ON ev.idempotency_key = u.k
 LEFT JOIN t ON t.idempotency_key = u.k
 
 
+-- name: redeliver_result
+-- The keys whose stored row was found at last and counted as a redelivery.
+SELECT idempotency_key FROM written
+
+
 -- name: delete_events
 -- Events of messages already stored (our inbox insert conflicted: a
 -- concurrent store won, or a recreated group delivered them again): the
 -- stored row's event is the record; ours would be a second history row.
-DELETE FROM events WHERE id = ANY(%(ids)b::int8[])
+DELETE FROM events WHERE id = ANY(%(ids)b::int8[]) AND id BETWEEN %(low_id)s AND %(high_id)s
 
 
 -- name: delete_todos
@@ -577,6 +635,8 @@ SELECT count(*) FROM restamped
 
 
 -- name: mark_cursor_acks
+-- (``low_id``, ``high_id``: the ids' bounds, by which only the partitions
+-- between them are read, not every one: backhalf.partitions.id_bounds.)
 -- After the XACK, in the claim's transaction: the rows claimed by the
 -- cursor marked acked, and the cursor moved past them. A row asked for its
 -- ack again by a store since the claim read it has an ack_xid at or above
@@ -586,7 +646,8 @@ SELECT count(*) FROM restamped
 -- newest version. ``acked_at`` is this statement's time, after the XACK.
 WITH marked AS (
     UPDATE inbox SET ack_state = 'acked', acked_at = statement_timestamp()
-    WHERE id = ANY(%(ids)b::int8[]) AND ack_xid < %(xmin)s AND ack_state = 'pending'
+    WHERE id = ANY(%(ids)b::int8[]) AND id BETWEEN %(low_id)s AND %(high_id)s
+      AND ack_xid < %(xmin)s AND ack_state = 'pending'
     RETURNING id
 )
 UPDATE ack_cursors SET xid = %(to_xid)s, inbox_id = %(to_id)s, moved_at = now()
@@ -629,9 +690,8 @@ WHERE adapter = %(adapter)s AND ack_xid IS NOT NULL AND ack_state = 'pending'
 -- sweep while its todo runs. One probe per key, as in existing_native.
 SELECT u.k FROM unnest(%(keys)b::text[]) AS u(k)
 CROSS JOIN LATERAL (
-    SELECT 1 FROM inbox i
-    WHERE i.adapter = %(adapter)s AND i.idempotency_key = u.k AND i.source_message_id IS NOT NULL
-      AND i.ack_state = 'pending'
+    SELECT 1 FROM inbox_keys k JOIN inbox i ON i.id = k.inbox_id
+    WHERE k.adapter = %(adapter)s AND k.idempotency_key = u.k AND i.ack_state = 'pending'
     LIMIT 1
 ) AS found
 

@@ -81,7 +81,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from backhalf.db import wrap_driver_errors
 from backhalf.errors import PruneError
 from schema import ACTIVE_TODO_STATUSES, adapters, delivery_attempts, events, inbox, todo_events, todos
-from schema.tables import ack_queue
+from schema.tables import ack_queue, inbox_keys
 
 # Inbox rows whose broker ack is done: acked, or never owed one (pub/sub).
 ACK_DONE_STATES = ("acked", "none")
@@ -295,11 +295,24 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False
         .returning(events.c.id, events.c.adapter)
         .cte("gone_events")
     )
+    gone_keys = _gone_keys(gone)
     return sa.select(
         *summary,
         _held(mine, sa.or_(~mine.c.done, mine.c.id.not_in(sa.select(gone.c.id)))),
         _by_adapter(gone).label("inbox"),
         _by_adapter(gone_events).label("events"),
+        _count(gone_keys).label("keys"),
+    )
+
+
+def _gone_keys(gone: Any) -> Any:
+    """The native keys of the rows deleted here: a redelivery after this is
+    a new message, as it was when the key lived in the inbox's own index."""
+    return (
+        sa.delete(inbox_keys)
+        .where(inbox_keys.c.inbox_id == _array_of(sa.select(gone.c.id)))
+        .returning(inbox_keys.c.inbox_id)
+        .cte("gone_keys")
     )
 
 

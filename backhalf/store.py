@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import failpoints, keys, queries, todos
+from backhalf import failpoints, keys, partitions, queries, todos
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import StoreError
 from backhalf.records import InboxRecord, StoreBatch, StoreResult
@@ -116,10 +116,14 @@ async def _store(cur: Cursor, batch: StoreBatch, records: list[InboxRecord], *, 
     outcome = _Outcome.of(rows)
     if outcome.lost:
         await _undo_lost(cur, outcome)
-    # 5. Another message on a stored entry id: stored again, under its own key.
+    # 5. A stored key whose row the write could not see (another store
+    # committed it meanwhile) is a redelivery after all.
+    if native and outcome.reused:
+        await _redeliver(cur, batch, records, outcome)
+    # 6. Another message on a stored entry id: stored again, under its own key.
     if outcome.reused:
         records, outcome = await _store_reused(cur, batch, records, outcome)
-    # 6. Wake, on commit, the acker for the acks owed and the workers for
+    # 7. Wake, on commit, the acker for the acks owed and the workers for
     # the new todos: one statement for both.
     acks, created = _ack_state(batch) == "pending", bool(outcome.created)
     if acks or created:
@@ -198,35 +202,50 @@ async def _write(
 ) -> list[Written]:
     """Todos, their log rows, events, inbox rows and ack queue rows, in one
     statement; one result row per message written."""
-    provenance = batch.provenance
     await cur.execute(
-        queries.STORE_NATIVE if native else queries.STORE_BODY,
-        {
-            "adapter": batch.adapter,
-            **todos.creating(batch.queue, todos.CREATED_BY_STORE),
-            "consumer": batch.consumer,
-            "family": provenance.family,
-            "trust_mode": provenance.trust_mode,
-            "verified": provenance.verified,
-            "verify_detail": provenance.verify_detail,
-            "ack_kind": batch.ack.kind,
-            "ack_group": batch.ack.group,
-            "ack_after": batch.ack_after,
-            "ack_state": _ack_state(batch),
-            "by_cursor": _by_cursor(batch),
-            "by_body": batch.ack.by_body,
-            "id_names_message": batch.id_names_message,
-            "keys": [r.idempotency_key for r in writing],
-            "ids": [r.source_message_id for r in writing],
-            "bodies": [r.body for r in writing],
-            # No todo and no event for a rejected or an already stored message.
-            "payloads": [
-                None if r.error is not None or r.idempotency_key in known else r.payload for r in writing
-            ],
-            **_uncommon_columns(writing, batch.ack.key),
-        },
+        queries.STORE_NATIVE if native else queries.STORE_BODY, _write_params(batch, writing, known)
     )
     return await cur.fetchall()
+
+
+async def _redeliver(cur: Cursor, batch: StoreBatch, records: list[InboxRecord], outcome: _Outcome) -> None:
+    """The keys the write took for reused whose stored row another store
+    committed after the write's snapshot was taken (the key's row made this
+    store wait for that commit): asked again in a statement of its own, whose
+    snapshot sees that row; those with the same message are redeliveries."""
+    candidates = set(outcome.reused)
+    again = [r for r in records if r.idempotency_key in candidates]
+    await cur.execute(queries.REDELIVER_NATIVE, _write_params(batch, again, set()))
+    found = {key for (key,) in await cur.fetchall()}
+    outcome.reused = [key for key in outcome.reused if key not in found]
+
+
+def _write_params(batch: StoreBatch, writing: list[InboxRecord], known: set[str]) -> dict[str, Any]:
+    provenance = batch.provenance
+    return {
+        "adapter": batch.adapter,
+        **todos.creating(batch.queue, todos.CREATED_BY_STORE),
+        "consumer": batch.consumer,
+        "family": provenance.family,
+        "trust_mode": provenance.trust_mode,
+        "verified": provenance.verified,
+        "verify_detail": provenance.verify_detail,
+        "ack_kind": batch.ack.kind,
+        "ack_group": batch.ack.group,
+        "ack_after": batch.ack_after,
+        "ack_state": _ack_state(batch),
+        "by_cursor": _by_cursor(batch),
+        "by_body": batch.ack.by_body,
+        "id_names_message": batch.id_names_message,
+        "keys": [r.idempotency_key for r in writing],
+        "ids": [r.source_message_id for r in writing],
+        "bodies": [r.body for r in writing],
+        # No todo and no event for a rejected or an already stored message.
+        "payloads": [
+            None if r.error is not None or r.idempotency_key in known else r.payload for r in writing
+        ],
+        **_uncommon_columns(writing, batch.ack.key),
+    }
 
 
 def _uncommon_columns(writing: list[InboxRecord], default_ack_key: str | None) -> dict[str, Any]:
@@ -304,7 +323,8 @@ class _Outcome:
 async def _undo_lost(cur: Cursor, outcome: _Outcome) -> None:
     """Delete our events of the lost rows and the todos we created for them,
     and count those todos neither created nor deduped."""
-    await cur.execute(queries.DELETE_EVENTS, {"ids": [event_id for event_id, _, _ in outcome.lost]})
+    ids = [event_id for event_id, _, _ in outcome.lost]
+    await cur.execute(queries.DELETE_EVENTS, {"ids": ids, **partitions.id_bounds(ids)})
     ours = [todo_id for _, todo_id, was_created in outcome.lost if was_created and todo_id is not None]
     if ours:
         await todos.delete_created(cur, ours)
@@ -331,6 +351,8 @@ async def _store_reused(
     second = _Outcome.of(await _write(cur, batch, again, set(), native=True))
     if second.lost:
         await _undo_lost(cur, second)
+    if second.reused:  # another store's derived row, committed after our snapshot
+        await _redeliver(cur, batch, again, second)
     rejected: dict[str, InboxRecord] = {}
     if second.reused:
         rejected, second = await _reject_conflicts(cur, batch, again, second)
@@ -378,6 +400,10 @@ async def _reject_conflicts(
             cur, batch, sorted(rejected.values(), key=attrgetter("idempotency_key")), set(), native=True
         )
     )
+    if third.lost:
+        await _undo_lost(cur, third)
+    if third.reused:
+        await _redeliver(cur, batch, list(rejected.values()), third)
     if third.reused:  # a third body on the same id and digests: a sha256 collision
         raise StoreError(f"adapter {batch.adapter}: derived keys {third.reused[:3]} also hold another body")
     combined = _Outcome(

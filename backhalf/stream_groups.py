@@ -78,8 +78,9 @@ async def present(conn: AsyncConnection) -> None:
 
 
 async def stored_before(conn: AsyncConnection, adapter: str) -> bool:
-    """Whether the inbox holds any stream entry of ``adapter`` (one probe of
-    ``uq_inbox_native_key``)."""
+    """Whether the inbox holds any stream entry of ``adapter`` (a walk of
+    ``ix_inbox_adapter_key`` from the adapter's first entry: a stream
+    adapter's rows all have a native id, so the first one read answers)."""
     probe = (
         sa.select(inbox.c.id)
         .where(inbox.c.adapter == adapter, inbox.c.source_message_id.is_not(None))

@@ -4,11 +4,9 @@ it, and for each its broker coordinates, its event, its todo with every
 
 Reads only; SQLAlchemy Core, every value a bound parameter.
 
-How a message is found, and what it costs. The inbox's key indexes are
-``uq_inbox_native_key`` on ``(adapter, idempotency_key)`` for rows with a
-native id (stream entries) and ``ix_inbox_body_key`` on the same columns for
-rows without one (list items, pub/sub messages). So a key is probed twice
-per registered adapter, and an entry id is turned into each registered
+How a message is found, and what it costs. ``ix_inbox_adapter_key`` holds
+every row by ``(adapter, idempotency_key)``. So a key is probed once per
+registered adapter (and per partition), and an entry id is turned into each registered
 stream adapter's native key (``{key_prefix}:{source}:{entry-id}``, from the
 ``adapters`` row) and probed the same way: both cost a handful of index
 lookups however big the inbox is (issue 45; a key with no native row was a
@@ -118,17 +116,14 @@ async def _inbox_rows(conn: AsyncConnection, ids: list[int]) -> list[InboxTrail]
 
 
 async def inbox_ids_by_key(conn: AsyncConnection, key: str) -> list[int]:
-    """Inbox rows with this idempotency key, in any adapter: per registered
-    adapter, a probe of the native index and one of the body-key index."""
-    found: set[int] = set()
-    for has_native_id in (inbox.c.source_message_id.isnot(None), inbox.c.source_message_id.is_(None)):
-        probe = (
-            sa.select(inbox.c.id)
-            .where(inbox.c.adapter == adapters.c.name, inbox.c.idempotency_key == key, has_native_id)
-            .lateral("probe")
-        )
-        found.update(await conn.scalars(sa.select(probe.c.id).select_from(adapters.join(probe, sa.true()))))
-    return sorted(found)
+    """Inbox rows with this idempotency key, in any adapter: a probe of
+    ``ix_inbox_adapter_key`` per registered adapter."""
+    probe = (
+        sa.select(inbox.c.id)
+        .where(inbox.c.adapter == adapters.c.name, inbox.c.idempotency_key == key)
+        .lateral("probe")
+    )
+    return sorted(await conn.scalars(sa.select(probe.c.id).select_from(adapters.join(probe, sa.true()))))
 
 
 async def inbox_ids_by_todo(conn: AsyncConnection, todo_id: int) -> list[int]:

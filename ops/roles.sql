@@ -215,8 +215,12 @@ BEGIN
         SELECT c.relname, c.relkind, pg_get_userbyid(c.relowner) AS owner
         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v')
-          AND (c.relname IN ('adapters', 'inbox', 'ack_queue', 'ack_cursors', 'events', 'todos', 'todo_events',
-                             'delivery_attempts', 'stream_groups', 'processes', 'alembic_version')
+          AND (c.relname IN ('adapters', 'inbox', 'inbox_keys', 'ack_queue', 'ack_cursors', 'events', 'todos',
+                             'todo_events', 'delivery_attempts', 'stream_groups', 'processes',
+                             'alembic_version')
+               -- The history tables' partitions (backhalf.partitions): an
+               -- owner's ALTER of a partitioned table does not reach them.
+               OR c.relname ~ '^(inbox|events|todo_events)_p[0-9]{6}$'
                OR (c.relkind = 'v' AND c.relname LIKE 'audit\_%'))
           AND c.relowner <> 'switchboard_migrator'::regrole
     LOOP
@@ -227,10 +231,22 @@ BEGIN
     END LOOP;
 
     -- Start from nothing, so a grant taken out of this file is revoked by its next run.
-    REVOKE ALL ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events, delivery_attempts,
-                  stream_groups, processes, alembic_version
+    REVOKE ALL ON adapters, inbox, inbox_keys, ack_queue, ack_cursors, events, todos, todo_events,
+                  delivery_attempts, stream_groups, processes, alembic_version
         FROM switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
              switchboard_operator, switchboard_viewer, switchboard_auditor;
+    -- The history's partitions are reached through their partitioned tables
+    -- only (partition 0 was the table itself before migration 0015, and kept
+    -- its grants).
+    FOR owned IN
+        SELECT c.relname, c.relkind, '' AS owner FROM pg_class c
+        WHERE c.relnamespace = 'public'::regnamespace AND c.relkind = 'r'
+          AND c.relname ~ '^(inbox|events|todo_events)_p[0-9]{6}$'
+    LOOP
+        EXECUTE format('REVOKE ALL ON %I FROM switchboard_ingester, switchboard_receiver, switchboard_acker,'
+                       ' switchboard_worker, switchboard_operator, switchboard_viewer, switchboard_auditor',
+                       owned.relname);
+    END LOOP;
     REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
         FROM switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
              switchboard_operator, switchboard_viewer, switchboard_auditor;
@@ -269,8 +285,10 @@ BEGIN
     GRANT SELECT, INSERT (family, adapter, trust_mode, verified, verify_detail, idempotency_key,
                           source_message_id, payload, todo_id), DELETE
         ON events TO switchboard_ingester, switchboard_receiver;
+    -- A stream entry's row takes the id its key drew in inbox_keys
+    -- (store_keys_cte), so the store names ``id``.
     GRANT SELECT,
-          INSERT (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
+          INSERT (id, adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                   ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after, ack_state,
                   deliveries, status, error, todo_id, event_id, ack_xid, source_attributes),
           -- merge_inbox_body, and a redelivery's ON CONFLICT update (ack_state
@@ -282,6 +300,10 @@ BEGIN
         ON inbox TO switchboard_ingester, switchboard_receiver;
     GRANT SELECT, INSERT (inbox_id, adapter, ack_kind, ack_key, idempotency_key, waiting_for, by_body)
         ON ack_queue TO switchboard_ingester, switchboard_receiver;
+    -- store_keys_cte: a key claimed, or (the no-op update of a stored key)
+    -- locked and read. Whose keys: the policies below.
+    GRANT SELECT, INSERT (adapter, idempotency_key, inbox_id), UPDATE (inbox_id)
+        ON inbox_keys TO switchboard_ingester, switchboard_receiver;
     GRANT USAGE ON SEQUENCE inbox_id_seq, events_id_seq, todos_id_seq, todo_events_id_seq
         TO switchboard_ingester, switchboard_receiver;
     -- The ingester's alone. It queues acks; the UPDATE grant on ack_queue
@@ -301,6 +323,8 @@ BEGIN
     GRANT SELECT ON adapters, events, stream_groups, delivery_attempts TO switchboard_acker;
     -- ack_xid: reset_ack_cursor, after a restore into a new cluster.
     GRANT SELECT, UPDATE (ack_state, acked_at, ack_xid), DELETE ON inbox TO switchboard_acker;
+    -- The pruner deletes the keys of the rows it deletes.
+    GRANT SELECT, DELETE ON inbox_keys TO switchboard_acker;
     -- cursor_acks makes an adapter's cursor on first use, and moves it.
     GRANT SELECT, INSERT, UPDATE (xid, inbox_id, cluster, moved_at) ON ack_cursors TO switchboard_acker;
     GRANT SELECT, UPDATE (waiting_for), DELETE ON ack_queue TO switchboard_acker;
@@ -313,6 +337,10 @@ BEGIN
     -- row lock needs UPDATE on one column: the least telling one.
     GRANT UPDATE (last_attempt_at) ON delivery_attempts TO switchboard_acker;
     GRANT USAGE ON SEQUENCE todo_events_id_seq TO switchboard_acker;
+    -- The history's partitions (backhalf.partitions): where the identities
+    -- stand, and a new period begun (setval). Making and dropping the
+    -- partitions is the owner's: `switchboard migrate`.
+    GRANT SELECT, UPDATE ON SEQUENCE inbox_id_seq, events_id_seq, todo_events_id_seq TO switchboard_acker;
 
     -- The worker: claim_todos, end_runs and extend_leases, and release_acks
     -- for ack_after = "complete"; it reads no inbox row, and writes none.
@@ -328,8 +356,8 @@ BEGIN
     -- the row locked, a todo created or deduped with its 'pending' log row,
     -- an event, the row made 'stored'); retries and cancels todos
     -- (retry_todos, cancel_todos, then release_acks). No ack, no delete.
-    GRANT SELECT ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events, delivery_attempts,
-                    stream_groups, processes, alembic_version
+    GRANT SELECT ON adapters, inbox, inbox_keys, ack_queue, ack_cursors, events, todos, todo_events,
+                    delivery_attempts, stream_groups, processes, alembic_version
         TO switchboard_operator;
     GRANT UPDATE (enabled, updated_at) ON adapters TO switchboard_operator;
     GRANT UPDATE (status, error, todo_id, event_id) ON inbox TO switchboard_operator;
@@ -349,7 +377,7 @@ BEGIN
     -- heartbeat (above). Not delivery_attempts nor stream_groups, which no
     -- page reads; not the audit views. The console asks has_column_privilege
     -- at start (ingest.web.server.WRITES) and, refused, shows no action.
-    GRANT SELECT ON adapters, inbox, ack_queue, ack_cursors, events, todos, todo_events
+    GRANT SELECT ON adapters, inbox, inbox_keys, ack_queue, ack_cursors, events, todos, todo_events
         TO switchboard_viewer;
 
     -- The auditor: the audit views, which read the tables with their owner's
@@ -366,6 +394,7 @@ BEGIN
     -- an earlier version of this file made.
     ALTER TABLE adapters ENABLE ROW LEVEL SECURITY;
     ALTER TABLE inbox ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE inbox_keys ENABLE ROW LEVEL SECURITY;
     ALTER TABLE ack_queue ENABLE ROW LEVEL SECURITY;
     ALTER TABLE todos ENABLE ROW LEVEL SECURITY;
     ALTER TABLE todo_events ENABLE ROW LEVEL SECURITY;
@@ -462,6 +491,35 @@ BEGIN
                AND stored_at < now() - interval '1 hour'
                AND (stored_at < now() - interval '3 days'
                     OR EXISTS (SELECT FROM adapters a WHERE a.name = inbox.adapter AND a.family = 'queue')));
+    -- inbox_keys: each storing role claims its own family's adapters' keys,
+    -- and a stored key keeps the row it names (the store's no-op update
+    -- rewrites the same id): repointed, a redelivery would count against
+    -- another message's row. The pruner deletes the keys of rows it deletes
+    -- (rows past the floors: a key whose row is younger is refused).
+    CREATE POLICY switchboard_read ON inbox_keys FOR SELECT
+        TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_operator,
+           switchboard_viewer
+        USING (true);
+    CREATE POLICY switchboard_ingester_keys ON inbox_keys FOR INSERT TO switchboard_ingester
+        WITH CHECK (EXISTS (SELECT FROM adapters a WHERE a.name = inbox_keys.adapter AND a.family = 'queue'));
+    CREATE POLICY switchboard_receiver_keys ON inbox_keys FOR INSERT TO switchboard_receiver
+        WITH CHECK (EXISTS (SELECT FROM adapters a WHERE a.name = inbox_keys.adapter AND a.family = 'push'));
+    CREATE POLICY switchboard_store_keys_kept ON inbox_keys FOR UPDATE
+        TO switchboard_ingester, switchboard_receiver
+        USING (true)
+        WITH CHECK (NOT EXISTS (SELECT FROM inbox_keys o
+                                WHERE o.adapter = inbox_keys.adapter
+                                  AND o.idempotency_key = inbox_keys.idempotency_key
+                                  AND o.inbox_id <> inbox_keys.inbox_id));
+    CREATE POLICY switchboard_acker_delete ON inbox_keys FOR DELETE TO switchboard_acker
+        USING (NOT EXISTS (SELECT FROM inbox i
+                           WHERE i.id = inbox_keys.inbox_id
+                             AND (i.ack_state = 'pending'
+                                  OR EXISTS (SELECT FROM ack_queue q WHERE q.inbox_id = i.id)
+                                  OR i.stored_at >= now() - interval '1 hour'
+                                  OR (i.stored_at >= now() - interval '3 days'
+                                      AND NOT EXISTS (SELECT FROM adapters a
+                                                      WHERE a.name = i.adapter AND a.family = 'queue')))));
     -- Inbox replay: a rejected row becomes 'stored', with its todo and event.
     -- Any row may be locked: replay locks before it reads the status.
     CREATE POLICY switchboard_operator_replay ON inbox FOR UPDATE TO switchboard_operator

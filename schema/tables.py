@@ -2,9 +2,11 @@
 
 Two dedup layers live here as unique indexes:
 
-* ``uq_inbox_native_key``: a message with a native id (a stream entry) is
-  stored once per adapter for as long as inbox rows are retained, so a late
-  redelivery (after the todo finished) creates nothing new.
+* ``inbox_keys``: a message with a native id (a stream entry) is stored
+  once per adapter for as long as its inbox row is retained, so a late
+  redelivery (after the todo finished) creates nothing new. A table of its
+  own: the inbox is partitioned, and a unique index there could not span
+  its partitions.
 * ``uq_ack_queue_body``: a message without a native id (list item) is
   deduped only while an earlier copy on the same processing list still awaits
   its ack (is queued in ``ack_queue``); the copies merge into one inbox row.
@@ -36,6 +38,11 @@ NAMING_CONVENTION = {
 }
 
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+# The history tables (inbox, events, todo_events) are partitioned by ranges
+# of their ids, one partition per period (backhalf.partitions), retired whole.
+PARTITION_BY = "RANGE (id)"
+PARTITIONED_TABLES = ("inbox", "events", "todo_events")
 
 ACK_STATES = ("pending", "acked", "none")
 ACK_AFTER = ("store", "complete")
@@ -137,6 +144,7 @@ todo_events = sa.Table(
     sa.Column("to_status", sa.Text, nullable=False),
     sa.Column("detail", sa.Text),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    postgresql_partition_by=PARTITION_BY,
 )
 sa.Index("ix_todo_events_todo_id", todo_events.c.todo_id)
 
@@ -155,6 +163,7 @@ events = sa.Table(
     sa.Column("todo_id", sa.BigInteger),
     sa.Column("received_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
     sa.CheckConstraint(_one_of("family", EVENT_FAMILIES), name="family"),
+    postgresql_partition_by=PARTITION_BY,
 )
 sa.Index("ix_events_adapter_idempotency_key", events.c.adapter, events.c.idempotency_key)
 sa.Index("ix_events_todo_id", events.c.todo_id)
@@ -221,22 +230,33 @@ inbox = sa.Table(
     sa.CheckConstraint(_one_of("ack_state", ACK_STATES), name="ack_state"),
     sa.CheckConstraint(_one_of("status", INBOX_STATUSES), name="status"),
     sa.CheckConstraint("ack_copies >= 0", name="ack_copies"),
-    # Room on each page for the acker's update of every row: with no index
-    # on ack_state or acked_at (pending intents are found through ack_queue),
-    # that update is HOT, a new row version on the same page and no index
-    # entry anywhere (issue 5).
-    postgresql_with={"fillfactor": INBOX_FILLFACTOR},
+    # Each partition is made with fillfactor INBOX_FILLFACTOR
+    # (backhalf.partitions): room on each page for the acker's update of
+    # every row, which with no index on ack_state or acked_at (pending
+    # intents are found through ack_queue) is HOT, a new row version on the
+    # same page and no index entry anywhere (issue 5). A partitioned table
+    # itself holds no storage, so no storage parameter.
+    postgresql_partition_by=PARTITION_BY,
 )
 
 INBOX_NATIVE_PREDICATE = inbox.c.source_message_id.isnot(None)
 
-sa.Index(
-    "uq_inbox_native_key",
-    inbox.c.adapter,
-    inbox.c.idempotency_key,
-    unique=True,
-    postgresql_where=INBOX_NATIVE_PREDICATE,
+# The native keys the inbox holds: one row per (adapter, key) of a message
+# with a native id (a stream entry, a JetStream sequence, an SQS MessageId),
+# naming its inbox row. A unique index of a partitioned table must contain
+# its partition key, so the inbox's own could not keep a key unique across
+# partitions (docs/decisions/0005-history-flat-then-partitioned.md): this
+# table does, one probe per key as the index did. Written by the store in
+# the transaction that writes the row, deleted with it (retention).
+inbox_keys = sa.Table(
+    "inbox_keys",
+    metadata,
+    sa.Column("adapter", sa.Text, primary_key=True),
+    sa.Column("idempotency_key", sa.Text, primary_key=True),
+    sa.Column("inbox_id", sa.BigInteger, nullable=False),
 )
+# Retention deletes the keys of the rows it deletes, by their ids.
+sa.Index("ix_inbox_keys_inbox_id", inbox_keys.c.inbox_id)
 # The acker's cursor walks an adapter's rows in (ack_xid, id) order. The
 # acker's mark changes neither column, so it stays a HOT update.
 sa.Index(
@@ -246,16 +266,11 @@ sa.Index(
     inbox.c.id,
     postgresql_where=inbox.c.ack_xid.isnot(None),
 )
-# A list item's or pub/sub message's rows (no native id) by key, for trace:
-# without it, tracing one was a scan of the whole inbox (issue 45). Stream
-# entries' rows are in uq_inbox_native_key instead, so a stream insert pays
-# for no entry here.
-sa.Index(
-    "ix_inbox_body_key",
-    inbox.c.adapter,
-    inbox.c.idempotency_key,
-    postgresql_where=inbox.c.source_message_id.is_(None),
-)
+# Every row by key, for trace and the operators' reads (the store's dedup
+# reads inbox_keys, not this). A list item's or pub/sub message's rows have
+# no other way in: without it, tracing one was a scan of the whole inbox
+# (issue 45).
+sa.Index("ix_inbox_adapter_key", inbox.c.adapter, inbox.c.idempotency_key)
 # There is no index on inbox.todo_id: the audit views join the other way,
 # through the todos primary key, and every index entry costs on the hot insert.
 sa.Index("ix_inbox_rejected", inbox.c.adapter, inbox.c.id, postgresql_where=inbox.c.status == "rejected")

@@ -29,17 +29,23 @@ from faststream import AckPolicy
 from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisBatchStreamMessage
 
-# Inbox first; todos and events only for the rows it inserted.
+# The native key first (inbox_keys, as the store claims it), the inbox row
+# under the id it took; todos and events only for the rows it inserted.
 STORE_SQL = """
 WITH u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[])
         WITH ORDINALITY AS u(k, m, b, p, n)
+), keyed AS (
+    INSERT INTO inbox_keys (adapter, idempotency_key, inbox_id)
+    SELECT 'bench', u.k, nextval(pg_get_serial_sequence('inbox', 'id')) FROM u ORDER BY u.n
+    ON CONFLICT (adapter, idempotency_key) DO NOTHING
+    RETURNING idempotency_key, inbox_id
 ), ins AS (
-    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, ack_kind, ack_key,
+    INSERT INTO inbox (id, adapter, idempotency_key, source_message_id, consumer, body, ack_kind, ack_key,
                        ack_group, ack_entry_id, ack_state, status)
-    SELECT 'bench', u.k, u.m, %(consumer)s, u.b, 'xack', %(stream)s, %(group)s, u.m, 'pending', 'stored'
-    FROM u ORDER BY u.n
-    ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL DO NOTHING
+    SELECT keyed.inbox_id, 'bench', u.k, u.m, %(consumer)s, u.b, 'xack', %(stream)s, %(group)s, u.m,
+           'pending', 'stored'
+    FROM u JOIN keyed ON keyed.idempotency_key = u.k ORDER BY u.n
     RETURNING id, idempotency_key
 ), t AS (
     INSERT INTO todos (queue, idempotency_key, payload)

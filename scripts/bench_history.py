@@ -36,9 +36,12 @@ from ingest.embedded.servers import PostgresServer, embedded_servers, packaged_p
 
 ROUNDS = 3
 
+# Every table that holds the history's rows: the partitions (a partitioned
+# table holds none itself), todos, and the native keys.
 SIZES = """
-SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)
-FROM pg_class c WHERE c.relname IN ('inbox', 'events', 'todos', 'todo_events') AND c.relkind IN ('r', 'p')
+SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c
+WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace
+  AND c.relname ~ '^(inbox|events|todos|todo_events|inbox_keys)(_p[0-9]{6})?$'
 """
 
 
@@ -50,7 +53,8 @@ def fill(url: str, rows: int, days: int) -> float:
         print(f"  history: {done:,} of {rows:,} ({time.perf_counter() - started:,.0f} s)", flush=True)
 
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        history.fill(conn, rows, days=days, on_chunk=progress)
+        # Each day's rows in partitions of their own, as the acker leaves them.
+        history.fill(conn, rows, days=days, on_chunk=progress, by_day=True)
         conn.execute("VACUUM (ANALYZE) inbox, events, todos, todo_events")
         conn.execute("CHECKPOINT")
     return time.perf_counter() - started
@@ -118,21 +122,15 @@ def retention_under_ingest(
     WAL, ingest meanwhile against ``empty_rate``, the tables' size before,
     after and after a VACUUM."""
     before_bytes = table_bytes(url)
-    keep = {"retain_acked_days": keep_days, "retain_rejected_days": keep_days}
     prune_config = config.write_config(
         base / "hist-prune.toml",
         database_url=url,
         adapters=[
-            {
-                "name": "bench",
-                "mode": "stream",
-                "source": bench.STREAM,
-                "queue": "bench",
-                "url": redis_url,
-                **keep,
-            }
+            {"name": "bench", "mode": "stream", "source": bench.STREAM, "queue": "bench", "url": redis_url}
         ],
-        acker={"prune_interval_ms": 0},
+        # The history's partitions past keep_days go whole; the done todos
+        # (not partitioned) row by row.
+        acker={"prune_interval_ms": 0, "retain_history_days": keep_days},
         queues={
             "bench": {
                 "handler": "ingest.embedded.demo_handlers:fulfil",
@@ -169,7 +167,7 @@ def retention_under_ingest(
     r.delete(bench.STREAM)
     after_bytes = table_bytes(url)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        conn.execute("VACUUM inbox, events, todos, todo_events")
+        conn.execute("VACUUM inbox, events, todos, todo_events, inbox_keys")
     vacuumed = table_bytes(url)
     print(f"  retention of all but {keep_days} days, while ingest runs (switchboard prune):")
     for line in (pruned.stdout + pruned.stderr).splitlines():

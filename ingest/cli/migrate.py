@@ -1,17 +1,20 @@
-"""``switchboard migrate``: upgrade the database to the newest migration."""
+"""``switchboard migrate``: upgrade the database to the newest migration,
+then one pass of the history's partitions (``ingest.processes.partitions``)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import Mapping
 
 import structlog
 
 from backhalf import migrate
-from backhalf.db import redact_url
+from backhalf.db import create_engine, redact_url
 from ingest.cli.verb import Subparsers, Verb
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK
+from ingest.processes.partitions import upkeep_once
 
 log = structlog.get_logger("switchboard")
 
@@ -43,7 +46,18 @@ def _seconds(text: str) -> float:
 def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:
     migrate.upgrade(settings.database.url, lock_wait_s=args.lock_wait)
     log.info("migrated", database=redact_url(settings.database.url))
+    # The history's partitions: the owner's to make and drop, so a daily
+    # migrate keeps them where the acker runs as a role that may not.
+    asyncio.run(_upkeep(settings))
     return EXIT_OK
+
+
+async def _upkeep(settings: Settings) -> None:
+    engine = create_engine(settings.database)
+    try:
+        await upkeep_once(engine, settings.acker)
+    finally:
+        await engine.dispose()
 
 
 VERB = Verb(add_parser, run)

@@ -17,9 +17,11 @@ import sys
 from typing import Any
 
 from backhalf.db import create_engine
+from backhalf.partitions import partition_name
 from ingest.cli.verb import Verb, in_loop
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK
+from ingest.processes.partitions import upkeep_once
 from ingest.processes.prune import TABLES, Pruner, WalkResult, walks
 
 # How often a long walk reports on stderr.
@@ -57,14 +59,21 @@ def summarize(results: list[WalkResult]) -> dict[str, dict[str, int]]:
 
 async def run(settings: Settings, args: argparse.Namespace) -> int:
     found = walks(settings)
-    if not found:
+    history = settings.acker.retain_history_days is not None
+    if not found and not history:
         message = (
-            "nothing to prune: no retain_* key is set in [[adapters]] or [queues.*] (rows are kept forever)"
+            "nothing to prune: no retain_* key is set in [[adapters]] or [queues.*], nor [acker]"
+            " retain_history_days (rows are kept forever)"
         )
         print(json.dumps({"dry_run": args.dry_run, "owners": {}}) if args.json else message)
         return EXIT_OK
     engine = create_engine(settings.database)
+    dropped: dict[str, list[str]] = {}
     try:
+        if history and not args.dry_run:
+            # Whole partitions first: what they take, no walk need read.
+            done = await upkeep_once(engine, settings.acker)
+            dropped = {t: [partition_name(t, n) for n in ns] for t, ns in done.dropped.items()}
         pruner = Pruner(
             engine,
             found,
@@ -72,8 +81,12 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
             pause_ms=settings.acker.prune_pause_ms,
             deadline_ms=settings.database.transaction_deadline_ms,
         )
-        results = await pruner.run(
-            dry_run=args.dry_run, progress=_progress, progress_interval_s=PROGRESS_INTERVAL_S
+        results = (
+            await pruner.run(
+                dry_run=args.dry_run, progress=_progress, progress_interval_s=PROGRESS_INTERVAL_S
+            )
+            if found
+            else []
         )
     finally:
         await engine.dispose()
@@ -92,8 +105,15 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
             }
             for r in results
         ]
-        print(json.dumps({"dry_run": args.dry_run, "owners": owners, "walks": walked}, indent=2))
+        print(
+            json.dumps(
+                {"dry_run": args.dry_run, "owners": owners, "walks": walked, "partitions_dropped": dropped},
+                indent=2,
+            )
+        )
         return EXIT_OK
+    for table, names in dropped.items():
+        print(f"history: dropped {table} partitions " + ", ".join(names))
     verb = "would delete" if args.dry_run else "deleted"
     for owner, tables in owners.items():
         print(f"{owner}: {verb} " + ", ".join(f"{table} {n}" for table, n in tables.items()))

@@ -23,10 +23,14 @@ from backhalf.db import DatabaseSettings
 from backhalf.queues import QueueConfig
 from ingest.config.adapter import (
     ADAPTERS,
+    DAY_MS,
     RETENTION,
+    RETENTION_FLOOR_MS,
+    RETENTION_HORIZON_FACTOR,
     adapter_tables,
     is_webhook,
     read_adapters,
+    redelivery_horizon_ms,
     source_identity,
 )
 from ingest.config.adapter import AdapterConfig as AdapterConfig
@@ -37,7 +41,7 @@ from ingest.config.urls import BrokerUrl as BrokerUrl
 from ingest.config.urls import check_redis_url as check_redis_url
 from ingest.config.urls import database_url
 from ingest.config.urls import with_credentials as with_credentials
-from ingest.config.webhook import RECEIVER, WEBHOOKS, ReceiverSettings, read_webhook
+from ingest.config.webhook import RECEIVER, SENDER_RETRY_DAYS, WEBHOOKS, ReceiverSettings, read_webhook
 from ingest.config.webhook import WebhookConfig as WebhookConfig
 from ingest.errors import ConfigError
 
@@ -77,6 +81,7 @@ def _deadline_after_statements(label: str, values: Mapping[str, Any]) -> None:
         )
 
 
+HISTORY = "([History in partitions](operating.md#history-in-partitions))"
 OPERATING_DATABASE = "([operating.md](operating.md#the-database-commits-deadlines-connections))"
 
 # backhalf.db.DatabaseSettings cannot import Key (backhalf never imports
@@ -196,6 +201,19 @@ class AckerSettings:
         int,
         _positive("pause between prune batches, so autovacuum and replicas keep up (0 = none)", zero=True),
     ] = 10
+    # The history tables' partitions (backhalf.partitions, issue 45).
+    retain_history_days: Annotated[
+        float | None,
+        _kept(
+            "days the history (`inbox`, `events`, `todo_events`) is kept: a partition whose newest row is"
+            " older is dropped whole, nothing owed in it; also how long a native id is deduplicated"
+            f" {HISTORY}"
+        ),
+    ] = None
+    partition_hours: Annotated[
+        int,
+        _positive(f"hours of history one partition holds, begun when its first row is this old {HISTORY}"),
+    ] = 24
 
 
 def _handler(where: str, value: Any) -> str:
@@ -435,6 +453,34 @@ def _without_retired(raw: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str,
     return kept, tuple(notices)
 
 
+def _history_covers_redelivery(
+    acker: AckerSettings, adapters: tuple[AdapterConfig, ...], webhooks: tuple[WebhookConfig, ...]
+) -> None:
+    """A native id is deduplicated while its partition is kept: the history
+    must outlast every adapter's redelivery, as an inbox row's retention must
+    (``retain_acked_days``), and a webhook sender's retry span."""
+    days = acker.retain_history_days
+    if days is None:
+        return
+    for cfg in adapters:
+        horizon_ms, keys = redelivery_horizon_ms(
+            {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        )
+        minimum_ms = max(RETENTION_HORIZON_FACTOR * horizon_ms, RETENTION_FLOOR_MS)
+        if days * DAY_MS < minimum_ms:
+            raise ConfigError(
+                f"[acker]: key 'retain_history_days' ({days:g} days) is shorter than adapter {cfg.name!r}"
+                f" can redeliver ({keys} is {horizon_ms} ms): keep at least {minimum_ms / DAY_MS:.6g} days"
+            )
+    for hook in webhooks:
+        span = SENDER_RETRY_DAYS[hook.mode]
+        if days < span:
+            raise ConfigError(
+                f"[acker]: key 'retain_history_days' ({days:g} days) is shorter than webhook adapter"
+                f" {hook.name!r}'s senders retry ({span:g} days): keep at least that"
+            )
+
+
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None = None) -> Settings:
     """``base_dir`` anchors relative paths (the config file's directory)."""
     raw, notices = _without_retired(raw)
@@ -451,6 +497,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     ingest = IngestSettings(**INGEST.read("[ingest]", table(raw, "ingest")))
     _check_inflight_room(ingest, adapters)
     acker = AckerSettings(**ACKER.read("[acker]", table(raw, "acker")))
+    _history_covers_redelivery(acker, adapters, webhooks)
     queues = {name: _queue(name, q) for name, q in table(raw, "queues").items()}
     return Settings(
         database=database,

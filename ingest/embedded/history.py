@@ -20,6 +20,9 @@ from typing import Any
 
 import psycopg
 
+from backhalf import partitions
+from schema.tables import PARTITIONED_TABLES
+
 CHUNK = 250_000
 
 # Row n of ``rows`` was written at this moment (a bound ``days`` and ``rows``).
@@ -73,7 +76,18 @@ SELECT %(adapter)s, $KEY, $ENTRY, 'history-1', convert_to($PAYLOAD::text, 'UTF8'
        %(stream)s, 'switchboard', $ENTRY, 'acked', $AT + interval '5 ms', 'stored',
        %(todo0)s + n - %(first)s, %(event0)s + n - %(first)s, $AT, pg_current_xact_id()::text::int8
 FROM $SERIES ORDER BY n
+RETURNING id
 """)
+_KEYS = """
+INSERT INTO inbox_keys (adapter, idempotency_key, inbox_id)
+SELECT adapter, idempotency_key, id FROM inbox WHERE id >= %(inbox0)s AND id < %(inbox0)s + %(count)s
+"""
+_JUMP = "SELECT setval(pg_get_serial_sequence(%(table)s, 'id'), %(first)s, false)"
+_PARTITIONS = (
+    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+    " WHERE i.inhparent = %(t)s::regclass"
+)
+_LAST_ID = "SELECT pg_sequence_last_value(pg_get_serial_sequence(%(t)s, 'id')::regclass)"
 _CURSOR = """
 INSERT INTO ack_cursors (adapter, xid, inbox_id, cluster)
 SELECT %(adapter)s, max(ack_xid), max(id), (SELECT system_identifier::text FROM pg_control_system())
@@ -92,10 +106,12 @@ def fill(
     queue: str = "bench",
     start: int = 1,
     on_chunk: Any = None,
+    by_day: bool = False,
 ) -> None:
     """Write ``rows`` finished messages (numbered from ``start``) on an
     autocommit connection; the adapter must be registered. ``on_chunk(done)``
-    after each chunk."""
+    after each chunk. ``by_day``: each day's rows in partitions of their
+    own, as a deployment's acker would have begun them, and today's after."""
     base: dict[str, Any] = {
         "rows": start + rows - 1,
         "days": days,
@@ -103,18 +119,46 @@ def fill(
         "stream": stream,
         "queue": queue,
     }
-    for first in range(start, start + rows, CHUNK):
-        span = {**base, "first": first, "last": min(first + CHUNK - 1, start + rows - 1)}
-        with conn.transaction():
-            # Nothing else writes meanwhile, so each identity hands the
-            # chunk consecutive ids: row n's are the first ones plus n - first.
-            span["todo0"] = _first_of(conn.execute(_TODOS, span).fetchall())
-            conn.execute(_TODO_EVENTS, span)
-            span["event0"] = _first_of(conn.execute(_EVENTS, span).fetchall())
-            conn.execute(_INBOX, span)
-        if on_chunk is not None:
-            on_chunk(span["last"] - start + 1)
+    last = start + rows - 1
+    per_day = max(1, -(-rows // max(1, int(days)))) if by_day else rows
+    for day_first in range(start, last + 1, per_day):
+        if by_day:
+            _next_partition(conn)
+        day_last = min(day_first + per_day - 1, last)
+        for first in range(day_first, day_last + 1, CHUNK):
+            span = {**base, "first": first, "last": min(first + CHUNK - 1, day_last)}
+            _chunk(conn, span)
+            if on_chunk is not None:
+                on_chunk(span["last"] - start + 1)
+    if by_day:
+        _next_partition(conn)  # today's rows in a partition of their own
     conn.execute(_CURSOR, {"adapter": adapter})
+
+
+def _chunk(conn: psycopg.Connection[Any], span: dict[str, Any]) -> None:
+    with conn.transaction():
+        # Nothing else writes meanwhile, so each identity hands the chunk
+        # consecutive ids: row n's are the first ones plus n - first.
+        span["todo0"] = _first_of(conn.execute(_TODOS, span).fetchall())
+        conn.execute(_TODO_EVENTS, span)
+        span["event0"] = _first_of(conn.execute(_EVENTS, span).fetchall())
+        span["inbox0"] = _first_of(conn.execute(_INBOX, span).fetchall())
+        conn.execute(_KEYS, {**span, "count": span["last"] - span["first"] + 1})
+
+
+def _next_partition(conn: psycopg.Connection[Any]) -> None:
+    """Each history table's ids from the next partition on (made if
+    missing), as the acker's upkeep does when a period begins."""
+    for table in PARTITIONED_TABLES:
+        numbers = [
+            int(name.rsplit("_p", 1)[1]) for (name,) in conn.execute(_PARTITIONS, {"t": table}).fetchall()
+        ]
+        row = conn.execute(_LAST_ID, {"t": table}).fetchone()
+        n = (partitions.number_of(int(row[0])) if row and row[0] is not None else 0) + 1
+        if n not in numbers:
+            for statement in partitions.create(table, n):
+                conn.execute(statement)
+        conn.execute(_JUMP, {"table": table, "first": partitions.first_id(n)})
 
 
 def _first_of(ids: list[tuple[Any, ...]]) -> int:

@@ -262,14 +262,13 @@ def _log(from_status: str | None, to_status: str, todo: str) -> Sql:
 
 
 def _redelivery(ack_key: str, ack_group: str, entry: str = "1-0", key: str = "k-pending") -> Sql:
-    """store_inbox_native_cte's upsert of a stream entry stored already."""
+    """store_again_cte's update of a stream entry stored already (the row
+    its key names in inbox_keys; here found by its key directly)."""
     return Sql(
-        "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_key, ack_group,"
-        " ack_entry_id, ack_state, status) VALUES ('orders', %(key)s, %(entry)s, '\\x7b7d', 'xack',"
-        " %(ack_key)s, %(ack_group)s, %(entry)s, 'pending', 'stored')"
-        " ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL"
-        " DO UPDATE SET deliveries = inbox.deliveries + 1, ack_key = excluded.ack_key,"
-        " ack_group = excluded.ack_group, ack_state = 'pending', acked_at = NULL, ack_xid = NULL",
+        "UPDATE inbox SET deliveries = inbox.deliveries + 1, ack_key = %(ack_key)s,"
+        " ack_group = %(ack_group)s, ack_entry_id = %(entry)s, ack_state = 'pending', acked_at = NULL,"
+        " ack_xid = NULL"
+        " WHERE adapter = 'orders' AND idempotency_key = %(key)s AND source_message_id IS NOT NULL",
         {"key": key, "entry": entry, "ack_key": ack_key, "ack_group": ack_group},
     )
 

@@ -6,6 +6,9 @@ from alembic.script import ScriptDirectory
 
 from alembic import command
 from backhalf import migrate, queries
+from backhalf.db import DatabaseSettings, create_engine
+from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
+from backhalf.store import store
 from schema import VIEWS
 from tests.support import db
 from tests.support.servers import ServerUrls
@@ -104,7 +107,9 @@ def test_0009_marks_the_queued_list_acks_by_body_and_the_claim_still_hands_out_t
 def test_0010_grants_its_column_to_the_shipped_ingester_role(servers: ServerUrls) -> None:
     """Every store inserts ``inbox.source_attributes``: where ops/roles.sql's
     ingester role exists, the migration grants it the column itself, so an
-    upgraded deployment's stores are not refused until the file runs again."""
+    upgraded deployment's stores are not refused until the file runs again.
+    (0015 makes the inbox anew, partitioned, and says to run the file again:
+    that upgrade stops the ingesters anyway.)"""
     url = db.create_test_database(servers.database, migrated=False)
     try:
         db.query(
@@ -113,7 +118,7 @@ def test_0010_grants_its_column_to_the_shipped_ingester_role(servers: ServerUrls
             " THEN CREATE ROLE switchboard_ingester NOLOGIN; END IF; END $$; SELECT 1",
         )
         migrate.upgrade(url, "0009")
-        migrate.upgrade(url)
+        migrate.upgrade(url, "0014")
         granted = db.scalar(
             url, "SELECT has_column_privilege('switchboard_ingester', 'inbox', 'source_attributes', 'INSERT')"
         )
@@ -161,3 +166,54 @@ def test_0013_leaves_an_older_versions_todos_claimable_and_its_runs_to_their_lea
         migrate.check(url)
     finally:
         db.drop_test_database(servers.database, url)
+
+
+async def test_0015_moves_a_filled_history_into_partitions_and_keeps_its_dedup(servers: ServerUrls) -> None:
+    """An installation at 0014 with rows: after 0015 every row is there
+    under its id (partition 0), every native key in inbox_keys, a
+    redelivery of a stored entry dedups to its row, and a new one lands in
+    the current partition; and back down to 0014 with the rows."""
+    url = db.create_test_database(servers.database, migrated=False)
+    try:
+        migrate.upgrade(url, "0014")
+        db.query(url, "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')")
+        db.query(
+            url,
+            "INSERT INTO inbox (adapter, idempotency_key, source_message_id, body, ack_kind, ack_state,"
+            " status) SELECT 'orders', 'redis:orders:' || g || '-0', g || '-0', '\\x7b7d', 'xack',"
+            " 'acked', 'stored'"
+            " FROM generate_series(1, 500) g",
+        )
+        db.query(
+            url,
+            "INSERT INTO events (family, adapter, trust_mode, verified, idempotency_key, payload)"
+            " SELECT 'queue', 'orders', 'queue', false, 'k' || g, '{}' FROM generate_series(1, 500) g",
+        )
+        before = db.query(url, "SELECT id, idempotency_key FROM inbox ORDER BY id")
+        migrate.upgrade(url)
+        migrate.check(url)
+        assert db.query(url, "SELECT id, idempotency_key FROM inbox ORDER BY id") == before
+        assert db.scalar(url, "SELECT count(*) FROM inbox_p000000") == 500
+        assert db.scalar(url, "SELECT count(*) FROM inbox_keys") == 500
+        engine = create_engine(DatabaseSettings(url=url))
+        try:
+            async with engine.begin() as conn:
+                result = await store(conn, _batch("7-0", "501-0"))
+        finally:
+            await engine.dispose()
+        assert (result.new, result.redelivered) == (1, 1)
+        assert db.scalar(url, "SELECT deliveries FROM inbox WHERE idempotency_key = 'redis:orders:7-0'") == 2
+        assert db.scalar(url, "SELECT max(id) FROM events") == 501  # the identity moved past the old ids
+        command.downgrade(migrate.alembic_config(url), "0014")
+        assert db.scalar(url, "SELECT count(*) FROM inbox") == 501
+        assert db.scalar(url, "SELECT pg_get_serial_sequence('inbox', 'id')") == "public.inbox_id_seq"
+    finally:
+        db.drop_test_database(servers.database, url)
+
+
+def _batch(*entries: str) -> StoreBatch:
+    records = tuple(InboxRecord(f"redis:orders:{e}", e, b"{}", "{}", ack_ref=e) for e in entries)
+    return StoreBatch(
+        "orders", "orders", "c1", "store", AckTarget("xack", "orders", "switchboard", by_cursor=True),
+        Provenance("queue", "queue", False, "redis acl: default"), records,
+    )  # fmt: skip

@@ -46,11 +46,32 @@ def test_every_statement_that_creates_todos_embeds_the_one_definition() -> None:
     assert "INSERT INTO todos" not in BLOCKS["store_rows_cte"] + BLOCKS["store_events_cte"]
 
 
-def test_the_two_inbox_inserts_differ_only_in_the_native_conflict_clause() -> None:
-    native = BLOCKS["store_inbox_native_cte"]
-    conflict = re.search(r"\n    ON CONFLICT .*?(?=\n    RETURNING)", native, re.DOTALL)
-    assert conflict is not None
-    assert native.replace(conflict[0], "") == BLOCKS["store_inbox_body_cte"]
+def _insert_parts(block: str) -> tuple[list[str], str]:
+    """An inbox insert's columns and the select list that fills them."""
+    found = re.search(r"INSERT INTO inbox \((.*?)\)\s*SELECT (.*?)\n    FROM", block, re.DOTALL)
+    assert found is not None
+    return [c.strip() for c in found[1].split(",")], " ".join(found[2].split())
+
+
+def test_the_two_inbox_inserts_write_the_same_columns_the_native_one_its_keys_id() -> None:
+    native_columns, native_values = _insert_parts(BLOCKS["store_inbox_native_cte"])
+    body_columns, body_values = _insert_parts(BLOCKS["store_inbox_body_cte"])
+    assert native_columns == ["id", *body_columns]
+    assert native_values == "keyed.inbox_id, " + body_values
+
+
+def test_a_redelivery_sets_what_the_insert_would_have() -> None:
+    """store_again_cte's update takes each column from the message as the
+    insert would (excluded.* in the ON CONFLICT it replaced)."""
+    again = " ".join(BLOCKS["store_again_cte"].split())
+    for assignment in (
+        "consumer = %(consumer)s",
+        "ack_key = coalesce(r.ak, %(ack_key)s)",
+        "ack_group = %(ack_group)s",
+        "ack_entry_id = CASE WHEN %(entry_is_id)s THEN r.m ELSE r.e END",
+        "ack_xid = CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END",
+    ):
+        assert assignment in again, assignment
 
 
 def test_the_store_writes_in_lock_order() -> None:

@@ -949,8 +949,8 @@ def test_a_broker_url_lacking_its_credentials_is_no_string_in_the_settings() -> 
          " enabled_refresh_ms, max_batch_bytes, max_inflight_bytes, shutdown_timeout_s)"),
         ({"acker": {"bogus": 1}},
          "[acker]: unknown key 'bogus' (allowed: backoff_initial_ms, backoff_max_ms, batch_size,"
-         " poll_interval_ms, prune_batch_size, prune_interval_ms, prune_pause_ms, rescue_interval_ms,"
-         " shutdown_timeout_s)"),
+         " partition_hours, poll_interval_ms, prune_batch_size, prune_interval_ms, prune_pause_ms,"
+         " rescue_interval_ms, retain_history_days, shutdown_timeout_s)"),
         ({"queues": {"q": {"handler": "m:f", "bogus": 1}}},
          "[queues.q]: unknown key 'bogus' (allowed: handler, max_attempts, max_backoff_ms, min_backoff_ms,"
          " retain_done_days, retain_failed_days, time_limit_ms)"),

@@ -24,32 +24,46 @@ ev AS (
     FROM u JOIN t ON t.idempotency_key = u.k
     RETURNING id, idempotency_key, todo_id
 ),
-written AS (
-    INSERT INTO inbox (adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
+keyed AS (
+    INSERT INTO inbox_keys AS k (adapter, idempotency_key, inbox_id)
+    SELECT %(adapter)s, u.k, nextval(pg_get_serial_sequence('inbox', 'id')) FROM u ORDER BY u.n
+    ON CONFLICT (adapter, idempotency_key) DO UPDATE SET inbox_id = k.inbox_id
+    RETURNING k.idempotency_key, k.inbox_id, (k.xmax = 0) AS fresh
+),
+fresh AS (
+    INSERT INTO inbox (id, adapter, idempotency_key, source_message_id, consumer, body, body_size, body_sha256,
                        ack_kind, ack_key, ack_group, ack_entry_id, ack_copies, ack_after,
                        ack_state, deliveries, status, error, todo_id, event_id, ack_xid, source_attributes)
-    SELECT %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
+    SELECT keyed.inbox_id, %(adapter)s, u.k, u.m, %(consumer)s, u.b, u.bs, u.bh,
            %(ack_kind)s, coalesce(u.ak, %(ack_key)s), %(ack_group)s,
            CASE WHEN %(entry_is_id)s THEN u.m ELSE u.e END, coalesce(u.c, 1), %(ack_after)s,
            %(ack_state)s, coalesce(u.d, 1), CASE WHEN u.err IS NULL THEN 'stored' ELSE 'rejected' END, u.err,
            ev.todo_id, ev.id, CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END,
            u.sa::jsonb
-    FROM u LEFT JOIN ev ON ev.idempotency_key = u.k
+    FROM u JOIN keyed ON keyed.idempotency_key = u.k AND keyed.fresh
+    LEFT JOIN ev ON ev.idempotency_key = u.k
     ORDER BY u.n
-    ON CONFLICT (adapter, idempotency_key) WHERE source_message_id IS NOT NULL
-    DO UPDATE SET deliveries = GREATEST(inbox.deliveries + 1, excluded.deliveries),
-                  consumer = excluded.consumer,
-                  ack_key = excluded.ack_key,
-                  ack_group = excluded.ack_group,
-                  ack_entry_id = excluded.ack_entry_id,
-                  ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
-                  acked_at = NULL,
-                  ack_xid = excluded.ack_xid
-    WHERE %(id_names_message)s
-       OR coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(excluded.body_sha256, sha256(excluded.body))
-       OR starts_with(excluded.error, 'lost_before_ingest')
-    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id,
-              (xmax = 0) AS inserted
+    RETURNING id, adapter, idempotency_key, ack_kind, ack_key, ack_state, ack_after, todo_id, true AS inserted
+),
+again AS (
+    UPDATE inbox SET deliveries = GREATEST(inbox.deliveries + 1, coalesce(r.d, 1)),
+                     consumer = %(consumer)s,
+                     ack_key = coalesce(r.ak, %(ack_key)s),
+                     ack_group = %(ack_group)s,
+                     ack_entry_id = CASE WHEN %(entry_is_id)s THEN r.m ELSE r.e END,
+                     ack_state = CASE WHEN inbox.ack_kind = 'none' THEN 'none' ELSE 'pending' END,
+                     acked_at = NULL,
+                     ack_xid = CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END
+    FROM (SELECT u.*, keyed.inbox_id FROM u JOIN keyed ON keyed.idempotency_key = u.k AND NOT keyed.fresh) AS r
+    WHERE inbox.id = r.inbox_id AND inbox.adapter = %(adapter)s AND inbox.idempotency_key = r.k
+      AND (%(id_names_message)s
+           OR coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(r.bh, sha256(r.b))
+           OR starts_with(r.err, 'lost_before_ingest'))
+    RETURNING inbox.id, inbox.adapter, inbox.idempotency_key, inbox.ack_kind, inbox.ack_key, inbox.ack_state,
+              inbox.ack_after, inbox.todo_id, false AS inserted
+),
+written AS (
+    SELECT * FROM fresh UNION ALL SELECT * FROM again
 ),
 still_active AS (
     SELECT id FROM todos

@@ -1,0 +1,361 @@
+"""The history tables' partitions (issue 45,
+docs/decisions/0005-history-flat-then-partitioned.md).
+
+``inbox``, ``events`` and ``todo_events`` are partitioned by ranges of
+their ids: partition ``n`` of a table, ``{table}_p{n:06d}``, holds the ids
+``[n * PERIOD_IDS, (n + 1) * PERIOD_IDS)`` (partition 0 from the lowest id:
+every row written before the tables were partitioned). Ids are handed out
+in order by each table's identity, so a partition holds one span of time,
+and a lookup by id reaches one partition.
+
+A new partition is made as a plain table with a ``CHECK`` of its bounds and
+then attached: PostgreSQL then neither scans it nor blocks the writers of
+the parent, which a ``CREATE TABLE ... PARTITION OF`` would. Its indexes,
+constraints and foreign key come from the parent on attach.
+
+The statements are DDL, which takes no bound parameters: the names are
+built from :data:`schema.tables.PARTITIONED_TABLES` and the bounds are
+integers computed here, never a runtime value from outside.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from schema.tables import INBOX_FILLFACTOR, PARTITIONED_TABLES
+
+PERIOD_IDS = 1 << 40  # ids a partition holds: 1.1e12, past any period's rows
+# The storage parameters each partition of a table is made with (a
+# partitioned table holds none itself).
+_STORAGE = {"inbox": {"fillfactor": INBOX_FILLFACTOR}}
+
+
+def partition_name(table: str, n: int) -> str:
+    if table not in PARTITIONED_TABLES or n < 0:
+        raise ValueError(f"no partition {n} of {table!r}")
+    return f"{table}_p{n:06d}"
+
+
+def first_id(n: int) -> int:
+    """The lowest id partition ``n`` holds (partition 0: from the lowest of all)."""
+    return n * PERIOD_IDS
+
+
+def number_of(row_id: int) -> int:
+    """The partition an id belongs to."""
+    return max(0, row_id // PERIOD_IDS)
+
+
+def id_bounds(ids: list[int]) -> dict[str, int | None]:
+    """The lowest and highest of ``ids``: bound parameters that let PostgreSQL
+    read only the partitions between them (an ``= ANY(array)`` alone is
+    looked up in every partition; decision 0005)."""
+    return {"low_id": min(ids, default=None), "high_id": max(ids, default=None)}
+
+
+def _bound(n: int) -> sql.Composable:
+    return sql.SQL("MINVALUE") if n == 0 else sql.Literal(first_id(n))
+
+
+def create(table: str, n: int) -> list[sql.Composed]:
+    """The statements that make partition ``n`` of ``table`` and attach it."""
+    name = sql.Identifier(partition_name(table, n))
+    parent = sql.Identifier(table)
+    storage = _STORAGE.get(table, {})
+    with_ = (
+        sql.SQL(" WITH ({})").format(
+            sql.SQL(", ").join(
+                sql.SQL("{} = {}").format(sql.SQL(k), sql.Literal(v)) for k, v in storage.items()
+            )
+        )
+        if storage
+        else sql.SQL("")
+    )
+    low = sql.SQL("") if n == 0 else sql.SQL("id >= {} AND ").format(sql.Literal(first_id(n)))
+    check = sql.Identifier(f"{partition_name(table, n)}_bounds")
+    return [
+        sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS){}").format(
+            name, parent, with_
+        ),
+        sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({}id < {})").format(
+            name, check, low, sql.Literal(first_id(n + 1))
+        ),
+        sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
+            parent, name, _bound(n), sql.Literal(first_id(n + 1))
+        ),
+        # Redundant once attached (the partition's bound says the same).
+        sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(name, check),
+    ]
+
+
+def attach_existing(table: str, old: str) -> list[sql.Composed]:
+    """Attach ``old`` (a plain table with ``table``'s columns, every id below
+    partition 1's first) as partition 0 of ``table``."""
+    # The attach reads every row once, to check its bound.
+    return [
+        sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM (MINVALUE) TO ({})").format(
+            sql.Identifier(table), sql.Identifier(old), sql.Literal(first_id(1))
+        )
+    ]
+
+
+# --- Upkeep: partitions ahead, a new period begun, old ones retired ----------------------------
+
+# Each table's moment column: when its row was written.
+_WRITTEN_AT = {"inbox": "stored_at", "events": "received_at", "todo_events": "created_at"}
+AHEAD = 2  # empty partitions kept ready past the current one
+UPKEEP_LOCK = 0x5B_0045  # the session advisory lock one pass holds (backhalf.migrate's is another)
+UPKEEP_STATEMENT_TIMEOUT = "10min"
+# A partition past its retention that still holds something owed (an ack
+# pending) is looked at again only this often: each look reads it whole.
+OWED_RECHECK_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Upkeep:
+    """What one pass did, per table: partitions made, the period begun
+    (the new current partition), partitions dropped; and what it could not
+    do for want of the tables' ownership (a process role that does not own
+    them: ``switchboard migrate``'s role must)."""
+
+    made: dict[str, list[int]] = field(default_factory=dict)
+    begun: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, list[int]] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+
+
+def _partitions_sql() -> sql.Composed:
+    return sql.SQL(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+        " WHERE i.inhparent = {}::regclass"
+    ).format(sql.Placeholder("parent"))
+
+
+async def _numbers(cur: psycopg.AsyncCursor[Any], table: str) -> list[int]:
+    await cur.execute(_partitions_sql(), {"parent": table})
+    prefix = f"{table}_p"
+    return sorted(int(name[len(prefix) :]) for (name,) in await cur.fetchall() if name.startswith(prefix))
+
+
+async def _sequence_at(cur: psycopg.AsyncCursor[Any], table: str) -> int:
+    """Where the table's identity stands: its ``last_value``, read from the
+    sequence itself (``pg_sequence_last_value`` answers NULL right after a
+    ``setval(..., false)``, which is how a period begins)."""
+    await cur.execute(
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.oid = pg_get_serial_sequence(%(table)s, 'id')::regclass",
+        {"table": table},
+    )
+    row = await cur.fetchone()
+    if row is None:
+        raise ValueError(f"{table} has no identity")
+    await cur.execute(sql.SQL("SELECT last_value FROM {}").format(sql.Identifier(str(row[0]), str(row[1]))))
+    value = await cur.fetchone()
+    return int(value[0]) if value else 0
+
+
+async def _first_row_at(
+    cur: psycopg.AsyncCursor[Any], table: str, n: int, *, newest: bool
+) -> datetime | None:
+    """When partition ``n``'s first (or newest) row was written, by its id: one probe."""
+    order = sql.SQL("DESC" if newest else "ASC")
+    await cur.execute(
+        sql.SQL("SELECT {} FROM {} WHERE id >= %(lo)s AND id < %(hi)s ORDER BY id {} LIMIT 1").format(
+            sql.Identifier(_WRITTEN_AT[table]), sql.Identifier(table), order
+        ),
+        {"lo": first_id(n) if n else -(2**63), "hi": first_id(n + 1)},
+    )
+    row = await cur.fetchone()
+    return None if row is None else row[0]
+
+
+async def _owed(cur: psycopg.AsyncCursor[Any], n: int) -> bool:
+    """Does inbox partition ``n`` hold a row whose ack is still owed?"""
+    params = {"lo": first_id(n) if n else -(2**63), "hi": first_id(n + 1)}
+    await cur.execute(
+        "SELECT EXISTS (SELECT FROM ack_queue WHERE inbox_id >= %(lo)s AND inbox_id < %(hi)s)"
+        " OR EXISTS (SELECT FROM inbox WHERE id >= %(lo)s AND id < %(hi)s AND ack_state = 'pending')",
+        params,
+    )
+    row = await cur.fetchone()
+    return bool(row and row[0])
+
+
+async def upkeep(
+    pg: psycopg.AsyncConnection[Any],
+    *,
+    period: timedelta,
+    keep: timedelta | None,
+    owed_seen: dict[tuple[str, int], float] | None = None,
+) -> Upkeep:
+    """One pass over the history tables, on an autocommit connection: the
+    partitions ahead made; with ``keep``, a new period begun where the
+    current one's first row is ``period`` old, and every partition before
+    the current one whose newest row is older than ``keep`` dropped, unless
+    an ack in it is still owed. Without ``keep`` no period begins: the
+    partitions would only multiply the probes of lookups not by id.
+    ``owed_seen``: when each such partition was last found owing (kept by
+    the caller between passes), so it is read again only every
+    :data:`OWED_RECHECK_S`. One pass at a time (two ackers, a migrate):
+    under a session advisory lock, or none at all."""
+    done = Upkeep()
+    seen = owed_seen if owed_seen is not None else {}
+    async with pg.cursor() as cur:
+        await cur.execute("SELECT pg_try_advisory_lock(%(key)s)", {"key": UPKEEP_LOCK})
+        row = await cur.fetchone()
+        if not (row and row[0]):
+            return done
+        # Bounded, but longer than a request's: a partition's owed check
+        # reads it whole, and a detach waits for the transactions before it.
+        await cur.execute(
+            "SELECT set_config('statement_timeout', %(t)s, false)", {"t": UPKEEP_STATEMENT_TIMEOUT}
+        )
+        try:
+            owner = await _owns_history(cur)
+            for table in PARTITIONED_TABLES:
+                await _upkeep_table(cur, pg, table, period, keep, done, seen, owner=owner)
+        finally:
+            await cur.execute("RESET statement_timeout")
+            await cur.execute("SELECT pg_advisory_unlock(%(key)s)", {"key": UPKEEP_LOCK})
+    return done
+
+
+async def _owns_history(cur: psycopg.AsyncCursor[Any]) -> bool:
+    """May this session make and drop the history's partitions (is it, or
+    is it a member of, the tables' owner)?"""
+    await cur.execute(
+        "SELECT bool_and(pg_has_role(current_user, c.relowner, 'USAGE')) FROM pg_class c"
+        " WHERE c.oid IN ('inbox'::regclass, 'events'::regclass, 'todo_events'::regclass)"
+    )
+    row = await cur.fetchone()
+    return bool(row and row[0])
+
+
+async def _upkeep_table(
+    cur: psycopg.AsyncCursor[Any],
+    pg: psycopg.AsyncConnection[Any],
+    table: str,
+    period: timedelta,
+    keep: timedelta | None,
+    done: Upkeep,
+    owed_seen: dict[tuple[str, int], float],
+    *,
+    owner: bool,
+) -> None:
+    if not owner:
+        done.refused.append(table)
+    else:
+        await _finish_interrupted(cur, table)
+    numbers = await _numbers(cur, table)
+    current = number_of(await _sequence_at(cur, table))
+    for n in range(current + 1, current + 1 + AHEAD):
+        if n not in numbers and owner:
+            async with pg.transaction():  # all of it or nothing: no half-made partition
+                for statement in create(table, n):
+                    await cur.execute(statement)
+            done.made.setdefault(table, []).append(n)
+            numbers.append(n)
+    if keep is None:
+        # Nothing is ever dropped: one partition holds it all, and lookups
+        # not by id (a todo's history, a key) probe one partition, not one
+        # per period since the start.
+        return
+    began = await _first_row_at(cur, table, current, newest=False)
+    if began is not None and current + 1 in numbers and await _older_than(cur, began, period):
+        # The identity moves to the next partition's first id: every id
+        # handed out from now on lands there (ids already drawn finish in
+        # the partition they belong to). Only forward, under the lock.
+        if await _sequence_at(cur, table) < first_id(current + 1):
+            await cur.execute(
+                "SELECT setval(pg_get_serial_sequence(%(table)s, 'id'), %(next)s, false)",
+                {"table": table, "next": first_id(current + 1)},
+            )
+            done.begun[table] = current + 1
+        current += 1
+    if not owner:
+        return
+    for n in (m for m in numbers if m < current):
+        newest = await _first_row_at(cur, table, n, newest=True)
+        if newest is not None and not await _older_than(cur, newest, keep):
+            break  # the later ones are newer still
+        if table == "inbox" and not await _release_keys(cur, pg, n, owed_seen):
+            continue
+        await _retire(cur, table, n)
+        done.dropped.setdefault(table, []).append(n)
+
+
+async def _finish_interrupted(cur: psycopg.AsyncCursor[Any], table: str) -> None:
+    """A pass cut off mid-way: a detach left pending is finished, and a
+    partition detached but not dropped (or made but not attached) is
+    dropped. Each is of this module's names, and empty of anything owed:
+    only a retirement detaches."""
+    await cur.execute(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+        " WHERE i.inhparent = %(t)s::regclass AND i.inhdetachpending",
+        {"t": table},
+    )
+    for (name,) in await cur.fetchall():
+        await cur.execute(
+            sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(
+                sql.Identifier(table), sql.Identifier(str(name))
+            )
+        )
+    await cur.execute(
+        "SELECT c.relname FROM pg_class c WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace"
+        " AND c.relname ~ ('^' || %(t)s || '_p[0-9]{6}$') AND NOT c.relispartition",
+        {"t": table},
+    )
+    for (name,) in await cur.fetchall():
+        await cur.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(str(name))))
+
+
+async def _release_keys(
+    cur: psycopg.AsyncCursor[Any],
+    pg: psycopg.AsyncConnection[Any],
+    n: int,
+    owed_seen: dict[tuple[str, int], float],
+) -> bool:
+    """Delete inbox partition ``n``'s native keys, unless an ack in it is
+    owed. In one transaction with a check after the delete: a store holding
+    one of the keys (a late redelivery) is waited for, and a row it made
+    pending again is then seen, and the keys stay. With the keys gone no
+    store reaches the partition's rows. False: kept."""
+    seen = owed_seen.get(("inbox", n))
+    if seen is not None and time.monotonic() - seen < OWED_RECHECK_S:
+        return False
+    lo, hi = (first_id(n) if n else -(2**63)), first_id(n + 1)
+    owing: list[bool] = []  # set inside: the transaction block swallows its Rollback
+    async with pg.transaction():
+        await cur.execute(
+            "DELETE FROM inbox_keys WHERE inbox_id >= %(lo)s AND inbox_id < %(hi)s", {"lo": lo, "hi": hi}
+        )
+        if await _owed(cur, n):
+            owing.append(True)
+            raise psycopg.Rollback  # the keys stay
+    if owing:
+        owed_seen[("inbox", n)] = time.monotonic()
+        return False
+    owed_seen.pop(("inbox", n), None)
+    return True
+
+
+async def _retire(cur: psycopg.AsyncCursor[Any], table: str, n: int) -> None:
+    """Detach partition ``n`` without blocking the table's writers, then drop it."""
+    name = sql.Identifier(partition_name(table, n))
+    await cur.execute(
+        sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.Identifier(table), name)
+    )
+    await cur.execute(sql.SQL("DROP TABLE {}").format(name))
+
+
+async def _older_than(cur: psycopg.AsyncCursor[Any], moment: datetime, age: timedelta) -> bool:
+    """By the database's clock, as every cutoff of ours."""
+    await cur.execute("SELECT %(moment)s < now() - %(age)s", {"moment": moment, "age": age})
+    row = await cur.fetchone()
+    return bool(row and row[0])
