@@ -224,7 +224,10 @@ fresh AS (
 
 -- name: store_again_cte
 -- The redeliveries of stored keys (see store_inbox_native_cte), each row
--- reached by its id: one partition, one probe. The row must hold the key
+-- reached by its id through the primary key (``= ANY(ARRAY(...))``: index
+-- probes whatever the statistics say; joined plainly, a new database's
+-- inbox, small when analyzed, was read whole by every store as it grew),
+-- none at all for a batch of first deliveries. The row must hold the key
 -- that named it: a key pointing elsewhere (forged, or left behind) never
 -- moves another message's ack.
 again AS (
@@ -237,7 +240,8 @@ again AS (
                      acked_at = NULL,
                      ack_xid = CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END
     FROM (SELECT u.*, keyed.inbox_id FROM u JOIN keyed ON keyed.idempotency_key = u.k AND NOT keyed.fresh) AS r
-    WHERE inbox.id = r.inbox_id AND inbox.adapter = %(adapter)s AND inbox.idempotency_key = r.k
+    WHERE inbox.id = ANY(ARRAY(SELECT inbox_id FROM keyed WHERE NOT fresh))
+      AND inbox.id = r.inbox_id AND inbox.adapter = %(adapter)s AND inbox.idempotency_key = r.k
       AND (%(id_names_message)s
            OR coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(r.bh, sha256(r.b))
            OR starts_with(r.err, 'lost_before_ingest'))

@@ -19,7 +19,8 @@ again AS (
                      acked_at = NULL,
                      ack_xid = CASE WHEN %(by_cursor)s THEN (SELECT pg_current_xact_id()::text::int8) END
     FROM (SELECT u.*, keyed.inbox_id FROM u JOIN keyed ON keyed.idempotency_key = u.k AND NOT keyed.fresh) AS r
-    WHERE inbox.id = r.inbox_id AND inbox.adapter = %(adapter)s AND inbox.idempotency_key = r.k
+    WHERE inbox.id = ANY(ARRAY(SELECT inbox_id FROM keyed WHERE NOT fresh))
+      AND inbox.id = r.inbox_id AND inbox.adapter = %(adapter)s AND inbox.idempotency_key = r.k
       AND (%(id_names_message)s
            OR coalesce(inbox.body_sha256, sha256(inbox.body)) = coalesce(r.bh, sha256(r.b))
            OR starts_with(r.err, 'lost_before_ingest'))
