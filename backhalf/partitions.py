@@ -211,17 +211,21 @@ async def upkeep(
         row = await cur.fetchone()
         if not (row and row[0]):
             return done
-        # Bounded, but longer than a request's: a partition's owed check
-        # reads it whole, and a detach waits for the transactions before it.
-        await cur.execute(
-            "SELECT set_config('statement_timeout', %(t)s, false)", {"t": UPKEEP_STATEMENT_TIMEOUT}
-        )
         try:
+            # Bounded, but longer than a request's: a partition's owed check
+            # reads it whole, and a detach waits (a lock wait) for the
+            # transactions before it.
+            await cur.execute(
+                "SELECT set_config('statement_timeout', %(t)s, false),"
+                " set_config('lock_timeout', %(t)s, false)",
+                {"t": UPKEEP_STATEMENT_TIMEOUT},
+            )
             owner = await _owns_history(cur)
             for table in PARTITIONED_TABLES:
                 await _upkeep_table(cur, pg, table, period, keep, done, seen, owner=owner)
         finally:
             await cur.execute("RESET statement_timeout")
+            await cur.execute("RESET lock_timeout")
             await cur.execute("SELECT pg_advisory_unlock(%(key)s)", {"key": UPKEEP_LOCK})
     return done
 
@@ -266,6 +270,10 @@ async def _upkeep_table(
         # not by id (a todo's history, a key) probe one partition, not one
         # per period since the start.
         return
+    # Only partitions that were behind the current one before this pass go:
+    # one this pass moved the ids away from may still get rows from ids
+    # drawn before the move (a store in flight).
+    behind = current
     began = await _first_row_at(cur, table, current, newest=False)
     if began is not None and current + 1 in numbers and await _older_than(cur, began, period):
         # The identity moves to the next partition's first id: every id
@@ -280,7 +288,7 @@ async def _upkeep_table(
         current += 1
     if not owner:
         return
-    for n in (m for m in numbers if m < current):
+    for n in (m for m in numbers if m < behind):
         newest = await _first_row_at(cur, table, n, newest=True)
         if newest is not None and not await _older_than(cur, newest, keep):
             break  # the later ones are newer still
@@ -291,10 +299,11 @@ async def _upkeep_table(
 
 
 async def _finish_interrupted(cur: psycopg.AsyncCursor[Any], table: str) -> None:
-    """A pass cut off mid-way: a detach left pending is finished, and a
-    partition detached but not dropped (or made but not attached) is
-    dropped. Each is of this module's names, and empty of anything owed:
-    only a retirement detaches."""
+    """A pass cut off mid-way: a detach left pending is finished, and an
+    empty table of a partition's name that is not attached is dropped. One
+    with rows is left alone (an operator's archive and a failed restore
+    look the same as a retirement cut off between its detach and its drop:
+    that one is dropped by hand, docs/operating.md)."""
     await cur.execute(
         "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
         " WHERE i.inhparent = %(t)s::regclass AND i.inhdetachpending",
@@ -312,7 +321,12 @@ async def _finish_interrupted(cur: psycopg.AsyncCursor[Any], table: str) -> None
         {"t": table},
     )
     for (name,) in await cur.fetchall():
-        await cur.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(str(name))))
+        stray = sql.Identifier(str(name))
+        await cur.execute(sql.SQL("SELECT EXISTS (SELECT FROM {})").format(stray))
+        row = await cur.fetchone()
+        if row and row[0]:
+            continue  # rows in it: not ours to judge (an operator's archive, a failed restore)
+        await cur.execute(sql.SQL("DROP TABLE {}").format(stray))
 
 
 async def _release_keys(
@@ -330,6 +344,9 @@ async def _release_keys(
     if seen is not None and time.monotonic() - seen < OWED_RECHECK_S:
         return False
     lo, hi = (first_id(n) if n else -(2**63)), first_id(n + 1)
+    if await _owed(cur, n):  # read-only first: no delete of every key to undo
+        owed_seen[("inbox", n)] = time.monotonic()
+        return False
     owing: list[bool] = []  # set inside: the transaction block swallows its Rollback
     async with pg.transaction():
         await cur.execute(

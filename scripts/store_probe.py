@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_faststream  # noqa: E402
 
-from backhalf import migrate, queries  # noqa: E402
+from backhalf import migrate, partitions, queries  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
 from ingest.embedded.servers import embedded_servers  # noqa: E402
 
@@ -140,7 +140,8 @@ def run(conn: psycopg.Connection[Any], variant: str, n: int, batch: int) -> tupl
                 conn.execute(queries.CLAIM_ACKS, {**CLAIM_ARGS, "limit": batch}).fetchall()
                 last = rows[-1]
                 mark = {"ids": [r[3] for r in rows], "xmin": rows[0][1], "to_xid": last[10], "to_id": last[3]}
-                conn.execute(queries.MARK_CURSOR_ACKS, {**mark, "adapter": "bench"})
+                bounds = partitions.id_bounds(mark["ids"])
+                conn.execute(queries.MARK_CURSOR_ACKS, {**mark, **bounds, "adapter": "bench"})
         claim_s += backend_cpu_s(pid) - c1
     elapsed = time.perf_counter() - t0
     return (backend_cpu_s(pid) - cpu0) / n * 1e6, claim_s / n * 1e6, n / elapsed

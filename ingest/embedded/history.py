@@ -156,8 +156,9 @@ def _next_partition(conn: psycopg.Connection[Any]) -> None:
         row = conn.execute(_LAST_ID, {"t": table}).fetchone()
         n = (partitions.number_of(int(row[0])) if row and row[0] is not None else 0) + 1
         if n not in numbers:
-            for statement in partitions.create(table, n):
-                conn.execute(statement)
+            with conn.transaction():
+                for statement in partitions.create(table, n):
+                    conn.execute(statement)
         conn.execute(_JUMP, {"table": table, "first": partitions.first_id(n)})
 
 
