@@ -130,15 +130,21 @@ class Upkeep:
     refused: list[str] = field(default_factory=list)
 
 
-def _partitions_sql() -> sql.Composed:
-    return sql.SQL(
-        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
-        " WHERE i.inhparent = {}::regclass"
-    ).format(sql.Placeholder("parent"))
+# The partitions of a table (``%(parent)s``), by name: the bench's history
+# fill reads them too (ingest.embedded.history).
+PARTITIONS_OF = (
+    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+    " WHERE i.inhparent = %(parent)s::regclass"
+)
+
+
+def _id_range(n: int) -> dict[str, int]:
+    """The ids partition ``n`` holds, ``lo <= id < hi`` (partition 0: from the lowest)."""
+    return {"lo": first_id(n) if n else -(2**63), "hi": first_id(n + 1)}
 
 
 async def _numbers(cur: psycopg.AsyncCursor[Any], table: str) -> list[int]:
-    await cur.execute(_partitions_sql(), {"parent": table})
+    await cur.execute(PARTITIONS_OF, {"parent": table})
     prefix = f"{table}_p"
     return sorted(int(name[len(prefix) :]) for (name,) in await cur.fetchall() if name.startswith(prefix))
 
@@ -169,7 +175,7 @@ async def _first_row_at(
         sql.SQL("SELECT {} FROM {} WHERE id >= %(lo)s AND id < %(hi)s ORDER BY id {} LIMIT 1").format(
             sql.Identifier(_WRITTEN_AT[table]), sql.Identifier(table), order
         ),
-        {"lo": first_id(n) if n else -(2**63), "hi": first_id(n + 1)},
+        _id_range(n),
     )
     row = await cur.fetchone()
     return None if row is None else row[0]
@@ -177,7 +183,7 @@ async def _first_row_at(
 
 async def _owed(cur: psycopg.AsyncCursor[Any], n: int) -> bool:
     """Does inbox partition ``n`` hold a row whose ack is still owed?"""
-    params = {"lo": first_id(n) if n else -(2**63), "hi": first_id(n + 1)}
+    params = _id_range(n)
     await cur.execute(
         "SELECT EXISTS (SELECT FROM ack_queue WHERE inbox_id >= %(lo)s AND inbox_id < %(hi)s)"
         " OR EXISTS (SELECT FROM inbox WHERE id >= %(lo)s AND id < %(hi)s AND ack_state = 'pending')",
@@ -343,14 +349,13 @@ async def _release_keys(
     seen = owed_seen.get(("inbox", n))
     if seen is not None and time.monotonic() - seen < OWED_RECHECK_S:
         return False
-    lo, hi = (first_id(n) if n else -(2**63)), first_id(n + 1)
     if await _owed(cur, n):  # read-only first: no delete of every key to undo
         owed_seen[("inbox", n)] = time.monotonic()
         return False
     owing: list[bool] = []  # set inside: the transaction block swallows its Rollback
     async with pg.transaction():
         await cur.execute(
-            "DELETE FROM inbox_keys WHERE inbox_id >= %(lo)s AND inbox_id < %(hi)s", {"lo": lo, "hi": hi}
+            "DELETE FROM inbox_keys WHERE inbox_id >= %(lo)s AND inbox_id < %(hi)s", _id_range(n)
         )
         if await _owed(cur, n):
             owing.append(True)

@@ -25,12 +25,10 @@ from ingest.config.adapter import (
     ADAPTERS,
     DAY_MS,
     RETENTION,
-    RETENTION_FLOOR_MS,
-    RETENTION_HORIZON_FACTOR,
     adapter_tables,
+    dedup_minimum_ms,
     is_webhook,
     read_adapters,
-    redelivery_horizon_ms,
     source_identity,
 )
 from ingest.config.adapter import AdapterConfig as AdapterConfig
@@ -463,10 +461,9 @@ def _history_covers_redelivery(
     if days is None:
         return
     for cfg in adapters:
-        horizon_ms, keys = redelivery_horizon_ms(
+        minimum_ms, horizon_ms, keys = dedup_minimum_ms(
             {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         )
-        minimum_ms = max(RETENTION_HORIZON_FACTOR * horizon_ms, RETENTION_FLOOR_MS)
         if days * DAY_MS < minimum_ms:
             raise ConfigError(
                 f"[acker]: key 'retain_history_days' ({days:g} days) is shorter than adapter {cfg.name!r}"

@@ -287,13 +287,19 @@ def redelivery_horizon_ms(values: Mapping[str, Any]) -> tuple[int, str]:
     return 0, "no redelivery (pub/sub)"
 
 
+def dedup_minimum_ms(values: Mapping[str, Any]) -> tuple[int, int, str]:
+    """The shortest an adapter's native ids may be remembered (twice its
+    redelivery horizon, at least the floor), with the horizon and its keys."""
+    horizon_ms, keys = redelivery_horizon_ms(values)
+    return max(RETENTION_HORIZON_FACTOR * horizon_ms, RETENTION_FLOOR_MS), horizon_ms, keys
+
+
 def _retention_rule(key: str) -> Rule:
     def covers_redelivery(label: str, values: Mapping[str, Any]) -> None:
         days = values.get(key)
         if days is None:
             return
-        horizon_ms, keys = redelivery_horizon_ms(values)
-        minimum_ms = max(RETENTION_HORIZON_FACTOR * horizon_ms, RETENTION_FLOOR_MS)
+        minimum_ms, horizon_ms, keys = dedup_minimum_ms(values)
         if days * DAY_MS < minimum_ms:
             raise ConfigError(
                 f"{label}: key {key!r} ({days:g} days) is shorter than the adapter can redeliver: an entry"

@@ -83,10 +83,6 @@ INSERT INTO inbox_keys (adapter, idempotency_key, inbox_id)
 SELECT adapter, idempotency_key, id FROM inbox WHERE id >= %(inbox0)s AND id < %(inbox0)s + %(count)s
 """
 _JUMP = "SELECT setval(pg_get_serial_sequence(%(table)s, 'id'), %(first)s, false)"
-_PARTITIONS = (
-    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
-    " WHERE i.inhparent = %(t)s::regclass"
-)
 _LAST_ID = "SELECT pg_sequence_last_value(pg_get_serial_sequence(%(t)s, 'id')::regclass)"
 _CURSOR = """
 INSERT INTO ack_cursors (adapter, xid, inbox_id, cluster)
@@ -151,7 +147,8 @@ def _next_partition(conn: psycopg.Connection[Any]) -> None:
     missing), as the acker's upkeep does when a period begins."""
     for table in PARTITIONED_TABLES:
         numbers = [
-            int(name.rsplit("_p", 1)[1]) for (name,) in conn.execute(_PARTITIONS, {"t": table}).fetchall()
+            int(name.rsplit("_p", 1)[1])
+            for (name,) in conn.execute(partitions.PARTITIONS_OF, {"parent": table}).fetchall()
         ]
         row = conn.execute(_LAST_ID, {"t": table}).fetchone()
         n = (partitions.number_of(int(row[0])) if row and row[0] is not None else 0) + 1
