@@ -256,6 +256,10 @@ def test_an_address_at_its_share_is_refused_while_another_is_served(
     [listening] = proc.events("receiver_listening")
     share = listening["max_per_client"]
     assert share == 32
+    # Healthy first (its first heartbeat answered): the check below is that
+    # another address is served, and a 503 before that beat says nothing.
+    wait_for(lambda: post(port, "/healthz", b"", {}, method="GET").status == 200, timeout_s=30,
+             what="the receiver healthy")  # fmt: skip
     body, headers = _signed(2)
     with _sockets() as held:
         for _ in range(share):
