@@ -56,6 +56,13 @@ LOST = Counter(
     ["adapter"],
 )
 TODOS_CREATED = Counter("switchboard_todos_created_total", "Todos created by the store.", ["adapter"])
+# Traces (backhalf.tracing): a message's traceparent that was no W3C trace
+# context, ignored. Counted only while tracing is on (it is not read otherwise).
+TRACE_CONTEXTS_MALFORMED = Counter(
+    "switchboard_trace_contexts_malformed_total",
+    "Messages whose traceparent was malformed: ignored, the message stored without it (tracing on only).",
+    ["adapter"],
+)
 # The push family (switchboard receive). Unknown adapters count as "-": a
 # path's text never becomes a label.
 WEBHOOK_RESPONSES = Counter(

@@ -104,15 +104,16 @@ u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
                          %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int8[],
-                         %(digests)b::bytea[], %(attributes)b::text[])
-        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, sa, n)
+                         %(digests)b::bytea[], %(attributes)b::text[], %(trace_contexts)b::text[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, sa, tc, n)
 )
 
 
 -- name: todos_create_cte
 -- Create or dedup a todo: the one definition, owned by ``backhalf.todos``
 -- (the store's write embeds it; so does create_todo, for inbox replay).
--- Reads ``u(k, p, n)``: key, payload JSON text (NULL: no todo), order. Yields
+-- Reads ``u(k, p, tc, n)``: key, payload JSON text (NULL: no todo), trace
+-- context JSON text (NULL: none; a dedup keeps the first's), order. Yields
 -- ``t(id, idempotency_key, created)``: the new todo, or on a dedup the active
 -- one with the same (queue, key). A created todo gets its 'pending' log row,
 -- with ``todo_detail`` saying who created it, in the same statement.
@@ -121,8 +122,8 @@ u AS (
 -- (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer it. The
 -- no-op DO UPDATE makes RETURNING yield the existing todo on a dedup.
 t AS (
-    INSERT INTO todos (queue, idempotency_key, payload)
-    SELECT %(queue)s, u.k, u.p::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
+    INSERT INTO todos (queue, idempotency_key, payload, trace_context)
+    SELECT %(queue)s, u.k, u.p::jsonb, u.tc::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
     DO UPDATE SET updated_at = todos.updated_at
     RETURNING id, idempotency_key, (xmax = 0) AS created
@@ -368,7 +369,9 @@ SELECT CASE WHEN %(acks)s THEN pg_notify(%(ack_channel)s, %(adapter)s) END,
 
 -- name: replay_row_cte
 -- Inbox replay's one row, shaped as the store's ``u`` for todos_create_cte.
-u AS (SELECT %(key)s::text AS k, %(payload)s::text AS p, 1 AS n)
+-- A replay makes a new todo of the stored message: the trace context it
+-- came with was its first todo's, not the inbox row's; none is kept.
+u AS (SELECT %(key)s::text AS k, %(payload)s::text AS p, NULL::text AS tc, 1 AS n)
 
 
 -- name: create_todo_result
@@ -759,12 +762,13 @@ WITH picked AS (
     SET status = 'running', attempts = t.attempts + 1, run_token = gen_random_uuid(),
         lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
     WHERE t.id = ANY(ARRAY(SELECT id FROM picked))
-    RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.run_token
+    RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.run_token, t.trace_context
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
     SELECT c.id, p.status, 'running', %(detail)s FROM claimed c JOIN picked p ON p.id = c.id ORDER BY c.id
 )
-SELECT id, queue, payload::text, idempotency_key, attempts, run_token FROM claimed ORDER BY id
+SELECT id, queue, payload::text, idempotency_key, attempts, run_token, trace_context::text
+FROM claimed ORDER BY id
 
 
 -- name: claimer_session

@@ -76,6 +76,9 @@ class InboxRecord(NamedTuple):
     # audit in inbox.source_attributes (an SQS FIFO queue's MessageGroupId
     # and SequenceNumber); None for most.
     attributes: str | None = None
+    # JSON text: the W3C trace context the todo keeps (todos.trace_context,
+    # backhalf.tracing); None without one, or with tracing off.
+    trace_context: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

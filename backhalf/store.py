@@ -271,6 +271,10 @@ def _uncommon_columns(writing: list[InboxRecord], default_ack_key: str | None) -
         "digests": None if whole else [r.body_sha256 for r in writing],
         # What a broker says of a message beyond its id (an SQS FIFO queue's group and sequence).
         "attributes": None if all(r.attributes is None for r in writing) else [r.attributes for r in writing],
+        # The todos' trace contexts (backhalf.tracing): only with tracing on, and a producer that sends them.
+        "trace_contexts": None
+        if all(r.trace_context is None for r in writing)
+        else [r.trace_context for r in writing],
     }
 
 

@@ -82,6 +82,8 @@ class Claimed:
 
     todo: Todo
     token: uuid.UUID
+    # Its message's trace context (JSON text, backhalf.tracing): its run's parent.
+    trace_context: str | None = None
 
 
 def claim(
@@ -104,8 +106,8 @@ def claim(
         cur.execute(queries.CLAIM_TODOS, params)
         rows = cur.fetchall()
     return [
-        Claimed(Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts)), token)
-        for tid, queue, payload, key, attempts, token in rows
+        Claimed(Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts)), token, context)
+        for tid, queue, payload, key, attempts, token, context in rows
     ]
 
 

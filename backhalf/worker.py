@@ -34,7 +34,7 @@ import structlog
 from dramatiq.common import compute_backoff
 from dramatiq.middleware import TimeLimitExceeded
 
-from backhalf import metrics, todos
+from backhalf import metrics, todos, tracing
 from backhalf.bounded_text import cut, storable
 from backhalf.errors import ChangeRefused, StoreError
 from backhalf.queues import QueueConfig
@@ -88,14 +88,11 @@ class Runner:
     ) -> None:
         todo = claim.todo
         began = time.perf_counter()
-        try:
-            _call(handler, todo, queue.time_limit_ms / 1000)
-        # dramatiq's TimeLimitExceeded is a BaseException; KeyboardInterrupt,
-        # SystemExit and dramatiq's Shutdown are not the handler's failure:
-        # they end the run unended, and the rescuer puts the todo back.
-        # An async handler's own CancelledError (a BaseException) is its
-        # failure too, not a stop of the worker's.
-        except (Exception, TimeLimitExceeded, asyncio.CancelledError) as exc:  # noqa: BLE001 - whatever it raised is the attempt's failure
+        if tracing.on():
+            error = _traced_attempt(handler, claim, queue)
+        else:
+            error = _attempt(handler, todo, queue.time_limit_ms / 1000)
+        if error is not None:
             if metrics.on():
                 metrics.RUN_SECONDS.labels(todo.queue).observe(time.perf_counter() - began)
                 metrics.ATTEMPTS_FAILED.labels(todo.queue).inc()
@@ -103,7 +100,7 @@ class Runner:
             # commit and a later release would call the claim lost. An end
             # not written leaves the claim to lapse, as it must.
             _tell(settled, True)
-            self._failed(queue, claim, exc)
+            self._failed(queue, claim, error)
             return
         if metrics.on():
             metrics.RUN_SECONDS.labels(todo.queue).observe(time.perf_counter() - began)
@@ -204,6 +201,36 @@ def stored_error(exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 - an exception whose __str__ raises is still an error
         text = f"{type(exc).__name__}: (its message could not be printed)"
     return storable(redact(cut(text, MAX_ERROR_CHARS)))[:MAX_ERROR_CHARS]
+
+
+def _attempt(handler: Handler, todo: todos.Todo, time_limit_s: float) -> BaseException | None:
+    """Call the handler once: None, or what it raised, which is the attempt's failure."""
+    try:
+        _call(handler, todo, time_limit_s)
+    # dramatiq's TimeLimitExceeded is a BaseException; KeyboardInterrupt,
+    # SystemExit and dramatiq's Shutdown are not the handler's failure:
+    # they end the run unended, and the rescuer puts the todo back.
+    # An async handler's own CancelledError (a BaseException) is its
+    # failure too, not a stop of the worker's.
+    except (Exception, TimeLimitExceeded, asyncio.CancelledError) as exc:  # noqa: BLE001 - whatever it raised is the attempt's failure
+        return exc
+    return None
+
+
+def _traced_attempt(handler: Handler, claim: todos.Claimed, queue: QueueConfig) -> BaseException | None:
+    """:func:`_attempt` inside its ``switchboard run`` span, a child of the
+    todo's trace context; the handler's own spans are the run's children."""
+    todo = claim.todo
+    with tracing.run_span(
+        todo_id=todo.id, queue=todo.queue, attempt=todo.attempt, key=todo.idempotency_key,
+        context=claim.trace_context,
+    ) as span:  # fmt: skip
+        error = _attempt(handler, todo, queue.time_limit_ms / 1000)
+        if error is None:
+            span.ended("done")
+        else:
+            span.ended("failed" if todo.attempt >= queue.max_attempts else "retry", error)
+    return error
 
 
 def _call(handler: Handler, todo: todos.Todo, time_limit_s: float) -> None:

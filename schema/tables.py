@@ -102,6 +102,10 @@ todos = sa.Table(
     # end the todo or extend its lease, so a run whose todo was cancelled or
     # rescued and claimed again cannot end the new run.
     sa.Column("run_token", UUID(as_uuid=True)),
+    # Its message's W3C trace context ({"traceparent": ..., "tracestate":
+    # ...}), so its runs join the producer's trace (DESIGN.md section 14);
+    # NULL without one, or with tracing off where it was stored.
+    sa.Column("trace_context", JSONB),
     sa.CheckConstraint(_one_of("status", TODO_STATUSES), name="status"),
 )
 

@@ -72,7 +72,7 @@ def store_params(start: int, n: int) -> dict[str, Any]:
         "keys": [f"redis:bench:{m}" for m in ids], "ids": ids, "bodies": bodies,
         "payloads": [b.decode() for b in bodies], "ack_key": "bench", "ack_keys": None, "entry_is_id": True,
         "entry_ids": None, "copies": None, "deliveries": None, "errors": None, "sizes": None, "digests": None,
-        "attributes": None,
+        "attributes": None, "trace_contexts": None,
         "by_cursor": True, "by_body": False, "stream": "bench", "group": "g",
     }  # fmt: skip
 

@@ -54,8 +54,10 @@ __all__ = [
     "OpenLedger",
     "PendingCopies",
     "PullAdapter",
+    "TraceCarrier",
     "Unconfirmed",
     "own_targets",
+    "trace_of",
 ]
 
 log = structlog.get_logger(__name__)
@@ -73,6 +75,11 @@ def pull_provenance(identity: str) -> Provenance:
 
 
 T = TypeVar("T")
+
+
+# (traceparent, tracestate): read by each transport from where its messages
+# carry them, checked by the poll loop (backhalf.tracing.carried).
+TraceCarrier = tuple[str, str | None]
 
 
 class Delivery(NamedTuple):
@@ -108,6 +115,24 @@ class Delivery(NamedTuple):
     # takes the message for a suspect at once, so one that crashes the
     # ingester every time is still isolated and counted.
     deliveries_exact: bool = True
+    # The W3C trace context the message carries (DESIGN.md section 14), as
+    # the broker gave it, unchecked: (traceparent, tracestate); see trace_of.
+    trace: TraceCarrier | None = None
+
+
+def trace_of(traceparent: object, tracestate: object = None) -> TraceCarrier | None:
+    """A message's trace context as text (a header's bytes decoded), or None
+    when it carries no ``traceparent``. Checked later, and only while
+    tracing is on: a transport only reads it."""
+    if traceparent is None:
+        return None
+    return _header_text(traceparent), None if tracestate is None else _header_text(tracestate)
+
+
+def _header_text(value: object) -> str:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
 
 
 class PendingCopies(Protocol):

@@ -43,6 +43,8 @@ class TransportPackage(Protocol):
     """What a transport's package exports."""
 
     MODES: Mapping[str, ModeImplementation]
+    # OpenTelemetry's ``messaging.system`` for its spans (backhalf.tracing).
+    MESSAGING_SYSTEM: str
 
     def describe_ack(self, intent: AckIntentView) -> str: ...
 
@@ -73,6 +75,11 @@ def _implementation(config: AdapterConfig) -> ModeImplementation:
             f" for transport {config.transport!r}"
         )
     return implementation
+
+
+def messaging_system(config: AdapterConfig) -> str:
+    """The transport's name in OpenTelemetry's messaging conventions."""
+    return transport(config.transport, adapter=config.name).MESSAGING_SYSTEM
 
 
 def acked_by(config: AdapterConfig) -> AckParty:

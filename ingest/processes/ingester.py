@@ -124,6 +124,7 @@ class _Ingester(ProcessBody):
     background task (its heartbeats and the like) beside it."""
 
     role = "ingest"
+    traced = True
     stopped_event = "ingester_stopped"
     overdue_field = "loops"
 

@@ -24,7 +24,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from backhalf import acks, body_schema, failpoints, metrics, registry
+from backhalf import acks, body_schema, failpoints, metrics, registry, tracing
 from backhalf import attempts as delivery_attempts
 from backhalf.body_schema import BodySchema
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
@@ -33,7 +33,15 @@ from backhalf.errors import AckStateError, DeadlineExceeded, PoisonMessage, Stor
 from backhalf.normalize import BodyFormat, RawForm, content_payload, content_size, raw_form, refusal
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
-from ingest.adapters.base import Delivery, OpenLedger, PendingCopies, PullAdapter, pull_provenance
+from ingest.adapters.base import (
+    Delivery,
+    OpenLedger,
+    PendingCopies,
+    PullAdapter,
+    TraceCarrier,
+    pull_provenance,
+)
+from ingest.adapters.factory import messaging_system
 from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import EXPECTED_FAILURES, BrokerError, error_kind
 from ingest.lifecycle import Retry, cancel_and_wait, wait_stop
@@ -67,6 +75,9 @@ class Normalizing(Protocol):
     def format(self) -> BodyFormat: ...
     @property
     def body_schema(self) -> BodySchema | None: ...
+
+    @property
+    def name(self) -> str: ...
 
 
 def to_record(delivery: Delivery, config: Normalizing) -> InboxRecord:
@@ -107,7 +118,34 @@ def to_record(delivery: Delivery, config: Normalizing) -> InboxRecord:
         body_size=raw.size,
         body_sha256=raw.sha256,
         attributes=delivery.attributes,
+        trace_context=_kept_context(delivery, config),
     )
+
+
+def _kept_context(delivery: Delivery, config: Normalizing) -> str | None:
+    """Read only while tracing is on: otherwise no todo keeps one."""
+    return None if delivery.trace is None or not tracing.on() else trace_context_of(delivery.trace, config)
+
+
+def trace_context_of(trace: TraceCarrier, config: Normalizing) -> str | None:
+    """The context a message's todo keeps (a webhook's: its sender's); a
+    malformed one is ignored and counted, never the message's error
+    (DESIGN.md section 14)."""
+    try:
+        return tracing.carried(*trace)
+    except ValueError as exc:
+        if metrics.on():
+            metrics.TRACE_CONTEXTS_MALFORMED.labels(config.name).inc()
+        if config.name not in _MALFORMED_SEEN:
+            _MALFORMED_SEEN.add(config.name)
+            log.warning("trace_context_malformed", adapter=config.name, error=str(exc),
+                        detail="ignored: the message is stored without it (counted in"
+                        " switchboard_trace_contexts_malformed_total; logged once per adapter)")  # fmt: skip
+        return None
+
+
+# Adapters whose malformed trace context was logged (once each, per process).
+_MALFORMED_SEEN: set[str] = set()
 
 
 def delivery_size(delivery: Delivery) -> int:
@@ -639,6 +677,17 @@ class PollLoop:
         return read.result()
 
     async def _store(self, records: list[InboxRecord]) -> StoreResult:
+        if not tracing.on():
+            return await self._store_now(records)
+        with tracing.ingest_span(
+            adapter=self._cfg.name,
+            system=messaging_system(self._cfg),
+            destination=self._cfg.source,
+            contexts=[r.trace_context for r in records],
+        ):
+            return await self._store_now(records)
+
+    async def _store_now(self, records: list[InboxRecord]) -> StoreResult:
         adapter = self._adapter
         batch = StoreBatch(
             adapter=self._cfg.name,

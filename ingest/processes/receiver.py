@@ -39,10 +39,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from backhalf import metrics, registry
+from backhalf import metrics, registry, tracing
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded, StoreError
-from ingest.adapters.base import Delivery
+from backhalf.tracing import TRACEPARENT, TRACESTATE
+from ingest.adapters.base import Delivery, trace_of
 from ingest.adapters.webhook import PUSH, push_provenance
 from ingest.adapters.webhook.verify import Refused, Scheme, scheme_for
 from ingest.config import Settings, WebhookConfig
@@ -52,7 +53,7 @@ from ingest.lifecycle import wait_stop
 from ingest.processes.http_guard import BACKLOG, REQUEST_GRACE_S, Limits, guarded_h11, within_file_limit
 from ingest.processes.http_server import Server, bind
 from ingest.processes.ingester import Registration, register_adapters
-from ingest.processes.poll import to_record
+from ingest.processes.poll import to_record, trace_context_of
 from ingest.processes.push_store import PushStore
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
@@ -133,7 +134,9 @@ class Endpoint:
         self._body_timeout_s = settings.receiver.body_timeout_ms / 1000
         self.enabled = True
 
-    async def receive(self, request: Request) -> Response:
+    async def receive(self, request: Request, trace_context: str | None = None) -> Response:
+        """Check, store and answer one delivery; ``trace_context``: what its
+        todo keeps (the receive span's, while tracing is on)."""
         cfg = self.cfg
         if not self.enabled:
             return _unavailable(f"adapter {cfg.name} is disabled")
@@ -157,6 +160,8 @@ class Endpoint:
             record = to_record(delivery, cfg)
         else:
             record = await asyncio.to_thread(to_record, delivery, cfg)
+        if trace_context is not None:
+            record = record._replace(trace_context=trace_context)
         provenance = push_provenance(cfg.mode, verified)
         # An unsigned delivery id (GitHub's) names no message: another body
         # under a stored one is stored as its own (push_store, issue 43).
@@ -238,9 +243,25 @@ class Receiver:
             refused = Refused(405, "method", "deliveries are POSTed")
             self._refusals.note(name, refused)
             return self._answered(name, _refusal(refused, headers={"Allow": "POST"}))
+        if not tracing.on():
+            return self._answered(name, await self._deliver(endpoint, request))
+        # The sender's context is the span's parent; the todo keeps the
+        # span's own, so its run is the delivery's child (DESIGN.md section 14).
+        sent = trace_of(request.headers.get(TRACEPARENT), request.headers.get(TRACESTATE))
+        sender = None if sent is None else trace_context_of(sent, endpoint.cfg)
+        with tracing.receive_span(adapter=name, path=request.url.path, sender=sender) as span:
+            response = await self._deliver(endpoint, request, span.context())
+            span.answered(response.status_code)
+        return self._answered(name, response)
+
+    async def _deliver(
+        self, endpoint: Endpoint, request: Request, trace_context: str | None = None
+    ) -> Response:
+        """The endpoint's answer, or the answer to its refusal or failure."""
+        name = endpoint.cfg.name
         try:
             async with asyncio.timeout(self._respond_within_s):
-                response = await endpoint.receive(request)
+                response = await endpoint.receive(request, trace_context)
         except Refused as refused:
             self._refusals.note(name, refused)
             response = _refusal(refused)
@@ -250,7 +271,7 @@ class Receiver:
         except (StoreError, DeadlineExceeded) as exc:
             log.warning("store_failed", adapter=name, error=str(exc), cause=metrics.error_class(exc))
             response = _unavailable("the database did not commit the delivery")
-        return self._answered(name, response)
+        return response
 
     def _answered(self, adapter: str, response: Response) -> Response:
         if metrics.on():
@@ -278,6 +299,7 @@ async def run_receiver(settings: Settings, stop: asyncio.Event, *, env: Mapping[
 
 class _ReceiverBody(ProcessBody):
     role = "receive"
+    traced = True
     stopped_event = "receiver_stopped"
     overdue_field = "tasks"
 

@@ -35,8 +35,10 @@ from typing import Any, ClassVar
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from backhalf import tracing
 from backhalf.db import create_engine
 from ingest.config import Settings
+from ingest.errors import ConfigError
 from ingest.observe.dependency import Dependency
 from ingest.observe.heartbeat import heartbeat_loop, loop_bound_s, new_liveness, serving
 from ingest.observe.metrics_http import Liveness
@@ -102,6 +104,9 @@ class ProcessBody(abc.ABC):
     stopped_event: ClassVar[str]
     overdue_field: ClassVar[str]
     shutdown_timeout_s: float
+    # Whether the process traces (DESIGN.md section 14) when the OTEL_*
+    # variables ask for it: those whose work is a message's (ingest, receive).
+    traced: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def start(self, process: Process) -> bool:
@@ -137,11 +142,24 @@ async def run_process(
             # still leaves no engine behind; it logs no stopped line, as it
             # never started.
             body = build(engine)
+            if body.traced:
+                switch_tracing_on(body.role)
             await _run_body(body, Process(settings, engine, liveness, stop))
         finally:
+            # What the spans of the last batches hold is exported before the end.
+            await asyncio.to_thread(tracing.shutdown)
             await engine.dispose()
             if body is not None:
                 log.info(body.stopped_event)
+
+
+def switch_tracing_on(process: str) -> None:
+    """Trace if the OTEL_* variables ask for it (backhalf.tracing); a
+    ConfigError for what they ask that cannot be done."""
+    try:
+        tracing.switch_on(process)
+    except tracing.TracingConfigError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 async def _run_body(body: ProcessBody, process: Process) -> None:

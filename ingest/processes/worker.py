@@ -28,7 +28,7 @@ import dramatiq
 import structlog
 from dramatiq.middleware import ShutdownNotifications, TimeLimit
 
-from backhalf import heartbeats, metrics
+from backhalf import heartbeats, metrics, tracing
 from backhalf.db import create_sync_engine
 from backhalf.queues import QueueConfig
 from backhalf.state_writer import StateWriter
@@ -39,6 +39,7 @@ from ingest.observe import worker_metrics
 from ingest.observe.metrics_http import MetricsServer
 from ingest.observe.worker_metrics import WorkerHeartbeat
 from ingest.processes.children import end_with_parent
+from ingest.processes.skeleton import switch_tracing_on
 from ingest.processes.worker_broker import (
     SWITCHBOARD_QUEUE,
     Claimer,
@@ -201,6 +202,8 @@ class SwitchboardMiddleware(dramatiq.Middleware):
                 "SwitchboardMiddleware runs on Switchboard's own broker over PostgreSQL:"
                 " build it with ingest.worker.switchboard_broker(settings)"
             )
+        # In each worker process, before its threads run a todo (DESIGN.md section 14).
+        switch_tracing_on("worker")
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
         """Its threads consume: the line a supervisor (or a test) waits for."""
@@ -231,6 +234,7 @@ class SwitchboardMiddleware(dramatiq.Middleware):
             if self._process is not None:
                 self._process.close()
                 self._process = None
+        tracing.shutdown()  # the last runs' spans exported
 
 
 def switchboard_broker(settings: Settings, *, threads: int = 8, queues: Sequence[str] = ()) -> TodoBroker:
@@ -264,6 +268,10 @@ def exec_workers(
         )
     if not settings.queues:
         raise ConfigError("[queues.*]: `switchboard worker` needs at least one queue with a handler")
+    try:
+        tracing.wanted(os.environ)  # what the OTEL_* variables ask, checked once before the processes start
+    except tracing.TracingConfigError as exc:
+        raise ConfigError(str(exc)) from exc
     for queue in settings.queues.values():
         resolve_handler(queue)  # a handler that cannot be imported stops us here, exit 2
     chosen = queues or sorted(settings.queues)

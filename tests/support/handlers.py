@@ -109,3 +109,17 @@ def leaky(todo: Todo) -> None:
     """Fails every run as a handler whose client library puts its connection
     string in its error message: the URL in ``SB_TEST_LEAKY_URL``."""
     raise DownstreamRefused(f"todo {todo.id}: cannot connect to {os.environ[LEAKY_URL_VARIABLE]}: refused")
+
+
+def traced(todo: Todo) -> None:
+    """Makes a span of its own, as an instrumented handler does (a child of
+    its run's: DESIGN.md section 14), and fails the first ``fail_times``
+    runs as :func:`scripted` does (tests/system/test_traces.py)."""
+    from opentelemetry import trace
+
+    payload: dict[str, Any] = todo.payload if isinstance(todo.payload, dict) else {}
+    with trace.get_tracer(__name__).start_as_current_span(
+        "handler work", attributes={"todo.id": todo.id, "todo.attempt": todo.attempt}
+    ):
+        if todo.attempt <= int(payload.get("fail_times", 0)):
+            raise Planned(f"planned failure of run {todo.attempt}")

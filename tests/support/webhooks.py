@@ -94,9 +94,11 @@ def receiver_config(
     adapters: list[Mapping[str, Any]],
     *,
     database: Mapping[str, Any] | None = None,
+    queues: Mapping[str, Mapping[str, Any]] | None = None,
     **receiver: Any,
 ) -> tuple[Path, int]:
-    """A config of webhook adapters (and any others given) and a free port."""
+    """A config of webhook adapters (and any others given, and the workers'
+    ``queues``) and a free port."""
     port = free_port()
     config = write_config(
         path,
@@ -104,6 +106,7 @@ def receiver_config(
         redis_url="redis://127.0.0.1:1/0",  # no pull adapter: never connected
         adapters=adapters,
         database=database,
+        queues=queues,
         receiver={"listen": f"127.0.0.1:{port}", **receiver},
     )
     return config, port

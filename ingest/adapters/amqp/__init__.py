@@ -20,6 +20,8 @@ from ingest.adapters.base import AckIntentView, ModeImplementation
 # not end the connection (frames.py says why).
 frames.install()
 
+# OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
+MESSAGING_SYSTEM = "rabbitmq"
 MODES: dict[str, ModeImplementation] = {
     "queue": ModeImplementation(AmqpQueueAdapter, no_acker, queue.ACK_KIND, acked_by="consumer"),
 }

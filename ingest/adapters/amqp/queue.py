@@ -55,6 +55,7 @@ from aiormq.abc import DeliveredMessage
 
 from backhalf.keys import key_id, native_key, storable_id
 from backhalf.records import AckTarget
+from backhalf.tracing import TRACEPARENT, TRACESTATE
 from ingest.adapters.amqp.common import (
     CALL_TIMEOUT_S,
     amqp_errors,
@@ -64,7 +65,7 @@ from ingest.adapters.amqp.common import (
     user_of,
 )
 from ingest.adapters.amqp.frames import UNDECODABLE
-from ingest.adapters.base import Acknowledger, ConsumerLedger, Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.base import Acknowledger, ConsumerLedger, Delivery, OpenLedger, Unconfirmed, trace_of
 from ingest.config import AdapterConfig
 from ingest.config.urls import amqp_vhost
 from ingest.errors import BrokerError, ConfigError
@@ -371,8 +372,16 @@ class AmqpQueueAdapter:
         # A classic queue says only that a message came before, not how
         # often: a lower bound, which the poll loop treats as a suspect.
         exact = _delivery_count(message) is not None or not getattr(message.delivery, "redelivered", False)
+        headers = properties.headers
+        trace = trace_of(headers.get(TRACEPARENT), headers.get(TRACESTATE)) if headers else None
         return Delivery(
-            key, message_id, body=body, ack_ref=ref, deliveries=deliveries_of(message), deliveries_exact=exact
+            key,
+            message_id,
+            body=body,
+            ack_ref=ref,
+            deliveries=deliveries_of(message),
+            deliveries_exact=exact,
+            trace=trace,
         )
 
     def stored(self) -> None:

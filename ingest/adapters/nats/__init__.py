@@ -12,6 +12,8 @@ from ingest.adapters.base import AckIntentView, ModeImplementation
 from ingest.adapters.nats import jetstream
 from ingest.adapters.nats.jetstream import JetStreamAcknowledger, JetStreamAdapter
 
+# OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
+MESSAGING_SYSTEM = "nats"
 MODES: dict[str, ModeImplementation] = {
     "jetstream": ModeImplementation(JetStreamAdapter, JetStreamAcknowledger, jetstream.ACK_KIND),
 }

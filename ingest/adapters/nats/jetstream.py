@@ -49,7 +49,15 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
+from backhalf.tracing import TRACEPARENT, TRACESTATE
+from ingest.adapters.base import (
+    ConsumerLedger,
+    Delivery,
+    OpenLedger,
+    Unconfirmed,
+    own_targets,
+    trace_of,
+)
 from ingest.adapters.nats.common import REQUEST_TIMEOUT_S, connect, nats_errors, server_label, user_name
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError, GroupMissing
@@ -300,7 +308,9 @@ class JetStreamAdapter:
     def _delivery(self, msg: Msg) -> Delivery:
         sequence, delivered = position(msg)
         key = native_key(self._cfg.key_prefix, self._cfg.source, sequence)
-        return Delivery(key, sequence, body=msg.data, ack_ref=msg.reply, deliveries=delivered)
+        headers = msg.headers
+        trace = trace_of(headers.get(TRACEPARENT), headers.get(TRACESTATE)) if headers else None
+        return Delivery(key, sequence, body=msg.data, ack_ref=msg.reply, deliveries=delivered, trace=trace)
 
     async def _forget_connection(self) -> None:
         """After a failure, the next read subscribes (and if need be connects) afresh."""

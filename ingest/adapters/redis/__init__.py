@@ -15,6 +15,8 @@ from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter
 from ingest.adapters.redis.pubsub import NoAcknowledger, PubSubAdapter
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 
+# OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
+MESSAGING_SYSTEM = "redis"
 MODES: dict[str, ModeImplementation] = {
     "stream": ModeImplementation(StreamAdapter, StreamAcknowledger, streams.ACK_KIND),
     "list": ModeImplementation(ListAdapter, ListAcknowledger, lists.ACK_KIND),

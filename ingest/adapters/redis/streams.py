@@ -36,7 +36,8 @@ from backhalf.keys import native_key
 from backhalf.normalize import MAX_FIELDS, FieldMap, RefusedFieldMap
 from backhalf.records import AckClaim, AckTarget
 from backhalf.stream_groups import StreamGroup
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
+from backhalf.tracing import TRACEPARENT, TRACESTATE
+from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets, trace_of
 from ingest.adapters.redis.common import (
     RedisEndpoint,
     RedisErrorKind,
@@ -51,6 +52,9 @@ from ingest.errors import AckError, GroupMissing
 
 # This mode's ack kind, registered in ingest.adapters.redis.MODES.
 ACK_KIND = "xack"
+# An entry's W3C trace context, in fields of their own beside its body.
+TRACEPARENT_FIELD = TRACEPARENT.encode()
+TRACESTATE_FIELD = TRACESTATE.encode()
 
 log = structlog.get_logger(__name__)
 
@@ -440,9 +444,13 @@ class StreamAdapter(RedisEndpoint):
         if not fields:  # XADD needs a field, so an empty entry was deleted or trimmed
             return Delivery(key, entry_id, ack_ref=entry_id, lost=True)
         body = fields.get(self._body_field)
+        # The producer's trace context, in fields of its own (DESIGN.md section 14).
+        trace = trace_of(fields.get(TRACEPARENT_FIELD), fields.get(TRACESTATE_FIELD))
         if body is not None:
-            return Delivery(key, entry_id, body=body, ack_ref=entry_id, deliveries=deliveries)
-        return Delivery(key, entry_id, body=FieldMap(fields), ack_ref=entry_id, deliveries=deliveries)
+            return Delivery(key, entry_id, body=body, ack_ref=entry_id, deliveries=deliveries, trace=trace)
+        return Delivery(
+            key, entry_id, body=FieldMap(fields), ack_ref=entry_id, deliveries=deliveries, trace=trace
+        )
 
     def stored(self) -> None:
         self._unconfirmed_lost.confirmed()

@@ -12,6 +12,8 @@ from ingest.adapters.base import AckIntentView, ModeImplementation
 from ingest.adapters.sqs import queue
 from ingest.adapters.sqs.queue import SqsDeleter, SqsQueueAdapter
 
+# OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
+MESSAGING_SYSTEM = "aws_sqs"
 MODES: dict[str, ModeImplementation] = {
     "queue": ModeImplementation(SqsQueueAdapter, SqsDeleter, queue.ACK_KIND),
 }

@@ -53,7 +53,16 @@ import structlog
 
 from backhalf.keys import key_id, native_key, storable_id
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
+from backhalf.tracing import TRACEPARENT, TRACESTATE
+from ingest.adapters.base import (
+    ConsumerLedger,
+    Delivery,
+    OpenLedger,
+    TraceCarrier,
+    Unconfirmed,
+    own_targets,
+    trace_of,
+)
 from ingest.adapters.sqs.common import (
     MAX_CONCURRENT_CALLS,
     MAX_PER_CALL,
@@ -315,6 +324,8 @@ class SqsQueueAdapter:
                     WaitTimeSeconds=wait_s,
                     VisibilityTimeout=self._visibility_s,
                     MessageSystemAttributeNames=["ApproximateReceiveCount", *_AUDITED],
+                    # The producer's trace context (DESIGN.md section 14).
+                    MessageAttributeNames=[TRACEPARENT, TRACESTATE],
                 )
             except Exception as exc:
                 if is_missing_queue(exc):
@@ -345,6 +356,7 @@ class SqsQueueAdapter:
             ack_ref=str(message["ReceiptHandle"]),
             deliveries=int(attributes.get("ApproximateReceiveCount", 1)),
             attributes=json.dumps(audited) if audited else None,
+            trace=_trace(message.get("MessageAttributes")),
         )
 
     def stored(self) -> None:
@@ -579,3 +591,16 @@ class SqsDeleter:
 
     async def close(self) -> None:
         await self._forget_connection()
+
+
+def _trace(attributes: Mapping[str, Any] | None) -> TraceCarrier | None:
+    """The trace context of a message's attributes (String ones, as a
+    producer's SDK sends them)."""
+    if not attributes:
+        return None
+
+    def value(name: str) -> Any:
+        attribute = attributes.get(name)
+        return attribute.get("StringValue") if isinstance(attribute, Mapping) else None
+
+    return trace_of(value(TRACEPARENT), value(TRACESTATE))

@@ -2,8 +2,8 @@ WITH u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
                          %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int8[],
-                         %(digests)b::bytea[], %(attributes)b::text[])
-        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, sa, n)
+                         %(digests)b::bytea[], %(attributes)b::text[], %(trace_contexts)b::text[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, sa, tc, n)
 ),
 keyed AS (
     SELECT k.idempotency_key, k.inbox_id, false AS fresh FROM inbox_keys k

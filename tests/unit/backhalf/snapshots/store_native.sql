@@ -2,12 +2,12 @@ WITH u AS (
     SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[],
                          %(ack_keys)b::text[], %(entry_ids)b::text[], %(copies)b::int4[],
                          %(deliveries)b::int4[], %(errors)b::text[], %(sizes)b::int8[],
-                         %(digests)b::bytea[], %(attributes)b::text[])
-        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, sa, n)
+                         %(digests)b::bytea[], %(attributes)b::text[], %(trace_contexts)b::text[])
+        WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, sa, tc, n)
 ),
 t AS (
-    INSERT INTO todos (queue, idempotency_key, payload)
-    SELECT %(queue)s, u.k, u.p::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
+    INSERT INTO todos (queue, idempotency_key, payload, trace_context)
+    SELECT %(queue)s, u.k, u.p::jsonb, u.tc::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
     DO UPDATE SET updated_at = todos.updated_at
     RETURNING id, idempotency_key, (xmax = 0) AS created
