@@ -59,6 +59,11 @@ all measured in one run on the same machine, so noise cancels in the ratios.
    days (100,000 with ``--quick``; ``--history N`` runs this part alone with
    N), interleaved rounds, the ratio per round (target >= 0.9x). With
    ``--packaged-postgres`` on Debian's server, JIT on as users run it.
+12. tracing (issue 47, scripts/bench_tracing.py): start-up without the
+   ``[otel]`` extra, installed and off, and on; then ingest + ack and end to
+   end with tracing off against on, every message carrying a sampled
+   ``traceparent``, interleaved rounds (targets: on >= 0.8x of off).
+   ``--tracing`` runs this part alone.
 
 Starts its own PostgreSQL and Valkey (as the tests do). Prints msg/s, the
 ratios, latency percentiles and the processes' peak RSS.
@@ -1190,6 +1195,13 @@ def bench_history_part(base: Path, pg: PostgresServer, rs: RedisServer, retained
     pg.drop_database("hist_full")
 
 
+def bench_tracing_part(base: Path, pg: PostgresServer, rs: RedisServer, n: int) -> None:
+    """scripts/bench_tracing.py's comparison on this run's servers."""
+    import bench_tracing
+
+    bench_tracing.compare(base, pg, rs.url, n)
+
+
 def print_postgres(pg: PostgresServer) -> None:
     """Which PostgreSQL the figures are of: its version, where its binaries
     are, whether it can JIT and whether the server's default would (every
@@ -1255,6 +1267,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--history", type=int, metavar="N", help="only the history part, with N finished messages retained"
+    )
+    parser.add_argument(
+        "--tracing", action="store_true", help="only the tracing part (issue 47): tracing off against on"
     )
     parser.add_argument(
         "--packaged-postgres",
@@ -1349,6 +1364,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench: {os.cpu_count()} CPUs, the history only")
                 bench_history_part(base, pg, rs, args.history, args.messages or 50_000)
                 return 0
+            if args.tracing:
+                print(f"bench: {os.cpu_count()} CPUs, tracing only")
+                bench_tracing_part(base, pg, rs, args.messages or (10_000 if args.quick else 40_000))
+                return 0
             if args.downstream:
                 down_n = args.messages or 20_000
                 print(f"bench: {os.cpu_count()} CPUs, downstream only, {down_n} messages")
@@ -1396,6 +1415,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_history_part(
                 base, pg, rs, 100_000 if args.quick else 1_000_000, 20_000 if args.quick else 50_000
             )
+            bench_tracing_part(base, pg, rs, 10_000 if args.quick else 40_000)
             metrics_n = max(n, METRICS_MIN_MESSAGES)
             runs = bench_metrics_overhead(base, pg, r, rs.url, metrics_n, args.batch_size)
             print_metrics_overhead(runs, metrics_n)

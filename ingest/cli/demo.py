@@ -24,13 +24,19 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
         " queue on a RabbitMQ of its own, from the system's rabbitmq-server package (Debian:"
         " apt-get install rabbitmq-server) (default: redis)",
     )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace one order from its producer to the handler with OpenTelemetry (a collector of the"
+        " demo's own, over OTLP/HTTP) and print its spans",
+    )
     return parser
 
 
 def standalone(args: argparse.Namespace) -> int:
     from ingest.embedded.demo import run as run_demo  # embedded servers are an optional extra
 
-    return run_demo(messages=args.messages, transport=args.transport)
+    return run_demo(messages=args.messages, transport=args.transport, trace=args.trace)
 
 
 def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:

@@ -44,6 +44,7 @@ from backhalf import migrate
 from backhalf.db import libpq_url
 from ingest.embedded.config import write_config
 from ingest.embedded.demo_sources import DemoSource, demo_source
+from ingest.embedded.demo_trace import TRACED_ORDER, DemoTrace
 from ingest.embedded.processes import Processes, SwitchboardProcess, WaitTimedOut, wait_for
 from ingest.embedded.servers import RedisServer, embedded_postgres, embedded_servers, remove_abandoned
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
@@ -150,7 +151,7 @@ def missing_broker(transport: str) -> str | None:
     return f"--transport amqp runs a RabbitMQ of its own from the system's package: {missing}{how}"
 
 
-def run(messages: int = 5000, transport: str = "redis") -> int:
+def run(messages: int = 5000, transport: str = "redis", trace: bool = False) -> int:
     if (missing := missing_broker(transport)) is not None:
         # Before anything starts: like a config error, one line, and no
         # point in running it again as it is.
@@ -161,7 +162,7 @@ def run(messages: int = 5000, transport: str = "redis") -> int:
         with _stop_signals_raise():
             if removed := remove_abandoned(PREFIX):
                 _say(f"demo: removed {len(removed)} folder(s) left by demos killed before their clean-up")
-            return _run(messages, transport)
+            return _run(messages, transport, trace)
     except Stopped as stop:
         done = "its servers and processes stopped, its folder removed"
         print(f"demo: stopped by {stop}: {done}", file=sys.stderr)
@@ -184,7 +185,7 @@ def release_interrupted(stop: Stopped) -> None:
         gc.collect()
 
 
-def _run(messages: int, transport: str) -> int:
+def _run(messages: int, transport: str, trace: bool) -> int:
     with contextlib.ExitStack() as stack:
         # Redis only for the Redis transport: the workers take their todos
         # from PostgreSQL, so another broker's pipeline runs without one.
@@ -226,8 +227,9 @@ def _run(messages: int, transport: str) -> int:
         _say("demo: migrated")
         config = base / "switchboard.toml"
         _write_config(config, db_url, None if rs is None else rs.url, source.adapter())
+        traced = stack.enter_context(DemoTrace()) if trace else None
         try:
-            return _drive(config, db_url, source, messages, processes)
+            return _drive(config, db_url, source, messages, processes, traced)
         except (WaitTimedOut, ProcessExited) as exc:
             print(f"demo: FAILED: {exc}", file=sys.stderr)
             for proc in processes.all:  # their logs go with the folder
@@ -250,9 +252,11 @@ def _running(*procs: SwitchboardProcess) -> bool:
     return True
 
 
-def _drive(config: Path, db_url: str, r: DemoSource, messages: int, processes: Processes) -> int:
+def _drive(
+    config: Path, db_url: str, r: DemoSource, messages: int, processes: Processes, traced: DemoTrace | None
+) -> int:
     with psycopg.connect(libpq_url(db_url), autocommit=True, connect_timeout=10) as db:
-        env = r.process_env
+        env = {**r.process_env, **(traced.env() if traced else {})}
         acker = processes.start("ack", config, name="acker", env=env)
         ingester = processes.start("ingest", config, name="ingester-1", env=env)
         worker = processes.start("worker", config, name="worker", env=env)
@@ -260,7 +264,7 @@ def _drive(config: Path, db_url: str, r: DemoSource, messages: int, processes: P
         def restart() -> SwitchboardProcess:
             return processes.start("ingest", config, name="ingester-1", env=env)
 
-        ingester = _produce(r, db, messages, acker, ingester, restart)
+        ingester = _produce(r, db, messages, acker, ingester, restart, traced)
         _say(f"demo: produced {messages} messages to {r.transport} {r.source_word} {r.adapter()['source']!r}")
         _wait_drained(r, db, messages, acker, ingester, worker)
         codes = {
@@ -269,6 +273,8 @@ def _drive(config: Path, db_url: str, r: DemoSource, messages: int, processes: P
             "worker": worker.stop(PROCESS_STOP_TIMEOUT_S),
         }
         ok = _report(r, db, messages, codes)
+        if traced is not None:
+            traced.say_spans(_say)
         _say(f"\ndemo: {'OK: no loss, no duplicate' if ok else 'FAILED'}")
         return EXIT_OK if ok else EXIT_FAILURE
 
@@ -280,22 +286,29 @@ def _produce(
     acker: SwitchboardProcess,
     ingester: SwitchboardProcess,
     restart: Callable[[], SwitchboardProcess],
+    traced: DemoTrace | None,
 ) -> SwitchboardProcess:
     """Produce the orders in chunks; a third of the way in, SIGKILL the
-    ingester once and start it again. Return the ingester running now."""
+    ingester once and start it again. Return the ingester running now.
+    With ``traced``, its order goes with its producer's trace context."""
     killed = False
     chunk = 100
     for start in range(0, messages, chunk):
-        r.produce([
-            json.dumps({"order_id": i, "sku": f"SKU-{i % 17}", "qty": 1 + i % 5}).encode()
-            for i in range(start, min(start + chunk, messages))
-        ])  # fmt: skip
+        orders = range(start, min(start + chunk, messages))
+        traced_order = TRACED_ORDER if traced is not None and TRACED_ORDER in orders else None
+        r.produce([_order(i) for i in orders if i != traced_order])
+        if traced is not None and traced_order is not None:
+            r.produce([_order(traced_order)], traced.traceparent)
         time.sleep(0.02)
         _raise_if_stopped()
         if not killed and start >= messages // 3:
             ingester = _kill_and_restart(r, db, acker, ingester, restart)
             killed = True
     return ingester
+
+
+def _order(i: int) -> bytes:
+    return json.dumps({"order_id": i, "sku": f"SKU-{i % 17}", "qty": 1 + i % 5}).encode()
 
 
 def _kill_and_restart(

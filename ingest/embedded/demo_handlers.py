@@ -4,6 +4,8 @@ so the demo shows a retry that succeeds."""
 
 from __future__ import annotations
 
+from opentelemetry import trace
+
 from backhalf.todos import Todo
 
 # Orders whose first attempt fails (a flaky downstream, once).
@@ -15,6 +17,14 @@ class FlakyDownstream(Exception):
 
 
 def fulfil(todo: Todo) -> None:
+    # A span of the handler's own, as an instrumented client library makes:
+    # with ``switchboard demo --trace``, a child of the run's span; a no-op
+    # otherwise (OpenTelemetry's API without an SDK set up).
+    with trace.get_tracer(__name__).start_as_current_span("fulfil order"):
+        _fulfil(todo)
+
+
+def _fulfil(todo: Todo) -> None:
     order_id = int(todo.payload["order_id"])
     if order_id % FLAKY_EVERY == 7 and todo.attempt == 1:
         raise FlakyDownstream(f"order {order_id}: the warehouse did not answer (attempt {todo.attempt})")

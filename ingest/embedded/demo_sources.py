@@ -44,7 +44,9 @@ class DemoSource(Protocol):
 
     def adapter(self) -> dict[str, Any]: ...
 
-    def produce(self, bodies: list[bytes]) -> None: ...
+    def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
+        """Send ``bodies``, each with ``traceparent`` where this broker carries one (``--trace``)."""
+        ...
 
     def unacked(self) -> int: ...
 
@@ -67,10 +69,13 @@ class RedisStreamSource:
     def adapter(self) -> dict[str, Any]:
         return {**_common_adapter(), "transport": "redis", "mode": "stream", "source": STREAM, "group": GROUP}
 
-    def produce(self, bodies: list[bytes]) -> None:
+    def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
         pipe = self._r.pipeline(transaction=False)
         for body in bodies:
-            pipe.xadd(STREAM, {"body": body})
+            fields: dict[str | bytes, str | bytes] = {"body": body}
+            if traceparent:
+                fields["traceparent"] = traceparent
+            pipe.xadd(STREAM, fields)  # type: ignore[arg-type]
         pipe.execute()
 
     def unacked(self) -> int:
@@ -128,10 +133,13 @@ class NatsSource:
             "ack_wait_ms": self.ACK_WAIT_MS,
         }
 
-    def produce(self, bodies: list[bytes]) -> None:
+    def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
+        headers = {"traceparent": traceparent} if traceparent else None
+
         async def publish() -> None:
             acks = [
-                await self._js.publish(NATS_SUBJECT, body, timeout=self.CALL_TIMEOUT_S) for body in bodies
+                await self._js.publish(NATS_SUBJECT, body, timeout=self.CALL_TIMEOUT_S, headers=headers)
+                for body in bodies
             ]
             assert len(acks) == len(bodies)
 
@@ -204,10 +212,14 @@ class SqsSource:
             "ack_wait_ms": self.ACK_WAIT_MS,
         }
 
-    def produce(self, bodies: list[bytes]) -> None:
+    def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
+        traced = {"traceparent": {"DataType": "String", "StringValue": traceparent}} if traceparent else {}
         for start in range(0, len(bodies), self.SEND_BATCH):
             chunk = bodies[start : start + self.SEND_BATCH]
-            entries = [{"Id": str(i), "MessageBody": body.decode()} for i, body in enumerate(chunk)]
+            entries = [
+                {"Id": str(i), "MessageBody": body.decode(), "MessageAttributes": traced}
+                for i, body in enumerate(chunk)
+            ]
             reply = self._sqs.send_message_batch(QueueUrl=self._url, Entries=entries)
             if reply.get("Failed"):
                 raise RuntimeError(
@@ -316,9 +328,10 @@ class AmqpSource:
         return {**_common_adapter(), "transport": "amqp", "mode": "queue", "source": AMQP_QUEUE,
                 "url": self._server.url}  # fmt: skip
 
-    def produce(self, bodies: list[bytes]) -> None:
+    def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
         """Publish the chunk's messages at once, then wait for every confirm
         (three times the rate of one confirm at a time)."""
+        headers: dict[str, Any] | None = {"traceparent": traceparent} if traceparent else None
         import aio_pika
         from pamqp.commands import Basic
 
@@ -327,7 +340,7 @@ class AmqpSource:
             confirms = await asyncio.gather(*(
                 exchange.publish(
                     aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                                     message_id=hashlib.sha256(body).hexdigest()),
+                                     message_id=hashlib.sha256(body).hexdigest(), headers=headers),
                     routing_key=AMQP_QUEUE, mandatory=True, timeout=self.CALL_TIMEOUT_S,
                 )
                 for body in bodies

@@ -146,8 +146,8 @@ async def run_process(
                 switch_tracing_on(body.role)
             await _run_body(body, Process(settings, engine, liveness, stop))
         finally:
-            # What the spans of the last batches hold is exported before the end.
-            await asyncio.to_thread(tracing.shutdown)
+            if tracing.on():  # the last batches' spans exported before the end
+                await asyncio.to_thread(tracing.shutdown)
             await engine.dispose()
             if body is not None:
                 log.info(body.stopped_event)
