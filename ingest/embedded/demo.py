@@ -44,7 +44,7 @@ from backhalf import migrate
 from backhalf.db import libpq_url
 from ingest.embedded.config import write_config
 from ingest.embedded.demo_sources import DemoSource, demo_source
-from ingest.embedded.demo_trace import TRACED_ORDER, DemoTrace
+from ingest.embedded.demo_trace import DemoTrace, traced_order
 from ingest.embedded.processes import Processes, SwitchboardProcess, WaitTimedOut, wait_for
 from ingest.embedded.servers import RedisServer, embedded_postgres, embedded_servers, remove_abandoned
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
@@ -227,7 +227,7 @@ def _run(messages: int, transport: str, trace: bool) -> int:
         _say("demo: migrated")
         config = base / "switchboard.toml"
         _write_config(config, db_url, None if rs is None else rs.url, source.adapter())
-        traced = stack.enter_context(DemoTrace()) if trace else None
+        traced = stack.enter_context(DemoTrace(traced_order(messages))) if trace else None
         try:
             return _drive(config, db_url, source, messages, processes, traced)
         except (WaitTimedOut, ProcessExited) as exc:
@@ -295,10 +295,10 @@ def _produce(
     chunk = 100
     for start in range(0, messages, chunk):
         orders = range(start, min(start + chunk, messages))
-        traced_order = TRACED_ORDER if traced is not None and TRACED_ORDER in orders else None
-        r.produce([_order(i) for i in orders if i != traced_order])
-        if traced is not None and traced_order is not None:
-            r.produce([_order(traced_order)], traced.traceparent)
+        order = traced.order if traced is not None and traced.order in orders else None
+        r.produce([_order(i) for i in orders if i != order])
+        if traced is not None and order is not None:
+            r.produce([_order(order)], traced.traceparent)
         time.sleep(0.02)
         _raise_if_stopped()
         if not killed and start >= messages // 3:

@@ -10,6 +10,7 @@ from backhalf.todos import Todo
 
 # Orders whose first attempt fails (a flaky downstream, once).
 FLAKY_EVERY = 500
+FLAKY_FIRST = 7  # orders 7, 507, 1007, ...
 
 
 class FlakyDownstream(Exception):
@@ -26,5 +27,5 @@ def fulfil(todo: Todo) -> None:
 
 def _fulfil(todo: Todo) -> None:
     order_id = int(todo.payload["order_id"])
-    if order_id % FLAKY_EVERY == 7 and todo.attempt == 1:
+    if order_id % FLAKY_EVERY == FLAKY_FIRST and todo.attempt == 1:
         raise FlakyDownstream(f"order {order_id}: the warehouse did not answer (attempt {todo.attempt})")

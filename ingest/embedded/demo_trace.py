@@ -1,8 +1,9 @@
 """``switchboard demo --trace``: one order's trace, from its producer to the
 handler (DESIGN.md section 14), as a collector receives it.
 
-The demo plays the producer of order :data:`TRACED_ORDER` (one whose first
-attempt fails, so its trace shows the retry): it sends the order with a
+The demo plays the producer of one order (the last whose first attempt
+fails, so its trace shows the retry; sent after the ingester's SIGKILL, whose
+unexported spans die with it): it sends the order with a
 ``traceparent`` of its own making, runs every process with the ``OTEL_*``
 variables pointing at the dev kit's collector
 (``ingest.embedded.otlp_collector``) and, once the order is done, prints
@@ -16,15 +17,22 @@ import secrets
 from collections.abc import Callable
 from types import TracebackType
 
+from ingest.embedded.demo_handlers import FLAKY_EVERY, FLAKY_FIRST
 from ingest.embedded.otlp_collector import Collector, Span, tree
 
-# demo_handlers.FLAKY_EVERY's first flaky order: its first attempt fails.
-TRACED_ORDER = 7
 SPANS_TIMEOUT_S = 30.0
+LINK_TIMEOUT_S = 5.0
+
+
+def traced_order(messages: int) -> int | None:
+    """The last of ``messages`` orders whose first attempt fails (demo_handlers)."""
+    flaky = range(FLAKY_FIRST, messages, FLAKY_EVERY)
+    return flaky[-1] if flaky else None
 
 
 class DemoTrace:
-    def __init__(self) -> None:
+    def __init__(self, order: int | None) -> None:
+        self.order = order
         self.trace_id, self.span_id = secrets.token_hex(16), secrets.token_hex(8)
         self.traceparent = f"00-{self.trace_id}-{self.span_id}-01"
         self._collector = Collector()
@@ -41,17 +49,27 @@ class DemoTrace:
 
     def say_spans(self, say: Callable[[str], None]) -> None:
 
-        def arrived(spans: list[Span]) -> bool:
+        if self.order is None:
+            say(f"\n  no order's first attempt fails here: none was traced (try {FLAKY_FIRST + 1}+ messages)")
+            return
+
+        def ran(spans: list[Span]) -> bool:
             runs = [s for s in spans if s.trace_id == self.trace_id and s.name == "switchboard run"]
-            return len(runs) >= 2 and any((self.trace_id, self.span_id) in s.links for s in spans)
+            return len(runs) >= 2
+
+        def linked(spans: list[Span]) -> bool:
+            return any((self.trace_id, self.span_id) in s.links for s in spans)
 
         try:
-            spans = self._collector.wait_for(arrived, timeout_s=SPANS_TIMEOUT_S)
+            spans = self._collector.wait_for(ran, timeout_s=SPANS_TIMEOUT_S)
+            # The batch's span comes with the ingester's next export; an
+            # ingester killed before it is gone with it.
+            spans = self._collector.wait_for(linked, timeout_s=LINK_TIMEOUT_S)
         except TimeoutError as exc:
-            say(f"\n  trace of order {TRACED_ORDER}: {exc}")
-            return
+            say(f"\n  trace of order {self.order}: {exc}")
+            spans = self._collector.spans()
         producer = f"the demo its producer, span {self.span_id}"
-        say(f"\n  trace {self.trace_id} of order {TRACED_ORDER} ({producer}):")
+        say(f"\n  trace {self.trace_id} of order {self.order} ({producer}):")
         for s in spans:
             if (self.trace_id, self.span_id) in s.links:
                 say(f"    {_line(s)}   (its own trace, linked to the order's: {s.trace_id[:8]}...)")

@@ -34,6 +34,26 @@ def test_demo_runs_the_whole_pipeline_on_embedded_servers() -> None:
     assert "OK: no loss, no duplicate" in result.stdout
 
 
+def test_demo_traces_one_order_from_its_producer_to_its_handler() -> None:
+    """``--trace`` (issue 47): every process exports to the demo's own OTLP
+    collector; the traced order's two runs (its first fails) are in its
+    producer's trace, each with the handler's span under it, and the batch
+    that stored it links to it."""
+    result = switchboard("demo", "--messages", "600", "--trace", timeout_s=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK: no loss, no duplicate" in result.stdout
+    shown = result.stdout.split("\n  trace ", 1)[1]
+    assert re.match(r"[0-9a-f]{32} of order 507 \(the demo its producer, span [0-9a-f]{16}\):", shown), shown
+    lines = [line.strip() for line in shown.splitlines()[1:] if line.strip()]
+    assert lines[0].startswith("switchboard ingest   [switchboard-ingest] system=redis"), lines
+    assert "linked to the order's" in lines[0]
+    assert lines[1].startswith("switchboard run      [switchboard-worker]")
+    assert "attempt=1, outcome=retry" in lines[1]
+    assert lines[2].startswith("fulfil order")
+    assert "attempt=2, outcome=done" in lines[3]
+    assert lines[4].startswith("fulfil order")
+
+
 def test_demo_over_nats_ignores_the_callers_switchboard_environment() -> None:
     """``--transport nats``: the same story through JetStream on a nats-server
     of the demo's own, and no Redis at all (issue 42: the workers take their
