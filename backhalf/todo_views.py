@@ -48,6 +48,8 @@ class TodoDetail:
     lease_until: datetime | None
     last_error: str | None
     payload: Any  # the decoded JSON
+    # The trace its runs join (todos.trace_context's trace id), None without one.
+    trace_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +154,14 @@ async def get_todo(conn: AsyncConnection, todo_id: int) -> TodoDetail | None:
                 todos.c.lease_until,
                 todos.c.last_error,
                 todos.c.payload,
+                # traceparent is version-traceid-parentid-flags (backhalf.tracing)
+                sa.func.split_part(todos.c.trace_context["traceparent"].astext, "-", 2).label("trace_id"),
             ).where(todos.c.id == todo_id)
         )
     ).first()
-    return None if row is None else TodoDetail(*row)
+    if row is None:
+        return None
+    return TodoDetail(**{**row._mapping, "trace_id": row.trace_id or None})
 
 
 async def history(conn: AsyncConnection, todo_id: int) -> list[TodoEvent]:

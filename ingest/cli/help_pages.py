@@ -57,6 +57,8 @@ environment:
   {SQS_URL_VARIABLE:<29} an SQS-compatible endpoint (without it: AWS, by region and AWS_* credentials)
   {METRICS_PORT_VARIABLE:<29} the metrics port of the long-running processes, over [metrics] port
   SWITCHBOARD_WEB_TOKEN         `web`: the console's sign-in token (without it: loopback only)
+  OTEL_EXPORTER_OTLP_ENDPOINT   traces of ingest, receive and worker to this OTLP/HTTP endpoint (the otel
+                                extra; every OTEL_* variable applies: docs/operating.md, "Traces")
   and the variables the config's username_env, password_env and secrets_env name"""
 
 # `demo` runs on embedded defaults: it reads none of them.

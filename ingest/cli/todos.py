@@ -174,6 +174,7 @@ def show_lines(
         ("run_after", _utc(todo.run_after, millis=True) + " UTC"),
         ("lease_until", _utc(todo.lease_until, millis=True) + (" UTC" if todo.lease_until else "")),
         ("last_error", printable(redact(todo.last_error)) if todo.last_error is not None else "-"),
+        ("trace_id", printable(todo.trace_id or "-")),
     )
     width = max(len(name) for name, _ in fields)
     lines: list[str] = []

@@ -44,7 +44,7 @@ from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
 from ingest.embedded.sqs_server import client_env
 from tests.support import amqp, nats, sqs
 from tests.support.db import query
-from tests.support.processes import Processes
+from tests.support.processes import Processes, switchboard
 from tests.support.webhooks import STANDARD_SECRET, post, receiver_config, standard_headers, wait_listening
 
 pytestmark = pytest.mark.system
@@ -257,6 +257,9 @@ def test_the_handlers_spans_are_in_the_producers_trace(
     assert todos["none"][1:] == ({"m": "none"}, None)
 
     traced, malformed = _todo_id(db_url, "traced"), _todo_id(db_url, "malformed")
+    # The operator finds the trace by the todo (the console's todo page reads the same).
+    shown = switchboard("--config", str(config), "todos", "show", str(traced))
+    assert f"trace_id         {trace_id}" in shown.stdout.splitlines(), shown.stdout + shown.stderr
     spans = collector.wait_for(
         lambda got: (
             len(_run_spans_of(got, traced)) == 2

@@ -70,6 +70,7 @@ def test_todos_show_lists_every_field_the_payload_and_the_history() -> None:
         lease_until=at + timedelta(minutes=5),
         last_error="first\nsecond",
         payload={"n": 1, "s": "é"},
+        trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
     )
     events = [
         TodoEvent(at, None, "pending", "created"),
@@ -87,6 +88,7 @@ def test_todos_show_lists_every_field_the_payload_and_the_history() -> None:
         "lease_until      2026-12-01 10:05:00.123 UTC",
         "last_error       first",
         "                 second",
+        "trace_id         4bf92f3577b34da6a3ce929d0e0e4736",
         "payload:",
         "  {",
         '    "n": 1,',
