@@ -222,8 +222,7 @@ def _traced_attempt(handler: Handler, claim: todos.Claimed, queue: QueueConfig) 
     todo's trace context; the handler's own spans are the run's children."""
     todo = claim.todo
     with tracing.run_span(
-        todo_id=todo.id, queue=todo.queue, attempt=todo.attempt, key=todo.idempotency_key,
-        context=claim.trace_context,
+        todo_id=todo.id, queue=todo.queue, attempt=todo.attempt, context=claim.trace_context,
     ) as span:  # fmt: skip
         error = _attempt(handler, todo, queue.time_limit_ms / 1000)
         if error is None:

@@ -48,6 +48,7 @@ from ingest.embedded.servers import PostgresServer, embedded_servers  # noqa: E4
 ROUNDS = 3
 STARTUP_RUNS = 7
 TARGET = 0.8
+Measured = tuple[float, dict[str, float]]  # per second, and CPU us per message by process
 
 # A process's start: the modules the ingester, the receiver and the worker
 # import, then tracing switched on (or not) as each process does.
@@ -95,7 +96,7 @@ def startup_s(mode: str, collector: Collector) -> float:
 
 def ingest_and_ack(
     base: Path, pg: PostgresServer, rs_url: str, n: int, env: dict[str, str], run: str
-) -> float:
+) -> Measured:
     """msg/s of ingest + ack over ``n`` traced entries (clock: adapter enabled -> every entry XACKed)."""
     r = redis.Redis.from_url(rs_url)
     url = bench.fresh_db(pg, run)
@@ -106,20 +107,27 @@ def ingest_and_ack(
     try:
         wait_ready(acker)
         wait_ready(ingester)
+        pids = {"ingester": ingester.pid, "acker": acker.pid, "postgres": pg.pid}
+        cpu_before = {name: bench.tree_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
         bench.set_enabled(url, True)
         wait_for(
             lambda: bench.stream_drained(r), timeout_s=600, what="every entry XACKed", interval_s=bench.POLL_S
         )
         elapsed = time.perf_counter() - started
+        cpu_us = {
+            name: (bench.tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()
+        }
     finally:
         ingester.terminate()
         acker.terminate()
     pg.drop_database(run)
-    return n / elapsed
+    return n / elapsed, cpu_us
 
 
-def end_to_end(base: Path, pg: PostgresServer, rs_url: str, n: int, env: dict[str, str], run: str) -> float:
+def end_to_end(
+    base: Path, pg: PostgresServer, rs_url: str, n: int, env: dict[str, str], run: str
+) -> Measured:
     """todos/s from entries to done (clock: every process ready, adapter enabled -> none active)."""
     r = redis.Redis.from_url(rs_url)
     url = bench.fresh_db(pg, run)
@@ -132,12 +140,17 @@ def end_to_end(base: Path, pg: PostgresServer, rs_url: str, n: int, env: dict[st
         wait_ready(acker)
         wait_ready(ingester)
         wait_for(lambda: bench.workers_ready(worker), timeout_s=120, what=f"{run}: the workers ready")
+        pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, "postgres": pg.pid}
+        cpu_before = {name: bench.tree_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
         bench.set_enabled(url, True)
         with psycopg.connect(libpq_url(url), autocommit=True) as watcher:
             wait_for(lambda: bench.stream_drained(r) and not bench.any_on(watcher, bench.ANY_ACTIVE_TODOS),
                      timeout_s=900, what="every todo done", interval_s=bench.POLL_S)  # fmt: skip
         elapsed = time.perf_counter() - started
+        cpu_us = {
+            name: (bench.tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()
+        }
     finally:
         for proc in (worker, ingester, acker):
             proc.terminate()
@@ -145,19 +158,25 @@ def end_to_end(base: Path, pg: PostgresServer, rs_url: str, n: int, env: dict[st
     pg.drop_database(run)
     if done != n:
         raise SystemExit(f"bench: {run} finished {done} of {n} todos; logs in {base}")
-    return n / elapsed
+    return n / elapsed, cpu_us
 
 
-def _rounds(measure: Callable[[dict[str, str], str], float], collector: Collector, name: str) -> list[float]:
-    """The on/off ratio of each round, the order swapped every round."""
+def _rounds(
+    measure: Callable[[dict[str, str], str], Measured], collector: Collector, name: str
+) -> list[float]:
+    """The on/off ratio of each round, the order swapped every round; the
+    CPU per message by process, both ways."""
     ratios = []
     for i in range(ROUNDS):
-        rates: dict[bool, float] = {}
+        runs: dict[bool, Measured] = {}
         for on in (False, True) if i % 2 == 0 else (True, False):
             collector.clear()
-            rates[on] = measure(collector.env() if on else {}, f"{name}{i}{'on' if on else 'off'}")
-        ratios.append(rates[True] / rates[False])
-        print(f"    round {i + 1}: off {rates[False]:,.0f}/s, on {rates[True]:,.0f}/s, {ratios[-1]:.2f}x")
+            runs[on] = measure(collector.env() if on else {}, f"{name}{i}{'on' if on else 'off'}")
+        ratios.append(runs[True][0] / runs[False][0])
+        print(f"    round {i + 1}: off {runs[False][0]:,.0f}/s, on {runs[True][0]:,.0f}/s, {ratios[-1]:.2f}x")
+        for on in (False, True):
+            cpu = ", ".join(f"{k} {v:.0f}" for k, v in runs[on][1].items())
+            print(f"      CPU us per message, {'on ' if on else 'off'}: {cpu}")
     return ratios
 
 
@@ -167,24 +186,34 @@ def _verdict(ratios: list[float]) -> str:
     return f"{ratio:.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}), target >= {TARGET}: {met}"
 
 
-def compare(base: Path, pg: PostgresServer, rs_url: str, n: int) -> None:
+PARTS = ("start-up", "ingest", "end-to-end")
+
+
+def compare(base: Path, pg: PostgresServer, rs_url: str, n: int, parts: tuple[str, ...] = PARTS) -> None:
     print(f"bench: tracing (issue 47), {n:,} messages a run, every one sampled, {ROUNDS} rounds interleaved")
     with Collector(decode=False) as collector:
-        times: dict[str, list[float]] = {"no extra": [], "off": [], "on": []}
-        for _ in range(STARTUP_RUNS):
-            for mode in times:
-                times[mode].append(startup_s(mode, collector))
-        start = {mode: statistics.median(values) * 1000 for mode, values in times.items()}
-        print(
-            f"  start-up (imports + switch_on), medians of {STARTUP_RUNS}: without the extra"
-            f" {start['no extra']:.0f} ms, installed and off {start['off']:.0f} ms, on {start['on']:.0f} ms"
-        )
-        print("  ingest + ack, tracing on / off:")
-        ingest = _rounds(lambda env, run: ingest_and_ack(base, pg, rs_url, n, env, run), collector, "tri")
-        print(f"  ingest + ack on / off: {_verdict(ingest)}")
-        print("  end to end, tracing on / off:")
-        e2e = _rounds(lambda env, run: end_to_end(base, pg, rs_url, n // 2, env, run), collector, "tre")
-        print(f"  end to end on / off: {_verdict(e2e)}  ({collector.exports} exports received)")
+        if "start-up" in parts:
+            _startup(collector)
+        if "ingest" in parts:
+            print("  ingest + ack, tracing on / off:")
+            ingest = _rounds(lambda env, run: ingest_and_ack(base, pg, rs_url, n, env, run), collector, "tri")
+            print(f"  ingest + ack on / off: {_verdict(ingest)}")
+        if "end-to-end" in parts:
+            print("  end to end, tracing on / off:")
+            e2e = _rounds(lambda env, run: end_to_end(base, pg, rs_url, n // 2, env, run), collector, "tre")
+            print(f"  end to end on / off: {_verdict(e2e)}  ({collector.exports} exports received)")
+
+
+def _startup(collector: Collector) -> None:
+    times: dict[str, list[float]] = {"no extra": [], "off": [], "on": []}
+    for _ in range(STARTUP_RUNS):
+        for mode in times:
+            times[mode].append(startup_s(mode, collector))
+    start = {mode: statistics.median(values) * 1000 for mode, values in times.items()}
+    print(
+        f"  start-up (imports + switch_on), medians of {STARTUP_RUNS}: without the extra"
+        f" {start['no extra']:.0f} ms, installed and off {start['off']:.0f} ms, on {start['on']:.0f} ms"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--messages", type=int, default=40_000, help="messages per ingest + ack run (half end to end)"
     )
+    parser.add_argument("--only", choices=PARTS, action="append", help="this part alone (repeatable)")
     args = parser.parse_args(argv)
     with embedded_servers("switchboard-bench-tracing-", appendfsync="everysec") as servers:
-        compare(servers.base, servers.postgres, servers.redis.url, args.messages)
+        compare(servers.base, servers.postgres, servers.redis.url, args.messages, tuple(args.only or PARTS))
     return 0
 
 

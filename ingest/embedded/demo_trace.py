@@ -78,7 +78,7 @@ class DemoTrace:
 
 
 def _line(s: Span) -> str:
-    keys = ("switchboard.todo.id", "switchboard.todo.attempt", "switchboard.run.outcome",
+    keys = ("messaging.message.id", "switchboard.todo.attempt", "switchboard.run.outcome",
             "messaging.system", "messaging.batch.message_count")  # fmt: skip
     said = ", ".join(f"{k.rsplit('.', 1)[-1]}={s.attributes[k]}" for k in keys if k in s.attributes)
     return f"{s.name:<20} [{s.service}] {said}"

@@ -212,7 +212,7 @@ def _of(spans: list[Span], name: str, **attributes: Any) -> list[Span]:
 
 
 def _run_spans_of(spans: list[Span], todo_id: int) -> list[Span]:
-    return sorted(_of(spans, "switchboard run", **{"switchboard.todo.id": todo_id}),
+    return sorted(_of(spans, "switchboard run", **{"messaging.message.id": str(todo_id)}),
                   key=lambda s: s.attributes["switchboard.todo.attempt"])  # fmt: skip
 
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from backhalf import tracing
 
@@ -111,3 +115,48 @@ def test_tracing_off_imports_nothing_of_opentelemetrys_traces() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture
+def exported(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process, the SDK's own in-memory exporter for a
+    collector (the OTLP path is the system tests')."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=SpanLimits(max_links=3))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracing", tracing._Tracing(provider))
+    yield exporter
+    provider.shutdown()
+
+
+def test_a_batch_links_its_messages_up_to_the_span_limit(exported: InMemorySpanExporter) -> None:
+    traceparents = [f"00-{i:032x}-{i:016x}-01" for i in range(1, 6)]
+    contexts = [tracing.carried(tp) for tp in traceparents] + [None]
+    # As PostgreSQL prints it back: the same context.
+    contexts[1] = json.dumps(json.loads(contexts[1] or ""))
+    with tracing.ingest_span(adapter="orders", system="redis", destination="s", contexts=contexts):
+        pass
+    (span,) = exported.get_finished_spans()
+    assert [(link.context.trace_id, link.context.span_id) for link in span.links] == [(1, 1), (2, 2), (3, 3)]
+    assert all(link.context.is_remote and link.context.trace_flags.sampled for link in span.links)
+    assert span.attributes is not None
+    assert span.attributes["messaging.batch.message_count"] == 6
+    assert span.attributes["switchboard.links_omitted"] == 2
+
+
+def test_a_run_is_a_child_of_its_todos_context_tracestate_and_all(exported: InMemorySpanExporter) -> None:
+    kept = json.dumps(json.loads(tracing.carried(GOOD, "rojo=1") or ""))  # jsonb's order: tracestate first
+    with tracing.run_span(todo_id=7, queue="q", attempt=2, context=kept) as run:
+        run.ended("retry", ValueError("boom"))
+    (span,) = exported.get_finished_spans()
+    assert span.parent is not None
+    assert (span.parent.trace_id, span.parent.span_id) == (int(TRACE, 16), int(SPAN, 16))
+    assert span.context is not None
+    assert span.context.trace_id == int(TRACE, 16)
+    assert span.context.trace_state.get("rojo") == "1"
+    assert span.attributes is not None
+    assert (
+        dict(span.attributes).items()
+        >= {"messaging.message.id": "7", "switchboard.run.outcome": "retry"}.items()
+    )
+    assert [e.name for e in span.events] == ["exception"]
