@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -47,9 +48,15 @@ TRACESTATE = "tracestate"
 # lowercase hex. A version above 00 may carry more after a dash; ff is none.
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[!-~]*)?")
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
-# tracestate: at most 32 list members, 512 characters is what a vendor must
-# keep; printable ASCII, members split by commas.
-_TRACESTATE = re.compile(r"[ -~]{0,512}")
+# tracestate: at most 32 list members of W3C's grammar (key=value, a key a
+# simple or a tenant@system one), 512 characters in all (what a vendor must
+# keep). Any member off the grammar drops the whole header: the SDK would
+# drop it too, and log the producer's text at every read.
+_TRACESTATE_MEMBER = re.compile(
+    r"(?:[a-z0-9][_0-9a-z*/-]{0,255}|[a-z0-9][_0-9a-z*/-]{0,240}@[a-z][_0-9a-z*/-]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+_TRACESTATE_MAX = 512
 _TRACESTATE_MEMBERS = 32
 
 # What the variables may name (the extra ships OTLP over HTTP).
@@ -83,10 +90,25 @@ def carried(traceparent: str | None, tracestate: str | None = None) -> str | Non
     # Written by hand: the traceparent is hex and dashes, nothing to escape
     # (json.dumps cost 2.7 us a message, the whole check 0.5 us).
     text = _PREFIX + traceparent[:55]
-    state = (tracestate or "").strip()
-    if state and _TRACESTATE.fullmatch(state) and state.count(",") < _TRACESTATE_MEMBERS:
+    state = _tracestate(tracestate)
+    if state is not None:
         return f'{text}","{TRACESTATE}":{json.dumps(state)}}}'
     return text + '"}'
+
+
+def _tracestate(header: str | None) -> str | None:
+    """``header`` if it is a W3C tracestate (empty members skipped), else None."""
+    if not header or len(header) > _TRACESTATE_MAX:
+        return None
+    members = [m.strip(" \t") for m in header.split(",")]
+    members = [m for m in members if m]
+    if not members or len(members) > _TRACESTATE_MEMBERS:
+        return None
+    if not all(_TRACESTATE_MEMBER.fullmatch(m) for m in members):
+        return None
+    if len({m.partition("=")[0] for m in members}) != len(members):
+        return None  # a key twice
+    return ",".join(members)
 
 
 # What carried() writes first, and what PostgreSQL's jsonb prints of it
@@ -137,17 +159,31 @@ class _Tracing:
 
     def __init__(self, provider: Any) -> None:
         from opentelemetry import context, trace
-        from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+        from opentelemetry.trace import (
+            NonRecordingSpan,
+            SpanContext,
+            SpanKind,
+            Status,
+            StatusCode,
+            TraceFlags,
+        )
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.trace = trace
         self.attach, self.detach, self.consumer = context.attach, context.detach, SpanKind.CONSUMER
+        self.server, self.status, self.error = SpanKind.SERVER, Status, StatusCode.ERROR
+        self._empty = context.Context
         self._span_context, self._flags, self._span = SpanContext, TraceFlags, NonRecordingSpan
         self.provider = provider
         # A batch's links: the span limit's (OTEL_SPAN_LINK_COUNT_LIMIT, 128 by default).
         self.max_links: int = provider._span_limits.max_links
         self.tracer = provider.get_tracer("switchboard")
         self.propagator = TraceContextTextMapPropagator()
+
+    def root(self) -> Any:
+        """An empty context: a span started in it is a root, whatever the
+        thread's current context holds."""
+        return self._empty()
 
     def context_of(self, text: str | None) -> Any:
         """The OpenTelemetry context a stored context stands for (None: none)."""
@@ -216,45 +252,78 @@ def switch_on(process: str, env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+def check(env: Mapping[str, str]) -> None:
+    """What :func:`switch_on` would refuse, found before a process starts
+    (``switchboard worker``, whose processes switch on after dramatiq forks
+    them): TracingConfigError. Settings the SDK reads itself (span limits)
+    are checked where the extra is installed."""
+    if not wanted(env):
+        return
+    try:
+        from opentelemetry.sdk.trace import SpanLimits
+    except ImportError:
+        return  # switch_on says so, once per process, and runs untraced
+    _limits(SpanLimits)
+
+
+def _limits(span_limits: Any) -> Any:
+    try:
+        return span_limits()
+    except ValueError as exc:  # OTEL_SPAN_*_LIMIT not a number, or negative
+        raise TracingConfigError(f"OTEL_* span limits: {exc}") from exc
+
+
 def _provider(process: str, env: Mapping[str, str]) -> Any:
+    # Every import first: no processor (and its thread) is started for a
+    # provider an ImportError then abandons.
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
+    exporters = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()]
+    made: list[Any] = []
+    if "otlp" in exporters:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        made.append(OTLPSpanExporter)
+    if "console" in exporters:
+        made.append(ConsoleSpanExporter)
     named = env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "")
     attributes = {"switchboard.process": process}
     if not named:
         attributes[SERVICE_NAME] = f"switchboard-{process}"
-    provider = TracerProvider(resource=Resource.create(attributes), span_limits=SpanLimits())
-    exporters = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()]
-    for name in dict.fromkeys(exporters):
-        if name == "console":
-            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-        elif name == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider = TracerProvider(resource=Resource.create(attributes), span_limits=_limits(SpanLimits))
+    for exporter in made:
+        provider.add_span_processor(BatchSpanProcessor(exporter()))
     return provider
 
 
 def shutdown(timeout_ms: int = 5_000) -> None:
-    """Export what is still buffered, within ``timeout_ms``; nothing is
-    traced after (a process's last step)."""
+    """Export what is still buffered, for ``timeout_ms`` at most (in a thread
+    of its own: the SDK's flush does not bound its wait on a collector that
+    does not answer); nothing is traced after (a process's last step)."""
     global _tracing
     tracing, _tracing = _tracing, None
     if tracing is None:
         return
-    try:
-        tracing.provider.force_flush(timeout_ms)
-        tracing.provider.shutdown()
-    except Exception as exc:  # noqa: BLE001 - a collector gone must not fail a process's stop
-        log.warning("tracing_not_flushed", error=f"{type(exc).__name__}: {exc}")
+
+    def flush() -> None:
+        try:
+            tracing.provider.shutdown()  # exports what is queued, then stops
+        except Exception as exc:  # noqa: BLE001 - a collector gone must not fail a process's stop
+            log.warning("tracing_not_flushed", error=f"{type(exc).__name__}: {exc}")
+
+    flusher = threading.Thread(target=flush, name="tracing-flush", daemon=True)
+    flusher.start()
+    flusher.join(timeout_ms / 1000)
+    if flusher.is_alive():
+        log.warning("tracing_not_flushed", error=f"the exporter did not finish within {timeout_ms} ms",
+                    detail="the spans still queued are dropped")  # fmt: skip
 
 
-def _need() -> _Tracing:
-    if _tracing is None:
-        raise RuntimeError("tracing is off: ask backhalf.tracing.on() first")
-    return _tracing
+def _failed(what: str, exc: Exception) -> None:
+    """A tracing step failed: logged, never the message's or the run's failure."""
+    log.warning("tracing_failed", step=what, error=f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
 @contextmanager
@@ -264,117 +333,182 @@ def ingest_span(
     """``switchboard ingest``: one stored batch, linked to its messages'
     contexts, as many as the span's link limit allows (the rest counted in
     ``switchboard.links_omitted``: each link costs its export about 10 us).
-    Only while tracing is on."""
-    tracing = _need()
-    from opentelemetry.trace import Link, SpanKind
-
-    carrying = [c for c in contexts if c is not None]
-    kept = carrying[: tracing.max_links]
-    links = [Link(sc) for sc in map(tracing.span_context_of, kept) if sc is not None]
-    attributes: dict[str, Any] = {
-        "messaging.system": system,
-        "messaging.operation.type": "receive",
-        "messaging.operation.name": "ingest",
-        "messaging.batch.message_count": len(contexts),
-        "switchboard.adapter": adapter,
-    }
-    if destination is not None:
-        attributes["messaging.destination.name"] = destination
-    if len(carrying) > len(kept):
-        attributes["switchboard.links_omitted"] = len(carrying) - len(kept)
-    with tracing.tracer.start_as_current_span(
-        "switchboard ingest", kind=SpanKind.CONSUMER, links=links, attributes=attributes
-    ):
+    Nothing while tracing is off."""
+    tracing = _tracing
+    span = None if tracing is None else _started_ingest(tracing, adapter, system, destination, contexts)
+    if tracing is None or span is None:
         yield
+        return
+    token = tracing.attach(tracing.trace.set_span_in_context(span))
+    try:
+        yield
+    except BaseException as exc:
+        _errored(tracing, span, exc)
+        raise
+    finally:
+        tracing.detach(token)
+        span.end()
+
+
+def _started_ingest(
+    tracing: _Tracing, adapter: str, system: str, destination: str | None, contexts: Sequence[str | None]
+) -> Any:
+    try:
+        from opentelemetry.trace import Link
+
+        carrying = [c for c in contexts if c is not None]
+        kept = carrying[: tracing.max_links]
+        links = [Link(sc) for sc in map(tracing.span_context_of, kept) if sc is not None]
+        attributes: dict[str, Any] = {
+            "messaging.system": system,
+            "messaging.operation.type": "receive",
+            "messaging.operation.name": "ingest",
+            "messaging.batch.message_count": len(contexts),
+            "switchboard.adapter": adapter,
+        }
+        if destination is not None:
+            attributes["messaging.destination.name"] = destination
+        if len(carrying) > len(kept):
+            attributes["switchboard.links_omitted"] = len(carrying) - len(kept)
+        kind, root = tracing.consumer, tracing.root()
+        return tracing.tracer.start_span(
+            "switchboard ingest", context=root, kind=kind, links=links, attributes=attributes
+        )
+    except Exception as exc:  # noqa: BLE001 - a batch is stored traced or not
+        _failed("ingest span", exc)
+        return None
+
+
+def _errored(tracing: _Tracing, span: Any, exc: BaseException) -> None:
+    """The span's error: its type only (a store's error text holds SQL and
+    message bodies; the log has it, redacted)."""
+    try:
+        span.set_status(tracing.status(tracing.error, type(exc).__name__))
+    except Exception as failed:  # noqa: BLE001
+        _failed("span status", failed)
 
 
 class Delivered:
     """The receive span of one webhook delivery: its context for the todo,
-    and the answer's status once known."""
+    and the answer's status once known. Without a span (tracing off, or it
+    failed to start) every method is a no-op."""
 
-    def __init__(self, tracing: _Tracing, span: Any) -> None:
+    def __init__(self, tracing: _Tracing | None, span: Any) -> None:
         self._tracing, self._span = tracing, span
 
     def context(self) -> str | None:
         """This span's context, kept by the todo (its run becomes this span's child)."""
-        carrier: dict[str, str] = {}
-        self._tracing.propagator.inject(carrier, self._tracing.trace.set_span_in_context(self._span))
-        try:
-            return carried(carrier.get(TRACEPARENT), carrier.get(TRACESTATE))
-        except ValueError:
+        if self._tracing is None or self._span is None:
             return None
+        sc = self._span.get_span_context()
+        return carried(f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}")
 
-    def answered(self, status: int, message_id: str | None = None) -> None:
-        self._span.set_attribute("http.response.status_code", status)
-        if message_id is not None:
-            self._span.set_attribute("messaging.message.id", message_id)
-        if status >= 500:
-            from opentelemetry.trace import Status, StatusCode
-
-            self._span.set_status(Status(StatusCode.ERROR, f"answered {status}"))
+    def answered(self, status: int) -> None:
+        if self._tracing is None or self._span is None:
+            return
+        try:
+            self._span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                self._span.set_status(self._tracing.status(self._tracing.error, f"answered {status}"))
+        except Exception as exc:  # noqa: BLE001 - the answer goes out traced or not
+            _failed("receive span", exc)
 
 
 @contextmanager
 def receive_span(*, adapter: str, path: str, sender: str | None) -> Iterator[Delivered]:
     """``switchboard receive``: one webhook delivery, a child of ``sender``
     (the context its headers carried, :func:`carried`'s text; None: a root).
-    Only while tracing is on."""
-    tracing = _need()
-    from opentelemetry.trace import SpanKind
-
-    attributes = {
-        "messaging.system": "webhook",
-        "messaging.operation.type": "receive",
-        "messaging.operation.name": "receive",
-        "messaging.destination.name": adapter,
-        "switchboard.adapter": adapter,
-        "http.request.method": "POST",
-        "url.path": path,
-    }
-    with tracing.tracer.start_as_current_span(
-        "switchboard receive",
-        context=tracing.context_of(sender),
-        kind=SpanKind.SERVER,
-        attributes=attributes,
-    ) as span:
+    A no-op while tracing is off."""
+    tracing = _tracing
+    span = None
+    if tracing is not None:
+        try:
+            attributes = {
+                "messaging.system": "webhook",
+                "messaging.operation.type": "receive",
+                "messaging.operation.name": "receive",
+                "messaging.destination.name": adapter,
+                "switchboard.adapter": adapter,
+                "http.request.method": "POST",
+                "url.path": path,
+            }
+            parent = tracing.context_of(sender) if sender is not None else tracing.root()
+            span = tracing.tracer.start_span(
+                "switchboard receive", context=parent, kind=tracing.server, attributes=attributes
+            )
+        except Exception as exc:  # noqa: BLE001 - a delivery is stored traced or not
+            _failed("receive span", exc)
+    if tracing is None or span is None:
+        yield Delivered(None, None)
+        return
+    token = tracing.attach(tracing.trace.set_span_in_context(span))
+    try:
         yield Delivered(tracing, span)
+    except BaseException as exc:
+        _errored(tracing, span, exc)
+        raise
+    finally:
+        tracing.detach(token)
+        span.end()
 
 
 class Run:
     """The span of one handler run, current while it lasts (its own context
     manager, not the SDK's ``start_as_current_span``: a generator and its
-    exception handling cost each run a third more); told its outcome."""
+    exception handling cost each run a third more); told its outcome.
+    Nothing escapes it into the run: a tracing step that fails is logged."""
 
-    def __init__(self, tracing: _Tracing, name: str, parent: Any, attributes: dict[str, Any]) -> None:
-        self._tracing = tracing
-        self._span = tracing.tracer.start_span(
-            name, context=parent, kind=tracing.consumer, attributes=attributes
-        )
+    def __init__(self, tracing: _Tracing | None, parent: Any, attributes: dict[str, Any]) -> None:
+        self._tracing, self._span = tracing, None
         self._token: Any = None
+        if tracing is None:
+            return
+        try:
+            kind = tracing.consumer
+            self._span = tracing.tracer.start_span(
+                "switchboard run", context=parent, kind=kind, attributes=attributes
+            )
+        except Exception as exc:  # noqa: BLE001 - the handler runs traced or not
+            _failed("run span", exc)
 
     def __enter__(self) -> Run:
-        tracing = self._tracing
-        self._token = tracing.attach(tracing.trace.set_span_in_context(self._span))
+        if self._tracing is not None and self._span is not None:
+            self._token = self._tracing.attach(self._tracing.trace.set_span_in_context(self._span))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._tracing.detach(self._token)
-        self._span.end()
+        if self._tracing is None or self._span is None:
+            return
+        try:
+            self._tracing.detach(self._token)
+            self._span.end()
+        except Exception as failed:  # noqa: BLE001
+            _failed("run span", failed)
 
-    def ended(self, outcome: str, error: BaseException | None = None) -> None:
-        self._span.set_attribute("switchboard.run.outcome", outcome)
-        if error is not None:
-            from opentelemetry.trace import Status, StatusCode
-
-            self._span.record_exception(error)
-            self._span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}"))
+    def ended(self, outcome: str, error_type: str | None = None, error: str | None = None) -> None:
+        """The run's outcome; a failed run's error as an ``exception`` event:
+        its type and ``error``, the text its todo keeps (cut and redacted:
+        backhalf.worker.stored_error), never the traceback."""
+        if self._tracing is None or self._span is None:
+            return
+        try:
+            self._span.set_attribute("switchboard.run.outcome", outcome)
+            if error_type is not None:
+                event = {"exception.type": error_type, "exception.message": error or ""}
+                self._span.add_event("exception", event)
+                self._span.set_status(self._tracing.status(self._tracing.error, error_type))
+        except Exception as exc:  # noqa: BLE001 - the run's end is written traced or not
+            _failed("run span", exc)
 
 
 def run_span(*, todo_id: int, queue: str, attempt: int, context: str | None) -> Run:
     """``switchboard run``: one handler run, a child of its todo's ``context``
     (None: a root), current while the handler runs (so its own spans are
-    this one's children): a context manager. Only while tracing is on."""
-    tracing = _need()
+    this one's children): a context manager. A no-op while tracing is off
+    (or switched off meanwhile: a stop)."""
+    tracing = _tracing
+    if tracing is None:
+        return Run(None, None, {})
     # As few as say what the run was: each attribute costs the run about
     # 5 us to set and 5 more to export, whatever it holds (a span with none
     # about 35 us): the message is the todo, so its id is messaging.message.id.
@@ -383,4 +517,9 @@ def run_span(*, todo_id: int, queue: str, attempt: int, context: str | None) -> 
         "messaging.message.id": str(todo_id),
         "switchboard.todo.attempt": attempt,
     }
-    return Run(tracing, "switchboard run", tracing.context_of(context), attributes)
+    try:
+        parent = tracing.context_of(context) if context is not None else tracing.root()
+    except Exception as exc:  # noqa: BLE001 - a kept context that cannot be read: a root
+        _failed("run span", exc)
+        parent = tracing.root()
+    return Run(tracing, parent, attributes)

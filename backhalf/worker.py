@@ -228,7 +228,8 @@ def _traced_attempt(handler: Handler, claim: todos.Claimed, queue: QueueConfig) 
         if error is None:
             span.ended("done")
         else:
-            span.ended("failed" if todo.attempt >= queue.max_attempts else "retry", error)
+            outcome = "failed" if todo.attempt >= queue.max_attempts else "retry"
+            span.ended(outcome, type(error).__name__, stored_error(error))
     return error
 
 

@@ -142,8 +142,6 @@ async def run_process(
             # still leaves no engine behind; it logs no stopped line, as it
             # never started.
             body = build(engine)
-            if body.traced:
-                switch_tracing_on(body.role)
             await _run_body(body, Process(settings, engine, liveness, stop))
         finally:
             if tracing.on():  # the last batches' spans exported before the end
@@ -164,6 +162,8 @@ def switch_tracing_on(process: str) -> None:
 
 async def _run_body(body: ProcessBody, process: Process) -> None:
     try:
+        if body.traced:  # inside the try: a refusal still closes what the body opened
+            switch_tracing_on(body.role)
         if not await body.start(process):
             return
         # What start-up made (modules, the config, the pool) lives as long

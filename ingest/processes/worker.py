@@ -269,7 +269,7 @@ def exec_workers(
     if not settings.queues:
         raise ConfigError("[queues.*]: `switchboard worker` needs at least one queue with a handler")
     try:
-        tracing.wanted(os.environ)  # what the OTEL_* variables ask, checked once before the processes start
+        tracing.check(os.environ)  # what the OTEL_* variables ask, checked once before the processes start
     except tracing.TracingConfigError as exc:
         raise ConfigError(str(exc)) from exc
     for queue in settings.queues.values():

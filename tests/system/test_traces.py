@@ -44,6 +44,7 @@ from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
 from ingest.embedded.sqs_server import client_env
 from tests.support import amqp, nats, sqs
 from tests.support.db import query
+from tests.support.downstream import stop_all
 from tests.support.processes import Processes, switchboard
 from tests.support.webhooks import STANDARD_SECRET, post, receiver_config, standard_headers, wait_listening
 
@@ -348,3 +349,48 @@ def test_without_otel_variables_no_context_is_kept(
     assert [tc for _, _, tc in _todos(db_url).values()] == [None, None]
     assert not ingester.events("tracing_on")
     assert not ingester.events("trace_context_malformed")
+
+
+def test_spans_still_queued_at_a_stop_are_exported(
+    collector: Collector, procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str,
+    runs_db: str,
+) -> None:  # fmt: skip
+    """SIGTERM exports what the processes still hold: with an export delay of
+    ten minutes nothing leaves before the stop, and everything after it."""
+    source = RedisStream(redis_url)
+    config = make_config(source.adapter(), queues={QUEUE: HANDLER}, worker={"poll_interval_ms": 200})
+    env = {**collector.env(), "OTEL_BSP_SCHEDULE_DELAY": "600000"}
+    ingester = _start(procs, config, "ingest", env)
+    worker = _start(procs, config, "worker", env)
+    trace_id, span_id, traceparent = producer_context()
+    source.send(json.dumps({"m": "traced"}).encode(), traceparent)
+    wait_for(lambda: _all_done(db_url, 1), timeout_s=90, what="the todo done")
+    assert collector.spans() == []
+    stop_all([ingester, worker])
+    spans = collector.wait_for(lambda got: len(_of(got, "switchboard run")) == 1, timeout_s=SPANS_TIMEOUT_S)
+    (run,) = _of(spans, "switchboard run")
+    assert (run.trace_id, run.parent_span_id) == (trace_id, span_id)
+    assert any((trace_id, span_id) in s.links for s in _of(spans, "switchboard ingest"))
+
+
+@pytest.mark.parametrize("verb", ["ingest", "receive", "worker"])
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"),
+        ({"OTEL_TRACES_EXPORTER": "jaeger"}, "OTEL_TRACES_EXPORTER=jaeger"),
+        ({"OTEL_SPAN_LINK_COUNT_LIMIT": "lots"}, "span limits"),
+    ],
+)
+def test_what_the_otel_variables_ask_that_cannot_be_done_is_exit_2(
+    tmp_path: Path, db_url: str, redis_url: str, verb: str, env: dict[str, str], says: str
+) -> None:
+    adapter = {"name": "billing", "transport": "webhook", "mode": "standard-webhooks", "queue": QUEUE,
+               "secrets_env": ["BILLING_WHSEC"]}  # fmt: skip
+    config, _port = receiver_config(
+        tmp_path / "c.toml", db_url, [adapter, RedisStream(redis_url).adapter()], queues={QUEUE: HANDLER}
+    )
+    asked = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "BILLING_WHSEC": STANDARD_SECRET, **env}
+    result = switchboard("--config", str(config), verb, env=asked, timeout_s=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert says in result.stdout + result.stderr

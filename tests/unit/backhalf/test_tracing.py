@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +16,8 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from backhalf import tracing
+from backhalf import todos, tracing, worker
+from backhalf.queues import QueueConfig
 
 TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 GOOD = f"00-{TRACE}-{SPAN}-01"
@@ -57,7 +59,19 @@ def test_a_malformed_traceparent_is_refused(traceparent: str) -> None:
         tracing.carried(traceparent)
 
 
-@pytest.mark.parametrize("tracestate", ["x" * 513, ",".join(f"k{i}=v" for i in range(33)), "bad\x7fstate"])
+@pytest.mark.parametrize(
+    "tracestate",
+    [
+        "x" * 513,
+        ",".join(f"k{i}=v" for i in range(33)),
+        "bad\x7fstate",
+        'junk "\\ here',  # no member of W3C's grammar: the SDK would log it at every read
+        "a=1,a=2",  # a key twice
+        "Upper=1",
+        "a=b=c",
+        "rojo=1,junk",  # one bad member drops them all
+    ],
+)
 def test_a_malformed_tracestate_is_dropped_alone(tracestate: str) -> None:
     assert json.loads(tracing.carried(GOOD, tracestate) or "") == {"traceparent": GOOD}
 
@@ -145,9 +159,9 @@ def test_a_batch_links_its_messages_up_to_the_span_limit(exported: InMemorySpanE
 
 
 def test_a_run_is_a_child_of_its_todos_context_tracestate_and_all(exported: InMemorySpanExporter) -> None:
-    kept = json.dumps(json.loads(tracing.carried(GOOD, "rojo=1") or ""))  # jsonb's order: tracestate first
+    kept = f'{{"tracestate": "rojo=1", "traceparent": "{GOOD}"}}'  # as PostgreSQL's jsonb prints it
     with tracing.run_span(todo_id=7, queue="q", attempt=2, context=kept) as run:
-        run.ended("retry", ValueError("boom"))
+        run.ended("retry", "ValueError", "ValueError: boom")
     (span,) = exported.get_finished_spans()
     assert span.parent is not None
     assert (span.parent.trace_id, span.parent.span_id) == (int(TRACE, 16), int(SPAN, 16))
@@ -160,3 +174,48 @@ def test_a_run_is_a_child_of_its_todos_context_tracestate_and_all(exported: InMe
         >= {"messaging.message.id": "7", "switchboard.run.outcome": "retry"}.items()
     )
     assert [e.name for e in span.events] == ["exception"]
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+@pytest.mark.parametrize(
+    ("error", "kept"),
+    [
+        (Unprintable(), "Unprintable: (its message could not be printed)"),
+        (ConnectionError("cannot reach postgresql://app:hunter2@db:5432/x"), "ConnectionError: cannot reach"),
+    ],
+)
+def test_a_failed_runs_error_is_the_todos_own_text_and_never_escapes(
+    exported: InMemorySpanExporter, error: Exception, kept: str
+) -> None:
+    """What a handler raised is exported as its todo keeps it (cut, redacted,
+    printable: stored_error), no traceback; an error whose text cannot be
+    made is no failure of the run's end (the attempt is still the one that
+    comes back)."""
+
+    def handler(_todo: todos.Todo) -> None:
+        raise error
+
+    claim = todos.Claimed(todos.Todo(7, "q", {}, "k", 1), uuid.uuid4(), tracing.carried(GOOD))
+    queue = QueueConfig(name="q", handler="x:y", max_attempts=3)
+    assert worker._traced_attempt(handler, claim, queue) is error
+    (span,) = exported.get_finished_spans()
+    (event,) = span.events
+    assert event.attributes is not None
+    assert event.attributes["exception.type"] == type(error).__name__
+    message = str(event.attributes["exception.message"])
+    assert message.startswith(kept)
+    assert "hunter2" not in message
+    assert "exception.stacktrace" not in event.attributes
+    assert span.attributes is not None
+    assert span.attributes["switchboard.run.outcome"] == "retry"
+
+
+def test_span_limits_the_sdk_cannot_read_are_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "lots")
+    with pytest.raises(tracing.TracingConfigError, match="span limits"):
+        tracing.check({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    tracing.check({})  # not asked for: nothing read
