@@ -275,10 +275,11 @@ BEGIN
     GRANT SELECT, INSERT (name, family, transport, mode, settings),
           UPDATE (transport, mode, settings, updated_at)
         ON adapters TO switchboard_ingester, switchboard_receiver;
-    -- todos_create_cte: insert, or the no-op update of a dedup; the store's
-    -- undo deletes what it created (delete_todos); store_ack_queue_cte locks
-    -- with FOR SHARE, which the updated_at grant covers.
-    GRANT SELECT, INSERT (queue, idempotency_key, payload), UPDATE (updated_at), DELETE
+    -- todos_create_cte: insert (with the message's trace context, DESIGN.md
+    -- section 14), or the no-op update of a dedup; the store's undo deletes
+    -- what it created (delete_todos); store_ack_queue_cte locks with FOR
+    -- SHARE, which the updated_at grant covers.
+    GRANT SELECT, INSERT (queue, idempotency_key, payload, trace_context), UPDATE (updated_at), DELETE
         ON todos TO switchboard_ingester, switchboard_receiver;
     GRANT SELECT (id, todo_id), INSERT (todo_id, from_status, to_status, detail), DELETE
         ON todo_events TO switchboard_ingester, switchboard_receiver;
@@ -364,8 +365,9 @@ BEGIN
     GRANT INSERT (family, adapter, trust_mode, verified, verify_detail, idempotency_key, source_message_id,
                   payload, todo_id)
         ON events TO switchboard_operator;
-    GRANT INSERT (queue, idempotency_key, payload), UPDATE (status, attempts, lease_until, run_after,
-                                                             updated_at)
+    -- (trace_context: the create statement names it; a replay's todo keeps none)
+    GRANT INSERT (queue, idempotency_key, payload, trace_context),
+          UPDATE (status, attempts, lease_until, run_after, updated_at)
         ON todos TO switchboard_operator;
     GRANT INSERT (todo_id, from_status, to_status, detail) ON todo_events TO switchboard_operator;
     GRANT UPDATE (waiting_for) ON ack_queue TO switchboard_operator;

@@ -226,6 +226,7 @@ def test_show_prints_the_todo_its_payload_and_its_history_in_order(todos_cli: An
         "run_after": "2026-12-01 10:00:05.000 UTC",
         "lease_until": "-",
         "last_error": "ValueError: no",
+        "trace_id": "-",
     }
     assert "second line" in out.split("payload:")[0]
     payload_text = out.split("payload:\n")[1].split("history:")[0]

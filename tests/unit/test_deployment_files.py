@@ -382,10 +382,11 @@ def test_the_dockerfile_installs_the_pinned_package_and_runs_it_as_a_non_root_us
     assert _installed_sources() <= copied, _installed_sources() - copied
     installs = [args for kind, args in steps if kind == "RUN" and "pip install" in args]
     assert len(installs) == 1
-    # The `http` extra (the webhook receiver's server) and the `web` one (the
-    # console's) and no other: no dev, test or embedded extras in the image.
-    assert re.search(r'pip install -c constraints\.txt "\.\[http,web\]"(\s|$)', installs[0]), installs[0]
-    assert installs[0].count("[") == 1, "no extras but http and web in the image"
+    # The `http` extra (the webhook receiver's server), the `web` one (the
+    # console's) and `otel` (traces, used where OTEL_* ask) and no other: no
+    # dev, test or embedded extras in the image.
+    assert re.search(r'pip install -c constraints\.txt "\.\[http,web,otel\]"(\s|$)', installs[0]), installs[0]
+    assert installs[0].count("[") == 1, "no extras but http, web and otel in the image"
     users = [i for i, (kind, _) in enumerate(steps) if kind == "USER"]
     assert users, "no USER: the processes would run as root"
     user = steps[users[-1]][1].split(":")[0]
