@@ -339,6 +339,13 @@ def ingest_span(
     if tracing is None or span is None:
         yield
         return
+    with _current(tracing, span):
+        yield
+
+
+@contextmanager
+def _current(tracing: _Tracing, span: Any) -> Iterator[None]:
+    """``span`` current for the block, ended after it (an error: its type)."""
     token = tracing.attach(tracing.trace.set_span_in_context(span))
     try:
         yield
@@ -441,15 +448,8 @@ def receive_span(*, adapter: str, path: str, sender: str | None) -> Iterator[Del
     if tracing is None or span is None:
         yield Delivered(None, None)
         return
-    token = tracing.attach(tracing.trace.set_span_in_context(span))
-    try:
+    with _current(tracing, span):
         yield Delivered(tracing, span)
-    except BaseException as exc:
-        _errored(tracing, span, exc)
-        raise
-    finally:
-        tracing.detach(token)
-        span.end()
 
 
 class Run:

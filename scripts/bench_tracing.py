@@ -108,20 +108,28 @@ def ingest_and_ack(
         wait_ready(acker)
         wait_ready(ingester)
         pids = {"ingester": ingester.pid, "acker": acker.pid, "postgres": pg.pid}
-        cpu_before = {name: bench.tree_cpu_seconds(pid) for name, pid in pids.items()}
-        started = time.perf_counter()
-        bench.set_enabled(url, True)
-        wait_for(
-            lambda: bench.stream_drained(r), timeout_s=600, what="every entry XACKed", interval_s=bench.POLL_S
-        )
-        elapsed = time.perf_counter() - started
-        cpu_us = {
-            name: (bench.tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()
-        }
+
+        def drained() -> None:
+            wait_for(lambda: bench.stream_drained(r), timeout_s=600, what="every entry XACKed",
+                     interval_s=bench.POLL_S)  # fmt: skip
+
+        measured = _timed(url, n, pids, drained)
     finally:
         ingester.terminate()
         acker.terminate()
     pg.drop_database(run)
+    return measured
+
+
+def _timed(url: str, n: int, pids: dict[str, int], finished: Callable[[], None]) -> Measured:
+    """Enable the adapter, wait until ``finished`` returns: the rate, and the
+    CPU per message of each process in ``pids`` over the same span."""
+    cpu_before = {name: bench.tree_cpu_seconds(pid) for name, pid in pids.items()}
+    started = time.perf_counter()
+    bench.set_enabled(url, True)
+    finished()
+    elapsed = time.perf_counter() - started
+    cpu_us = {name: (bench.tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
     return n / elapsed, cpu_us
 
 
@@ -141,24 +149,23 @@ def end_to_end(
         wait_ready(ingester)
         wait_for(lambda: bench.workers_ready(worker), timeout_s=120, what=f"{run}: the workers ready")
         pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, "postgres": pg.pid}
-        cpu_before = {name: bench.tree_cpu_seconds(pid) for name, pid in pids.items()}
-        started = time.perf_counter()
-        bench.set_enabled(url, True)
         with psycopg.connect(libpq_url(url), autocommit=True) as watcher:
-            wait_for(lambda: bench.stream_drained(r) and not bench.any_on(watcher, bench.ANY_ACTIVE_TODOS),
-                     timeout_s=900, what="every todo done", interval_s=bench.POLL_S)  # fmt: skip
-        elapsed = time.perf_counter() - started
-        cpu_us = {
-            name: (bench.tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()
-        }
+
+            def done() -> None:
+                def none_left() -> bool:
+                    return bench.stream_drained(r) and not bench.any_on(watcher, bench.ANY_ACTIVE_TODOS)
+
+                wait_for(none_left, timeout_s=900, what="every todo done", interval_s=bench.POLL_S)
+
+            measured = _timed(url, n, pids, done)
     finally:
         for proc in (worker, ingester, acker):
             proc.terminate()
-    done = bench.todos_done(url)
+    finished = bench.todos_done(url)
     pg.drop_database(run)
-    if done != n:
-        raise SystemExit(f"bench: {run} finished {done} of {n} todos; logs in {base}")
-    return n / elapsed, cpu_us
+    if finished != n:
+        raise SystemExit(f"bench: {run} finished {finished} of {n} todos; logs in {base}")
+    return measured
 
 
 def _rounds(
