@@ -114,12 +114,16 @@ def leaky(todo: Todo) -> None:
 def traced(todo: Todo) -> None:
     """Makes a span of its own, as an instrumented handler does (a child of
     its run's: DESIGN.md section 14), and fails the first ``fail_times``
-    runs as :func:`scripted` does (tests/system/test_traces.py)."""
+    runs as :func:`scripted` does; with ``sleep_s``, records its start in
+    ``handler_runs`` and sleeps (a run to kill) (tests/system/test_traces.py)."""
     from opentelemetry import trace
 
     payload: dict[str, Any] = todo.payload if isinstance(todo.payload, dict) else {}
     with trace.get_tracer(__name__).start_as_current_span(
         "handler work", attributes={"todo.id": todo.id, "todo.attempt": todo.attempt}
     ):
+        if payload.get("sleep_s"):
+            _record(todo, "started")
+            time.sleep(float(payload["sleep_s"]))
         if todo.attempt <= int(payload.get("fail_times", 0)):
             raise Planned(f"planned failure of run {todo.attempt}")

@@ -28,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,8 +45,8 @@ from ingest.embedded.otlp_collector import Collector, Span
 from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
 from ingest.embedded.sqs_server import client_env
 from tests.support import amqp, nats, sqs
-from tests.support.db import query
-from tests.support.downstream import stop_all
+from tests.support.db import query, scalar
+from tests.support.downstream import FAST_RESCUE, SHORT_LEASE, stop_all
 from tests.support.processes import Processes, switchboard
 from tests.support.webhooks import STANDARD_SECRET, post, receiver_config, standard_headers, wait_listening
 
@@ -349,6 +351,39 @@ def test_without_otel_variables_no_context_is_kept(
     assert [tc for _, _, tc in _todos(db_url).values()] == [None, None]
     assert not ingester.events("tracing_on")
     assert not ingester.events("trace_context_malformed")
+
+
+def test_a_run_rescued_after_its_worker_was_killed_joins_the_producers_trace(
+    collector: Collector, procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str,
+    runs_db: str,
+) -> None:  # fmt: skip
+    """kill -9 of the worker mid-run: its span dies with it; the rescuer puts
+    the todo back once its lease lapses, and the run of a new worker process
+    is in the producer's trace all the same (the context is the todo's)."""
+    source = RedisStream(redis_url)
+    config = make_config(source.adapter(), queues={QUEUE: HANDLER}, acker=FAST_RESCUE, worker=SHORT_LEASE)
+    env = collector.env()
+    _start(procs, config, "ingest", env)
+    _start(procs, config, "ack", env)
+    worker = _start(procs, config, "worker", env)
+    trace_id, span_id, traceparent = producer_context()
+    source.send(json.dumps({"m": "rescued", "sleep_s": 60}).encode(), traceparent)
+    wait_for(lambda: scalar(db_url, "SELECT count(*) FROM handler_runs") == 1, timeout_s=60, what="the run")
+    query(db_url, "UPDATE todos SET payload = payload - 'sleep_s'")  # the rescued run finishes
+    (pid,) = query(db_url, "SELECT pid FROM handler_runs")[0]
+    os.kill(pid, signal.SIGKILL)
+    worker.wait(30)  # dramatiq's main process ends when one of its workers dies
+    procs.start("worker", config, name="worker-2", env=env)
+    wait_for(lambda: _all_done(db_url, 1), timeout_s=90, what="the todo rescued and done")
+    todo_id = _todo_id(db_url, "rescued")
+    spans = collector.wait_for(lambda got: len(_run_spans_of(got, todo_id)) == 1, timeout_s=SPANS_TIMEOUT_S)
+    (run,) = _run_spans_of(spans, todo_id)
+    assert (run.trace_id, run.parent_span_id) == (trace_id, span_id)
+    assert (run.attributes["switchboard.todo.attempt"], run.attributes["switchboard.run.outcome"]) == (
+        2,
+        "done",
+    )
+    assert [c.name for c in _children(spans, run)] == ["handler work"]
 
 
 def test_spans_still_queued_at_a_stop_are_exported(

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from ingest.adapters.factory import TRANSPORTS
 from ingest.cli import main as cli
 from ingest.config import DATABASE_URL_VARIABLE, REDIS_URL_VARIABLE, load
 from ingest.config.webhook import resolve_secrets
@@ -383,10 +384,13 @@ def test_the_dockerfile_installs_the_pinned_package_and_runs_it_as_a_non_root_us
     installs = [args for kind, args in steps if kind == "RUN" and "pip install" in args]
     assert len(installs) == 1
     # The `http` extra (the webhook receiver's server), the `web` one (the
-    # console's) and `otel` (traces, used where OTEL_* ask) and no other: no
-    # dev, test or embedded extras in the image.
-    assert re.search(r'pip install -c constraints\.txt "\.\[http,web,otel\]"(\s|$)', installs[0]), installs[0]
-    assert installs[0].count("[") == 1, "no extras but http, web and otel in the image"
+    # console's), `otel` (traces, used where OTEL_* ask) and every registered
+    # transport's client, and no other: no dev, test or embedded extras.
+    found = re.search(r'pip install -c constraints\.txt "\.\[([a-z,]+)\]"(\s|$)', installs[0])
+    assert found, installs[0]
+    transports = {t.extra for t in TRANSPORTS.values() if t.extra is not None}
+    assert set(found.group(1).split(",")) == {"http", "web", "otel"} | transports, installs[0]
+    assert installs[0].count("[") == 1, "one install of the package"
     users = [i for i, (kind, _) in enumerate(steps) if kind == "USER"]
     assert users, "no USER: the processes would run as root"
     user = steps[users[-1]][1].split(":")[0]
@@ -585,3 +589,16 @@ def test_the_compose_processes_config_loads_and_serves_healthz() -> None:
     secret = "whsec_" + base64.b64encode(b"0123456789abcdef").decode()
     secrets = resolve_secrets(webhook, {**env, **dict.fromkeys(webhook.secrets_env, secret)})
     assert [s.name for s in secrets] == list(webhook.secrets_env)
+
+
+def test_every_registered_transports_client_is_an_install_extra_the_dev_kit_brings() -> None:
+    """A transport of ingest.adapters.factory whose client is an extra names
+    one that pyproject.toml declares, and the embedded kit (the demo, the
+    tests) installs it."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    kit = next(d for d in extras["embedded"] if d.startswith("switchboard-ingest["))
+    brought = set(kit.split("[", 1)[1].rstrip("]").split(","))
+    for name, transport in TRANSPORTS.items():
+        if transport.extra is not None:
+            assert transport.extra in extras, f"transport {name}: no [{transport.extra}] extra"
+            assert transport.extra in brought, f"transport {name}: the embedded kit lacks [{transport.extra}]"
