@@ -13,7 +13,10 @@ What counts, read from the URL alone (nothing is resolved or connected):
   ``verify-ca`` and ``verify-full`` (or ``gssencmode=require``) count as
   encrypted. No host at all is libpq's unix socket. A host name other than
   ``localhost`` counts as remote even if it resolves to loopback.
-* a broker: ``unix://`` and a loopback host are exempt, ``rediss://`` is TLS.
+* a broker: by its transport's own rule (each transport's package,
+  ``unencrypted``: ``redis://``, ``nats://`` without ``tls_ca_file``,
+  ``amqp://``, an ``http://`` SQS endpoint); ``unix://`` and a loopback host
+  are exempt.
 
 Each warning (``plaintext_connection``) names the server by its role, host
 and port, never by its URL: no user name or password reaches the log.
@@ -21,22 +24,24 @@ and port, never by its URL: no user name or password reaches the log.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import psycopg
 import structlog
 from psycopg.conninfo import conninfo_to_dict
 
 from backhalf.db import libpq_url
-from ingest.config import BrokerUrl, Settings
+from ingest.adapters import redis as redis_transport
+from ingest.adapters.factory import transport
+from ingest.adapters.network import Unencrypted, is_local
+from ingest.config import Settings
 from ingest.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
+DATABASE_HINT = "add sslmode=verify-full and sslrootcert=... to the database URL"
 ENCRYPTING_SSLMODES = frozenset({"require", "verify-ca", "verify-full"})
 LIBPQ_DEFAULT_SSLMODE = "prefer"
 
@@ -50,19 +55,7 @@ class Plaintext:
     port: int | None
     used_by: tuple[str, ...]  # "[database] url", "adapter 'orders'", "[dramatiq]"
     tls: str  # what the URL says instead: "sslmode=prefer", "redis://"
-
-
-def is_local(host: str) -> bool:
-    """A unix socket (a path, or Linux's abstract ``@name``), ``localhost``,
-    or a loopback address."""
-    if not host or host.startswith(("/", "@")):
-        return True
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: counted as remote, never resolved here
+    hint: str = ""  # how to encrypt it
 
 
 def database_plaintext(url: str, env: Mapping[str, str]) -> list[Plaintext]:
@@ -86,65 +79,54 @@ def database_plaintext(url: str, env: Mapping[str, str]) -> list[Plaintext]:
         port = ports[i] if i < len(ports) else ports[0]
         found.append(
             Plaintext(
-                "database", host, int(port) if port.strip().isdigit() else 5432, (), f"sslmode={sslmode}"
+                "database",
+                host,
+                int(port) if port.strip().isdigit() else 5432,
+                (),
+                f"sslmode={sslmode}",
+                DATABASE_HINT,
             )
         )
     return found
 
 
-def broker_plaintext(url: str) -> Plaintext | None:
-    """The broker at ``url`` if it is remote and reached without TLS."""
-    parts = urlsplit(url)
-    if parts.scheme == "http":  # an SQS-compatible endpoint without TLS
-        host = parts.hostname or ""
-        return None if is_local(host) else Plaintext("broker", host, parts.port or 80, (), "http://")
-    if parts.scheme != "redis":  # rediss:// and https:// are TLS, unix:// a socket
-        return None
-    host = parts.hostname or "localhost"  # redis-py's default host
-    if is_local(host):
-        return None
-    return Plaintext("broker", host, parts.port or 6379, (), "redis://")
-
-
-def _brokers(settings: Settings, verb: str) -> Iterator[tuple[str, str]]:
-    """(who uses it, URL) for each broker ``verb`` connects to; one whose
-    credential variables are unset is left out (the process stops on it)."""
-    named: list[tuple[str, BrokerUrl]] = []
-    if verb in ("ingest", "ack"):
-        named += [(f"adapter {a.name!r}", a.broker) for a in settings.adapters]
-    if verb == "ack" and not settings.adapters:
-        named.append(("[redis] url", BrokerUrl(settings.redis_url)))  # for the adapters table's adapters
-    for who, broker in named:
+def _brokers(settings: Settings, verb: str) -> Iterator[tuple[str, Unencrypted | None]]:
+    """(who uses it, its broker if remote in plain text) for each broker
+    ``verb`` connects to, by its transport's own rule; one whose credential
+    variables are unset is left out (the process stops on it)."""
+    if verb not in ("ingest", "ack"):
+        return
+    for a in settings.adapters:
         try:
-            yield who, broker.url()
+            yield f"adapter {a.name!r}", transport(a.transport, adapter=a.name).unencrypted(a)
         except ConfigError:
             continue
+    if verb == "ack" and not settings.adapters:  # for the adapters table's adapters
+        yield "[redis] url", redis_transport.unencrypted_url(settings.redis_url)
 
 
 def plaintext_servers(settings: Settings, verb: str, env: Mapping[str, str] | None = None) -> list[Plaintext]:
     """Every remote server ``verb`` reaches without TLS, each once with all its users."""
     env = os.environ if env is None else env
     found: dict[tuple[str, str, int | None, str], list[str]] = {}
+    hints: dict[tuple[str, str, int | None, str], str] = {}
     for db in database_plaintext(settings.database.url, env):
         found.setdefault((db.server, db.host, db.port, db.tls), []).append(settings.database_url_origin)
-    for who, url in _brokers(settings, verb):
-        broker = broker_plaintext(url)
+    for who, broker in _brokers(settings, verb):
         if broker is not None:
-            found.setdefault((broker.server, broker.host, broker.port, broker.tls), []).append(who)
-    return [Plaintext(s, h, p, tuple(dict.fromkeys(users)), tls) for (s, h, p, tls), users in found.items()]
+            key = ("broker", broker.host, broker.port, broker.scheme)
+            found.setdefault(key, []).append(who)
+            hints[key] = broker.hint
+    return [
+        Plaintext(s, h, p, tuple(dict.fromkeys(users)), tls, hints.get((s, h, p, tls), DATABASE_HINT))
+        for (s, h, p, tls), users in found.items()
+    ]
 
 
 def warn_plaintext(settings: Settings, verb: str, env: Mapping[str, str] | None = None) -> None:
     """Log ``plaintext_connection`` (a warning) for each server of
     :func:`plaintext_servers`."""
     for p in plaintext_servers(settings, verb, env):
-        hint = (
-            "add sslmode=verify-full and sslrootcert=... to the database URL"
-            if p.server == "database"
-            else "use https:// for the SQS endpoint"
-            if p.tls == "http://"
-            else "use rediss:// with ssl_ca_certs=... in the broker URL"
-        )
         log.warning(
             "plaintext_connection",
             server=p.server,
@@ -152,5 +134,5 @@ def warn_plaintext(settings: Settings, verb: str, env: Mapping[str, str] | None 
             port=p.port,
             used_by=list(p.used_by),
             tls=p.tls,
-            hint=f"{hint} (docs/security.md#tls)",
+            hint=f"{p.hint} (docs/security.md#tls)",
         )

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from ingest.adapters import redis as redis_transport
+from ingest.adapters.factory import transport
 from ingest.config import Settings, from_mapping
 from ingest.observe.transport import (
     Plaintext,
-    broker_plaintext,
     database_plaintext,
     plaintext_servers,
     warn_plaintext,
@@ -72,15 +73,51 @@ def test_the_database_is_plaintext_when_remote_and_tls_is_not_required(
         ("redis://[::1]:6379", None),
         ("redis:///0", None),  # redis-py's default host, localhost
         ("unix:///run/redis.sock", None),
-        ("http://sqs.internal:9324", ("sqs.internal", 9324)),  # an SQS-compatible endpoint in clear
-        ("http://127.0.0.1:5000", None),
-        ("https://sqs.eu-west-1.amazonaws.com", None),
-        ("aws://", None),
     ],
 )
-def test_a_broker_is_plaintext_when_remote_and_not_rediss(url: str, expected: tuple[str, int] | None) -> None:
-    found = broker_plaintext(url)
+def test_a_redis_is_plaintext_when_remote_and_not_rediss(url: str, expected: tuple[str, int] | None) -> None:
+    found = redis_transport.unencrypted_url(url)
     assert (None if found is None else (found.host, found.port)) == expected
+
+
+@pytest.mark.parametrize(
+    ("adapter", "expected"),
+    [
+        # An SQS-compatible endpoint in clear; AWS's own (the default) is HTTPS.
+        ({"transport": "sqs", "url": "http://sqs.internal:9324"}, ("sqs.internal", 9324, "http://")),
+        ({"transport": "sqs", "url": "http://127.0.0.1:5000"}, None),
+        ({"transport": "sqs", "url": "https://sqs.eu-west-1.amazonaws.com"}, None),
+        ({"transport": "sqs"}, None),
+        # NATS: tls:// or a CA file make the client speak TLS.
+        (
+            {"transport": "nats", "url": f"nats://u:{PASSWORD}@nats.internal"},
+            ("nats.internal", 4222, "nats://"),
+        ),
+        ({"transport": "nats", "url": "tls://nats.internal:4222"}, None),
+        ({"transport": "nats", "url": "nats://nats.internal", "tls_ca_file": "/ca.pem"}, None),
+        ({"transport": "nats", "url": "nats://127.0.0.1:4222"}, None),
+        (
+            {"transport": "amqp", "url": f"amqp://u:{PASSWORD}@mq.internal/%2f"},
+            ("mq.internal", 5672, "amqp://"),
+        ),
+        ({"transport": "amqp", "url": "amqps://mq.internal:5671/%2f"}, None),
+        ({"transport": "amqp", "url": "amqp://localhost/%2f"}, None),
+    ],
+)
+def test_each_transport_says_when_its_broker_is_remote_in_plain_text(
+    adapter: dict[str, Any], expected: tuple[str, int, str] | None
+) -> None:
+    table = {"name": "orders", "source": "orders", "queue": "orders", "region": "eu-west-1", **adapter}
+    if adapter["transport"] == "nats":
+        table["group"] = "switchboard"
+    if adapter["transport"] != "sqs":
+        table.pop("region")
+    settings = from_mapping({"database": {"url": "postgresql://sb@127.0.0.1/sb"}, "adapters": [table]}, {})
+    (config,) = settings.adapters
+    found = transport(config.transport).unencrypted(config)
+    assert (None if found is None else (found.host, found.port, found.scheme)) == expected
+    if found is not None:
+        assert PASSWORD not in repr(found)
 
 
 def _settings(**raw: Any) -> Settings:
