@@ -19,7 +19,7 @@ import pytest
 import redis
 from playwright.sync_api import Page, expect
 
-from ingest.embedded.processes import SwitchboardProcess, wait_for
+from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
 from ingest.embedded.servers import free_port
 from tests.support.browser import PageProblems
 from tests.support.config import write_config
@@ -103,9 +103,14 @@ def _stack(
 ) -> Iterator[tuple[str, SwitchboardProcess, Path]]:
     ingest_config, web_config = _configs(tmp_path, db_url, redis_url)
     ingester = procs.start("ingest", ingest_config, name="ingest-1")
+    running = [ingester]
     if acker:
-        procs.start("ack", ingest_config, name="ack-1")
+        running.append(procs.start("ack", ingest_config, name="ack-1"))
     url = _start_web(procs, web_config)
+    # Its adapters registered: a test that reads their rows (the cross-origin
+    # POST's) found none once, the console up before the ingester.
+    for proc in running:
+        wait_ready(proc)
     yield url, ingester, web_config
     _stop_all(procs)
 
