@@ -63,9 +63,6 @@ _TRACESTATE_MEMBERS = 32
 EXPORTERS = ("otlp", "console", "none")
 PROTOCOLS = ("http/protobuf",)
 
-# The span's outcome attribute of a run: what its end asked for.
-OUTCOMES = ("done", "retry", "failed")
-
 
 class TracingConfigError(ValueError):
     """The OTEL_* variables ask for what Switchboard cannot do."""

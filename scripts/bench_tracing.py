@@ -94,13 +94,19 @@ def startup_s(mode: str, collector: Collector) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _prepared(pg: PostgresServer, rs_url: str, n: int, run: str) -> tuple[redis.Redis, str]:
+    """A fresh database for ``run`` and ``n`` traced entries in the stream."""
+    r = redis.Redis.from_url(rs_url)
+    url = bench.fresh_db(pg, run)
+    preload_traced(r, n)
+    return r, url
+
+
 def ingest_and_ack(
     base: Path, pg: PostgresServer, rs_url: str, n: int, env: dict[str, str], run: str
 ) -> Measured:
     """msg/s of ingest + ack over ``n`` traced entries (clock: adapter enabled -> every entry XACKed)."""
-    r = redis.Redis.from_url(rs_url)
-    url = bench.fresh_db(pg, run)
-    preload_traced(r, n)
+    r, url = _prepared(pg, rs_url, n, run)
     config_path = bench.write_config(base / f"{run}.toml", url, rs_url, 2000)
     acker = bench.start("ack", config_path, base / f"{run}-acker.log", env)
     ingester = bench.start("ingest", config_path, base / f"{run}-ingester.log", env)
@@ -137,9 +143,7 @@ def end_to_end(
     base: Path, pg: PostgresServer, rs_url: str, n: int, env: dict[str, str], run: str
 ) -> Measured:
     """todos/s from entries to done (clock: every process ready, adapter enabled -> none active)."""
-    r = redis.Redis.from_url(rs_url)
-    url = bench.fresh_db(pg, run)
-    preload_traced(r, n)
+    r, url = _prepared(pg, rs_url, n, run)
     config_path = bench.e2e_config(base, url, rs_url, 2000, run)
     acker = bench.start("ack", config_path, base / f"{run}-acker.log", env)
     ingester = bench.start("ingest", config_path, base / f"{run}-ingester.log", env)

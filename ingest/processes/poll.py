@@ -223,6 +223,7 @@ class PollLoop:
         # Refs of deliveries this process acked itself whose marks have not
         # committed yet (a consumer-acked transport: see _ack_own).
         self._unmarked: list[str] = []
+        self._system: str | None = None  # the ingest span's messaging.system
 
     async def run(self) -> None:
         try:
@@ -681,11 +682,17 @@ class PollLoop:
             return await self._store_now(records)
         with tracing.ingest_span(
             adapter=self._cfg.name,
-            system=messaging_system(self._cfg),
+            system=self._messaging_system(),
             destination=self._cfg.source,
             contexts=[r.trace_context for r in records],
         ):
             return await self._store_now(records)
+
+    def _messaging_system(self) -> str:
+        """The transport's messaging.system, looked up once (tracing on only)."""
+        if self._system is None:
+            self._system = messaging_system(self._cfg)
+        return self._system
 
     async def _store_now(self, records: list[InboxRecord]) -> StoreResult:
         adapter = self._adapter
