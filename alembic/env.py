@@ -35,7 +35,12 @@ _HOLDER = sa.text(
 )
 
 config = context.config
-_PARTITION = re.compile(r"^(inbox|events|todo_events)_p[0-9]{6}(_|$)")
+# The history's partitions, and todos' (migration 0017): todos_live (with
+# its own indexes) and todos_done's.
+_PARTITION = re.compile(
+    r"^((inbox|events|todo_events|todos_done)_p[0-9]{6}|todos_live|todos_done|todos_done_late"
+    r"|ix_todos_live_[a-z_]+|uq_todos_queue_key_active)(_|$)"
+)
 
 
 def _url() -> str:
@@ -95,7 +100,8 @@ def _lock(connection: sa.Connection) -> None:
 def _not_a_partition(name: str | None, type_: str, parent_names: object) -> bool:
     """The history tables' partitions (and their indexes) are made and
     dropped by ``backhalf.partitions``, not by migrations: the schema's
-    metadata names only the partitioned tables."""
+    metadata names only the partitioned tables (``todos``' two partitions
+    are migration 0017's, in its own DDL)."""
     return not (name is not None and _PARTITION.match(name))
 
 

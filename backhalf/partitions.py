@@ -1,12 +1,16 @@
 """The history tables' partitions (issue 45,
-docs/decisions/0005-history-flat-then-partitioned.md).
+docs/decisions/0005-history-flat-then-partitioned.md, and for finished
+todos 0007-finished-todos-in-partitions.md).
 
-``inbox``, ``events`` and ``todo_events`` are partitioned by ranges of
-their ids: partition ``n`` of a table, ``{table}_p{n:06d}``, holds the ids
-``[n * PERIOD_IDS, (n + 1) * PERIOD_IDS)`` (partition 0 from the lowest id:
-every row written before the tables were partitioned). Ids are handed out
-in order by each table's identity, so a partition holds one span of time,
-and a lookup by id reaches one partition.
+``inbox``, ``events``, ``todo_events`` and ``todos_done`` (the finished
+todos) are partitioned by ranges of their ids: partition ``n`` of a table,
+``{table}_p{n:06d}``, holds the ids ``[n * PERIOD_IDS, (n + 1) *
+PERIOD_IDS)`` (partition 0 from the lowest id: every row written before the
+tables were partitioned). Ids are handed out in order by each table's
+identity (``todos_done``'s rows by ``todos``'s), so a partition holds one
+span of time, and a lookup by id reaches one partition. A todo finishes
+long after it was made: one whose partition was dropped meanwhile lands in
+``todos_done_late``, the default partition, deleted row by row.
 
 A new partition is made as a plain table with a ``CHECK`` of its bounds and
 then attached: PostgreSQL then neither scans it nor blocks the writers of
@@ -20,6 +24,7 @@ integers computed here, never a runtime value from outside.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -28,7 +33,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from schema.tables import INBOX_FILLFACTOR, PARTITIONED_TABLES
+from schema.tables import IDENTITY_OF, INBOX_FILLFACTOR, PARTITIONED_TABLES, todos
 
 PERIOD_IDS = 1 << 40  # ids a partition holds: 1.1e12, past any period's rows
 # The storage parameters each partition of a table is made with (a
@@ -107,8 +112,15 @@ def attach_existing(table: str, old: str) -> list[sql.Composed]:
 
 # --- Upkeep: partitions ahead, a new period begun, old ones retired ----------------------------
 
-# Each table's moment column: when its row was written.
-_WRITTEN_AT = {"inbox": "stored_at", "events": "received_at", "todo_events": "created_at"}
+# Each table's moment column: when its row was written (a todo: made; the
+# identity's table is read, which holds the todos not finished too).
+_WRITTEN_AT = {
+    "inbox": "stored_at",
+    "events": "received_at",
+    "todo_events": "created_at",
+    "todos_done": "created_at",
+}
+LATE_TODOS = "todos_done_late"  # the finished todos whose partition was dropped
 AHEAD = 2  # empty partitions kept ready past the current one
 UPKEEP_LOCK = 0x5B_0045  # the session advisory lock one pass holds (backhalf.migrate's is another)
 UPKEEP_STATEMENT_TIMEOUT = "10min"
@@ -128,6 +140,7 @@ class Upkeep:
     begun: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, list[int]] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)
+    late_deleted: int = 0  # finished todos deleted from LATE_TODOS
 
 
 # The partitions of a table (``%(parent)s``), by name: the bench's history
@@ -149,6 +162,11 @@ async def _numbers(cur: psycopg.AsyncCursor[Any], table: str) -> list[int]:
     return sorted(int(name[len(prefix) :]) for (name,) in await cur.fetchall() if name.startswith(prefix))
 
 
+def identity_of(table: str) -> str:
+    """The table whose identity hands out ``table``'s ids."""
+    return IDENTITY_OF.get(table, table)
+
+
 async def _sequence_at(cur: psycopg.AsyncCursor[Any], table: str) -> int:
     """Where the table's identity stands: its ``last_value``, read from the
     sequence itself (``pg_sequence_last_value`` answers NULL right after a
@@ -156,7 +174,7 @@ async def _sequence_at(cur: psycopg.AsyncCursor[Any], table: str) -> int:
     await cur.execute(
         "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
         " WHERE c.oid = pg_get_serial_sequence(%(table)s, 'id')::regclass",
-        {"table": table},
+        {"table": identity_of(table)},
     )
     row = await cur.fetchone()
     if row is None:
@@ -169,11 +187,12 @@ async def _sequence_at(cur: psycopg.AsyncCursor[Any], table: str) -> int:
 async def _first_row_at(
     cur: psycopg.AsyncCursor[Any], table: str, n: int, *, newest: bool
 ) -> datetime | None:
-    """When partition ``n``'s first (or newest) row was written, by its id: one probe."""
+    """When partition ``n``'s first (or newest) row was written, by its id:
+    one probe (of each partition of ``todos`` for the todos' ids)."""
     order = sql.SQL("DESC" if newest else "ASC")
     await cur.execute(
         sql.SQL("SELECT {} FROM {} WHERE id >= %(lo)s AND id < %(hi)s ORDER BY id {} LIMIT 1").format(
-            sql.Identifier(_WRITTEN_AT[table]), sql.Identifier(table), order
+            sql.Identifier(_WRITTEN_AT[table]), sql.Identifier(identity_of(table)), order
         ),
         _id_range(n),
     )
@@ -198,13 +217,16 @@ async def upkeep(
     *,
     period: timedelta,
     keep: timedelta | None,
+    keep_done: timedelta | None = None,
     owed_seen: dict[tuple[str, int], float] | None = None,
 ) -> Upkeep:
     """One pass over the history tables, on an autocommit connection: the
     partitions ahead made; with ``keep``, a new period begun where the
     current one's first row is ``period`` old, and every partition before
     the current one whose newest row is older than ``keep`` dropped, unless
-    an ack in it is still owed. Without ``keep`` no period begins: the
+    an ack in it is still owed. ``keep_done`` is the finished todos' own
+    (``todos_done``): a partition goes once every todo in it finished that
+    long ago and no ack waits for one. Without a keep no period begins: the
     partitions would only multiply the probes of lookups not by id.
     ``owed_seen``: when each such partition was last found owing (kept by
     the caller between passes), so it is read again only every
@@ -228,7 +250,10 @@ async def upkeep(
             )
             owner = await _owns_history(cur)
             for table in PARTITIONED_TABLES:
-                await _upkeep_table(cur, pg, table, period, keep, done, seen, owner=owner)
+                kept = keep_done if table == "todos_done" else keep
+                await _upkeep_table(cur, pg, table, period, kept, done, seen, owner=owner)
+            if keep_done is not None and owner:
+                done = dataclasses.replace(done, late_deleted=await _delete_late(cur, keep_done))
         finally:
             await cur.execute("RESET statement_timeout")
             await cur.execute("RESET lock_timeout")
@@ -241,7 +266,8 @@ async def _owns_history(cur: psycopg.AsyncCursor[Any]) -> bool:
     is it a member of, the tables' owner)?"""
     await cur.execute(
         "SELECT bool_and(pg_has_role(current_user, c.relowner, 'USAGE')) FROM pg_class c"
-        " WHERE c.oid IN ('inbox'::regclass, 'events'::regclass, 'todo_events'::regclass)"
+        " WHERE c.oid IN ('inbox'::regclass, 'events'::regclass, 'todo_events'::regclass,"
+        " 'todos'::regclass, 'todos_done'::regclass)"
     )
     row = await cur.fetchone()
     return bool(row and row[0])
@@ -288,20 +314,51 @@ async def _upkeep_table(
         if await _sequence_at(cur, table) < first_id(current + 1):
             await cur.execute(
                 "SELECT setval(pg_get_serial_sequence(%(table)s, 'id'), %(next)s, false)",
-                {"table": table, "next": first_id(current + 1)},
+                {"table": identity_of(table), "next": first_id(current + 1)},
             )
             done.begun[table] = current + 1
         current += 1
-    if not owner:
-        return
-    for n in (m for m in numbers if m < behind):
+    if owner:
+        await _retire_past(cur, pg, table, [m for m in numbers if m < behind], keep, done, owed_seen)
+
+
+async def _retire_past(
+    cur: psycopg.AsyncCursor[Any],
+    pg: psycopg.AsyncConnection[Any],
+    table: str,
+    behind: list[int],
+    keep: timedelta,
+    done: Upkeep,
+    owed_seen: dict[tuple[str, int], float],
+) -> None:
+    """Drop each partition of ``behind`` (oldest first) whose newest row is
+    older than ``keep`` and in which nothing is owed."""
+    for n in behind:
         newest = await _first_row_at(cur, table, n, newest=True)
         if newest is not None and not await _older_than(cur, newest, keep):
             break  # the later ones are newer still
-        if table == "inbox" and not await _release_keys(cur, pg, n, owed_seen):
+        if not await _nothing_owed(cur, pg, table, n, keep, owed_seen):
             continue
-        await _retire(cur, table, n)
-        done.dropped.setdefault(table, []).append(n)
+        if await _retire(cur, pg, table, n, keep):
+            done.dropped.setdefault(table, []).append(n)
+
+
+async def _nothing_owed(
+    cur: psycopg.AsyncCursor[Any],
+    pg: psycopg.AsyncConnection[Any],
+    table: str,
+    n: int,
+    keep: timedelta,
+    owed_seen: dict[tuple[str, int], float],
+) -> bool:
+    """May partition ``n``, past its retention, go? An inbox partition's
+    keys are released here (none of its acks owed); a finished todos'
+    partition waits for its last todo to be as old."""
+    if table == "inbox":
+        return await _release_keys(cur, pg, n, owed_seen)
+    if table == "todos_done":
+        return await _all_finished_before(cur, n, keep, owed_seen)
+    return True
 
 
 async def _finish_interrupted(cur: psycopg.AsyncCursor[Any], table: str) -> None:
@@ -367,13 +424,89 @@ async def _release_keys(
     return True
 
 
-async def _retire(cur: psycopg.AsyncCursor[Any], table: str, n: int) -> None:
-    """Detach partition ``n`` without blocking the table's writers, then drop it."""
-    name = sql.Identifier(partition_name(table, n))
+async def _all_finished_before(
+    cur: psycopg.AsyncCursor[Any], n: int, keep: timedelta, owed_seen: dict[tuple[str, int], float]
+) -> bool:
+    """Did every todo of ``todos_done`` partition ``n`` finish more than
+    ``keep`` ago (and no ack waits for one)? Todos finish in any order, so
+    this reads the partition whole (no index on ``updated_at``: every
+    finish would pay for it): once per partition, and again only every
+    :data:`OWED_RECHECK_S` while one finished too lately."""
+    seen = owed_seen.get(("todos_done", n))
+    if seen is not None and time.monotonic() - seen < OWED_RECHECK_S:
+        return False
     await cur.execute(
-        sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.Identifier(table), name)
+        sql.SQL(
+            "SELECT EXISTS (SELECT FROM {} WHERE updated_at >= now() - %(keep)s)"
+            " OR EXISTS (SELECT FROM ack_queue WHERE waiting_for >= %(lo)s AND waiting_for < %(hi)s)"
+        ).format(sql.Identifier(partition_name("todos_done", n))),
+        {"keep": keep, **_id_range(n)},
     )
-    await cur.execute(sql.SQL("DROP TABLE {}").format(name))
+    row = await cur.fetchone()
+    if row and row[0]:
+        owed_seen[("todos_done", n)] = time.monotonic()
+        return False
+    owed_seen.pop(("todos_done", n), None)
+    return True
+
+
+async def _delete_late(cur: psycopg.AsyncCursor[Any], keep: timedelta) -> int:
+    """Delete the late finished todos (:data:`LATE_TODOS`, few: a todo that
+    finished after its period's partition was dropped) once they finished
+    ``keep`` ago, with no ack waiting for one: a scan of that one table, by
+    the tables' owner, as the drops are."""
+    await cur.execute(
+        sql.SQL(
+            "DELETE FROM {} t WHERE t.updated_at < now() - %(keep)s"
+            " AND NOT EXISTS (SELECT FROM ack_queue q WHERE q.waiting_for = t.id)"
+        ).format(sql.Identifier(LATE_TODOS)),
+        {"keep": keep},
+    )
+    return cur.rowcount
+
+
+# How long a finished todos' partition's retirement waits for its lock:
+# meanwhile the ends that finish todos wait behind it.
+RETIRE_LOCK_TIMEOUT = "1s"
+# By name: partition 0 (the table as it was before migration 0017) has its
+# columns in the order they were added.
+_TODO_COLUMNS = sql.SQL(", ").join(sql.Identifier(c.name) for c in todos.columns)
+
+
+async def _retire(
+    cur: psycopg.AsyncCursor[Any], pg: psycopg.AsyncConnection[Any], table: str, n: int, keep: timedelta
+) -> bool:
+    """Detach partition ``n`` without blocking the table's writers, then drop
+    it. False: not now (the next pass tries again)."""
+    name = sql.Identifier(partition_name(table, n))
+    parent = sql.Identifier(table)
+    if table != "todos_done":
+        await cur.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(parent, name))
+        await cur.execute(sql.SQL("DROP TABLE {}").format(name))
+        return True
+    # todos_done has a default partition, beside which PostgreSQL detaches
+    # only with a lock of todos_done (not of the live todos): held for the
+    # detach alone, waiting at most RETIRE_LOCK_TIMEOUT.
+    try:
+        async with pg.transaction():
+            await cur.execute("SELECT set_config('lock_timeout', %(t)s, true)", {"t": RETIRE_LOCK_TIMEOUT})
+            await cur.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(parent, name))
+    except psycopg.errors.LockNotAvailable:
+        return False
+    # Detached, nothing enters it. A todo of its period that finished since
+    # the check read it (a commit's width) is not dropped with the rest: it
+    # moves to the late partition (its range is gone), which keeps it until
+    # it is as old.
+    async with pg.transaction():
+        await cur.execute(
+            sql.SQL(
+                "WITH raced AS (DELETE FROM {} WHERE updated_at >= now() - %(keep)s RETURNING {})"
+                " INSERT INTO todos ({}) SELECT {} FROM raced"
+            ).format(name, _TODO_COLUMNS, _TODO_COLUMNS, _TODO_COLUMNS),
+            {"keep": keep},
+        )
+        await cur.execute(sql.SQL("DROP TABLE {}").format(name))
+    return True
 
 
 async def _older_than(cur: psycopg.AsyncCursor[Any], moment: datetime, age: timedelta) -> bool:

@@ -118,14 +118,19 @@ u AS (
 -- one with the same (queue, key). A created todo gets its 'pending' log row,
 -- with ``todo_detail`` saying who created it, in the same statement.
 --
--- The conflict target's WHERE must be the partial index's predicate exactly
+-- Written to ``todos_live``, the partition of ``todos`` that holds every todo
+-- not finished, whose own unique index is the dedup's (a partitioned
+-- table's could not be: decision 0007). A partition has no identity of its
+-- own, so the id is drawn from ``todos``'s. The conflict target's WHERE must
+-- be the partial index's predicate exactly
 -- (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer it. The
 -- no-op DO UPDATE makes RETURNING yield the existing todo on a dedup.
 t AS (
-    INSERT INTO todos (queue, idempotency_key, payload, trace_context)
-    SELECT %(queue)s, u.k, u.p::jsonb, u.tc::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
+    INSERT INTO todos_live (id, queue, idempotency_key, payload, trace_context)
+    SELECT nextval(pg_get_serial_sequence('todos', 'id')), %(queue)s, u.k, u.p::jsonb, u.tc::jsonb
+    FROM u WHERE u.p IS NOT NULL ORDER BY u.n
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
-    DO UPDATE SET updated_at = todos.updated_at
+    DO UPDATE SET updated_at = todos_live.updated_at
     RETURNING id, idempotency_key, (xmax = 0) AS created
 ),
 logged AS (
@@ -353,9 +358,10 @@ DELETE FROM events WHERE id = ANY(%(ids)b::int8[]) AND id BETWEEN %(low_id)s AND
 -- name: delete_todos
 -- Todos this store created for such messages: the stored message's todo had
 -- finished (or it never had one: a rejected row), so the upsert made a new
--- one. Its log rows go with it.
+-- one. Its log rows go with it. Still pending (this transaction made
+-- them), so only ``todos_live`` is read.
 WITH gone AS (DELETE FROM todo_events WHERE todo_id = ANY(%(ids)b::int8[]))
-DELETE FROM todos WHERE id = ANY(%(ids)b::int8[])
+DELETE FROM todos WHERE id = ANY(%(ids)b::int8[]) AND status = 'pending'
 
 
 -- name: notify_store
@@ -741,7 +747,8 @@ FOR UPDATE
 -- outer LIMIT stops the walk, and only the rows it returns are locked.
 --
 -- The update reaches its rows by ``id = ANY(ARRAY(...))`` alone: an index
--- probe per row under any plan. Joined to the claimed rows, a generic plan
+-- probe per row under any plan, of ``todos_live`` only (the status it
+-- names: ``= ANY`` prunes no partition, a constant status does). Joined to the claimed rows, a generic plan
 -- guessed LIMIT $n at a tenth of the table and hashed the whole primary key
 -- (DESIGN.md section 7b), or probed the key once per pair of rows. The old
 -- status, which todo_events records, comes from ``picked``, joined to
@@ -761,7 +768,7 @@ WITH picked AS (
     UPDATE todos t
     SET status = 'running', attempts = t.attempts + 1, run_token = gen_random_uuid(),
         lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
-    WHERE t.id = ANY(ARRAY(SELECT id FROM picked))
+    WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) AND t.status IN ('pending', 'dispatched')
     RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.run_token, t.trace_context
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
@@ -814,14 +821,16 @@ SELECT set_config('enable_sort', 'off', false), set_config('synchronous_commit',
 -- and asked again by the writer a little later): an operator's cancel, the
 -- rescuer, or a store deduping a message to the todo. Waiting would hold up
 -- every other end of the batch, and every batch behind it. The answer has
--- one row per end that held its todo or found it busy.
+-- one row per end that held its todo or found it busy. Only ``todos_live``
+-- is read (its statuses named): a todo no longer there finished meanwhile
+-- (cancelled), and its end is discarded like any other lost claim's.
 WITH e AS (
     SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(to_status)b::text[],
                          %(errors)b::text[], %(details)b::text[], %(unrun)b::bool[], %(delay_s)b::float8[])
         AS e(id, token, to_status, error, detail, unrun, delay_s)
 ), locked AS (
     SELECT t.id FROM todos t
-    WHERE t.id IN (SELECT id FROM e)
+    WHERE t.id IN (SELECT id FROM e) AND t.status IN ('pending', 'dispatched', 'running', 'failed')
     ORDER BY t.id
     FOR UPDATE SKIP LOCKED
 ), changed AS (
@@ -843,7 +852,9 @@ WITH e AS (
 )
 SELECT e.id, CASE WHEN c.id IS NOT NULL THEN 'ended' ELSE 'busy' END
 FROM e LEFT JOIN locked l ON l.id = e.id LEFT JOIN changed c ON c.id = e.id
-WHERE c.id IS NOT NULL OR (l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id = e.id))
+WHERE c.id IS NOT NULL
+   OR (l.id IS NULL AND EXISTS (SELECT 1 FROM todos
+                                WHERE id = e.id AND status IN ('pending', 'dispatched', 'running', 'failed')))
 
 
 -- name: extend_leases
@@ -857,7 +868,9 @@ WHERE c.id IS NOT NULL OR (l.id IS NULL AND EXISTS (SELECT 1 FROM todos WHERE id
 WITH x AS (
     SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[]) AS x(id, token)
 ), locked AS (
-    SELECT t.id FROM todos t WHERE t.id IN (SELECT id FROM x) ORDER BY t.id FOR UPDATE SKIP LOCKED
+    SELECT t.id FROM todos t
+    WHERE t.id IN (SELECT id FROM x) AND t.status IN ('pending', 'dispatched', 'running', 'failed')
+    ORDER BY t.id FOR UPDATE SKIP LOCKED
 ), extended AS (
     UPDATE todos t SET lease_until = now() + make_interval(secs => %(lease_s)s)
     FROM x JOIN locked l ON l.id = x.id
@@ -866,8 +879,14 @@ WITH x AS (
 )
 -- By run, not by todo: a process may hold an old claim of a todo (rescued
 -- while it was cut off) beside a new one; only the new one is extended.
+-- A todo no longer in todos_live (cancelled) is not locked, and lost.
 SELECT x.id, x.token,
-       CASE WHEN e.id IS NOT NULL THEN 'extended' WHEN l.id IS NULL THEN 'busy' ELSE 'lost' END
+       CASE WHEN e.id IS NOT NULL THEN 'extended'
+            WHEN l.id IS NULL AND EXISTS (SELECT 1 FROM todos
+                                          WHERE id = x.id
+                                            AND status IN ('pending', 'dispatched', 'running', 'failed'))
+                 THEN 'busy'
+            ELSE 'lost' END
 FROM x LEFT JOIN locked l ON l.id = x.id LEFT JOIN extended e ON e.id = x.id AND e.run_token = x.token
 
 
@@ -893,7 +912,7 @@ WITH q AS (
     SET status = CASE WHEN s.attempts >= s.max_attempts THEN 'failed' ELSE 'pending' END,
         lease_until = NULL, run_token = NULL, run_after = now(), updated_at = now(),
         last_error = %(lease_error)s
-    FROM stuck s WHERE t.id = s.id
+    FROM stuck s WHERE t.id = s.id AND t.status = 'running'
     RETURNING t.id, t.queue, t.status AS to_status
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
@@ -920,7 +939,7 @@ WITH old AS (
     FOR UPDATE
 ), cancelled AS (
     UPDATE todos t SET status = 'cancelled', lease_until = NULL, updated_at = now()
-    FROM old WHERE t.id = old.id
+    FROM old WHERE t.id = old.id AND t.status IN ('pending', 'dispatched', 'running')
     RETURNING t.id, old.status AS from_status
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
@@ -941,7 +960,7 @@ WITH old AS (
 ), retried AS (
     UPDATE todos t SET status = 'pending', attempts = 0, lease_until = NULL, run_after = now(),
                        updated_at = now()
-    FROM old WHERE t.id = old.id
+    FROM old WHERE t.id = old.id AND t.status IN ('failed', 'cancelled')
     RETURNING t.id, t.queue, old.status AS from_status
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)

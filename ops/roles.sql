@@ -217,10 +217,10 @@ BEGIN
         WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v')
           AND (c.relname IN ('adapters', 'inbox', 'inbox_keys', 'ack_queue', 'ack_cursors', 'events', 'todos',
                              'todo_events', 'delivery_attempts', 'stream_groups', 'processes',
-                             'alembic_version')
+                             'alembic_version', 'todos_live', 'todos_done', 'todos_done_late')
                -- The history tables' partitions (backhalf.partitions): an
                -- owner's ALTER of a partitioned table does not reach them.
-               OR c.relname ~ '^(inbox|events|todo_events)_p[0-9]{6}$'
+               OR c.relname ~ '^(inbox|events|todo_events|todos_done)_p[0-9]{6}$'
                OR (c.relkind = 'v' AND c.relname LIKE 'audit\_%'))
           AND c.relowner <> 'switchboard_migrator'::regrole
     LOOP
@@ -236,12 +236,14 @@ BEGIN
         FROM switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
              switchboard_operator, switchboard_viewer, switchboard_auditor;
     -- The history's partitions are reached through their partitioned tables
-    -- only (partition 0 was the table itself before migration 0015, and kept
-    -- its grants).
+    -- only (partition 0 was the table itself before migrations 0015 and
+    -- 0017, and kept its grants); todos_live is granted below what the
+    -- store writes there.
     FOR owned IN
         SELECT c.relname, c.relkind, '' AS owner FROM pg_class c
-        WHERE c.relnamespace = 'public'::regnamespace AND c.relkind = 'r'
-          AND c.relname ~ '^(inbox|events|todo_events)_p[0-9]{6}$'
+        WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'p')
+          AND (c.relname ~ '^(inbox|events|todo_events|todos_done)_p[0-9]{6}$'
+               OR c.relname IN ('todos_live', 'todos_done', 'todos_done_late'))
     LOOP
         EXECUTE format('REVOKE ALL ON %I FROM switchboard_ingester, switchboard_receiver, switchboard_acker,'
                        ' switchboard_worker, switchboard_operator, switchboard_viewer, switchboard_auditor',
@@ -281,6 +283,10 @@ BEGIN
     -- SHARE, which the updated_at grant covers.
     GRANT SELECT, INSERT (queue, idempotency_key, payload, trace_context), UPDATE (updated_at), DELETE
         ON todos TO switchboard_ingester, switchboard_receiver;
+    -- It writes into todos_live, the partition whose unique index is the
+    -- dedup's (decision 0007), with an id drawn from todos' identity.
+    GRANT SELECT, INSERT (id, queue, idempotency_key, payload, trace_context), UPDATE (updated_at)
+        ON todos_live TO switchboard_ingester, switchboard_receiver, switchboard_operator;
     GRANT SELECT (id, todo_id), INSERT (todo_id, from_status, to_status, detail), DELETE
         ON todo_events TO switchboard_ingester, switchboard_receiver;
     GRANT SELECT, INSERT (family, adapter, trust_mode, verified, verify_detail, idempotency_key,
@@ -341,7 +347,8 @@ BEGIN
     -- The history's partitions (backhalf.partitions): where the identities
     -- stand, and a new period begun (setval). Making and dropping the
     -- partitions is the owner's: `switchboard migrate`.
-    GRANT SELECT, UPDATE ON SEQUENCE inbox_id_seq, events_id_seq, todo_events_id_seq TO switchboard_acker;
+    GRANT SELECT, UPDATE ON SEQUENCE inbox_id_seq, events_id_seq, todo_events_id_seq, todos_id_seq
+        TO switchboard_acker;
 
     -- The worker: claim_todos, end_runs and extend_leases, and release_acks
     -- for ack_after = "complete"; it reads no inbox row, and writes none.
@@ -399,6 +406,7 @@ BEGIN
     ALTER TABLE inbox_keys ENABLE ROW LEVEL SECURITY;
     ALTER TABLE ack_queue ENABLE ROW LEVEL SECURITY;
     ALTER TABLE todos ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE todos_live ENABLE ROW LEVEL SECURITY;
     ALTER TABLE todo_events ENABLE ROW LEVEL SECURITY;
     ALTER TABLE events ENABLE ROW LEVEL SECURITY;
     ALTER TABLE processes ENABLE ROW LEVEL SECURITY;
@@ -622,6 +630,27 @@ BEGIN
                                                                ('pending', 'pending'),
                                                                ('dispatched', 'dispatched'),
                                                                ('running', 'running'))));
+
+    -- todos_live, written directly by todos_create_cte only (every other
+    -- statement reaches it through todos, whose policies above hold): the
+    -- same rules of creation as todos', and the dedup's no-op update.
+    CREATE POLICY switchboard_read ON todos_live FOR SELECT
+        TO switchboard_ingester, switchboard_receiver, switchboard_operator
+        USING (true);
+    CREATE POLICY switchboard_create ON todos_live FOR INSERT TO switchboard_operator
+        WITH CHECK (status = 'pending');
+    CREATE POLICY switchboard_ingester_create ON todos_live FOR INSERT TO switchboard_ingester
+        WITH CHECK (status = 'pending'
+                    AND EXISTS (SELECT FROM adapters a
+                                WHERE a.family = 'queue' AND a.settings ->> 'queue' = todos_live.queue));
+    CREATE POLICY switchboard_receiver_create ON todos_live FOR INSERT TO switchboard_receiver
+        WITH CHECK (status = 'pending'
+                    AND EXISTS (SELECT FROM adapters a
+                                WHERE a.family = 'push' AND a.settings ->> 'queue' = todos_live.queue));
+    CREATE POLICY switchboard_dedup ON todos_live FOR UPDATE
+        TO switchboard_ingester, switchboard_receiver, switchboard_operator
+        USING (status IN ('pending', 'dispatched', 'running'))
+        WITH CHECK (status IN ('pending', 'dispatched', 'running'));
 
     -- todo_events: each row one of its role's changes, of a todo whose status
     -- (read in the snapshot: before the statement's own change) could make

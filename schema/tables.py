@@ -12,9 +12,12 @@ Two dedup layers live here as unique indexes:
   its ack (is queued in ``ack_queue``); the copies merge into one inbox row.
   Pub/sub rows never await an ack, so only the todo index dedups them.
 * ``uq_todos_queue_key_active``: pending work is unique on
-  ``(queue, idempotency_key)`` among non-terminal todos. ``ON CONFLICT``
-  only infers a partial index when its ``WHERE`` matches the predicate, so the
-  store reuses :data:`TODO_ACTIVE_PREDICATE` rather than restating it.
+  ``(queue, idempotency_key)`` among non-terminal todos. It is an index of
+  the partition ``todos_live`` (which holds every todo that is not finished),
+  not of ``todos``: a unique index of a partitioned table must hold its
+  partition key. ``ON CONFLICT`` only infers a partial index when its
+  ``WHERE`` matches the predicate, so the store inserts into ``todos_live``
+  with :data:`TODO_ACTIVE_PREDICATE`'s text.
 
 The link columns (``inbox.todo_id``, ``inbox.event_id``, ``events.todo_id``,
 ``todo_events.todo_id``) carry no foreign keys on purpose: they are written
@@ -40,15 +43,26 @@ NAMING_CONVENTION = {
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 # The history tables (inbox, events, todo_events) are partitioned by ranges
-# of their ids, one partition per period (backhalf.partitions), retired whole.
+# of their ids, one partition per period (backhalf.partitions), retired whole;
+# so are finished todos (``todos_done``, below). Each hands out its ids from
+# its own identity but ``todos_done``, whose rows take theirs from ``todos``.
 PARTITION_BY = "RANGE (id)"
-PARTITIONED_TABLES = ("inbox", "events", "todo_events")
+PARTITIONED_TABLES = ("inbox", "events", "todo_events", "todos_done")
+IDENTITY_OF = {"todos_done": "todos"}
 
 ACK_STATES = ("pending", "acked", "none")
 ACK_AFTER = ("store", "complete")
 INBOX_STATUSES = ("stored", "rejected")
 TODO_STATUSES = ("pending", "dispatched", "running", "done", "failed", "cancelled")
 ACTIVE_TODO_STATUSES = ("pending", "dispatched", "running")
+# ``todos`` is partitioned by status (decision 0007): ``todos_live`` holds
+# the todos still to do or to look at, so the claim, the rescuer and the
+# dedup read a table as small as the work in flight; ``todos_done`` holds
+# finished ones, partitioned by id range like the history, and retired
+# whole. A todo that finishes moves across (an UPDATE of its status, which
+# PostgreSQL carries out as a delete and an insert).
+LIVE_TODO_STATUSES = (*ACTIVE_TODO_STATUSES, "failed")
+FINISHED_TODO_STATUSES = ("done", "cancelled")
 # What a worker may claim; 'dispatched' only on rows an older version (the
 # dramatiq relay) left.
 CLAIMABLE_TODO_STATUSES = ("pending", "dispatched")
@@ -81,7 +95,7 @@ adapters = sa.Table(
 todos = sa.Table(
     "todos",
     metadata,
-    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("id", sa.BigInteger, sa.Identity()),
     sa.Column("queue", sa.Text, nullable=False),
     sa.Column("idempotency_key", sa.Text, nullable=False),
     sa.Column("payload", JSONB, nullable=False),
@@ -107,17 +121,17 @@ todos = sa.Table(
     # NULL without one, or with tracing off where it was stored.
     sa.Column("trace_context", JSONB),
     sa.CheckConstraint(_one_of("status", TODO_STATUSES), name="status"),
+    # A partitioned table's primary key holds its partition key; ids are
+    # unique by themselves (one identity hands them all out).
+    sa.PrimaryKeyConstraint("id", "status"),
+    postgresql_partition_by="LIST (status)",
 )
 
 TODO_ACTIVE_PREDICATE = todos.c.status.in_(ACTIVE_TODO_STATUSES)
 
-sa.Index(
-    "uq_todos_queue_key_active",
-    todos.c.queue,
-    todos.c.idempotency_key,
-    unique=True,
-    postgresql_where=TODO_ACTIVE_PREDICATE,
-)
+# ``uq_todos_queue_key_active`` (queue, idempotency_key) WHERE
+# TODO_ACTIVE_PREDICATE is ``todos_live``'s own (the module docstring says
+# why); migration 0017 makes it.
 # A queue's todos of one status, newest first: the console's and the CLI's
 # pages (``backhalf.todo_views.list_todos``), the overview's failed todos and
 # the loose scan that finds the queues, each reading about a page whatever

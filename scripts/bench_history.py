@@ -37,11 +37,12 @@ from ingest.embedded.servers import PostgresServer, embedded_servers, packaged_p
 ROUNDS = 3
 
 # Every table that holds the history's rows: the partitions (a partitioned
-# table holds none itself), todos, and the native keys.
+# table holds none itself), todos' (live, finished, late), and the native keys.
 SIZES = """
 SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c
 WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace
-  AND c.relname ~ '^(inbox|events|todos|todo_events|inbox_keys)(_p[0-9]{6})?$'
+  AND (c.relname ~ '^(inbox|events|todo_events|todos_done)(_p[0-9]{6})?$'
+       OR c.relname IN ('todos_live', 'todos_done_late', 'inbox_keys'))
 """
 
 
@@ -128,8 +129,8 @@ def retention_under_ingest(
         adapters=[
             {"name": "bench", "mode": "stream", "source": bench.STREAM, "queue": "bench", "url": redis_url}
         ],
-        # The history's partitions past keep_days go whole; the done todos
-        # (not partitioned) row by row.
+        # The history's partitions past keep_days go whole, and so do the
+        # finished todos' (every queue has a retain_done_days).
         acker={"prune_interval_ms": 0, "retain_history_days": keep_days},
         queues={
             "bench": {
@@ -167,7 +168,7 @@ def retention_under_ingest(
     r.delete(bench.STREAM)
     after_bytes = table_bytes(url)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        conn.execute("VACUUM inbox, events, todos, todo_events, inbox_keys")
+        conn.execute("VACUUM inbox, events, todos, todo_events, inbox_keys")  # partitioned: each partition
     vacuumed = table_bytes(url)
     print(f"  retention of all but {keep_days} days, while ingest runs (switchboard prune):")
     for line in (pruned.stdout + pruned.stderr).splitlines():

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) ->
 async def _upkeep(settings: Settings) -> None:
     engine = create_engine(settings.database)
     try:
-        await upkeep_once(engine, settings.acker)
+        await upkeep_once(engine, settings)
     finally:
         await engine.dispose()
 

@@ -21,7 +21,7 @@ from backhalf.partitions import partition_name
 from ingest.cli.verb import Verb, in_loop
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK
-from ingest.processes.partitions import upkeep_once
+from ingest.processes.partitions import partitioned, upkeep_once
 from ingest.processes.prune import TABLES, Pruner, WalkResult, walks
 
 # How often a long walk reports on stderr.
@@ -59,7 +59,7 @@ def summarize(results: list[WalkResult]) -> dict[str, dict[str, int]]:
 
 async def run(settings: Settings, args: argparse.Namespace) -> int:
     found = walks(settings)
-    history = settings.acker.retain_history_days is not None
+    history = partitioned(settings)
     if not found and not history:
         message = (
             "nothing to prune: no retain_* key is set in [[adapters]] or [queues.*], nor [acker]"
@@ -72,7 +72,7 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
     try:
         if history and not args.dry_run:
             # Whole partitions first: what they take, no walk need read.
-            done = await upkeep_once(engine, settings.acker)
+            done = await upkeep_once(engine, settings)
             dropped = {t: [partition_name(t, n) for n in ns] for t, ns in done.dropped.items()}
         pruner = Pruner(
             engine,

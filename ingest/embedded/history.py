@@ -149,14 +149,16 @@ def _next_partition(conn: psycopg.Connection[Any]) -> None:
         numbers = [
             int(name.rsplit("_p", 1)[1])
             for (name,) in conn.execute(partitions.PARTITIONS_OF, {"parent": table}).fetchall()
+            if name != partitions.LATE_TODOS
         ]
-        row = conn.execute(_LAST_ID, {"t": table}).fetchone()
+        identity = partitions.identity_of(table)
+        row = conn.execute(_LAST_ID, {"t": identity}).fetchone()
         n = (partitions.number_of(int(row[0])) if row and row[0] is not None else 0) + 1
         if n not in numbers:
             with conn.transaction():
                 for statement in partitions.create(table, n):
                     conn.execute(statement)
-        conn.execute(_JUMP, {"table": table, "first": partitions.first_id(n)})
+        conn.execute(_JUMP, {"table": identity, "first": partitions.first_id(n)})
 
 
 def _first_of(ids: list[tuple[Any, ...]]) -> int:

@@ -54,7 +54,7 @@ from ingest.errors import AcksRefused, AcksRolledBack, ConfigError, error_kind, 
 from ingest.lifecycle import NOTIFIED_GAP_MAX_S, NotifiedLooks, Retry, wait_either, wait_stop
 from ingest.observe.dependency import Dependency
 from ingest.observe.heartbeat import database_gauges_loop
-from ingest.processes.partitions import upkeep_loop
+from ingest.processes.partitions import partitioned, upkeep_loop
 from ingest.processes.prune import prune_loop, walks
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
@@ -598,7 +598,7 @@ class _Acker(ProcessBody):
         if settings.acker.prune_interval_ms > 0 and walks(settings):
             # Retention: bounded batches on a connection of its own.
             process.work(prune_loop(self._engine, settings, stop), "prune")
-        if settings.acker.prune_interval_ms > 0 and settings.acker.retain_history_days is not None:
+        if settings.acker.prune_interval_ms > 0 and partitioned(settings):
             # The history's partitions: ahead, a new period, the old ones dropped.
             process.work(upkeep_loop(self._engine, settings, stop), "partitions")
         if self._rescuer is not None:

@@ -24,19 +24,35 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf import partitions
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import PruneError
-from ingest.config import AckerSettings, Settings
+from ingest.config import Settings
 from ingest.lifecycle import Retry, wait_stop
 
 log = structlog.get_logger(__name__)
 
 
-def _keep(acker: AckerSettings) -> timedelta | None:
-    days = acker.retain_history_days
+def _keep(settings: Settings) -> timedelta | None:
+    days = settings.acker.retain_history_days
     return None if days is None else timedelta(days=days)
 
 
+def done_keep(settings: Settings) -> timedelta | None:
+    """How long the finished todos' partitions are kept: the longest of the
+    queues' ``retain_done_days``, when every queue has one (a queue that
+    keeps its todos for ever keeps every partition). A queue with a shorter
+    one is pruned row by row down to it (``ingest.processes.prune``)."""
+    days = [q.retain_done_days for q in settings.queues.values()]
+    if not days or any(d is None for d in days):
+        return None
+    return timedelta(days=max(d for d in days if d is not None))
+
+
+def partitioned(settings: Settings) -> bool:
+    """Do the settings retire partitions (the history's, or finished todos')?"""
+    return _keep(settings) is not None or done_keep(settings) is not None
+
+
 async def upkeep_once(
-    engine: AsyncEngine, acker: AckerSettings, owed_seen: dict[tuple[str, int], float] | None = None
+    engine: AsyncEngine, settings: Settings, owed_seen: dict[tuple[str, int], float] | None = None
 ) -> partitions.Upkeep:
     """One pass, on a connection of its own in autocommit mode (a partition
     is detached without blocking writers only outside a transaction)."""
@@ -45,7 +61,11 @@ async def upkeep_once(
             conn = await opened.execution_options(isolation_level="AUTOCOMMIT")
             pg = await driver_connection(conn)
             done = await partitions.upkeep(
-                pg, period=timedelta(hours=acker.partition_hours), keep=_keep(acker), owed_seen=owed_seen
+                pg,
+                period=timedelta(hours=settings.acker.partition_hours),
+                keep=_keep(settings),
+                keep_done=done_keep(settings),
+                owed_seen=owed_seen,
             )
     for table, numbers in done.made.items():
         log.info(
@@ -59,6 +79,8 @@ async def upkeep_once(
             table=table,
             partitions=[partitions.partition_name(table, n) for n in numbers],
         )
+    if done.late_deleted:
+        log.info("late_todos_deleted", table=partitions.LATE_TODOS, rows=done.late_deleted)
     return done
 
 
@@ -71,7 +93,7 @@ async def upkeep_loop(engine: AsyncEngine, settings: Settings, stop: asyncio.Eve
     told = False
     while not stop.is_set():
         try:
-            done = await upkeep_once(engine, acker, owed_seen)
+            done = await upkeep_once(engine, settings, owed_seen)
         except Exception as exc:  # noqa: BLE001 - the database or a bug: log, back off, go on
             await retry.back_off(stop, "partitions_failed", exc)
             continue

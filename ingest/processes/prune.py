@@ -44,6 +44,7 @@ from backhalf import retention
 from backhalf.db import within_deadline
 from ingest.config import AckerSettings, AdapterConfig, Settings, WebhookConfig
 from ingest.lifecycle import Retry, wait_stop
+from ingest.processes.partitions import done_keep
 
 log = structlog.get_logger(__name__)
 
@@ -87,9 +88,15 @@ def walks(settings: Settings) -> list[Walk]:
             found += [Walk("acked", a.name, age), Walk("attempts", a.name, age)]
         if a.retain_rejected_days is not None:
             found.append(Walk("rejected", a.name, timedelta(seconds=a.retain_rejected_days * DAY_S)))
+    # Finished todos kept as long as the longest retention go with their
+    # partitions (ingest.processes.partitions); a queue that keeps them
+    # less long is walked down to its own.
+    by_partition = done_keep(settings)
     for q in settings.queues.values():
         if q.retain_done_days is not None:
-            found.append(Walk("done", q.name, timedelta(seconds=q.retain_done_days * DAY_S)))
+            age = timedelta(seconds=q.retain_done_days * DAY_S)
+            if by_partition is None or age < by_partition:
+                found.append(Walk("done", q.name, age))
         if q.retain_failed_days is not None:
             found.append(Walk("failed", q.name, timedelta(seconds=q.retain_failed_days * DAY_S)))
     return found

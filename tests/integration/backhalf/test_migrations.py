@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import psycopg
 from alembic.script import ScriptDirectory
 
 from alembic import command
-from backhalf import migrate, queries
+from backhalf import migrate, queries, todos
 from backhalf.db import DatabaseSettings, create_engine
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.store import store
@@ -207,6 +208,62 @@ async def test_0015_moves_a_filled_history_into_partitions_and_keeps_its_dedup(s
         command.downgrade(migrate.alembic_config(url), "0014")
         assert db.scalar(url, "SELECT count(*) FROM inbox") == 501
         assert db.scalar(url, "SELECT pg_get_serial_sequence('inbox', 'id')") == "public.inbox_id_seq"
+    finally:
+        db.drop_test_database(servers.database, url)
+
+
+async def test_0017_splits_the_todos_by_status_and_keeps_ids_dedup_and_claims(servers: ServerUrls) -> None:
+    """An installation at 0016 with todos of every status: after 0017 each
+    todo is there under its id, the live ones in todos_live, the finished
+    ones in todos_done's partition 0; a redelivery of a pending todo's key
+    dedups to it, one of a done todo's key makes a new todo past the old
+    ids; the pending ones are claimable; and back down to 0016 with the rows."""
+    url = db.create_test_database(servers.database, migrated=False)
+    try:
+        migrate.upgrade(url, "0016")
+        db.query(url, "INSERT INTO adapters (name, transport, mode) VALUES ('orders', 'redis', 'stream')")
+        for status, count in (("done", 300), ("cancelled", 50), ("pending", 20), ("running", 10),
+                              ("failed", 10), ("dispatched", 5)):  # fmt: skip
+            db.query(
+                url,
+                "INSERT INTO todos (queue, idempotency_key, payload, status, attempts)"
+                " SELECT 'orders', 'redis:orders:' || %(s)s || '-' || g, '{}', %(s)s, 1"
+                " FROM generate_series(1, %(n)s) g",
+                {"s": status, "n": count},
+            )
+        before = db.query(url, "SELECT id, idempotency_key, status FROM todos ORDER BY id")
+        migrate.upgrade(url)
+        migrate.check(url)
+        assert db.query(url, "SELECT id, idempotency_key, status FROM todos ORDER BY id") == before
+        by_partition = dict(db.query(url, "SELECT tableoid::regclass::text, count(*) FROM todos GROUP BY 1"))
+        assert by_partition == {"todos_live": 45, "todos_done_p000000": 350}
+        engine = create_engine(DatabaseSettings(url=url))
+        try:
+            async with engine.begin() as conn:
+                result = await store(conn, _batch("pending-3", "done-4"))
+        finally:
+            await engine.dispose()
+        assert result.new == 2
+        assert (
+            db.scalar(url, "SELECT count(*) FROM todos WHERE idempotency_key = 'redis:orders:pending-3'") == 1
+        )
+        newer = (
+            "SELECT status, id > %(max)s FROM todos WHERE idempotency_key = 'redis:orders:done-4' ORDER BY id"
+        )
+        assert db.query(url, newer, {"max": max(row[0] for row in before)}) == [
+            ("done", False),
+            ("pending", True),
+        ]
+        with psycopg.connect(db.libpq(url), autocommit=True) as pg:
+            claimed = todos.claim(pg, ["orders"], 100, 60)
+        assert len(claimed) == 20 + 5 + 1  # pending, dispatched (an older version's) and the new one
+        command.downgrade(migrate.alembic_config(url), "0016")
+        assert db.scalar(url, "SELECT count(*) FROM todos") == len(before) + 1
+        assert db.scalar(url, "SELECT pg_get_serial_sequence('todos', 'id')") == "public.todos_id_seq"
+        assert (
+            db.scalar(url, "SELECT count(*) FROM pg_indexes WHERE indexname = 'uq_todos_queue_key_active'")
+            == 1
+        )
     finally:
         db.drop_test_database(servers.database, url)
 

@@ -13,6 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import acks, todos
 from backhalf.db import DatabaseSettings, create_sync_engine, driver_connection
+from backhalf.db_errors import is_transient
+from backhalf.errors import StoreError
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.state_writer import StateWriter
 from backhalf.store import store
@@ -162,9 +164,12 @@ async def test_a_redelivery_of_a_retried_todo_waits_for_its_new_end(engine: Asyn
 async def test_a_redelivery_racing_its_todos_end_is_owed_at_once(engine: AsyncEngine, db_url: str) -> None:
     """The todo (active again after a retry) ends while a redelivery of its
     entry is being stored: the store waits for the end's row lock (FOR
-    SHARE), then reads the todo as ended and queues the ack as owed now.
-    A plain read would see it active in the statement's snapshot, queue it
-    waiting, and the end's release, already run, would never see it."""
+    SHARE). The end moved the todo to the finished todos' partition, so
+    the store's lock fails with a serialization failure, a transient error
+    the poll loop retries (it never counts against the message); the retry
+    reads the todo as ended and queues the ack as owed now. A plain read
+    would see it active in the statement's snapshot, queue it waiting, and
+    the end's release, already run, would never see it."""
     async with engine.begin() as conn:
         await store(conn, stream_batch(entry(1)))
     todo_id = scalar(db_url, "SELECT id FROM todos")
@@ -190,9 +195,14 @@ async def test_a_redelivery_racing_its_todos_end_is_owed_at_once(engine: AsyncEn
             await asyncio.sleep(0.025)
         assert waiting, "the store never waited for the end's lock"
         ender.commit()
-        await asyncio.wait_for(storing, timeout=10)
+        with pytest.raises(StoreError) as raced:
+            await asyncio.wait_for(storing, timeout=10)
     finally:
         ender.close()
+    assert isinstance(raced.value.__cause__, psycopg.errors.SerializationFailure)
+    assert is_transient(raced.value)
+    assert query(db_url, "SELECT count(*) FROM ack_queue") == [(0,)], "the failed store left nothing"
+    await _store_in_own_transaction(engine, stream_batch(entry(1, deliveries=2)))  # the poll loop's retry
     assert query(db_url, "SELECT waiting_for FROM ack_queue") == [(None,)]
 
 

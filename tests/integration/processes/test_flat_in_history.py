@@ -45,13 +45,15 @@ STREAM = QUEUE = ADAPTER = "orders"
 # 17 then 90 buffers, before migration 0014).
 GRACE = 20
 
-# By table, its partitions' counts together (a partitioned table has none of its own).
+# By table, its partitions' counts together (a partitioned table has none of
+# its own; todos' partitions are todos_live and todos_done's).
 BLOCKS = """
 SELECT substring(relname from '^(inbox|events|todos|todo_events)'),
        sum(coalesce(heap_blks_read, 0) + coalesce(heap_blks_hit, 0) + coalesce(idx_blks_read, 0)
            + coalesce(idx_blks_hit, 0) + coalesce(toast_blks_read, 0) + coalesce(toast_blks_hit, 0)
            + coalesce(tidx_blks_read, 0) + coalesce(tidx_blks_hit, 0))
-FROM pg_statio_user_tables WHERE relname ~ '^(inbox|events|todos|todo_events)(_p[0-9]{6})?$'
+FROM pg_statio_user_tables WHERE relname ~ '^(inbox|events|todo_events|todos_done)(_p[0-9]{6})?$'
+                             OR relname IN ('todos_live', 'todos_done_late')
 GROUP BY 1
 """
 
@@ -203,7 +205,8 @@ def _retain(conn: psycopg.Connection[Any], rows: int, start: int) -> None:
     # partitions, not the partitioned tables, which hold none).
     tables = conn.execute(
         "SELECT relname::text FROM pg_class WHERE relkind = 'r' AND relnamespace = 'public'::regnamespace"
-        " AND relname ~ '^(inbox|events|todos|todo_events)(_p[0-9]{6})?$'"
+        " AND (relname ~ '^(inbox|events|todo_events|todos_done)(_p[0-9]{6})?$'"
+        "      OR relname IN ('todos_live', 'todos_done_late'))"
     ).fetchall()
     for (table,) in tables:
         conn.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = off)").format(sql.Identifier(table)))

@@ -79,7 +79,8 @@ def test_the_store_writes_in_lock_order() -> None:
     for name in ("store_native", "store_body"):
         text = queries.COMPOSED[name]
         order = [
-            text.index(f"INSERT INTO {t} ") for t in ("todos", "todo_events", "events", "inbox", "ack_queue")
+            text.index(f"INSERT INTO {t} ")
+            for t in ("todos_live", "todo_events", "events", "inbox", "ack_queue")
         ]
         assert order == sorted(order), name
 
