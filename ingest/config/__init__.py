@@ -248,8 +248,9 @@ QUEUES = Section(
         ),
         "max_backoff_ms": Key(doc="the backoff's cap"),
         "retain_done_days": _kept(
-            "days `done` and `cancelled` todos are kept after they ended; with every queue's set,"
-            f" they go with whole partitions at the longest {HISTORY}, else row by row {RETENTION}"
+            "days `done` and `cancelled` todos are kept after they ended; with every queue's set and"
+            f" `[acker] retain_history_days`, they go with whole partitions at the longest {HISTORY},"
+            f" else row by row {RETENTION}"
         ),
         "retain_failed_days": _kept("days `failed` ones are kept (longer: operators retry them)"),
     },

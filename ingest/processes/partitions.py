@@ -36,10 +36,15 @@ def _keep(settings: Settings) -> timedelta | None:
 
 
 def done_keep(settings: Settings) -> timedelta | None:
-    """How long the finished todos' partitions are kept: the longest of the
-    queues' ``retain_done_days``, when every queue has one (a queue that
-    keeps its todos for ever keeps every partition). A queue with a shorter
-    one is pruned row by row down to it (``ingest.processes.prune``)."""
+    """How long the finished todos' partitions are kept: where the history
+    is partitioned (``[acker] retain_history_days``: the deployment keeps
+    partitions, and drops them as their owner), the longest of the queues'
+    ``retain_done_days``, when every queue has one (a queue that keeps its
+    todos for ever keeps every partition). A queue with a shorter one is
+    pruned row by row down to it (``ingest.processes.prune``), and so is
+    every queue where the history is not partitioned."""
+    if settings.acker.retain_history_days is None:
+        return None
     days = [q.retain_done_days for q in settings.queues.values()]
     if not days or any(d is None for d in days):
         return None

@@ -211,11 +211,11 @@ async def test_finished_todos_go_with_their_partition_and_unfinished_ones_stay(
         "todos_live",
         "todos_done_p000000",
     }
-    begun = await upkeep_once(engine, _settings(None, done_days=7))
+    begun = await upkeep_once(engine, _settings(30, done_days=7))
     assert begun.begun == {"todos_done": 1}
     assert begun.dropped == {}
     await _store(engine, rec("5-0"))  # a new period's todo
-    done = await upkeep_once(engine, _settings(None, done_days=7))
+    done = await upkeep_once(engine, _settings(30, done_days=7))
     assert done.dropped == {"todos_done": [0]}
     # The failed and the pending todo are live: kept, whatever their age.
     assert query(db_url, "SELECT idempotency_key, status FROM todos ORDER BY id") == [
@@ -230,10 +230,10 @@ async def test_finished_todos_go_with_their_partition_and_unfinished_ones_stay(
             "UPDATE todos SET status = 'done', updated_at = now() WHERE idempotency_key LIKE '%%4-0'"
         )
     assert _partition_of(db_url, "todos", "idempotency_key", "redis:orders:4-0") == [partitions.LATE_TODOS]
-    kept = await upkeep_once(engine, _settings(None, done_days=7))
+    kept = await upkeep_once(engine, _settings(30, done_days=7))
     assert kept.late_deleted == 0
     _age_todos(db_url, 8, "status = 'done'")
-    late = await upkeep_once(engine, _settings(None, done_days=7))
+    late = await upkeep_once(engine, _settings(30, done_days=7))
     assert late.late_deleted == 1
     assert scalar(db_url, "SELECT count(*) FROM todos WHERE idempotency_key LIKE '%%4-0'") == 0
 
@@ -250,8 +250,8 @@ async def test_a_todos_partition_is_kept_while_one_of_its_todos_finished_lately(
         conn.execute(
             "UPDATE todos SET updated_at = now() - interval '1 hour' WHERE idempotency_key LIKE '%%2-0'"
         )
-    await upkeep_once(engine, _settings(None, done_days=7))  # begins partition 1
-    done = await upkeep_once(engine, _settings(None, done_days=7))
+    await upkeep_once(engine, _settings(30, done_days=7))  # begins partition 1
+    done = await upkeep_once(engine, _settings(30, done_days=7))
     assert done.dropped == {}
     assert scalar(db_url, "SELECT count(*) FROM todos_done_p000000") == 2
 
@@ -268,9 +268,11 @@ async def test_a_todo_that_finished_between_the_check_and_the_detach_is_kept(
     _age_todos(db_url, 10)
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         conn.execute("UPDATE todos SET updated_at = now() WHERE idempotency_key LIKE '%%2-0'")  # the race
-    async with await psycopg.AsyncConnection.connect(libpq(db_url), autocommit=True) as pg:
-        async with pg.cursor() as cur:
-            assert await partitions._retire(cur, pg, "todos_done", 0, timedelta(days=7))
+    async with (
+        await psycopg.AsyncConnection.connect(libpq(db_url), autocommit=True) as pg,
+        pg.cursor() as cur,
+    ):
+        assert await partitions._retire(cur, pg, "todos_done", 0, timedelta(days=7))
     assert query(db_url, "SELECT idempotency_key, tableoid::regclass::text FROM todos") == [
         ("redis:orders:2-0", partitions.LATE_TODOS)
     ]

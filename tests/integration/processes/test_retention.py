@@ -329,12 +329,7 @@ async def test_rows_that_change_status_behind_the_cursor_go_at_the_next_full_swe
     cfg = settings(
         db_url,
         adapters=[{"name": "orders", "source": "orders", "retain_acked_days": 7, "retain_rejected_days": 90}],
-        # "archive" keeps its todos for ever, so the finished todos'
-        # partitions stay and orders' done todos are walked row by row.
-        queues={
-            "orders": {"handler": "m:f", "retain_done_days": 7, "retain_failed_days": 90},
-            "archive": {"handler": "m:f"},
-        },
+        queues={"orders": {"handler": "m:f", "retain_done_days": 7, "retain_failed_days": 90}},
     )
     clock = [0.0]
     acker_pruner = Pruner(
@@ -382,12 +377,7 @@ async def test_an_ack_waiting_for_its_todo_keeps_the_row_and_the_todo(
     cfg = settings(
         db_url,
         adapters=[{"name": "orders", "source": "orders", "retain_acked_days": 1, "retain_rejected_days": 1}],
-        # "archive" keeps its todos for ever, so the finished todos'
-        # partitions stay and orders' done todos are walked row by row.
-        queues={
-            "orders": {"handler": "m:f", "retain_done_days": 1, "retain_failed_days": 1},
-            "archive": {"handler": "m:f"},
-        },
+        queues={"orders": {"handler": "m:f", "retain_done_days": 1, "retain_failed_days": 1}},
     )
     acker_pruner = pruner(engine, walks(cfg))
 

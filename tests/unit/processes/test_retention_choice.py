@@ -1,7 +1,8 @@
 """Which retention deletes finished todos: their partitions, dropped whole
-(every queue has a ``retain_done_days``: the longest), or the row walk (a
-queue that keeps them less long than the longest, or none partitioned
-because one queue keeps them for ever). Decision 0007."""
+(the history is partitioned and every queue has a ``retain_done_days``:
+the longest), or the row walk (a queue that keeps them less long than the
+longest; every queue where the history is not partitioned, or where one
+queue keeps them for ever). Decision 0007."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from ingest.config import Settings, from_mapping
 from ingest.processes.partitions import done_keep, partitioned
 from ingest.processes.prune import walks
 
+HISTORY = {"retain_history_days": 30}
 
-def _settings(queues: dict[str, dict[str, Any]], acker: dict[str, Any] | None = None) -> Settings:
+
+def _settings(queues: dict[str, dict[str, Any]], acker: dict[str, Any] | None = HISTORY) -> Settings:
     raw: dict[str, Any] = {"database": {"url": "postgresql://u@h/d"}, "queues": queues}
     if acker:
         raw["acker"] = acker
@@ -41,10 +44,17 @@ def test_every_queue_with_a_done_retention_goes_by_partition_at_the_longest() ->
 def test_a_queue_that_keeps_its_todos_for_ever_keeps_every_partition() -> None:
     s = _settings({"orders": {"handler": "m:f", "retain_done_days": 7}, "archive": {"handler": "m:f"}})
     assert done_keep(s) is None
+    assert partitioned(s)  # the history's partitions still
+    assert _done_walks(s) == {"orders": 7}
+
+
+def test_without_a_partitioned_history_every_queue_is_walked_row_by_row() -> None:
+    s = _settings({"orders": {"handler": "m:f", "retain_done_days": 7}}, acker=None)
+    assert done_keep(s) is None
     assert not partitioned(s)
     assert _done_walks(s) == {"orders": 7}
 
 
 def test_no_queue_no_partitioned_todos_and_history_alone_partitions() -> None:
     assert done_keep(_settings({})) is None
-    assert partitioned(_settings({}, {"retain_history_days": 30}))
+    assert partitioned(_settings({}))
