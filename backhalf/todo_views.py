@@ -12,10 +12,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf.heartbeats import ProcessRow
+from backhalf.todos import MOVED_TRIES
 from schema import todo_events, todos
 from schema.tables import TODO_ACTIVE_PREDICATE, TODO_STATUSES
 
@@ -182,15 +185,23 @@ async def history(conn: AsyncConnection, todo_id: int) -> list[TodoEvent]:
 
 async def lock_todo(conn: AsyncConnection, todo_id: int) -> TodoState | None:
     """The todo's state, its row locked until the caller's transaction ends,
-    so the action that follows sees the same status."""
-    row = (
-        await conn.execute(
-            sa.select(todos.c.id, todos.c.queue, todos.c.idempotency_key, todos.c.status)
-            .where(todos.c.id == todo_id)
-            .with_for_update()
-        )
-    ).first()
-    return None if row is None else TodoState(*row)
+    so the action that follows sees the same status. Asked again (in a
+    savepoint) when the todo finished meanwhile and so moved to another
+    partition (``backhalf.todos.MOVED_TRIES``, decision 0007)."""
+    statement = (
+        sa.select(todos.c.id, todos.c.queue, todos.c.idempotency_key, todos.c.status)
+        .where(todos.c.id == todo_id)
+        .with_for_update()
+    )
+    for tried in range(1, MOVED_TRIES + 1):
+        try:
+            async with conn.begin_nested():
+                row = (await conn.execute(statement)).first()
+            return None if row is None else TodoState(*row)
+        except DBAPIError as exc:
+            if not isinstance(exc.orig, psycopg.errors.SerializationFailure) or tried == MOVED_TRIES:
+                raise
+    raise AssertionError("unreachable")
 
 
 async def active_holder(conn: AsyncConnection, queue: str, key: str, *, other_than: int) -> TodoState | None:

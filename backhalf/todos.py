@@ -86,6 +86,29 @@ class Claimed:
     trace_context: str | None = None
 
 
+# A todo that finishes moves from todos_live to a partition of todos_done
+# (decision 0007). A statement locking it after that commit, with a snapshot
+# taken before, gets a serialization failure (SQLSTATE 40001) where it would
+# have read the row's new version: asked again at once, in a new snapshot,
+# it no longer sees the row where it was.
+MOVED_TRIES = 3
+
+
+def _fetch_retrying_moved(pg: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> list[Any]:
+    """One statement in its own transaction (or savepoint), its rows; asked
+    again when a row it locks moved to another partition meanwhile."""
+    for tried in range(1, MOVED_TRIES + 1):
+        block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
+        try:
+            with block, pg.cursor() as cur:
+                cur.execute(statement, params)
+                return cur.fetchall()
+        except psycopg.errors.SerializationFailure:
+            if tried == MOVED_TRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
 def claim(
     pg: psycopg.Connection[Any],
     queues: Sequence[str],
@@ -101,10 +124,7 @@ def claim(
     limits = [limit] * len(queues) if per_queue is None else [min(limit, n) for n in per_queue]
     params = {"queues": list(queues), "limits": limits, "limit": limit, "lease_s": float(lease_s),
               "detail": CLAIMED}  # fmt: skip
-    block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
-    with block, pg.cursor() as cur:
-        cur.execute(queries.CLAIM_TODOS, params)
-        rows = cur.fetchall()
+    rows = _fetch_retrying_moved(pg, queries.CLAIM_TODOS, params)
     return [
         Claimed(Todo(int(tid), str(queue), json.loads(payload), str(key), int(attempts)), token, context)
         for tid, queue, payload, key, attempts, token, context in rows
@@ -230,11 +250,9 @@ def extend_leases(
     holds its todo, None if another transaction held the row (not waited
     for). One statement; its own transaction on an autocommit connection."""
     params = {"ids": [r.todo.id for r in runs], "tokens": [r.token for r in runs], "lease_s": float(lease_s)}
-    block = contextlib.nullcontext() if pg.autocommit else pg.transaction()
-    with block, pg.cursor() as cur:
-        cur.execute(queries.EXTEND_LEASES, params)
-        answers = {"extended": True, "lost": False, "busy": None}
-        return {(int(i), token): answers[str(found)] for i, token, found in cur.fetchall()}
+    answers = {"extended": True, "lost": False, "busy": None}
+    rows = _fetch_retrying_moved(pg, queries.EXTEND_LEASES, params)
+    return {(int(i), token): answers[str(found)] for i, token, found in rows}
 
 
 async def cancel(conn: AsyncConnection, ids: Sequence[int], detail: str) -> list[int]:

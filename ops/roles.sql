@@ -284,8 +284,9 @@ BEGIN
     GRANT SELECT, INSERT (queue, idempotency_key, payload, trace_context), UPDATE (updated_at), DELETE
         ON todos TO switchboard_ingester, switchboard_receiver;
     -- It writes into todos_live, the partition whose unique index is the
-    -- dedup's (decision 0007), with an id drawn from todos' identity.
-    GRANT SELECT, INSERT (id, queue, idempotency_key, payload, trace_context), UPDATE (updated_at)
+    -- dedup's (decision 0007); the id is its default's (todos' sequence),
+    -- never one a role chooses.
+    GRANT SELECT, INSERT (queue, idempotency_key, payload, trace_context), UPDATE (updated_at)
         ON todos_live TO switchboard_ingester, switchboard_receiver, switchboard_operator;
     GRANT SELECT (id, todo_id), INSERT (todo_id, from_status, to_status, detail), DELETE
         ON todo_events TO switchboard_ingester, switchboard_receiver;

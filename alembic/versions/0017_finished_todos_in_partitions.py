@@ -88,9 +88,19 @@ def _columns() -> list[sa.Column]:  # type: ignore[type-arg]
     ]
 
 
+def _sequence() -> str:
+    """todos' identity's sequence, by name (a default holds its oid)."""
+    return str(op.get_bind().exec_driver_sql("SELECT pg_get_serial_sequence('todos', 'id')").scalar_one())
+
+
 def upgrade() -> None:
     op.execute("SET LOCAL statement_timeout = '1h'")
     old = partitions.partition_name("todos_done", 0)
+    # Where the identity stood: ids past the newest row were handed out too
+    # (a store's undo, a pruned todo), and rows elsewhere may name them.
+    handed_out = op.get_bind().exec_driver_sql(
+        "SELECT last_value FROM todos_id_seq"
+    ).scalar_one()
     # Set aside: the table keeps its rows, its indexes take partition 0's
     # names, its id loses its identity (the partitioned table's takes over).
     op.rename_table("todos", old)
@@ -148,7 +158,13 @@ def upgrade() -> None:
         + [
             sql.SQL(
                 "SELECT setval(pg_get_serial_sequence('todos', 'id'),"
-                " coalesce((SELECT max(id) FROM todos), 0) + 1, false)"
+                " greatest(coalesce((SELECT max(id) FROM todos), 0), {}) + 1, false)"
+            ).format(sql.Literal(int(handed_out))),
+            # The store inserts into todos_live itself, where the id comes
+            # from this default (a partition has no identity of its own):
+            # no role names an id.
+            sql.SQL("ALTER TABLE todos_live ALTER COLUMN id SET DEFAULT nextval({}::regclass)").format(
+                sql.Literal(_sequence())
             ),
         ]
         + partitions.create("todos_done", 1)

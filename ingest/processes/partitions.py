@@ -40,12 +40,17 @@ def done_keep(settings: Settings) -> timedelta | None:
     is partitioned (``[acker] retain_history_days``: the deployment keeps
     partitions, and drops them as their owner), the longest of the queues'
     ``retain_done_days``, when every queue has one (a queue that keeps its
-    todos for ever keeps every partition). A queue with a shorter one is
+    todos for ever, one an adapter names without a ``[queues.NAME]``
+    included, keeps every partition; a queue no config names any more goes
+    with the partitions). A queue with a shorter one is
     pruned row by row down to it (``ingest.processes.prune``), and so is
     every queue where the history is not partitioned."""
     if settings.acker.retain_history_days is None:
         return None
-    days = [q.retain_done_days for q in settings.queues.values()]
+    # Every queue the config names, its adapters' too: one with no
+    # [queues.NAME] keeps its todos for ever, as it did.
+    named = {a.queue for a in settings.adapters} | {w.queue for w in settings.webhooks} | set(settings.queues)
+    days = [q.retain_done_days if (q := settings.queues.get(name)) else None for name in named]
     if not days or any(d is None for d in days):
         return None
     return timedelta(days=max(d for d in days if d is not None))

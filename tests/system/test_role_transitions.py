@@ -276,15 +276,13 @@ def _redelivery(ack_key: str, ack_group: str, entry: str = "1-0", key: str = "k-
 # The ingester's dedup: the no-op update of the active todo with its key,
 # in todos_live, as todos_create_cte writes it (decision 0007).
 DEDUP = (
-    "INSERT INTO todos_live (id, queue, idempotency_key, payload)"
-    " VALUES (nextval(pg_get_serial_sequence('todos', 'id')), 'orders', 'k-pending', '{}')"
+    "INSERT INTO todos_live (queue, idempotency_key, payload) VALUES ('orders', 'k-pending', '{}')"
     " ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')"
     " DO UPDATE SET updated_at = todos_live.updated_at"
 )
 # todos_create_cte: a todo and its creation row, in one statement.
 CREATE = (
-    "WITH t AS (INSERT INTO todos_live (id, queue, idempotency_key, payload)"
-    " VALUES (nextval(pg_get_serial_sequence('todos', 'id')), 'orders', 'k-new', '{}')"
+    "WITH t AS (INSERT INTO todos_live (queue, idempotency_key, payload) VALUES ('orders', 'k-new', '{}')"
     " RETURNING id) INSERT INTO todo_events (todo_id, from_status, to_status, detail)"
     " SELECT id, NULL, 'pending', 'created' FROM t"
 )
@@ -349,6 +347,15 @@ FORBIDDEN = [
         NO_ROW,
     ),
     Case("ingester deletes a done todo", "ingester", "DELETE FROM todos WHERE id = %(done)s", NO_ROW),
+    # An id it chose could sit beside another todo's (the key is (id,
+    # status)) or in a partition's range to come (decision 0007).
+    Case(
+        "ingester chooses a todo's id",
+        "ingester",
+        "INSERT INTO todos_live (id, queue, idempotency_key, payload)"
+        " VALUES (%(done)s, 'orders', 'k-id', '{}')",
+        REFUSED,
+    ),
     Case(
         "ingester dedups to a todo, then deletes it",
         "ingester",

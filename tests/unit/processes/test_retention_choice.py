@@ -48,6 +48,20 @@ def test_a_queue_that_keeps_its_todos_for_ever_keeps_every_partition() -> None:
     assert _done_walks(s) == {"orders": 7}
 
 
+def test_an_adapters_queue_without_a_section_keeps_its_todos_for_ever() -> None:
+    s = from_mapping(
+        {
+            "database": {"url": "postgresql://u@h/d"},
+            "acker": HISTORY,
+            "adapters": [{"name": "orders", "source": "orders"}, {"name": "audit", "source": "audit"}],
+            "queues": {"orders": {"handler": "m:f", "retain_done_days": 7}},
+        },
+        {},
+    )
+    assert done_keep(s) is None
+    assert _done_walks(s) == {"orders": 7}
+
+
 def test_without_a_partitioned_history_every_queue_is_walked_row_by_row() -> None:
     s = _settings({"orders": {"handler": "m:f", "retain_done_days": 7}}, acker=None)
     assert done_keep(s) is None

@@ -6,9 +6,8 @@ WITH u AS (
         WITH ORDINALITY AS u(k, m, b, p, ak, e, c, d, err, bs, bh, sa, tc, n)
 ),
 t AS (
-    INSERT INTO todos_live (id, queue, idempotency_key, payload, trace_context)
-    SELECT nextval(pg_get_serial_sequence('todos', 'id')), %(queue)s, u.k, u.p::jsonb, u.tc::jsonb
-    FROM u WHERE u.p IS NOT NULL ORDER BY u.n
+    INSERT INTO todos_live (queue, idempotency_key, payload, trace_context)
+    SELECT %(queue)s, u.k, u.p::jsonb, u.tc::jsonb FROM u WHERE u.p IS NOT NULL ORDER BY u.n
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running')
     DO UPDATE SET updated_at = todos_live.updated_at
     RETURNING id, idempotency_key, (xmax = 0) AS created
@@ -27,7 +26,7 @@ ev AS (
 ),
 keyed AS (
     INSERT INTO inbox_keys AS k (adapter, idempotency_key, inbox_id)
-    SELECT %(adapter)s, u.k, nextval(pg_get_serial_sequence('inbox', 'id')) FROM u ORDER BY u.n
+    SELECT %(adapter)s, u.k, nextval((SELECT pg_get_serial_sequence('inbox', 'id')::regclass)) FROM u ORDER BY u.n
     ON CONFLICT (adapter, idempotency_key) DO UPDATE SET inbox_id = k.inbox_id
     RETURNING k.idempotency_key, k.inbox_id, (k.xmax = 0) AS fresh
 ),
