@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import pytest
 import redis
 from sqlalchemy.engine import make_url
 
+from backhalf import partitions
 from backhalf.db import libpq_url
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.processes import wait_for, wait_ready
@@ -750,3 +752,30 @@ def test_every_query_of_ops_audit_sql_runs_as_the_auditor(roles_db: RoleDatabase
     for statement in statements:
         assert sqlstate(roles_db.url("auditor"), statement) is None, statement
     assert sqlstate(roles_db.url("auditor"), "SELECT 1 FROM todos") == INSUFFICIENT_PRIVILEGE
+
+
+async def test_the_acker_role_begins_the_todos_periods_and_the_migrator_drops_them(
+    roles_db: RoleDatabase,
+) -> None:
+    """Issue 45, decision 0007: the shipped acker may not make or drop
+    partitions, finished todos' included: its pass says so and still begins
+    a period (todos' identity moved); the migrator's pass drops the old one."""
+    migrate_and_grant(roles_db)
+    db.query(
+        roles_db.admin_url,
+        "INSERT INTO todos (queue, idempotency_key, payload, status, created_at, updated_at)"
+        " VALUES ('q', 'k', '{}', 'done', now() - interval '10 days', now() - interval '10 days')",
+    )
+    keep = {"period": timedelta(hours=1), "keep": timedelta(days=30), "keep_done": timedelta(days=7)}
+    async with await psycopg.AsyncConnection.connect(libpq_url(roles_db.url("acker")), autocommit=True) as pg:
+        by_acker = await partitions.upkeep(pg, **keep)
+    assert by_acker.refused == ["inbox", "events", "todo_events", "todos_done"]
+    assert by_acker.begun == {"todos_done": 1}
+    assert by_acker.dropped == {}
+    async with await psycopg.AsyncConnection.connect(
+        libpq_url(roles_db.url("migrator")), autocommit=True
+    ) as pg:
+        by_migrator = await partitions.upkeep(pg, **keep)
+    assert by_migrator.refused == []
+    assert by_migrator.dropped == {"todos_done": [0]}
+    assert db.scalar(roles_db.admin_url, "SELECT count(*) FROM todos") == 0
