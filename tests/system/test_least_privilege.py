@@ -766,16 +766,16 @@ async def test_the_acker_role_begins_the_todos_periods_and_the_migrator_drops_th
         "INSERT INTO todos (queue, idempotency_key, payload, status, created_at, updated_at)"
         " VALUES ('q', 'k', '{}', 'done', now() - interval '10 days', now() - interval '10 days')",
     )
-    keep = {"period": timedelta(hours=1), "keep": timedelta(days=30), "keep_done": timedelta(days=7)}
+    hour, keep, keep_done = timedelta(hours=1), timedelta(days=30), timedelta(days=7)
     async with await psycopg.AsyncConnection.connect(libpq_url(roles_db.url("acker")), autocommit=True) as pg:
-        by_acker = await partitions.upkeep(pg, **keep)
+        by_acker = await partitions.upkeep(pg, period=hour, keep=keep, keep_done=keep_done)
     assert by_acker.refused == ["inbox", "events", "todo_events", "todos_done"]
     assert by_acker.begun == {"todos_done": 1}
     assert by_acker.dropped == {}
     async with await psycopg.AsyncConnection.connect(
         libpq_url(roles_db.url("migrator")), autocommit=True
     ) as pg:
-        by_migrator = await partitions.upkeep(pg, **keep)
+        by_migrator = await partitions.upkeep(pg, period=hour, keep=keep, keep_done=keep_done)
     assert by_migrator.refused == []
     assert by_migrator.dropped == {"todos_done": [0]}
     assert db.scalar(roles_db.admin_url, "SELECT count(*) FROM todos") == 0
