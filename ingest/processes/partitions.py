@@ -21,7 +21,7 @@ from datetime import timedelta
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import partitions
+from backhalf import partitions, retention
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import PruneError
 from ingest.config import Settings
@@ -53,7 +53,9 @@ def done_keep(settings: Settings) -> timedelta | None:
     days = [q.retain_done_days if (q := settings.queues.get(name)) else None for name in named]
     if not days or any(d is None for d in days):
         return None
-    return timedelta(days=max(d for d in days if d is not None))
+    # Never less than the row walk's floor (backhalf.retention.TODO_FLOOR):
+    # a mis-set retention must not drop a todo the moment it finished.
+    return max(timedelta(days=max(d for d in days if d is not None)), retention.TODO_FLOOR)
 
 
 def partitioned(settings: Settings) -> bool:

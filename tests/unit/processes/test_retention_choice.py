@@ -62,6 +62,11 @@ def test_an_adapters_queue_without_a_section_keeps_its_todos_for_ever() -> None:
     assert _done_walks(s) == {"orders": 7}
 
 
+def test_the_partitions_keep_finished_todos_at_least_the_row_walks_floor() -> None:
+    s = _settings({"orders": {"handler": "m:f", "retain_done_days": 0.01}})
+    assert done_keep(s) == timedelta(hours=1)
+
+
 def test_without_a_partitioned_history_every_queue_is_walked_row_by_row() -> None:
     s = _settings({"orders": {"handler": "m:f", "retain_done_days": 7}}, acker=None)
     assert done_keep(s) is None
