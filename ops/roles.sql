@@ -198,6 +198,7 @@ DECLARE
     view_name name;
     pol record;
     owned record;
+    tbl text;
 BEGIN
     IF to_regclass('public.inbox') IS NULL THEN
         RAISE NOTICE 'no Switchboard tables yet: roles created; run `switchboard migrate` as'
@@ -578,17 +579,19 @@ BEGIN
     -- queues its family's rows name (a change shows in adapters.updated_at),
     -- not against itself. During a rollout that changes an adapter's queue,
     -- an ingester still on the old config has its stores refused (42501,
-    -- retried: nothing lost) until it is restarted.
-    CREATE POLICY switchboard_create ON todos FOR INSERT TO switchboard_operator
-        WITH CHECK (status = 'pending');
-    CREATE POLICY switchboard_ingester_create ON todos FOR INSERT TO switchboard_ingester
-        WITH CHECK (status = 'pending'
-                    AND EXISTS (SELECT FROM adapters a
-                                WHERE a.family = 'queue' AND a.settings ->> 'queue' = todos.queue));
-    CREATE POLICY switchboard_receiver_create ON todos FOR INSERT TO switchboard_receiver
-        WITH CHECK (status = 'pending'
-                    AND EXISTS (SELECT FROM adapters a
-                                WHERE a.family = 'push' AND a.settings ->> 'queue' = todos.queue));
+    -- retried: nothing lost) until it is restarted. One definition for
+    -- todos and for todos_live, the partition todos_create_cte writes
+    -- directly (decision 0007), whose own policies are the ones that hold.
+    FOREACH tbl IN ARRAY ARRAY['todos', 'todos_live'] LOOP
+        EXECUTE format('CREATE POLICY switchboard_create ON %I FOR INSERT TO switchboard_operator'
+                       ' WITH CHECK (status = ''pending'')', tbl);
+        EXECUTE format('CREATE POLICY switchboard_ingester_create ON %I FOR INSERT TO switchboard_ingester'
+                       ' WITH CHECK (status = ''pending'' AND EXISTS (SELECT FROM adapters a'
+                       ' WHERE a.family = ''queue'' AND a.settings ->> ''queue'' = %I.queue))', tbl, tbl);
+        EXECUTE format('CREATE POLICY switchboard_receiver_create ON %I FOR INSERT TO switchboard_receiver'
+                       ' WITH CHECK (status = ''pending'' AND EXISTS (SELECT FROM adapters a'
+                       ' WHERE a.family = ''push'' AND a.settings ->> ''queue'' = %I.queue))', tbl, tbl);
+    END LOOP;
     -- The dedup's no-op update, and store_ack_queue_cte's FOR SHARE: active todos.
     CREATE POLICY switchboard_ingester_update ON todos FOR UPDATE TO switchboard_ingester, switchboard_receiver
         USING (status IN ('pending', 'dispatched', 'running'))
@@ -633,21 +636,12 @@ BEGIN
                                                                ('running', 'running'))));
 
     -- todos_live, written directly by todos_create_cte only (every other
-    -- statement reaches it through todos, whose policies above hold): the
-    -- same rules of creation as todos', and the dedup's no-op update.
+    -- statement reaches it through todos, whose policies above hold): its
+    -- rules of creation are todos' (made in the loop above), and the
+    -- dedup's no-op update.
     CREATE POLICY switchboard_read ON todos_live FOR SELECT
         TO switchboard_ingester, switchboard_receiver, switchboard_operator
         USING (true);
-    CREATE POLICY switchboard_create ON todos_live FOR INSERT TO switchboard_operator
-        WITH CHECK (status = 'pending');
-    CREATE POLICY switchboard_ingester_create ON todos_live FOR INSERT TO switchboard_ingester
-        WITH CHECK (status = 'pending'
-                    AND EXISTS (SELECT FROM adapters a
-                                WHERE a.family = 'queue' AND a.settings ->> 'queue' = todos_live.queue));
-    CREATE POLICY switchboard_receiver_create ON todos_live FOR INSERT TO switchboard_receiver
-        WITH CHECK (status = 'pending'
-                    AND EXISTS (SELECT FROM adapters a
-                                WHERE a.family = 'push' AND a.settings ->> 'queue' = todos_live.queue));
     CREATE POLICY switchboard_dedup ON todos_live FOR UPDATE
         TO switchboard_ingester, switchboard_receiver, switchboard_operator
         USING (status IN ('pending', 'dispatched', 'running'))

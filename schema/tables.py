@@ -55,14 +55,13 @@ ACK_AFTER = ("store", "complete")
 INBOX_STATUSES = ("stored", "rejected")
 TODO_STATUSES = ("pending", "dispatched", "running", "done", "failed", "cancelled")
 ACTIVE_TODO_STATUSES = ("pending", "dispatched", "running")
-# ``todos`` is partitioned by status (decision 0007): ``todos_live`` holds
-# the todos still to do or to look at, so the claim, the rescuer and the
-# dedup read a table as small as the work in flight; ``todos_done`` holds
-# finished ones, partitioned by id range like the history, and retired
+# ``todos`` is partitioned by status (decision 0007, migration 0017):
+# ``todos_live`` holds the todos still to do or to look at (these and
+# 'failed'), so the claim, the rescuer and the dedup read a table as small
+# as the work in flight; ``todos_done`` holds finished ones ('done',
+# 'cancelled'), partitioned by id range like the history, and retired
 # whole. A todo that finishes moves across (an UPDATE of its status, which
 # PostgreSQL carries out as a delete and an insert).
-LIVE_TODO_STATUSES = (*ACTIVE_TODO_STATUSES, "failed")
-FINISHED_TODO_STATUSES = ("done", "cancelled")
 # What a worker may claim; 'dispatched' only on rows an older version (the
 # dramatiq relay) left.
 CLAIMABLE_TODO_STATUSES = ("pending", "dispatched")
