@@ -333,7 +333,8 @@ class _Server(WSGIServer):
             target=self._serve, args=(conn, client_address), name="metrics-http-request", daemon=True
         )
         with self._lock:
-            self._lock.wait_for(self._room_for_a_thread, timeout=CUT_GRACE_S)
+            if self._may_wait(conn.host):
+                self._lock.wait_for(self._room_for_a_thread, timeout=CUT_GRACE_S)
             admitted = not self._closing and self._admit(conn)
             if admitted:
                 try:
@@ -344,6 +345,15 @@ class _Server(WSGIServer):
                     self._open[conn] = thread
         if not admitted:
             self.shutdown_request(request)  # refused, not queued
+
+    def _may_wait(self, host: str) -> bool:
+        """Under the lock: whether a newcomer from ``host`` may wait its
+        grace for a thread. Connections are accepted one at a time, so each
+        wait delays everyone queued behind it: a crowd reconnecting the
+        moment it is cut queued its own waits ahead of a probe and held it
+        for seconds (seen under load). A client already holding its share
+        of threads, serving or ending, is refused at once instead."""
+        return sum(1 for c in self._open if c.host == host) < MAX_PER_CLIENT
 
     def _room_for_a_thread(self) -> bool:
         """Under the lock: a thread can be had, or none is about to be (every
