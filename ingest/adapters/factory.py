@@ -1,12 +1,13 @@
 """The one place a transport and mode are chosen: adapter and acknowledger per config.
 
-Transports are named here and imported only when an adapter uses one (the
-way kombu loads its transports by alias): a deployment that uses only Redis
-imports no other broker's client. Each transport is a folder under
-``ingest/adapters/`` whose package registers its modes in ``MODES`` and says
-how its ack intents read (``describe_ack``); its client library is an install
-extra, and a missing one is a one-line config error naming the extra. The
-poll loop, the acker and ``status`` never branch on a transport or a mode.
+Transports are registered in :mod:`ingest.config.transports` and their
+modes imported only when an adapter uses one (the way kombu loads its
+transports by alias): a deployment that uses one transport imports no other
+broker's client. Each transport is a folder under ``ingest/adapters/`` whose
+``modes`` module registers its modes in ``MODES`` and says how its ack
+intents read (``describe_ack``); its client library is an install extra, and
+a missing one is a one-line config error naming the extra. The poll loop, the
+acker and ``status`` never branch on a transport or a mode.
 """
 
 from __future__ import annotations
@@ -20,28 +21,27 @@ from backhalf.records import AckParty
 from ingest.adapters.base import AckIntentView, Acknowledger, ConsumerLedger, ModeImplementation, PullAdapter
 from ingest.adapters.network import Unencrypted
 from ingest.config import AdapterConfig
+from ingest.config.transports import definitions
 from ingest.errors import ConfigError
 
 
 class Transport(NamedTuple):
-    """A transport's package, and the install extra that brings its client
-    (None: the client is a dependency of Switchboard itself)."""
+    """A transport's ``modes`` module, and the install extra that brings its
+    client (None: the client is a dependency of Switchboard itself)."""
 
     module: str
     extra: str | None = None
 
 
-# Redis's client is a base dependency: dramatiq's broker is a Redis too.
+# Each registered transport's modes, loaded when an adapter uses it.
 TRANSPORTS: Mapping[str, Transport] = {
-    "redis": Transport("ingest.adapters.redis"),
-    "nats": Transport("ingest.adapters.nats", extra="nats"),
-    "sqs": Transport("ingest.adapters.sqs", extra="sqs"),
-    "amqp": Transport("ingest.adapters.amqp", extra="amqp"),
+    name: Transport(f"ingest.adapters.{name}.modes", definition.extra)
+    for name, definition in definitions().items()
 }
 
 
 class TransportPackage(Protocol):
-    """What a transport's package exports."""
+    """What a transport's ``modes`` module exports."""
 
     MODES: Mapping[str, ModeImplementation]
     # OpenTelemetry's ``messaging.system`` for its spans (backhalf.tracing).

@@ -15,9 +15,8 @@ from ingest.config import (
     DATABASE_URL_VARIABLE,
     DEFAULT_CONFIG_PATH,
     METRICS_PORT_VARIABLE,
-    REDIS_URL_VARIABLE,
 )
-from ingest.config.adapter import AMQP_URL_VARIABLE, NATS_URL_VARIABLE, SQS_URL_VARIABLE
+from ingest.config.transports import definitions
 
 # One example per command, by its path (its words after `switchboard`).
 EXAMPLES: dict[str, str] = {
@@ -47,19 +46,26 @@ EXAMPLES: dict[str, str] = {
     "demo": "switchboard demo --messages 1000",
 }
 
-_ENVIRONMENT = f"""\
+_ENVIRONMENT_TEMPLATE = f"""\
 environment:
   SWITCHBOARD_CONFIG            the config file, when --config is not given (default {DEFAULT_CONFIG_PATH})
   {DATABASE_URL_VARIABLE:<29} the database URL, over [database] url
-  {REDIS_URL_VARIABLE:<29} Redis adapters' URL when theirs is not set, over [redis] url
-  {NATS_URL_VARIABLE:<29} NATS adapters' URL when theirs is not set
-  {AMQP_URL_VARIABLE:<29} AMQP (RabbitMQ) adapters' URL when theirs is not set
-  {SQS_URL_VARIABLE:<29} an SQS-compatible endpoint (without it: AWS, by region and AWS_* credentials)
+{{transports}}
   {METRICS_PORT_VARIABLE:<29} the metrics port of the long-running processes, over [metrics] port
   SWITCHBOARD_WEB_TOKEN         `web`: the console's sign-in token (without it: loopback only)
   OTEL_EXPORTER_OTLP_ENDPOINT   traces of ingest, receive and worker to this OTLP/HTTP endpoint (the otel
                                 extra; every OTEL_* variable applies: docs/operating.md, "Traces")
   and the variables the config's username_env, password_env and secrets_env name"""
+
+
+def _transport_variables() -> str:
+    """Each registered transport's variables, one line each."""
+    return "\n".join(
+        f"  {variable:<29} {what}" for d in definitions().values() for variable, what in d.variables.items()
+    )
+
+
+_ENVIRONMENT = _ENVIRONMENT_TEMPLATE.replace("{transports}", _transport_variables())
 
 # `demo` runs on embedded defaults: it reads none of them.
 _NO_ENVIRONMENT = frozenset({"demo"})

@@ -35,8 +35,9 @@ from ingest.config.adapter import AdapterConfig as AdapterConfig
 from ingest.config.adapter import adapter_keys as adapter_keys
 from ingest.config.adapter import read_adapter as read_adapter
 from ingest.config.keys import DAYS_TYPE, Key, Section, check_keys, days, string, table
+from ingest.config.transport import DefaultBroker
+from ingest.config.transports import default as default_transport
 from ingest.config.urls import BrokerUrl as BrokerUrl
-from ingest.config.urls import check_redis_url as check_redis_url
 from ingest.config.urls import database_url
 from ingest.config.urls import with_credentials as with_credentials
 from ingest.config.webhook import RECEIVER, SENDER_RETRY_DAYS, WEBHOOKS, ReceiverSettings, read_webhook
@@ -111,6 +112,11 @@ DATABASE = Section(
 )
 
 
+def _default_broker_url(where: str, value: Any) -> str:
+    """The file's own broker's URL, checked by the default transport."""
+    return default_transport().check_url(where, value)
+
+
 @dataclass(frozen=True, slots=True)
 class RedisSettings:
     """``[redis]``: kept in :attr:`Settings.redis_url`."""
@@ -118,7 +124,7 @@ class RedisSettings:
     url: Annotated[
         str,
         Key(
-            parse=check_redis_url,
+            parse=_default_broker_url,
             env=REDIS_URL_VARIABLE,
             doc=f"the broker of adapters without their own `url`; `{REDIS_URL_VARIABLE}` takes its place",
         ),
@@ -487,7 +493,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
     redis = RedisSettings(**REDIS.read("[redis]", table(raw, "redis"), env=env))
     redis_url = redis.url
     adapters = read_adapters(
-        raw, redis_url, base_dir if base_dir is not None else Path.cwd(), env, redis_cluster=redis.cluster
+        raw, DefaultBroker(redis_url, redis.cluster), base_dir if base_dir is not None else Path.cwd(), env
     )
     webhooks = _webhooks(raw, base_dir if base_dir is not None else Path.cwd())
     _names_unique(adapters, webhooks)

@@ -11,44 +11,28 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
 from backhalf.keys import DEFAULT_PREFIX, native_key
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, got, string
-from ingest.config.urls import AWS_ENDPOINT, URL_CHECKS, BrokerUrl, check_broker_url, env_name
+from ingest.config.transport import DefaultBroker, TransportDefinition, Values
+from ingest.config.transports import default, definitions
+from ingest.config.urls import BrokerUrl, check_broker_url, env_name
 from ingest.errors import ConfigError
 
-# The modes of each transport, its first the default (DESIGN.md 6 and 6b).
-TRANSPORT_MODES: Mapping[str, tuple[str, ...]] = {
-    "redis": ("stream", "list", "pubsub"),
-    "nats": ("jetstream",),
-    "sqs": ("queue",),
-    "amqp": ("queue",),
-}
-MODES = tuple(dict.fromkeys(m for modes in TRANSPORT_MODES.values() for m in modes))
 STREAM = ("stream",)
 LIST = ("list",)
 PUBSUB = ("pubsub",)
 JETSTREAM = ("jetstream",)
 QUEUE = ("queue",)
-REDIS_MODES = TRANSPORT_MODES["redis"]
-# Where a transport's adapters connect when they name no ``url``.
-NATS_URL_VARIABLE = "SWITCHBOARD_NATS_URL"
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-SQS_URL_VARIABLE = "SWITCHBOARD_SQS_ENDPOINT_URL"
-AMQP_URL_VARIABLE = "SWITCHBOARD_AMQP_URL"
-DEFAULT_AMQP_URL = "amqp://127.0.0.1:5672/"
-REDIS_DEFAULT_BROKER = "`SWITCHBOARD_REDIS_URL`, else `[redis] url`"
-DEFAULT_BROKER = (
-    f"the transport's default broker: Redis {REDIS_DEFAULT_BROKER};"
-    f" NATS `{NATS_URL_VARIABLE}`, else `{DEFAULT_NATS_URL}`; SQS `{SQS_URL_VARIABLE}`, else"
-    f" `{AWS_ENDPOINT}` (AWS's own endpoint of the region); AMQP `{AMQP_URL_VARIABLE}`, else"
-    f" `{DEFAULT_AMQP_URL}`"
-)
-# The key prefix of a transport's idempotency keys (DESIGN.md 6b).
-DEFAULT_PREFIXES: Mapping[str, str] = {"redis": DEFAULT_PREFIX, "nats": "nats", "sqs": "sqs", "amqp": "amqp"}
+
+
+def _default_broker_doc() -> str:
+    """The reference's default of ``url``: each transport's default broker."""
+    return "the transport's default broker: " + "; ".join(d.default_url_doc for d in definitions().values())
+
+
 RETENTION = "([Retention](operating.md#retention))"
 CREDENTIALS = "([security.md](security.md#broker-passwords-from-the-environment))"
 
@@ -57,10 +41,20 @@ DELIVERIES = ("at-least-once", "at-most-once")
 ACK_AFTER = ("store", "complete")
 
 
+def _modes() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(m for d in definitions().values() for m in d.modes))
+
+
 def _mode(where: str, value: Any) -> str:
-    if value not in MODES:
-        raise ConfigError(f"{where} must be one of {', '.join(MODES)} {got(value, MODES)}")
+    modes = _modes()
+    if value not in modes:
+        raise ConfigError(f"{where} must be one of {', '.join(modes)} {got(value, modes)}")
     return str(value)
+
+
+def definition_of(values: Values) -> TransportDefinition:
+    """The definition of the transport a table (read so far) names."""
+    return definitions()[values["transport"]]
 
 
 def _delivery(where: str, value: Any) -> str:
@@ -69,171 +63,45 @@ def _delivery(where: str, value: Any) -> str:
     return str(value)
 
 
-def _pubsub_is_at_most_once(label: str, values: Mapping[str, Any]) -> None:
-    if values["mode"] == "pubsub" and values["delivery"] != "at-most-once":
-        raise ConfigError(
-            f'{label}: key \'delivery\' must be "at-most-once" for mode = "pubsub": pub/sub has no '
-            "redelivery and loses messages published while the ingester is down"
-        )
-
-
 def _transport(where: str, value: Any) -> str:
-    if value not in TRANSPORT_MODES:
+    if value not in definitions():
         # A webhook's table is read by its own definitions (ingest.config.webhook).
-        transports = (*TRANSPORT_MODES, "webhook")
+        transports = (*definitions(), "webhook")
         raise ConfigError(f"{where} must be one of {', '.join(transports)} {got(value, transports)}")
     return str(value)
 
 
-def _mode_of_transport(label: str, values: Mapping[str, Any]) -> None:
-    modes = TRANSPORT_MODES[values["transport"]]
+def _mode_of_transport(label: str, values: Values) -> None:
+    modes = definition_of(values).modes
     if values["mode"] not in modes:
         raise ConfigError(
             f"{label}: key 'mode' = {values['mode']!r} is not a mode of transport = {values['transport']!r}"
             f" (its modes: {', '.join(modes)})"
         )
+    definition_of(values).rule("transport", label, values)
 
 
-def _url_of_transport(label: str, values: Mapping[str, Any]) -> None:
+def _url_of_transport(label: str, values: Values) -> None:
     """The url must be one the adapter's transport speaks (a Redis URL on a
     NATS adapter is refused at load, not at the first connect)."""
-    URL_CHECKS[values["transport"]](f"{label}: key 'url'", values["broker"])
-    # A queue URL names its endpoint: a second one in 'url' is either the same
-    # (said twice) or another (which would the calls go to?).
-    if (
-        values["transport"] == "sqs"
-        and "://" in values["source"]
-        and values["broker"] != AWS_ENDPOINT
-        and urlsplit(values["source"]).netloc != urlsplit(values["broker"]).netloc
-    ):
-        raise ConfigError(
-            f"{label}: key 'source' is a queue URL on another endpoint than key 'url': name the queue once,"
-            " by its URL in 'source' (no 'url'), or by its name in 'source' with the endpoint in 'url'"
-        )
+    definition = definition_of(values)
+    definition.check_url(f"{label}: key 'url'", values["broker"])
+    definition.rule("url", label, values)
 
 
-# A JetStream stream or consumer name: no subject wildcards or separators,
-# no path characters, no whitespace (the server's own rule).
-_JETSTREAM_NAME = re.compile(r"[^.*>/\\\s]+")
+def _by_transport(key: str) -> Rule:
+    """The rule of ``key`` of the adapter's own transport."""
 
+    def rule(label: str, values: Values) -> None:
+        definition_of(values).rule(key, label, values)
 
-def _jetstream_names(label: str, values: Mapping[str, Any]) -> None:
-    if values["mode"] != "jetstream":
-        return
-    for key in ("source", "group"):
-        if not _JETSTREAM_NAME.fullmatch(values[key]):
-            raise ConfigError(
-                f"{label}: key {key!r} = {values[key]!r} is no JetStream stream or consumer name:"
-                " no '.', '*', '>', '/', '\\' or whitespace (a subject goes in 'subject')"
-            )
-
-
-# An SQS queue name (AWS's rule: up to 80 of these, ``.fifo`` included), or
-# a queue URL ending in one.
-_SQS_QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,75}(\.fifo)?|[A-Za-z0-9_-]{1,80}")
-
-
-def sqs_queue_name(source: str) -> str:
-    """The queue's name: ``source`` itself, or a queue URL's last segment."""
-    return source.rstrip("/").rpartition("/")[2] if "://" in source else source
-
-
-def _sqs_source(label: str, values: Mapping[str, Any]) -> None:
-    if values.get("transport") != "sqs":
-        return
-    source = values["source"]
-    if "://" in source and not source.startswith(("https://", "http://")):
-        raise ConfigError(f"{label}: key 'source' must be a queue name or an http(s):// queue URL")
-    if "://" in source and "@" in urlsplit(source).netloc:
-        raise ConfigError(
-            f"{label}: key 'source': a queue URL carries no credentials: AWS's chain gives them"
-            " (environment, profile, role)"
-        )
-    if not _SQS_QUEUE_NAME.fullmatch(sqs_queue_name(source)):
-        raise ConfigError(
-            f"{label}: key 'source' = {source!r} is no SQS queue name (or URL ending in one): up to 80"
-            " letters, digits, '-' and '_', a FIFO queue's ending in '.fifo'"
-        )
-
-
-def _source_rule(label: str, values: Mapping[str, Any]) -> None:
-    _jetstream_names(label, values)
-    _sqs_source(label, values)
-    _cluster_source(label, values)
-
-
-def hash_tag(key: str) -> str | None:
-    """What Redis Cluster hashes of ``key`` in place of the whole key: the
-    text between its first ``{`` and the first ``}`` after it, when that is
-    not empty (``queue:{jobs}:in`` hashes as ``jobs``); None: the whole key
-    is hashed."""
-    start = key.find("{")
-    end = key.find("}", start + 1) if start >= 0 else -1
-    return key[start + 1 : end] if end > start + 1 else None
-
-
-def list_key_base(source: str, *, cluster: bool = False) -> str:
-    """What a list adapter's derived keys (processing lists, consumers,
-    heartbeats, recovery locks, removed-markers) begin with
-    (:mod:`ingest.adapters.redis.lists` draws the layout): the list's name;
-    on a Redis Cluster, a name with no hash tag of its own wrapped in one
-    (``jobs``: ``{jobs}``), and a name with one (``{jobs}``,
-    ``queue:{jobs}:in``) as it is, its tag pinning every derived key to its
-    slot. Config refuses the names neither form keeps in their slot
-    (``_cluster_source``), and two lists of one cluster whose keys these
-    forms would merge (``jobs`` and ``{jobs}``, ``_list_keys_apart``)."""
-    return f"{{{source}}}" if cluster and hash_tag(source) is None else source
-
-
-def _cluster_source(label: str, values: Mapping[str, Any]) -> None:
-    """On a cluster, every key a list adapter derives must hash to the
-    list's slot (BLMOVE, the guarded LREM and recovery never span two). A
-    name with no hash tag but a '}' (``jobs}``, ``{}jobs``, whose empty
-    '{}' is no tag) cannot be wrapped in a tag that hashes as it does."""
-    source = values["source"]
-    if not values.get("cluster") or values["mode"] != "list":
-        return
-    derived = f"{list_key_base(source, cluster=True)}:processing:c"
-    if hash_tag(derived) != (hash_tag(source) or source):
-        raise ConfigError(
-            f"{label}: key 'source' = {source!r}: on a cluster (cluster = true) a list's processing lists"
-            " are named '{source}:processing:...' to share its hash slot, which a name holding '}' and no"
-            " hash tag would not: give the name a hash tag of its own ('{jobs}', 'queue:{jobs}:in') or no"
-            " braces"
-        )
+    return rule
 
 
 def _ack_after(where: str, value: Any) -> str:
     if value not in ACK_AFTER:
         raise ConfigError(f'{where} must be "store" or "complete" {got(value, ACK_AFTER)}')
     return str(value)
-
-
-def _complete_needs_an_ack(label: str, values: Mapping[str, Any]) -> None:
-    if values["mode"] == "pubsub" and values["ack_after"] == "complete":
-        raise ConfigError(
-            f'{label}: key \'ack_after\' = "complete" does not apply to mode = "pubsub": a pub/sub'
-            " message has no broker ack to defer"
-        )
-    if values["mode"] == "jetstream" and values["ack_after"] == "complete":
-        raise ConfigError(
-            f'{label}: key \'ack_after\' = "complete" does not apply to mode = "jetstream": JetStream'
-            " delivers a message again once it is unacked for ack_wait_ms, so an ack held for its todo's"
-            ' whole run would bring it back every ack_wait_ms; use ack_after = "store"'
-        )
-    if values.get("transport") == "sqs" and values["ack_after"] == "complete":
-        raise ConfigError(
-            f'{label}: key \'ack_after\' = "complete" does not apply to transport = "sqs": a message not'
-            " deleted within its visibility timeout (ack_wait_ms) is received again, so a delete held for"
-            ' its todo\'s whole run would bring it back every ack_wait_ms; use ack_after = "store"'
-        )
-    if values.get("transport") == "amqp" and values["ack_after"] == "complete":
-        raise ConfigError(
-            f'{label}: key \'ack_after\' = "complete" does not apply to transport = "amqp": the ack would'
-            " be held on the ingester's channel for the todo's whole run, where RabbitMQ's consumer_timeout"
-            " (30 minutes by default) closes the channel and requeues all it holds, and the held deliveries"
-            ' fill the prefetch and stop consumption; use ack_after = "store"'
-        )
 
 
 def _format(where: str, value: Any) -> BodyFormat:
@@ -267,24 +135,12 @@ RETENTION_FLOOR_MS = 3_600_000
 # SQS's longest visibility timeout (12 hours), and so the bound of ack_wait_ms.
 MAX_VISIBILITY_MS = 43_200_000
 RETENTION_HORIZON_FACTOR = 2
-AMQP_CONSUMER_TIMEOUT_MS = 1_800_000
 
 
-def redelivery_horizon_ms(values: Mapping[str, Any]) -> tuple[int, str]:
+def redelivery_horizon_ms(values: Values) -> tuple[int, str]:
     """How long after its delivery an adapter's broker may deliver a message
-    again, and from which keys: the claim cycle of a stream, the reap cycle of
-    a list (pub/sub never redelivers)."""
-    if values["mode"] == "stream":
-        return values["claim_idle_ms"] + values["claim_interval_ms"], "claim_idle_ms + claim_interval_ms"
-    if values["mode"] == "list":
-        return values["heartbeat_ttl_ms"] + values["reap_interval_ms"], "heartbeat_ttl_ms + reap_interval_ms"
-    if values.get("transport") == "amqp":
-        # A delivery comes again only once its channel ends, which RabbitMQ
-        # forces on a delivery held unacked past its consumer_timeout.
-        return AMQP_CONSUMER_TIMEOUT_MS, "RabbitMQ's consumer_timeout (30 minutes by default)"
-    if values["mode"] in ("jetstream", "queue"):
-        return values["ack_wait_ms"], "ack_wait_ms"
-    return 0, "no redelivery (pub/sub)"
+    again, and from which keys (its transport's own reckoning)."""
+    return definition_of(values).redelivery_horizon(values)
 
 
 def dedup_minimum_ms(values: Mapping[str, Any]) -> tuple[int, int, str]:
@@ -339,7 +195,6 @@ class AdapterConfig:
         Key(
             PUBSUB,
             parse=_delivery,
-            rule=_pubsub_is_at_most_once,
             doc="`at-most-once`, required for pub/sub"
             " ([transports.md](transports.md#pubsub-mode--pubsub-loss-tolerant-only))",
         ),
@@ -357,7 +212,7 @@ class AdapterConfig:
         Literal["store", "complete"],
         Key(
             parse=_ack_after,
-            rule=_complete_needs_an_ack,
+            rule=_by_transport("ack_after"),
             doc="`store`, or `complete`: the broker ack waits for the todo to finish, see"
             " [Workers](workers.md#acking-on-completion-ack_after--complete); not for pub/sub, which has"
             " no ack, nor JetStream or SQS, which redeliver what stays unacked past `ack_wait_ms`, nor AMQP,"
@@ -382,7 +237,7 @@ class AdapterConfig:
     cluster: Annotated[
         bool,
         Key(
-            REDIS_MODES,
+            STREAM + LIST + PUBSUB,
             doc="the Redis is a Redis (or Valkey) Cluster: keys live in slots, a list's processing lists and"
             " markers share its hash slot ([transports.md](transports.md#redis-cluster))",
         ),
@@ -495,7 +350,7 @@ class AdapterConfig:
     source: Annotated[
         str,
         Key(
-            rule=_source_rule,
+            rule=_by_transport("source"),
             doc="stream key, list key or channel; the JetStream stream; the SQS queue's name or URL;"
             " the AMQP queue (it must exist)",
         ),
@@ -510,7 +365,7 @@ class AdapterConfig:
             parse=check_broker_url,
             rule=_url_of_transport,
             doc="the adapter's own broker; never published in `adapters.settings`",
-            default_doc=DEFAULT_BROKER,
+            default_doc=_default_broker_doc,
             type_doc="string",
         ),
     ]
@@ -568,8 +423,7 @@ class AdapterConfig:
         """What each of this adapter's idempotency keys begins with,
         ``{key_prefix}:{source}:``, as its transport forms them: an SQS
         queue by its name, whether ``source`` gives the name or the URL."""
-        source = sqs_queue_name(self.source) if self.transport == "sqs" else self.source
-        return native_key(self.key_prefix, source, "")
+        return native_key(self.key_prefix, definitions()[self.transport].queue_name(self.source), "")
 
     def public_settings(self) -> dict[str, Any]:
         """What goes into ``adapters.settings``: the settings that apply to
@@ -601,28 +455,23 @@ def adapter_keys(mode: str | None = None, transport: str | None = None) -> froze
 
 
 def read_adapter(
-    table: Mapping[str, Any], redis_url: str, env: Mapping[str, str] | None = None
+    table: Mapping[str, Any], default_url: str, env: Mapping[str, str] | None = None
 ) -> AdapterConfig:
     """One ``[[adapters]]`` table, read and checked as a config file's are;
-    ``redis_url`` where a Redis adapter names no ``url`` (a NATS adapter's
-    default is ``SWITCHBOARD_NATS_URL`` in ``env``, else the built-in). A
-    ``schema`` path is taken relative to the working directory."""
-    return _adapter(0, table, redis_url, Path.cwd(), env or {})
+    ``default_url`` where an adapter of the default transport names no
+    ``url`` (another transport's default is its own). A ``schema`` path is
+    taken relative to the working directory."""
+    return _adapter(0, table, DefaultBroker(default_url), Path.cwd(), env or {})
 
 
 def read_adapters(
-    raw: Mapping[str, Any],
-    default_redis_url: str,
-    base_dir: Path,
-    env: Mapping[str, str],
-    *,
-    redis_cluster: bool = False,
+    raw: Mapping[str, Any], default_broker: DefaultBroker, base_dir: Path, env: Mapping[str, str]
 ) -> tuple[AdapterConfig, ...]:
     """The file's ``[[adapters]]``, each read, then checked against the others.
-    ``redis_cluster``: ``[redis] cluster``, the default of ``cluster`` for
-    the Redis adapters that use ``[redis] url``."""
+    ``default_broker``: the file's own broker, the default transport's
+    ``url`` and ``cluster``."""
     adapters = tuple(
-        _adapter(i, a, default_redis_url, base_dir, env, redis_cluster=redis_cluster)
+        _adapter(i, a, default_broker, base_dir, env)
         for i, a in enumerate(adapter_tables(raw))
         if not is_webhook(a)
     )
@@ -631,7 +480,9 @@ def read_adapters(
         if names.count(n) > 1:
             raise ConfigError(f"adapter {n!r}: key 'name' is used by more than one adapter")
     _check_one_reader_each(adapters)
-    _list_keys_apart(adapters)
+    for definition in definitions().values():
+        if definition.across is not None:
+            definition.across([a for a in adapters if a.transport == definition.name])
     return adapters
 
 
@@ -648,13 +499,7 @@ def is_webhook(table: Any) -> bool:
 
 
 def _adapter(
-    index: int,
-    raw: Any,
-    default_redis_url: str,
-    base_dir: Path,
-    env: Mapping[str, str],
-    *,
-    redis_cluster: bool = False,
+    index: int, raw: Any, default_broker: DefaultBroker, base_dir: Path, env: Mapping[str, str]
 ) -> AdapterConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"adapters[{index}]: must be a table")
@@ -662,58 +507,30 @@ def _adapter(
     label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{index}]"
     # The defaults that depend on the rest.
     values = ADAPTERS.read(
-        label,
-        raw,
-        defaults={
-            "queue": name,
-            **_transport_defaults(raw, default_redis_url, env, redis_cluster=redis_cluster),
-        },
+        label, raw, defaults={"queue": name, **_transport_defaults(raw, default_broker, env)}
     )
     # Only the processes that connect to this broker need the variables (the
     # ingester's and the acker's, per role): a missing one is raised when one does.
-    values["broker"] = BrokerUrl.resolve(label, values["broker"], env, **_credential_variables(label, values))
+    credentials = definition_of(values).credentials(label, values)
+    values["broker"] = BrokerUrl.resolve(label, values["broker"], env, **credentials)
     return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
 
 
-def _credential_variables(label: str, values: Mapping[str, Any]) -> dict[str, str | None]:
-    """The variables whose values complete the URL. A NATS token is a URL's
-    user name without a password (nats-py reads it so), so ``token_env``
-    fills that place and excludes the other two. SQS takes none: AWS
-    credentials come from AWS's own chain (environment, profile, role)."""
-    if values["transport"] == "sqs":
-        for key in ("username_env", "password_env"):
-            if values[key] is not None:
-                raise ConfigError(
-                    f"{label}: key {key!r} does not apply to transport = 'sqs': AWS credentials come from"
-                    " the AWS chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance"
-                    " or task role), never from the config"
-                )
-        return {"username_env": None, "password_env": None}
-    if values.get("token_env") is None:
-        return {"username_env": values["username_env"], "password_env": values["password_env"]}
-    if values["username_env"] is not None or values["password_env"] is not None:
-        raise ConfigError(f"{label}: key 'token_env' excludes 'username_env' and 'password_env': use one way")
-    return {"username_env": values["token_env"], "password_env": None}
-
-
 def _transport_defaults(
-    raw: Mapping[str, Any], redis_url: str, env: Mapping[str, str], *, redis_cluster: bool = False
+    raw: Mapping[str, Any], default_broker: DefaultBroker, env: Mapping[str, str]
 ) -> dict[str, Any]:
     """The mode, url and key prefix an adapter of its transport has when its
     table names none (an unknown transport is refused by its own key)."""
-    transport = raw.get("transport", "redis")
-    if transport == "nats":
-        url = env.get(NATS_URL_VARIABLE) or DEFAULT_NATS_URL
-        return {"mode": TRANSPORT_MODES["nats"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["nats"]}
-    if transport == "sqs":
-        url = env.get(SQS_URL_VARIABLE) or AWS_ENDPOINT
-        return {"mode": TRANSPORT_MODES["sqs"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["sqs"]}
-    if transport == "amqp":
-        url = env.get(AMQP_URL_VARIABLE) or DEFAULT_AMQP_URL
-        return {"mode": TRANSPORT_MODES["amqp"][0], "url": url, "key_prefix": DEFAULT_PREFIXES["amqp"]}
-    # [redis] cluster describes [redis] url: an adapter with a url of its
-    # own says itself whether that is a cluster.
-    return {"url": redis_url, "cluster": redis_cluster and "url" not in raw}
+    named = raw.get("transport")
+    definition = definitions().get(named, default()) if isinstance(named, str) else default()
+    defaults = {
+        "mode": definition.modes[0],
+        "url": definition.default_url(env, default_broker),
+        "key_prefix": definition.key_prefix,
+    }
+    if definition.table_defaults is not None:
+        defaults.update(definition.table_defaults(raw, default_broker))
+    return defaults
 
 
 def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
@@ -735,71 +552,24 @@ def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[
 def source_identity(a: AdapterConfig) -> tuple[str, ...]:
     """Which messages an adapter reads, whatever its group: its transport
     and mode, the server (and database or vhost) its URL reaches, whoever
-    logs in, and the source there. An SQS queue URL names its account and
-    region; a queue name, with the endpoint and the region."""
-    source = a.source
-    if a.transport == "sqs" and "://" not in source:
-        source = f"{a.region or ''}:{source}"
-    return (a.transport, a.mode, *a.broker.identity(), source)
+    logs in, and the source there, as its transport tells sources apart."""
+    located = definitions()[a.transport].located
+    return (a.transport, a.mode, *a.broker.identity(), located(a) if located is not None else a.source)
 
 
 def _check_one_reader_each(adapters: tuple[AdapterConfig, ...]) -> None:
-    """Two adapters reading one stream with one consumer group (or one list)
-    split its messages between them at random, and after a crash a message
-    can reach both, as work in two queues: refused. Fan-out on a stream is
-    distinct groups; pub/sub delivers every message to every subscriber."""
+    """Two adapters reading one source as one reader (a stream with one
+    consumer group, one list, one queue) split its messages between them at
+    random, and after a crash a message can reach both, as work in two
+    queues: refused. Each transport says what one reader is."""
     readers: dict[tuple[str, ...], AdapterConfig] = {}
     for a in adapters:
-        if a.mode == "stream":
-            what = (*source_identity(a), a.group)
-            key, read = "group", f"stream {a.source!r} with group {a.group!r}"
-            hint = "fan-out needs a distinct group"
-        elif a.mode == "jetstream":
-            what = (*source_identity(a), a.group)
-            key, read = "group", f"JetStream stream {a.source!r} with durable consumer {a.group!r}"
-            hint = "fan-out needs a distinct group"
-        elif a.transport == "sqs":
-            what = source_identity(a)
-            key, read = "source", f"SQS queue {sqs_queue_name(a.source)!r}"
-            hint = "one adapter per queue (fan-out is SNS to several queues); run more ingesters for more"
-        elif a.transport == "amqp":
-            what = source_identity(a)
-            key, read = "source", f"AMQP queue {a.source!r}"
-            hint = (
-                "one adapter per queue (fan-out is an exchange bound to several queues); run more ingesters"
-            )
-        elif a.mode == "list":
-            what = source_identity(a)
-            key, read = "source", f"list {a.source!r}"
-            hint = "one adapter per list; run more ingesters for more consumers"
-        else:
+        reader = definitions()[a.transport].reader(a, source_identity(a))
+        if reader is None:
             continue
-        first = readers.setdefault(what, a)
+        first = readers.setdefault(reader.what, a)
         if first is not a:
             raise ConfigError(
-                f"adapter {a.name!r}: key {key!r}: adapter {first.name!r} already reads {read}"
-                f" on the same broker; {hint}"
-            )
-
-
-def _list_keys_apart(adapters: tuple[AdapterConfig, ...]) -> None:
-    """Two lists of one broker whose derived keys would be the same (on a
-    cluster, ``jobs`` wraps into ``{jobs}``, the very name of the list
-    ``{jobs}``): their consumers would move onto one processing list, and
-    each recovery would redeliver the other's messages as its own. Refused;
-    the lists themselves stay apart by :func:`_check_one_reader_each`. A
-    cluster is known by its ``url``: two adapters naming two of its nodes
-    are not compared."""
-    bases: dict[tuple[str, ...], AdapterConfig] = {}
-    for a in adapters:
-        if a.mode != "list":
-            continue
-        base = list_key_base(a.source, cluster=a.cluster)
-        first = bases.setdefault((*a.broker.identity(), base), a)
-        if first is not a:
-            raise ConfigError(
-                f"adapter {a.name!r}: key 'source' = {a.source!r}: its processing lists would be those of"
-                f" the list {first.source!r} of adapter {first.name!r} on the same broker"
-                f" ({base}:processing:...), and each adapter's recovery would take the other's messages:"
-                " rename one list"
+                f"adapter {a.name!r}: key {reader.key!r}: adapter {first.name!r} already reads {reader.read}"
+                f" on the same broker; {reader.hint}"
             )

@@ -49,7 +49,8 @@ class Key:
 
     ``doc`` is the key's one line in the config reference; ``default_doc`` and
     ``type_doc`` say there what the default and the type cannot say
-    themselves (a default made from other keys; a check of its own)."""
+    themselves (a default made from other keys; a check of its own);
+    ``default_doc`` may be a function, for a default each transport says."""
 
     modes: tuple[str, ...] | None = None
     transports: tuple[str, ...] | None = None
@@ -63,7 +64,7 @@ class Key:
     required: str | None = None
     env: str | None = None
     doc: str = ""
-    default_doc: str | None = None
+    default_doc: str | Callable[[], str] | None = None
     type_doc: str | None = None
 
     def applies_to(self, mode: str, transport: str | None = None) -> bool:

@@ -82,7 +82,7 @@ def _unwrap_optional(kind: Any) -> Any:
 def _default(s: Setting) -> str:
     value = s.default
     if s.key.default_doc is not None:
-        return s.key.default_doc
+        return s.key.default_doc() if callable(s.key.default_doc) else s.key.default_doc
     if s.required:
         return "none: required"
     if value is None:

@@ -33,9 +33,9 @@ import structlog
 from psycopg.conninfo import conninfo_to_dict
 
 from backhalf.db import libpq_url
-from ingest.adapters import redis as redis_transport
 from ingest.adapters.factory import transport
 from ingest.adapters.network import Unencrypted, is_local
+from ingest.adapters.redis import modes as redis_transport
 from ingest.config import Settings
 from ingest.errors import ConfigError
 

@@ -19,8 +19,9 @@ import aiormq.exceptions
 import structlog
 from aio_pika.abc import AbstractConnection
 
+from ingest.adapters.amqp.settings import AMQP_PORT, AMQPS_PORT
+from ingest.adapters.amqp.settings import vhost as amqp_vhost
 from ingest.config import AdapterConfig
-from ingest.config.urls import AMQP_PORT, AMQPS_PORT, amqp_vhost
 from ingest.errors import wrapped_errors
 
 log = structlog.get_logger(__name__)

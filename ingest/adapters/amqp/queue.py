@@ -65,9 +65,9 @@ from ingest.adapters.amqp.common import (
     user_of,
 )
 from ingest.adapters.amqp.frames import UNDECODABLE
+from ingest.adapters.amqp.settings import vhost as amqp_vhost
 from ingest.adapters.base import Acknowledger, ConsumerLedger, Delivery, OpenLedger, Unconfirmed, trace_of
 from ingest.config import AdapterConfig
-from ingest.config.urls import amqp_vhost
 from ingest.errors import BrokerError, ConfigError
 
 # This mode's ack kind (the intents' words, ``describe_ack``).

@@ -1,48 +1,8 @@
-"""The Redis transport: one module per mode over shared plumbing (``common``).
+"""The Redis transport: streams, reliable lists and pub/sub.
 
-``MODES`` is where the transport registers its modes with the adapter
-factory (``ingest.adapters.factory``): the adapter that reads, the
-acknowledger that discharges its committed ack intents, and the ack kind.
-``describe_ack`` puts an intent in the words of the command the acker sends.
+A transport is this folder: ``settings`` is what the config reads of it
+(its modes, URL, rules and variables; no client imported), ``modes`` what
+the adapter factory loads when an adapter uses it (its adapters and
+acknowledgers, on its client; redis-py is a dependency of Switchboard itself).
+The one table that registers it is :mod:`ingest.config.transports`.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from backhalf.records import NO_ACK
-from ingest.adapters.base import AckIntentView, ModeImplementation
-from ingest.adapters.network import Unencrypted, unencrypted_at
-from ingest.adapters.redis import lists, streams
-from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter
-from ingest.adapters.redis.pubsub import NoAcknowledger, PubSubAdapter
-from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
-
-if TYPE_CHECKING:
-    from ingest.config import AdapterConfig
-
-# OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
-MESSAGING_SYSTEM = "redis"
-MODES: dict[str, ModeImplementation] = {
-    "stream": ModeImplementation(StreamAdapter, StreamAcknowledger, streams.ACK_KIND),
-    "list": ModeImplementation(ListAdapter, ListAcknowledger, lists.ACK_KIND),
-    "pubsub": ModeImplementation(PubSubAdapter, NoAcknowledger, NO_ACK),
-}
-
-
-def unencrypted(config: AdapterConfig) -> Unencrypted | None:
-    """The adapter's Redis if remote and reached by ``redis://`` (not ``rediss://``)."""
-    return unencrypted_url(config.broker.url())
-
-
-def unencrypted_url(url: str) -> Unencrypted | None:
-    """A Redis URL's server if remote and in plain text (``[redis] url`` too)."""
-    return unencrypted_at(url, {"redis": 6379}, "use rediss:// with ssl_ca_certs=... in the broker URL")
-
-
-def describe_ack(intent: AckIntentView) -> str:
-    if intent.kind == streams.ACK_KIND:
-        return f"XACK {intent.key} {intent.group} {intent.ref}"
-    if intent.kind == lists.ACK_KIND:
-        return f"LREM {intent.key} {intent.copies} <body>"
-    return "none (pub/sub: nothing to ack)"

@@ -49,8 +49,8 @@ from backhalf.keys import body_key
 from backhalf.records import AckClaim, AckTarget
 from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
 from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect, redis_errors
+from ingest.adapters.redis.settings import list_key_base
 from ingest.config import AdapterConfig
-from ingest.config.adapter import list_key_base
 from ingest.errors import AckError
 from ingest.lifecycle import wait_stop
 

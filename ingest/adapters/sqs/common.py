@@ -36,9 +36,9 @@ from botocore.exceptions import (
     NoRegionError,
 )
 
+from ingest.adapters.sqs.settings import AWS_ENDPOINT
+from ingest.adapters.sqs.settings import queue_name as sqs_queue_name
 from ingest.config import AdapterConfig
-from ingest.config.adapter import sqs_queue_name
-from ingest.config.urls import AWS_ENDPOINT
 from ingest.errors import BrokerError, IngestError, wrapped_errors
 
 log = structlog.get_logger(__name__)

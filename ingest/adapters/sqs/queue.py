@@ -77,8 +77,8 @@ from ingest.adapters.sqs.common import (
     queue_url,
     sqs_errors,
 )
+from ingest.adapters.sqs.settings import queue_name as sqs_queue_name
 from ingest.config import AdapterConfig
-from ingest.config.adapter import sqs_queue_name
 from ingest.errors import AckError, BrokerError
 
 # This mode's ack kind, registered in ingest.adapters.sqs.MODES.

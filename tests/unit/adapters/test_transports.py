@@ -37,13 +37,20 @@ def test_an_unknown_transport_is_a_config_error_naming_the_known_ones() -> None:
 
 
 def test_only_the_transport_an_adapter_uses_is_imported() -> None:
-    """In a fresh interpreter: the factory imports no transport until asked."""
+    """In a fresh interpreter: reading a config of every transport imports
+    no broker client (each transport's settings are client-free), and the
+    factory imports a transport's modes, on its client, only when asked."""
     program = (
         "import sys\n"
         "import ingest.adapters.factory as f\n"
-        "assert 'ingest.adapters.redis' not in sys.modules, 'imported before use'\n"
+        "from ingest.config import read_adapter\n"
+        "for t in ('nats', 'sqs', 'amqp'):\n"
+        "    read_adapter({'name': t, 'transport': t, 'source': 'q'}, 'redis://127.0.0.1:1/0')\n"
+        "loaded = {'nats', 'aiobotocore', 'aio_pika'} & set(sys.modules)\n"
+        "assert not loaded, f'a config read imported {loaded}'\n"
+        "assert 'ingest.adapters.redis.modes' not in sys.modules, 'imported before use'\n"
         "f.transport('redis')\n"
-        "assert 'ingest.adapters.redis' in sys.modules\n"
+        "assert 'ingest.adapters.redis.modes' in sys.modules\n"
         "assert 'nats' not in sys.modules, 'a Redis deployment imported nats-py'\n"
         "f.transport('nats')\n"
         "assert 'nats' in sys.modules\n"
@@ -100,3 +107,24 @@ def test_a_deliverys_position_is_what_nats_py_reads_from_its_subject(reply: str)
     msg = Msg(_client=None, subject="ORDERS.new", reply=reply, data=b"{}")  # type: ignore[arg-type]
     meta = msg.metadata
     assert position(msg) == (str(meta.sequence.stream), meta.num_delivered) == ("41", 3)
+
+
+def test_every_registered_transport_has_its_parts() -> None:
+    """Walks the registration table: each transport's folder holds its
+    settings (a definition under its own name, modes, URL schemes its check
+    takes) and its modes module (one implementation per mode it declares),
+    and ``switchboard --help`` names each of its variables. A transport
+    added without one of them fails here."""
+    from ingest.cli.help_pages import _ENVIRONMENT
+    from ingest.config.transports import definitions
+
+    assert factory.TRANSPORTS.keys() == definitions().keys()
+    for name, definition in definitions().items():
+        assert definition.name == name
+        assert definition.modes, name
+        assert definition.url_schemes, name
+        package = factory.transport(name)
+        assert set(package.MODES) == set(definition.modes), name
+        assert package.MESSAGING_SYSTEM, name
+        for variable in definition.variables:
+            assert f"  {variable} " in _ENVIRONMENT, f"{name}: --help lacks {variable}"

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from ingest.adapters.redis.lists import is_processing_key, key_base, processing_key, removed_marker
+from ingest.adapters.redis.settings import hash_tag
 from ingest.config import from_mapping
-from ingest.config.adapter import hash_tag, read_adapter
+from ingest.config.adapter import read_adapter
 from ingest.errors import ConfigError
 
 REDIS = "redis://127.0.0.1:6379/0"

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from ingest.adapters import redis as redis_transport
 from ingest.adapters.factory import transport
+from ingest.adapters.redis import modes as redis_transport
 from ingest.config import Settings, from_mapping
 from ingest.observe.transport import (
     Plaintext,

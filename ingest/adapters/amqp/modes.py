@@ -1,0 +1,47 @@
+"""The AMQP 0-9-1 transport (RabbitMQ): its one mode, ``queue``.
+
+``MODES`` registers the mode with the adapter factory
+(``ingest.adapters.factory``), which imports this module only for an
+adapter with ``transport = "amqp"``: aio-pika is the ``amqp`` install extra.
+An AMQP ack is bound to the channel that received the delivery (another
+connection or channel gets ``PRECONDITION_FAILED - unknown delivery tag``,
+and a tag on another channel can name another message), so the ingester acks
+its own deliveries after its commit (``acked_by = "consumer"``) and the acker
+has no part. ``describe_ack`` puts an intent in the words of that ack.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ingest.adapters.amqp import frames, queue
+from ingest.adapters.amqp.queue import AmqpQueueAdapter, no_acker
+from ingest.adapters.base import AckIntentView, ModeImplementation
+from ingest.adapters.network import Unencrypted, unencrypted_at
+
+# Before any frame is read: a producer's short string that is not UTF-8 must
+# not end the connection (frames.py says why).
+frames.install()
+
+
+if TYPE_CHECKING:
+    from ingest.config import AdapterConfig
+
+# OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
+MESSAGING_SYSTEM = "rabbitmq"
+MODES: dict[str, ModeImplementation] = {
+    "queue": ModeImplementation(AmqpQueueAdapter, no_acker, queue.ACK_KIND, acked_by="consumer"),
+}
+
+
+def unencrypted(config: AdapterConfig) -> Unencrypted | None:
+    """The adapter's RabbitMQ if remote and reached by ``amqp://`` (not ``amqps://``)."""
+    return unencrypted_at(config.broker.url(), {"amqp": 5672}, "use amqps:// for RabbitMQ")
+
+
+def describe_ack(intent: AckIntentView) -> str:
+    session, _, tag = (intent.ref or "-:-").rpartition(":")
+    return (
+        f"basic.ack of delivery tag {tag or '-'} on channel {session or '-'} of queue {intent.key or '-'},"
+        " sent by the ingester that received it, after its commit"
+    )

@@ -1,0 +1,92 @@
+"""The AMQP 0-9-1 (RabbitMQ) transport as the config reads it, no client
+imported: its URL and virtual host, and its rules. Registered in
+:mod:`ingest.config.transports`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import SplitResult, unquote, urlsplit
+
+from ingest.config.keys import string
+from ingest.config.transport import Adapter, DefaultBroker, Reader, TransportDefinition, refuse_complete
+from ingest.config.url_shape import url_shape_problem
+from ingest.errors import ConfigError
+
+NAME = "amqp"
+URL_VARIABLE = "SWITCHBOARD_AMQP_URL"
+DEFAULT_URL = "amqp://127.0.0.1:5672/"
+AMQP_PORT, AMQPS_PORT = 5672, 5671
+# A delivery comes again only once its channel ends, which RabbitMQ forces
+# on a delivery held unacked past its consumer_timeout (30 minutes by default).
+CONSUMER_TIMEOUT_MS = 1_800_000
+
+
+def check_url(where: str, value: Any) -> str:
+    """A RabbitMQ (AMQP 0-9-1) URL: ``amqp://`` plain, ``amqps://`` TLS
+    (verified against ``tls_ca_file`` or the system's CAs); its path is the
+    virtual host (percent-encoded: ``%2F`` is ``/``, the default when there
+    is no path). No query: TLS comes from ``tls_ca_file``, and the client's
+    other options are Switchboard's."""
+    url = string(where, value)
+    parts = urlsplit(url)
+    if parts.scheme not in ("amqp", "amqps"):
+        raise ConfigError(f"{where} must be an amqp:// or amqps:// URL")
+    problem = url_shape_problem(url)
+    if problem is None and (parts.query or parts.fragment):
+        problem = "an AMQP URL here has no query: amqp[s]://[USER:PASSWORD@]HOST[:PORT][/VHOST]"
+    if problem is None and "/" in parts.path.strip("/"):
+        problem = "the path is the virtual host, one segment (a '/' in its name is written %2F)"
+    if problem is not None:
+        raise ConfigError(f"{where} is not a valid URL: {problem}")
+    return url
+
+
+def vhost(url: str) -> str:
+    """The virtual host an AMQP URL names: its path, decoded; ``/`` without one."""
+    return unquote(urlsplit(url).path[1:]) or "/"
+
+
+def url_identity(parts: SplitResult) -> tuple[str, ...]:
+    port = parts.port or (AMQPS_PORT if parts.scheme == "amqps" else AMQP_PORT)
+    return (parts.hostname or "localhost", str(port), vhost(parts.geturl()))
+
+
+def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
+    return Reader(
+        identity,
+        "source",
+        f"AMQP queue {a.source!r}",
+        "one adapter per queue (fan-out is an exchange bound to several queues); run more ingesters",
+    )
+
+
+def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
+    return env.get(URL_VARIABLE) or DEFAULT_URL
+
+
+DEFINITION = TransportDefinition(
+    name=NAME,
+    modes=("queue",),
+    key_prefix="amqp",
+    extra="amqp",
+    url_schemes=("amqp", "amqps"),
+    check_url=check_url,
+    url_identity=url_identity,
+    default_url=_default_url,
+    default_url_doc=f"AMQP `{URL_VARIABLE}`, else `{DEFAULT_URL}`",
+    variables={URL_VARIABLE: "AMQP (RabbitMQ) adapters' URL when theirs is not set"},
+    rules={
+        "ack_after": refuse_complete(
+            "transport = \"amqp\": the ack would be held on the ingester's channel for the todo's whole"
+            " run, where RabbitMQ's consumer_timeout (30 minutes by default) closes the channel and"
+            " requeues all it holds, and the held deliveries fill the prefetch and stop consumption;"
+            ' use ack_after = "store"'
+        ),
+    },
+    redelivery_horizon=lambda values: (
+        CONSUMER_TIMEOUT_MS,
+        "RabbitMQ's consumer_timeout (30 minutes by default)",
+    ),
+    reader=_reader,
+)

@@ -1,0 +1,222 @@
+"""The Redis transport as the config reads it (its client imported only to
+read a URL's query, as it will): its
+modes, its URL, its rules, and the key layout a list's derived keys share
+on a Redis Cluster. Registered in :mod:`ingest.config.transports`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import SplitResult, urlsplit
+
+from ingest.config.keys import string
+from ingest.config.transport import Adapter, DefaultBroker, Reader, TransportDefinition, Values
+from ingest.config.url_shape import url_shape_problem
+from ingest.errors import ConfigError
+
+NAME = "redis"
+DEFAULT_PORT = 6379
+URL_VARIABLE = "SWITCHBOARD_REDIS_URL"
+
+# What redis-py reads from a URL's query (redis.asyncio.connection.parse_url, with
+# which it builds its connections); TLS options only for rediss://. Any other
+# key would reach the connection as an unexpected keyword and fail there.
+_QUERY = frozenset(
+    {
+        "db", "socket_timeout", "socket_connect_timeout", "socket_read_size", "socket_keepalive",
+        "retry_on_timeout", "max_connections", "health_check_interval", "timeout", "protocol",
+        "client_name",
+    }
+)  # fmt: skip
+_TLS_QUERY = frozenset(
+    {
+        "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+        "ssl_password", "ssl_check_hostname", "ssl_min_version", "ssl_include_verify_flags",
+        "ssl_exclude_verify_flags",
+    }
+)  # fmt: skip
+
+
+def _query_problem(url: str) -> str | None:
+    """A query parameter redis-py would not take, or take badly; never named
+    from the URL itself, which may hold a piece of a password."""
+    parts = urlsplit(url)
+    allowed = _QUERY | (_TLS_QUERY if parts.scheme == "rediss" else frozenset())
+    items = [item.partition("=") for item in parts.query.split("&") if item]
+    if {key for key, _, _ in items} - allowed:
+        return f"has a query parameter redis-py does not take (allowed: {', '.join(sorted(allowed))})"
+    # redis-py's own reading of the values (a base dependency, imported
+    # here only when a Redis URL is checked).
+    from redis.asyncio.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError:
+        return "has a query parameter whose value redis-py cannot read (a number or a boolean)"
+    return None
+
+
+def check_url(where: str, value: Any) -> str:
+    """A Redis URL, checked without ever echoing it: ``where`` names where
+    it came from (a config key, or the environment variable)."""
+    url = string(where, value)
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL")
+    problem = url_shape_problem(url) or _query_problem(url)
+    if problem is not None:
+        raise ConfigError(f"{where} is not a valid URL: {problem}")
+    return url
+
+
+def url_identity(parts: SplitResult) -> tuple[str, ...]:
+    """The server and database a Redis URL reaches."""
+    if parts.scheme == "unix":
+        return ("unix", parts.path)
+    db = parts.path.strip("/") or "0"
+    for item in parts.query.split("&"):
+        key, _, value = item.partition("=")
+        if key == "db":
+            db = value
+    return (parts.hostname or "localhost", str(parts.port or DEFAULT_PORT), db)
+
+
+def hash_tag(key: str) -> str | None:
+    """What Redis Cluster hashes of ``key`` in place of the whole key: the
+    text between its first ``{`` and the first ``}`` after it, when that is
+    not empty (``queue:{jobs}:in`` hashes as ``jobs``); None: the whole key
+    is hashed."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1 : end] if end > start + 1 else None
+
+
+def list_key_base(source: str, *, cluster: bool = False) -> str:
+    """What a list adapter's derived keys (processing lists, consumers,
+    heartbeats, recovery locks, removed-markers) begin with
+    (:mod:`ingest.adapters.redis.lists` draws the layout): the list's name;
+    on a Redis Cluster, a name with no hash tag of its own wrapped in one
+    (``jobs``: ``{jobs}``), and a name with one (``{jobs}``,
+    ``queue:{jobs}:in``) as it is, its tag pinning every derived key to its
+    slot. The rules below refuse the names neither form keeps in their slot
+    (``_cluster_source``), and two lists of one cluster whose keys these
+    forms would merge (``jobs`` and ``{jobs}``, ``_list_keys_apart``)."""
+    return f"{{{source}}}" if cluster and hash_tag(source) is None else source
+
+
+def _pubsub_is_at_most_once(label: str, values: Values) -> None:
+    if values["mode"] == "pubsub" and values["delivery"] != "at-most-once":
+        raise ConfigError(
+            f'{label}: key \'delivery\' must be "at-most-once" for mode = "pubsub": pub/sub has no '
+            "redelivery and loses messages published while the ingester is down"
+        )
+
+
+def _complete_needs_an_ack(label: str, values: Values) -> None:
+    if values["mode"] == "pubsub" and values["ack_after"] == "complete":
+        raise ConfigError(
+            f'{label}: key \'ack_after\' = "complete" does not apply to mode = "pubsub": a pub/sub'
+            " message has no broker ack to defer"
+        )
+
+
+def _cluster_source(label: str, values: Values) -> None:
+    """On a cluster, every key a list adapter derives must hash to the
+    list's slot (BLMOVE, the guarded LREM and recovery never span two). A
+    name with no hash tag but a '}' (``jobs}``, ``{}jobs``, whose empty
+    '{}' is no tag) cannot be wrapped in a tag that hashes as it does."""
+    source = values["source"]
+    if not values.get("cluster") or values["mode"] != "list":
+        return
+    derived = f"{list_key_base(source, cluster=True)}:processing:c"
+    if hash_tag(derived) != (hash_tag(source) or source):
+        raise ConfigError(
+            f"{label}: key 'source' = {source!r}: on a cluster (cluster = true) a list's processing lists"
+            " are named '{source}:processing:...' to share its hash slot, which a name holding '}' and no"
+            " hash tag would not: give the name a hash tag of its own ('{jobs}', 'queue:{jobs}:in') or no"
+            " braces"
+        )
+
+
+def _redelivery_horizon(values: Values) -> tuple[int, str]:
+    """The claim cycle of a stream, the reap cycle of a list; pub/sub never
+    redelivers."""
+    if values["mode"] == "stream":
+        return values["claim_idle_ms"] + values["claim_interval_ms"], "claim_idle_ms + claim_interval_ms"
+    if values["mode"] == "list":
+        return values["heartbeat_ttl_ms"] + values["reap_interval_ms"], "heartbeat_ttl_ms + reap_interval_ms"
+    return 0, "no redelivery (pub/sub)"
+
+
+def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader | None:
+    """A stream is read once per group (fan-out is distinct groups); a list
+    once; pub/sub delivers every message to every subscriber."""
+    if a.mode == "stream":
+        return Reader(
+            (*identity, a.group),
+            "group",
+            f"stream {a.source!r} with group {a.group!r}",
+            "fan-out needs a distinct group",
+        )
+    if a.mode == "list":
+        return Reader(
+            identity,
+            "source",
+            f"list {a.source!r}",
+            "one adapter per list; run more ingesters for more consumers",
+        )
+    return None
+
+
+def _list_keys_apart(adapters: Sequence[Adapter]) -> None:
+    """Two lists of one broker whose derived keys would be the same (on a
+    cluster, ``jobs`` wraps into ``{jobs}``, the very name of the list
+    ``{jobs}``): their consumers would move onto one processing list, and
+    each recovery would redeliver the other's messages as its own. Refused;
+    the lists themselves stay apart by the one-reader check. A cluster is
+    known by its ``url``: two adapters naming two of its nodes are not
+    compared."""
+    bases: dict[tuple[str, ...], Adapter] = {}
+    for a in adapters:
+        if a.mode != "list":
+            continue
+        base = list_key_base(a.source, cluster=a.cluster)
+        first = bases.setdefault((*a.broker.identity(), base), a)
+        if first is not a:
+            raise ConfigError(
+                f"adapter {a.name!r}: key 'source' = {a.source!r}: its processing lists would be those of"
+                f" the list {first.source!r} of adapter {first.name!r} on the same broker"
+                f" ({base}:processing:...), and each adapter's recovery would take the other's messages:"
+                " rename one list"
+            )
+
+
+def _table_defaults(raw: Values, default: DefaultBroker) -> dict[str, Any]:
+    """``[redis] cluster`` describes ``[redis] url``: an adapter with a url
+    of its own says itself whether that is a cluster."""
+    return {"cluster": default.cluster and "url" not in raw}
+
+
+def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
+    return default.url
+
+
+DEFINITION = TransportDefinition(
+    name=NAME,
+    modes=("stream", "list", "pubsub"),
+    key_prefix="redis",
+    url_schemes=("redis", "rediss", "unix"),
+    check_url=check_url,
+    url_identity=url_identity,
+    default_url=_default_url,
+    default_url_doc=f"Redis `{URL_VARIABLE}`, else `[redis] url`",
+    variables={URL_VARIABLE: "Redis adapters' URL when theirs is not set, over [redis] url"},
+    rules={
+        "transport": _pubsub_is_at_most_once,
+        "ack_after": _complete_needs_an_ack,
+        "source": _cluster_source,
+    },
+    table_defaults=_table_defaults,
+    redelivery_horizon=_redelivery_horizon,
+    reader=_reader,
+    across=_list_keys_apart,
+)

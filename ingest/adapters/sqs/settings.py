@@ -1,0 +1,152 @@
+"""The SQS transport as the config reads it, no client imported: its
+endpoint, its queue names and URLs, and its rules. Registered in
+:mod:`ingest.config.transports`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import SplitResult, urlsplit
+
+from ingest.config.keys import string
+from ingest.config.transport import (
+    Adapter,
+    DefaultBroker,
+    Reader,
+    TransportDefinition,
+    Values,
+    refuse_complete,
+)
+from ingest.config.url_shape import url_shape_problem
+from ingest.errors import ConfigError
+
+NAME = "sqs"
+URL_VARIABLE = "SWITCHBOARD_SQS_ENDPOINT_URL"
+# An SQS adapter's ``url`` when neither it nor the variable names an
+# endpoint: AWS's own, of the adapter's region (botocore finds it).
+AWS_ENDPOINT = "aws://"
+# An SQS queue name (AWS's rule: up to 80 of these, ``.fifo`` included), or
+# a queue URL ending in one.
+_QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,75}(\.fifo)?|[A-Za-z0-9_-]{1,80}")
+
+
+def queue_name(source: str) -> str:
+    """The queue's name: ``source`` itself, or a queue URL's last segment."""
+    return source.rstrip("/").rpartition("/")[2] if "://" in source else source
+
+
+def check_url(where: str, value: Any) -> str:
+    """An SQS-compatible endpoint (``https://``, or ``http://`` for an
+    emulator), or ``aws://``: AWS's own endpoint of the region. No user
+    information: AWS credentials come from AWS's chain, never a URL."""
+    url = string(where, value)
+    if url == AWS_ENDPOINT:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme not in ("https", "http"):
+        raise ConfigError(f"{where} must be an https:// (or http://) SQS endpoint, or {AWS_ENDPOINT}")
+    problem = url_shape_problem(url)
+    if problem is None and "@" in parts.netloc:
+        problem = (
+            "an SQS endpoint carries no credentials: AWS's chain gives them (environment, profile, role)"
+        )
+    if problem is None and (parts.query or parts.fragment or parts.path.strip("/")):
+        problem = "an SQS endpoint has no path or query: https://HOST[:PORT] (a queue URL goes in 'source')"
+    if problem is not None:
+        raise ConfigError(f"{where} is not a valid URL: {problem}")
+    return url
+
+
+def url_identity(parts: SplitResult) -> tuple[str, ...]:
+    return (parts.scheme, parts.hostname or "", str(parts.port or ""))
+
+
+def _source(label: str, values: Values) -> None:
+    source = values["source"]
+    if "://" in source and not source.startswith(("https://", "http://")):
+        raise ConfigError(f"{label}: key 'source' must be a queue name or an http(s):// queue URL")
+    if "://" in source and "@" in urlsplit(source).netloc:
+        raise ConfigError(
+            f"{label}: key 'source': a queue URL carries no credentials: AWS's chain gives them"
+            " (environment, profile, role)"
+        )
+    if not _QUEUE_NAME.fullmatch(queue_name(source)):
+        raise ConfigError(
+            f"{label}: key 'source' = {source!r} is no SQS queue name (or URL ending in one): up to 80"
+            " letters, digits, '-' and '_', a FIFO queue's ending in '.fifo'"
+        )
+
+
+def _one_endpoint(label: str, values: Values) -> None:
+    """A queue URL names its endpoint: a second one in 'url' is either the
+    same (said twice) or another (which would the calls go to?)."""
+    if (
+        "://" in values["source"]
+        and values["broker"] != AWS_ENDPOINT
+        and urlsplit(values["source"]).netloc != urlsplit(values["broker"]).netloc
+    ):
+        raise ConfigError(
+            f"{label}: key 'source' is a queue URL on another endpoint than key 'url': name the queue once,"
+            " by its URL in 'source' (no 'url'), or by its name in 'source' with the endpoint in 'url'"
+        )
+
+
+def _credentials(label: str, values: Values) -> dict[str, str | None]:
+    """None: AWS credentials come from AWS's own chain (environment,
+    profile, role)."""
+    for key in ("username_env", "password_env"):
+        if values[key] is not None:
+            raise ConfigError(
+                f"{label}: key {key!r} does not apply to transport = 'sqs': AWS credentials come from"
+                " the AWS chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance"
+                " or task role), never from the config"
+            )
+    return {"username_env": None, "password_env": None}
+
+
+def _located(a: Adapter) -> str:
+    """A queue URL names its account and region; a queue name, with the
+    endpoint and the region."""
+    return a.source if "://" in a.source else f"{a.region or ''}:{a.source}"
+
+
+def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
+    return Reader(
+        identity,
+        "source",
+        f"SQS queue {queue_name(a.source)!r}",
+        "one adapter per queue (fan-out is SNS to several queues); run more ingesters for more",
+    )
+
+
+def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
+    return env.get(URL_VARIABLE) or AWS_ENDPOINT
+
+
+DEFINITION = TransportDefinition(
+    name=NAME,
+    modes=("queue",),
+    key_prefix="sqs",
+    extra="sqs",
+    url_schemes=("http", "https", "aws"),
+    check_url=check_url,
+    url_identity=url_identity,
+    default_url=_default_url,
+    default_url_doc=f"SQS `{URL_VARIABLE}`, else `{AWS_ENDPOINT}` (AWS's own endpoint of the region)",
+    variables={URL_VARIABLE: "an SQS-compatible endpoint (without it: AWS, by region and AWS_* credentials)"},
+    rules={
+        "ack_after": refuse_complete(
+            'transport = "sqs": a message not deleted within its visibility timeout (ack_wait_ms) is'
+            " received again, so a delete held for its todo's whole run would bring it back every"
+            ' ack_wait_ms; use ack_after = "store"'
+        ),
+        "source": _source,
+        "url": _one_endpoint,
+    },
+    credentials=_credentials,
+    redelivery_horizon=lambda values: (values["ack_wait_ms"], "ack_wait_ms"),
+    reader=_reader,
+    queue_name=queue_name,
+    located=_located,
+)

@@ -1,0 +1,144 @@
+"""What the config knows of a transport: its :class:`TransportDefinition`.
+
+Each transport's package defines its own, client-free, in
+``ingest/adapters/<name>/settings.py``; :mod:`ingest.config.transports`
+registers them. The reading of ``[[adapters]]`` (:mod:`ingest.config.adapter`)
+asks the adapter's definition for everything that differs between
+transports, and names none itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import SplitResult
+
+from ingest.config.keys import Rule
+from ingest.errors import ConfigError
+
+Values = Mapping[str, Any]
+
+
+class Located(Protocol):
+    """Where a broker URL reaches (``ingest.config.urls.BrokerUrl``)."""
+
+    def identity(self) -> tuple[str, ...]: ...
+
+
+class Adapter(Protocol):
+    """What a transport's checks read of an adapter read whole
+    (``ingest.config.adapter.AdapterConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def group(self) -> str: ...
+    @property
+    def cluster(self) -> bool: ...
+    @property
+    def region(self) -> str | None: ...
+    @property
+    def broker(self) -> Located: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultBroker:
+    """The file's own broker (``[redis]``): the default transport's adapters
+    that name no ``url`` use it, and take ``cluster`` from it."""
+
+    url: str
+    cluster: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Reader:
+    """What one adapter reads, for the one-reader-each check: ``what`` is
+    the same for two adapters that would split one source's messages;
+    ``key`` the key the refusal names, ``read`` the source in words, ``hint``
+    what to do instead."""
+
+    what: tuple[str, ...]
+    key: str
+    read: str
+    hint: str
+
+
+def no_credential_rule(label: str, values: Values) -> dict[str, str | None]:
+    """User name and password variables as the table gives them."""
+    return {"username_env": values["username_env"], "password_env": values["password_env"]}
+
+
+def no_horizon(values: Values) -> tuple[int, str]:
+    return 0, "no redelivery"
+
+
+def as_written(source: str) -> str:
+    return source
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportDefinition:
+    """A transport, as the config reads its adapters.
+
+    ``modes``: its modes, the first its default. ``key_prefix``: its
+    idempotency keys' default prefix. ``extra``: the install extra that
+    brings its client (None: a dependency of Switchboard itself).
+
+    Its URL: ``url_schemes`` it speaks, ``check_url(where, value)`` (never
+    echoing the URL), ``url_identity(parts)`` (which server, whoever logs
+    in), ``default_url(env, default_broker)`` where a table names none, and
+    ``default_url_doc`` saying so in the reference. ``variables``: the
+    environment variables it reads, and what for (``switchboard --help``).
+
+    Its rules: ``rules`` by key, each run after that key is read (after the
+    shared checks); ``table_defaults(raw, default_broker)``, values a table
+    that names none takes; ``credentials(label, values)``, the variables
+    that complete its URL; ``redelivery_horizon(values)``, how long after a
+    delivery its broker may deliver a message again, and from which keys;
+    ``reader(adapter, identity)``, what an adapter reads (None: any number
+    may); ``across(adapters)``, a check over all of this transport's
+    adapters of a file; ``queue_name(source)``, the source's name in its
+    keys; ``located(adapter)``, the source as the one-reader check tells
+    sources apart."""
+
+    name: str
+    modes: tuple[str, ...]
+    key_prefix: str
+    extra: str | None = None
+    url_schemes: tuple[str, ...]
+    check_url: Callable[[str, Any], str]
+    url_identity: Callable[[SplitResult], tuple[str, ...]]
+    default_url: Callable[[Mapping[str, str], DefaultBroker], str]
+    default_url_doc: str
+    variables: Mapping[str, str] = field(default_factory=dict)
+    rules: Mapping[str, Rule] = field(default_factory=dict)
+    table_defaults: Callable[[Values, DefaultBroker], dict[str, Any]] | None = None
+    credentials: Callable[[str, Values], dict[str, str | None]] = no_credential_rule
+    redelivery_horizon: Callable[[Values], tuple[int, str]] = no_horizon
+    reader: Callable[[Adapter, tuple[str, ...]], Reader | None]
+    across: Callable[[Sequence[Adapter]], None] | None = None
+    queue_name: Callable[[str], str] = as_written
+    located: Callable[[Adapter], str] | None = None
+
+    def rule(self, key: str, label: str, values: Values) -> None:
+        """This transport's rule of ``key``, if it has one."""
+        rule = self.rules.get(key)
+        if rule is not None:
+            rule(label, values)
+
+
+def refuse_complete(reason: str) -> Rule:
+    """A rule of ``ack_after``: "complete" refused; ``reason`` goes on from
+    "does not apply to"."""
+
+    def rule(label: str, values: Values) -> None:
+        if values["ack_after"] == "complete":
+            raise ConfigError(f"{label}: key 'ack_after' = \"complete\" does not apply to {reason}")
+
+    return rule
