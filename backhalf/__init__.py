@@ -1,3 +1,3 @@
 """The shared back half: idempotency keys, normalization, the one-transaction
-store, and the ack-intent queries the acker drains. Knows nothing about Redis.
+store, and the ack-intent queries the acker drains. Knows no broker.
 """

@@ -5,7 +5,7 @@ so nothing in the store's transaction can count it. A suspect (redelivered
 more than once) is processed alone, and before each lone attempt the attempt
 is recorded and committed on its own. This count, unlike the broker's, names
 the culprit (a re-read batch raises the broker's count of every message in
-it) and does not roll back with a Redis restore or failover; a row on record
+it) and does not roll back with a broker restored from a snapshot or failed over; a row on record
 also keeps a message a suspect when the broker's counter was reset.
 """
 

@@ -30,7 +30,7 @@ NAMES = frozenset(
         "after_commit",
         "after_own_ack",
         "acker_after_select",
-        "acker_after_xack",
+        "acker_after_ack",
         "worker_before_end_commit",
         "receiver_before_commit",
         "receiver_after_commit",

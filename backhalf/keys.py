@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import re
 
-DEFAULT_PREFIX = "redis"
 # What a producer's id may not carry into a key as it is: the escape itself,
 # the key's separator, whitespace, and every control character (NUL among
 # them, which no PostgreSQL text holds), and a lone surrogate (a JSON

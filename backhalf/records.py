@@ -88,7 +88,7 @@ class Provenance:
     store serves every family (DESIGN.md section 4).
 
     A pull adapter's events are ``Provenance("queue", "queue", False,
-    "redis acl: deploy-bot")``: the broker identity is named, not verified.
+    "<broker> user: deploy-bot")``: the broker identity is named, not verified.
     """
 
     family: Family

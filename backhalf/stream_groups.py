@@ -1,8 +1,8 @@
 """The ``stream_groups`` table: where each consumer group Switchboard created
 started, so a destroyed group is recreated at the same point.
 
-A stream adapter records the start *before* it creates the group
-(``ingest.adapters.redis.streams``), so no crash can leave a group that
+An adapter with durable consumers records the start *before* it creates
+the group (its transport's stream mode), so no crash can leave a group that
 Switchboard created without its record. The first record wins: a second
 ingester racing the first, or a restart, reads the start on record instead
 of writing its own.

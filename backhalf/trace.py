@@ -24,7 +24,6 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf import todo_views
-from backhalf.keys import DEFAULT_PREFIX
 from schema import adapters, events, inbox, todos
 
 
@@ -145,7 +144,9 @@ async def inbox_ids_by_todo(conn: AsyncConnection, todo_id: int) -> list[int]:
 async def inbox_ids_by_entry_id(conn: AsyncConnection, entry_id: str) -> list[int]:
     """Inbox rows of this stream entry id in every registered stream adapter,
     found through each one's native key."""
-    prefix = sa.func.coalesce(adapters.c.settings["key_prefix"].astext, DEFAULT_PREFIX)
+    # A registration without its key_prefix has its transport's default,
+    # which is the transport's name.
+    prefix = sa.func.coalesce(adapters.c.settings["key_prefix"].astext, adapters.c.transport)
     native = prefix + ":" + adapters.c.settings["source"].astext + ":" + sa.literal(entry_id, sa.Text)
     probe = (
         sa.select(inbox.c.id)

@@ -1,9 +1,9 @@
 """What a pull adapter is: the types every transport mode shares.
 
-One module per mode implements :class:`PullAdapter` (``redis/streams``,
-``redis/lists``, ``redis/pubsub``) plus an :class:`Acknowledger` for its ack
-kind, and its transport registers the pair once as a
-:class:`ModeImplementation` (``ingest.adapters.factory``); the poll loop and
+One module per mode implements :class:`PullAdapter` (in its transport's
+folder, ``ingest/adapters/<transport>/``) plus an :class:`Acknowledger` for
+its ack kind, and its transport registers the pair once as a
+:class:`ModeImplementation` in its ``modes`` module; the poll loop and
 the acker never branch on the mode. A capability a
 mode lacks is a documented no-op (pub/sub has nothing to ack), not an
 ``isinstance`` check at the call site. ``memory`` is the in-memory fake for
@@ -151,8 +151,8 @@ class ConsumerLedger(Protocol):
     created started, so one destroyed later is recreated where it first
     started, not at a configured "new messages only" that by then means
     "later"; and what the inbox says of their messages. A durable consumer is
-    named by broker, stream and consumer name (a Redis stream's consumer
-    group; a JetStream stream's durable consumer). Modes without one ignore
+    named by broker, stream and consumer name (a stream's consumer group, a
+    durable consumer). Modes without one ignore
     it."""
 
     async def recorded(self, consumer: StreamGroup, *, adapter: str) -> str | None:
@@ -203,7 +203,7 @@ class PullAdapter(Protocol):
 
     @property
     def identity(self) -> str:
-        """The broker identity the events' ``verify_detail`` names, e.g. ``redis acl: bot``."""
+        """The broker identity the events' ``verify_detail`` names, e.g. ``<broker> user: bot``."""
         ...
 
     @property

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
-from backhalf.keys import DEFAULT_PREFIX, native_key
+from backhalf.keys import native_key
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, got, string
 from ingest.config.transport import DefaultBroker, TransportDefinition, Values
@@ -319,9 +319,9 @@ class AdapterConfig:
         str,
         Key(
             doc="idempotency keys: `{key_prefix}:{source}:{entry-id}`",
-            default_doc="the transport's name: `redis`, `nats`, `sqs`, `amqp`",
+            default_doc="the transport's name",
         ),
-    ] = DEFAULT_PREFIX
+    ]  # always given: the defaults of the table's transport
     body_field: Annotated[
         str, Key(STREAM, doc="the field holding the message; entries without it are taken as their field map")
     ] = "body"

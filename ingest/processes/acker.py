@@ -106,7 +106,7 @@ async def _drain(
             return 0, held  # committed: a cursor made or reset by the claim stays
         failpoints.hit("acker_after_select")
         owed = {c.inbox_id for c in await acknowledger.ack(claims)}
-        failpoints.hit("acker_after_xack")
+        failpoints.hit("acker_after_ack")
         if owed:
             by_cursor = _leave_owed(adapter, claims, by_cursor, owed)
             done = [c for c in claims if c.inbox_id not in owed]

@@ -95,7 +95,7 @@ def test_ingester_killed_after_commit_before_ack(
     _finish(procs, config, db_url, redis_url, ids, ingester=restarted)
 
 
-@pytest.mark.parametrize("point", ["acker_after_select", "acker_after_xack"])
+@pytest.mark.parametrize("point", ["acker_after_select", "acker_after_ack"])
 def test_acker_killed_mid_drain(
     point: str, procs: Processes, make_config: Callable[..., Path], db_url: str, redis_url: str
 ) -> None:
@@ -107,7 +107,7 @@ def test_acker_killed_mid_drain(
     assert acker.wait(30) == -9
     # Nothing was marked acked by the dead acker's transaction.
     assert scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'") == 0
-    expected_pel = N - 100 if point == "acker_after_xack" else N
+    expected_pel = N - 100 if point == "acker_after_ack" else N
     assert xpending(redis_url, STREAM) == expected_pel
     assert_clean_exit(ingester, ingester.terminate())
     _finish(procs, config, db_url, redis_url, ids)
