@@ -37,6 +37,7 @@ from ingest.config.adapter import read_adapter as read_adapter
 from ingest.config.keys import DAYS_TYPE, Key, Section, check_keys, days, string, table
 from ingest.config.transport import DefaultBroker
 from ingest.config.transports import default as default_transport
+from ingest.config.transports import definitions as transport_definitions
 from ingest.config.urls import BrokerUrl as BrokerUrl
 from ingest.config.urls import database_url
 from ingest.config.urls import with_credentials as with_credentials
@@ -350,6 +351,16 @@ METRICS = Section(
 )
 # Every table, in the order of the config reference.
 SECTIONS = (DATABASE, REDIS, ADAPTERS, WEBHOOKS, RECEIVER, INGEST, ACKER, QUEUES, WORKER, METRICS)
+
+
+def sections() -> tuple[Section, ...]:
+    """Every table of the file, each transport's own adapter keys after the
+    shared ones (a function: the transports' definitions load on first use)."""
+    at = SECTIONS.index(ADAPTERS) + 1
+    own = tuple(d.keys for d in transport_definitions().values())
+    return (*SECTIONS[:at], *own, *SECTIONS[at:])
+
+
 _TOP_KEYS = {"database", "redis", "adapters", "receiver", "ingest", "acker", "queues", "worker", "metrics"}
 # Keys of the dramatiq relay the workers on PostgreSQL replaced (DESIGN.md
 # section 7b): a config written for it keeps loading, each key said once.
@@ -468,9 +479,7 @@ def _history_covers_redelivery(
     if days is None:
         return
     for cfg in adapters:
-        minimum_ms, horizon_ms, keys = dedup_minimum_ms(
-            {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        )
+        minimum_ms, horizon_ms, keys = dedup_minimum_ms(cfg.values())
         if days * DAY_MS < minimum_ms:
             raise ConfigError(
                 f"[acker]: key 'retain_history_days' ({days:g} days) is shorter than adapter {cfg.name!r}"

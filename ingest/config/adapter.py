@@ -4,28 +4,22 @@ check), as every other table is (:mod:`ingest.config.keys`)."""
 
 from __future__ import annotations
 
-import re
+import dataclasses
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
 from backhalf.keys import native_key
 from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
-from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, got, string
+from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, Setting, check_keys, days, got, string
 from ingest.config.transport import DefaultBroker, TransportDefinition, Values
 from ingest.config.transports import default, definitions
 from ingest.config.urls import BrokerUrl, check_broker_url, env_name
 from ingest.errors import ConfigError
-
-STREAM = ("stream",)
-LIST = ("list",)
-PUBSUB = ("pubsub",)
-JETSTREAM = ("jetstream",)
-QUEUE = ("queue",)
 
 
 def _default_broker_doc() -> str:
@@ -33,11 +27,12 @@ def _default_broker_doc() -> str:
     return "the transport's default broker: " + "; ".join(d.default_url_doc for d in definitions().values())
 
 
+_Options = TypeVar("_Options")
+
 RETENTION = "([Retention](operating.md#retention))"
 CREDENTIALS = "([security.md](security.md#broker-passwords-from-the-environment))"
 
 
-DELIVERIES = ("at-least-once", "at-most-once")
 ACK_AFTER = ("store", "complete")
 
 
@@ -57,12 +52,6 @@ def definition_of(values: Values) -> TransportDefinition:
     return definitions()[values["transport"]]
 
 
-def _delivery(where: str, value: Any) -> str:
-    if value not in DELIVERIES:
-        raise ConfigError(f'{where} must be "at-least-once" or "at-most-once" {got(value, DELIVERIES)}')
-    return str(value)
-
-
 def _transport(where: str, value: Any) -> str:
     if value not in definitions():
         # A webhook's table is read by its own definitions (ingest.config.webhook).
@@ -78,7 +67,6 @@ def _mode_of_transport(label: str, values: Values) -> None:
             f"{label}: key 'mode' = {values['mode']!r} is not a mode of transport = {values['transport']!r}"
             f" (its modes: {', '.join(modes)})"
         )
-    definition_of(values).rule("transport", label, values)
 
 
 def _url_of_transport(label: str, values: Values) -> None:
@@ -113,15 +101,6 @@ def _format(where: str, value: Any) -> BodyFormat:
         ) from exc
 
 
-_START_ID = re.compile(r"\$|\d+(-\d+)?")
-
-
-def _start_id(where: str, value: Any) -> str:
-    if not isinstance(value, str) or not _START_ID.fullmatch(value):
-        raise ConfigError(f"{where} must be '0', '$' or a stream id (got {value!r})")
-    return value
-
-
 # Retention (issue 14). A stream entry id is deduplicated only while its inbox
 # row exists, so an adapter's rows are kept at least as long as its broker can
 # deliver the entry again: twice its claim (stream) or reap (list) cycle, and
@@ -132,8 +111,6 @@ def _start_id(where: str, value: Any) -> str:
 # which it stores when it wakes, and the store's own deadline.
 DAY_MS = 86_400_000
 RETENTION_FLOOR_MS = 3_600_000
-# SQS's longest visibility timeout (12 hours), and so the bound of ack_wait_ms.
-MAX_VISIBILITY_MS = 43_200_000
 RETENTION_HORIZON_FACTOR = 2
 
 
@@ -150,11 +127,13 @@ def dedup_minimum_ms(values: Mapping[str, Any]) -> tuple[int, int, str]:
     return max(RETENTION_HORIZON_FACTOR * horizon_ms, RETENTION_FLOOR_MS), horizon_ms, keys
 
 
-def _retention_rule(key: str) -> Rule:
-    def covers_redelivery(label: str, values: Mapping[str, Any]) -> None:
+def _covers_redelivery(label: str, values: Values) -> None:
+    """Each retention key, against the adapter's redelivery horizon: run
+    once the transport's own keys, which set the horizon, are read."""
+    for key in ("retain_acked_days", "retain_rejected_days"):
         days = values.get(key)
         if days is None:
-            return
+            continue
         minimum_ms, horizon_ms, keys = dedup_minimum_ms(values)
         if days * DAY_MS < minimum_ms:
             raise ConfigError(
@@ -164,13 +143,9 @@ def _retention_rule(key: str) -> Rule:
                 f" {RETENTION_FLOOR_MS // 60_000} minutes ({minimum_ms / DAY_MS:.6g} days)"
             )
 
-    return covers_redelivery
 
-
-def _retention(key: str, doc: str) -> Key:
-    return Key(
-        parse=days, rule=_retention_rule(key), doc=doc, default_doc="none: kept forever", type_doc=DAYS_TYPE
-    )
+def _retention(doc: str) -> Key:
+    return Key(parse=days, doc=doc, default_doc="none: kept forever", type_doc=DAYS_TYPE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,27 +160,17 @@ class AdapterConfig:
         Key(
             public=False,
             parse=_mode,
-            doc="Redis: `stream`, `list` or `pubsub`; NATS: `jetstream`; SQS and AMQP: `queue`"
-            " ([transports.md](transports.md))",
-            default_doc="the transport's first: `stream` (Redis), `jetstream` (NATS), `queue` (SQS, AMQP)",
+            doc="one of the transport's modes, named in its table below ([transports.md](transports.md))",
+            default_doc="the transport's first",
         ),
     ] = "stream"
-    delivery: Annotated[
-        str | None,
-        Key(
-            PUBSUB,
-            parse=_delivery,
-            doc="`at-most-once`, required for pub/sub"
-            " ([transports.md](transports.md#pubsub-mode--pubsub-loss-tolerant-only))",
-        ),
-    ] = None
     transport: Annotated[
         str,
         Key(
             public=False,
             parse=_transport,
             rule=_mode_of_transport,
-            doc="the broker's kind: `redis`, `nats`, `sqs` or `amqp` (RabbitMQ)",
+            doc="the broker's kind: a transport whose table follows (or `webhook`, a push adapter)",
         ),
     ] = "redis"  # its own column
     ack_after: Annotated[
@@ -213,10 +178,8 @@ class AdapterConfig:
         Key(
             parse=_ack_after,
             rule=_by_transport("ack_after"),
-            doc="`store`, or `complete`: the broker ack waits for the todo to finish, see"
-            " [Workers](workers.md#acking-on-completion-ack_after--complete); not for pub/sub, which has"
-            " no ack, nor JetStream or SQS, which redeliver what stays unacked past `ack_wait_ms`, nor AMQP,"
-            " whose channel would hold the delivery past RabbitMQ's `consumer_timeout`",
+            doc="`store`, or `complete`: the broker ack waits for the todo to finish, where the transport can"
+            " hold an ack that long; see [Workers](workers.md#acking-on-completion-ack_after--complete)",
         ),
     ] = "store"
     format: Annotated[
@@ -225,92 +188,6 @@ class AdapterConfig:
             parse=_format, doc="`json`, `text` or `bytes`: how the body is read ([messages.md](messages.md))"
         ),
     ] = BodyFormat.JSON
-    start_id: Annotated[
-        str,
-        Key(
-            STREAM,
-            parse=_start_id,
-            doc="where a new group starts: `0` consumes the backlog, `$` new only, or a stream id"
-            " ([transports.md](transports.md#where-a-streams-group-starts-start_id))",
-        ),
-    ] = "0"
-    cluster: Annotated[
-        bool,
-        Key(
-            STREAM + LIST + PUBSUB,
-            doc="the Redis is a Redis (or Valkey) Cluster: keys live in slots, a list's processing lists and"
-            " markers share its hash slot ([transports.md](transports.md#redis-cluster))",
-        ),
-    ] = False
-    group: Annotated[
-        str,
-        Key(
-            STREAM + JETSTREAM,
-            doc="the consumer group (Redis, created with MKSTREAM when missing), or the JetStream durable"
-            " pull consumer (NATS, created when missing)",
-        ),
-    ] = "switchboard"
-    subject: Annotated[
-        str | None,
-        Key(
-            JETSTREAM, parse=string, doc="a subject filter for the durable consumer", default_doc="none: all"
-        ),
-    ] = None
-    max_ack_pending: Annotated[
-        int,
-        Key(
-            JETSTREAM,
-            maximum=1_000_000,
-            doc="deliveries the consumer may have unacked; past it the server delivers nothing more"
-            " ([transports.md](transports.md#nats-jetstream))",
-        ),
-    ] = 20_000
-    ack_wait_ms: Annotated[
-        int,
-        Key(
-            JETSTREAM + QUEUE,
-            transports=("nats", "sqs"),
-            minimum=1000,
-            maximum=MAX_VISIBILITY_MS,
-            doc="an unacked delivery is redelivered after this (keep well above read + commit + ack);"
-            " SQS: the visibility timeout of each receive, in whole seconds",
-        ),
-    ] = 60_000
-    region: Annotated[
-        str | None,
-        Key(
-            QUEUE,
-            transports=("sqs",),
-            parse=string,
-            doc="the AWS region of the queue",
-            default_doc="a queue URL's, else the AWS environment's (`AWS_REGION`, `AWS_DEFAULT_REGION`,"
-            " the profile)",
-        ),
-    ] = None
-    credentials_file_env: Annotated[
-        str | None,
-        Key(
-            JETSTREAM,
-            public=False,
-            parse=env_name,
-            doc="the variable holding the path of a NATS `.creds` file (JWT and NKey seed)",
-        ),
-    ] = None
-    token_env: Annotated[
-        str | None,
-        Key(JETSTREAM, public=False, parse=env_name, doc="the variable holding a NATS auth token"),
-    ] = None
-    tls_ca_file: Annotated[
-        str | None,
-        Key(
-            JETSTREAM + QUEUE,
-            transports=("nats", "sqs", "amqp"),
-            parse=string,
-            doc="the CA file that verifies the server's certificate (NATS: a `tls://` URL, or the"
-            " server requires it; SQS: an `https://` endpoint; AMQP: an `amqps://` URL)",
-            default_doc="the system's CAs",
-        ),
-    ] = None
     consumer: Annotated[
         str,
         Key(doc="unique per ingester process; `ingest --consumer` overrides it", default_doc="the host name"),
@@ -322,37 +199,26 @@ class AdapterConfig:
             default_doc="the transport's name",
         ),
     ]  # always given: the defaults of the table's transport
-    body_field: Annotated[
-        str, Key(STREAM, doc="the field holding the message; entries without it are taken as their field map")
-    ] = "body"
     batch_size: Annotated[int, Key(maximum=10_000, doc="messages read at most per batch")] = 500
     block_ms: Annotated[
         int,
         Key(
-            doc="how long a read waits for its first message (`XREADGROUP BLOCK`, `BLMOVE`'s timeout,"
-            " pub/sub's wait, a JetStream fetch's expiry; SQS's long poll, in whole seconds from 1 to 20)"
+            doc="how long a read waits for its first message: the timeout of the transport's blocking read"
+            " ([transports.md](transports.md))"
         ),
     ] = 1000
-    claim_idle_ms: Annotated[
-        int, Key(STREAM, doc="claim (XCLAIM) entries idle longer than this (keep well above ack lag)")
-    ] = 60_000
-    claim_interval_ms: Annotated[int, Key(STREAM, doc="how often the claim sweep runs")] = 5_000
     max_message_bytes: Annotated[
         int, Key(doc="a larger message is rejected `too_large` ([messages.md](messages.md))")
     ] = DEFAULT_MAX_MESSAGE_BYTES
-    heartbeat_ttl_ms: Annotated[
-        int, Key(LIST, minimum=1000, doc="a consumer silent this long is dead; its processing list is reaped")
-    ] = 30_000
     max_deliveries: Annotated[
         int, Key(minimum=3, doc="delivered this often and never stored: rejected as poison")
     ] = 10
-    reap_interval_ms: Annotated[int, Key(LIST, doc="how often dead consumers' lists are checked")] = 5_000
     source: Annotated[
         str,
         Key(
             rule=_by_transport("source"),
-            doc="stream key, list key or channel; the JetStream stream; the SQS queue's name or URL;"
-            " the AMQP queue (it must exist)",
+            doc="what the adapter reads: its transport's stream, list, channel or queue"
+            " ([transports.md](transports.md))",
         ),
     ]
     # The URL as read; its credentials, from the variables below, are added
@@ -404,19 +270,31 @@ class AdapterConfig:
     # the redelivery horizon above.
     retain_acked_days: Annotated[
         float | None,
-        _retention(
-            "retain_acked_days", f"days stored rows whose ack is done are kept, with their events {RETENTION}"
-        ),
+        _retention(f"days stored rows whose ack is done are kept, with their events {RETENTION}"),
     ] = None
     retain_rejected_days: Annotated[
         float | None,
         _retention(
-            "retain_rejected_days",
             "days rejected (poison, lost) rows are kept, with their events (longer: operators replay"
-            f" them) {RETENTION}",
+            f" them) {RETENTION}"
         ),
     ] = None
     body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
+    # The transport's own keys, read by its definition's ``keys`` section
+    # (``ingest/adapters/<transport>/settings.py``) into its frozen dataclass.
+    options: Annotated[Any, Derived()]
+
+    def options_as(self, kind: type[_Options]) -> _Options:
+        """The transport's own keys as ``kind`` (a TypeError for another's)."""
+        if not isinstance(self.options, kind):
+            raise TypeError(f"adapter {self.name!r}: its options are no {kind.__name__}")
+        return self.options
+
+    def values(self) -> dict[str, Any]:
+        """Every key's value by attribute, the shared and the transport's own."""
+        shared = {s.attr: getattr(self, s.attr) for s in ADAPTERS.settings}
+        own = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+        return {**shared, **own}
 
     @property
     def key_space(self) -> str:
@@ -430,28 +308,64 @@ class AdapterConfig:
         this adapter's mode, never the broker URL; an unset ``schema`` is left
         out."""
         public: dict[str, Any] = {}
-        for s in ADAPTERS.settings:
-            value = getattr(self, s.attr)
-            if s.key.public and s.key.applies_to(self.mode, self.transport) and value is not None:
-                public[s.name] = value.value if isinstance(value, Enum) else value
+        own = definitions()[self.transport].keys
+        for section, holder in ((ADAPTERS, self), (own, self.options)):
+            for s in section.settings:
+                value = getattr(holder, s.attr)
+                if s.key.public and s.key.applies_to(self.mode) and value is not None:
+                    public[s.name] = value.value if isinstance(value, Enum) else value
         return public
 
 
 ADAPTERS = Section(
     "[[adapters]]",
     AdapterConfig,
-    intro="One table per adapter. The modes are explained in [transports.md](transports.md), and what"
-    " becomes of a message in [messages.md](messages.md). A key applies to the modes its row names: given"
-    " for another mode it is an error.",
+    intro="One table per adapter. These keys apply to every transport; each transport's own keys follow in"
+    " a table of their own, by the modes their rows name: a key given for another transport or mode is an"
+    " error. The modes are explained in [transports.md](transports.md), and what becomes of a message in"
+    " [messages.md](messages.md).",
 )
 
 
 def adapter_keys(mode: str | None = None, transport: str | None = None) -> frozenset[str]:
-    """The keys of an ``[[adapters]]`` table; with ``mode`` (and
-    ``transport``), those that apply to it."""
-    if mode is None:
-        return ADAPTERS.names()
-    return frozenset(s.name for s in ADAPTERS.settings if s.key.applies_to(mode, transport))
+    """The keys of an ``[[adapters]]`` table, the shared ones and every
+    transport's own; with ``mode`` (and ``transport``), those that apply to it."""
+    names = set(ADAPTERS.names())
+    for d in definitions().values():
+        if transport is not None and d.name != transport:
+            continue
+        names |= {s.name for s, modes in _own_keys(d) if mode is None or mode in modes}
+    return frozenset(names)
+
+
+def _own_keys(d: TransportDefinition) -> list[tuple[Setting, tuple[str, ...]]]:
+    """A transport's own keys, each with the modes it applies to."""
+    return [(s, s.key.modes if s.key.modes is not None else d.modes) for s in d.keys.settings]
+
+
+def _applies(label: str, raw: Mapping[str, Any], values: Values) -> None:
+    """A key of another mode or transport, given: an error naming it and
+    where it applies (DESIGN.md 6b), never silently ignored."""
+    mode, transport = values["mode"], values["transport"]
+    for name in raw:
+        if name in ADAPTERS.names():
+            continue
+        owners = [
+            (d.name, modes) for d in definitions().values() for s, modes in _own_keys(d) if s.name == name
+        ]
+        modes = tuple(dict.fromkeys(m for _, ms in owners for m in ms))
+        if mode not in modes:
+            named = " or ".join(repr(m) for m in modes)
+            raise ConfigError(
+                f"{label}: key {name!r} does not apply to mode = {mode!r} (it applies to mode {named})"
+            )
+        transports = [t for t, ms in owners if mode in ms]
+        if transport not in transports:
+            named = " or ".join(repr(t) for t in transports)
+            raise ConfigError(
+                f"{label}: key {name!r} does not apply to transport = {transport!r} (it applies to"
+                f" transport {named})"
+            )
 
 
 def read_adapter(
@@ -505,15 +419,22 @@ def _adapter(
         raise ConfigError(f"adapters[{index}]: must be a table")
     name = raw.get("name")
     label = f"adapter {name!r}" if isinstance(name, str) and name else f"adapters[{index}]"
+    check_keys(label, raw, set(adapter_keys()))
     # The defaults that depend on the rest.
-    values = ADAPTERS.read(
-        label, raw, defaults={"queue": name, **_transport_defaults(raw, default_broker, env)}
-    )
+    defaults = {"queue": name, **_transport_defaults(raw, default_broker, env)}
+    shared = {k: v for k, v in raw.items() if k in ADAPTERS.names()}
+    values = ADAPTERS.read(label, shared, defaults=defaults)
+    _applies(label, raw, values)
+    definition = definition_of(values)
+    own_raw = {k: v for k, v in raw.items() if k not in ADAPTERS.names()}
+    own = definition.keys.read(label, own_raw, defaults=defaults, context=values)
+    _covers_redelivery(label, {**values, **own})
     # Only the processes that connect to this broker need the variables (the
     # ingester's and the acker's, per role): a missing one is raised when one does.
-    credentials = definition_of(values).credentials(label, values)
+    credentials = definition.credentials(label, {**values, **own})
     values["broker"] = BrokerUrl.resolve(label, values["broker"], env, **credentials)
-    return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)})
+    options = definition.keys.cls(**own)
+    return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)}, options=options)
 
 
 def _transport_defaults(

@@ -232,15 +232,18 @@ class Section:
         *,
         defaults: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        context: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The values of table ``raw``, by attribute: checked, defaults filled.
         ``label`` begins each message (``[ingest]``, ``adapter 'orders'``);
         ``defaults`` are those that depend on the rest of the file, checked
-        as if given."""
+        as if given. ``context``: values of the same table read by another
+        section (an adapter's shared keys, for its transport's own): its
+        rules and the mode check see them; they are not returned."""
         check_keys(label, raw, set(self.names()))
         table = {**(defaults or {}), **raw}
         env = env or {}
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = dict(context or {})
         for s in self.settings:
             where = f"{label}: key {s.name!r}"
             if s.name in raw and "mode" in values and not s.key.applies_to(values["mode"]):
@@ -273,7 +276,7 @@ class Section:
                 values[s.attr] = s.default
             if s.key.rule is not None:
                 s.key.rule(label, values)
-        return values
+        return {s.attr: values[s.attr] for s in self.settings if s.attr in values}
 
 
 def table(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from ingest.config import SECTIONS
+from ingest.config import sections
 from ingest.config.keys import Section, Setting
 
 COMMAND = "python -m ingest.config.reference"
@@ -31,9 +31,9 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 MIB = 1024 * 1024
 
 
-def markdown(sections: Sequence[Section] = SECTIONS) -> str:
+def markdown(tables: Sequence[Section] | None = None) -> str:
     """The reference's block: each section's title, its intro and its table."""
-    return "\n\n".join(_section(s) for s in sections) + "\n"
+    return "\n\n".join(_section(s) for s in (sections() if tables is None else tables)) + "\n"
 
 
 def _section(section: Section) -> str:

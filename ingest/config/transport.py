@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import SplitResult
 
-from ingest.config.keys import Rule
+from ingest.config.keys import Rule, Section
 from ingest.errors import ConfigError
 
 Values = Mapping[str, Any]
@@ -38,13 +38,9 @@ class Adapter(Protocol):
     @property
     def source(self) -> str: ...
     @property
-    def group(self) -> str: ...
-    @property
-    def cluster(self) -> bool: ...
-    @property
-    def region(self) -> str | None: ...
-    @property
     def broker(self) -> Located: ...
+    @property
+    def options(self) -> Any: ...  # the transport's own keys, as its ``keys`` section reads them
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +82,10 @@ def as_written(source: str) -> str:
 class TransportDefinition:
     """A transport, as the config reads its adapters.
 
-    ``modes``: its modes, the first its default. ``key_prefix``: its
-    idempotency keys' default prefix. ``extra``: the install extra that
+    ``modes``: its modes, the first its default. ``keys``: the keys of its
+    own, read from the adapter's table after the shared ones into a frozen
+    dataclass (``AdapterConfig.options``), each applying to the modes its
+    Key names. ``key_prefix``: its idempotency keys' default prefix. ``extra``: the install extra that
     brings its client (None: a dependency of Switchboard itself).
 
     Its URL: ``url_schemes`` it speaks, ``check_url(where, value)`` (never
@@ -96,9 +94,10 @@ class TransportDefinition:
     ``default_url_doc`` saying so in the reference. ``variables``: the
     environment variables it reads, and what for (``switchboard --help``).
 
-    Its rules: ``rules`` by key, each run after that key is read (after the
-    shared checks); ``table_defaults(raw, default_broker)``, values a table
-    that names none takes; ``credentials(label, values)``, the variables
+    Its rules: its own keys' rules (in ``keys``), and ``rules`` of the
+    shared keys, by key, each run after that key is read;
+    ``table_defaults(raw, default_broker)``, values a table that names none
+    takes; ``credentials(label, values)``, the variables
     that complete its URL; ``redelivery_horizon(values)``, how long after a
     delivery its broker may deliver a message again, and from which keys;
     ``reader(adapter, identity)``, what an adapter reads (None: any number
@@ -109,6 +108,7 @@ class TransportDefinition:
 
     name: str
     modes: tuple[str, ...]
+    keys: Section
     key_prefix: str
     extra: str | None = None
     url_schemes: tuple[str, ...]

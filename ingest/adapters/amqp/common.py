@@ -19,7 +19,7 @@ import aiormq.exceptions
 import structlog
 from aio_pika.abc import AbstractConnection
 
-from ingest.adapters.amqp.settings import AMQP_PORT, AMQPS_PORT
+from ingest.adapters.amqp.settings import AMQP_PORT, AMQPS_PORT, options
 from ingest.adapters.amqp.settings import vhost as amqp_vhost
 from ingest.config import AdapterConfig
 from ingest.errors import wrapped_errors
@@ -78,7 +78,7 @@ def tls_context(config: AdapterConfig) -> ssl.SSLContext | None:
     ``tls_ca_file`` or the system's CAs, and its host name checked."""
     if urlsplit(config.broker.url()).scheme != "amqps":
         return None
-    return ssl.create_default_context(cafile=config.tls_ca_file)
+    return ssl.create_default_context(cafile=options(config).tls_ca_file)
 
 
 async def connect(config: AdapterConfig, *, role: str) -> AbstractConnection:

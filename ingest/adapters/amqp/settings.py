@@ -5,10 +5,11 @@ imported: its URL and virtual host, and its rules. Registered in
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
-from ingest.config.keys import string
+from ingest.config.keys import Key, Section, string
 from ingest.config.transport import Adapter, DefaultBroker, Reader, TransportDefinition, refuse_complete
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
@@ -65,9 +66,40 @@ def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
     return env.get(URL_VARIABLE) or DEFAULT_URL
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AmqpOptions:
+    """An AMQP adapter's own keys (``AdapterConfig.options``)."""
+
+    tls_ca_file: Annotated[
+        str | None,
+        Key(
+            parse=string,
+            doc="the CA file that verifies the server's certificate (an `amqps://` URL)",
+            default_doc="the system's CAs",
+        ),
+    ] = None
+
+
+def options(adapter: Adapter) -> AmqpOptions:
+    """``adapter``'s own keys (a TypeError for another transport's adapter)."""
+    found = adapter.options
+    if not isinstance(found, AmqpOptions):
+        raise TypeError(f"adapter {adapter.name!r} is no AMQP adapter")
+    return found
+
+
+KEYS = Section(
+    '[[adapters]] with transport = "amqp"',
+    AmqpOptions,
+    intro="The keys of the AMQP (RabbitMQ) adapters (mode `queue`), beside the shared ones"
+    " ([transports.md](transports.md#amqp-rabbitmq)).",
+)
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
+    keys=KEYS,
     key_prefix="amqp",
     extra="amqp",
     url_schemes=("amqp", "amqps"),

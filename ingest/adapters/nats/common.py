@@ -21,6 +21,7 @@ import structlog
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
+from ingest.adapters.nats.settings import options
 from ingest.config import AdapterConfig
 from ingest.errors import ConfigError, wrapped_errors
 
@@ -43,15 +44,15 @@ class nats_errors(wrapped_errors):
 def _tls_context(config: AdapterConfig, scheme: str) -> ssl.SSLContext | None:
     """TLS with the server's certificate verified: ``tls://`` or a CA file
     given; never an unverified context."""
-    if scheme != "tls" and config.tls_ca_file is None:
+    if scheme != "tls" and options(config).tls_ca_file is None:
         return None
-    context = ssl.create_default_context(cafile=config.tls_ca_file)
+    context = ssl.create_default_context(cafile=options(config).tls_ca_file)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
 
 
 def _credentials_file(config: AdapterConfig) -> str | None:
-    variable = config.credentials_file_env
+    variable = options(config).credentials_file_env
     if variable is None:
         return None
     path = os.environ.get(variable)

@@ -59,6 +59,7 @@ from ingest.adapters.base import (
     trace_of,
 )
 from ingest.adapters.nats.common import REQUEST_TIMEOUT_S, connect, nats_errors, server_label, user_name
+from ingest.adapters.nats.settings import options
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError, GroupMissing
 
@@ -80,14 +81,14 @@ log = structlog.get_logger(__name__)
 def _wanted(config: AdapterConfig) -> ConsumerConfig:
     """The durable consumer Switchboard needs."""
     return ConsumerConfig(
-        name=config.group,
-        durable_name=config.group,
+        name=options(config).group,
+        durable_name=options(config).group,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         max_deliver=-1,
-        ack_wait=config.ack_wait_ms / 1000,
-        max_ack_pending=config.max_ack_pending,
-        filter_subject=config.subject,
+        ack_wait=options(config).ack_wait_ms / 1000,
+        max_ack_pending=options(config).max_ack_pending,
+        filter_subject=options(config).subject,
     )
 
 
@@ -147,6 +148,7 @@ class JetStreamAdapter:
         # again (deliver all), and the inbox dedups what it holds.
         self.name = config.name
         self._cfg = config
+        self._opts = options(config)
         self._url = config.broker.url()
         self._client: Client | None = None
         self._js: JetStreamContext | None = None
@@ -162,7 +164,7 @@ class JetStreamAdapter:
 
     @property
     def ack_target(self) -> AckTarget:
-        return AckTarget(ACK_KIND, self._cfg.source, self._cfg.group, by_cursor=True)
+        return AckTarget(ACK_KIND, self._cfg.source, self._opts.group, by_cursor=True)
 
     @property
     def identity(self) -> str:
@@ -179,8 +181,8 @@ class JetStreamAdapter:
         js = client.jetstream(timeout=REQUEST_TIMEOUT_S)
         await self._ensure_consumer(js)
         cfg = self._cfg
-        with nats_errors(self.name, f"subscribing to consumer {cfg.group} of stream {cfg.source}"):
-            self._sub = await js.pull_subscribe_bind(durable=cfg.group, stream=cfg.source)
+        with nats_errors(self.name, f"subscribing to consumer {self._opts.group} of stream {cfg.source}"):
+            self._sub = await js.pull_subscribe_bind(durable=self._opts.group, stream=cfg.source)
         self._js = js
 
     async def _connection(self) -> Client:
@@ -202,9 +204,14 @@ class JetStreamAdapter:
 
     async def _ensure_consumer(self, js: JetStreamContext) -> None:
         cfg = self._cfg
-        fields = {"adapter": self.name, "stream": cfg.source, "consumer": cfg.group, "broker": self.broker}
+        fields = {
+            "adapter": self.name,
+            "stream": cfg.source,
+            "consumer": self._opts.group,
+            "broker": self.broker,
+        }
         want = _wanted(cfg)
-        with nats_errors(self.name, f"consumer {cfg.group} of stream {cfg.source}"):
+        with nats_errors(self.name, f"consumer {self._opts.group} of stream {cfg.source}"):
             try:
                 await js.stream_info(cfg.source)
             except NotFoundError as exc:
@@ -213,21 +220,22 @@ class JetStreamAdapter:
                     f" {self.broker}: create it (Switchboard never creates streams); retrying"
                 ) from exc
             try:
-                info = await js.consumer_info(cfg.source, cfg.group)
+                info = await js.consumer_info(cfg.source, self._opts.group)
             except NotFoundError:
                 await js.add_consumer(cfg.source, config=want)
                 log.info(
                     "consumer_created",
                     **fields,
-                    ack_wait_ms=cfg.ack_wait_ms,
-                    max_ack_pending=cfg.max_ack_pending,
+                    ack_wait_ms=self._opts.ack_wait_ms,
+                    max_ack_pending=self._opts.max_ack_pending,
                 )
                 return
             have = info.config
             unusable = _unusable(have)
             if unusable:
                 raise BrokerError(
-                    f"adapter {self.name}: consumer {cfg.group!r} of stream {cfg.source!r} has {unusable}:"
+                    f"adapter {self.name}: consumer {self._opts.group!r} of stream {cfg.source!r}"
+                    f" has {unusable}:"
                     " Switchboard cannot consume through it; delete it, or name another group"
                 )
             drift = _drifted(have, want)
@@ -254,7 +262,7 @@ class JetStreamAdapter:
         try:
             await self.start()
             assert self._sub is not None
-            with nats_errors(self.name, f"fetching from consumer {self._cfg.group} of {self._cfg.source}"):
+            with nats_errors(self.name, f"fetching from consumer {self._opts.group} of {self._cfg.source}"):
                 messages = await self._fetch(self._sub, max_count)
         except BrokerError:
             await self._forget_connection()
@@ -263,8 +271,9 @@ class JetStreamAdapter:
             refusal, self._refusal = self._refusal, None
             raise BrokerError(
                 f"adapter {self.name}: the server refused this NATS user a request (fetching from consumer"
-                f" {self._cfg.group} of {self._cfg.source} needs $JS.API.CONSUMER.MSG.NEXT.{self._cfg.source}"
-                f".{self._cfg.group}; see ops/nats-server.conf): {refusal}"
+                f" {self._opts.group} of {self._cfg.source} needs"
+                f" $JS.API.CONSUMER.MSG.NEXT.{self._cfg.source}.{self._opts.group};"
+                f" see ops/nats-server.conf): {refusal}"
             )
         batch = [self._delivery(m) for m in messages]
         if batch:
@@ -281,7 +290,8 @@ class JetStreamAdapter:
             # The consumer (or its stream) was deleted under us: the next read
             # creates it again, once the stream exists.
             raise GroupMissing(
-                f"adapter {self.name}: consumer {self._cfg.group} of stream {self._cfg.source} is gone: {exc}"
+                f"adapter {self.name}: consumer {self._opts.group} of stream {self._cfg.source}"
+                f" is gone: {exc}"
             ) from exc
 
     async def _say_if_full(self) -> None:
@@ -292,14 +302,14 @@ class JetStreamAdapter:
         if now < self._next_full_check or self._js is None:
             return
         self._next_full_check = now + FULL_CHECK_INTERVAL_S
-        info = await self._js.consumer_info(self._cfg.source, self._cfg.group)
-        if (info.num_ack_pending or 0) >= self._cfg.max_ack_pending:
+        info = await self._js.consumer_info(self._cfg.source, self._opts.group)
+        if (info.num_ack_pending or 0) >= self._opts.max_ack_pending:
             log.warning(
                 "waiting_for_acks",
                 adapter=self.name,
-                consumer=self._cfg.group,
+                consumer=self._opts.group,
                 ack_pending=info.num_ack_pending,
-                max_ack_pending=self._cfg.max_ack_pending,
+                max_ack_pending=self._opts.max_ack_pending,
                 stream_pending=info.num_pending,
                 detail="the consumer holds max_ack_pending unacked deliveries: the server delivers nothing"
                 " more until the acker acks (is `switchboard ack` running?)",
@@ -354,10 +364,10 @@ class JetStreamAdapter:
         cfg = self._cfg
         client = await self._connection()
         js = client.jetstream(timeout=REQUEST_TIMEOUT_S)
-        with nats_errors(self.name, f"consumer info {cfg.group} of {cfg.source}"):
+        with nats_errors(self.name, f"consumer info {self._opts.group} of {cfg.source}"):
             stream = await js.stream_info(cfg.source)
             try:
-                info: ConsumerInfo | None = await js.consumer_info(cfg.source, cfg.group)
+                info: ConsumerInfo | None = await js.consumer_info(cfg.source, self._opts.group)
             except NotFoundError:
                 info = None
         figures: dict[str, Any] = {"stream_messages": stream.state.messages}
@@ -475,6 +485,7 @@ class JetStreamAcknowledger:
 
     def __init__(self, config: AdapterConfig) -> None:
         self._cfg = config
+        self._opts = options(config)
         self._name = config.name
         self._client: Client | None = None
         self._replies: _Replies | None = None
@@ -501,7 +512,7 @@ class JetStreamAcknowledger:
         return self._client, self._replies
 
     def _ours(self, claim: AckClaim) -> bool:
-        stream, consumer = self._cfg.source, self._cfg.group
+        stream, consumer = self._cfg.source, self._opts.group
         return (
             claim.kind == ACK_KIND
             and claim.key == stream

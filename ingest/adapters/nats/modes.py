@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ingest.adapters.base import AckIntentView, ModeImplementation
 from ingest.adapters.nats import jetstream
 from ingest.adapters.nats.jetstream import JetStreamAcknowledger, JetStreamAdapter
+from ingest.adapters.nats.settings import options
 from ingest.adapters.network import Unencrypted, unencrypted_at
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ MODES: dict[str, ModeImplementation] = {
 def unencrypted(config: AdapterConfig) -> Unencrypted | None:
     """The adapter's NATS server if remote and reached by ``nats://`` without
     ``tls_ca_file`` (either makes the client speak TLS)."""
-    if config.tls_ca_file is not None:
+    if options(config).tls_ca_file is not None:
         return None
     return unencrypted_at(
         config.broker.url(), {"nats": 4222}, "use tls:// (or tls_ca_file) for the NATS server"

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
-from ingest.config.keys import string
+from ingest.config.keys import Key, Section, string
 from ingest.config.transport import (
     Adapter,
     DefaultBroker,
@@ -19,6 +20,7 @@ from ingest.config.transport import (
     refuse_complete,
 )
 from ingest.config.url_shape import url_shape_problem
+from ingest.config.urls import env_name
 from ingest.errors import ConfigError
 
 NAME = "nats"
@@ -69,10 +71,11 @@ def _credentials(label: str, values: Values) -> dict[str, str | None]:
 
 
 def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
+    group = options(a).group
     return Reader(
-        (*identity, a.group),
+        (*identity, group),
         "group",
-        f"JetStream stream {a.source!r} with durable consumer {a.group!r}",
+        f"JetStream stream {a.source!r} with durable consumer {group!r}",
         "fan-out needs a distinct group",
     )
 
@@ -81,9 +84,80 @@ def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
     return env.get(URL_VARIABLE) or DEFAULT_URL
 
 
+# A delivery unacked this long comes again; bounded as SQS's visibility is.
+MAX_ACK_WAIT_MS = 43_200_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NatsOptions:
+    """A NATS adapter's own keys (``AdapterConfig.options``)."""
+
+    group: Annotated[
+        str,
+        Key(rule=_names, doc="the JetStream durable pull consumer, created when missing"),
+    ] = "switchboard"
+    subject: Annotated[
+        str | None,
+        Key(parse=string, doc="a subject filter for the durable consumer", default_doc="none: all"),
+    ] = None
+    max_ack_pending: Annotated[
+        int,
+        Key(
+            maximum=1_000_000,
+            doc="deliveries the consumer may have unacked; past it the server delivers nothing more"
+            " ([transports.md](transports.md#nats-jetstream))",
+        ),
+    ] = 20_000
+    ack_wait_ms: Annotated[
+        int,
+        Key(
+            minimum=1000,
+            maximum=MAX_ACK_WAIT_MS,
+            doc="an unacked delivery is redelivered after this (keep well above read + commit + ack)",
+        ),
+    ] = 60_000
+    credentials_file_env: Annotated[
+        str | None,
+        Key(
+            public=False,
+            parse=env_name,
+            doc="the variable holding the path of a NATS `.creds` file (JWT and NKey seed)",
+        ),
+    ] = None
+    token_env: Annotated[
+        str | None, Key(public=False, parse=env_name, doc="the variable holding a NATS auth token")
+    ] = None
+    tls_ca_file: Annotated[
+        str | None,
+        Key(
+            parse=string,
+            doc="the CA file that verifies the server's certificate (a `tls://` URL, or the server"
+            " requires it)",
+            default_doc="the system's CAs",
+        ),
+    ] = None
+
+
+def options(adapter: Adapter) -> NatsOptions:
+    """``adapter``'s own keys (a TypeError for another transport's adapter)."""
+    found = adapter.options
+    if not isinstance(found, NatsOptions):
+        raise TypeError(f"adapter {adapter.name!r} is no NATS adapter")
+    return found
+
+
+KEYS = Section(
+    '[[adapters]] with transport = "nats"',
+    NatsOptions,
+    intro="The keys of the NATS JetStream adapters (mode `jetstream`), beside the shared ones"
+    " ([transports.md](transports.md#nats-jetstream)).",
+)
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("jetstream",),
+    keys=KEYS,
     key_prefix="nats",
     extra="nats",
     url_schemes=("nats", "tls"),
@@ -98,7 +172,6 @@ DEFINITION = TransportDefinition(
             " so an ack held for its todo's whole run would bring it back every ack_wait_ms;"
             ' use ack_after = "store"'
         ),
-        "source": _names,
     },
     credentials=_credentials,
     redelivery_horizon=lambda values: (values["ack_wait_ms"], "ack_wait_ms"),

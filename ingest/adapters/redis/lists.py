@@ -49,7 +49,7 @@ from backhalf.keys import body_key
 from backhalf.records import AckClaim, AckTarget
 from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
 from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect, redis_errors
-from ingest.adapters.redis.settings import list_key_base
+from ingest.adapters.redis.settings import list_key_base, options
 from ingest.config import AdapterConfig
 from ingest.errors import AckError
 from ingest.lifecycle import wait_stop
@@ -127,10 +127,13 @@ class ListAdapter(RedisEndpoint):
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a list has no consumer group to record.
-        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms, cluster=config.cluster)
+        super().__init__(
+            config.name, config.broker.url(), block_ms=config.block_ms, cluster=options(config).cluster
+        )
         self._cfg = config
-        self._base = key_base(config.source, cluster=config.cluster)
-        self._processing = processing_key(config.source, config.consumer, cluster=config.cluster)
+        self._opts = options(config)
+        self._base = key_base(config.source, cluster=options(config).cluster)
+        self._processing = processing_key(config.source, config.consumer, cluster=options(config).cluster)
         self._consumers_key = f"{self._base}:consumers"
         self._started = False
         self._own_recovery_due = True
@@ -159,7 +162,7 @@ class ListAdapter(RedisEndpoint):
 
     async def _beat(self) -> None:
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(self._heartbeat_key(self._cfg.consumer), "alive", px=self._cfg.heartbeat_ttl_ms, xx=True)
+        pipe.set(self._heartbeat_key(self._cfg.consumer), "alive", px=self._opts.heartbeat_ttl_ms, xx=True)
         pipe.sadd(self._consumers_key, self._cfg.consumer)
         # Recovery locks we hold must outlive the stores they protect.
         for lock in self._locks_in_flight():
@@ -172,13 +175,13 @@ class ListAdapter(RedisEndpoint):
                 log.warning("heartbeat_lapsed", adapter=self.name, consumer=self._cfg.consumer)
                 self._own_recovery_due = True
             await self._client.set(
-                self._heartbeat_key(self._cfg.consumer), "alive", px=self._cfg.heartbeat_ttl_ms
+                self._heartbeat_key(self._cfg.consumer), "alive", px=self._opts.heartbeat_ttl_ms
             )
 
     async def run_background(self, stop: asyncio.Event) -> None:
         """The heartbeat, in its own task, so a slow commit or a long backoff in
         the poll loop never lets it lapse while this consumer is alive."""
-        interval_s = self._cfg.heartbeat_ttl_ms / 3000
+        interval_s = self._opts.heartbeat_ttl_ms / 3000
         while not await wait_stop(stop, interval_s):
             try:
                 await self._beat()
@@ -260,7 +263,7 @@ class ListAdapter(RedisEndpoint):
                 lists.append((self._processing, None))
             now = time.monotonic()
             if now >= self._next_reap_at:
-                self._next_reap_at = now + self._cfg.reap_interval_ms / 1000
+                self._next_reap_at = now + self._opts.reap_interval_ms / 1000
                 lists += await self._dead_consumers()
             in_flight = self._locks_in_flight()
             for processing, dead_owner in lists:
@@ -285,7 +288,9 @@ class ListAdapter(RedisEndpoint):
             if consumer != self._cfg.consumer and not await self._client.exists(
                 self._heartbeat_key(consumer)
             ):
-                dead.append((processing_key(self._cfg.source, consumer, cluster=self._cfg.cluster), consumer))
+                dead.append(
+                    (processing_key(self._cfg.source, consumer, cluster=self._opts.cluster), consumer)
+                )
         return dead
 
     async def _recover_list(
@@ -343,7 +348,7 @@ class ListAdapter(RedisEndpoint):
                 ttl_ms = await self._client.pttl(self._heartbeat_key(name))
                 consumers[name] = {
                     "processing_length": await self._client.llen(
-                        processing_key(cfg.source, name, cluster=cfg.cluster)
+                        processing_key(cfg.source, name, cluster=self._opts.cluster)
                     ),
                     "heartbeat_ttl_ms": ttl_ms if ttl_ms >= 0 else None,
                 }
@@ -375,8 +380,8 @@ class ListAcknowledger:
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
         self._source = config.source
-        self._cluster = config.cluster
-        self._client = connect(config.broker.url(), cluster=config.cluster)
+        self._cluster = options(config).cluster
+        self._client = connect(config.broker.url(), cluster=options(config).cluster)
 
     def _ours(self, claim: AckClaim) -> bool:
         return (

@@ -21,6 +21,7 @@ from backhalf.keys import body_key
 from backhalf.records import NO_ACK, AckClaim, AckTarget
 from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
 from ingest.adapters.redis.common import RedisEndpoint, redis_errors
+from ingest.adapters.redis.settings import options
 from ingest.config import AdapterConfig
 
 
@@ -32,7 +33,9 @@ class PubSubAdapter(RedisEndpoint):
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a channel has no consumer group to record.
-        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms, cluster=config.cluster)
+        super().__init__(
+            config.name, config.broker.url(), block_ms=config.block_ms, cluster=options(config).cluster
+        )
         self._cfg = config
         self._pubsub: Any = None
         self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()

@@ -5,11 +5,13 @@ on a Redis Cluster. Registered in :mod:`ingest.config.transports`."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
-from ingest.config.keys import string
+from ingest.config.keys import Key, Section, got, string
 from ingest.config.transport import Adapter, DefaultBroker, Reader, TransportDefinition, Values
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
@@ -151,10 +153,11 @@ def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader | None:
     """A stream is read once per group (fan-out is distinct groups); a list
     once; pub/sub delivers every message to every subscriber."""
     if a.mode == "stream":
+        group = options(a).group
         return Reader(
-            (*identity, a.group),
+            (*identity, group),
             "group",
-            f"stream {a.source!r} with group {a.group!r}",
+            f"stream {a.source!r} with group {group!r}",
             "fan-out needs a distinct group",
         )
     if a.mode == "list":
@@ -179,7 +182,7 @@ def _list_keys_apart(adapters: Sequence[Adapter]) -> None:
     for a in adapters:
         if a.mode != "list":
             continue
-        base = list_key_base(a.source, cluster=a.cluster)
+        base = list_key_base(a.source, cluster=options(a).cluster)
         first = bases.setdefault((*a.broker.identity(), base), a)
         if first is not a:
             raise ConfigError(
@@ -192,7 +195,8 @@ def _list_keys_apart(adapters: Sequence[Adapter]) -> None:
 
 def _table_defaults(raw: Values, default: DefaultBroker) -> dict[str, Any]:
     """``[redis] cluster`` describes ``[redis] url``: an adapter with a url
-    of its own says itself whether that is a cluster."""
+    of its own says itself whether that is a cluster (a default of its own
+    key ``cluster``)."""
     return {"cluster": default.cluster and "url" not in raw}
 
 
@@ -200,9 +204,92 @@ def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
     return default.url
 
 
+STREAM = ("stream",)
+LIST = ("list",)
+PUBSUB = ("pubsub",)
+DELIVERIES = ("at-least-once", "at-most-once")
+_START_ID = re.compile(r"\$|\d+(-\d+)?")
+
+
+def _delivery(where: str, value: Any) -> str:
+    if value not in DELIVERIES:
+        raise ConfigError(f'{where} must be "at-least-once" or "at-most-once" {got(value, DELIVERIES)}')
+    return str(value)
+
+
+def _start_id(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not _START_ID.fullmatch(value):
+        raise ConfigError(f"{where} must be '0', '$' or a stream id (got {value!r})")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RedisOptions:
+    """A Redis adapter's own keys (``AdapterConfig.options``)."""
+
+    delivery: Annotated[
+        str | None,
+        Key(
+            PUBSUB,
+            parse=_delivery,
+            rule=_pubsub_is_at_most_once,
+            doc="`at-most-once`, required for pub/sub"
+            " ([transports.md](transports.md#pubsub-mode--pubsub-loss-tolerant-only))",
+        ),
+    ] = None
+    start_id: Annotated[
+        str,
+        Key(
+            STREAM,
+            parse=_start_id,
+            doc="where a new group starts: `0` consumes the backlog, `$` new only, or a stream id"
+            " ([transports.md](transports.md#where-a-streams-group-starts-start_id))",
+        ),
+    ] = "0"
+    cluster: Annotated[
+        bool,
+        Key(
+            rule=_cluster_source,
+            doc="the Redis is a Redis (or Valkey) Cluster: keys live in slots, a list's processing lists and"
+            " markers share its hash slot ([transports.md](transports.md#redis-cluster))",
+        ),
+    ] = False
+    group: Annotated[str, Key(STREAM, doc="the consumer group, created with MKSTREAM when missing")] = (
+        "switchboard"
+    )
+    body_field: Annotated[
+        str, Key(STREAM, doc="the field holding the message; entries without it are taken as their field map")
+    ] = "body"
+    claim_idle_ms: Annotated[
+        int, Key(STREAM, doc="claim (XCLAIM) entries idle longer than this (keep well above ack lag)")
+    ] = 60_000
+    claim_interval_ms: Annotated[int, Key(STREAM, doc="how often the claim sweep runs")] = 5_000
+    heartbeat_ttl_ms: Annotated[
+        int, Key(LIST, minimum=1000, doc="a consumer silent this long is dead; its processing list is reaped")
+    ] = 30_000
+    reap_interval_ms: Annotated[int, Key(LIST, doc="how often dead consumers' lists are checked")] = 5_000
+
+
+def options(adapter: Adapter) -> RedisOptions:
+    """``adapter``'s own keys (a TypeError for another transport's adapter)."""
+    found = adapter.options
+    if not isinstance(found, RedisOptions):
+        raise TypeError(f"adapter {adapter.name!r} is no Redis adapter")
+    return found
+
+
+KEYS = Section(
+    '[[adapters]] with transport = "redis"',
+    RedisOptions,
+    intro="The keys of the Redis adapters (`stream`, `list` and `pubsub` modes), beside the shared ones"
+    " ([transports.md](transports.md)).",
+)
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("stream", "list", "pubsub"),
+    keys=KEYS,
     key_prefix="redis",
     url_schemes=("redis", "rediss", "unix"),
     check_url=check_url,
@@ -210,11 +297,7 @@ DEFINITION = TransportDefinition(
     default_url=_default_url,
     default_url_doc=f"Redis `{URL_VARIABLE}`, else `[redis] url`",
     variables={URL_VARIABLE: "Redis adapters' URL when theirs is not set, over [redis] url"},
-    rules={
-        "transport": _pubsub_is_at_most_once,
-        "ack_after": _complete_needs_an_ack,
-        "source": _cluster_source,
-    },
+    rules={"ack_after": _complete_needs_an_ack},
     table_defaults=_table_defaults,
     redelivery_horizon=_redelivery_horizon,
     reader=_reader,

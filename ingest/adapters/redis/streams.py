@@ -47,6 +47,7 @@ from ingest.adapters.redis.common import (
     redis_errors,
     tolerating,
 )
+from ingest.adapters.redis.settings import options
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, GroupMissing
 
@@ -152,10 +153,13 @@ class StreamAdapter(RedisEndpoint):
     ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
-        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms, cluster=config.cluster)
+        super().__init__(
+            config.name, config.broker.url(), block_ms=config.block_ms, cluster=options(config).cluster
+        )
         self._cfg = config
+        self._opts = options(config)
         self._ledger: ConsumerLedger = ledger or _Unrecorded()
-        self._body_field = config.body_field.encode()
+        self._body_field = options(config).body_field.encode()
         # Both replies as Redis sent them: an entry's field list is counted
         # before any of it is made a map (_delivery_flat).
         self._client.set_response_callback("XREADGROUP", _raw_reply)
@@ -174,7 +178,7 @@ class StreamAdapter(RedisEndpoint):
 
     @property
     def ack_target(self) -> AckTarget:
-        return AckTarget(ACK_KIND, self._cfg.source, self._cfg.group, by_cursor=True)
+        return AckTarget(ACK_KIND, self._cfg.source, self._opts.group, by_cursor=True)
 
     async def start(self) -> None:
         await self._ensure_group()
@@ -184,7 +188,7 @@ class StreamAdapter(RedisEndpoint):
 
     @property
     def _group(self) -> StreamGroup:
-        return StreamGroup(self.broker, self._cfg.source, self._cfg.group)
+        return StreamGroup(self.broker, self._cfg.source, self._opts.group)
 
     async def _ensure_group(self) -> None:
         """Make sure the group exists, created where it first started.
@@ -198,7 +202,12 @@ class StreamAdapter(RedisEndpoint):
         from before the first start.
         """
         cfg = self._cfg
-        fields = {"adapter": self.name, "stream": cfg.source, "group": cfg.group, "broker": self.broker}
+        fields = {
+            "adapter": self.name,
+            "stream": cfg.source,
+            "group": self._opts.group,
+            "broker": self.broker,
+        }
         start_id = await self._ledger.recorded(self._group, adapter=self.name)
         if start_id is None:
             # A group that exists with nothing on record (someone else's, or
@@ -226,8 +235,10 @@ class StreamAdapter(RedisEndpoint):
                 self._group_lost = False
                 return
         # BUSYGROUP: the group exists already, which is all we wanted.
-        with tolerating(RedisErrorKind.BUSYGROUP, self.name, f"XGROUP CREATE {cfg.source} {cfg.group}"):
-            await self._client.xgroup_create(cfg.source, cfg.group, id=start_id, mkstream=True)
+        with tolerating(
+            RedisErrorKind.BUSYGROUP, self.name, f"XGROUP CREATE {cfg.source} {self._opts.group}"
+        ):
+            await self._client.xgroup_create(cfg.source, self._opts.group, id=start_id, mkstream=True)
             log.info("group_created", **fields, start_id=start_id, recreated=self._group_lost)
         self._group_lost = False
 
@@ -243,8 +254,8 @@ class StreamAdapter(RedisEndpoint):
         yet stored, and a group recreated there would skip them.
         """
         cfg = self._cfg
-        if cfg.start_id != "$":
-            return cfg.start_id
+        if self._opts.start_id != "$":
+            return self._opts.start_id
         with redis_errors(self.name, f"XINFO STREAM {cfg.source}"):
             try:
                 info = await self._client.xinfo_stream(cfg.source)
@@ -268,7 +279,7 @@ class StreamAdapter(RedisEndpoint):
         cfg = self._cfg
         with redis_errors(self.name, f"XINFO GROUPS {cfg.source}"):
             groups = await self._groups()
-        return any(as_text(g["name"]) == cfg.group for g in groups)
+        return any(as_text(g["name"]) == self._opts.group for g in groups)
 
     async def read(self, max_count: int) -> list[Delivery]:
         if self._lost_to_replay:
@@ -308,7 +319,7 @@ class StreamAdapter(RedisEndpoint):
         cfg = self._cfg
         assert self._history_cursor is not None
         resp = await self._client.xreadgroup(
-            cfg.group, cfg.consumer, {cfg.source: self._history_cursor}, count=count
+            self._opts.group, cfg.consumer, {cfg.source: self._history_cursor}, count=count
         )
         entries = _entries(resp)
         if not entries:
@@ -318,7 +329,7 @@ class StreamAdapter(RedisEndpoint):
         # Re-reading history counts as a delivery in Redis: ask how many so far.
         counts: list[Any] = await self._client.xpending_range(
             cfg.source,
-            cfg.group,
+            self._opts.group,
             min=as_text(entries[0][0]),
             max=as_text(entries[-1][0]),
             count=len(entries),
@@ -329,6 +340,25 @@ class StreamAdapter(RedisEndpoint):
             self._delivery_flat(entry_id, flat, delivered.get(as_text(entry_id), 1))
             for entry_id, flat in entries
         ]
+
+    async def _idle_entries(self, count: int) -> list[Any]:
+        """The next ``count`` PEL entries idle past ``claim_idle_ms``, from
+        the sweep's cursor; a sweep that reaches the end rests until the next
+        interval."""
+        idle: list[Any] = await self._client.xpending_range(
+            self._cfg.source,
+            self._opts.group,
+            min=self._claim_cursor,
+            max="+",
+            count=count,
+            idle=self._opts.claim_idle_ms,
+        )
+        if len(idle) < count:
+            self._claim_cursor = "-"
+            self._next_claim_at = time.monotonic() + self._opts.claim_interval_ms / 1000
+        else:
+            self._claim_cursor = "(" + as_text(idle[-1]["message_id"])
+        return idle
 
     async def _claim(self, count: int) -> list[Delivery]:
         """Sweep the group's PEL for entries idle past ``claim_idle_ms``.
@@ -341,14 +371,7 @@ class StreamAdapter(RedisEndpoint):
         this process's memory.)
         """
         cfg = self._cfg
-        idle: list[Any] = await self._client.xpending_range(
-            cfg.source, cfg.group, min=self._claim_cursor, max="+", count=count, idle=cfg.claim_idle_ms
-        )
-        if len(idle) < count:  # a full sweep is done; rest until the next interval
-            self._claim_cursor = "-"
-            self._next_claim_at = time.monotonic() + cfg.claim_interval_ms / 1000
-        else:
-            self._claim_cursor = "(" + as_text(idle[-1]["message_id"])
+        idle = await self._idle_entries(count)
         if not idle:
             return []
         ids = [as_text(p["message_id"]) for p in idle]
@@ -372,7 +395,7 @@ class StreamAdapter(RedisEndpoint):
         claimed: list[Entry] = []  # XCLAIM's raw reply: (id, flat field list) as XREADGROUP's
         if live:
             reply: Any = await self._client.xclaim(
-                cfg.source, cfg.group, cfg.consumer, cfg.claim_idle_ms, list(live)
+                cfg.source, self._opts.group, cfg.consumer, self._opts.claim_idle_ms, list(live)
             )
             claimed = [(entry[0], entry[1]) for entry in reply or () if entry is not None]
         got = {as_text(entry_id) for entry_id, _ in claimed}
@@ -412,7 +435,7 @@ class StreamAdapter(RedisEndpoint):
     async def _read_new(self, count: int) -> list[Delivery]:
         cfg = self._cfg
         resp = await self._client.xreadgroup(
-            cfg.group, cfg.consumer, {cfg.source: ">"}, count=count, block=cfg.block_ms
+            self._opts.group, cfg.consumer, {cfg.source: ">"}, count=count, block=cfg.block_ms
         )
         return [self._delivery_flat(entry_id, flat) for entry_id, flat in _entries(resp)]
 
@@ -485,7 +508,7 @@ class StreamAdapter(RedisEndpoint):
             length = await self._client.xlen(cfg.source)
             node = await self._node_figure(cfg.source)
         for g in groups:
-            if as_text(g["name"]) == cfg.group:
+            if as_text(g["name"]) == self._opts.group:
                 return {
                     "stream_length": length,
                     "lag": g.get("lag"),
@@ -513,8 +536,8 @@ class StreamAcknowledger:
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
         self._stream = config.source
-        self._group = config.group
-        self._client = connect(config.broker.url(), cluster=config.cluster)
+        self._group = options(config).group
+        self._client = connect(config.broker.url(), cluster=options(config).cluster)
 
     def _ours(self, claim: AckClaim) -> bool:
         return (

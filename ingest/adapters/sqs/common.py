@@ -37,6 +37,7 @@ from botocore.exceptions import (
 )
 
 from ingest.adapters.sqs.settings import AWS_ENDPOINT
+from ingest.adapters.sqs.settings import options as own_options
 from ingest.adapters.sqs.settings import queue_name as sqs_queue_name
 from ingest.config import AdapterConfig
 from ingest.errors import BrokerError, IngestError, wrapped_errors
@@ -102,8 +103,8 @@ def region_of(config: AdapterConfig) -> str | None:
     """The adapter's region: its key, else an AWS queue URL's, else
     ``AWS_REGION`` (the other AWS SDKs' variable, which botocore does not
     read), else None: botocore's chain (``AWS_DEFAULT_REGION``, the profile)."""
-    if config.region:
-        return config.region
+    if own_options(config).region:
+        return own_options(config).region
     if "://" in config.source:
         found = _AWS_QUEUE_HOST.fullmatch(urlsplit(config.source).hostname or "")
         if found:
@@ -144,7 +145,7 @@ async def open_client(
     url = endpoint(config)
     options: dict[str, Any] = {
         "region_name": region_of(config),
-        "verify": config.tls_ca_file or True,
+        "verify": own_options(config).tls_ca_file or True,
         "config": AioConfig(
             retries={"total_max_attempts": 1, "mode": "standard"},
             connect_timeout=CONNECT_TIMEOUT_S,

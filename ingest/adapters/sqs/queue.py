@@ -77,6 +77,7 @@ from ingest.adapters.sqs.common import (
     queue_url,
     sqs_errors,
 )
+from ingest.adapters.sqs.settings import options
 from ingest.adapters.sqs.settings import queue_name as sqs_queue_name
 from ingest.config import AdapterConfig
 from ingest.errors import AckError, BrokerError
@@ -103,7 +104,7 @@ log = structlog.get_logger(__name__)
 
 def visibility_s(config: AdapterConfig) -> int:
     """The visibility timeout each receive sets: ``ack_wait_ms`` in whole seconds."""
-    return max(1, math.ceil(config.ack_wait_ms / 1000))
+    return max(1, math.ceil(options(config).ack_wait_ms / 1000))
 
 
 def _chunks(items: Sequence[Any], size: int = MAX_PER_CALL) -> list[Sequence[Any]]:

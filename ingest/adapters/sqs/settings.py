@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
-from ingest.config.keys import string
+from ingest.config.keys import Key, Section, string
 from ingest.config.transport import (
     Adapter,
     DefaultBroker,
@@ -108,7 +109,7 @@ def _credentials(label: str, values: Values) -> dict[str, str | None]:
 def _located(a: Adapter) -> str:
     """A queue URL names its account and region; a queue name, with the
     endpoint and the region."""
-    return a.source if "://" in a.source else f"{a.region or ''}:{a.source}"
+    return a.source if "://" in a.source else f"{options(a).region or ''}:{a.source}"
 
 
 def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
@@ -124,9 +125,62 @@ def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
     return env.get(URL_VARIABLE) or AWS_ENDPOINT
 
 
+# SQS's longest visibility timeout (12 hours), and so the bound of ack_wait_ms.
+MAX_VISIBILITY_MS = 43_200_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SqsOptions:
+    """An SQS adapter's own keys (``AdapterConfig.options``)."""
+
+    ack_wait_ms: Annotated[
+        int,
+        Key(
+            minimum=1000,
+            maximum=MAX_VISIBILITY_MS,
+            doc="the visibility timeout of each receive, in whole seconds: an undeleted message is"
+            " received again after this (keep well above read + commit + delete)",
+        ),
+    ] = 60_000
+    region: Annotated[
+        str | None,
+        Key(
+            parse=string,
+            doc="the AWS region of the queue",
+            default_doc="a queue URL's, else the AWS environment's (`AWS_REGION`, `AWS_DEFAULT_REGION`,"
+            " the profile)",
+        ),
+    ] = None
+    tls_ca_file: Annotated[
+        str | None,
+        Key(
+            parse=string,
+            doc="the CA file that verifies an `https://` endpoint's certificate",
+            default_doc="the system's CAs",
+        ),
+    ] = None
+
+
+def options(adapter: Adapter) -> SqsOptions:
+    """``adapter``'s own keys (a TypeError for another transport's adapter)."""
+    found = adapter.options
+    if not isinstance(found, SqsOptions):
+        raise TypeError(f"adapter {adapter.name!r} is no SQS adapter")
+    return found
+
+
+KEYS = Section(
+    '[[adapters]] with transport = "sqs"',
+    SqsOptions,
+    intro="The keys of the SQS adapters (mode `queue`), beside the shared ones"
+    " ([transports.md](transports.md#sqs)).",
+)
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
+    keys=KEYS,
     key_prefix="sqs",
     extra="sqs",
     url_schemes=("http", "https", "aws"),

@@ -127,7 +127,7 @@ async def test_without_the_ca_the_certificate_is_refused_and_nothing_is_stored(
 ) -> None:
     keys = {"tls_ca_file": str(other_ca)} if ca == "another CA" else {}
     (cfg,) = settings(db_url, redis_url, table(server, **keys)).adapters
-    assert cfg.tls_ca_file == keys.get("tls_ca_file")
+    assert cfg.options.tls_ca_file == keys.get("tls_ca_file")
     adapter = make_adapter(cfg, ledger=None)
     try:
         with pytest.raises(BrokerError) as raised:

@@ -118,7 +118,7 @@ async def test_with_the_ca_the_pipeline_stores_and_acks_over_tls(
 
 def config(server: NatsServer, scheme: str, db_url: str, redis_url: str) -> AdapterConfig:
     (cfg,) = settings(db_url, redis_url, table(url(server, scheme))).adapters
-    assert cfg.tls_ca_file is None  # the system's CAs, which never signed the suite's CA
+    assert cfg.options.tls_ca_file is None  # the system's CAs, which never signed the suite's CA
     return cfg
 
 

@@ -16,8 +16,8 @@ REDIS = "redis://127.0.0.1:6379/0"
 
 
 def test_cluster_is_off_by_default_and_a_boolean() -> None:
-    assert read_adapter({"name": "a", "source": "s"}, REDIS).cluster is False
-    assert read_adapter({"name": "a", "source": "s", "cluster": True}, REDIS).cluster is True
+    assert read_adapter({"name": "a", "source": "s"}, REDIS).options.cluster is False
+    assert read_adapter({"name": "a", "source": "s", "cluster": True}, REDIS).options.cluster is True
     with pytest.raises(ConfigError, match=r"adapter 'a': key 'cluster': must be true or false \(got 'yes'\)"):
         read_adapter({"name": "a", "source": "s", "cluster": "yes"}, REDIS)
 
@@ -32,7 +32,7 @@ def test_a_clustered_list_whose_name_no_tag_can_keep_is_refused_with_the_fix() -
         read_adapter({"name": "a", "mode": "list", "source": "jobs}", "cluster": True}, REDIS)
     # Without a cluster, or for a stream (no derived keys), a name is a name.
     assert read_adapter({"name": "a", "mode": "list", "source": "jobs}"}, REDIS).source == "jobs}"
-    assert read_adapter({"name": "a", "source": "jobs}", "cluster": True}, REDIS).cluster
+    assert read_adapter({"name": "a", "source": "jobs}", "cluster": True}, REDIS).options.cluster
 
 
 def test_a_clustered_lists_keys_share_its_slot_and_a_single_servers_keep_their_names() -> None:
@@ -56,7 +56,7 @@ def test_redis_cluster_is_the_default_of_the_adapters_on_its_url_only() -> None:
         {"name": "a", "source": "a"},
         {"name": "b", "source": "b", "url": "redis://single:6379/0"},
     )
-    assert [(a.name, a.cluster) for a in s.adapters] == [("a", True), ("b", False)]
+    assert [(a.name, a.options.cluster) for a in s.adapters] == [("a", True), ("b", False)]
 
 
 def test_a_cluster_default_needs_no_broker_of_dramatiq_beside_it() -> None:
@@ -64,5 +64,5 @@ def test_a_cluster_default_needs_no_broker_of_dramatiq_beside_it() -> None:
     cluster loads with no [dramatiq] url, which once had to name a single
     server of its own."""
     s = _settings({"url": "redis://node-1:7000/0", "cluster": True}, {"name": "a", "source": "a"})
-    assert [(a.name, a.cluster) for a in s.adapters] == [("a", True)]
+    assert [(a.name, a.options.cluster) for a in s.adapters] == [("a", True)]
     assert s.notices == ()

@@ -28,11 +28,11 @@ def adapter(**kw: Any) -> dict[str, Any]:
 def test_minimal_config_from_the_design() -> None:
     s = from_mapping({"database": DB, "adapters": [adapter(group="switchboard", batch_size=500)]}, {})
     a = s.adapters[0]
-    assert (a.name, a.mode, a.source, a.group, a.queue, a.ack_after, a.batch_size) == (
+    assert (a.name, a.mode, a.source, a.options.group, a.queue, a.ack_after, a.batch_size) == (
         "orders", "stream", "orders", "switchboard", "orders", "store", 500,
     )  # fmt: skip
     assert a.key_prefix == "redis"
-    assert a.start_id == "0"
+    assert a.options.start_id == "0"
     assert s.database.url.startswith("postgresql+psycopg://")
 
 
@@ -180,7 +180,7 @@ def test_list_and_pubsub_modes_are_accepted() -> None:
         {},
     )
     assert [a.mode for a in s.adapters] == ["list", "pubsub"]
-    assert s.adapters[0].heartbeat_ttl_ms == 5000
+    assert s.adapters[0].options.heartbeat_ttl_ms == 5000
 
 
 def test_the_shipped_example_config_loads() -> None:
@@ -277,7 +277,7 @@ def test_each_mode_takes_the_common_keys_and_its_own(mode: str, tmp_path: Path) 
 def test_an_sqs_adapter_defaults_to_queue_its_prefix_and_aws_itself() -> None:
     raw = {"name": "orders", "transport": "sqs", "source": "orders.fifo"}
     (a,) = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters
-    assert (a.mode, a.key_prefix, a.broker.url(), a.ack_wait_ms) == ("queue", "sqs", "aws://", 60_000)
+    assert (a.mode, a.key_prefix, a.broker.url(), a.options.ack_wait_ms) == ("queue", "sqs", "aws://", 60_000)
     env = {"SWITCHBOARD_SQS_ENDPOINT_URL": "http://127.0.0.1:5000"}
     (a,) = from_mapping({"database": DB, "adapters": [raw]}, env).adapters
     assert a.broker.url() == "http://127.0.0.1:5000"
@@ -344,7 +344,7 @@ def test_two_adapters_on_one_sqs_queue_are_refused() -> None:
 def test_a_nats_adapter_defaults_to_jetstream_its_prefix_and_its_url() -> None:
     raw = {"name": "orders", "transport": "nats", "source": "ORDERS"}
     (a,) = from_mapping({"database": DB, "adapters": [raw]}, {}).adapters
-    assert (a.mode, a.key_prefix, a.broker.url(), a.group) == (
+    assert (a.mode, a.key_prefix, a.broker.url(), a.options.group) == (
         "jetstream",
         "nats",
         "nats://127.0.0.1:4222",

@@ -82,7 +82,7 @@ def test_a_registered_adapter_is_rebuilt_from_its_public_settings(table: dict[st
         "key_prefix",
     ):
         if attr in cfg.public_settings() or attr in ("name", "mode", "source", "queue"):
-            assert getattr(rebuilt, attr) == getattr(cfg, attr), attr
+            assert rebuilt.values()[attr] == cfg.values()[attr], attr
     assert isinstance(rebuilt.format, BodyFormat)
 
 
@@ -114,7 +114,7 @@ def test_a_row_registered_when_every_key_was_published_in_every_mode_is_rebuilt(
         "claim_interval_ms": 5_000, "body_field": "body", "heartbeat_ttl_ms": 30_000,
     }  # fmt: skip
     rebuilt = registered.adapter_config(row("list", old_settings), DEFAULT_REDIS_URL)
-    assert (rebuilt.mode, rebuilt.source, rebuilt.heartbeat_ttl_ms) == ("list", "jobs", 30_000)
+    assert (rebuilt.mode, rebuilt.source, rebuilt.options.heartbeat_ttl_ms) == ("list", "jobs", 30_000)
 
 
 def test_the_default_broker_is_the_environments_then_the_files() -> None:
