@@ -4,12 +4,13 @@
 
     IngestError
      ├── ConfigError            bad config: names the adapter and the key
-     ├── BrokerError            a broker call failed (redis error attached as __cause__)
+     ├── BrokerError            a broker call failed (the client's error attached as __cause__)
      │    └── GroupMissing      NOGROUP: the consumer group vanished; recreate it
      └── AckError               sending acks to the broker failed; rows stay pending
 
-Redis errors are classified in one place (:func:`ingest.adapters.redis.common.classify`)
-and mapped to these at the adapter boundary with ``raise ... from exc``.
+Each transport classifies its client's errors in one place (its folder's
+``common``) and maps them to these at the adapter boundary with
+``raise ... from exc``.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def log_failure(
 
 
 def error_kind(exc: BaseException) -> str:
-    """The metrics' ``kind`` of a failure: ``broker`` (redis-py's, wrapped as
+    """The metrics' ``kind`` of a failure: ``broker`` (a client's, wrapped as
     an IngestError at the adapter boundary), ``database`` (the driver's and
     the back half's, which wrap a database failure), or
     ``bug``: anything else is no outage but a fault of ours."""

@@ -241,13 +241,13 @@ class PullAdapter(Protocol):
 
     async def pause(self) -> None:
         """The adapter was disabled: give back what the broker pushed ahead
-        of the reads (an AMQP channel's prefetch), so other consumers get it
+        of the reads (a channel's prefetch), so other consumers get it
         meanwhile; the next read starts again. A no-op where nothing is
         pushed (every pull-by-request mode)."""
 
     async def ack_stored(self) -> Sequence[Delivery]:
         """Where acks are bound to the channel that received the message
-        (:data:`AckParty` "consumer": AMQP), the consuming process acks: every
+        (:data:`AckParty` "consumer"), the consuming process acks: every
         delivery of the batches ``stored()`` confirmed, acked now on its own
         channel; returns those acked, whose intents the poll loop then marks.
         Raises :class:`ingest.errors.BrokerError` when the channel is gone (its
@@ -268,7 +268,7 @@ class Acknowledger(Protocol):
 
     async def ack(self, claims: Sequence[AckClaim]) -> Sequence[AckClaim]:
         """Acknowledge the claims; return those the broker refused one by one
-        (an SQS batch delete's failed entries), which stay owed and are
+        (a batch delete's failed entries), which stay owed and are
         retried, [] when every one was acked. Raise
         :class:`ingest.errors.AckError` where none could be (the broker is
         down). Must be idempotent: a claim may be acked again after a crash.

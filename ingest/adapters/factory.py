@@ -19,7 +19,6 @@ from typing import NamedTuple, Protocol, cast
 
 from backhalf.records import AckParty
 from ingest.adapters.base import AckIntentView, Acknowledger, ConsumerLedger, ModeImplementation, PullAdapter
-from ingest.adapters.network import Unencrypted
 from ingest.config import AdapterConfig
 from ingest.config.transports import definitions
 from ingest.errors import ConfigError
@@ -48,10 +47,6 @@ class TransportPackage(Protocol):
     MESSAGING_SYSTEM: str
 
     def describe_ack(self, intent: AckIntentView) -> str: ...
-
-    def unencrypted(self, config: AdapterConfig) -> Unencrypted | None:
-        """The adapter's broker if remote and reached without TLS (the plaintext warning)."""
-        ...
 
 
 def transport(name: str, *, adapter: str | None = None) -> TransportPackage:

@@ -4,9 +4,8 @@ The ingester registers each adapter with its transport, its mode and its
 public settings (``AdapterConfig.public_settings``: the keys that apply to its
 mode, never the broker URL). ``ack`` and ``status`` without adapters in their
 config rebuild an :class:`AdapterConfig` from such a row, with its transport's
-default broker URL (Redis: ``Settings.redis_url``, SWITCHBOARD_REDIS_URL, else
-the config file's ``[redis] url``, else the default; NATS:
-SWITCHBOARD_NATS_URL, else the default)."""
+default broker URL (the default transport's: ``Settings.default_broker_url``;
+another's: its own variable, else its default)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,9 @@ from ingest.errors import ConfigError
 _NOT_FROM_SETTINGS = frozenset({"name", "mode", "transport", "url", "schema"})
 
 
-def adapter_config(row: AdapterRow, redis_url: str) -> AdapterConfig:
-    """The config of a registered adapter, its broker at ``redis_url``, read
+def adapter_config(row: AdapterRow, default_url: str) -> AdapterConfig:
+    """The config of a registered adapter, its broker at ``default_url`` if
+    its transport is the default one, read
     by the config's own definitions (ingest.config.read_adapter). Settings
     this version does not know are ignored, and so are those that do not
     apply to the row's mode: rows registered before issue 23 published every
@@ -37,8 +37,8 @@ def adapter_config(row: AdapterRow, redis_url: str) -> AdapterConfig:
     table = {k: v for k, v in row.settings.items() if k in keys}
     table |= {"name": row.name, "mode": row.mode, "transport": row.transport}
     try:
-        # The environment gives a NATS adapter its default server (SWITCHBOARD_NATS_URL).
-        return read_adapter(table, redis_url, os.environ)
+        # The environment gives another transport's adapter its default server.
+        return read_adapter(table, default_url, os.environ)
     except ConfigError as exc:
         detail = str(exc).removeprefix(f"adapter {row.name!r}: ")
         raise ConfigError(f"registered adapter {row.name!r}: {detail}") from exc

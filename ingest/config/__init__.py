@@ -46,9 +46,7 @@ from ingest.config.webhook import WebhookConfig as WebhookConfig
 from ingest.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = "switchboard.toml"
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DATABASE_URL_VARIABLE = "SWITCHBOARD_DATABASE_URL"
-REDIS_URL_VARIABLE = "SWITCHBOARD_REDIS_URL"
 METRICS_PORT_VARIABLE = "SWITCHBOARD_METRICS_PORT"
 # A claim's lease is extended every third of it: a second at the least.
 LEASE_MIN_MS = 3_000
@@ -111,32 +109,6 @@ DATABASE = Section(
         ),
     },
 )
-
-
-def _default_broker_url(where: str, value: Any) -> str:
-    """The file's own broker's URL, checked by the default transport."""
-    return default_transport().check_url(where, value)
-
-
-@dataclass(frozen=True, slots=True)
-class RedisSettings:
-    """``[redis]``: kept in :attr:`Settings.redis_url`."""
-
-    url: Annotated[
-        str,
-        Key(
-            parse=_default_broker_url,
-            env=REDIS_URL_VARIABLE,
-            doc=f"the broker of adapters without their own `url`; `{REDIS_URL_VARIABLE}` takes its place",
-        ),
-    ] = DEFAULT_REDIS_URL
-    cluster: Annotated[
-        bool,
-        Key(
-            doc="`url` is a Redis (or Valkey) Cluster: the default of `cluster` for the adapters that use"
-            " `url`",
-        ),
-    ] = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +307,6 @@ class MetricsSettings:
     ] = 5_000
 
 
-REDIS = Section("[redis]", RedisSettings)
 INGEST = Section("[ingest]", IngestSettings)
 ACKER = Section("[acker]", AckerSettings)
 WORKER = Section(
@@ -350,18 +321,37 @@ METRICS = Section(
     ' "[Metrics, health and liveness](operating.md#metrics-health-and-liveness)".',
 )
 # Every table, in the order of the config reference.
-SECTIONS = (DATABASE, REDIS, ADAPTERS, WEBHOOKS, RECEIVER, INGEST, ACKER, QUEUES, WORKER, METRICS)
+SECTIONS = (DATABASE, ADAPTERS, WEBHOOKS, RECEIVER, INGEST, ACKER, QUEUES, WORKER, METRICS)
 
 
 def sections() -> tuple[Section, ...]:
-    """Every table of the file, each transport's own adapter keys after the
-    shared ones (a function: the transports' definitions load on first use)."""
-    at = SECTIONS.index(ADAPTERS) + 1
+    """Every table of the file: the default transport's own table after
+    ``[database]``, each transport's own adapter keys after the shared ones
+    (a function: the transports' definitions load on first use)."""
+    home = default_transport().file_table
     own = tuple(d.keys for d in transport_definitions().values())
-    return (*SECTIONS[:at], *own, *SECTIONS[at:])
+    at = SECTIONS.index(ADAPTERS)
+    return (*SECTIONS[:at], *((home,) if home else ()), ADAPTERS, *own, *SECTIONS[at + 1 :])
 
 
-_TOP_KEYS = {"database", "redis", "adapters", "receiver", "ingest", "acker", "queues", "worker", "metrics"}
+def default_broker_url() -> str:
+    """The default transport's own default URL (no file, no variable)."""
+    home = default_transport()
+    if home.default_url_value is None:
+        raise TypeError(f"transport {home.name!r}, the default, has no default URL")
+    return home.default_url_value
+
+
+def _default_broker(raw: Mapping[str, Any], env: Mapping[str, str]) -> DefaultBroker:
+    """The file's own broker: the default transport's table (``[redis]``)."""
+    home = default_transport()
+    if home.file_table is None:
+        raise TypeError(f"transport {home.name!r}, the default, has no file table")
+    values = home.file_table.read(home.file_table.title, table(raw, home.name), env=env)
+    return DefaultBroker(values.get("url", default_broker_url()), values.get("cluster", False))
+
+
+_TOP_KEYS = {"database", "adapters", "receiver", "ingest", "acker", "queues", "worker", "metrics"}
 # Keys of the dramatiq relay the workers on PostgreSQL replaced (DESIGN.md
 # section 7b): a config written for it keeps loading, each key said once.
 _RELAY_GONE = "the workers take their todos from PostgreSQL, with no relay and no dramatiq Redis"
@@ -388,10 +378,11 @@ class Settings:
     metrics: MetricsSettings = MetricsSettings()
     # Where ``database.url`` came from, for messages: the variable or the key.
     database_url_origin: str = "[database] url"
-    # The broker of adapters that name none: SWITCHBOARD_REDIS_URL, else
-    # [redis] url, else the default; also that of adapters known only from
-    # the adapters table (``ack`` and ``status`` with no adapters configured).
-    redis_url: str = DEFAULT_REDIS_URL
+    # The broker of adapters that name none: the default transport's
+    # variable, else its table's url, else its default; also that of adapters
+    # known only from the adapters table (``ack`` and ``status`` with no
+    # adapters configured).
+    default_broker_url: str = field(default_factory=default_broker_url)
     # The push adapters ([[adapters]] with transport = "webhook"), served by
     # `switchboard receive`; every other process leaves them be.
     webhooks: tuple[WebhookConfig, ...] = ()
@@ -497,13 +488,10 @@ def _history_covers_redelivery(
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None = None) -> Settings:
     """``base_dir`` anchors relative paths (the config file's directory)."""
     raw, notices = _without_retired(raw)
-    check_keys("config", raw, _TOP_KEYS)
+    check_keys("config", raw, _TOP_KEYS | {default_transport().name})
     database = DatabaseSettings(**DATABASE.read("[database]", table(raw, "database"), env=env))
-    redis = RedisSettings(**REDIS.read("[redis]", table(raw, "redis"), env=env))
-    redis_url = redis.url
-    adapters = read_adapters(
-        raw, DefaultBroker(redis_url, redis.cluster), base_dir if base_dir is not None else Path.cwd(), env
-    )
+    default_broker = _default_broker(raw, env)
+    adapters = read_adapters(raw, default_broker, base_dir if base_dir is not None else Path.cwd(), env)
     webhooks = _webhooks(raw, base_dir if base_dir is not None else Path.cwd())
     _names_unique(adapters, webhooks)
     _key_spaces_apart(adapters, webhooks)
@@ -521,7 +509,7 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
         queues=queues,
         worker=WorkerSettings(**WORKER.read("[worker]", table(raw, "worker"))),
         metrics=_metrics(raw, env),
-        redis_url=redis_url,
+        default_broker_url=default_broker.url,
         webhooks=webhooks,
         receiver=ReceiverSettings(**RECEIVER.read("[receiver]", table(raw, "receiver"))),
         notices=notices,

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from urllib.parse import SplitResult
 
 from ingest.config.keys import Rule, Section
+from ingest.config.network import Unencrypted
 from ingest.errors import ConfigError
 
 Values = Mapping[str, Any]
@@ -88,8 +89,14 @@ class TransportDefinition:
     Key names. ``key_prefix``: its idempotency keys' default prefix. ``extra``: the install extra that
     brings its client (None: a dependency of Switchboard itself).
 
+    ``file_table``: the file's own table of the transport, ``[<name>]``,
+    read for the default transport only: its ``url`` (default
+    ``default_url_value``) and ``cluster`` are the :class:`DefaultBroker`.
+
     Its URL: ``url_schemes`` it speaks, ``check_url(where, value)`` (never
-    echoing the URL), ``url_identity(parts)`` (which server, whoever logs
+    echoing the URL), ``plaintext(url, options)`` (its server, if remote and
+    reached without TLS: the start-up warning; ``options`` None for the
+    file's own broker), ``url_identity(parts)`` (which server, whoever logs
     in), ``default_url(env, default_broker)`` where a table names none, and
     ``default_url_doc`` saying so in the reference. ``variables``: the
     environment variables it reads, and what for (``switchboard --help``).
@@ -109,10 +116,13 @@ class TransportDefinition:
     name: str
     modes: tuple[str, ...]
     keys: Section
+    file_table: Section | None = None
+    default_url_value: str | None = None
     key_prefix: str
     extra: str | None = None
     url_schemes: tuple[str, ...]
     check_url: Callable[[str, Any], str]
+    plaintext: Callable[[str, Any], Unencrypted | None]
     url_identity: Callable[[SplitResult], tuple[str, ...]]
     default_url: Callable[[Mapping[str, str], DefaultBroker], str]
     default_url_doc: str

@@ -3,34 +3,41 @@
 Each is a folder, ``ingest/adapters/<name>/``; what the config reads of it
 is its ``settings.DEFINITION`` (no client imported), and the adapter
 factory loads its ``modes`` (its client) when an adapter uses it. Adding a
-transport adds its folder and its line here (docs/transports.md, "Adding a
+transport adds its folder and its name here (docs/transports.md, "Adding a
 transport")."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from ingest.config.transport import TransportDefinition
 
+# The first is the default: an adapter that names no transport, and the
+# file's own broker (its table, ``[<name>]``).
+REGISTERED = ("redis", "nats", "sqs", "amqp")
+
 
 @functools.cache
 def definitions() -> Mapping[str, TransportDefinition]:
-    """Every registered transport by name; the first is the default (an
-    adapter that names no transport, and the file's own ``[redis]``)."""
+    """Every registered transport's definition, by name, in the table's order."""
     # Imported when first asked, not with the config: each transport's
     # settings import the config's key machinery, and the config imports this.
-    from ingest.adapters.amqp.settings import DEFINITION as AMQP
-    from ingest.adapters.nats.settings import DEFINITION as NATS
-    from ingest.adapters.redis.settings import DEFINITION as REDIS
-    from ingest.adapters.sqs.settings import DEFINITION as SQS
-
-    return MappingProxyType({d.name: d for d in (REDIS, NATS, SQS, AMQP)})
+    found: dict[str, TransportDefinition] = {}
+    for name in REGISTERED:
+        definition = importlib.import_module(f"ingest.adapters.{name}.settings").DEFINITION
+        if not isinstance(definition, TransportDefinition) or definition.name != name:
+            raise TypeError(
+                f"ingest.adapters.{name}.settings: DEFINITION is no TransportDefinition of {name!r}"
+            )
+        found[name] = definition
+    return MappingProxyType(found)
 
 
 def default() -> TransportDefinition:
-    return next(iter(definitions().values()))
+    return definitions()[REGISTERED[0]]
 
 
 def of_scheme(scheme: str) -> TransportDefinition:

@@ -7,7 +7,7 @@ the config's (a registered adapter absent from it is listed from the
 database, unchecked: its broker URL is stored nowhere, and a guess would
 report a healthy adapter of another deployment as broken); with none in the
 config (no config file), every registered adapter's, at the broker URL the
-caller gives (``SWITCHBOARD_REDIS_URL`` or the default).
+caller gives (the default transport's variable, or its default).
 
 An adapter is unhealthy when its broker cannot be asked (unreachable, or it
 answers with an error), or when a process that served it died: an ingester
@@ -158,7 +158,7 @@ async def collect(
     db: Figures | None = None,
 ) -> list[dict[str, Any]]:
     """Registered adapters the config does not name are checked at
-    ``settings.redis_url`` when the config has no adapters (see the module's
+    ``settings.default_broker_url`` when the config has no adapters (see the module's
     docstring). ``procs``: the ``processes`` rows, for each adapter's own.
     ``handler_check``: asked for a configured queue no worker serves, so
     that a handler no worker could load (a worker stops at start on it) is
@@ -238,7 +238,7 @@ def _entries(settings: Settings, rows: Mapping[str, AdapterRow]) -> list[_Entry]
             entries.append(_Entry(name, row, note=NOT_IN_CONFIG))
             continue
         try:
-            entries.append(_Entry(name, row, registered.adapter_config(row, settings.redis_url)))
+            entries.append(_Entry(name, row, registered.adapter_config(row, settings.default_broker_url)))
         except ConfigError as exc:  # a row this version cannot rebuild: unhealthy, said why
             entries.append(_Entry(name, row, note=f"cannot be checked: {exc}", failed=True))
     return entries
@@ -251,7 +251,8 @@ def _push_view(e: _Entry) -> dict[str, Any] | None:
 
 
 def acked_by_ingester(cfg: AdapterConfig | None) -> bool:
-    """An adapter whose ingester acks (AMQP): no ack process serves it."""
+    """An adapter whose ingester acks (its transport binds acks to the
+    consuming channel): no ack process serves it."""
     try:
         return cfg is not None and acked_by(cfg) == "consumer"
     except ConfigError:  # its transport's client is missing: said by its broker view

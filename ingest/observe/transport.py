@@ -1,7 +1,7 @@
 """A warning at start for each server a long-running process reaches
 without TLS over the network (issue 32): the database without an
-``sslmode`` that requires TLS, a broker by ``redis://`` rather than
-``rediss://``. Loopback and unix sockets are exempt: nothing crosses a
+``sslmode`` that requires TLS, a broker by its plain-text scheme rather
+than its TLS one. Loopback and unix sockets are exempt: nothing crosses a
 network there.
 
 What counts, read from the URL alone (nothing is resolved or connected):
@@ -13,10 +13,8 @@ What counts, read from the URL alone (nothing is resolved or connected):
   ``verify-ca`` and ``verify-full`` (or ``gssencmode=require``) count as
   encrypted. No host at all is libpq's unix socket. A host name other than
   ``localhost`` counts as remote even if it resolves to loopback.
-* a broker: by its transport's own rule (each transport's package,
-  ``unencrypted``: ``redis://``, ``nats://`` without ``tls_ca_file``,
-  ``amqp://``, an ``http://`` SQS endpoint); ``unix://`` and a loopback host
-  are exempt.
+* a broker: by its transport's own rule (its definition's ``plaintext``,
+  in its folder's ``settings``); ``unix://`` and a loopback host are exempt.
 
 Each warning (``plaintext_connection``) names the server by its role, host
 and port, never by its URL: no user name or password reaches the log.
@@ -33,10 +31,10 @@ import structlog
 from psycopg.conninfo import conninfo_to_dict
 
 from backhalf.db import libpq_url
-from ingest.adapters.factory import transport
-from ingest.adapters.network import Unencrypted, is_local
-from ingest.adapters.redis import modes as redis_transport
 from ingest.config import Settings
+from ingest.config.network import Unencrypted, is_local
+from ingest.config.transports import default as default_transport
+from ingest.config.transports import definitions
 from ingest.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -98,11 +96,12 @@ def _brokers(settings: Settings, verb: str) -> Iterator[tuple[str, Unencrypted |
         return
     for a in settings.adapters:
         try:
-            yield f"adapter {a.name!r}", transport(a.transport, adapter=a.name).unencrypted(a)
+            yield f"adapter {a.name!r}", definitions()[a.transport].plaintext(a.broker.url(), a.options)
         except ConfigError:
             continue
     if verb == "ack" and not settings.adapters:  # for the adapters table's adapters
-        yield "[redis] url", redis_transport.unencrypted_url(settings.redis_url)
+        home = default_transport()
+        yield f"[{home.name}] url", home.plaintext(settings.default_broker_url, None)
 
 
 def plaintext_servers(settings: Settings, verb: str, env: Mapping[str, str] | None = None) -> list[Plaintext]:

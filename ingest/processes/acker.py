@@ -15,7 +15,7 @@ pending; they are acked again, which brokers treat as a no-op.
 
 Which adapters: the config's; with none in the config (no config file), every
 adapter in the ``adapters`` table, its broker the default one
-(``Settings.redis_url``), the table read again every ``REGISTRY_REFRESH_S`` so an
+(``Settings.default_broker_url``), the table read again every ``REGISTRY_REFRESH_S`` so an
 adapter registered later (an ingester started after the acker) is acked too.
 At start-up the acker reads the table either way: a permanent database error
 there (schema missing, login refused, no such database) stops it with
@@ -517,7 +517,7 @@ async def _stop_listener(listener: asyncio.Task[None], stop: asyncio.Event) -> N
 
 async def run_acker(settings: Settings, stop: asyncio.Event) -> None:
     """With no adapters in the config, those of the adapters table, their
-    broker at ``settings.redis_url``."""
+    broker at ``settings.default_broker_url``."""
     await run_process(settings, stop, lambda engine: _Acker(settings, engine))
 
 
@@ -557,7 +557,7 @@ class _Acker(ProcessBody):
         if rows is None:
             return False
         if not self._settings.adapters:
-            table = RegisteredAcknowledgers(self._acknowledgers, self._settings.redis_url)
+            table = RegisteredAcknowledgers(self._acknowledgers, self._settings.default_broker_url)
             table.adopt(rows)
             if not rows:
                 log.warning(

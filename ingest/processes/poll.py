@@ -2,8 +2,8 @@
 
 It never talks to the broker's ack API (the acker does, for committed rows
 only), so whatever happens here the worst outcome is a redelivery; the one
-exception is a transport whose acks are bound to the receiving channel
-(AMQP), which this loop acks through its adapter strictly after the commit
+exception is a transport whose acks are bound to the receiving channel,
+which this loop acks through its adapter strictly after the commit
 (``_ack_own``), and then marks. Broker and
 database errors are logged, backed off and retried; the loop ends only when
 ``stop`` is set. On stop it abandons a read in progress (those entries stay
@@ -502,7 +502,7 @@ class PollLoop:
                 "entry_id_reused",
                 message_id=message_id,
                 stored_as=key,
-                detail="another body is stored under this entry id (a Redis restore or failover,"
+                detail="another body is stored under this entry id (a broker restored or failed over,"
                 " or explicit ids reused): stored under its own key",
             )
         for d in deliveries:

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from ingest.adapters.factory import TRANSPORTS
+from ingest.adapters.redis.settings import URL_VARIABLE as REDIS_URL_VARIABLE
 from ingest.cli import main as cli
-from ingest.config import DATABASE_URL_VARIABLE, REDIS_URL_VARIABLE, load
+from ingest.config import DATABASE_URL_VARIABLE, load
 from ingest.config.webhook import resolve_secrets
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE
 from ingest.web import server as web_server

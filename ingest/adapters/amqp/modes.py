@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from ingest.adapters.amqp import frames, queue
 from ingest.adapters.amqp.queue import AmqpQueueAdapter, no_acker
 from ingest.adapters.base import AckIntentView, ModeImplementation
-from ingest.adapters.network import Unencrypted, unencrypted_at
 
 # Before any frame is read: a producer's short string that is not UTF-8 must
 # not end the connection (frames.py says why).
@@ -25,18 +24,13 @@ frames.install()
 
 
 if TYPE_CHECKING:
-    from ingest.config import AdapterConfig
+    pass
 
 # OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
 MESSAGING_SYSTEM = "rabbitmq"
 MODES: dict[str, ModeImplementation] = {
     "queue": ModeImplementation(AmqpQueueAdapter, no_acker, queue.ACK_KIND, acked_by="consumer"),
 }
-
-
-def unencrypted(config: AdapterConfig) -> Unencrypted | None:
-    """The adapter's RabbitMQ if remote and reached by ``amqp://`` (not ``amqps://``)."""
-    return unencrypted_at(config.broker.url(), {"amqp": 5672}, "use amqps:// for RabbitMQ")
 
 
 def describe_ack(intent: AckIntentView) -> str:

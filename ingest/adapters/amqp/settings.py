@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from ingest.config.keys import Key, Section, string
+from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import Adapter, DefaultBroker, Reader, TransportDefinition, refuse_complete
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
@@ -96,6 +97,11 @@ KEYS = Section(
 )
 
 
+def plaintext(url: str, own: AmqpOptions | None) -> Unencrypted | None:
+    """A RabbitMQ if remote and reached by ``amqp://`` (not ``amqps://``)."""
+    return unencrypted_at(url, {"amqp": AMQP_PORT}, "use amqps:// for RabbitMQ")
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
@@ -104,6 +110,7 @@ DEFINITION = TransportDefinition(
     extra="amqp",
     url_schemes=("amqp", "amqps"),
     check_url=check_url,
+    plaintext=plaintext,
     url_identity=url_identity,
     default_url=_default_url,
     default_url_doc=f"AMQP `{URL_VARIABLE}`, else `{DEFAULT_URL}`",

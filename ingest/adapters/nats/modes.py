@@ -13,27 +13,15 @@ from typing import TYPE_CHECKING
 from ingest.adapters.base import AckIntentView, ModeImplementation
 from ingest.adapters.nats import jetstream
 from ingest.adapters.nats.jetstream import JetStreamAcknowledger, JetStreamAdapter
-from ingest.adapters.nats.settings import options
-from ingest.adapters.network import Unencrypted, unencrypted_at
 
 if TYPE_CHECKING:
-    from ingest.config import AdapterConfig
+    pass
 
 # OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
 MESSAGING_SYSTEM = "nats"
 MODES: dict[str, ModeImplementation] = {
     "jetstream": ModeImplementation(JetStreamAdapter, JetStreamAcknowledger, jetstream.ACK_KIND),
 }
-
-
-def unencrypted(config: AdapterConfig) -> Unencrypted | None:
-    """The adapter's NATS server if remote and reached by ``nats://`` without
-    ``tls_ca_file`` (either makes the client speak TLS)."""
-    if options(config).tls_ca_file is not None:
-        return None
-    return unencrypted_at(
-        config.broker.url(), {"nats": 4222}, "use tls:// (or tls_ca_file) for the NATS server"
-    )
 
 
 def describe_ack(intent: AckIntentView) -> str:

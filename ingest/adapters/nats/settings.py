@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
 from ingest.config.keys import Key, Section, string
+from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
     DefaultBroker,
@@ -154,6 +155,14 @@ KEYS = Section(
 )
 
 
+def plaintext(url: str, own: NatsOptions | None) -> Unencrypted | None:
+    """A NATS server if remote and reached by ``nats://`` without
+    ``tls_ca_file`` (either makes the client speak TLS)."""
+    if own is not None and own.tls_ca_file is not None:
+        return None
+    return unencrypted_at(url, {"nats": DEFAULT_PORT}, "use tls:// (or tls_ca_file) for the NATS server")
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("jetstream",),
@@ -162,6 +171,7 @@ DEFINITION = TransportDefinition(
     extra="nats",
     url_schemes=("nats", "tls"),
     check_url=check_url,
+    plaintext=plaintext,
     url_identity=url_identity,
     default_url=_default_url,
     default_url_doc=f"NATS `{URL_VARIABLE}`, else `{DEFAULT_URL}`",

@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING
 
 from backhalf.records import NO_ACK
 from ingest.adapters.base import AckIntentView, ModeImplementation
-from ingest.adapters.network import Unencrypted, unencrypted_at
 from ingest.adapters.redis import lists, streams
 from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter
 from ingest.adapters.redis.pubsub import NoAcknowledger, PubSubAdapter
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 
 if TYPE_CHECKING:
-    from ingest.config import AdapterConfig
+    pass
 
 # OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
 MESSAGING_SYSTEM = "redis"
@@ -28,16 +27,6 @@ MODES: dict[str, ModeImplementation] = {
     "list": ModeImplementation(ListAdapter, ListAcknowledger, lists.ACK_KIND),
     "pubsub": ModeImplementation(PubSubAdapter, NoAcknowledger, NO_ACK),
 }
-
-
-def unencrypted(config: AdapterConfig) -> Unencrypted | None:
-    """The adapter's Redis if remote and reached by ``redis://`` (not ``rediss://``)."""
-    return unencrypted_url(config.broker.url())
-
-
-def unencrypted_url(url: str) -> Unencrypted | None:
-    """A Redis URL's server if remote and in plain text (``[redis] url`` too)."""
-    return unencrypted_at(url, {"redis": 6379}, "use rediss:// with ssl_ca_certs=... in the broker URL")
 
 
 def describe_ack(intent: AckIntentView) -> str:

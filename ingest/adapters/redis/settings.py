@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
 from ingest.config.keys import Key, Section, got, string
+from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import Adapter, DefaultBroker, Reader, TransportDefinition, Values
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
@@ -286,13 +287,48 @@ KEYS = Section(
 )
 
 
+DEFAULT_URL = "redis://localhost:6379/0"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTable:
+    """``[redis]``: the file's own broker, that of the adapters naming no
+    ``url`` (:class:`~ingest.config.transport.DefaultBroker`)."""
+
+    url: Annotated[
+        str,
+        Key(
+            parse=check_url,
+            env=URL_VARIABLE,
+            doc=f"the broker of adapters without their own `url`; `{URL_VARIABLE}` takes its place",
+        ),
+    ] = DEFAULT_URL
+    cluster: Annotated[
+        bool,
+        Key(
+            doc="`url` is a Redis (or Valkey) Cluster: the default of `cluster` for the adapters that use"
+            " `url`",
+        ),
+    ] = False
+
+
+def plaintext(url: str, own: RedisOptions | None) -> Unencrypted | None:
+    """A Redis server if remote and reached by ``redis://`` (not ``rediss://``)."""
+    return unencrypted_at(
+        url, {"redis": DEFAULT_PORT}, "use rediss:// with ssl_ca_certs=... in the broker URL"
+    )
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("stream", "list", "pubsub"),
     keys=KEYS,
+    file_table=Section("[redis]", RedisTable),
+    default_url_value=DEFAULT_URL,
     key_prefix="redis",
     url_schemes=("redis", "rediss", "unix"),
     check_url=check_url,
+    plaintext=plaintext,
     url_identity=url_identity,
     default_url=_default_url,
     default_url_doc=f"Redis `{URL_VARIABLE}`, else `[redis] url`",

@@ -11,24 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ingest.adapters.base import AckIntentView, ModeImplementation
-from ingest.adapters.network import Unencrypted, unencrypted_at
 from ingest.adapters.sqs import queue
 from ingest.adapters.sqs.queue import SqsDeleter, SqsQueueAdapter
 
 if TYPE_CHECKING:
-    from ingest.config import AdapterConfig
+    pass
 
 # OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
 MESSAGING_SYSTEM = "aws_sqs"
 MODES: dict[str, ModeImplementation] = {
     "queue": ModeImplementation(SqsQueueAdapter, SqsDeleter, queue.ACK_KIND),
 }
-
-
-def unencrypted(config: AdapterConfig) -> Unencrypted | None:
-    """The adapter's SQS-compatible endpoint if remote and ``http://`` (AWS's
-    own endpoints, the default, are HTTPS)."""
-    return unencrypted_at(config.broker.url(), {"http": 80}, "use https:// for the SQS endpoint")
 
 
 def describe_ack(intent: AckIntentView) -> str:

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
 from ingest.config.keys import Key, Section, string
+from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
     DefaultBroker,
@@ -177,6 +178,12 @@ KEYS = Section(
 )
 
 
+def plaintext(url: str, own: SqsOptions | None) -> Unencrypted | None:
+    """An SQS-compatible endpoint if remote and ``http://`` (AWS's own
+    endpoints, the default, are HTTPS)."""
+    return unencrypted_at(url, {"http": 80}, "use https:// for the SQS endpoint")
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
@@ -185,6 +192,7 @@ DEFINITION = TransportDefinition(
     extra="sqs",
     url_schemes=("http", "https", "aws"),
     check_url=check_url,
+    plaintext=plaintext,
     url_identity=url_identity,
     default_url=_default_url,
     default_url_doc=f"SQS `{URL_VARIABLE}`, else `{AWS_ENDPOINT}` (AWS's own endpoint of the region)",

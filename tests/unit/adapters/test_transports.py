@@ -4,14 +4,19 @@ transport's words, and plainly where the transport is unknown."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
 from ingest.adapters import factory
 from ingest.adapters.base import AckIntentView
 from ingest.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_a_transport_whose_client_is_missing_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,13 +118,26 @@ def test_every_registered_transport_has_its_parts() -> None:
     """Walks the registration table: each transport's folder holds its
     settings (a definition under its own name, modes, URL schemes its check
     takes) and its modes module (one implementation per mode it declares),
-    and ``switchboard --help`` names each of its variables. A transport
-    added without one of them fails here."""
+    ``switchboard --help`` names each of its variables, its package ships,
+    its client is pinned, and the contract suite runs on it. A transport
+    added without one of them fails here; the docs' list of the files a new
+    transport touches is this test's (docs/transports.md)."""
     from ingest.cli.help_pages import _ENVIRONMENT
     from ingest.config.transports import definitions
 
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = project["tool"]["setuptools"]["packages"]
+    extras = project["project"]["optional-dependencies"]
+    pinned = {
+        line.split("==")[0].strip().lower()
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line
+    }
     assert factory.TRANSPORTS.keys() == definitions().keys()
     for name, definition in definitions().items():
+        folder = ROOT / "ingest" / "adapters" / name
+        for part in FOLDER_PARTS:
+            assert (folder / part).is_file(), f"{name}: no {part}"
         assert definition.name == name
         assert definition.modes, name
         assert definition.url_schemes, name
@@ -128,3 +146,35 @@ def test_every_registered_transport_has_its_parts() -> None:
         assert package.MESSAGING_SYSTEM, name
         for variable in definition.variables:
             assert f"  {variable} " in _ENVIRONMENT, f"{name}: --help lacks {variable}"
+        assert f"ingest.adapters.{name}" in packages, f"{name}: its package is not shipped"
+        if definition.extra is not None:
+            for requirement in extras[definition.extra]:
+                client = re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0].lower()
+                assert client in pinned, f"{name}: constraints.txt does not pin {client}"
+        assert (ROOT / "tests" / "integration" / "adapters" / f"test_contract_{name}.py").is_file(), name
+
+
+# What the docs list as the files a new transport touches, by the checks above
+# (the extras in the image: tests/unit/test_deployment_files.py).
+FOLDER_PARTS = ("__init__.py", "settings.py", "modes.py")
+TOUCHED = {
+    "ingest/adapters/<name>/__init__.py",
+    "ingest/config/transports.py",
+    "pyproject.toml",
+    "constraints.txt",
+    "ops/Dockerfile",
+    "tests/integration/adapters/test_contract_<name>.py",
+    "docs/transports.md",
+    "docs/configuration.md",
+}
+
+
+def test_the_docs_list_the_files_a_new_transport_touches() -> None:
+    text = (ROOT / "docs" / "transports.md").read_text()
+    section = text.split("### Files a new transport touches", 1)[1].split(
+        "Where the transport offers more", 1
+    )[0]
+    bullets = [line for line in section.splitlines() if line.startswith("* ")]
+    named = [item for bullet in bullets for item in re.findall(r"`([^`]+)`", bullet)]
+    listed = {item for item in named if "/" in item or re.fullmatch(r"[\w.-]+\.(toml|txt)", item)}
+    assert listed == TOUCHED

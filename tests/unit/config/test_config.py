@@ -997,7 +997,7 @@ def test_a_zero_that_means_off_is_kept_and_the_metrics_port_variable_is_checked_
     # The database and broker variables take their key's place: the file's is not read.
     env = {"SWITCHBOARD_DATABASE_URL": "postgresql://x@db/y", "SWITCHBOARD_REDIS_URL": "redis://r/0"}
     s = from_mapping({"database": {"url": "mysql://x"}, "redis": {"url": "http://x"}}, env)
-    assert (s.database.url, s.redis_url) == ("postgresql+psycopg://x@db/y", "redis://r/0")
+    assert (s.database.url, s.default_broker_url) == ("postgresql+psycopg://x@db/y", "redis://r/0")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from backhalf import audit
 from backhalf.normalize import BodyFormat
 from backhalf.registry import AdapterRow
 from ingest.adapters import registered
-from ingest.config import DEFAULT_REDIS_URL, from_mapping
+from ingest.adapters.redis.settings import DEFAULT_URL as DEFAULT_REDIS_URL
+from ingest.config import from_mapping
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY
 from ingest.observe import status
@@ -120,11 +121,11 @@ def test_a_row_registered_when_every_key_was_published_in_every_mode_is_rebuilt(
 def test_the_default_broker_is_the_environments_then_the_files() -> None:
     """The broker of adapters known only from the adapters table."""
     db = {"url": "postgresql://sb@localhost/sb"}
-    assert from_mapping({"database": db}, {}).redis_url == DEFAULT_REDIS_URL
+    assert from_mapping({"database": db}, {}).default_broker_url == DEFAULT_REDIS_URL
     file = {"database": db, "redis": {"url": "redis://cache:6379/1"}}
-    assert from_mapping(file, {}).redis_url == "redis://cache:6379/1"
+    assert from_mapping(file, {}).default_broker_url == "redis://cache:6379/1"
     env = {"SWITCHBOARD_REDIS_URL": "rediss://h:6380/2"}
-    assert from_mapping(file, env).redis_url == "rediss://h:6380/2"
+    assert from_mapping(file, env).default_broker_url == "rediss://h:6380/2"
 
 
 def test_the_transaction_holding_acks_is_named_once_an_ack_waits_long() -> None:

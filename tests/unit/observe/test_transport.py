@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from ingest.adapters.factory import transport
-from ingest.adapters.redis import modes as redis_transport
 from ingest.config import Settings, from_mapping
+from ingest.config.transports import default as default_transport
+from ingest.config.transports import definitions
 from ingest.observe.transport import (
     Plaintext,
     database_plaintext,
@@ -76,7 +76,7 @@ def test_the_database_is_plaintext_when_remote_and_tls_is_not_required(
     ],
 )
 def test_a_redis_is_plaintext_when_remote_and_not_rediss(url: str, expected: tuple[str, int] | None) -> None:
-    found = redis_transport.unencrypted_url(url)
+    found = default_transport().plaintext(url, None)
     assert (None if found is None else (found.host, found.port)) == expected
 
 
@@ -114,7 +114,7 @@ def test_each_transport_says_when_its_broker_is_remote_in_plain_text(
         table.pop("region")
     settings = from_mapping({"database": {"url": "postgresql://sb@127.0.0.1/sb"}, "adapters": [table]}, {})
     (config,) = settings.adapters
-    found = transport(config.transport).unencrypted(config)
+    found = definitions()[config.transport].plaintext(config.broker.url(), config.options)
     assert (None if found is None else (found.host, found.port, found.scheme)) == expected
     if found is not None:
         assert PASSWORD not in repr(found)
