@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import SplitResult
 
-from ingest.config.keys import Rule, Section
+from ingest.config.keys import Key, Rule, Section, string
 from ingest.config.network import Unencrypted
 from ingest.errors import ConfigError
 
@@ -152,3 +152,34 @@ def refuse_complete(reason: str) -> Rule:
             raise ConfigError(f"{label}: key 'ack_after' = \"complete\" does not apply to {reason}")
 
     return rule
+
+
+_Options = TypeVar("_Options")
+
+
+def options_of(adapter: Adapter, kind: type[_Options]) -> _Options:
+    """``adapter``'s own keys as its transport's ``kind`` (a TypeError for
+    another transport's adapter)."""
+    found = adapter.options
+    if not isinstance(found, kind):
+        raise TypeError(f"adapter {adapter.name!r}: its own keys are no {kind.__name__}")
+    return found
+
+
+def from_variable(variable: str, fallback: str) -> Callable[[Mapping[str, str], DefaultBroker], str]:
+    """A transport's ``default_url``: ``variable`` when set, else ``fallback``."""
+
+    def default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
+        return env.get(variable) or fallback
+
+    return default_url
+
+
+def ca_file_key(verifies: str) -> Key:
+    """The ``tls_ca_file`` key of a transport: the CA file that verifies
+    ``verifies``."""
+    return Key(
+        parse=string,
+        doc=f"the CA file that verifies {verifies}",
+        default_doc="the system's CAs",
+    )

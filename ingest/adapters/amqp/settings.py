@@ -4,14 +4,21 @@ imported: its URL and virtual host, and its rules. Registered in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
-from ingest.config.keys import Key, Section, string
+from ingest.config.keys import Section, string
 from ingest.config.network import Unencrypted, unencrypted_at
-from ingest.config.transport import Adapter, DefaultBroker, Reader, TransportDefinition, refuse_complete
+from ingest.config.transport import (
+    Adapter,
+    Reader,
+    TransportDefinition,
+    ca_file_key,
+    from_variable,
+    options_of,
+    refuse_complete,
+)
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
 
@@ -63,30 +70,16 @@ def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
     )
 
 
-def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
-    return env.get(URL_VARIABLE) or DEFAULT_URL
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AmqpOptions:
     """An AMQP adapter's own keys (``AdapterConfig.options``)."""
 
-    tls_ca_file: Annotated[
-        str | None,
-        Key(
-            parse=string,
-            doc="the CA file that verifies the server's certificate (an `amqps://` URL)",
-            default_doc="the system's CAs",
-        ),
-    ] = None
+    tls_ca_file: Annotated[str | None, ca_file_key("the server's certificate (an `amqps://` URL)")] = None
 
 
 def options(adapter: Adapter) -> AmqpOptions:
-    """``adapter``'s own keys (a TypeError for another transport's adapter)."""
-    found = adapter.options
-    if not isinstance(found, AmqpOptions):
-        raise TypeError(f"adapter {adapter.name!r} is no AMQP adapter")
-    return found
+    """``adapter``'s own keys."""
+    return options_of(adapter, AmqpOptions)
 
 
 KEYS = Section(
@@ -112,7 +105,7 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    default_url=_default_url,
+    default_url=from_variable(URL_VARIABLE, DEFAULT_URL),
     default_url_doc=f"AMQP `{URL_VARIABLE}`, else `{DEFAULT_URL}`",
     variables={URL_VARIABLE: "AMQP (RabbitMQ) adapters' URL when theirs is not set"},
     rules={

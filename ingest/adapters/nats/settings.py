@@ -5,7 +5,6 @@ imported: its URL, its names, its credentials and its rules. Registered in
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
@@ -14,10 +13,12 @@ from ingest.config.keys import Key, Section, string
 from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
-    DefaultBroker,
     Reader,
     TransportDefinition,
     Values,
+    ca_file_key,
+    from_variable,
+    options_of,
     refuse_complete,
 )
 from ingest.config.url_shape import url_shape_problem
@@ -81,10 +82,6 @@ def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
     )
 
 
-def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
-    return env.get(URL_VARIABLE) or DEFAULT_URL
-
-
 # A delivery unacked this long comes again; bounded as SQS's visibility is.
 MAX_ACK_WAIT_MS = 43_200_000
 
@@ -129,22 +126,13 @@ class NatsOptions:
         str | None, Key(public=False, parse=env_name, doc="the variable holding a NATS auth token")
     ] = None
     tls_ca_file: Annotated[
-        str | None,
-        Key(
-            parse=string,
-            doc="the CA file that verifies the server's certificate (a `tls://` URL, or the server"
-            " requires it)",
-            default_doc="the system's CAs",
-        ),
+        str | None, ca_file_key("the server's certificate (a `tls://` URL, or the server requires it)")
     ] = None
 
 
 def options(adapter: Adapter) -> NatsOptions:
-    """``adapter``'s own keys (a TypeError for another transport's adapter)."""
-    found = adapter.options
-    if not isinstance(found, NatsOptions):
-        raise TypeError(f"adapter {adapter.name!r} is no NATS adapter")
-    return found
+    """``adapter``'s own keys."""
+    return options_of(adapter, NatsOptions)
 
 
 KEYS = Section(
@@ -173,7 +161,7 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    default_url=_default_url,
+    default_url=from_variable(URL_VARIABLE, DEFAULT_URL),
     default_url_doc=f"NATS `{URL_VARIABLE}`, else `{DEFAULT_URL}`",
     variables={URL_VARIABLE: "NATS adapters' URL when theirs is not set"},
     rules={

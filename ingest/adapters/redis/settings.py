@@ -13,7 +13,14 @@ from urllib.parse import SplitResult, urlsplit
 
 from ingest.config.keys import Key, Section, got, string
 from ingest.config.network import Unencrypted, unencrypted_at
-from ingest.config.transport import Adapter, DefaultBroker, Reader, TransportDefinition, Values
+from ingest.config.transport import (
+    Adapter,
+    DefaultBroker,
+    Reader,
+    TransportDefinition,
+    Values,
+    options_of,
+)
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
 
@@ -272,11 +279,8 @@ class RedisOptions:
 
 
 def options(adapter: Adapter) -> RedisOptions:
-    """``adapter``'s own keys (a TypeError for another transport's adapter)."""
-    found = adapter.options
-    if not isinstance(found, RedisOptions):
-        raise TypeError(f"adapter {adapter.name!r} is no Redis adapter")
-    return found
+    """``adapter``'s own keys."""
+    return options_of(adapter, RedisOptions)
 
 
 KEYS = Section(

@@ -5,7 +5,6 @@ endpoint, its queue names and URLs, and its rules. Registered in
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
@@ -14,10 +13,12 @@ from ingest.config.keys import Key, Section, string
 from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
-    DefaultBroker,
     Reader,
     TransportDefinition,
     Values,
+    ca_file_key,
+    from_variable,
+    options_of,
     refuse_complete,
 )
 from ingest.config.url_shape import url_shape_problem
@@ -122,10 +123,6 @@ def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
     )
 
 
-def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
-    return env.get(URL_VARIABLE) or AWS_ENDPOINT
-
-
 # SQS's longest visibility timeout (12 hours), and so the bound of ack_wait_ms.
 MAX_VISIBILITY_MS = 43_200_000
 
@@ -152,22 +149,12 @@ class SqsOptions:
             " the profile)",
         ),
     ] = None
-    tls_ca_file: Annotated[
-        str | None,
-        Key(
-            parse=string,
-            doc="the CA file that verifies an `https://` endpoint's certificate",
-            default_doc="the system's CAs",
-        ),
-    ] = None
+    tls_ca_file: Annotated[str | None, ca_file_key("an `https://` endpoint's certificate")] = None
 
 
 def options(adapter: Adapter) -> SqsOptions:
-    """``adapter``'s own keys (a TypeError for another transport's adapter)."""
-    found = adapter.options
-    if not isinstance(found, SqsOptions):
-        raise TypeError(f"adapter {adapter.name!r} is no SQS adapter")
-    return found
+    """``adapter``'s own keys."""
+    return options_of(adapter, SqsOptions)
 
 
 KEYS = Section(
@@ -194,7 +181,7 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    default_url=_default_url,
+    default_url=from_variable(URL_VARIABLE, AWS_ENDPOINT),
     default_url_doc=f"SQS `{URL_VARIABLE}`, else `{AWS_ENDPOINT}` (AWS's own endpoint of the region)",
     variables={URL_VARIABLE: "an SQS-compatible endpoint (without it: AWS, by region and AWS_* credentials)"},
     rules={
