@@ -356,6 +356,72 @@ class Unconfirmed(Generic[T]):
         return len(self._held)
 
 
+class PullAdapterBase:
+    """The documented defaults of :class:`PullAdapter`, for a transport's
+    adapter to inherit (the Protocol stays the contract; a mode overrides
+    what it does otherwise): one batch's commit at a time, in any order;
+    nothing in the background; the broker redelivers by itself, so nothing
+    is recovered; nothing is read ahead of a request; the acker acks."""
+
+    overlapping_commits = False
+    ordered = False
+
+    async def run_background(self, stop: asyncio.Event) -> None:
+        """Nothing runs in the background."""
+
+    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
+        """Nothing: the broker delivers again what stays unacked."""
+        return []
+
+    async def pause(self) -> None:
+        """Nothing: nothing is read ahead of a request."""
+
+    async def ack_stored(self) -> Sequence[Delivery]:
+        """Nothing: the acker acks, from committed intents."""
+        return []
+
+
+class Replayed:
+    """The batches an adapter returned and has not seen stored, and those it
+    delivers again from memory after a rewind: ``stored()`` and ``rewind()``
+    written once for every mode that keeps its unstored deliveries itself
+    (the broker cannot redeliver them, or would only after a timeout)."""
+
+    def __init__(self) -> None:
+        self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
+        self._again: list[Delivery] = []
+
+    def returned(self, batch: list[Delivery]) -> None:
+        """A read returned ``batch`` (nothing is noted for an empty one)."""
+        if batch:
+            self._unconfirmed.returned(batch)
+
+    def take(self, max_count: int) -> list[Delivery]:
+        """Up to ``max_count`` deliveries to deliver again, oldest first,
+        noted as returned; [] when none wait."""
+        batch, self._again = self._again[:max_count], self._again[max_count:]
+        self.returned(batch)
+        return batch
+
+    def stored(self) -> None:
+        """The oldest batch returned was committed."""
+        self._unconfirmed.confirmed()
+
+    def rewind(self) -> None:
+        """None of the batches returned will be stored: each is delivered
+        again, before what already waited."""
+        self._again = [d for batch in self._unconfirmed.rewound() for d in batch] + self._again
+
+    def held(self) -> list[Delivery]:
+        """Every delivery held unstored, returned or waiting."""
+        return [d for batch in self._unconfirmed for d in batch] + self._again
+
+    def clear(self) -> None:
+        """Forget them all (the broker takes them back)."""
+        self._unconfirmed.rewound()
+        self._again = []
+
+
 class AdapterBuilder(Protocol):
     """How a mode builds its adapter. ``ledger`` is for modes with a durable
     consumer (streams) and ignored by the others; with None such an adapter

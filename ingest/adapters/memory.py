@@ -7,18 +7,14 @@ any broker contract; the Redis modes are tested against real Redis.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import Delivery, OpenLedger
+from ingest.adapters.base import Delivery, PullAdapterBase
 
 
-class MemoryAdapter:
-    overlapping_commits = False
-    ordered = False
-
+class MemoryAdapter(PullAdapterBase):
     def __init__(self, name: str, messages: list[bytes] | None = None) -> None:
         self.name = name
         self._queue: list[tuple[str, bytes]] = []
@@ -67,19 +63,6 @@ class MemoryAdapter:
 
     def rewind(self) -> None:
         self._replay = True
-
-    async def pause(self) -> None:
-        """Nothing: nothing is read ahead of a request."""
-
-    async def ack_stored(self) -> Sequence[Delivery]:
-        """Nothing: the acker acks, from committed intents."""
-        return []
-
-    async def run_background(self, stop: asyncio.Event) -> None:
-        return None
-
-    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
-        return []
 
     async def describe(self) -> Mapping[str, object]:
         return {"queued": len(self._queue), "pending": len(self.pending)}

@@ -13,80 +13,30 @@ import asyncio
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import db_errors, heartbeats, registry, stream_groups
+from backhalf import heartbeats
 from backhalf.db import MAX_OVERFLOW, within_deadline
 from backhalf.errors import DeadlineExceeded
-from backhalf.records import Family
 from backhalf.stream_groups import GroupStartLedger
 from ingest.adapters.base import FAMILY, AdapterBuilder, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
 from ingest.errors import log_failure
-from ingest.lifecycle import Retry
 from ingest.observe.heartbeat import broker_gauges_loop
+from ingest.processes.intake import Registration, register_adapters
 from ingest.processes.poll import PollLoop
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
 log = structlog.get_logger(__name__)
 
 
-class Registration(NamedTuple):
-    """One adapter's row in the adapters table."""
-
-    name: str
-    family: Family
-    transport: str
-    mode: str
-    settings: Mapping[str, Any]
-
-
 def pull_registrations(settings: Settings) -> list[Registration]:
     return [Registration(a.name, FAMILY, a.transport, a.mode, a.public_settings()) for a in settings.adapters]
-
-
-async def register_adapters(
-    engine: AsyncEngine,
-    settings: Settings,
-    stop: asyncio.Event,
-    registrations: Sequence[Registration] | None = None,
-) -> bool:
-    """Upsert every adapter of ``registrations`` (default: the config's pull
-    adapters), retrying while the database is away.
-    Return False if stop was requested first. A permanent error (the schema
-    missing, the login refused, no such database) raises DatabaseUnusable:
-    waiting would not fix it."""
-    rows = pull_registrations(settings) if registrations is None else registrations
-    retry = Retry.from_settings(settings.ingest, log)
-    while not stop.is_set():
-        try:
-            deadline_ms = settings.database.transaction_deadline_ms
-            async with within_deadline(engine.begin(), deadline_ms, "registering adapters") as conn:
-                for r in rows:
-                    await registry.register(
-                        conn,
-                        name=r.name,
-                        family=r.family,
-                        transport=r.transport,
-                        mode=r.mode,
-                        settings=r.settings,
-                    )
-                # The stream adapters record their groups' starts there: a
-                # database not migrated to this version stops us here (exit 3,
-                # "run switchboard migrate"), not in every poll loop's retries.
-                await stream_groups.present(conn)
-        except (SQLAlchemyError, DeadlineExceeded) as exc:
-            db_errors.raise_if_permanent(exc)
-            await retry.back_off(stop, "register_failed", exc)
-        else:
-            log.info("adapters_registered", adapters=[r.name for r in rows])
-            return True
-    return False
 
 
 def connections_needed(adapters: Sequence[PullAdapter], commits_in_flight: int) -> int:
@@ -148,7 +98,7 @@ class _Ingester(ProcessBody):
 
     async def start(self, process: Process) -> bool:
         settings = self._settings
-        if not await register_adapters(self._engine, settings, process.stop):
+        if not await register_adapters(self._engine, settings, process.stop, pull_registrations(settings)):
             return False
         ledger = GroupStartLedger(self._engine, process.deadline_ms)
         self._adapters = [self._adapter_factory(cfg, ledger=ledger) for cfg in settings.adapters]

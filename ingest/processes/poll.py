@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -26,11 +26,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from backhalf import acks, body_schema, failpoints, metrics, registry, tracing
 from backhalf import attempts as delivery_attempts
-from backhalf.body_schema import BodySchema
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.db_errors import is_transient
-from backhalf.errors import AckStateError, DeadlineExceeded, PoisonMessage, StoreError
-from backhalf.normalize import BodyFormat, RawForm, content_payload, content_size, raw_form, refusal
+from backhalf.errors import AckStateError, DeadlineExceeded, StoreError
+from backhalf.normalize import content_size
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
 from backhalf.store import store
 from ingest.adapters.base import (
@@ -38,7 +37,6 @@ from ingest.adapters.base import (
     OpenLedger,
     PendingCopies,
     PullAdapter,
-    TraceCarrier,
     pull_provenance,
 )
 from ingest.adapters.factory import messaging_system
@@ -47,6 +45,7 @@ from ingest.errors import EXPECTED_FAILURES, BrokerError, error_kind
 from ingest.lifecycle import Retry, cancel_and_wait, wait_stop
 from ingest.observe.dependency import Dependency
 from ingest.processes.commits import Commits
+from ingest.processes.intake import LOST_REASON, to_record
 
 log = structlog.get_logger(__name__)
 
@@ -58,94 +57,9 @@ REDELIVERY = 2  # a delivery count from which a message is a redelivery
 # the count of every message in it. Lone attempts, counted in PostgreSQL, can.)
 ISOLATE_AFTER = 3
 NORMALIZE_SLICE = 100
-LOST_REASON = "lost_before_ingest"
-LOST_BEFORE_INGEST = f"{LOST_REASON}: the entry was deleted or trimmed while still pending"
 # Own acks whose marks failed, kept to mark with the next batch's; past this
 # many the oldest are left to the settling at the next channel's start.
 MAX_UNMARKED = 100_000
-
-
-class Normalizing(Protocol):
-    """What normalizing a body needs of its adapter's config (a pull
-    adapter's, or a webhook's)."""
-
-    @property
-    def max_message_bytes(self) -> int: ...
-    @property
-    def format(self) -> BodyFormat: ...
-    @property
-    def body_schema(self) -> BodySchema | None: ...
-
-    @property
-    def name(self) -> str: ...
-
-
-def to_record(delivery: Delivery, config: Normalizing) -> InboxRecord:
-    """Normalize one delivery; a poison message becomes a rejected record."""
-    limit = config.max_message_bytes
-    error: str | None = None
-    payload: str | None = None
-    if delivery.lost:
-        raw, error = RawForm(b""), LOST_BEFORE_INGEST
-    elif delivery.body is None:  # an adapter's bug, kept as this message's own failure
-        raw, error = RawForm(b""), "normalize_failed: the adapter delivered no content"
-    else:
-        raw = raw_form(delivery.body, limit)
-        error = refusal(delivery.body)  # a field map of too many fields, never decoded
-    if error is None and raw.truncated:
-        # Stored as a prefix, with the full size and digest beside it.
-        error = f"too_large: {raw.size} bytes exceeds max_message_bytes={limit}"
-    if error is None and delivery.body is not None:
-        try:
-            payload = content_payload(delivery.body, config.format, limit, config.body_schema)
-        except PoisonMessage as exc:
-            error = str(exc)
-        except Exception as exc:  # noqa: BLE001 - one message's failure is its own, never its batch's
-            # Whatever fails normalizing this message would fail it on every
-            # delivery: a rejection, stored and acked like any poison, rather
-            # than a crash of the batch that no max_deliveries would end.
-            error = f"normalize_failed: {type(exc).__name__}: {str(exc)[:300]}"
-    return InboxRecord(
-        idempotency_key=delivery.idempotency_key,
-        source_message_id=delivery.message_id,
-        body=raw.body,
-        payload=payload,
-        error=error,
-        ack_ref=delivery.ack_ref,
-        ack_key=delivery.ack_key,
-        ack_copies=delivery.ack_copies,
-        deliveries=delivery.deliveries,
-        body_size=raw.size,
-        body_sha256=raw.sha256,
-        attributes=delivery.attributes,
-        trace_context=_kept_context(delivery, config),
-    )
-
-
-def _kept_context(delivery: Delivery, config: Normalizing) -> str | None:
-    """Read only while tracing is on: otherwise no todo keeps one."""
-    return None if delivery.trace is None or not tracing.on() else trace_context_of(delivery.trace, config)
-
-
-def trace_context_of(trace: TraceCarrier, config: Normalizing) -> str | None:
-    """The context a message's todo keeps (a webhook's: its sender's); a
-    malformed one is ignored and counted, never the message's error
-    (DESIGN.md section 14)."""
-    try:
-        return tracing.carried(*trace)
-    except ValueError as exc:
-        if metrics.on():
-            metrics.TRACE_CONTEXTS_MALFORMED.labels(config.name).inc()
-        if config.name not in _MALFORMED_SEEN:
-            _MALFORMED_SEEN.add(config.name)
-            log.warning("trace_context_malformed", adapter=config.name, error=str(exc),
-                        detail="ignored: the message is stored without it (counted in"
-                        " switchboard_trace_contexts_malformed_total; logged once per adapter)")  # fmt: skip
-        return None
-
-
-# Adapters whose malformed trace context was logged (once each, per process).
-_MALFORMED_SEEN: set[str] = set()
 
 
 def delivery_size(delivery: Delivery) -> int:

@@ -52,8 +52,7 @@ from ingest.errors import ConfigError
 from ingest.lifecycle import wait_stop
 from ingest.processes.http_guard import BACKLOG, REQUEST_GRACE_S, Limits, guarded_h11, within_file_limit
 from ingest.processes.http_server import Server, bind
-from ingest.processes.ingester import Registration, register_adapters
-from ingest.processes.poll import to_record, trace_context_of
+from ingest.processes.intake import Registration, register_adapters, to_record, trace_context_of
 from ingest.processes.push_store import PushStore
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 

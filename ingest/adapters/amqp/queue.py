@@ -66,7 +66,14 @@ from ingest.adapters.amqp.common import (
 )
 from ingest.adapters.amqp.frames import UNDECODABLE
 from ingest.adapters.amqp.settings import vhost as amqp_vhost
-from ingest.adapters.base import Acknowledger, ConsumerLedger, Delivery, OpenLedger, Unconfirmed, trace_of
+from ingest.adapters.base import (
+    Acknowledger,
+    ConsumerLedger,
+    Delivery,
+    PullAdapterBase,
+    Unconfirmed,
+    trace_of,
+)
 from ingest.config import AdapterConfig
 from ingest.errors import BrokerError, ConfigError
 
@@ -118,12 +125,10 @@ def _delivery_count(message: DeliveredMessage) -> int | None:
     return None
 
 
-class AmqpQueueAdapter:
+class AmqpQueueAdapter(PullAdapterBase):
     """A :class:`ingest.adapters.base.PullAdapter` over one AMQP queue."""
 
     # Acks go out with ``multiple`` in tag order: one commit at a time.
-    overlapping_commits = False
-    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         self.name = config.name
@@ -282,13 +287,6 @@ class AmqpQueueAdapter:
             ) from reason
 
     # -- the poll loop's side ----------------------------------------------
-
-    async def run_background(self, stop: asyncio.Event) -> None:
-        """Nothing: the server pushes deliveries to the channel by itself."""
-
-    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
-        """Nothing: a channel's end puts what it held back in the queue."""
-        return []
 
     async def read(self, max_count: int) -> list[Delivery]:
         replay = self._take_replay(max_count)

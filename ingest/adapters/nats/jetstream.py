@@ -53,8 +53,8 @@ from backhalf.tracing import TRACEPARENT, TRACESTATE
 from ingest.adapters.base import (
     ConsumerLedger,
     Delivery,
-    OpenLedger,
-    Unconfirmed,
+    PullAdapterBase,
+    Replayed,
     own_targets,
     trace_of,
 )
@@ -136,12 +136,11 @@ def position(msg: Msg) -> tuple[str, int]:
     return str(meta.sequence.stream), meta.num_delivered or 1
 
 
-class JetStreamAdapter:
+class JetStreamAdapter(PullAdapterBase):
     """A :class:`ingest.adapters.base.PullAdapter` over one durable pull consumer."""
 
     # Redelivery rests on the server's record (ack pending), as a stream's PEL.
     overlapping_commits = True
-    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a consumer recreated delivers the whole stream
@@ -156,8 +155,7 @@ class JetStreamAdapter:
         self._identity = "nats user: (not connected)"
         # Batches returned and not yet confirmed, kept to give back at once on
         # rewind: the server's own redelivery waits for ack_wait.
-        self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
-        self._replay: list[Delivery] = []
+        self._batches = Replayed()
         self._next_full_check = 0.0
         self._refusal: str | None = None  # a fetch the server refused (permissions violation)
         self._connecting = asyncio.Lock()
@@ -247,18 +245,9 @@ class JetStreamAdapter:
                 await js.add_consumer(cfg.source, config=update)
                 log.warning("consumer_updated", **fields, settings=drift)
 
-    async def run_background(self, stop: asyncio.Event) -> None:
-        """Nothing: the server keeps the consumer's state."""
-
-    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
-        """Nothing: the server redelivers what stays unacked past ``ack_wait``."""
-        return []
-
     async def read(self, max_count: int) -> list[Delivery]:
-        if self._replay:
-            batch, self._replay = self._replay, []
-            self._unconfirmed.returned(batch)
-            return batch
+        if again := self._batches.take(max_count):
+            return again
         try:
             await self.start()
             assert self._sub is not None
@@ -276,8 +265,7 @@ class JetStreamAdapter:
                 f" see ops/nats-server.conf): {refusal}"
             )
         batch = [self._delivery(m) for m in messages]
-        if batch:
-            self._unconfirmed.returned(batch)
+        self._batches.returned(batch)
         return batch
 
     async def _fetch(self, sub: JetStreamContext.PullSubscription, max_count: int) -> list[Msg]:
@@ -347,18 +335,10 @@ class JetStreamAdapter:
                 log.info("nats_close_failed", adapter=self.name, error=str(exc) or type(exc).__name__)
 
     def stored(self) -> None:
-        self._unconfirmed.confirmed()
+        self._batches.stored()
 
     def rewind(self) -> None:
-        unstored = [d for batch in self._unconfirmed.rewound() for d in batch]
-        self._replay = unstored + self._replay
-
-    async def pause(self) -> None:
-        """Nothing: nothing is read ahead of a request."""
-
-    async def ack_stored(self) -> Sequence[Delivery]:
-        """Nothing: the acker acks, from committed intents."""
-        return []
+        self._batches.rewind()
 
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg

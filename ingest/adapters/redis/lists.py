@@ -47,7 +47,14 @@ from redis.exceptions import RedisError
 
 from backhalf.keys import body_key
 from backhalf.records import AckClaim, AckTarget
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets
+from ingest.adapters.base import (
+    ConsumerLedger,
+    Delivery,
+    OpenLedger,
+    PullAdapterBase,
+    Unconfirmed,
+    own_targets,
+)
 from ingest.adapters.redis.common import RedisEndpoint, as_bytes, as_text, connect, redis_errors
 from ingest.adapters.redis.settings import list_key_base, options
 from ingest.config import AdapterConfig
@@ -119,11 +126,8 @@ GUARDED_LREM = "\n".join(line for line in _LUA.splitlines() if not line.startswi
 REMOVED_MARKER_TTL_MS = 24 * 3600 * 1000
 
 
-class ListAdapter(RedisEndpoint):
+class ListAdapter(RedisEndpoint, PullAdapterBase):
     """A :class:`ingest.adapters.base.PullAdapter` over one source list."""
-
-    overlapping_commits = False
-    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a list has no consumer group to record.
@@ -232,13 +236,6 @@ class ListAdapter(RedisEndpoint):
         # What was moved but not stored is on the processing list: recover it.
         self._own_recovery_due = True
         self._to_release.update(*self._batch_locks.rewound())
-
-    async def pause(self) -> None:
-        """Nothing: nothing is read ahead of a request."""
-
-    async def ack_stored(self) -> Sequence[Delivery]:
-        """Nothing: the acker acks, from committed intents."""
-        return []
 
     async def _release_locks(self) -> None:
         # GET then DEL, not atomic: a lock could expire and be taken between

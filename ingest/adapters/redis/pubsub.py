@@ -11,7 +11,6 @@ published twice while its todo is still active yields one todo.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,17 +18,14 @@ import redis.asyncio as aioredis
 
 from backhalf.keys import body_key
 from backhalf.records import NO_ACK, AckClaim, AckTarget
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed
+from ingest.adapters.base import ConsumerLedger, Delivery, PullAdapterBase, Replayed
 from ingest.adapters.redis.common import RedisEndpoint, redis_errors
 from ingest.adapters.redis.settings import options
 from ingest.config import AdapterConfig
 
 
-class PubSubAdapter(RedisEndpoint):
+class PubSubAdapter(RedisEndpoint, PullAdapterBase):
     """A :class:`ingest.adapters.base.PullAdapter` over one channel."""
-
-    overlapping_commits = False
-    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a channel has no consumer group to record.
@@ -38,8 +34,9 @@ class PubSubAdapter(RedisEndpoint):
         )
         self._cfg = config
         self._pubsub: Any = None
-        self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
-        self._replay: list[Delivery] = []
+        # The broker cannot redeliver: unstored batches are retried from
+        # memory. A crash loses them, which is what at-most-once means.
+        self._batches = Replayed()
 
     @property
     def ack_target(self) -> AckTarget:
@@ -51,18 +48,9 @@ class PubSubAdapter(RedisEndpoint):
             self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             await self._pubsub.subscribe(self._cfg.source)
 
-    async def run_background(self, stop: asyncio.Event) -> None:
-        """Nothing runs in the background for pub/sub."""
-
-    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
-        """No broker-side record exists to recover from."""
-        return []
-
     async def read(self, max_count: int) -> list[Delivery]:
-        if self._replay:
-            batch, self._replay = self._replay, []
-            self._unconfirmed.returned(batch)
-            return batch
+        if again := self._batches.take(max_count):
+            return again
         with redis_errors(self.name, f"reading channel {self._cfg.source}"):
             if self._pubsub is None:
                 await self.start()
@@ -76,24 +64,14 @@ class PubSubAdapter(RedisEndpoint):
                     break
                 message = await self._pubsub.get_message(timeout=0)
         batch = [Delivery(body_key(self._cfg.key_prefix, self._cfg.source, b), None, body=b) for b in bodies]
-        if batch:
-            self._unconfirmed.returned(batch)
+        self._batches.returned(batch)
         return batch
 
     def stored(self) -> None:
-        self._unconfirmed.confirmed()
+        self._batches.stored()
 
     def rewind(self) -> None:
-        # The broker cannot redeliver: retry the unstored batches from memory.
-        # A crash loses them, which is what at-most-once means.
-        self._replay = [d for batch in self._unconfirmed.rewound() for d in batch] + self._replay
-
-    async def pause(self) -> None:
-        """Nothing: nothing is read ahead of a request."""
-
-    async def ack_stored(self) -> Sequence[Delivery]:
-        """Nothing: the acker acks, from committed intents."""
-        return []
+        self._batches.rewind()
 
     async def describe(self) -> Mapping[str, object]:
         with redis_errors(self.name, f"PUBSUB NUMSUB {self._cfg.source}"):

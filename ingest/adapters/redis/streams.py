@@ -23,7 +23,6 @@ per batch, of intents naming this adapter's stream and group only.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -37,7 +36,14 @@ from backhalf.normalize import MAX_FIELDS, FieldMap, RefusedFieldMap
 from backhalf.records import AckClaim, AckTarget
 from backhalf.stream_groups import StreamGroup
 from backhalf.tracing import TRACEPARENT, TRACESTATE
-from ingest.adapters.base import ConsumerLedger, Delivery, OpenLedger, Unconfirmed, own_targets, trace_of
+from ingest.adapters.base import (
+    ConsumerLedger,
+    Delivery,
+    PullAdapterBase,
+    Unconfirmed,
+    own_targets,
+    trace_of,
+)
 from ingest.adapters.redis.common import (
     RedisEndpoint,
     RedisErrorKind,
@@ -146,11 +152,10 @@ def _last_value(flat: Sequence[bytes], field: bytes) -> bytes | None:
     return flat[2 * at + 1]
 
 
-class StreamAdapter(RedisEndpoint):
+class StreamAdapter(RedisEndpoint, PullAdapterBase):
     """A :class:`ingest.adapters.base.PullAdapter` over one stream and consumer group."""
 
     overlapping_commits = True
-    ordered = False
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         super().__init__(
@@ -486,20 +491,6 @@ class StreamAdapter(RedisEndpoint):
         self._next_claim_at = 0.0
         unstored = [d for lost in self._unconfirmed_lost.rewound() for d in lost]
         self._lost_to_replay = unstored + self._lost_to_replay
-
-    async def pause(self) -> None:
-        """Nothing: nothing is read ahead of a request."""
-
-    async def ack_stored(self) -> Sequence[Delivery]:
-        """Nothing: the acker acks, from committed intents."""
-        return []
-
-    async def run_background(self, stop: asyncio.Event) -> None:
-        """Nothing: the PEL needs no heartbeat; the claim sweep judges idleness."""
-
-    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
-        """Nothing: Redis redelivers from the PEL (history re-read, claim sweep)."""
-        return []
 
     async def describe(self) -> Mapping[str, object]:
         cfg = self._cfg

@@ -57,9 +57,9 @@ from backhalf.tracing import TRACEPARENT, TRACESTATE
 from ingest.adapters.base import (
     ConsumerLedger,
     Delivery,
-    OpenLedger,
+    PullAdapterBase,
+    Replayed,
     TraceCarrier,
-    Unconfirmed,
     own_targets,
     trace_of,
 )
@@ -120,7 +120,7 @@ async def _bounded(calls: Sequence[Any], *, return_exceptions: bool = False) -> 
     return results
 
 
-class SqsQueueAdapter:
+class SqsQueueAdapter(PullAdapterBase):
     """A :class:`ingest.adapters.base.PullAdapter` over one SQS queue."""
 
     # Redelivery rests on the queue's own record (the visibility timeout).
@@ -146,8 +146,7 @@ class SqsQueueAdapter:
         # and, at the stop, released), and those given back by a rewind, to
         # read again from memory: received again, each would count a
         # delivery towards max_deliveries and the redrive's maxReceiveCount.
-        self._unconfirmed: Unconfirmed[list[Delivery]] = Unconfirmed()
-        self._replay: list[Delivery] = []
+        self._batches = Replayed()
         # Receives a stop cancelled, and what such a read had received: their
         # messages are released at close().
         self._orphan_calls: set[asyncio.Task[list[dict[str, Any]]]] = set()
@@ -221,11 +220,8 @@ class SqsQueueAdapter:
             except TimeoutError:
                 await self._extend()
 
-    def _held(self) -> list[Delivery]:
-        return [d for batch in self._unconfirmed for d in batch] + self._replay
-
     async def _extend(self) -> None:
-        held = self._held()
+        held = self._batches.held()
         if not held:
             return
         try:
@@ -260,15 +256,9 @@ class SqsQueueAdapter:
         if refused:
             log.info("visibility_not_changed", adapter=self.name, seconds=seconds, refused=refused)
 
-    async def recover(self, open_ledger: OpenLedger) -> list[Delivery]:
-        """Nothing: the queue redelivers what is not deleted within its visibility timeout."""
-        return []
-
     async def read(self, max_count: int) -> list[Delivery]:
-        if self._replay:
-            batch, self._replay = self._replay[:max_count], self._replay[max_count:]
-            self._unconfirmed.returned(batch)
-            return batch
+        if again := self._batches.take(max_count):
+            return again
         messages: list[dict[str, Any]] = []
         try:
             client, url = await self._connection()
@@ -283,8 +273,7 @@ class SqsQueueAdapter:
             await self._forget_connection()
             raise
         batch = [self._delivery(m) for m in messages]
-        if batch:
-            self._unconfirmed.returned(batch)
+        self._batches.returned(batch)
         return batch
 
     async def _fill(self, client: Client, url: str, count: int) -> list[dict[str, Any]]:
@@ -361,18 +350,10 @@ class SqsQueueAdapter:
         )
 
     def stored(self) -> None:
-        self._unconfirmed.confirmed()
+        self._batches.stored()
 
     def rewind(self) -> None:
-        unstored = [d for batch in self._unconfirmed.rewound() for d in batch]
-        self._replay = unstored + self._replay
-
-    async def pause(self) -> None:
-        """Nothing: nothing is read ahead of a request."""
-
-    async def ack_stored(self) -> Sequence[Delivery]:
-        """Nothing: the acker acks, from committed intents."""
-        return []
+        self._batches.rewind()
 
     async def describe(self) -> Mapping[str, object]:
         client, url = await self._connection()
@@ -431,15 +412,14 @@ class SqsQueueAdapter:
         """Release what is held unstored at once (visibility 0), so another
         consumer need not wait out the visibility timeout, and what the
         receives a stop cancelled brought; then disconnect."""
-        held = self._held() + [self._delivery(m) for m in await self._orphaned()]
+        held = self._batches.held() + [self._delivery(m) for m in await self._orphaned()]
         if held and self._client is not None and self._url is not None:
             try:
                 await self._change_visibility(self._client, self._url, held, 0)
                 log.info("messages_released", adapter=self.name, messages=len(held))
             except BrokerError as exc:
                 log.warning("messages_not_released", adapter=self.name, messages=len(held), error=str(exc))
-        self._unconfirmed.rewound()
-        self._replay = []
+        self._batches.clear()
         await self._forget_connection()
 
 

@@ -20,7 +20,7 @@ from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import AdapterConfig, from_mapping
 from ingest.errors import AckError, BrokerError, GroupMissing
 from ingest.processes.acker import drain_adapter
-from ingest.processes.poll import to_record
+from ingest.processes.intake import to_record
 from tests.support.acl import acl_rules
 from tests.support.db import query
 from tests.support.servers import as_redis_user

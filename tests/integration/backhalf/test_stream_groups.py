@@ -16,7 +16,8 @@ from backhalf.db import DatabaseSettings, create_engine
 from backhalf.db_errors import DatabaseUnusable
 from backhalf.errors import StoreError
 from backhalf.stream_groups import GroupStartLedger, StreamGroup
-from ingest.processes.ingester import register_adapters
+from ingest.processes.ingester import pull_registrations
+from ingest.processes.intake import register_adapters
 from tests.support import db
 from tests.support.in_process import settings
 from tests.support.servers import ServerUrls
@@ -71,7 +72,7 @@ async def test_a_database_without_the_table_stops_the_ingester_at_registration(
         engine = create_engine(s.database)
         try:
             with pytest.raises(DatabaseUnusable, match="run `switchboard migrate`"):
-                await register_adapters(engine, s, asyncio.Event())
+                await register_adapters(engine, s, asyncio.Event(), pull_registrations(s))
         finally:
             await engine.dispose()
     finally:

@@ -21,7 +21,7 @@ from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import Settings, from_mapping
 from ingest.errors import AckError
 from ingest.processes.acker import drain_loop, drain_once
-from ingest.processes.poll import to_record
+from ingest.processes.intake import to_record
 from tests.support.db import libpq, query, scalar
 from tests.support.plans import scans_of, scans_of_partitions
 

@@ -1,4 +1,4 @@
-"""One delivery to one inbox record (ingest/poll.py ``to_record``)."""
+"""One delivery to one inbox record (ingest/processes/intake.py ``to_record``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from ingest.adapters.base import Delivery
 from ingest.config import from_mapping
-from ingest.processes.poll import to_record
+from ingest.processes.intake import to_record
 
 
 class _Broken:
