@@ -29,22 +29,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from ingest.embedded.servers import (
-    _PRIVATE_UMASK,
-    PORT_ATTEMPTS,
     PortTaken,
     _log_reason,
-    _log_size,
     _log_tail,
     _private_dir,
     _private_file,
     _SignalledServer,
     free_port,
     generate_password,
+    spawn,
 )
-from ingest.processes.children import die_with_parent
 
 NATS_USER = "switchboard"
 HEALTH_TIMEOUT_S = 0.5
@@ -75,7 +73,6 @@ class NatsServer(_SignalledServer):
         self.config_path = base_dir / "nats.conf"
         self.log_path = base_dir / "nats.log"
         self.store_dir = base_dir / "jetstream"
-        self._started = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._access = ""
 
@@ -124,30 +121,18 @@ class NatsServer(_SignalledServer):
         """Start the server and wait until ``/healthz`` says JetStream is up.
         On its first start only, a port taken meanwhile is traded for
         another (a restart keeps its port: clients know it)."""
-        if self.running:
-            return
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            offset = _log_size(self.log_path)
-            self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
-                [str(self.binary), "-c", str(self.config_path), "-l", str(self.log_path)],
-                cwd=self.base_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                umask=_PRIVATE_UMASK,
-                **die_with_parent(),
-            )
-            try:
-                self._wait_healthy(self._proc, timeout_s, offset)
-            except PortTaken:
-                if self._started or attempt == PORT_ATTEMPTS:
-                    raise
-                self.port, self.monitor_port = free_port(), free_port()
-                self._write_config()
-                continue
-            self._started = True
-            return
+        self._start_serving(timeout_s)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        args = [str(self.binary), "-c", str(self.config_path), "-l", str(self.log_path)]
+        return spawn(args, self.base_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
+        self._wait_healthy(proc, timeout_s, mark)
+
+    def _take_other_ports(self) -> None:
+        self.port, self.monitor_port = free_port(), free_port()
+        self._write_config()
 
     def _wait_healthy(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
         deadline = time.monotonic() + timeout_s

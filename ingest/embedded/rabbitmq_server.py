@@ -98,6 +98,7 @@ from ingest.embedded.servers import (
     _SignalledServer,
     free_port,
     generate_password,
+    spawn,
 )
 from ingest.processes.children import die_with_parent
 
@@ -440,7 +441,6 @@ class RabbitMqServer(_SignalledServer):
         self.log_path = base_dir / "rabbitmq.log"  # the broker's log
         self.console_path = base_dir / "console.log"  # what the VM prints (before its log is set up)
         self.epmd_log_path = base_dir / "epmd.log"
-        self._started = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._epmd: subprocess.Popen[bytes] | None = None
 
@@ -570,32 +570,29 @@ class RabbitMqServer(_SignalledServer):
         if self.running:
             return
         self._start_epmd()
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            offsets = _log_size(self.log_path), _log_size(self.console_path)
-            with _private_file(self.console_path) as console:
-                self._proc = subprocess.Popen(  # noqa: S603 - the package's script, fixed arguments
-                    [str(self.binaries.server), "-noinput"],
-                    cwd=self.base_dir,
-                    env=self._broker_env(),
-                    stdin=subprocess.DEVNULL,
-                    stdout=console,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    umask=_PRIVATE_UMASK,
-                    **die_with_parent(),
-                )
-            try:
-                self._wait_ready(self._proc, timeout_s, offsets)
-            except PortTaken:
-                if self._started or attempt == PORT_ATTEMPTS:
-                    raise
-                self.port, self.dist_port = free_port(), free_port()
-                if self.tls is not None:
-                    self.tls_port = free_port()
-                    self._write_config()
-                continue
-            self._started = True
-            return
+        self._start_serving(timeout_s)
+
+    def _log_mark(self) -> tuple[int, int]:
+        return _log_size(self.log_path), _log_size(self.console_path)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        with _private_file(self.console_path) as console:
+            return spawn(
+                [str(self.binaries.server), "-noinput"],
+                self.base_dir,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                env=self._broker_env(),
+            )
+
+    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
+        self._wait_ready(proc, timeout_s, mark)
+
+    def _take_other_ports(self) -> None:
+        self.port, self.dist_port = free_port(), free_port()
+        if self.tls is not None:
+            self.tls_port = free_port()
+            self._write_config()
 
     def _said(self, offsets: tuple[int, int]) -> str:
         """What the broker wrote to its log and its console since ``offsets``."""

@@ -358,9 +358,47 @@ def redis_binary() -> Path:
 
 
 class _ServerProcess:
-    """What both servers share: one child process, ours to signal and wait for."""
+    """What every embedded server shares: one child process, ours to signal
+    and wait for, and its start (:meth:`_start_serving`): a server says how
+    it is spawned, how it is known to serve and which ports it trades for
+    others when one is taken."""
 
     _proc: subprocess.Popen[bytes] | None = None
+    _started = False  # once started, its ports are the server's for good
+    log_path: Path
+
+    def _start_serving(self, timeout_s: float) -> None:
+        """Spawn the server and wait until it serves. On its first start
+        only, a port taken meanwhile is traded for another (a restart keeps
+        its ports: clients know them)."""
+        if self.running:
+            return
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            mark = self._log_mark()
+            self._proc = self._spawn()
+            try:
+                self._wait_serving(self._proc, timeout_s, mark)
+            except PortTaken:
+                if self._started or attempt == PORT_ATTEMPTS:
+                    raise
+                self._take_other_ports()
+                continue
+            self._started = True
+            return
+
+    def _log_mark(self) -> Any:
+        """Where the log stands before a start: what it says after is this start's."""
+        return _log_size(self.log_path)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        raise NotImplementedError
+
+    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
+        """Return once ``proc`` serves; PortTaken when its port was taken."""
+        raise NotImplementedError
+
+    def _take_other_ports(self) -> None:
+        raise NotImplementedError
 
     @property
     def running(self) -> bool:
@@ -372,6 +410,22 @@ class _ServerProcess:
         if self._proc is None:
             raise RuntimeError("server not started")
         return self._proc.pid
+
+
+def spawn(args: list[str], cwd: Path, *, stdout: Any, stderr: Any, **extra: Any) -> subprocess.Popen[bytes]:
+    """A server's process: no stdin, a session of its own (a terminal's
+    signals are not its), private files, and gone with its parent."""
+    return subprocess.Popen(  # noqa: S603 - bundled binaries and our interpreter, fixed arguments
+        args,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+        umask=_PRIVATE_UMASK,
+        **extra,
+        **die_with_parent(),
+    )
 
 
 class _SignalledServer(_ServerProcess):
@@ -424,7 +478,6 @@ class PostgresServer(_ServerProcess):
         self.base_dir, self.port, self.bindir = base_dir, port, bindir
         # The superuser's password, set by initdb; in url() and nowhere else.
         self.password = password or generate_password()
-        self._started = False  # once started, the port is the server's for good
         self.pgdata = base_dir / "pgdata"
         self.log_path = base_dir / "postgres.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -521,33 +574,25 @@ class PostgresServer(_ServerProcess):
         """Start the postmaster (recovering after a crash) and wait for
         connections. On its first start only, a port taken meanwhile is
         traded for another (a restart keeps its port: clients know it)."""
-        if self.running:
-            return
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            offset = _log_size(self.log_path)
-            with _private_file(self.log_path) as log:
-                self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
-                    [str(self.bindir / "postgres"), "-D", str(self.pgdata)],
-                    cwd=self.base_dir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    start_new_session=True,
-                    umask=_PRIVATE_UMASK,
-                    **self._as_user,
-                    **die_with_parent(),
-                )
-            try:
-                self._wait_accepting(self._proc, timeout_s, offset)
-            except PortTaken:
-                if self._started or attempt == PORT_ATTEMPTS:
-                    raise
-                self.port = free_port()
-                with (self.pgdata / "postgresql.conf").open("a") as conf:
-                    conf.write(f"port = {self.port}  # the one before was taken at start\n")
-                continue
-            self._started = True
-            return
+        self._start_serving(timeout_s)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        with _private_file(self.log_path) as log:
+            return spawn(
+                [str(self.bindir / "postgres"), "-D", str(self.pgdata)],
+                self.base_dir,
+                stdout=log,
+                stderr=log,
+                **self._as_user,
+            )
+
+    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
+        self._wait_accepting(proc, timeout_s, mark)
+
+    def _take_other_ports(self) -> None:
+        self.port = free_port()
+        with (self.pgdata / "postgresql.conf").open("a") as conf:
+            conf.write(f"port = {self.port}  # the one before was taken at start\n")
 
     def _wait_accepting(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
         deadline = time.monotonic() + timeout_s
@@ -665,7 +710,6 @@ class RedisServer(_SignalledServer):
         self.base_dir, self.port, self.binary = base_dir, port, binary
         # The default user's password (requirepass); None when an ACL file governs it.
         self.password = password
-        self._started = False  # once started, the port is the server's for good
         self.config_path = base_dir / "redis.conf"
         self.log_path = base_dir / "redis.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -717,32 +761,21 @@ class RedisServer(_SignalledServer):
         """Start the server and wait until it answers PING (the AOF is loaded
         by then). On its first start only, a port taken meanwhile is traded
         for another (a restart keeps its port: clients know it)."""
-        if self.running:
-            return
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            offset = _log_size(self.log_path)
-            self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
-                [str(self.binary), str(self.config_path)],
-                cwd=self.base_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                umask=_PRIVATE_UMASK,  # the AOF and the log
-                **die_with_parent(),
-            )
-            try:
-                self._wait_ping(self._proc, timeout_s, offset)
-            except PortTaken:
-                if self._started or attempt == PORT_ATTEMPTS:
-                    raise
-                old, self.port = self.port, free_port()
-                text = self.config_path.read_text()
-                with _private_file(self.config_path, "w") as config:
-                    config.write(text.replace(f"\nport {old}\n", f"\nport {self.port}\n"))
-                continue
-            self._started = True
-            return
+        self._start_serving(timeout_s)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        # Private: the AOF and the log.
+        args = [str(self.binary), str(self.config_path)]
+        return spawn(args, self.base_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
+        self._wait_ping(proc, timeout_s, mark)
+
+    def _take_other_ports(self) -> None:
+        old, self.port = self.port, free_port()
+        text = self.config_path.read_text()
+        with _private_file(self.config_path, "w") as config:
+            config.write(text.replace(f"\nport {old}\n", f"\nport {self.port}\n"))
 
     def _wait_ping(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
         deadline = time.monotonic() + timeout_s

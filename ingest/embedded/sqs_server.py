@@ -34,20 +34,18 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ingest.embedded.servers import (
-    _PRIVATE_UMASK,
-    PORT_ATTEMPTS,
     PortTaken,
     _log_reason,
-    _log_size,
     _log_tail,
     _private_dir,
     _private_file,
     _SignalledServer,
     free_port,
+    spawn,
 )
-from ingest.processes.children import die_with_parent
 
 REGION = "us-east-1"
 # The emulator's own credentials (moto takes any): not secrets.
@@ -116,7 +114,6 @@ class SqsServer(_SignalledServer):
     def __init__(self, base_dir: Path, port: int, module: str = MOTO_SQS_MODULE) -> None:
         self.base_dir, self.port, self.module = base_dir, port, module
         self.log_path = base_dir / "sqs.log"
-        self._started = False
         self._proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
@@ -139,31 +136,23 @@ class SqsServer(_SignalledServer):
         """Start the server and wait until it answers SQS's ``ListQueues``.
         On its first start only, a port taken meanwhile is traded for
         another (a restart keeps its port: clients know it)."""
-        if self.running:
-            return
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            offset = _log_size(self.log_path)
-            with _private_file(self.log_path) as log:  # the child keeps its own copy of the descriptor
-                self._proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
-                    [sys.executable, "-m", self.module, "--host", "127.0.0.1", "--port", str(self.port)],
-                    cwd=self.base_dir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},  # a traceback reaches the log whole
-                    start_new_session=True,
-                    umask=_PRIVATE_UMASK,
-                    **die_with_parent(),
-                )
-            try:
-                self._wait_ready(self._proc, timeout_s, offset)
-            except PortTaken:
-                if self._started or attempt == PORT_ATTEMPTS:
-                    raise
-                self.port = free_port()
-                continue
-            self._started = True
-            return
+        self._start_serving(timeout_s)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        with _private_file(self.log_path) as log:  # the child keeps its own copy of the descriptor
+            return spawn(
+                [sys.executable, "-m", self.module, "--host", "127.0.0.1", "--port", str(self.port)],
+                self.base_dir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},  # a traceback reaches the log whole
+            )
+
+    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
+        self._wait_ready(proc, timeout_s, mark)
+
+    def _take_other_ports(self) -> None:
+        self.port = free_port()
 
     def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
         deadline = time.monotonic() + timeout_s

@@ -77,19 +77,16 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ingest.embedded.servers import (
-    _PRIVATE_UMASK,
-    PORT_ATTEMPTS,
     PortTaken,
     RedisServer,
-    _log_size,
     _log_tail,
     _private_dir,
     _private_file,
     free_port,
     generate_password,
     redis_binary,
+    spawn,
 )
-from ingest.processes.children import die_with_parent
 
 HOST = "127.0.0.1"
 SLOTS = 16384
@@ -177,38 +174,30 @@ class ClusterNode(RedisServer):
         """Start the node and wait until it answers PING. On its first start
         only, a port taken meanwhile (client or bus) trades both for new ones;
         a restart keeps them (the other nodes know them)."""
-        if self.running:
-            return
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            offset = _log_size(self.log_path)
-            # What Valkey says before its log is open (a refused config) goes here.
-            with _private_file(self.stderr_path, "wb") as stderr:
-                self._proc = subprocess.Popen(  # noqa: S603 - bundled binary, fixed arguments
-                    [str(self.binary), str(self.config_path)],
-                    cwd=self.base_dir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=stderr,
-                    stderr=stderr,
-                    start_new_session=True,
-                    umask=_PRIVATE_UMASK,
-                    **die_with_parent(),
-                )
-            try:
-                self._wait_ping(self._proc, timeout_s, offset)
-            except PortTaken:
-                if self._started or attempt == PORT_ATTEMPTS:
-                    raise
-                self.port, self.bus_port = _free_ports(2, {self.port, self.bus_port})
-                self._write_config()
-                continue
-            except RuntimeError as exc:
-                said = self._stderr_said()
-                if not said:
-                    raise
-                head, _, rest = str(exc).partition("\n")
-                raise RuntimeError(f"{head}; it said: {said}\n{rest}") from exc
-            self._started = True
-            return
+        self._start_serving(timeout_s)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        # What Valkey says before its log is open (a refused config) goes here.
+        with _private_file(self.stderr_path, "wb") as stderr:
+            return spawn(
+                [str(self.binary), str(self.config_path)], self.base_dir, stdout=stderr, stderr=stderr
+            )
+
+    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
+        try:
+            self._wait_ping(proc, timeout_s, mark)
+        except PortTaken:
+            raise
+        except RuntimeError as exc:
+            said = self._stderr_said()
+            if not said:
+                raise
+            head, _, rest = str(exc).partition("\n")
+            raise RuntimeError(f"{head}; it said: {said}\n{rest}") from exc
+
+    def _take_other_ports(self) -> None:
+        self.port, self.bus_port = _free_ports(2, {self.port, self.bus_port})
+        self._write_config()
 
     def _stderr_said(self, lines: int = 5) -> str:
         """The last lines the node wrote to stderr, the password masked (a
