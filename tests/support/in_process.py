@@ -35,13 +35,19 @@ def list_adapter(**kw: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def pipeline(s: Settings, *, acker: bool = True) -> AsyncIterator[None]:
+async def pipeline(s: Settings, *more: Settings, acker: bool = True) -> AsyncIterator[None]:
+    """The ingester (and the acker) of ``s`` in this event loop, and an
+    ingester of each of ``more`` beside it (another consumer of the same
+    source), until the ``async with`` ends; everything they started is gone
+    after."""
     stop = asyncio.Event()
     # The test's own clients (a NATS connection's reader and pinger) may run
     # beside the pipeline: only what the pipeline started must be gone after.
     before = asyncio.all_tasks()
     async with asyncio.TaskGroup() as tg:
         tg.create_task(run_ingester(s, stop))
+        for other in more:
+            tg.create_task(run_ingester(other, stop))
         if acker:
             tg.create_task(run_acker(s, stop))
         try:

@@ -17,6 +17,7 @@ through the factory, as the ingester builds it: the interface, not a class.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -46,6 +47,9 @@ class AdapterContract:
     # Does the broker give back a message read but never acknowledged, after
     # the consumer that read it is gone?
     redelivers: ClassVar[bool] = True
+    # Does every consumer of the source get every message (pub/sub), rather
+    # than each message going to one of them?
+    fans_out: ClassVar[bool] = False
     # Does the broker hold an ack to wait for (False: nothing to acknowledge)?
     acks: ClassVar[bool] = True
     # Does the message carry a native id (the key's last part, source_message_id)?
@@ -210,6 +214,69 @@ class AdapterContract:
         else:
             assert sorted(stored) == sorted(rest)  # at most once: the dead consumer's messages are gone
         assert scalar(db_url, "SELECT count(*) FROM todos") == len(stored)
+
+    async def test_a_stop_during_a_read_loses_nothing(
+        self, db_url: str, redis_url: str, broker: Any, engine: AsyncEngine
+    ) -> None:
+        """A stop cancels a read under way (the poll loop abandons it): what
+        that read had taken from the broker comes back where the broker
+        redelivers, and the pipeline started after stores each message once."""
+        adapter = await self.started(db_url, redis_url)
+        first = bodies(5)
+        try:
+            await self.produce(broker, first, adapter)
+            reading = asyncio.create_task(adapter.read(5))
+            # However far the read got (a request sent, a reply half read),
+            # cancelling it is the stop's part.
+            await asyncio.wait({reading}, timeout=0.01)
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+        finally:
+            await adapter.close()
+        rest = bodies(5, start=5)
+        s = self.settings(db_url, redis_url)
+        async with pipeline(s):
+            await self.wait_listening(broker)
+            await self.produce(broker, rest, None)
+            await wait_until(
+                lambda: scalar(db_url, "SELECT count(*) FROM inbox") >= (10 if self.redelivers else 5)
+            )
+            if self.acks:
+                await wait_until(lambda: self.unacked_is(broker, 0))
+        stored = [bytes(b) for (b,) in query(db_url, "SELECT body FROM inbox ORDER BY id")]
+        assert len(stored) == len(set(stored)), "a message stored twice"
+        if self.redelivers:
+            assert sorted(stored) == sorted(first + rest)
+        else:
+            assert set(rest) <= set(stored) <= set(first + rest)
+        assert scalar(db_url, "SELECT count(*) FROM todos") == len(stored)
+
+    async def test_two_consumers_on_one_source_store_each_message_once(
+        self, db_url: str, redis_url: str, broker: Any
+    ) -> None:
+        """Two ingesters on one source (the way to scale one: a consumer name
+        each), running at once: every message is stored once, and one todo
+        each, whichever consumer read it (pub/sub delivers it to both; the
+        key dedups them)."""
+        one = self.settings(db_url, redis_url, consumer="c1")
+        two = self.settings(db_url, redis_url, consumer="c2")
+        sent = bodies(40)
+        async with pipeline(one, two):
+            await wait_until(
+                lambda: scalar(db_url, "SELECT count(*) FROM processes WHERE role = 'ingest'") >= 2
+            )
+            await self.wait_listening(broker)
+            await self.produce(broker, sent, None)
+            await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") >= len(sent))
+            if self.acks:
+                await wait_until(lambda: self.unacked_is(broker, 0))
+        stored = [bytes(b) for (b,) in query(db_url, "SELECT body FROM inbox ORDER BY id")]
+        if self.fans_out:  # each consumer's copy is on record; the key made one todo of them
+            assert set(stored) == set(sent)
+        else:
+            assert sorted(stored) == sorted(sent)
+        assert scalar(db_url, "SELECT count(*) FROM todos") == len(sent)
 
     async def test_poison_is_stored_rejected_and_acked(
         self, db_url: str, redis_url: str, broker: Any

@@ -59,6 +59,7 @@ class TestListContract(AdapterContract):
 
 class TestPubSubContract(AdapterContract):
     redelivers = False
+    fans_out = True
     acks = False
     native_ids = False
     backlog_figure = ("subscribers", 1)  # pub/sub keeps no backlog: its listener is the figure

@@ -86,6 +86,7 @@ class TestListContractOnCluster(_OnCluster):
 
 class TestPubSubContractOnCluster(_OnCluster):
     redelivers = False
+    fans_out = True
     acks = False
     native_ids = False
     backlog_figure = ("subscribers", 1)
