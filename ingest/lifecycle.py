@@ -40,7 +40,7 @@ async def wait_either(first: asyncio.Event, second: asyncio.Event, timeout_s: fl
 async def cancel_and_wait(task: asyncio.Task[object], timeout_s: float) -> bool:
     """Cancel ``task`` and wait for it to end, at most ``timeout_s``.
 
-    Cancels again while it runs: redis-py (8.1) can swallow a cancellation
+    Cancels again while it runs: a client library can swallow a cancellation
     that lands while a command is being set up, and the task then goes on to
     its next await, a blocking read of up to ``block_ms``. Return whether the
     task ended in time."""

@@ -2,7 +2,7 @@
 
 It models what the loop relies on from a broker: delivered-but-unacked
 messages stay pending and come back after :meth:`rewind`. It is not proof of
-any broker contract; the Redis modes are tested against real Redis.
+any broker contract: every transport's modes are tested against their real brokers.
 """
 
 from __future__ import annotations

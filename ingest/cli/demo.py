@@ -1,5 +1,5 @@
-"""``switchboard demo``: the whole pipeline on embedded PostgreSQL and Redis,
-no set-up and no config file (the ``embedded`` extra)."""
+"""``switchboard demo``: the whole pipeline on embedded servers, no set-up
+and no config file (the ``embedded`` extra)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,19 @@ from collections.abc import Mapping
 
 from ingest.cli.verb import Subparsers, Verb, positive_int
 from ingest.config import Settings
+from ingest.config.transports import REGISTERED
 
 
 def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = verbs.add_parser(
-        "demo", help="the whole pipeline on embedded PostgreSQL and Redis"
-    )
+    parser: argparse.ArgumentParser = verbs.add_parser("demo", help="the whole pipeline on embedded servers")
     parser.add_argument("--messages", type=positive_int, default=5000, help="how many messages to produce")
     parser.add_argument(
         "--transport",
-        choices=("redis", "nats", "sqs", "amqp"),
-        default="redis",
-        help="the broker the orders come through: a Redis stream, a NATS JetStream stream on an"
-        " embedded nats-server, an SQS queue on an embedded SQS emulator (moto), or a RabbitMQ"
-        " queue on a RabbitMQ of its own, from the system's rabbitmq-server package (Debian:"
-        " apt-get install rabbitmq-server) (default: redis)",
+        choices=REGISTERED,
+        default=REGISTERED[0],
+        help="the transport the orders come through, on a server of the demo's own: each one's"
+        " embedded server, or for amqp the system's rabbitmq-server package (Debian: apt-get"
+        " install rabbitmq-server) (default: %(default)s)",
     )
     parser.add_argument(
         "--trace",

@@ -39,6 +39,7 @@ from ingest.cli import errors as cli_errors
 from ingest.cli import ingest as ingest_verb
 from ingest.cli.verb import Verb
 from ingest.config import DEFAULT_CONFIG_PATH, Settings, from_mapping, load
+from ingest.config.transports import REGISTERED
 from ingest.errors import ConfigError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK, EXIT_UNHEALTHY
 from ingest.observe import logs, transport
@@ -63,7 +64,7 @@ VERBS: Mapping[str, Verb] = {
 log = structlog.get_logger("switchboard")
 
 _DESCRIPTION = f"""\
-Messages from brokers (Redis, NATS JetStream, SQS, AMQP) and signed webhooks made
+Messages from brokers ({", ".join(REGISTERED)}) and signed webhooks made
 durable, deduplicated work in PostgreSQL, and that work done.
 `switchboard COMMAND --help` shows a command's options.
 

@@ -343,7 +343,7 @@ def default_broker_url() -> str:
 
 
 def _default_broker(raw: Mapping[str, Any], env: Mapping[str, str]) -> DefaultBroker:
-    """The file's own broker: the default transport's table (``[redis]``)."""
+    """The file's own broker: the default transport's table, ``[<name>]``."""
     home = default_transport()
     if home.file_table is None:
         raise TypeError(f"transport {home.name!r}, the default, has no file table")
@@ -566,14 +566,14 @@ def _key_spaces_apart(adapters: tuple[AdapterConfig, ...], webhooks: tuple[Webho
 
 
 def _key_spaces_not_nested(every: list[AdapterConfig | WebhookConfig]) -> None:
-    """A key space inside another (``amqp:orders:`` and ``amqp:orders:eu:``)
-    is refused where the outer one's ids are a producer's or a sender's (an
-    AMQP ``message_id``, a webhook's delivery id): the outer's message ``eu``
-    sent again with another body is stored under ``amqp:orders:eu:<digest>``
-    (a reused id's key), which the inner's message with that digest for its
-    id spells too. A broker's own ids (a stream entry, a sequence, an SQS
-    MessageId) cannot be ``eu``: nested spaces are fine there (streams
-    ``orders`` and ``orders:eu``)."""
+    """A key space inside another (``p:orders:`` and ``p:orders:eu:``) is
+    refused where the outer one's ids are a producer's or a sender's (a
+    transport's ``producer_ids``, a webhook's delivery id): the outer's
+    message ``eu`` sent again with another body is stored under
+    ``p:orders:eu:<digest>`` (a reused id's key), which the inner's message
+    with that digest for its id spells too. A broker's own ids (a stream
+    entry, a sequence number) cannot be ``eu``: nested spaces are fine there
+    (streams ``orders`` and ``orders:eu``)."""
     for outer in every:
         if not _ids_from_outside(outer):
             continue
@@ -588,7 +588,7 @@ def _key_spaces_not_nested(every: list[AdapterConfig | WebhookConfig]) -> None:
 
 
 def _ids_from_outside(a: AdapterConfig | WebhookConfig) -> bool:
-    return isinstance(a, WebhookConfig) or a.transport == "amqp"
+    return isinstance(a, WebhookConfig) or transport_definitions()[a.transport].producer_ids
 
 
 def load(path: str | Path, env: Mapping[str, str]) -> Settings:

@@ -70,8 +70,8 @@ def _mode_of_transport(label: str, values: Values) -> None:
 
 
 def _url_of_transport(label: str, values: Values) -> None:
-    """The url must be one the adapter's transport speaks (a Redis URL on a
-    NATS adapter is refused at load, not at the first connect)."""
+    """The url must be one the adapter's transport speaks (another
+    transport's URL is refused at load, not at the first connect)."""
     definition = definition_of(values)
     definition.check_url(f"{label}: key 'url'", values["broker"])
     definition.rule("url", label, values)
@@ -299,8 +299,9 @@ class AdapterConfig:
     @property
     def key_space(self) -> str:
         """What each of this adapter's idempotency keys begins with,
-        ``{key_prefix}:{source}:``, as its transport forms them: an SQS
-        queue by its name, whether ``source`` gives the name or the URL."""
+        ``{key_prefix}:{source}:``, as its transport forms them (its
+        ``queue_name``: a queue by its name, whether ``source`` gives the name
+        or the URL)."""
         return native_key(self.key_prefix, definitions()[self.transport].queue_name(self.source), "")
 
     def public_settings(self) -> dict[str, Any]:

@@ -44,8 +44,8 @@ class Key:
     ``modes`` (adapters): where the key applies. Given for another mode it is
     an error naming the adapter and the key, and only where it applies is it
     published (``public``); None: every mode. ``transports`` narrows it the
-    same way where transports share a mode's name (SQS's and AMQP's
-    ``queue``); None: every transport of those modes.
+    same way where transports share a mode's name (``queue``); None: every
+    transport of those modes.
 
     ``doc`` is the key's one line in the config reference; ``default_doc`` and
     ``type_doc`` say there what the default and the type cannot say

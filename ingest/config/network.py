@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 
 class Unencrypted(NamedTuple):
-    """A remote broker reached in plain text: where, the scheme that says so
-    (``redis://``), and how to encrypt it instead."""
+    """A remote broker reached in plain text: where, the scheme that says so,
+    and how to encrypt it instead."""
 
     host: str
     port: int

@@ -46,7 +46,7 @@ class Adapter(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class DefaultBroker:
-    """The file's own broker (``[redis]``): the default transport's adapters
+    """The file's own broker (the default transport's table): its adapters
     that name no ``url`` use it, and take ``cluster`` from it."""
 
     url: str
@@ -83,7 +83,8 @@ def as_written(source: str) -> str:
 class TransportDefinition:
     """A transport, as the config reads its adapters.
 
-    ``modes``: its modes, the first its default. ``keys``: the keys of its
+    ``modes``: its modes, the first its default. ``producer_ids``: its
+    messages' ids are chosen by their producers, not by the broker. ``keys``: the keys of its
     own, read from the adapter's table after the shared ones into a frozen
     dataclass (``AdapterConfig.options``), each applying to the modes its
     Key names. ``key_prefix``: its idempotency keys' default prefix. ``extra``: the install extra that
@@ -116,6 +117,7 @@ class TransportDefinition:
     name: str
     modes: tuple[str, ...]
     keys: Section
+    producer_ids: bool = False
     file_table: Section | None = None
     default_url_value: str | None = None
     key_prefix: str

@@ -1,8 +1,8 @@
 """structlog, configured once per process.
 
 JSON lines when stderr is not a terminal (what operators ship), readable
-console output on one. The stdlib loggers of dramatiq, psycopg, redis and
-alembic go through the same processors. A processor removes credentials from
+console output on one. The stdlib loggers of dramatiq, psycopg, the
+brokers' clients and alembic go through the same processors. A processor removes credentials from
 anything that looks like a URL, so a password cannot reach a log line even if
 an exception message carries a connection string.
 """

@@ -96,7 +96,7 @@ class Liveness:
         self._servers: dict[str, tuple[float, str]] = {}
 
     def server_failed(self, server: str, error: str, *, at_once: bool = False) -> None:
-        """A try to reach ``server`` (say ``redis broker at host:port``)
+        """A try to reach ``server`` (say ``broker at host:port``)
         failed with ``error`` (no credential in either). ``at_once``: the
         server refused us (a login): failing now, not after the bound."""
         now = time.monotonic()

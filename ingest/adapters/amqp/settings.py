@@ -99,6 +99,8 @@ DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
     keys=KEYS,
+    # A message's id is its producer's message_id (backhalf.keys.key_id).
+    producer_ids=True,
     key_prefix="amqp",
     extra="amqp",
     url_schemes=("amqp", "amqps"),

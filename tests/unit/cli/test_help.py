@@ -9,6 +9,7 @@ import pytest
 
 from ingest.cli import help_pages as help
 from ingest.cli.main import _parser
+from ingest.config.transports import definitions
 
 
 def test_every_command_has_a_description_and_an_example() -> None:
@@ -51,12 +52,14 @@ def test_the_top_page_names_every_transport_and_its_url_variable(capsys: pytest.
         _parser().parse_args(["--help"])
     out = capsys.readouterr().out
     top = out.split("\n\n")[1]
-    for transport in ("Redis", "NATS", "SQS", "AMQP", "webhooks"):
+    # Every registered transport, by the registration table.
+    for transport in (*definitions(), "webhooks"):
         assert transport in top, top
     for variable in (
         "SWITCHBOARD_REDIS_URL",
         "SWITCHBOARD_NATS_URL",
         "SWITCHBOARD_AMQP_URL",
         "SWITCHBOARD_SQS_ENDPOINT_URL",
+        *(v for d in definitions().values() for v in d.variables),
     ):
         assert variable in out
