@@ -28,17 +28,16 @@ import re
 from dataclasses import dataclass
 
 import psycopg
-from redis.exceptions import AuthenticationError, RedisError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from backhalf import db_errors
 from backhalf.errors import BackhalfError, DeadlineExceeded
 from ingest.config import Settings
+from ingest.config.transports import default as default_transport
 from ingest.errors import ConfigError, IngestError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE
+from ingest.observe.dependency import from_a_client, unreachable
 from ingest.observe.logs import redact
 
 
@@ -124,16 +123,18 @@ def explain(exc: BaseException, settings: Settings, role_hint: str | None = None
     if database is not None:
         return database
     for e in chain:
-        if isinstance(e, AuthenticationError):
+        if from_a_client(e) and type(e).__name__ == "AuthenticationError":
+            home = default_transport()
+            where = ", ".join([*home.variables, f"[{home.name}] url"])
             return Failure(
                 "the broker refused the login: check the user and password in the broker URL"
-                " (SWITCHBOARD_REDIS_URL, [redis] url or the adapter's url)",
+                f" ({where} or the adapter's url)",
                 EXIT_FAILURE,
             )
-        if isinstance(e, RedisConnectionError | RedisTimeoutError):
+        if unreachable(e):
             return Failure(f"cannot reach the broker: {_first_line(e)}", EXIT_FAILURE)
     if isinstance(exc, ConfigError):
         return Failure(f"config error: {exc}", EXIT_CONFIG)
-    if isinstance(exc, IngestError | BackhalfError | RedisError):
+    if isinstance(exc, IngestError | BackhalfError) or from_a_client(exc):
         return Failure(_first_line(exc), EXIT_FAILURE)
     return None

@@ -84,7 +84,9 @@ class TransportDefinition:
     """A transport, as the config reads its adapters.
 
     ``modes``: its modes, the first its default. ``producer_ids``: its
-    messages' ids are chosen by their producers, not by the broker. ``keys``: the keys of its
+    messages' ids are chosen by their producers, not by the broker.
+    ``client_packages``: the top-level packages of its client library, whose
+    errors the CLI explains as a broker's (none is imported). ``keys``: the keys of its
     own, read from the adapter's table after the shared ones into a frozen
     dataclass (``AdapterConfig.options``), each applying to the modes its
     Key names. ``key_prefix``: its idempotency keys' default prefix. ``extra``: the install extra that
@@ -118,6 +120,7 @@ class TransportDefinition:
     modes: tuple[str, ...]
     keys: Section
     producer_ids: bool = False
+    client_packages: tuple[str, ...] = ()
     file_table: Section | None = None
     default_url_value: str | None = None
     key_prefix: str

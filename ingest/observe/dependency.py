@@ -18,6 +18,7 @@ import re
 from backhalf.db_errors import error_chain
 from backhalf.errors import BackhalfError
 from backhalf.redaction import redact
+from ingest.config.transports import definitions
 from ingest.errors import IngestError
 from ingest.observe.metrics_http import Liveness
 
@@ -54,6 +55,18 @@ def refused_login(exc: BaseException) -> bool:
         if type(error).__name__ in _REFUSAL_TYPES or _REFUSAL_WORDS.search(str(error)):
             return True
     return False
+
+
+def from_a_client(error: BaseException) -> bool:
+    """Whether ``error`` is a broker client's own (a registered transport's
+    client library raised it)."""
+    package = type(error).__module__.partition(".")[0]
+    return any(package in d.client_packages for d in definitions().values())
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether ``error`` is a broker client failing to connect or to hear back."""
+    return from_a_client(error) and type(error).__name__ in ("ConnectionError", "TimeoutError")
 
 
 class Dependency:

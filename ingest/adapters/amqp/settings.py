@@ -99,6 +99,7 @@ DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
     keys=KEYS,
+    client_packages=("aio_pika", "aiormq", "pamqp"),
     # A message's id is its producer's message_id (backhalf.keys.key_id).
     producer_ids=True,
     key_prefix="amqp",

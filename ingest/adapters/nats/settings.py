@@ -155,6 +155,7 @@ DEFINITION = TransportDefinition(
     name=NAME,
     modes=("jetstream",),
     keys=KEYS,
+    client_packages=("nats",),
     key_prefix="nats",
     extra="nats",
     url_schemes=("nats", "tls"),

@@ -327,6 +327,7 @@ DEFINITION = TransportDefinition(
     name=NAME,
     modes=("stream", "list", "pubsub"),
     keys=KEYS,
+    client_packages=("redis",),
     file_table=Section("[redis]", RedisTable),
     default_url_value=DEFAULT_URL,
     key_prefix="redis",

@@ -175,6 +175,7 @@ DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
     keys=KEYS,
+    client_packages=("aiobotocore", "botocore"),
     key_prefix="sqs",
     extra="sqs",
     url_schemes=("http", "https", "aws"),
