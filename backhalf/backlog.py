@@ -31,7 +31,8 @@ class AckBacklog:
 async def ack_backlog(conn: AsyncConnection, own_acked: Sequence[str] = ()) -> dict[str, AckBacklog]:
     """Per adapter with acks owed or waiting (ack_after = "complete"): the
     queued ones and the ones the adapter's cursor has not passed yet; and
-    for ``own_acked``, adapters whose ingester acks (AMQP), the intents
+    for ``own_acked``, adapters whose ingester acks (its transport binds acks
+    to the consuming channel), the intents
     still pending (no cursor walks them; their mark clears ``ack_xid``, so
     ``ix_inbox_ack_cursor`` holds just those)."""
     queued = sa.select(

@@ -31,7 +31,7 @@ from ingest.cli.text_table import printable
 from ingest.cli.verb import Verb, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
-from ingest.observe.trail import ENTRY_ID, ack_command, offset, timeline, xadd_of
+from ingest.observe.trail import ack_command, is_bare_id, offset, sent_at, timeline
 
 _PROG = "switchboard trace"
 
@@ -69,7 +69,7 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
             if args.inbox_id is not None:
                 ids = [args.inbox_id]
                 missing = f"inbox row {args.inbox_id} does not exist"
-            elif ENTRY_ID.match(args.target):
+            elif is_bare_id(args.target):
                 ids = await trace.inbox_ids_by_entry_id(conn, args.target)
                 missing = f"no stream adapter's inbox holds entry id {args.target!r}"
             else:
@@ -157,7 +157,7 @@ def document(t: trace.Trail) -> dict[str, Any]:
     start = steps[0].at
     return {
         "inbox": dataclasses.asdict(t.inbox),
-        "xadd_at": xadd_of(t.inbox),
+        "xadd_at": sent_at(t.inbox),  # DESIGN.md: the broker's time of the message, where its id holds one
         "event": None if t.event is None else dataclasses.asdict(t.event),
         "todo": None if t.todo is None else dataclasses.asdict(t.todo),
         "todo_events": [dataclasses.asdict(e) for e in t.todo_events],

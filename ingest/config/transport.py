@@ -8,8 +8,10 @@ transports, and names none itself."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol, TypeVar
 from urllib.parse import SplitResult
 
@@ -54,6 +56,16 @@ class DefaultBroker:
 
 
 @dataclass(frozen=True, slots=True)
+class Sent:
+    """When the broker took a message, read from its id: the moment, the
+    words for the timeline, and the step's kind (the console's ``data-step``)."""
+
+    at: datetime
+    what: str
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
 class Reader:
     """What one adapter reads, for the one-reader-each check: ``what`` is
     the same for two adapters that would split one source's messages;
@@ -86,7 +98,10 @@ class TransportDefinition:
     ``modes``: its modes, the first its default. ``producer_ids``: its
     messages' ids are chosen by their producers, not by the broker.
     ``client_packages``: the top-level packages of its client library, whose
-    errors the CLI explains as a broker's (none is imported). ``keys``: the keys of its
+    errors the CLI explains as a broker's (none is imported). ``sent(mode,
+    ack_kind, message_id)``: when the broker took a message, where its id
+    says so (the first step of ``trace``'s timeline); ``bare_id``: the shape
+    of a message id an operator may give alone to ``trace``. ``keys``: the keys of its
     own, read from the adapter's table after the shared ones into a frozen
     dataclass (``AdapterConfig.options``), each applying to the modes its
     Key names. ``key_prefix``: its idempotency keys' default prefix. ``extra``: the install extra that
@@ -121,6 +136,8 @@ class TransportDefinition:
     keys: Section
     producer_ids: bool = False
     client_packages: tuple[str, ...] = ()
+    sent: Callable[[str | None, str | None, str | None], Sent | None] | None = None
+    bare_id: re.Pattern[str] | None = None
     file_table: Section | None = None
     default_url_value: str | None = None
     key_prefix: str

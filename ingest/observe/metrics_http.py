@@ -27,7 +27,7 @@ import contextlib
 import errno
 import io
 import json
-import select
+import os
 import socket
 import threading
 import time
@@ -203,13 +203,8 @@ class _Connection:
         if not self.reading_head or self.head_arrived:
             return False
         try:
-            # Never a wait, under the server's lock: the socket may carry its
-            # thread's timeout, with which recv would first wait to be readable.
-            readable, _, _ = select.select([self.sock], [], [], 0)
-            if not readable:
-                return True
-            waiting = self.sock.recv(MAX_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (OSError, ValueError):  # nothing waiting after all, or the socket closed
+            waiting = _peek(self.sock)
+        except (OSError, ValueError):  # nothing waiting, or the socket closed
             return True
         return HEAD_END not in waiting
 
@@ -221,6 +216,20 @@ class _Connection:
             self.shut = True
             with contextlib.suppress(OSError):  # the peer went first
                 self.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _peek(sock: socket.socket) -> bytes:
+    """What waits unread in ``sock``, never waiting (BlockingIOError: nothing).
+
+    Under the server's lock, so never a wait: the socket carries its
+    thread's timeout, and Python waits for a socket with a timeout to be
+    readable before any recv, MSG_DONTWAIT or not. A select first was not
+    enough: the connection's thread could read what was waiting in between,
+    and the accept loop then waited out the head's deadline, every newcomer
+    behind it (seen: 2 s). A duplicate of the descriptor, made without a
+    timeout, peeks at once (the flags of the open file are left as they are)."""
+    with socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno())) as view:
+        return view.recv(MAX_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
 
 class _Cut(ConnectionAbortedError):

@@ -1,25 +1,21 @@
 """A message's timeline, as ``switchboard trace`` and the console show it:
 every recorded moment of one inbox row's trail, oldest first.
 
-A stream entry id is ``<ms>-<seq>``, the milliseconds being Redis's clock
-when the producer's XADD ran, so a stream message's timeline starts at its
-XADD; the other steps are PostgreSQL's ``now()`` of the transaction that
-wrote them (two clocks: an offset below zero, or a large first one, says
-they disagree).
+Where a message's id says when the broker took it (its transport's
+``sent``), its timeline starts there; the other steps are PostgreSQL's
+``now()`` of the transaction that wrote them (two clocks: an offset below
+zero, or a large first one, says they disagree).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from backhalf import trace
 from ingest.adapters.base import AckIntentView
 from ingest.adapters.factory import describe_ack
-
-# A Redis stream entry id as stored: milliseconds, a dash, a sequence number.
-ENTRY_ID = re.compile(r"^([0-9]+)-([0-9]+)$")
+from ingest.config.transports import definitions
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,26 +24,32 @@ class Step:
 
     at: datetime
     what: str
-    # What kind of moment: xadd, stored, event, acked, or the todo status
+    # What kind of moment: the broker's (a transport's word), stored, event, acked, or the todo status
     # entered (pending, dispatched, running, done, failed, cancelled); the
     # console's ``data-step``.
     kind: str
 
 
-def xadd_time(entry_id: str | None) -> datetime | None:
-    """When Redis took the entry (its id's milliseconds), or None: not an entry id."""
-    match = ENTRY_ID.match(entry_id or "")
-    if match is None:
-        return None
-    try:
-        return datetime.fromtimestamp(int(match.group(1)) / 1000, UTC)
-    except (OverflowError, ValueError, OSError):  # an explicit id far beyond any clock
-        return None
+def sent_step(row: trace.InboxTrail) -> Step | None:
+    """When the broker took the message, where its transport reads that
+    from the message's id; None where it cannot. An adapter no longer
+    registered is asked of every transport."""
+    known = definitions().get(row.transport or "")
+    for d in [known] if known is not None else list(definitions().values()):
+        if d.sent is not None and (sent := d.sent(row.mode, row.ack_kind, row.source_message_id)) is not None:
+            return Step(sent.at, sent.what, sent.kind)
+    return None
 
 
-def xadd_of(row: trace.InboxTrail) -> datetime | None:
-    # Only a stream entry's id is a time; a list or pub/sub row has none.
-    return xadd_time(row.source_message_id) if row.ack_kind == "xack" or row.mode == "stream" else None
+def sent_at(row: trace.InboxTrail) -> datetime | None:
+    step = sent_step(row)
+    return None if step is None else step.at
+
+
+def is_bare_id(query: str) -> bool:
+    """Whether ``query`` is a message id some transport lets an operator
+    give alone (a stream entry id), rather than a whole key."""
+    return any(d.bare_id is not None and d.bare_id.match(query) for d in definitions().values())
 
 
 def timeline(t: trace.Trail) -> list[Step]:
@@ -55,11 +57,9 @@ def timeline(t: trace.Trail) -> list[Step]:
     the pipeline takes them)."""
     row = t.inbox
     steps: list[Step] = []
-    xadd = xadd_of(row)
-    if xadd is not None:
-        steps.append(
-            Step(xadd, f"XADD {row.source_message_id} (the entry id's time, on Redis's clock)", "xadd")
-        )
+    sent = sent_step(row)
+    if sent is not None:
+        steps.append(sent)
     steps.append(Step(row.stored_at, f"stored: inbox row {row.inbox_id}, {row.status}", "stored"))
     if t.event is not None:
         steps.append(Step(t.event.received_at, f"event {t.event.id} recorded", "event"))

@@ -24,7 +24,7 @@ from backhalf.heartbeats import ProcessRow
 from ingest.actions.todos import RETRYABLE_STATUSES
 from ingest.config import Settings
 from ingest.observe import inbox_text, status
-from ingest.observe.trail import ENTRY_ID, ack_command, offset, timeline
+from ingest.observe.trail import ack_command, is_bare_id, offset, timeline
 from ingest.web import attention
 from ingest.web.console import console_of
 from schema import ACTIVE_TODO_STATUSES, TODO_STATUSES
@@ -184,7 +184,7 @@ async def _inbox_ids(conn: Any, query: str) -> tuple[list[int], str | None]:
     if (number := as_id(query)) is not None:
         ids = sorted({number, *await trace.inbox_ids_by_todo(conn, number)})
         return ids, f"no inbox row {query}, and no todo {query} with an inbox row"
-    if ENTRY_ID.match(query):
+    if is_bare_id(query):
         return await trace.inbox_ids_by_entry_id(
             conn, query
         ), f"no stream adapter's inbox holds entry id {query!r}"

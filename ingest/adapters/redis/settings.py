@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
@@ -17,6 +18,7 @@ from ingest.config.transport import (
     Adapter,
     DefaultBroker,
     Reader,
+    Sent,
     TransportDefinition,
     Values,
     options_of,
@@ -323,11 +325,33 @@ def plaintext(url: str, own: RedisOptions | None) -> Unencrypted | None:
     )
 
 
+# A stream entry id as stored: milliseconds, a dash, a sequence number.
+ENTRY_ID = re.compile(r"^([0-9]+)-([0-9]+)$")
+
+
+def _sent(mode: str | None, ack_kind: str | None, message_id: str | None) -> Sent | None:
+    """A stream entry id is ``<ms>-<seq>``, the milliseconds being Redis's
+    clock when the producer's XADD ran; a list or pub/sub message has no id
+    that is a time."""
+    if mode != "stream" and ack_kind != "xack":
+        return None
+    match = ENTRY_ID.match(message_id or "")
+    if match is None:
+        return None
+    try:
+        at = datetime.fromtimestamp(int(match.group(1)) / 1000, UTC)
+    except (OverflowError, ValueError, OSError):  # an explicit id far beyond any clock
+        return None
+    return Sent(at, f"XADD {message_id} (the entry id's time, on Redis's clock)", "xadd")
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("stream", "list", "pubsub"),
     keys=KEYS,
     client_packages=("redis",),
+    sent=_sent,
+    bare_id=ENTRY_ID,
     file_table=Section("[redis]", RedisTable),
     default_url_value=DEFAULT_URL,
     key_prefix="redis",

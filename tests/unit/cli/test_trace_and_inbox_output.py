@@ -12,12 +12,13 @@ import pytest
 from backhalf.inbox_views import escape_like
 from backhalf.todo_views import TodoDetail, TodoEvent, TodoRow
 from backhalf.trace import EventTrail, InboxTrail, Trail
+from ingest.adapters.redis.settings import DEFINITION as REDIS
 from ingest.cli import main as cli
 from ingest.cli import todos as todos_command
 from ingest.cli.inbox import body_view, time_bound
 from ingest.cli.trace import text_lines
 from ingest.observe import inbox_text
-from ingest.observe.trail import timeline, xadd_time
+from ingest.observe.trail import timeline
 
 T = datetime(2026, 12, 1, 10, 0, 0, tzinfo=UTC)
 MS = timedelta(milliseconds=1)
@@ -73,10 +74,15 @@ def test_a_prefix_is_never_parsed_as_json_and_may_end_mid_character() -> None:
 
 
 def test_xadd_time_is_the_entry_ids_milliseconds() -> None:
-    assert xadd_time("1796119200000-3") == T
-    assert xadd_time("abc") is None
-    assert xadd_time(None) is None
-    assert xadd_time("99999999999999999999-0") is None  # beyond any clock
+    """The Redis transport reads when XADD ran from a stream entry's id."""
+    assert REDIS.sent is not None
+    sent = REDIS.sent("stream", "xack", "1796119200000-3")
+    assert sent is not None
+    assert (sent.at, sent.kind) == (T, "xadd")
+    assert REDIS.sent("stream", "xack", "abc") is None
+    assert REDIS.sent("stream", "xack", None) is None
+    assert REDIS.sent("stream", "xack", "99999999999999999999-0") is None  # beyond any clock
+    assert REDIS.sent("list", "lrem", "1796119200000-3") is None  # a list's id is no time
 
 
 def _trail(*, created: datetime) -> Trail:
