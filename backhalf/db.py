@@ -114,7 +114,7 @@ def create_sync_engine(settings: DatabaseSettings, pool_size: int) -> Engine:
     return engine
 
 
-# Store-then-ack: the acker XACKs an entry once it sees its todo committed, so
+# Store-then-ack: the acker acks a message once it sees its todo committed, so
 # that commit must survive a server crash. ``off`` and ``local`` do not
 # guarantee it (``off`` acknowledges before the WAL flush; ``local`` ignores
 # synchronous standbys); ``on``, ``remote_write`` and ``remote_apply`` do, the

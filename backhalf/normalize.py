@@ -160,8 +160,8 @@ def body_payload(
 # of it is decoded (issue 32.8): each field costs Python work per message
 # (about 4 us, decoded, checked and copied), so a 1 MiB entry of 262k
 # one-byte fields held the ingester's event loop 1.1 s before its rejection.
-# A stream entry's count is known from the reply's length
-# (ingest.adapters.redis.streams), so such an entry is never made a map.
+# A field map's count is known from the broker's reply before it is made a
+# map (the transport's adapter), so such a message is never made one.
 MAX_FIELDS = 1024
 
 

@@ -66,7 +66,7 @@ CROSS JOIN LATERAL (
 -- name: merge_inbox_body
 -- A copy of a body already pending on the same processing list merges into
 -- that row (locked by existing_body_pending): ``ack_copies`` counts the copies
--- the acker must LREM.
+-- the acker must remove.
 UPDATE inbox SET ack_copies = inbox.ack_copies + u.c,
                  deliveries = inbox.deliveries + u.d,
                  consumer = %(consumer)s
@@ -182,7 +182,7 @@ keyed AS (
 
 -- name: store_inbox_native_cte
 -- A new key's row is inserted under the id its key took. A stored key's row
--- is a redelivery: it bumps ``deliveries`` and asks the acker again (XACK is
+-- is a redelivery: it bumps ``deliveries`` and asks the acker again (an ack is
 -- idempotent; the entry may be pending again after its group was recreated).
 --
 -- Only a redelivery: the same entry id with the same message (compared by
@@ -190,7 +190,7 @@ keyed AS (
 -- body, so a message stored whole under one max_message_bytes and as a
 -- prefix under another is still one message), or a report that the entry is
 -- gone (its body is lost, so nothing can differ). A different message on a stored id
--- (Redis restored from an older snapshot, a stream deleted and refilled with
+-- (a broker restored from an older snapshot, a stream deleted and refilled with
 -- explicit ids) is not updated and so not returned: the store stores it
 -- again under a derived key (backhalf.store, "reused ids"), except where the
 -- id alone names the message (``id_names_message``: a webhook's signed
@@ -206,7 +206,7 @@ keyed AS (
 -- redelivery asking for its ack again takes this transaction's, so the
 -- cursor, which has passed the old one, meets the row again. It also takes
 -- the newest delivery's ack ref: a JetStream reply subject names one
--- delivery, and the newest is the one sure to ack (a Redis entry id is the
+-- delivery, and the newest is the one sure to ack (a stream entry id is the
 -- same in every delivery).
 --
 -- The same insert as store_inbox_body_cte plus the id its key took
@@ -573,7 +573,7 @@ FROM h
 -- that wrote the cursor's newest version (FOR UPDATE returns the newest
 -- version, which can be newer than the snapshot, so the snapshot's xmin
 -- would not do). Then the rows claimed (none: one row of NULLs); the mark
--- (mark_cursor_acks) moves the cursor after the XACK.
+-- (mark_cursor_acks) moves the cursor after the ack.
 --
 -- The walk runs once, on ix_inbox_ack_cursor from the cursor onwards, in
 -- its order, and stops at the limit. Behind the cursor the index holds the
@@ -650,13 +650,13 @@ SELECT count(*) FROM restamped
 -- name: mark_cursor_acks
 -- (``low_id``, ``high_id``: the ids' bounds, by which only the partitions
 -- between them are read, not every one: backhalf.partitions.id_bounds.)
--- After the XACK, in the claim's transaction: the rows claimed by the
+-- After the ack, in the claim's transaction: the rows claimed by the
 -- cursor marked acked, and the cursor moved past them. A row asked for its
 -- ack again by a store since the claim read it has an ack_xid at or above
 -- the claim's xmin (its transaction had not ended when the claim's
 -- snapshot was taken), so it is left pending: the cursor meets it again.
 -- The mark waits for a row a store holds, and then checks it again on its
--- newest version. ``acked_at`` is this statement's time, after the XACK.
+-- newest version. ``acked_at`` is this statement's time, after the ack.
 WITH marked AS (
     UPDATE inbox SET ack_state = 'acked', acked_at = statement_timestamp()
     WHERE id = ANY(%(ids)b::int8[]) AND id BETWEEN %(low_id)s AND %(high_id)s
@@ -698,7 +698,7 @@ WHERE adapter = %(adapter)s AND ack_xid IS NOT NULL AND ack_state = 'pending'
 -- name: owed_native
 -- The claim sweep's question (stream mode): which of these entries are
 -- stored with their ack pending (owed now, through the cursor or the queue,
--- or waiting for their todo)? Those need no redelivery, only their XACK,
+-- or waiting for their todo)? Those need no redelivery, only their ack,
 -- which the acker sends; claiming them again would re-store each one every
 -- sweep while its todo runs. One probe per key, as in existing_native.
 SELECT u.k FROM unnest(%(keys)b::text[]) AS u(k)

@@ -13,9 +13,9 @@ from typing import Literal, NamedTuple
 AckKind = str
 NO_ACK: AckKind = "none"
 # Who sends a transport's acks: the acker, from committed intents, where any
-# process may ack (a stream's XACK, a JetStream reply subject, an SQS receipt
-# handle); or the consuming process itself, strictly after its commit, where
-# an ack is bound to the channel that received the message (AMQP).
+# process may ack (a stream's group, a reply subject, a receipt handle); or
+# the consuming process itself, strictly after its commit, where an ack is
+# bound to the channel that received the message.
 AckParty = Literal["acker", "consumer"]
 # Who delivered a message: pulled from a broker, or pushed to us (a webhook).
 Family = Literal["queue", "push"]  # schema.tables.EVENT_FAMILIES
@@ -32,8 +32,8 @@ class AckTarget:
     ``by_cursor``: the intents are acked by their reference alone, so once
     stored (``ack_after = "store"``) the acker finds them by its cursor over
     committed rows (``inbox.ack_xid``) instead of an ``ack_queue`` row each.
-    ``by_body``: the intents name their message by its body (a list item:
-    LREM removes copies of a value), so copies of one body on one key merge
+    ``by_body``: the intents name their message by its body (a list item,
+    removed by value), so copies of one body on one key merge
     into one queued intent that counts them (``ack_queue.by_body``), and the
     acknowledger is handed the body. The two exclude each other: counting
     copies needs the queue.
@@ -126,7 +126,7 @@ class StoreResult:
     redelivered: int  # already in the inbox: deliveries bumped, ack re-requested
     todos_created: int
     todos_deduped: int  # an active todo with the same (queue, key) already existed
-    # New messages on an entry id the inbox holds with another body (Redis
+    # New messages on an entry id the inbox holds with another body (a broker
     # restored from an older snapshot, a stream deleted and refilled with
     # explicit ids), as (entry id, the key they were stored under:
     # backhalf.keys.reused_key). Logged at error level once committed.
