@@ -33,7 +33,7 @@ def adapter_config(row: AdapterRow, default_url: str) -> AdapterConfig:
     the adapter."""
     if row.family != FAMILY:
         raise ConfigError(f"registered adapter {row.name!r}: family {row.family!r} has no broker")
-    keys = adapter_keys(row.mode) - _NOT_FROM_SETTINGS
+    keys = adapter_keys(row.mode, row.transport) - _NOT_FROM_SETTINGS
     table = {k: v for k, v in row.settings.items() if k in keys}
     table |= {"name": row.name, "mode": row.mode, "transport": row.transport}
     try:

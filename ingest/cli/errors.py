@@ -34,10 +34,9 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from backhalf import db_errors
 from backhalf.errors import BackhalfError, DeadlineExceeded
 from ingest.config import Settings
-from ingest.config.transports import default as default_transport
 from ingest.errors import ConfigError, IngestError
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE
-from ingest.observe.dependency import from_a_client, unreachable
+from ingest.observe.dependency import from_a_client, login_refused, unreachable
 from ingest.observe.logs import redact
 
 
@@ -123,9 +122,10 @@ def explain(exc: BaseException, settings: Settings, role_hint: str | None = None
     if database is not None:
         return database
     for e in chain:
-        if from_a_client(e) and type(e).__name__ == "AuthenticationError":
-            home = default_transport()
-            where = ", ".join([*home.variables, f"[{home.name}] url"])
+        if (refusing := login_refused(e)) is not None:
+            # Where that transport's URL comes from: its variables, its table.
+            table = [f"[{refusing.name}] url"] if refusing.file_table is not None else []
+            where = ", ".join([*refusing.variables, *table])
             return Failure(
                 "the broker refused the login: check the user and password in the broker URL"
                 f" ({where} or the adapter's url)",

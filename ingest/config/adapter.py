@@ -150,9 +150,10 @@ def _retention(doc: str) -> Key:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdapterConfig:
-    """One ``[[adapters]]`` table. The attributes are declared in the order
-    their keys are checked: of several errors in a table, the first declared
-    is reported."""
+    """One ``[[adapters]]`` table. A key of another transport or mode is
+    reported first; then the attributes are checked in the order they are
+    declared, and the transport's own keys after them: of several errors in
+    a table, the first so checked is reported."""
 
     name: Annotated[str, Key(public=False, doc="the adapter's name, one per adapter")]
     mode: Annotated[  # its own column
@@ -423,9 +424,14 @@ def _adapter(
     check_keys(label, raw, set(adapter_keys()))
     # The defaults that depend on the rest.
     defaults = {"queue": name, **_transport_defaults(raw, default_broker, env)}
+    # A key of another transport or mode is said first, as soon as the
+    # table's mode and transport are known to be good (else their own
+    # errors come first, in the shared keys' order).
+    mode, transport = raw.get("mode", defaults["mode"]), raw.get("transport", default().name)
+    if isinstance(transport, str) and transport in definitions() and mode in definitions()[transport].modes:
+        _applies(label, raw, {"mode": mode, "transport": transport})
     shared = {k: v for k, v in raw.items() if k in ADAPTERS.names()}
     values = ADAPTERS.read(label, shared, defaults=defaults)
-    _applies(label, raw, values)
     definition = definition_of(values)
     own_raw = {k: v for k, v in raw.items() if k not in ADAPTERS.names()}
     own = definition.keys.read(label, own_raw, defaults=defaults, context=values)

@@ -1,7 +1,7 @@
 """What a transport says of its broker's URL for the plaintext warning
 (``ingest.observe.transport``, issue 32): a remote broker reached without
-TLS. Each transport's package answers for its own schemes
-(``unencrypted(config)``); this module holds the rule they share. Nothing
+TLS. Each transport's definition answers for its own schemes
+(``TransportDefinition.plaintext``); this module holds the rule they share. Nothing
 is resolved or connected: the URL alone decides, and a name other than
 ``localhost`` counts as remote."""
 

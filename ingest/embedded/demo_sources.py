@@ -399,6 +399,8 @@ def demo_source(
             finally:
                 amqp.close()
         return
+    if transport != "nats":
+        raise ValueError(f"the demo has no source on transport {transport!r}")
     from ingest.embedded.nats_server import nats_server
 
     with nats_server(base / "nats") as server:

@@ -18,6 +18,7 @@ import re
 from backhalf.db_errors import error_chain
 from backhalf.errors import BackhalfError
 from backhalf.redaction import redact
+from ingest.config.transport import TransportDefinition
 from ingest.config.transports import definitions
 from ingest.errors import IngestError
 from ingest.observe.metrics_http import Liveness
@@ -57,16 +58,37 @@ def refused_login(exc: BaseException) -> bool:
     return False
 
 
-def from_a_client(error: BaseException) -> bool:
-    """Whether ``error`` is a broker client's own (a registered transport's
-    client library raised it)."""
+def client_of(error: BaseException) -> TransportDefinition | None:
+    """The transport whose client library raised ``error``, if one did
+    (by the package its class comes from: no client is imported)."""
     package = type(error).__module__.partition(".")[0]
-    return any(package in d.client_packages for d in definitions().values())
+    return next((d for d in definitions().values() if package in d.client_packages), None)
+
+
+def from_a_client(error: BaseException) -> bool:
+    """Whether ``error`` is a broker client's own."""
+    return client_of(error) is not None
+
+
+def _is_a(error: BaseException, names: tuple[str, ...]) -> bool:
+    """Whether ``error``'s class, or one it derives from in the same client,
+    has one of ``names`` (a client's ``ConnectionError`` and its subclasses:
+    a server still loading, no connection left in the pool)."""
+    d = client_of(error)
+    return d is not None and any(
+        c.__name__ in names and c.__module__.partition(".")[0] in d.client_packages
+        for c in type(error).__mro__
+    )
 
 
 def unreachable(error: BaseException) -> bool:
     """Whether ``error`` is a broker client failing to connect or to hear back."""
-    return from_a_client(error) and type(error).__name__ in ("ConnectionError", "TimeoutError")
+    return _is_a(error, ("ConnectionError", "TimeoutError"))
+
+
+def login_refused(error: BaseException) -> TransportDefinition | None:
+    """The transport whose client says the broker refused the login, if one does."""
+    return client_of(error) if _is_a(error, ("AuthenticationError",)) else None
 
 
 class Dependency:

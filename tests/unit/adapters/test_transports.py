@@ -133,6 +133,11 @@ def test_every_registered_transport_has_its_parts() -> None:
         for line in (ROOT / "constraints.txt").read_text().splitlines()
         if "==" in line
     }
+    (settings_contract,) = [
+        c
+        for c in project["tool"]["importlinter"]["contracts"]
+        if c["name"].startswith("A transport's settings are the config's")
+    ]
     assert factory.TRANSPORTS.keys() == definitions().keys()
     for name, definition in definitions().items():
         folder = ROOT / "ingest" / "adapters" / name
@@ -147,6 +152,9 @@ def test_every_registered_transport_has_its_parts() -> None:
         for variable in definition.variables:
             assert f"  {variable} " in _ENVIRONMENT, f"{name}: --help lacks {variable}"
         assert f"ingest.adapters.{name}" in packages, f"{name}: its package is not shipped"
+        assert f"ingest.adapters.{name}.settings" in settings_contract["source_modules"], (
+            f"{name}: its settings are outside the import contract"
+        )
         if definition.extra is not None:
             for requirement in extras[definition.extra]:
                 client = re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0].lower()

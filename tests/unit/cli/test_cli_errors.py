@@ -93,3 +93,32 @@ def test_the_origin_of_the_url_is_named() -> None:
     assert (
         "database 'sbdb' at the local socket as user 'sb' (from SWITCHBOARD_DATABASE_URL)" in failure.message
     )
+
+
+def _wrapped_in_broker_error(cause: BaseException) -> BrokerError:
+    try:
+        try:
+            raise cause
+        except BaseException as exc:
+            raise BrokerError("adapter orders: reading orders") from exc
+    except BrokerError as outer:
+        return outer
+
+
+def test_a_clients_connection_error_subclass_is_a_broker_out_of_reach() -> None:
+    """A Redis still loading its dataset raises a subclass of redis-py's
+    ConnectionError: found by the client's class tree, not its exact name."""
+    loading = _wrapped_in_broker_error(redis.exceptions.BusyLoadingError("LOADING Redis is loading"))
+    assert explain(loading, SETTINGS) == Failure(
+        "cannot reach the broker: LOADING Redis is loading", EXIT_FAILURE
+    )
+
+
+def test_a_refused_login_names_where_its_own_transports_url_comes_from() -> None:
+    import aiormq.exceptions  # the amqp extra (the dev kit's): imported here, not by the CLI
+
+    refused = _wrapped_in_broker_error(aiormq.exceptions.AuthenticationError("ACCESS_REFUSED"))
+    failure = explain(refused, SETTINGS)
+    assert failure is not None
+    assert "SWITCHBOARD_AMQP_URL" in failure.message
+    assert "REDIS" not in failure.message

@@ -1014,3 +1014,16 @@ def test_a_setting_without_a_definition_is_refused_when_its_table_is_first_read(
     assert [s.name for s in Section("[u]", Unkeyed, keys={"keyed": Key(), "forgotten": None}).settings] == [
         "keyed"
     ]
+
+
+def test_a_key_of_another_mode_is_said_before_the_shared_keys_errors() -> None:
+    """A misplaced key is reported first, as when every key was one table's:
+    the transport's own keys are read after the shared ones, but where a key
+    applies is known as soon as the mode and the transport are."""
+    raw = adapter(mode="list", start_id="0", batch_size="many")
+    with pytest.raises(ConfigError, match="key 'start_id' does not apply to mode = 'list'"):
+        from_mapping({"database": DB, "adapters": [raw]}, {})
+    # A mode the transport lacks is said before any key's place.
+    raw = adapter(transport="nats", mode="stream", subject="x")
+    with pytest.raises(ConfigError, match="key 'mode' = 'stream' is not a mode of transport = 'nats'"):
+        from_mapping({"database": DB, "adapters": [raw]}, {})

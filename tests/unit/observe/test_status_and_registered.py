@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -138,3 +139,12 @@ def test_the_transaction_holding_acks_is_named_once_an_ack_waits_long() -> None:
     unseen = audit.HorizonHolder("session", "7", None, 9, None, None)  # another role's session
     assert unseen.describe() == "pid 7 (9 transaction ids behind)"
     assert "acks_held_by" in status.render([entry("orders", acks_held_by=shown)], as_json=False)
+
+
+def test_a_row_of_a_transport_sharing_a_mode_ignores_another_transports_keys() -> None:
+    """``queue`` is SQS's mode and AMQP's: a stored AMQP row that carries SQS's
+    keys (a row is data, not a config to refuse) rebuilds, those keys ignored."""
+    settings = {"source": "jobs", "ack_wait_ms": 30_000, "region": "eu-west-1", "batch_size": 7}
+    adapter_row = dataclasses.replace(row("queue", settings), transport="amqp")
+    rebuilt = registered.adapter_config(adapter_row, DEFAULT_REDIS_URL)
+    assert (rebuilt.transport, rebuilt.mode, rebuilt.batch_size) == ("amqp", "queue", 7)
