@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
 from backhalf.keys import native_key
@@ -26,8 +26,6 @@ def _default_broker_doc() -> str:
     """The reference's default of ``url``: each transport's default broker."""
     return "the transport's default broker: " + "; ".join(d.default_url_doc for d in definitions().values())
 
-
-_Options = TypeVar("_Options")
 
 RETENTION = "([Retention](operating.md#retention))"
 CREDENTIALS = "([security.md](security.md#broker-passwords-from-the-environment))"
@@ -282,14 +280,9 @@ class AdapterConfig:
     ] = None
     body_schema: Annotated[BodySchema | None, Derived()] = field(default=None, compare=False, repr=False)
     # The transport's own keys, read by its definition's ``keys`` section
-    # (``ingest/adapters/<transport>/settings.py``) into its frozen dataclass.
+    # (``ingest/adapters/<transport>/settings.py``) into its frozen dataclass;
+    # each transport's ``options(config)`` gives it typed.
     options: Annotated[Any, Derived()]
-
-    def options_as(self, kind: type[_Options]) -> _Options:
-        """The transport's own keys as ``kind`` (a TypeError for another's)."""
-        if not isinstance(self.options, kind):
-            raise TypeError(f"adapter {self.name!r}: its options are no {kind.__name__}")
-        return self.options
 
     def values(self) -> dict[str, Any]:
         """Every key's value by attribute, the shared and the transport's own."""

@@ -205,3 +205,14 @@ def ca_file_key(verifies: str) -> Key:
         doc=f"the CA file that verifies {verifies}",
         default_doc="the system's CAs",
     )
+
+
+def own_keys(transport: str, keys: type, adapters: str, anchor: str = "") -> Section:
+    """A transport's own keys as the config reference shows them: a table
+    ``[[adapters]] with transport = "<transport>"``, introduced by what
+    ``adapters`` are, linked to their section of transports.md."""
+    return Section(
+        f'[[adapters]] with transport = "{transport}"',
+        keys,
+        intro=f"The keys of {adapters}, beside the shared ones ([transports.md](transports.md{anchor})).",
+    )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
-from ingest.config.keys import Section, string
+from ingest.config.keys import string
 from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
@@ -17,6 +17,7 @@ from ingest.config.transport import (
     ca_file_key,
     from_variable,
     options_of,
+    own_keys,
     refuse_complete,
 )
 from ingest.config.url_shape import url_shape_problem
@@ -82,12 +83,7 @@ def options(adapter: Adapter) -> AmqpOptions:
     return options_of(adapter, AmqpOptions)
 
 
-KEYS = Section(
-    '[[adapters]] with transport = "amqp"',
-    AmqpOptions,
-    intro="The keys of the AMQP (RabbitMQ) adapters (mode `queue`), beside the shared ones"
-    " ([transports.md](transports.md#amqp-rabbitmq)).",
-)
+KEYS = own_keys(NAME, AmqpOptions, "the AMQP (RabbitMQ) adapters (mode `queue`)", "#amqp-rabbitmq")
 
 
 def plaintext(url: str, own: AmqpOptions | None) -> Unencrypted | None:

@@ -80,15 +80,16 @@ log = structlog.get_logger(__name__)
 
 def _wanted(config: AdapterConfig) -> ConsumerConfig:
     """The durable consumer Switchboard needs."""
+    own = options(config)
     return ConsumerConfig(
-        name=options(config).group,
-        durable_name=options(config).group,
+        name=own.group,
+        durable_name=own.group,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         max_deliver=-1,
-        ack_wait=options(config).ack_wait_ms / 1000,
-        max_ack_pending=options(config).max_ack_pending,
-        filter_subject=options(config).subject,
+        ack_wait=own.ack_wait_ms / 1000,
+        max_ack_pending=own.max_ack_pending,
+        filter_subject=own.subject,
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
-from ingest.config.keys import Key, Section, string
+from ingest.config.keys import Key, string
 from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
@@ -19,6 +19,7 @@ from ingest.config.transport import (
     ca_file_key,
     from_variable,
     options_of,
+    own_keys,
     refuse_complete,
 )
 from ingest.config.url_shape import url_shape_problem
@@ -135,12 +136,7 @@ def options(adapter: Adapter) -> NatsOptions:
     return options_of(adapter, NatsOptions)
 
 
-KEYS = Section(
-    '[[adapters]] with transport = "nats"',
-    NatsOptions,
-    intro="The keys of the NATS JetStream adapters (mode `jetstream`), beside the shared ones"
-    " ([transports.md](transports.md#nats-jetstream)).",
-)
+KEYS = own_keys(NAME, NatsOptions, "the NATS JetStream adapters (mode `jetstream`)", "#nats-jetstream")
 
 
 def plaintext(url: str, own: NatsOptions | None) -> Unencrypted | None:

@@ -131,13 +131,12 @@ class ListAdapter(RedisEndpoint, PullAdapterBase):
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
         # ``ledger`` is unused: a list has no consumer group to record.
-        super().__init__(
-            config.name, config.broker.url(), block_ms=config.block_ms, cluster=options(config).cluster
-        )
-        self._cfg = config
         self._opts = options(config)
-        self._base = key_base(config.source, cluster=options(config).cluster)
-        self._processing = processing_key(config.source, config.consumer, cluster=options(config).cluster)
+        cluster = self._opts.cluster
+        super().__init__(config.name, config.broker.url(), block_ms=config.block_ms, cluster=cluster)
+        self._cfg = config
+        self._base = key_base(config.source, cluster=cluster)
+        self._processing = processing_key(config.source, config.consumer, cluster=cluster)
         self._consumers_key = f"{self._base}:consumers"
         self._started = False
         self._own_recovery_due = True
@@ -378,7 +377,7 @@ class ListAcknowledger:
         self._name = config.name
         self._source = config.source
         self._cluster = options(config).cluster
-        self._client = connect(config.broker.url(), cluster=options(config).cluster)
+        self._client = connect(config.broker.url(), cluster=self._cluster)
 
     def _ours(self, claim: AckClaim) -> bool:
         return (

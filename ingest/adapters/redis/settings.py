@@ -22,6 +22,7 @@ from ingest.config.transport import (
     TransportDefinition,
     Values,
     options_of,
+    own_keys,
 )
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
@@ -285,12 +286,7 @@ def options(adapter: Adapter) -> RedisOptions:
     return options_of(adapter, RedisOptions)
 
 
-KEYS = Section(
-    '[[adapters]] with transport = "redis"',
-    RedisOptions,
-    intro="The keys of the Redis adapters (`stream`, `list` and `pubsub` modes), beside the shared ones"
-    " ([transports.md](transports.md)).",
-)
+KEYS = own_keys(NAME, RedisOptions, "the Redis adapters (`stream`, `list` and `pubsub` modes)")
 
 
 DEFAULT_URL = "redis://localhost:6379/0"

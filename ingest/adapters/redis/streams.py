@@ -158,13 +158,13 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
     overlapping_commits = True
 
     def __init__(self, config: AdapterConfig, *, ledger: ConsumerLedger | None = None) -> None:
+        self._opts = options(config)
         super().__init__(
-            config.name, config.broker.url(), block_ms=config.block_ms, cluster=options(config).cluster
+            config.name, config.broker.url(), block_ms=config.block_ms, cluster=self._opts.cluster
         )
         self._cfg = config
-        self._opts = options(config)
         self._ledger: ConsumerLedger = ledger or _Unrecorded()
-        self._body_field = options(config).body_field.encode()
+        self._body_field = self._opts.body_field.encode()
         # Both replies as Redis sent them: an entry's field list is counted
         # before any of it is made a map (_delivery_flat).
         self._client.set_response_callback("XREADGROUP", _raw_reply)
@@ -527,8 +527,9 @@ class StreamAcknowledger:
     def __init__(self, config: AdapterConfig) -> None:
         self._name = config.name
         self._stream = config.source
-        self._group = options(config).group
-        self._client = connect(config.broker.url(), cluster=options(config).cluster)
+        own = options(config)
+        self._group = own.group
+        self._client = connect(config.broker.url(), cluster=own.cluster)
 
     def _ours(self, claim: AckClaim) -> bool:
         return (

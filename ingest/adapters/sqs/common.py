@@ -103,8 +103,8 @@ def region_of(config: AdapterConfig) -> str | None:
     """The adapter's region: its key, else an AWS queue URL's, else
     ``AWS_REGION`` (the other AWS SDKs' variable, which botocore does not
     read), else None: botocore's chain (``AWS_DEFAULT_REGION``, the profile)."""
-    if own_options(config).region:
-        return own_options(config).region
+    if (region := own_options(config).region) is not None:
+        return region
     if "://" in config.source:
         found = _AWS_QUEUE_HOST.fullmatch(urlsplit(config.source).hostname or "")
         if found:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
-from ingest.config.keys import Key, Section, string
+from ingest.config.keys import Key, string
 from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
@@ -19,6 +19,7 @@ from ingest.config.transport import (
     ca_file_key,
     from_variable,
     options_of,
+    own_keys,
     refuse_complete,
 )
 from ingest.config.url_shape import url_shape_problem
@@ -157,12 +158,7 @@ def options(adapter: Adapter) -> SqsOptions:
     return options_of(adapter, SqsOptions)
 
 
-KEYS = Section(
-    '[[adapters]] with transport = "sqs"',
-    SqsOptions,
-    intro="The keys of the SQS adapters (mode `queue`), beside the shared ones"
-    " ([transports.md](transports.md#sqs)).",
-)
+KEYS = own_keys(NAME, SqsOptions, "the SQS adapters (mode `queue`)", "#sqs")
 
 
 def plaintext(url: str, own: SqsOptions | None) -> Unencrypted | None:

@@ -119,6 +119,20 @@ class AdapterContract:
             if acker and self.acks:
                 await wait_until(lambda: self.unacked_is(broker, 0))
 
+    async def after_a_lost_consumer(self, s: Settings, broker: Any, rest: list[bytes]) -> list[bytes]:
+        """The pipeline, started after a consumer that held 5 messages went:
+        ``rest`` published, then every body stored once it settles (the 5
+        again too where the broker redelivers) and nothing is left unacked."""
+        db_url = s.database.url
+        async with pipeline(s):
+            await self.wait_listening(broker)
+            await self.produce(broker, rest, None)
+            expected = len(rest) + (5 if self.redelivers else 0)
+            await wait_until(lambda: scalar(db_url, "SELECT count(*) FROM inbox") >= expected)
+            if self.acks:
+                await wait_until(lambda: self.unacked_is(broker, 0))
+        return [bytes(b) for (b,) in query(db_url, "SELECT body FROM inbox ORDER BY id")]
+
     async def wait_listening(self, broker: Any) -> None:
         """Return once a message published now reaches the running adapter."""
         return
@@ -200,15 +214,7 @@ class AdapterContract:
         assert len(held) == 5
         await crashed.close()  # never stored, never acked
         rest = bodies(5, start=5)
-        async with pipeline(s):
-            await self.wait_listening(broker)
-            await self.produce(broker, rest, None)
-            await wait_until(
-                lambda: scalar(db_url, "SELECT count(*) FROM inbox") >= (10 if self.redelivers else 5)
-            )
-            if self.acks:
-                await wait_until(lambda: self.unacked_is(broker, 0))
-        stored = [bytes(b) for (b,) in query(db_url, "SELECT body FROM inbox ORDER BY id")]
+        stored = await self.after_a_lost_consumer(s, broker, rest)
         if self.redelivers:
             assert sorted(stored) == sorted(bodies(10))
         else:
@@ -236,15 +242,7 @@ class AdapterContract:
             await adapter.close()
         rest = bodies(5, start=5)
         s = self.settings(db_url, redis_url)
-        async with pipeline(s):
-            await self.wait_listening(broker)
-            await self.produce(broker, rest, None)
-            await wait_until(
-                lambda: scalar(db_url, "SELECT count(*) FROM inbox") >= (10 if self.redelivers else 5)
-            )
-            if self.acks:
-                await wait_until(lambda: self.unacked_is(broker, 0))
-        stored = [bytes(b) for (b,) in query(db_url, "SELECT body FROM inbox ORDER BY id")]
+        stored = await self.after_a_lost_consumer(s, broker, rest)
         assert len(stored) == len(set(stored)), "a message stored twice"
         if self.redelivers:
             assert sorted(stored) == sorted(first + rest)
