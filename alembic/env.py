@@ -18,7 +18,7 @@ import re
 import sqlalchemy as sa
 
 from alembic import context
-from backhalf.migrate import MIGRATION_LOCK_WAIT_MS, MigrationLocked
+from backhalf.housekeeping.migrate import MIGRATION_LOCK_WAIT_MS, MigrationLocked
 from schema import metadata
 
 # Arbitrary constant shared by every switchboard migrator ("swbd" in ASCII).
@@ -99,7 +99,7 @@ def _lock(connection: sa.Connection) -> None:
 
 def _not_a_partition(name: str | None, type_: str, parent_names: object) -> bool:
     """The history tables' partitions (and their indexes) are made and
-    dropped by ``backhalf.partitions``, not by migrations: the schema's
+    dropped by ``backhalf.housekeeping.partitions``, not by migrations: the schema's
     metadata names only the partitioned tables (``todos``' two partitions
     are migration 0017's, in its own DDL)."""
     return not (name is not None and _PARTITION.match(name))

@@ -1,3 +1,7 @@
-"""The shared back half: idempotency keys, normalization, the one-transaction
-store, and the ack-intent queries the acker drains. Knows no broker.
+"""The shared back half, in four rooms over a foundation (docs/architecture.md,
+"Layout"): ``writes`` (keys, normalization, the one-transaction store, the
+ack intents the acker drains), ``lifecycle`` (the todos, their runs and
+rescue), ``reads`` (the read models every front end shows) and
+``housekeeping`` (migrations, partitions, retention, heartbeats). Knows no
+broker.
 """

@@ -7,7 +7,7 @@ Most blocks are whole statements. A few statements share parts, so those are
 written as complete CTEs (blocks named ``*_cte``) and composed here with
 :func:`_with`, at CTE boundaries only: the two store writes share all but the
 inbox insert, and every statement that creates todos embeds the one
-``todos_create_cte`` (``backhalf.todos`` owns it). The composed statements
+``todos_create_cte`` (``backhalf.lifecycle.todos`` owns it). The composed statements
 are rendered to ``tests/unit/backhalf/snapshots/`` so that they can be read whole.
 
 A block the file lacks, or one it has that nothing here uses, fails the
@@ -68,7 +68,7 @@ def _with(*ctes: str, then: str) -> LiteralString:
     return "WITH " + ",\n".join(_block(c).rstrip("\n") for c in ctes) + "\n" + _block(then)
 
 
-# The store (backhalf.store). What the inbox holds already:
+# The store (backhalf.writes.store). What the inbox holds already:
 EXISTING_NATIVE = _block("existing_native")
 EXISTING_BODY_PENDING = _block("existing_body_pending")
 MERGE_INBOX_BODY = _block("merge_inbox_body")
@@ -106,17 +106,17 @@ STORE_BODY = _with(
 DELETE_EVENTS = _block("delete_events")
 NOTIFY_STORE = _block("notify_store")
 
-# Todos (backhalf.todos): one todo created or deduped (inbox replay), and the
+# Todos (backhalf.lifecycle.todos): one todo created or deduped (inbox replay), and the
 # store's undo of the todos it created for messages stored already.
 CREATE_TODO = _with("replay_row_cte", "todos_create_cte", then="create_todo_result")
 DELETE_TODOS = _block("delete_todos")
 
-# Delivery attempts (backhalf.attempts).
+# Delivery attempts (backhalf.writes.attempts).
 RECORD_ATTEMPTS = _block("record_attempts")
 KNOWN_ATTEMPTS = _block("known_attempts")
 CLEAR_ATTEMPTS = _block("clear_attempts")
 
-# The acker and list recovery (backhalf.acks).
+# The acker and list recovery (backhalf.writes.acks).
 CLAIM_PLAN = _block("claim_plan")
 CLAIM_ACKS = _block("claim_acks")
 LOCK_PENDING_COPIES = _block("lock_pending_copies")
@@ -132,7 +132,7 @@ ACK_HORIZON_HOLDER = _with("ack_writers_cte", then="ack_horizon_holder")
 RESET_ACK_CURSOR = _block("reset_ack_cursor")
 MARK_CURSOR_ACKS = _block("mark_cursor_acks")
 
-# The todo lifecycle (backhalf.todos): the workers' claims, ends and leases,
+# The todo lifecycle (backhalf.lifecycle.todos): the workers' claims, ends and leases,
 # the rescuer, the operator's cancel and retry.
 CLAIM_TODOS = _block("claim_todos")
 CLAIMER_SESSION = _block("claimer_session")

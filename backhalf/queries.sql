@@ -19,7 +19,7 @@
 -- name: existing_native
 -- Which stream entries (native ids) the inbox holds already: they are stored
 -- once per adapter while inbox rows are kept. A batch of first deliveries
--- skips this read (see ``backhalf.store``).
+-- skips this read (see ``backhalf.writes.store``).
 --
 -- One index probe per key, whatever the statistics say: the LATERAL subquery
 -- (LIMIT keeps it from being flattened into a join) can only run as a nested
@@ -110,7 +110,7 @@ u AS (
 
 
 -- name: todos_create_cte
--- Create or dedup a todo: the one definition, owned by ``backhalf.todos``
+-- Create or dedup a todo: the one definition, owned by ``backhalf.lifecycle.todos``
 -- (the store's write embeds it; so does create_todo, for inbox replay).
 -- Reads ``u(k, p, tc, n)``: key, payload JSON text (NULL: no todo), trace
 -- context JSON text (NULL: none; a dedup keeps the first's), order. Yields
@@ -192,7 +192,7 @@ keyed AS (
 -- gone (its body is lost, so nothing can differ). A different message on a stored id
 -- (a broker restored from an older snapshot, a stream deleted and refilled with
 -- explicit ids) is not updated and so not returned: the store stores it
--- again under a derived key (backhalf.store, "reused ids"), except where the
+-- again under a derived key (backhalf.writes.store, "reused ids"), except where the
 -- id alone names the message (``id_names_message``: a webhook's signed
 -- delivery id, whose resend may carry its body serialized anew; not
 -- GitHub's, which is outside the signature). The comparison
@@ -607,7 +607,7 @@ LEFT JOIN LATERAL (
 
 
 -- name: ack_horizon_holder
--- ``switchboard status`` (backhalf.audit.ack_horizon_holder): the oldest
+-- ``switchboard status`` (backhalf.reads.audit.ack_horizon_holder): the oldest
 -- transaction holding the ack cursor's horizon back, by the horizon's own
 -- rule (ack_horizon_cte): a session of this database with an id whose
 -- login may write (``IS NOT FALSE``: one pg_stat_activity names no login
@@ -649,7 +649,7 @@ SELECT count(*) FROM restamped
 
 -- name: mark_cursor_acks
 -- (``low_id``, ``high_id``: the ids' bounds, by which only the partitions
--- between them are read, not every one: backhalf.partitions.id_bounds.)
+-- between them are read, not every one: backhalf.housekeeping.partitions.id_bounds.)
 -- After the ack, in the claim's transaction: the rows claimed by the
 -- cursor marked acked, and the cursor moved past them. A row asked for its
 -- ack again by a store since the claim read it has an ack_xid at or above
@@ -718,7 +718,7 @@ ORDER BY i.id
 FOR UPDATE
 
 
--- The todo lifecycle (backhalf.todos): the todos table is the workers'
+-- The todo lifecycle (backhalf.lifecycle.todos): the todos table is the workers'
 -- queue (DESIGN.md section 7b). pending -> running (a worker's claim) ->
 -- done, or back to pending to wait out a retry's backoff (run_after), or
 -- failed after the last attempt; running -> pending (or failed) when its
@@ -803,7 +803,7 @@ SELECT set_config('enable_sort', 'off', false), set_config('synchronous_commit',
 
 -- name: end_runs
 -- The workers' ends, a batch of them in one statement (every worker thread
--- of a process hands its ends to one writer, backhalf.state_writer), so
+-- of a process hands its ends to one writer, backhalf.lifecycle.state_writer), so
 -- that a batch with no ack to release is one round trip and one implicit
 -- transaction on an autocommit connection.
 --

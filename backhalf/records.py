@@ -69,7 +69,7 @@ class InboxRecord(NamedTuple):
     deliveries: int = 1
     ack_key: str | None = None  # None: the batch's AckTarget.key
     # Set when ``body`` is only a prefix (a message over max_message_bytes):
-    # the full length and sha256 (backhalf.normalize.RawForm).
+    # the full length and sha256 (backhalf.writes.normalize.RawForm).
     body_size: int | None = None
     body_sha256: bytes | None = None
     # JSON text: what the broker says of the message beyond its id, kept for
@@ -114,7 +114,7 @@ class StoreBatch:
     # body is the same message sent again (a webhook's delivery id that its
     # sender signs; Stripe signs a retry afresh, with its counters moved),
     # not a reused id to store apart. A broker's entry id is not such a name
-    # (backhalf.store), nor an id outside the signature (GitHub's: anyone
+    # (backhalf.writes.store), nor an id outside the signature (GitHub's: anyone
     # with one signed body could send it under another delivery's id).
     id_names_message: bool = False
 
@@ -129,7 +129,7 @@ class StoreResult:
     # New messages on an entry id the inbox holds with another body (a broker
     # restored from an older snapshot, a stream deleted and refilled with
     # explicit ids), as (entry id, the key they were stored under:
-    # backhalf.keys.reused_key). Logged at error level once committed.
+    # backhalf.writes.keys.reused_key). Logged at error level once committed.
     reused: tuple[tuple[str, str], ...] = ()
     # The errors of the rejected rows among ``new`` (the metrics' reasons).
     rejected_errors: tuple[str, ...] = ()

@@ -485,7 +485,7 @@ class Run:
     def ended(self, outcome: str, error_type: str | None = None, error: str | None = None) -> None:
         """The run's outcome; a failed run's error as an ``exception`` event:
         its type and ``error``, the text its todo keeps (cut and redacted:
-        backhalf.worker.stored_error), never the traceback."""
+        backhalf.lifecycle.worker.stored_error), never the traceback."""
         if self._tracing is None or self._span is None:
             return
         try:

@@ -93,7 +93,7 @@
 --   whose status could make that change; a creation row (NULL -> pending)
 --   only for a todo the snapshot does not hold yet (the one its statement
 --   creates).
--- * Deletes: the acker (the pruner, backhalf.retention) deletes todos only
+-- * Deletes: the acker (the pruner, backhalf.housekeeping.retention) deletes todos only
 --   when terminal and no ack waits for them, their todo_events only when the
 --   todo is terminal or gone, inbox rows only with their ack done ('acked' or
 --   'none') and no ack_queue row; ack_queue rows only when claimed (owed now).
@@ -105,7 +105,7 @@
 --   `role` (ingest, receive, ack, worker; the operator's and the viewer's
 --   web, the console's, whichever of them it runs as); any of them
 --   deletes a row stopped or silent for a day
---   (backhalf.heartbeats.FORGET_AFTER_S), and no other.
+--   (backhalf.housekeeping.heartbeats.FORGET_AFTER_S), and no other.
 --
 -- Every policy this file makes is named switchboard_*: each run drops every
 -- policy of that name on Switchboard's tables and makes them again, so a run
@@ -188,7 +188,7 @@ BEGIN
 END
 $connect$;
 -- `switchboard status` (the acker's, and the operator's) reads the audit views too.
--- Not the viewer: the console reads the tables (backhalf.console_views), no view.
+-- Not the viewer: the console reads the tables (backhalf.reads.console_views), no view.
 GRANT switchboard_auditor TO switchboard_acker, switchboard_operator;
 
 
@@ -219,7 +219,7 @@ BEGIN
           AND (c.relname IN ('adapters', 'inbox', 'inbox_keys', 'ack_queue', 'ack_cursors', 'events', 'todos',
                              'todo_events', 'delivery_attempts', 'stream_groups', 'processes',
                              'alembic_version', 'todos_live', 'todos_done', 'todos_done_late')
-               -- The history tables' partitions (backhalf.partitions): an
+               -- The history tables' partitions (backhalf.housekeeping.partitions): an
                -- owner's ALTER of a partitioned table does not reach them.
                OR c.relname ~ '^(inbox|events|todo_events|todos_done)_p[0-9]{6}$'
                OR (c.relkind = 'v' AND c.relname LIKE 'audit\_%'))
@@ -254,7 +254,7 @@ BEGIN
         FROM switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
              switchboard_operator, switchboard_viewer, switchboard_auditor;
 
-    -- Every process role: its heartbeat row (backhalf.heartbeats), and the
+    -- Every process role: its heartbeat row (backhalf.housekeeping.heartbeats), and the
     -- rows a day silent it deletes; `status` reads them all. Whose rows: the
     -- policies below. The console (`switchboard web`) is a process too, run
     -- as the operator's login or the viewer's.
@@ -266,9 +266,9 @@ BEGIN
         TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
            switchboard_operator, switchboard_viewer;
 
-    -- The two storing roles: the ingester (`switchboard ingest`: backhalf.store,
+    -- The two storing roles: the ingester (`switchboard ingest`: backhalf.writes.store,
     -- registry, attempts, stream_groups) and the receiver (`switchboard
-    -- receive`: backhalf.store with no ack, as ingest.processes.push_store
+    -- receive`: backhalf.writes.store with no ack, as ingest.processes.push_store
     -- calls it, and registry). One store statement serves both and names the
     -- inbox's ack columns and ack_queue whatever it writes (privileges are
     -- checked per statement, not per row): the same grants, and the policies
@@ -327,7 +327,7 @@ BEGIN
 
     -- The acker: claim_acks marks acks; the rescuer moves todos whose lease
     -- lapsed (rescue_todos) but creates none; release_orphaned_acks;
-    -- the pruner (backhalf.retention) deletes what retention allows; status
+    -- the pruner (backhalf.housekeeping.retention) deletes what retention allows; status
     -- reads every table.
     GRANT SELECT ON adapters, events, stream_groups, delivery_attempts TO switchboard_acker;
     -- ack_xid: reset_ack_cursor, after a restore into a new cluster.
@@ -346,7 +346,7 @@ BEGIN
     -- row lock needs UPDATE on one column: the least telling one.
     GRANT UPDATE (last_attempt_at) ON delivery_attempts TO switchboard_acker;
     GRANT USAGE ON SEQUENCE todo_events_id_seq TO switchboard_acker;
-    -- The history's partitions (backhalf.partitions): where the identities
+    -- The history's partitions (backhalf.housekeeping.partitions): where the identities
     -- stand, and a new period begun (setval). Making and dropping the
     -- partitions is the owner's: `switchboard migrate`.
     GRANT SELECT, UPDATE ON SEQUENCE inbox_id_seq, events_id_seq, todo_events_id_seq, todos_id_seq
@@ -362,7 +362,7 @@ BEGIN
 
     -- The operator (ingest.actions): reads every table (trace, inbox and
     -- todos list/show, adapters list, status); flips an adapter's `enabled`
-    -- (registry.set_enabled); replays a rejected inbox row (backhalf.replay:
+    -- (registry.set_enabled); replays a rejected inbox row (backhalf.writes.replay:
     -- the row locked, a todo created or deduped with its 'pending' log row,
     -- an event, the row made 'stored'); retries and cancels todos
     -- (retry_todos, cancel_todos, then release_acks). No ack, no delete.
@@ -493,8 +493,8 @@ BEGIN
         WITH CHECK ((ack_state = 'acked' AND acked_at IS NOT NULL)
                     OR (ack_state = 'pending' AND acked_at IS NULL));
     -- The pruner: only rows whose ack is done and no longer queued
-    -- (backhalf.retention's own condition, ACK_DONE_STATES), and never one
-    -- younger than retention's floors (backhalf.retention: an hour; three
+    -- (backhalf.housekeeping.retention's own condition, ACK_DONE_STATES), and never one
+    -- younger than retention's floors (backhalf.housekeeping.retention: an hour; three
     -- days, the senders' retry span, for a push adapter's), whatever the
     -- config says: a resend must still meet the row that dedups it.
     CREATE POLICY switchboard_acker_delete ON inbox FOR DELETE TO switchboard_acker
@@ -607,7 +607,7 @@ BEGIN
                     AND EXISTS (SELECT FROM todos o WHERE o.id = todos.id
                               AND (o.status, todos.status) IN (('running', 'pending'),
                                                                ('running', 'failed'))));
-    -- The pruner (backhalf.retention): terminal todos no ack waits for, an
+    -- The pruner (backhalf.housekeeping.retention): terminal todos no ack waits for, an
     -- hour ended at least (retention's floor).
     CREATE POLICY switchboard_acker_delete ON todos FOR DELETE TO switchboard_acker
         USING (status IN ('done', 'failed', 'cancelled')
@@ -737,7 +737,7 @@ BEGIN
         USING (last_attempt_at < now() - interval '1 hour');
 
     -- processes: each process role its own rows (`role`); the day-silent
-    -- clean-up (backhalf.heartbeats.forget_statement, FORGET_AFTER_S) anyone's.
+    -- clean-up (backhalf.housekeeping.heartbeats.forget_statement, FORGET_AFTER_S) anyone's.
     CREATE POLICY switchboard_read ON processes FOR SELECT
         TO switchboard_ingester, switchboard_receiver, switchboard_acker, switchboard_worker,
            switchboard_operator, switchboard_viewer

@@ -43,7 +43,7 @@ NAMING_CONVENTION = {
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 # The history tables (inbox, events, todo_events) are partitioned by ranges
-# of their ids, one partition per period (backhalf.partitions), retired whole;
+# of their ids, one partition per period (backhalf.housekeeping.partitions), retired whole;
 # so are finished todos (``todos_done``, below). Each hands out its ids from
 # its own identity but ``todos_done``, whose rows take theirs from ``todos``.
 PARTITION_BY = "RANGE (id)"
@@ -132,7 +132,7 @@ TODO_ACTIVE_PREDICATE = todos.c.status.in_(ACTIVE_TODO_STATUSES)
 # TODO_ACTIVE_PREDICATE is ``todos_live``'s own (the module docstring says
 # why); migration 0017 makes it.
 # A queue's todos of one status, newest first: the console's and the CLI's
-# pages (``backhalf.todo_views.list_todos``), the overview's failed todos and
+# pages (``backhalf.reads.todo_views.list_todos``), the overview's failed todos and
 # the loose scan that finds the queues, each reading about a page whatever
 # the history holds (issue 45; migration 0014 added ``id``).
 sa.Index("ix_todos_queue_status_id", todos.c.queue, todos.c.status, todos.c.id)
@@ -248,7 +248,7 @@ inbox = sa.Table(
     sa.CheckConstraint(_one_of("status", INBOX_STATUSES), name="status"),
     sa.CheckConstraint("ack_copies >= 0", name="ack_copies"),
     # Each partition is made with fillfactor INBOX_FILLFACTOR
-    # (backhalf.partitions): room on each page for the acker's update of
+    # (backhalf.housekeeping.partitions): room on each page for the acker's update of
     # every row, which with no index on ack_state or acked_at (pending
     # intents are found through ack_queue) is HOT, a new row version on the
     # same page and no index entry anywhere (issue 5). A partitioned table

@@ -90,8 +90,10 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backhalf import migrate, queries, todos  # noqa: E402
+from backhalf import queries  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
+from backhalf.housekeeping import migrate  # noqa: E402
+from backhalf.lifecycle import todos  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
 from ingest.embedded.servers import (  # noqa: E402

@@ -103,7 +103,7 @@ def _page(port: int, path: str) -> tuple[float, int]:
 
 
 def compare(base: Path, pg: PostgresServer, redis_url: str, *, quick: bool = False) -> None:
-    from backhalf import migrate
+    from backhalf.housekeeping import migrate
 
     rows = 100_000 if quick else 1_000_000
     url = pg.create_database("console")

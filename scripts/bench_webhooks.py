@@ -65,8 +65,8 @@ sys.path.insert(0, str(ROOT))
 
 import bench  # noqa: E402
 
-from backhalf import migrate  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
+from backhalf.housekeeping import migrate  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, wait_for  # noqa: E402
 from ingest.embedded.servers import PostgresServer, free_port  # noqa: E402

@@ -28,8 +28,8 @@ from sqlalchemy.dialects import postgresql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backhalf import migrate, retention
 from backhalf.db import DatabaseSettings, create_engine, libpq_url
+from backhalf.housekeeping import migrate, retention
 from ingest.config import AckerSettings
 from ingest.embedded.servers import embedded_servers
 from ingest.processes.prune import Pruner, Walk, WalkResult

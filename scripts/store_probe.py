@@ -44,8 +44,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_faststream  # noqa: E402
 
-from backhalf import migrate, partitions, queries  # noqa: E402
+from backhalf import queries  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
+from backhalf.housekeeping import migrate, partitions  # noqa: E402
 from ingest.embedded.servers import embedded_servers  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -62,7 +63,7 @@ def body(i: int) -> bytes:
 
 
 def store_params(start: int, n: int) -> dict[str, Any]:
-    """What backhalf.store._write binds for ``n`` first deliveries."""
+    """What backhalf.writes.store._write binds for ``n`` first deliveries."""
     ids = [f"1700000{start + i:09d}-0" for i in range(n)]
     bodies = [body(start + i) for i in range(n)]
     return {

@@ -169,7 +169,7 @@ class Wheel:
 
 def check_imports(wheel: Wheel) -> None:
     probe = (
-        "import json, ingest, backhalf.migrate as m; "
+        "import json, ingest, backhalf.housekeeping.migrate as m; "
         "print(json.dumps([ingest.__file__, str(m.script_location())]))"
     )
     module, migrations = json.loads(wheel.run("-c", probe, binary="python"))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import redis
 
-from backhalf import migrate
+from backhalf.housekeeping import migrate
 from ingest.embedded.servers import PostgresServer, RedisServer, temp_base
 from tests.support import db
 from tests.support.browser import ChromiumSession, PageProblems, chromium_session

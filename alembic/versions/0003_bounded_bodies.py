@@ -6,7 +6,7 @@ Revises: 0002
 Create Date: 2026-12-01 12:40:00.000000
 
 The store keeps at most ``max_message_bytes`` of any message, or the first
-4096 bytes of one over it (``backhalf.normalize.RawForm``); these columns
+4096 bytes of one over it (``backhalf.writes.normalize.RawForm``); these columns
 hold what the prefix cannot: how long the message was and its sha256. Both
 NULL for a body kept whole. The digest is also what tells a redelivery of a
 prefix-stored message from another message on the same entry id.

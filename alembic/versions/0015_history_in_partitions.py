@@ -6,7 +6,7 @@ Create Date: 2026-12-06 12:00:00.000000
 
 docs/decisions/0005-history-flat-then-partitioned.md says why. Each of the
 three tables becomes a table partitioned by ranges of ``id``
-(``backhalf.partitions``): the table as it was, renamed, is attached whole
+(``backhalf.housekeeping.partitions``): the table as it was, renamed, is attached whole
 as partition 0 (every id so far), and partition 1 is made empty, ahead.
 The native keys move from the inbox's unique index to ``inbox_keys``, filled
 from the rows that have one. The audit views are pointed at the new tables.
@@ -25,7 +25,7 @@ from psycopg import sql
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB
 
 from alembic import op
-from backhalf import partitions
+from backhalf.housekeeping import partitions
 
 revision: str = "0015"
 down_revision: str | None = "0014"

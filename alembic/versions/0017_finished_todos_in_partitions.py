@@ -10,7 +10,7 @@ becomes a table partitioned by status:
 * ``todos_live`` (pending, dispatched, running, failed): a plain table that
   holds the unique index of active keys, ``uq_todos_queue_key_active``;
 * ``todos_done`` (done, cancelled): partitioned by ranges of ``id`` like
-  the history (``backhalf.partitions``), with a default partition,
+  the history (``backhalf.housekeeping.partitions``), with a default partition,
   ``todos_done_late``, for a todo that finishes after its period's
   partition was dropped.
 
@@ -30,7 +30,7 @@ from psycopg import sql
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from alembic import op
-from backhalf import partitions
+from backhalf.housekeeping import partitions
 
 revision: str = "0017"
 down_revision: str | None = "0016"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry
+from backhalf.writes import registry
 from ingest.actions.outcomes import Refused
 
 

@@ -1,9 +1,9 @@
 """Replay rejected inbox rows once their cause is fixed (``switchboard inbox
 replay``): one by id, or the rows a filter selects, or a dry run of those.
 
-Each row is its own transaction (:func:`backhalf.replay.replay`), so one
+Each row is its own transaction (:func:`backhalf.writes.replay.replay`), so one
 that is refused leaves the others replayed. A dry run asks each row the very
-checks a replay makes (:func:`backhalf.replay.check`) and writes nothing.
+checks a replay makes (:func:`backhalf.writes.replay.check`) and writes nothing.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import inbox_views, replay
-from backhalf.normalize import body_payload
+from backhalf.reads import inbox_views
 from backhalf.records import Family
+from backhalf.writes import replay
+from backhalf.writes.normalize import body_payload
 from ingest.actions.outcomes import Refused
 from ingest.adapters.base import FAMILY, TRUST_MODE
 from ingest.adapters.webhook import PUSH

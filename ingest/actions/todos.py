@@ -3,7 +3,7 @@
 Each call is its own transaction: the todo's row is locked, its status
 checked (and for a retry, that no other active todo holds its (queue, key)),
 then the change and its ``todo_events`` row are written
-(:mod:`backhalf.todos`). A refusal rolls the transaction back.
+(:mod:`backhalf.lifecycle.todos`). A refusal rolls the transaction back.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import psycopg
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from backhalf import todo_views, todos
+from backhalf.lifecycle import todos
+from backhalf.reads import todo_views
 from ingest.actions.outcomes import Refused
 from schema import ACTIVE_TODO_STATUSES
 

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 import structlog
 
-from backhalf.normalize import Content
 from backhalf.records import AckClaim, AckKind, AckParty, AckTarget, Family, PendingIntent, Provenance
-from backhalf.stream_groups import StreamGroup
+from backhalf.writes.normalize import Content
+from backhalf.writes.stream_groups import StreamGroup
 
 if TYPE_CHECKING:
     from ingest.config import AdapterConfig
@@ -86,7 +86,7 @@ class Delivery(NamedTuple):
     """One message as the broker handed it over, not yet normalized.
 
     ``body`` is the message's content: its bytes, or a
-    :class:`~backhalf.normalize.FieldMap` where it came as named fields. It
+    :class:`~backhalf.writes.normalize.FieldMap` where it came as named fields. It
     is None only when ``lost``: the broker still had the message pending but
     the message itself was deleted, which the back half records instead of
     acking silently.
@@ -147,7 +147,7 @@ OpenLedger = Callable[[], AbstractAsyncContextManager[PendingCopies]]
 
 class ConsumerLedger(Protocol):
     """What PostgreSQL keeps for a transport's durable consumers
-    (``backhalf.stream_groups.GroupStartLedger``): where each one Switchboard
+    (``backhalf.writes.stream_groups.GroupStartLedger``): where each one Switchboard
     created started, so one destroyed later is recreated where it first
     started, not at a configured "new messages only" that by then means
     "later"; and what the inbox says of their messages. A durable consumer is

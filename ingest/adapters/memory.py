@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
+from backhalf.writes.keys import native_key
 from ingest.adapters.base import Delivery, PullAdapterBase
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from backhalf.registry import AdapterRow
+from backhalf.writes.registry import AdapterRow
 from ingest.adapters.base import FAMILY
 from ingest.config import AdapterConfig, adapter_keys, read_adapter
 from ingest.errors import ConfigError

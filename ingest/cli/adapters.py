@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from backhalf.db import create_engine
-from backhalf.registry import AdapterRow
+from backhalf.writes.registry import AdapterRow
 from ingest.actions import adapters as actions
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import table

@@ -27,8 +27,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import inbox_views, replay
 from backhalf.db import create_engine
+from backhalf.reads import inbox_views
+from backhalf.writes import replay
 from ingest.actions import inbox as inbox_actions
 from ingest.actions.inbox import DEFAULT_REPLAY_LIMIT
 from ingest.actions.outcomes import Refused

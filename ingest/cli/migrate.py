@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 import structlog
 
-from backhalf import migrate
 from backhalf.db import create_engine, redact_url
+from backhalf.housekeeping import migrate
 from ingest.cli.verb import Subparsers, Verb
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK

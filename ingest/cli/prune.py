@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from backhalf.db import create_engine
-from backhalf.partitions import partition_name
+from backhalf.housekeeping.partitions import partition_name
 from ingest.cli.verb import Verb, in_loop
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK

@@ -19,8 +19,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import heartbeats, todo_views
 from backhalf.db import create_engine
+from backhalf.housekeeping import heartbeats
+from backhalf.reads import todo_views
 from backhalf.redaction import redact
 from ingest.actions import todos as todo_actions
 from ingest.actions.outcomes import Refused

@@ -9,7 +9,7 @@ first, each step's offset from the first. A stream entry id is
 XADD ran, so a stream message's timeline starts at its XADD; the other steps
 are PostgreSQL's ``now()`` of the transaction that wrote them (two clocks:
 an offset below zero, or a large first one, says they disagree). The
-queries are :mod:`backhalf.trace`'s.
+queries are :mod:`backhalf.reads.trace`'s.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import heartbeats, todo_views, trace
 from backhalf.db import create_engine
+from backhalf.housekeeping import heartbeats
+from backhalf.reads import todo_views, trace
 from backhalf.redaction import redact
 from ingest.cli.text_table import printable
 from ingest.cli.verb import Verb, in_loop, positive_int

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from backhalf.db import DatabaseSettings
-from backhalf.queues import QueueConfig
+from backhalf.lifecycle.queues import QueueConfig
 from ingest.config.adapter import (
     ADAPTERS,
     DAY_MS,
@@ -178,7 +178,7 @@ class AckerSettings:
         int,
         _positive("pause between prune batches, so autovacuum and replicas keep up (0 = none)", zero=True),
     ] = 10
-    # The history tables' partitions (backhalf.partitions, issue 45).
+    # The history tables' partitions (backhalf.housekeeping.partitions, issue 45).
     retain_history_days: Annotated[
         float | None,
         _kept(
@@ -207,7 +207,7 @@ def _kept(doc: str) -> Key:
     return Key(parse=days, doc=doc, default_doc="none: kept forever", type_doc=DAYS_TYPE)
 
 
-# backhalf.queues.QueueConfig cannot import Key: its keys are declared here.
+# backhalf.lifecycle.queues.QueueConfig cannot import Key: its keys are declared here.
 QUEUES = Section(
     "[queues.NAME]",
     QueueConfig,

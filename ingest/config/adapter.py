@@ -12,9 +12,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
-from backhalf.keys import native_key
-from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
+from backhalf.writes.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
+from backhalf.writes.keys import native_key
+from backhalf.writes.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, Setting, check_keys, days, got, string
 from ingest.config.transport import DefaultBroker, TransportDefinition, Values
 from ingest.config.transports import default, definitions

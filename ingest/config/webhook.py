@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from backhalf.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
-from backhalf.keys import native_key
-from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
+from backhalf.writes.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
+from backhalf.writes.keys import native_key
+from backhalf.writes.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, got, string
 from ingest.config.urls import env_name
 from ingest.errors import ConfigError

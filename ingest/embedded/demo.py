@@ -40,8 +40,8 @@ from typing import Any
 import psycopg
 import redis
 
-from backhalf import migrate
 from backhalf.db import libpq_url
+from backhalf.housekeeping import migrate
 from ingest.embedded.config import write_config
 from ingest.embedded.demo_sources import DemoSource, demo_source
 from ingest.embedded.demo_trace import DemoTrace, traced_order

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from backhalf.todos import Todo
+from backhalf.lifecycle.todos import Todo
 
 # Orders whose first attempt fails (a flaky downstream, once).
 FLAKY_EVERY = 500

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from backhalf import partitions
+from backhalf.housekeeping import partitions
 from schema.tables import PARTITIONED_TABLES
 
 CHUNK = 250_000

@@ -20,10 +20,11 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import backlog, heartbeats
 from backhalf import metrics as m
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded
+from backhalf.housekeeping import heartbeats
+from backhalf.reads import backlog
 from ingest.adapters.base import PullAdapter
 from ingest.config import AdapterConfig, Settings
 from ingest.errors import BrokerError, log_failure

@@ -13,7 +13,7 @@ An adapter is unhealthy when its broker cannot be asked (unreachable, or it
 answers with an error), or when a process that served it died: an ingester
 reading it, an acker acking it or a worker doing its queue whose heartbeat
 row (``processes``) went silent without a stop, and that no newer process of
-its role on its host replaced (``backhalf.heartbeats``). A disabled adapter
+its role on its host replaced (``backhalf.housekeeping.heartbeats``). A disabled adapter
 is still checked and shown, but not counted: an operator disables an adapter
 to take it out of service. A dead process that served no adapter shown
 makes the exit code non-zero too.
@@ -29,11 +29,13 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import audit, heartbeats, registry
 from backhalf.db import create_engine
-from backhalf.heartbeats import ProcessRow
+from backhalf.housekeeping import heartbeats
+from backhalf.housekeeping.heartbeats import ProcessRow
+from backhalf.reads import audit
 from backhalf.redaction import redact
-from backhalf.registry import AdapterRow
+from backhalf.writes import registry
+from backhalf.writes.registry import AdapterRow
 from ingest.adapters import registered
 from ingest.adapters.factory import acked_by, make_adapter
 from ingest.config import AdapterConfig, Settings

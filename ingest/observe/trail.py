@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from backhalf import trace
+from backhalf.reads import trace
 from ingest.adapters.base import AckIntentView
 from ingest.adapters.factory import describe_ack
 from ingest.config.transports import definitions

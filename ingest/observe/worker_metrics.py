@@ -40,9 +40,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from backhalf import heartbeats
 from backhalf import metrics as m
 from backhalf.db import create_sync_engine
+from backhalf.housekeeping import heartbeats
 from ingest.config import Settings, load
 from ingest.errors import ConfigError, error_kind, log_failure
 from ingest.observe import logs

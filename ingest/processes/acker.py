@@ -38,14 +38,16 @@ from psycopg import sql as pgsql
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import acks, db_errors, failpoints, heartbeats, registry
+from backhalf import db_errors, failpoints
 from backhalf import metrics as m
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, DatabaseSettings, libpq_url, within_deadline
 from backhalf.errors import DeadlineExceeded
+from backhalf.housekeeping import heartbeats
+from backhalf.lifecycle.rescue import Rescuer
 from backhalf.queries import ACK_CHANNEL
 from backhalf.records import AckClaim
-from backhalf.registry import AdapterRow
-from backhalf.rescue import Rescuer
+from backhalf.writes import acks, registry
+from backhalf.writes.registry import AdapterRow
 from ingest.adapters import registered
 from ingest.adapters.base import FAMILY, Acknowledger
 from ingest.adapters.factory import acked_by, make_acknowledger
@@ -548,7 +550,7 @@ class _Acker(ProcessBody):
                 deadline_ms=settings.database.transaction_deadline_ms,
             )
         # The slot: what a restart of this process serves again (see
-        # backhalf.heartbeats); the adapters acked can grow (the table).
+        # backhalf.housekeeping.heartbeats); the adapters acked can grow (the table).
         self._served_queues = sorted(settings.queues)
         self._slot = heartbeats.slot([cfg.name for cfg in settings.adapters], self._served_queues)
 

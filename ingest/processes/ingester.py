@@ -19,10 +19,10 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import heartbeats
 from backhalf.db import MAX_OVERFLOW, within_deadline
 from backhalf.errors import DeadlineExceeded
-from backhalf.stream_groups import GroupStartLedger
+from backhalf.housekeeping import heartbeats
+from backhalf.writes.stream_groups import GroupStartLedger
 from ingest.adapters.base import FAMILY, AdapterBuilder, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
@@ -87,7 +87,7 @@ class _Ingester(ProcessBody):
         self._polls: dict[str, PollLoop] = {}
         names = [cfg.name for cfg in settings.adapters]
         consumers = sorted({cfg.consumer for cfg in settings.adapters})
-        # The slot: what a restart of this process reads again (see backhalf.heartbeats).
+        # The slot: what a restart of this process reads again (see backhalf.housekeeping.heartbeats).
         self._detail = {
             "adapters": names,
             "consumers": consumers,

@@ -15,12 +15,13 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import db_errors, metrics, registry, stream_groups, tracing
-from backhalf.body_schema import BodySchema
+from backhalf import db_errors, metrics, tracing
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded, PoisonMessage
-from backhalf.normalize import BodyFormat, RawForm, content_payload, raw_form, refusal
 from backhalf.records import Family, InboxRecord
+from backhalf.writes import registry, stream_groups
+from backhalf.writes.body_schema import BodySchema
+from backhalf.writes.normalize import BodyFormat, RawForm, content_payload, raw_form, refusal
 from ingest.adapters.base import Delivery, TraceCarrier
 from ingest.config import Settings
 from ingest.lifecycle import Retry

@@ -2,7 +2,7 @@
 prune_interval_ms`` where ``[acker] retain_history_days`` is set (and by
 one pass of ``switchboard prune`` and ``switchboard migrate``): partitions
 made ahead, a new period begun every ``partition_hours``, the partitions
-past the history dropped whole (:mod:`backhalf.partitions` says how;
+past the history dropped whole (:mod:`backhalf.housekeeping.partitions` says how;
 issue 45).
 
 Making and dropping a partition is the tables' owner's to do: an acker
@@ -21,9 +21,9 @@ from datetime import timedelta
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import partitions, retention
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import PruneError
+from backhalf.housekeeping import partitions, retention
 from ingest.config import Settings
 from ingest.lifecycle import Retry, wait_stop
 
@@ -53,7 +53,7 @@ def done_keep(settings: Settings) -> timedelta | None:
     days = [q.retain_done_days if (q := settings.queues.get(name)) else None for name in named]
     if not days or any(d is None for d in days):
         return None
-    # Never less than the row walk's floor (backhalf.retention.TODO_FLOOR):
+    # Never less than the row walk's floor (backhalf.housekeeping.retention.TODO_FLOOR):
     # a mis-set retention must not drop a todo the moment it finished.
     return max(timedelta(days=max(d for d in days if d is not None)), retention.TODO_FLOOR)
 

@@ -24,14 +24,15 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from backhalf import acks, body_schema, failpoints, metrics, registry, tracing
-from backhalf import attempts as delivery_attempts
+from backhalf import failpoints, metrics, tracing
 from backhalf.db import DEFAULT_TRANSACTION_DEADLINE_MS, within_deadline
 from backhalf.db_errors import is_transient
 from backhalf.errors import AckStateError, DeadlineExceeded, StoreError
-from backhalf.normalize import content_size
 from backhalf.records import InboxRecord, PendingIntent, StoreBatch, StoreResult
-from backhalf.store import store
+from backhalf.writes import acks, body_schema, registry
+from backhalf.writes import attempts as delivery_attempts
+from backhalf.writes.normalize import content_size
+from backhalf.writes.store import store
 from ingest.adapters.base import (
     Delivery,
     OpenLedger,

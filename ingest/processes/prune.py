@@ -5,7 +5,7 @@
 One walk per retention setting: an adapter's acked inbox rows (with their
 events), its rejected rows, its stale delivery attempts; a queue's done and
 cancelled todos, its failed todos (with their ``todo_events``). A walk is a
-run of bounded batches (``backhalf.retention``), each its own short
+run of bounded batches (``backhalf.housekeeping.retention``), each its own short
 transaction under the transaction deadline, with a pause between them so
 autovacuum and replicas keep up with the deletes and nobody's locks are held
 for long; it ends at the first row newer than its cutoff. Acked walks of
@@ -40,8 +40,8 @@ from typing import Literal
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import retention
 from backhalf.db import within_deadline
+from backhalf.housekeeping import retention
 from ingest.config import AckerSettings, AdapterConfig, Settings, WebhookConfig
 from ingest.lifecycle import Retry, wait_stop
 from ingest.processes.partitions import done_keep

@@ -13,7 +13,7 @@ the keys dedup); one record's poison is its own (stored as rejected).
 Where the sender signs its delivery id (``id_names_message``), a stored id
 met with another body is the same delivery resent, a duplicate. Where it
 does not (GitHub), a different body under a stored id is stored as its own
-message under the reused-id form of the key (``backhalf.store``), so
+message under the reused-id form of the key (``backhalf.writes.store``), so
 nobody holding one signed body can make a pending delivery's id name that
 body instead (issue 43), even when both are handed in together (the store
 takes two bodies under one key in turn).
@@ -36,7 +36,7 @@ from backhalf import failpoints, metrics
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded, StoreError
 from backhalf.records import NO_ACK, AckTarget, InboxRecord, Provenance, StoreBatch, StoreResult
-from backhalf.store import store
+from backhalf.writes.store import store
 
 log = structlog.get_logger(__name__)
 

@@ -39,10 +39,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from backhalf import metrics, registry, tracing
+from backhalf import metrics, tracing
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded, StoreError
 from backhalf.tracing import TRACEPARENT, TRACESTATE
+from backhalf.writes import registry
 from ingest.adapters.base import Delivery, trace_of
 from ingest.adapters.webhook import PUSH, push_provenance
 from ingest.adapters.webhook.verify import Refused, Scheme, scheme_for

@@ -6,7 +6,7 @@ on PostgreSQL as their broker (DESIGN.md section 7b).
 middleware that means something for a todo (its time limit, the shutdown
 notice) and Switchboard's, which declares one actor per
 configured queue (``switchboard:NAME``, with its time limit) that runs the
-claimed todo through :class:`backhalf.worker.Runner`, and starts the worker
+claimed todo through :class:`backhalf.lifecycle.worker.Runner`, and starts the worker
 process's heartbeat. ``switchboard worker`` runs dramatiq's own CLI (its
 processes, threads and signals) on :mod:`ingest.processes.worker_app`; an
 application that runs dramatiq itself builds the same broker with
@@ -28,11 +28,12 @@ import dramatiq
 import structlog
 from dramatiq.middleware import ShutdownNotifications, TimeLimit
 
-from backhalf import heartbeats, metrics, tracing
+from backhalf import metrics, tracing
 from backhalf.db import create_sync_engine
-from backhalf.queues import QueueConfig
-from backhalf.state_writer import StateWriter
-from backhalf.worker import Handler, Runner
+from backhalf.housekeeping import heartbeats
+from backhalf.lifecycle.queues import QueueConfig
+from backhalf.lifecycle.state_writer import StateWriter
+from backhalf.lifecycle.worker import Handler, Runner
 from ingest.config import METRICS_PORT_VARIABLE, Settings
 from ingest.errors import ConfigError
 from ingest.observe import worker_metrics
@@ -148,7 +149,7 @@ class SwitchboardMiddleware(dramatiq.Middleware):
 
     def declare(self, broker: dramatiq.Broker) -> None:
         """One actor per queue, all on dramatiq's ``switchboard`` queue (no
-        retries of dramatiq's: a todo's retries are its own, backhalf.worker)."""
+        retries of dramatiq's: a todo's retries are its own, backhalf.lifecycle.worker)."""
         for name, (queue, _handler) in self._handlers.items():
             if queue.actor_name in broker.actors:
                 continue

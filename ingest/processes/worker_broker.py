@@ -28,7 +28,7 @@ processes and signals.
   and the acker's rescuer puts them back, whatever the time limit. A claim
   found lost (cancelled, or rescued after the process was cut off) is not
   run if it has not started.
-* **Ends** go to the process's :class:`~backhalf.state_writer.StateWriter`
+* **Ends** go to the process's :class:`~backhalf.lifecycle.state_writer.StateWriter`
   (background batches); a claim is held, and its lease extended, until its
   end is committed or given up.
 * **Stop**: claims dramatiq never started (its work queue, the claimer's
@@ -63,10 +63,11 @@ from psycopg import sql as pgsql
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from backhalf import metrics, queries, todos
+from backhalf import metrics, queries
 from backhalf.db import HeldConnection
-from backhalf.queues import ACTOR_PREFIX
-from backhalf.state_writer import StateWriter
+from backhalf.lifecycle import todos
+from backhalf.lifecycle.queues import ACTOR_PREFIX
+from backhalf.lifecycle.state_writer import StateWriter
 from ingest.lifecycle import NOTIFIED_GAP_MAX_S, NotifiedLooks
 
 log = structlog.get_logger(__name__)

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from backhalf import inbox_views, todo_views
+from backhalf.reads import inbox_views, todo_views
 from ingest.actions import adapters as adapter_actions
 from ingest.actions import inbox as inbox_actions
 from ingest.actions import todos as todo_actions

@@ -21,7 +21,7 @@ The problems (``data-kind``):
   ``status`` says (``ingest.observe.status.FAILING``).
 
 Counts that could grow with history are read up to
-``backhalf.attention_views.COUNT_LIMIT`` ("1000+"): see that module for the
+``backhalf.reads.attention_views.COUNT_LIMIT`` ("1000+"): see that module for the
 index behind each read.
 """
 
@@ -34,10 +34,10 @@ from urllib.parse import urlencode
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import attention_views
-from backhalf.attention_views import Bounded, FailedTodos, RunningTodo
-from backhalf.heartbeats import HEARTBEAT_TTL_S, ProcessRow
-from backhalf.queues import QueueConfig
+from backhalf.housekeeping.heartbeats import HEARTBEAT_TTL_S, ProcessRow
+from backhalf.lifecycle.queues import QueueConfig
+from backhalf.reads import attention_views
+from backhalf.reads.attention_views import Bounded, FailedTodos, RunningTodo
 from ingest.config import Settings
 from ingest.observe import status
 from ingest.web.formats import age

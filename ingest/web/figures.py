@@ -2,8 +2,8 @@
 
 The verdicts are ``switchboard status``'s own (``ingest.observe.status``),
 fed with figures that stay cheap on a big inbox: the last hour's per minute
-(``backhalf.console_views``: the window's rows only), the acks owed
-(``backhalf.backlog``: ``ack_queue`` and the cursors' rows), the active
+(``backhalf.reads.console_views``: the window's rows only), the acks owed
+(``backhalf.reads.backlog``: ``ack_queue`` and the cursors' rows), the active
 todos (their partial indexes). ``status`` counts the whole tables instead.
 What needs attention (failed, long-running and waiting todos, rejected rows,
 failing processes) is judged on bounded reads too (``ingest.web.attention``).
@@ -23,11 +23,13 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import audit, backlog, console_views, heartbeats, registry
-from backhalf.console_views import MinuteFigures
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded
-from backhalf.heartbeats import ProcessRow
+from backhalf.housekeeping import heartbeats
+from backhalf.housekeeping.heartbeats import ProcessRow
+from backhalf.reads import audit, backlog, console_views
+from backhalf.reads.console_views import MinuteFigures
+from backhalf.writes import registry
 from ingest.config import Settings
 from ingest.observe import status
 from ingest.web import attention

@@ -1,6 +1,6 @@
 """The console's pages (GET): overview, trail, rejected inbox, todos,
 processes, charts. Each reads through the same modules as the CLI
-(``backhalf.*_views``, ``backhalf.trace``, ``ingest.observe``) and renders a
+(``backhalf.*_views``, ``backhalf.reads.trace``, ``ingest.observe``) and renders a
 template; the live parts are fragments the page polls (htmx).
 
 Lists are keyset-paginated (``after`` / ``before`` an id) and never count a
@@ -18,9 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from backhalf import console_views, heartbeats, inbox_views, todo_views, trace
-from backhalf.console_views import MinuteFigures
-from backhalf.heartbeats import ProcessRow
+from backhalf.housekeeping import heartbeats
+from backhalf.housekeeping.heartbeats import ProcessRow
+from backhalf.reads import console_views, inbox_views, todo_views, trace
+from backhalf.reads.console_views import MinuteFigures
 from ingest.actions.todos import RETRYABLE_STATUSES
 from ingest.config import Settings
 from ingest.observe import inbox_text, status

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry
 from backhalf.db import DatabaseSettings, create_engine, create_sync_engine
-from backhalf.state_writer import StateWriter
+from backhalf.lifecycle.state_writer import StateWriter
+from backhalf.writes import registry
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from backhalf import migrate, todos
 from backhalf.db import libpq_url
+from backhalf.housekeeping import migrate
+from backhalf.lifecycle import todos
 
 TEMPLATE = "switchboard_template"
 

@@ -14,7 +14,7 @@ import dramatiq
 import psycopg
 from dramatiq.brokers.stub import StubBroker
 
-from backhalf.todos import Todo
+from backhalf.lifecycle.todos import Todo
 
 # The test database: set by the test before it starts the workers.
 DB_VARIABLE = "SB_TEST_HANDLER_DB"

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import redis
 
-from backhalf.todos import GIVEN_BACK, RESCUED_LEASE
+from backhalf.lifecycle.todos import GIVEN_BACK, RESCUED_LEASE
 from ingest.embedded.processes import SwitchboardProcess, wait_for
 from tests.support.config import stream_adapter
 from tests.support.db import query, scalar

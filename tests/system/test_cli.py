@@ -10,7 +10,7 @@ import pytest
 import redis
 from alembic.script import ScriptDirectory
 
-from backhalf import migrate
+from backhalf.housekeeping import migrate
 from ingest.embedded.processes import wait_for
 from tests.support import db
 from tests.support.config import stream_adapter

@@ -25,7 +25,7 @@ from urllib.parse import urlencode, urlsplit
 
 import pytest
 
-from backhalf.attention_views import COUNT_LIMIT
+from backhalf.reads.attention_views import COUNT_LIMIT
 from ingest.embedded.processes import wait_for
 from ingest.embedded.servers import free_port
 from tests.support.config import write_config

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from backhalf.worker import MAX_ERROR_CHARS
+from backhalf.lifecycle.worker import MAX_ERROR_CHARS
 from ingest.embedded.processes import wait_for
 from tests.support.config import stream_adapter
 from tests.support.db import query, scalar

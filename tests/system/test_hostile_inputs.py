@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from backhalf.normalize import REJECTED_PREFIX_BYTES, raw_fields
+from backhalf.writes.normalize import REJECTED_PREFIX_BYTES, raw_fields
 from ingest.embedded.processes import wait_for
 from tests.support.config import stream_adapter
 from tests.support.db import acked, query, scalar

@@ -28,8 +28,8 @@ import pytest
 import redis
 from sqlalchemy.engine import make_url
 
-from backhalf import partitions
 from backhalf.db import libpq_url
+from backhalf.housekeeping import partitions
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.processes import wait_for, wait_ready
 from ingest.embedded.servers import RedisServer

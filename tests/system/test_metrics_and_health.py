@@ -19,7 +19,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from backhalf.heartbeats import HEARTBEAT_TTL_S
+from backhalf.housekeeping.heartbeats import HEARTBEAT_TTL_S
 from ingest.embedded.processes import SwitchboardProcess, wait_for
 from ingest.embedded.servers import PostgresServer
 from ingest.exit_codes import EXIT_OK, EXIT_UNHEALTHY

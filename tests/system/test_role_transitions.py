@@ -34,10 +34,12 @@ import sqlalchemy as sa
 from psycopg import errors, sql
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from backhalf import heartbeats, queries, todos
+from backhalf import queries
 from backhalf.db import libpq_url
+from backhalf.housekeeping import heartbeats
+from backhalf.lifecycle import todos
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.store import store
+from backhalf.writes.store import store
 from ingest.embedded.processes import wait_for
 from ingest.exit_codes import EXIT_DATABASE
 from tests.support import db
@@ -293,7 +295,7 @@ EVENT = (
 
 
 def _beat(instance: str, role: str) -> Sql:
-    """A heartbeat (backhalf.heartbeats.beat_statement), as ``role``, onto
+    """A heartbeat (backhalf.housekeeping.heartbeats.beat_statement), as ``role``, onto
     the row of the seeded ``instance``."""
     return Sql(
         "INSERT INTO processes (instance, role, host, pid)"
@@ -932,7 +934,7 @@ def test_the_pruner_deletes_nothing_younger_than_retentions_floors(granted: Role
 
 
 def test_heartbeats_run_as_each_process_role(granted: RoleDatabase) -> None:
-    """backhalf.heartbeats' own statements: each role beats, stops and reads
+    """backhalf.housekeeping.heartbeats' own statements: each role beats, stops and reads
     its rows, and forgets anyone's row a day silent, and no other."""
     admin = granted.admin_url
     stale = uuid.uuid4()
@@ -1107,7 +1109,7 @@ def test_the_operator_commands_run_as_the_operator(
 def test_the_rescuer_and_the_workers_own_statements_run_under_their_roles(
     granted: RoleDatabase,
 ) -> None:
-    """backhalf.todos' own functions, as the roles that call them: a worker's
+    """backhalf.lifecycle.todos' own functions, as the roles that call them: a worker's
     claim, lease extensions and ends (done, failed, a retry after its
     backoff, a claim given back unrun) as the worker, including those of a
     run whose todo was cancelled under it, which its lock must still see
@@ -1208,7 +1210,7 @@ def test_the_rescuer_and_the_workers_own_statements_run_under_their_roles(
 
 
 async def _rescue_as(url: str) -> tuple[list[tuple[int, str, str]], int]:
-    """One pass of the rescuer (backhalf.rescue), as ``url``'s user."""
+    """One pass of the rescuer (backhalf.lifecycle.rescue), as ``url``'s user."""
     async with await psycopg.AsyncConnection.connect(libpq_url(url)) as conn:
         async with conn.cursor() as cur:
             moved = await todos.rescue(cur, [("orders", 3)], 100)

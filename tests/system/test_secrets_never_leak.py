@@ -32,8 +32,8 @@ import pytest
 import redis
 from sqlalchemy.engine import make_url
 
-from backhalf import migrate
 from backhalf.db import libpq_url as libpq
+from backhalf.housekeeping import migrate
 from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
 from ingest.embedded.servers import PostgresServer, RedisServer, free_port, temp_base
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE, EXIT_OK, EXIT_UNHEALTHY

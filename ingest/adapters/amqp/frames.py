@@ -13,7 +13,7 @@ errors (its pull request 890). Until pamqp does it everywhere,
 
 * decode short strings and table keys that are not UTF-8 as
   ``surrogateescape`` code points (U+DC80 to U+DCFF, one per byte), so an
-  odd ``message_id`` is kept (``backhalf.keys`` escapes it in the key and
+  odd ``message_id`` is kept (``backhalf.writes.keys`` escapes it in the key and
   makes it storable in the row);
 * and, for anything else in the properties it cannot decode, drop the
   properties of that message (all of them: their offsets are lost) and mark

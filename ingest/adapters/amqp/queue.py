@@ -28,7 +28,7 @@ next channel settles its earlier channels' rows at its start
 
 Keys: ``{key_prefix}:{queue}:{message_id}`` where the message carries the
 ``message_id`` property (the producer's choice, so taken into the key only
-as ``backhalf.keys.key_id`` escapes it: no ``:``, no NUL, no id that differs
+as ``backhalf.writes.keys.key_id`` escapes it: no ``:``, no NUL, no id that differs
 making the same key), else ``{key_prefix}:{queue}:{sha256(body)}``; the
 inbox's ``source_message_id`` is that id as received (a NUL made U+FFFD,
 ``keys.storable_id``) or that digest (a departure from
@@ -53,9 +53,9 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 
-from backhalf.keys import key_id, native_key, storable_id
 from backhalf.records import AckTarget
 from backhalf.tracing import TRACEPARENT, TRACESTATE
+from backhalf.writes.keys import key_id, native_key, storable_id
 from ingest.adapters.amqp.common import (
     CALL_TIMEOUT_S,
     amqp_errors,

@@ -96,7 +96,7 @@ DEFINITION = TransportDefinition(
     modes=("queue",),
     keys=KEYS,
     client_packages=("aio_pika", "aiormq", "pamqp"),
-    # A message's id is its producer's message_id (backhalf.keys.key_id).
+    # A message's id is its producer's message_id (backhalf.writes.keys.key_id).
     producer_ids=True,
     key_prefix="amqp",
     extra="amqp",

@@ -28,7 +28,7 @@ leaves unseen.
 Idempotency key ``{key_prefix}:{stream}:{stream sequence}``; a stream
 deleted and created again restarts its sequences at 1, and a new message on
 a sequence the inbox holds with another body is stored under the reused-id
-form of the key (``backhalf.keys.reused_key``), as for Redis.
+form of the key (``backhalf.writes.keys.reused_key``), as for Redis.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, 
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from backhalf.keys import native_key
 from backhalf.records import AckClaim, AckTarget
 from backhalf.tracing import TRACEPARENT, TRACESTATE
+from backhalf.writes.keys import native_key
 from ingest.adapters.base import (
     ConsumerLedger,
     Delivery,

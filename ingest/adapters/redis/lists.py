@@ -45,8 +45,8 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
-from backhalf.keys import body_key
 from backhalf.records import AckClaim, AckTarget
+from backhalf.writes.keys import body_key
 from ingest.adapters.base import (
     ConsumerLedger,
     Delivery,

@@ -16,8 +16,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from backhalf.keys import body_key
 from backhalf.records import NO_ACK, AckClaim, AckTarget
+from backhalf.writes.keys import body_key
 from ingest.adapters.base import ConsumerLedger, Delivery, PullAdapterBase, Replayed
 from ingest.adapters.redis.common import RedisEndpoint, redis_errors
 from ingest.adapters.redis.settings import options

@@ -31,11 +31,11 @@ from typing import Any
 import structlog
 from redis.exceptions import ResponseError
 
-from backhalf.keys import native_key
-from backhalf.normalize import MAX_FIELDS, FieldMap, RefusedFieldMap
 from backhalf.records import AckClaim, AckTarget
-from backhalf.stream_groups import StreamGroup
 from backhalf.tracing import TRACEPARENT, TRACESTATE
+from backhalf.writes.keys import native_key
+from backhalf.writes.normalize import MAX_FIELDS, FieldMap, RefusedFieldMap
+from backhalf.writes.stream_groups import StreamGroup
 from ingest.adapters.base import (
     ConsumerLedger,
     Delivery,

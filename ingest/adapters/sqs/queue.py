@@ -51,9 +51,9 @@ from typing import Any
 
 import structlog
 
-from backhalf.keys import key_id, native_key, storable_id
 from backhalf.records import AckClaim, AckTarget
 from backhalf.tracing import TRACEPARENT, TRACESTATE
+from backhalf.writes.keys import key_id, native_key, storable_id
 from ingest.adapters.base import (
     ConsumerLedger,
     Delivery,

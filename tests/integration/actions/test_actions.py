@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf.inbox_views import ReplayFilter
+from backhalf.reads.inbox_views import ReplayFilter
 from ingest.actions import adapters, inbox, todos
 from ingest.actions.outcomes import Refused
 from ingest.config import Settings, from_mapping

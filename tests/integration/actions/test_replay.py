@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import replay
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.store import store
+from backhalf.writes import replay
+from backhalf.writes.store import store
 from tests.support.db import query, scalar
 
 PULLED = Provenance("queue", "queue", False, "redis acl: deploy-bot")

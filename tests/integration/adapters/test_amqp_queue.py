@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import backlog, failpoints
+from backhalf import failpoints
+from backhalf.reads import backlog
 from ingest.adapters.base import Delivery, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
@@ -286,7 +287,7 @@ async def test_settle_leaves_other_consumers_rows_and_this_channels_own(
     db_url: str, redis_url: str, amqp_url: str, engine: AsyncEngine
 ) -> None:
     """Only the intents of this consumer's ended channels are settled."""
-    from backhalf.stream_groups import GroupStartLedger
+    from backhalf.writes.stream_groups import GroupStartLedger
 
     queue = unique("scope")
     declare_queue(amqp_url, queue)
@@ -343,8 +344,8 @@ async def test_marks_that_fail_are_written_with_the_next_batchs(
 ) -> None:
     """The broker took the ack but its mark failed (the database away for a
     moment): the refs are kept and marked with the next batch's."""
-    from backhalf import acks
     from backhalf.errors import AckStateError
+    from backhalf.writes import acks
 
     real = acks.mark_own
     failures = [AckStateError("injected: the mark's transaction failed")]

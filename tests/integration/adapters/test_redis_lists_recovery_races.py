@@ -11,9 +11,9 @@ import pytest
 import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import acks
 from backhalf.records import AckClaim, AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.store import store
+from backhalf.writes import acks
+from backhalf.writes.store import store
 from ingest.adapters.base import Delivery, OpenLedger
 from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter, processing_key
 from ingest.config import AdapterConfig, from_mapping

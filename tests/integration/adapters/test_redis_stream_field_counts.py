@@ -13,8 +13,8 @@ from typing import Any, cast
 import pytest
 import redis
 
-from backhalf import normalize
-from backhalf.normalize import MAX_FIELDS, REJECTED_PREFIX_BYTES, FieldMap, RefusedFieldMap
+from backhalf.writes import normalize
+from backhalf.writes.normalize import MAX_FIELDS, REJECTED_PREFIX_BYTES, FieldMap, RefusedFieldMap
 from ingest.adapters.redis import streams
 from ingest.adapters.redis.streams import StreamAdapter
 from ingest.config import AdapterConfig, from_mapping

@@ -12,10 +12,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
 from backhalf.errors import StoreError
-from backhalf.normalize import FieldMap
 from backhalf.records import AckClaim, AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.store import store
-from backhalf.stream_groups import GroupStartLedger, StreamGroup
+from backhalf.writes.normalize import FieldMap
+from backhalf.writes.store import store
+from backhalf.writes.stream_groups import GroupStartLedger, StreamGroup
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import AdapterConfig, from_mapping
 from ingest.errors import AckError, BrokerError, GroupMissing

@@ -24,7 +24,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from backhalf import queries, todos
+from backhalf import queries
+from backhalf.lifecycle import todos
 from tests.support.db import libpq
 from tests.support.plans import scans_of
 

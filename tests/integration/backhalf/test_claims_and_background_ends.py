@@ -1,5 +1,5 @@
-"""A claimed todo's run and its end, against real PostgreSQL (backhalf.worker,
-backhalf.state_writer): a success ended in the background and settled after
+"""A claimed todo's run and its end, against real PostgreSQL (backhalf.lifecycle.worker,
+backhalf.lifecycle.state_writer): a success ended in the background and settled after
 its commit (and after a row held elsewhere is let go); a failure pending
 again after its backoff, or failed on its last attempt; a claim that lost
 its todo not run, and a result that lost it discarded; claims given back
@@ -18,10 +18,11 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from backhalf import queries, todos
-from backhalf.queues import QueueConfig
-from backhalf.state_writer import StateWriter
-from backhalf.worker import Handler, Runner
+from backhalf import queries
+from backhalf.lifecycle import todos
+from backhalf.lifecycle.queues import QueueConfig
+from backhalf.lifecycle.state_writer import StateWriter
+from backhalf.lifecycle.worker import Handler, Runner
 from tests.support.db import claim, insert_todos, libpq, listening, query, scalar
 
 QUEUE = QueueConfig(name="q", handler="x:y", time_limit_ms=60_000, max_attempts=3, min_backoff_ms=10_000,

@@ -1,4 +1,4 @@
-"""The console's last-hour figures (backhalf.console_views) are the audit
+"""The console's last-hour figures (backhalf.reads.console_views) are the audit
 view's (``audit_adapter_minutes``) for the rows of the window, found by a
 binary search over the inbox ids, gaps and all."""
 
@@ -9,8 +9,8 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from backhalf import console_views
 from backhalf.db import create_engine
+from backhalf.reads import console_views
 from ingest.config import from_mapping
 from tests.integration.backhalf import test_audit_views as audit
 from tests.support import db

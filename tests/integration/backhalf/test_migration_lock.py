@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from backhalf import migrate
-from backhalf.migrate import MigrationLocked
+from backhalf.housekeeping import migrate
+from backhalf.housekeeping.migrate import MigrationLocked
 from tests.support import db
 from tests.support.servers import ServerUrls
 

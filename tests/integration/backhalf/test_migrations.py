@@ -6,10 +6,12 @@ import psycopg
 from alembic.script import ScriptDirectory
 
 from alembic import command
-from backhalf import migrate, queries, todos
+from backhalf import queries
 from backhalf.db import DatabaseSettings, create_engine
+from backhalf.housekeeping import migrate
+from backhalf.lifecycle import todos
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.store import store
+from backhalf.writes.store import store
 from schema import VIEWS
 from tests.support import db
 from tests.support.servers import ServerUrls

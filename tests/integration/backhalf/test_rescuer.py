@@ -1,4 +1,4 @@
-"""The acker's rescuer (backhalf.rescue.Rescuer) against real PostgreSQL:
+"""The acker's rescuer (backhalf.lifecycle.rescue.Rescuer) against real PostgreSQL:
 claims whose lease lapsed put back in batches, oldest lease first, failed
 where their attempts are spent, only for the queues it was given; each
 logged with where it went."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
-from backhalf.queues import QueueConfig
-from backhalf.rescue import Rescuer
+from backhalf.lifecycle.queues import QueueConfig
+from backhalf.lifecycle.rescue import Rescuer
 from tests.support.db import claim, insert_todos, query
 
 QUEUES = {

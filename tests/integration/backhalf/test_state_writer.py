@@ -1,4 +1,4 @@
-"""The workers' state writer (backhalf.state_writer) against real PostgreSQL:
+"""The workers' state writer (backhalf.lifecycle.state_writer) against real PostgreSQL:
 every thread's end committed before it returns, a row another transaction
 holds never holding up the other ends (answered busy, asked for again), an
 end written again answered as discarded, a connection killed under it
@@ -12,9 +12,9 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from backhalf import todos
 from backhalf.errors import ChangeRefused
-from backhalf.state_writer import StateWriter, refused_for_its_data
+from backhalf.lifecycle import todos
+from backhalf.lifecycle.state_writer import StateWriter, refused_for_its_data
 from ingest.embedded.processes import wait_for
 from tests.support.db import claim, insert_todos, libpq, query, scalar
 

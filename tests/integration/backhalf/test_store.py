@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf.errors import StoreError
 from backhalf.queries import ACK_CHANNEL, TODO_CHANNEL
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.store import store
+from backhalf.writes.store import store
 from tests.support.db import libpq, listening, query, scalar
 
 

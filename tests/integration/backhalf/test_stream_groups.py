@@ -11,11 +11,11 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import migrate
 from backhalf.db import DatabaseSettings, create_engine
 from backhalf.db_errors import DatabaseUnusable
 from backhalf.errors import StoreError
-from backhalf.stream_groups import GroupStartLedger, StreamGroup
+from backhalf.housekeeping import migrate
+from backhalf.writes.stream_groups import GroupStartLedger, StreamGroup
 from ingest.processes.ingester import pull_registrations
 from ingest.processes.intake import register_adapters
 from tests.support import db

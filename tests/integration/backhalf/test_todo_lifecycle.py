@@ -1,5 +1,5 @@
 """The todos table as the workers' queue (DESIGN.md section 7b), statement by
-statement against real PostgreSQL (backhalf.todos): who may claim a todo,
+statement against real PostgreSQL (backhalf.lifecycle.todos): who may claim a todo,
 who may end a run or extend its lease, what the rescuer puts back, and who
 is woken. Assertions are on the rows, their todo_events, and the
 notifications a LISTEN on another connection receives."""
@@ -15,8 +15,9 @@ import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import queries, todos
+from backhalf import queries
 from backhalf.db import driver_connection
+from backhalf.lifecycle import todos
 from tests.support.db import claim, end, insert_todos, libpq, listening, query, scalar
 
 

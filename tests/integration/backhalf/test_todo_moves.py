@@ -14,7 +14,8 @@ from typing import Any
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import todo_views, todos
+from backhalf.lifecycle import todos
+from backhalf.reads import todo_views
 from ingest.embedded.processes import wait_for
 from tests.support.db import insert_todos, libpq, scalar
 

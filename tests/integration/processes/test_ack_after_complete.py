@@ -11,13 +11,14 @@ import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import acks, todos
 from backhalf.db import DatabaseSettings, create_sync_engine, driver_connection
 from backhalf.db_errors import is_transient
 from backhalf.errors import StoreError
+from backhalf.lifecycle import todos
+from backhalf.lifecycle.state_writer import StateWriter
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.state_writer import StateWriter
-from backhalf.store import store
+from backhalf.writes import acks
+from backhalf.writes.store import store
 from tests.support.db import claim_todo, end, libpq, query, scalar
 
 PULLED = Provenance(family="queue", trust_mode="queue", verified=False, verify_detail="redis acl: default")

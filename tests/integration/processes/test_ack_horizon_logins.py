@@ -18,7 +18,7 @@ import redis
 from psycopg import conninfo, sql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import audit
+from backhalf.reads import audit
 from ingest.adapters.redis.streams import StreamAcknowledger
 from ingest.processes.acker import drain_once
 from tests.integration.processes.test_acker import GROUP, STREAM, consume_and_commit, settings

@@ -14,9 +14,11 @@ import redis
 from psycopg import conninfo, sql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import acks, audit, queries, registry
+from backhalf import queries
+from backhalf.reads import audit
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.store import store
+from backhalf.writes import acks, registry
+from backhalf.writes.store import store
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import Settings, from_mapping
 from ingest.errors import AckError
@@ -313,7 +315,7 @@ async def test_the_cursor_claim_walks_its_index_in_order_and_stops_at_its_limit(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + queries.CURSOR_ACKS, {"adapter": "orders", "limit": 100}
         ).fetchone()  # type: ignore[misc]
         raise psycopg.Rollback()
-    # One index scan per partition (the history's: backhalf.partitions),
+    # One index scan per partition (the history's: backhalf.housekeeping.partitions),
     # each of ix_inbox_ack_cursor's, merged in order; 100 entries read in all.
     scans = scans_of_partitions(plan[0]["Plan"], "inbox")
     assert scans, plan

@@ -28,8 +28,9 @@ import redis
 from psycopg import sql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import attention_views, console_views, inbox_views, todo_views, todos, trace
 from backhalf.db import DatabaseSettings, create_engine
+from backhalf.lifecycle import todos
+from backhalf.reads import attention_views, console_views, inbox_views, todo_views, trace
 from ingest.embedded import history
 from tests.support.db import libpq
 from tests.support.in_process import pipeline, settings, wait_until

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import queries
 from backhalf.db import DatabaseSettings, create_engine, create_sync_engine
-from backhalf.state_writer import StateWriter
+from backhalf.lifecycle.state_writer import StateWriter
 from ingest.adapters.redis.streams import StreamAcknowledger
 from ingest.lifecycle import NOTIFIED_GAP_MAX_S
 from ingest.processes.acker import Hints, _listen_loop, drain_loop

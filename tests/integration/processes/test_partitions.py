@@ -12,11 +12,11 @@ import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import partitions
 from backhalf.db import DatabaseSettings
-from backhalf.queues import QueueConfig
+from backhalf.housekeeping import partitions
+from backhalf.lifecycle.queues import QueueConfig
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
-from backhalf.store import store
+from backhalf.writes.store import store
 from ingest.config import AckerSettings, Settings
 from ingest.processes.partitions import upkeep_once
 from schema.tables import PARTITIONED_TABLES

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry
+from backhalf.writes import registry
 from ingest.adapters.base import Delivery
 from ingest.adapters.memory import MemoryAdapter
 from ingest.config import IngestSettings, from_mapping

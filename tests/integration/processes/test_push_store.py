@@ -15,9 +15,9 @@ from collections.abc import Awaitable
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry
-from backhalf.keys import reused_key
 from backhalf.records import InboxRecord, Provenance
+from backhalf.writes import registry
+from backhalf.writes.keys import reused_key
 from ingest.processes.push_store import PushStore
 from tests.support.db import query, scalar
 

@@ -13,8 +13,9 @@ import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import registry, retention
 from backhalf.db import libpq_url
+from backhalf.housekeeping import retention
+from backhalf.writes import registry
 from ingest.config import Settings, from_mapping
 from ingest.processes.prune import Pruner, Walk, prune_loop, walks
 from tests.support import db

@@ -22,9 +22,9 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
-from backhalf import todos
 from backhalf.db import DatabaseSettings, create_sync_engine
-from backhalf.state_writer import StateWriter
+from backhalf.lifecycle import todos
+from backhalf.lifecycle.state_writer import StateWriter
 from ingest.config import load
 from ingest.embedded.processes import wait_for
 from ingest.processes.worker import switchboard_broker

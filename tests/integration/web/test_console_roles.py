@@ -20,8 +20,9 @@ import sqlalchemy as sa
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import console_views, heartbeats, inbox_views, todo_views, trace
 from backhalf.db import DatabaseSettings, create_engine
+from backhalf.housekeeping import heartbeats
+from backhalf.reads import console_views, inbox_views, todo_views, trace
 from ingest.config import Settings, from_mapping
 from ingest.web.figures import read_overview
 from ingest.web.server import WRITES, may_write

@@ -22,9 +22,9 @@ import jsonschema._utils
 import pytest
 from jsonschema import Draft202012Validator
 
-from backhalf.body_schema import Abandon, BodySchema, SchemaFileError, abandonable
 from backhalf.errors import PoisonMessage
-from backhalf.normalize import BodyFormat, body_payload, fields_payload
+from backhalf.writes.body_schema import Abandon, BodySchema, SchemaFileError, abandonable
+from backhalf.writes.normalize import BodyFormat, body_payload, fields_payload
 from ingest.config import from_mapping, load
 from ingest.errors import ConfigError
 

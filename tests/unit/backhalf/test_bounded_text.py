@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from backhalf.bounded_text import cut, storable
+from backhalf.lifecycle.worker import MAX_ERROR_CHARS, stored_error
 from backhalf.redaction import redact
-from backhalf.worker import MAX_ERROR_CHARS, stored_error
 from ingest.observe.logs import LOG_VALUE_MAX_CHARS, _redact_value
 
 

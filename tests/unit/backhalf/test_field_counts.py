@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from backhalf import normalize
 from backhalf.errors import PoisonMessage
-from backhalf.normalize import (
+from backhalf.writes import normalize
+from backhalf.writes.normalize import (
     MAX_FIELDS,
     REJECTED_PREFIX_BYTES,
     BodyFormat,

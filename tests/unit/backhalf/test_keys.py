@@ -7,7 +7,7 @@ import hashlib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backhalf.keys import body_key, native_key
+from backhalf.writes.keys import body_key, native_key
 
 
 def test_stream_key_is_prefix_stream_entry_id() -> None:

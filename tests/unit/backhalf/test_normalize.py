@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from backhalf.errors import PoisonMessage
-from backhalf.normalize import (
+from backhalf.writes.normalize import (
     MAX_JSON_DEPTH,
     REJECTED_PREFIX_BYTES,
     BodyFormat,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from backhalf.keys import key_id, native_key, reused_key, storable_id
+from backhalf.writes.keys import key_id, native_key, reused_key, storable_id
 from ingest.adapters.sqs.queue import SqsQueueAdapter
 from ingest.config import from_mapping
 

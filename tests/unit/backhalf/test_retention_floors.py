@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from backhalf import retention
+from backhalf.housekeeping import retention
 from ingest.config.adapter import RETENTION_FLOOR_MS
 from ingest.config.webhook import SENDER_RETRY_DAYS
 

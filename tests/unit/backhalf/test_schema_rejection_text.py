@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from backhalf.body_schema import BodySchema
 from backhalf.errors import PoisonMessage
-from backhalf.normalize import BodyFormat, body_payload, fields_payload
+from backhalf.writes.body_schema import BodySchema
+from backhalf.writes.normalize import BodyFormat, body_payload, fields_payload
 
 CARD = "4111 1111 1111 1111"
 DIGITS = "4111111111111111"

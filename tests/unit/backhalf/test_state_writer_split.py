@@ -7,8 +7,8 @@ from __future__ import annotations
 import uuid
 from concurrent.futures import Future
 
-from backhalf import todos
-from backhalf.state_writer import _End, _split
+from backhalf.lifecycle import todos
+from backhalf.lifecycle.state_writer import _End, _split
 
 
 def end(todo_id: int, to_status: str = "done") -> _End:

@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from backhalf import todos, tracing, worker
-from backhalf.queues import QueueConfig
+from backhalf import tracing
+from backhalf.lifecycle import todos, worker
+from backhalf.lifecycle.queues import QueueConfig
 
 TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 GOOD = f"00-{TRACE}-{SPAN}-01"

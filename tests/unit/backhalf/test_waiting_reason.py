@@ -7,8 +7,8 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from backhalf.heartbeats import ProcessRow
-from backhalf.todo_views import TodoDetail, waiting_reason
+from backhalf.housekeeping.heartbeats import ProcessRow
+from backhalf.reads.todo_views import TodoDetail, waiting_reason
 
 NOW = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
 

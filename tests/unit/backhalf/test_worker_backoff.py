@@ -1,4 +1,4 @@
-"""A failed attempt's wait before the next (backhalf.worker.backoff_ms): the
+"""A failed attempt's wait before the next (backhalf.lifecycle.worker.backoff_ms): the
 todo's own retry, pending again with ``run_after`` this far ahead, computed
 as dramatiq's Retries middleware did: ``min_backoff_ms`` doubled per
 attempt, jittered up to twice that, capped at ``max_backoff_ms`` (where
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from backhalf.queues import QueueConfig
-from backhalf.worker import backoff_ms
+from backhalf.lifecycle.queues import QueueConfig
+from backhalf.lifecycle.worker import backoff_ms
 
 QUEUE = QueueConfig(name="q", handler="m:f", min_backoff_ms=1_000, max_backoff_ms=60_000)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
 
-from backhalf.replay import InboxRow
-from backhalf.todo_views import TodoDetail, TodoEvent, TodoRow
+from backhalf.reads.todo_views import TodoDetail, TodoEvent, TodoRow
+from backhalf.writes.replay import InboxRow
 from ingest.cli import todos as todos_command
 from ingest.cli.inbox import inbox_table
 

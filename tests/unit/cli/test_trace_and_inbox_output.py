@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from backhalf.inbox_views import escape_like
-from backhalf.todo_views import TodoDetail, TodoEvent, TodoRow
-from backhalf.trace import EventTrail, InboxTrail, Trail
+from backhalf.reads.inbox_views import escape_like
+from backhalf.reads.todo_views import TodoDetail, TodoEvent, TodoRow
+from backhalf.reads.trace import EventTrail, InboxTrail, Trail
 from ingest.adapters.redis.settings import DEFINITION as REDIS
 from ingest.cli import main as cli
 from ingest.cli import todos as todos_command

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backhalf.normalize import DEFAULT_MAX_MESSAGE_BYTES
+from backhalf.writes.normalize import DEFAULT_MAX_MESSAGE_BYTES
 from ingest.config import IngestSettings
 
 MIB = 1024 * 1024

@@ -8,9 +8,9 @@ from datetime import timedelta
 
 import pytest
 
-from backhalf import audit
-from backhalf.normalize import BodyFormat
-from backhalf.registry import AdapterRow
+from backhalf.reads import audit
+from backhalf.writes.normalize import BodyFormat
+from backhalf.writes.registry import AdapterRow
 from ingest.adapters import registered
 from ingest.adapters.redis.settings import DEFAULT_URL as DEFAULT_REDIS_URL
 from ingest.config import from_mapping

@@ -7,7 +7,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from backhalf.heartbeats import ProcessRow
+from backhalf.housekeeping.heartbeats import ProcessRow
 from ingest.processes.ingester import taken_consumers
 
 NOW = datetime(2026, 12, 6, tzinfo=UTC)

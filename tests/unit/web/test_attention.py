@@ -9,8 +9,8 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from backhalf.attention_views import Bounded, FailedTodo, FailedTodos, RunningTodo
-from backhalf.heartbeats import ProcessRow
+from backhalf.housekeeping.heartbeats import ProcessRow
+from backhalf.reads.attention_views import Bounded, FailedTodo, FailedTodos, RunningTodo
 from ingest.config import Settings, from_mapping
 from ingest.web import attention
 from ingest.web.attention import DEFAULT_TIME_LIMIT_MS, WAITING_GRACE_S, Readings

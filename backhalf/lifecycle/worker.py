@@ -5,7 +5,7 @@ workers' queue (DESIGN.md section 7b): a run comes with its claim, made by
 the worker process's consumer (``ingest.processes.worker_broker``), which
 marked the todo running, counted the attempt and leased it. A run:
 
-1. calls the handler with the :class:`backhalf.todos.Todo` (sync, or async
+1. calls the handler with the :class:`backhalf.lifecycle.todos.Todo` (sync, or async
    run to completion in an event loop of its own), unless the claim was
    lost while it waited for a thread (cancelled, or rescued: its lease
    could not be extended);
@@ -34,12 +34,13 @@ import structlog
 from dramatiq.common import compute_backoff
 from dramatiq.middleware import TimeLimitExceeded
 
-from backhalf import metrics, todos, tracing
+from backhalf import metrics, tracing
 from backhalf.bounded_text import cut, storable
 from backhalf.errors import ChangeRefused, StoreError
-from backhalf.queues import QueueConfig
+from backhalf.lifecycle import todos
+from backhalf.lifecycle.queues import QueueConfig
+from backhalf.lifecycle.state_writer import Settled, StateWriter
 from backhalf.redaction import redact
-from backhalf.state_writer import Settled, StateWriter
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ stream adapter's native key (``{key_prefix}:{source}:{entry-id}``, from the
 ``adapters`` row) and probed the same way: both cost a handful of index
 lookups however big the inbox is (issue 45; a key with no native row was a
 scan of the whole inbox before). Another message stored on a reused entry id has a
-derived key of its own (``backhalf.keys.reused_key``): trace it by that key.
+derived key of its own (``backhalf.writes.keys.reused_key``): trace it by that key.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import todo_views
+from backhalf.reads import todo_views
 from schema import adapters, events, inbox, todos
 
 

@@ -19,9 +19,9 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from backhalf import acks
 from backhalf.db import within_deadline
 from backhalf.errors import DeadlineExceeded, StoreError
+from backhalf.writes import acks
 from schema import inbox, stream_groups
 
 

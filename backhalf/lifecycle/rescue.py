@@ -17,10 +17,11 @@ from collections.abc import Mapping
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from backhalf import metrics, todos
+from backhalf import metrics
 from backhalf.db import driver_connection, within_deadline, wrap_driver_errors
 from backhalf.errors import StoreError
-from backhalf.queues import QueueConfig
+from backhalf.lifecycle import todos
+from backhalf.lifecycle.queues import QueueConfig
 
 log = structlog.get_logger(__name__)
 

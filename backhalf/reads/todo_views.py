@@ -2,7 +2,7 @@
 checks behind an operator's retry and cancel.
 
 Reads only: every write to ``todos`` and ``todo_events`` is in
-:mod:`backhalf.todos`. SQLAlchemy Core, bound parameters only.
+:mod:`backhalf.lifecycle.todos`. SQLAlchemy Core, bound parameters only.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf.heartbeats import ProcessRow
-from backhalf.todos import MOVED_TRIES
+from backhalf.housekeeping.heartbeats import ProcessRow
+from backhalf.lifecycle.todos import MOVED_TRIES
 from schema import todo_events, todos
 from schema.tables import TODO_ACTIVE_PREDICATE, TODO_STATUSES
 
@@ -187,7 +187,7 @@ async def lock_todo(conn: AsyncConnection, todo_id: int) -> TodoState | None:
     """The todo's state, its row locked until the caller's transaction ends,
     so the action that follows sees the same status. Asked again (in a
     savepoint) when the todo finished meanwhile and so moved to another
-    partition (``backhalf.todos.MOVED_TRIES``, decision 0007)."""
+    partition (``backhalf.lifecycle.todos.MOVED_TRIES``, decision 0007)."""
     statement = (
         sa.select(todos.c.id, todos.c.queue, todos.c.idempotency_key, todos.c.status)
         .where(todos.c.id == todo_id)

@@ -55,8 +55,9 @@ import structlog
 from sqlalchemy import Engine, PoolProxiedConnection
 from sqlalchemy.exc import SQLAlchemyError
 
-from backhalf import failpoints, todos
+from backhalf import failpoints
 from backhalf.errors import ChangeRefused, StoreError
+from backhalf.lifecycle import todos
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf.replay import InboxRow, inbox_row_query
+from backhalf.writes.replay import InboxRow, inbox_row_query
 from schema import inbox
 
 # A time bound: a moment, or an age (that long before the database's now(),

@@ -122,7 +122,9 @@ _WRITTEN_AT = {
 }
 LATE_TODOS = "todos_done_late"  # the finished todos whose partition was dropped
 AHEAD = 2  # empty partitions kept ready past the current one
-UPKEEP_LOCK = 0x5B_0045  # the session advisory lock one pass holds (backhalf.migrate's is another)
+UPKEEP_LOCK = (
+    0x5B_0045  # the session advisory lock one pass holds (backhalf.housekeeping.migrate's is another)
+)
 UPKEEP_STATEMENT_TIMEOUT = "10min"
 # A partition past its retention that still holds something owed (an ack
 # pending) is looked at again only this often: each look reads it whole.

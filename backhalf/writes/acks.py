@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import partitions, queries
+from backhalf import queries
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import AckStateError
+from backhalf.housekeeping import partitions
 from backhalf.records import AckClaim, PendingIntent
 
 log = structlog.get_logger(__name__)

@@ -22,10 +22,13 @@ from typing import Any
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import failpoints, keys, partitions, queries, todos
+from backhalf import failpoints, queries
 from backhalf.db import driver_connection, wrap_driver_errors
 from backhalf.errors import StoreError
+from backhalf.housekeeping import partitions
+from backhalf.lifecycle import todos
 from backhalf.records import InboxRecord, StoreBatch, StoreResult
+from backhalf.writes import keys
 
 Cursor = psycopg.AsyncCursor[Any]
 # A (key, processing list) pair of a list copy, and the pending inbox row it merges into.

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import todo_views
+from backhalf.reads import todo_views
 from schema import inbox, todos
 from schema.tables import CLAIMABLE_TODO_STATUSES
 

@@ -19,7 +19,7 @@ MIGRATIONS_PACKAGE = "backhalf._migrations"
 # An editable install (``make install``) runs from the source tree, and
 # setuptools' editable finder cannot resolve a namespace package mapped under a
 # regular one, so there the folder itself is used.
-SOURCE_TREE_MIGRATIONS = Path(__file__).resolve().parent.parent / "alembic"
+SOURCE_TREE_MIGRATIONS = Path(__file__).resolve().parents[2] / "alembic"
 
 
 # How long ``migrate`` waits for another migrate's advisory lock by default.

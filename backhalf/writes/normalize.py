@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from backhalf.errors import PoisonMessage
 
 if TYPE_CHECKING:
-    from backhalf.body_schema import BodySchema
+    from backhalf.writes.body_schema import BodySchema
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 MAX_JSON_DEPTH = 64

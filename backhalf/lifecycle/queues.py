@@ -1,6 +1,6 @@
 """``[queues.NAME]``: the todo queues the workers serve (DESIGN.md section
 7). Parsed and checked by ``ingest.config``; read by the rescuer
-(``backhalf.rescue``) and the workers (``backhalf.worker``)."""
+(``backhalf.lifecycle.rescue``) and the workers (``backhalf.lifecycle.worker``)."""
 
 from __future__ import annotations
 

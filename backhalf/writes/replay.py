@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf import todos
 from backhalf.errors import BackhalfError, PoisonMessage
+from backhalf.lifecycle import todos
 from backhalf.records import Family, Provenance
 from schema import events, inbox
 
@@ -105,7 +105,7 @@ async def replay(
     # checks: a row of an adapter no longer configured says what it is first.
     payload = check(inbox_id, status, bytes(body), body_size, error, lambda b: normalize_for(adapter)(b))
     # The inbox row is locked (above) before the todo: the reverse of a
-    # store's order, see ``backhalf.store``.
+    # store's order, see ``backhalf.writes.store``.
     todo_id = await todos.create(
         conn, queue=queue_for(adapter), key=key, payload=payload, detail=todos.CREATED_BY_REPLAY
     )

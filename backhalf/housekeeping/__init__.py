@@ -1,0 +1,2 @@
+"""Housekeeping: migrations, the history's partitions, retention, and the
+processes' heartbeat rows."""
