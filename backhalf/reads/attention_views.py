@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf.reads import todo_views
+from backhalf.redaction import redact
 from schema import inbox, todos
 from schema.tables import CLAIMABLE_TODO_STATUSES
 
@@ -118,11 +119,16 @@ async def _failed_todo(conn: AsyncConnection, todo_id: int) -> FailedTodo | None
                 todos.c.id,
                 todos.c.queue,
                 sa.extract("epoch", sa.func.now() - todos.c.updated_at),
-                sa.func.substr(todos.c.last_error, 1, ERROR_SHOWN_CHARS),
+                todos.c.last_error,
             ).where(todos.c.id == todo_id, todos.c.status == "failed")
         )
     ).first()
-    return None if row is None else FailedTodo(int(row[0]), row[1], max(0.0, float(row[2])), row[3])
+    if row is None:
+        return None
+    # Redacted whole, then cut: a cut first could leave half a credential
+    # the redaction no longer recognizes.
+    error = None if row[3] is None else redact(row[3])[:ERROR_SHOWN_CHARS]
+    return FailedTodo(int(row[0]), row[1], max(0.0, float(row[2])), error)
 
 
 async def running_todos(conn: AsyncConnection, limit: int = RUNNING_READ_MAX) -> list[RunningTodo]:

@@ -1,5 +1,7 @@
-"""Operator reads over the inbox beyond ``inbox list``: one row whole
-(``switchboard inbox show``) and the rows a filtered ``inbox replay`` picks.
+"""The inbox's read model: one row kind, one model, for every reader.
+:class:`InboxRow` is every column but the stored body; ``inbox list``, the
+rows a filtered ``inbox replay`` picks and ``trace``'s trail read it, and
+``inbox show`` (:class:`InboxDetail`) adds the body.
 
 Reads only; SQLAlchemy Core, every value a bound parameter (the text of
 ``--error-contains`` too, its ``%`` and ``_`` escaped).
@@ -10,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf.writes.replay import InboxRow, inbox_row_query
 from schema import inbox
 
 # A time bound: a moment, or an age (that long before the database's now(),
@@ -25,31 +27,62 @@ _LIKE_ESCAPE = "\\"
 
 
 @dataclass(frozen=True, slots=True)
-class InboxDetail:
-    """Every column of one inbox row."""
+class InboxRow:
+    """Every column of one inbox row but its body."""
 
     id: int
     adapter: str
     idempotency_key: str
     source_message_id: str | None
     consumer: str | None
-    body: bytes
-    body_size: int | None  # set: ``body`` is only the first bytes of a message this long
-    body_sha256: bytes | None  # ... and this is the whole message's digest
+    status: str
+    error: str | None
+    deliveries: int
     ack_kind: str
-    ack_key: str | None
+    ack_key: str | None  # stream: the stream key; list: the processing list
     ack_group: str | None
     ack_entry_id: str | None
     ack_copies: int
     ack_after: str
     ack_state: str
     acked_at: datetime | None
-    deliveries: int
-    status: str
-    error: str | None
+    stored_at: datetime
     todo_id: int | None
     event_id: int | None
-    stored_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class InboxDetail(InboxRow):
+    """One inbox row whole: its columns and its stored body."""
+
+    body: bytes
+    body_size: int | None  # set: ``body`` is only the first bytes of a message this long
+    body_sha256: bytes | None  # ... and this is the whole message's digest
+
+
+def columns(model: type[InboxRow] = InboxRow) -> list[sa.ColumnElement[Any]]:
+    """The columns of ``model``, in its fields' order."""
+    return [inbox.c[f.name] for f in dataclasses.fields(model)]
+
+
+async def list_rows(
+    conn: AsyncConnection,
+    *,
+    rejected: bool = False,
+    unacked: bool = False,
+    adapter: str | None = None,
+    limit: int = 100,
+) -> list[InboxRow]:
+    """The newest rows first, at most ``limit``."""
+    query = sa.select(*columns())
+    if rejected:
+        query = query.where(inbox.c.status == "rejected")
+    if unacked:
+        query = query.where(inbox.c.ack_state == "pending")
+    if adapter is not None:
+        query = query.where(inbox.c.adapter == adapter)
+    rows = await conn.execute(query.order_by(inbox.c.id.desc()).limit(limit))
+    return [InboxRow(*row) for row in rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +102,7 @@ class ReplayFilter:
 
 
 async def get_row(conn: AsyncConnection, inbox_id: int) -> InboxDetail | None:
-    row = (
-        await conn.execute(
-            sa.select(*(inbox.c[name] for name in InboxDetail.__dataclass_fields__)).where(
-                inbox.c.id == inbox_id
-            )
-        )
-    ).first()
+    row = (await conn.execute(sa.select(*columns(InboxDetail)).where(inbox.c.id == inbox_id))).first()
     if row is None:
         return None
     detail = InboxDetail(*row)
@@ -103,7 +130,7 @@ async def replay_candidates(conn: AsyncConnection, where: ReplayFilter, *, limit
     ``ix_inbox_rejected``, so the rows read are the rejected ones only,
     however big the inbox (no index on stored_at is needed, nor wanted on
     the hot insert path)."""
-    query = inbox_row_query().where(inbox.c.status == "rejected")
+    query = sa.select(*columns()).where(inbox.c.status == "rejected")
     if where.adapter is not None:
         query = query.where(inbox.c.adapter == where.adapter)
     if where.since is not None:

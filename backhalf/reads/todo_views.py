@@ -7,6 +7,7 @@ Reads only: every write to ``todos`` and ``todo_events`` is in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from backhalf.housekeeping.heartbeats import ProcessRow
 from backhalf.lifecycle.todos import MOVED_TRIES
+from backhalf.redaction import redact
 from schema import todo_events, todos
 from schema.tables import TODO_ACTIVE_PREDICATE, TODO_STATUSES
 
@@ -75,6 +77,13 @@ class TodoState:
     status: str
 
 
+def _todo_row(values: Sequence[Any]) -> TodoRow:
+    """A row as every front end shows it: an error stored before errors
+    were redacted on write is redacted here."""
+    row = TodoRow(*values)
+    return row if row.last_error is None else dataclasses.replace(row, last_error=redact(row.last_error))
+
+
 def distinct_queues() -> sa.CTE:
     """Every queue that has a todo: a loose scan of ``ix_todos_queue_status_id``
     (the next queue is the least one above the last: one index descent per
@@ -119,11 +128,11 @@ async def list_todos(
     in_index_order = (todos.c.queue.desc(), todos.c.status.desc(), todos.c.id.desc())
     if queue is None and status is None:
         query = sa.select(*columns).where(*newer_than_page).order_by(todos.c.id.desc()).limit(limit)
-        return [TodoRow(*row) for row in await conn.execute(query)]
+        return [_todo_row(row) for row in await conn.execute(query)]
     if queue is not None and status is not None:
         where = [todos.c.queue == queue, todos.c.status == status, *newer_than_page]
         query = sa.select(*columns).where(*where).order_by(*in_index_order).limit(limit)
-        return [TodoRow(*row) for row in await conn.execute(query)]
+        return [_todo_row(row) for row in await conn.execute(query)]
     if status is not None:
         queues = distinct_queues()
         walks: Any = sa.select(queues.c.queue).where(queues.c.queue.isnot(None)).subquery("walks")
@@ -139,7 +148,7 @@ async def list_todos(
         .lateral("walk")
     )
     merged = sa.select(walk).select_from(walks).join(walk, sa.true()).order_by(walk.c.id.desc()).limit(limit)
-    return [TodoRow(*row) for row in await conn.execute(merged)]
+    return [_todo_row(row) for row in await conn.execute(merged)]
 
 
 async def get_todo(conn: AsyncConnection, todo_id: int) -> TodoDetail | None:
@@ -164,7 +173,8 @@ async def get_todo(conn: AsyncConnection, todo_id: int) -> TodoDetail | None:
     ).first()
     if row is None:
         return None
-    return TodoDetail(**{**row._mapping, "trace_id": row.trace_id or None})
+    error = None if row.last_error is None else redact(row.last_error)
+    return TodoDetail(**{**row._mapping, "trace_id": row.trace_id or None, "last_error": error})
 
 
 async def history(conn: AsyncConnection, todo_id: int) -> list[TodoEvent]:

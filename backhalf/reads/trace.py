@@ -18,41 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from backhalf.reads import todo_views
+from backhalf.reads import inbox_views, todo_views
 from schema import adapters, events, inbox, todos
-
-
-@dataclass(frozen=True, slots=True)
-class InboxTrail:
-    """One inbox row with its adapter's kind and source (broker coordinates)."""
-
-    inbox_id: int
-    adapter: str
-    transport: str | None  # None: the adapter is not registered (not expected)
-    mode: str | None
-    source: str | None  # the stream key, list key or channel, from the adapter's settings
-    idempotency_key: str
-    source_message_id: str | None
-    consumer: str | None
-    status: str
-    error: str | None
-    deliveries: int
-    ack_kind: str
-    ack_key: str | None  # stream: the stream key; list: the processing list
-    ack_group: str | None
-    ack_entry_id: str | None
-    ack_copies: int
-    ack_after: str
-    ack_state: str
-    acked_at: datetime | None
-    stored_at: datetime
-    todo_id: int | None
-    event_id: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,49 +40,36 @@ class EventTrail:
 class Trail:
     """Everything PostgreSQL knows of one inbox row's message."""
 
-    inbox: InboxTrail
+    inbox: inbox_views.InboxRow
+    # The row's adapter, from its registration (None: not registered, not
+    # expected): its transport, mode and source (the stream key, list key
+    # or channel), where the broker held the message.
+    transport: str | None
+    mode: str | None
+    source: str | None
     event: EventTrail | None
     todo: todo_views.TodoDetail | None
     todo_events: list[todo_views.TodoEvent]
 
 
-def _inbox_columns() -> list[sa.ColumnElement[Any]]:
-    return [
-        inbox.c.id,
-        inbox.c.adapter,
-        adapters.c.transport,
-        adapters.c.mode,
-        adapters.c.settings["source"].astext,
-        inbox.c.idempotency_key,
-        inbox.c.source_message_id,
-        inbox.c.consumer,
-        inbox.c.status,
-        inbox.c.error,
-        inbox.c.deliveries,
-        inbox.c.ack_kind,
-        inbox.c.ack_key,
-        inbox.c.ack_group,
-        inbox.c.ack_entry_id,
-        inbox.c.ack_copies,
-        inbox.c.ack_after,
-        inbox.c.ack_state,
-        inbox.c.acked_at,
-        inbox.c.stored_at,
-        inbox.c.todo_id,
-        inbox.c.event_id,
-    ]
-
-
-async def _inbox_rows(conn: AsyncConnection, ids: list[int]) -> list[InboxTrail]:
+async def _inbox_rows(
+    conn: AsyncConnection, ids: list[int]
+) -> list[tuple[inbox_views.InboxRow, str | None, str | None, str | None]]:
+    """Each row with its adapter's transport, mode and source."""
     if not ids:
         return []
     rows = await conn.execute(
-        sa.select(*_inbox_columns())
+        sa.select(
+            *inbox_views.columns(),
+            adapters.c.transport,
+            adapters.c.mode,
+            adapters.c.settings["source"].astext,
+        )
         .select_from(inbox.outerjoin(adapters, adapters.c.name == inbox.c.adapter))
         .where(inbox.c.id.in_(ids))
         .order_by(inbox.c.id)
     )
-    return [InboxTrail(*row) for row in rows]
+    return [(inbox_views.InboxRow(*row[:-3]), *row[-3:]) for row in rows]
 
 
 async def inbox_ids_by_key(conn: AsyncConnection, key: str) -> list[int]:
@@ -166,11 +124,11 @@ async def inbox_ids_by_entry_id(conn: AsyncConnection, entry_id: str) -> list[in
 async def trails(conn: AsyncConnection, inbox_ids: list[int]) -> list[Trail]:
     """The trail of each of these inbox rows (those that exist), in id order."""
     out: list[Trail] = []
-    for row in await _inbox_rows(conn, inbox_ids):
+    for row, transport, mode, source in await _inbox_rows(conn, inbox_ids):
         event = await _event(conn, row.event_id) if row.event_id is not None else None
         todo = await todo_views.get_todo(conn, row.todo_id) if row.todo_id is not None else None
         history = await todo_views.history(conn, todo.id) if todo is not None else []
-        out.append(Trail(row, event, todo, history))
+        out.append(Trail(row, transport, mode, source, event, todo, history))
     return out
 
 

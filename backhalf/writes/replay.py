@@ -1,5 +1,6 @@
-"""Operator tools over the inbox: list what was rejected, replay it once the
-cause is fixed (``switchboard inbox list --rejected`` / ``inbox replay ID``).
+"""The operator's replay of a rejected inbox row once the cause is fixed
+(``switchboard inbox replay ID``); the rows themselves are read through
+``backhalf.reads.inbox_views``.
 
 A replay re-normalizes the stored raw body with the adapter's current rules
 and, if it passes, creates (or dedups to) the todo and the event in one
@@ -9,11 +10,7 @@ was acked long ago; nothing is asked of it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
@@ -27,43 +24,6 @@ from schema import events, inbox
 
 class ReplayError(BackhalfError):
     """The row cannot be replayed (not rejected, no body, still poison)."""
-
-
-@dataclass(frozen=True, slots=True)
-class InboxRow:
-    id: int
-    adapter: str
-    idempotency_key: str
-    source_message_id: str | None
-    status: str
-    ack_state: str
-    deliveries: int
-    error: str | None
-    stored_at: datetime
-
-
-def inbox_row_query() -> sa.Select[Any]:
-    """The columns of an :class:`InboxRow`, in its order."""
-    return sa.select(*(inbox.c[f.name] for f in dataclasses.fields(InboxRow)))
-
-
-async def list_rows(
-    conn: AsyncConnection,
-    *,
-    rejected: bool = False,
-    unacked: bool = False,
-    adapter: str | None = None,
-    limit: int = 100,
-) -> list[InboxRow]:
-    query = inbox_row_query()
-    if rejected:
-        query = query.where(inbox.c.status == "rejected")
-    if unacked:
-        query = query.where(inbox.c.ack_state == "pending")
-    if adapter is not None:
-        query = query.where(inbox.c.adapter == adapter)
-    rows = await conn.execute(query.order_by(inbox.c.id.desc()).limit(limit))
-    return [InboxRow(*row) for row in rows]
 
 
 Normalizer = Callable[[bytes], str]

@@ -62,7 +62,7 @@ class Selection:
     """The rejected rows a filter selects, oldest first, at most ``limit``;
     ``more``: further rows match (the next page starts after the last)."""
 
-    rows: tuple[replay.InboxRow, ...]
+    rows: tuple[inbox_views.InboxRow, ...]
     limit: int
     more: bool
 
@@ -71,7 +71,7 @@ class Selection:
 class RowOutcome:
     """One selected row (as selected) and what became of it."""
 
-    row: replay.InboxRow
+    row: inbox_views.InboxRow
     outcome: ReplayOutcome | DryRunOutcome
 
 

@@ -29,7 +29,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.db import create_engine
 from backhalf.reads import inbox_views
-from backhalf.writes import replay
 from ingest.actions import inbox as inbox_actions
 from ingest.actions.inbox import DEFAULT_REPLAY_LIMIT
 from ingest.actions.outcomes import Refused
@@ -143,7 +142,7 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
     async with engine.connect() as conn:
-        rows = await replay.list_rows(
+        rows = await inbox_views.list_rows(
             conn, rejected=args.rejected, unacked=args.unacked, adapter=args.adapter, limit=args.limit
         )
     if args.json:
@@ -155,7 +154,7 @@ async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def inbox_table(rows: Sequence[replay.InboxRow]) -> list[str]:
+def inbox_table(rows: Sequence[inbox_views.InboxRow]) -> list[str]:
     header = ("ID", "STORED_AT (UTC)", "ADAPTER", "STATUS", "ACK", "DELIVERIES", "KEY", "ERROR")
     cells = [
         (
@@ -183,7 +182,7 @@ def _print_replayed(outcome: inbox_actions.ReplayOutcome) -> None:
         print(f"inbox row {outcome.inbox_id}: stored, todo {outcome.todo_id}")
 
 
-def _print_checked(row: replay.InboxRow, outcome: inbox_actions.DryRunOutcome) -> None:
+def _print_checked(row: inbox_views.InboxRow, outcome: inbox_actions.DryRunOutcome) -> None:
     head = f"inbox row {row.id} ({row.adapter}, stored {_utc(row.stored_at)}, {one_line(row.error)})"
     if isinstance(outcome, inbox_actions.Gone):
         print(f"{head}: gone since it was selected")

@@ -22,7 +22,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf.db import create_engine
 from backhalf.housekeeping import heartbeats
 from backhalf.reads import todo_views
-from backhalf.redaction import redact
 from ingest.actions import todos as todo_actions
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
@@ -152,9 +151,7 @@ def list_table(rows: Sequence[todo_views.TodoRow]) -> list[str]:
             str(r.attempts),
             _utc(r.updated_at),
             printable(r.idempotency_key),
-            one_line(
-                redact(r.last_error) if r.last_error else r.last_error
-            ),  # rows stored before redaction at the source
+            one_line(r.last_error),  # rows stored before redaction at the source
         )
         for r in rows
     ]
@@ -174,7 +171,7 @@ def show_lines(
         ("updated_at", _utc(todo.updated_at, millis=True) + " UTC"),
         ("run_after", _utc(todo.run_after, millis=True) + " UTC"),
         ("lease_until", _utc(todo.lease_until, millis=True) + (" UTC" if todo.lease_until else "")),
-        ("last_error", printable(redact(todo.last_error)) if todo.last_error is not None else "-"),
+        ("last_error", printable(todo.last_error) if todo.last_error is not None else "-"),
         ("trace_id", printable(todo.trace_id or "-")),
     )
     width = max(len(name) for name, _ in fields)

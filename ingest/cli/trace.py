@@ -22,17 +22,14 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from backhalf.db import create_engine
-from backhalf.housekeeping import heartbeats
-from backhalf.reads import todo_views, trace
-from backhalf.redaction import redact
+from backhalf.reads import trace
+from ingest.actions import trail as trail_actions
 from ingest.cli.text_table import printable
 from ingest.cli.verb import Verb, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
-from ingest.observe.trail import ack_command, is_bare_id, offset, sent_at, timeline
+from ingest.observe.trail import ack_command, offset, sent_at, timeline
 
 _PROG = "switchboard trace"
 
@@ -45,7 +42,10 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
         "target",
         nargs="?",
         metavar="KEY_OR_ENTRY_ID",
-        help="an idempotency key (redis:orders:1700000000000-0) or a bare stream entry id (1700000000000-0)",
+        help=(
+            "an idempotency key (redis:orders:1700000000000-0), a bare stream entry id"
+            " (1700000000000-0), inbox:ID, todo:ID, or a bare number (that inbox row and that todo)"
+        ),
     )
     p.add_argument("--inbox-id", type=positive_int, metavar="ID", help="trace this inbox row instead")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -64,51 +64,27 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"{_PROG}: {problem} (see `{_PROG} --help`)", file=sys.stderr)
         return EXIT_CONFIG
+    query = f"inbox:{args.inbox_id}" if args.inbox_id is not None else args.target
     engine = create_engine(settings.database)
     try:
-        async with engine.connect() as conn:
-            if args.inbox_id is not None:
-                ids = [args.inbox_id]
-                missing = f"inbox row {args.inbox_id} does not exist"
-            elif is_bare_id(args.target):
-                ids = await trace.inbox_ids_by_entry_id(conn, args.target)
-                missing = f"no stream adapter's inbox holds entry id {args.target!r}"
-            else:
-                ids = await trace.inbox_ids_by_key(conn, args.target)
-                missing = f"no inbox row has the idempotency key {args.target!r}"
-            found = await trace.trails(conn, ids)
-            waiting = await _waiting(conn, found)
+        found = await trail_actions.find(engine, query)
     finally:
         await engine.dispose()
-    if not found:
-        print(f"{_PROG}: {missing}", file=sys.stderr)
+    if not found.trails:
+        print(f"{_PROG}: {found.missing}", file=sys.stderr)
         return EXIT_FAILURE
     if args.json:
-        documents = [{**document(t), "waiting": waiting.get(id(t))} for t in found]
+        documents = [{**document(t), "waiting": w} for t, w in zip(found.trails, found.waiting, strict=True)]
         print(json.dumps(documents, indent=2, default=_json_value, ensure_ascii=False))
     else:
-        print("\n".join(lines_of(found, waiting)))
+        print("\n".join(lines_of(found.trails, found.waiting)))
     return EXIT_OK
-
-
-async def _waiting(conn: AsyncConnection, found: Sequence[trace.Trail]) -> dict[int, str]:
-    """Why each pending todo of ``found`` waits (by the trail's ``id()``)."""
-    pending = [t for t in found if t.todo is not None and t.todo.status in ("pending", "dispatched")]
-    if not pending:
-        return {}
-    procs = await heartbeats.list_processes(conn)
-    now = datetime.now(UTC)
-    return {
-        id(t): reason
-        for t in pending
-        if t.todo is not None and (reason := todo_views.waiting_reason(t.todo, procs, now)) is not None
-    }
 
 
 def text_lines(t: trace.Trail, waiting: str | None = None) -> list[str]:
     row = t.inbox
-    kind = f"{row.transport or '?'} {row.mode or '?'}"
-    lines = [f"inbox row {row.inbox_id}: adapter {row.adapter} ({kind}, source {row.source or '?'})"]
+    kind = f"{t.transport or '?'} {t.mode or '?'}"
+    lines = [f"inbox row {row.id}: adapter {row.adapter} ({kind}, source {t.source or '?'})"]
     fields: list[tuple[str, str]] = [
         ("key", row.idempotency_key),
         ("entry id", row.source_message_id or "- (no native id)"),
@@ -116,7 +92,7 @@ def text_lines(t: trace.Trail, waiting: str | None = None) -> list[str]:
         ("deliveries", str(row.deliveries)),
         ("status", row.status),
         ("error", row.error or "-"),
-        ("ack", f"{ack_command(row)}, after {row.ack_after}: {row.ack_state}"),
+        ("ack", f"{ack_command(t)}, after {row.ack_after}: {row.ack_state}"),
     ]
     if t.event is None:
         fields.append(("event", "-"))
@@ -137,7 +113,7 @@ def text_lines(t: trace.Trail, waiting: str | None = None) -> list[str]:
         if waiting is not None:
             fields.append(("waiting", waiting))
         if todo.last_error:
-            fields.append(("last error", redact(todo.last_error)))  # older rows: stored unredacted
+            fields.append(("last error", todo.last_error))
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         # Errors, keys and ids can carry text from the message: untrusted,
@@ -152,13 +128,21 @@ def text_lines(t: trace.Trail, waiting: str | None = None) -> list[str]:
     return lines
 
 
+def inbox_document(t: trace.Trail) -> dict[str, Any]:
+    """The inbox row of a trail, with its adapter's transport, mode and
+    source, as ``--json`` has always named them."""
+    row = dataclasses.asdict(t.inbox)
+    head = {"inbox_id": row.pop("id"), "adapter": row.pop("adapter")}
+    return {**head, "transport": t.transport, "mode": t.mode, "source": t.source, **row}
+
+
 def document(t: trace.Trail) -> dict[str, Any]:
     """The ``--json`` form of one trail."""
     steps = timeline(t)
     start = steps[0].at
     return {
-        "inbox": dataclasses.asdict(t.inbox),
-        "xadd_at": sent_at(t.inbox),  # DESIGN.md: the broker's time of the message, where its id holds one
+        "inbox": inbox_document(t),
+        "xadd_at": sent_at(t),  # DESIGN.md: the broker's time of the message, where its id holds one
         "event": None if t.event is None else dataclasses.asdict(t.event),
         "todo": None if t.todo is None else dataclasses.asdict(t.todo),
         "todo_events": [dataclasses.asdict(e) for e in t.todo_events],
@@ -178,14 +162,14 @@ def _json_value(value: object) -> str:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def lines_of(found: Sequence[trace.Trail], waiting: dict[int, str] | None = None) -> list[str]:
-    """All trails' text, a blank line between them; ``waiting``: why a
-    pending todo waits, by the trail's ``id()``."""
+def lines_of(found: Sequence[trace.Trail], waiting: Sequence[str | None] = ()) -> list[str]:
+    """All trails' text, a blank line between them; ``waiting``: why each
+    trail's pending todo waits, in the trails' order."""
     out: list[str] = []
     for i, t in enumerate(found):
         if i:
             out.append("")
-        out.extend(text_lines(t, (waiting or {}).get(id(t))))
+        out.extend(text_lines(t, waiting[i] if i < len(waiting) else None))
     return out
 
 

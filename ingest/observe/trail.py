@@ -30,19 +30,20 @@ class Step:
     kind: str
 
 
-def sent_step(row: trace.InboxTrail) -> Step | None:
+def sent_step(t: trace.Trail) -> Step | None:
     """When the broker took the message, where its transport reads that
     from the message's id; None where it cannot. An adapter no longer
     registered is asked of every transport."""
-    known = definitions().get(row.transport or "")
+    row = t.inbox
+    known = definitions().get(t.transport or "")
     for d in [known] if known is not None else list(definitions().values()):
-        if d.sent is not None and (sent := d.sent(row.mode, row.ack_kind, row.source_message_id)) is not None:
+        if d.sent is not None and (sent := d.sent(t.mode, row.ack_kind, row.source_message_id)) is not None:
             return Step(sent.at, sent.what, sent.kind)
     return None
 
 
-def sent_at(row: trace.InboxTrail) -> datetime | None:
-    step = sent_step(row)
+def sent_at(t: trace.Trail) -> datetime | None:
+    step = sent_step(t)
     return None if step is None else step.at
 
 
@@ -57,10 +58,10 @@ def timeline(t: trace.Trail) -> list[Step]:
     the pipeline takes them)."""
     row = t.inbox
     steps: list[Step] = []
-    sent = sent_step(row)
+    sent = sent_step(t)
     if sent is not None:
         steps.append(sent)
-    steps.append(Step(row.stored_at, f"stored: inbox row {row.inbox_id}, {row.status}", "stored"))
+    steps.append(Step(row.stored_at, f"stored: inbox row {row.id}, {row.status}", "stored"))
     if t.event is not None:
         steps.append(Step(t.event.received_at, f"event {t.event.id} recorded", "event"))
     if t.todo is not None:
@@ -73,7 +74,7 @@ def timeline(t: trace.Trail) -> list[Step]:
             detail = " ".join((e.detail or "").split())
             steps.append(Step(e.created_at, f"{change} ({detail})" if detail else change, e.to_status))
     if row.acked_at is not None:
-        steps.append(Step(row.acked_at, f"acked: {ack_command(row)}", "acked"))
+        steps.append(Step(row.acked_at, f"acked: {ack_command(t)}", "acked"))
     # sorted() is stable: equal times (one transaction's now()) keep this order.
     return sorted(steps, key=lambda s: s.at)
 
@@ -82,6 +83,7 @@ def offset(at: datetime, first: datetime) -> str:
     return f"{(at - first).total_seconds():+.3f} s"
 
 
-def ack_command(row: trace.InboxTrail) -> str:
+def ack_command(t: trace.Trail) -> str:
+    row = t.inbox
     intent = AckIntentView(row.ack_kind, row.ack_key, row.ack_group, row.ack_entry_id, row.ack_copies)
-    return describe_ack(row.transport, intent)
+    return describe_ack(t.transport, intent)

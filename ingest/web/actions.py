@@ -28,6 +28,7 @@ from ingest.actions import adapters as adapter_actions
 from ingest.actions import inbox as inbox_actions
 from ingest.actions import todos as todo_actions
 from ingest.actions.outcomes import Refused
+from ingest.actions.trail import as_id
 from ingest.web import pages
 from ingest.web.console import Console, console_of
 from schema import ACTIVE_TODO_STATUSES, TODO_STATUSES
@@ -55,7 +56,7 @@ def _field(request: Request, name: str) -> str:
 def _pinned(request: Request) -> list[int]:
     """The ids a confirm form carries (what the dry run listed)."""
     fields: dict[str, list[str]] = request.state.form
-    ids = [pages.as_id(v) for v in fields.get("id", [])]
+    ids = [as_id(v) for v in fields.get("id", [])]
     return list(dict.fromkeys(i for i in ids if i is not None))[:MAX_PINNED]
 
 
@@ -134,7 +135,7 @@ async def todos_bulk(request: Request) -> Response:
             queue=queue,
             status=wanted,
             limit=BULK_LIMIT + 1,
-            before_id=pages.as_id(_field(request, "before")),
+            before_id=as_id(_field(request, "before")),
         )
     listed = [{"row": r, "eligible": _eligible(action, r.status)} for r in rows[:BULK_LIMIT]]
     more = len(rows) > BULK_LIMIT

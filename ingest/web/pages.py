@@ -9,7 +9,6 @@ whole table: a million-row inbox costs a page what ten rows cost.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -22,10 +21,12 @@ from backhalf.housekeeping import heartbeats
 from backhalf.housekeeping.heartbeats import ProcessRow
 from backhalf.reads import console_views, inbox_views, todo_views, trace
 from backhalf.reads.console_views import MinuteFigures
+from ingest.actions import trail as trail_actions
 from ingest.actions.todos import RETRYABLE_STATUSES
+from ingest.actions.trail import as_id
 from ingest.config import Settings
 from ingest.observe import inbox_text, status
-from ingest.observe.trail import ack_command, is_bare_id, offset, timeline
+from ingest.observe.trail import ack_command, offset, timeline
 from ingest.web import attention
 from ingest.web.console import console_of
 from schema import ACTIVE_TODO_STATUSES, TODO_STATUSES
@@ -35,20 +36,8 @@ CHART_COLUMNS = ("consumed", "deduplicated_inbox", "deduplicated_todo", "rejecte
 LATENCY_COLUMNS = ("ack_latency_p50_s", "ack_latency_p95_s", "ack_latency_p99_s")
 
 
-MAX_ID = 2**63 - 1  # bigint: a larger id names no row (and is no database error)
-DIGITS = re.compile(r"[0-9]{1,19}")
-
-
 def _int_param(request: Request, name: str) -> int | None:
     return as_id(request.query_params.get(name, ""))
-
-
-def as_id(text: str) -> int | None:
-    """A row id, or None when the text is not one any row can have."""
-    if DIGITS.fullmatch(text) is None:  # not str.isdigit: "²" is a digit int() refuses
-        return None
-    value = int(text)
-    return value if value <= MAX_ID else None
 
 
 def path_id(request: Request, name: str) -> int | None:
@@ -158,46 +147,27 @@ async def _processes(request: Request, template: str) -> Response:
 
 
 async def trail(request: Request) -> Response:
-    """One search box: a key, a bare entry id, an inbox id (``inbox:ID`` or
-    a bare number) or a todo id (``todo:ID``)."""
+    """One search box, ``switchboard trace``'s search (:mod:`ingest.actions.trail`):
+    a key, a bare entry id, ``inbox:ID``, ``todo:ID`` or a bare number."""
     console = console_of(request)
     query = request.query_params.get("key", "").strip()
-    found: list[trace.Trail] = []
+    trails: list[dict[str, Any]] = []
     missing = None
     if query:
-        async with console.read("finding the trail") as conn:
-            ids, missing = await _inbox_ids(conn, query)
-            found = await trace.trails(conn, ids) if ids else []
-        if not found and missing is None:
-            missing = f"nothing found for {query!r}"
-    trails = [_trail_view(t) for t in found]
+        async with console.act():
+            found = await trail_actions.find(console.engine, query)
+        trails = [_trail_view(t, w) for t, w in zip(found.trails, found.waiting, strict=True)]
+        missing = None if found.trails else found.missing
     return console.page(request, "trace.html", query=query, trails=trails, missing=missing)
 
 
-async def _inbox_ids(conn: Any, query: str) -> tuple[list[int], str | None]:
-    """The inbox rows a search names, and what to say when there are none.
-    A bare number is an inbox id and a todo id at once: both are shown."""
-    kind, _, rest = query.partition(":")
-    if kind == "todo" and (todo_id := as_id(rest)) is not None:
-        return await trace.inbox_ids_by_todo(conn, todo_id), f"no inbox row holds todo {rest}"
-    if kind == "inbox" and (inbox_id := as_id(rest)) is not None:
-        return [inbox_id], f"inbox row {rest} does not exist"
-    if (number := as_id(query)) is not None:
-        ids = sorted({number, *await trace.inbox_ids_by_todo(conn, number)})
-        return ids, f"no inbox row {query}, and no todo {query} with an inbox row"
-    if is_bare_id(query):
-        return await trace.inbox_ids_by_entry_id(
-            conn, query
-        ), f"no stream adapter's inbox holds entry id {query!r}"
-    return await trace.inbox_ids_by_key(conn, query), f"no inbox row has the idempotency key {query!r}"
-
-
-def _trail_view(t: trace.Trail) -> dict[str, Any]:
+def _trail_view(t: trace.Trail, waiting: str | None) -> dict[str, Any]:
     steps = timeline(t)
     start = steps[0].at
     return {
         "t": t,
-        "ack": ack_command(t.inbox),
+        "waiting": waiting,
+        "ack": ack_command(t),
         "steps": [{"s": s, "offset": offset(s.at, start)} for s in steps],
     }
 

@@ -1,12 +1,9 @@
-"""SQS under real faults, against the suite's own SQS-compatible server
-(moto, with its FIFO fix): ingesters and the acker killed with kill -9 at
-random moments. Each run ends with one todo per message, every inbox ack
-intent discharged and the queue empty (nothing visible, nothing in flight);
-a FIFO queue's groups are stored in their order across the kills. The
-chaos seed is printed (SWITCHBOARD_TEST_SEED replays it).
-
-moto keeps its queues in memory, so a restart of the server is no fault
-SQS has (AWS's queues are durable): there is no server-restart test here."""
+"""SQS's own fault: a FIFO queue's groups stored in their order across
+kill -9 chaos, against the suite's SQS-compatible server (moto, with its
+FIFO fix). The chaos every transport suffers is test_transport_faults.py.
+The run ends with one todo per message, every inbox ack intent discharged
+and the queue empty (nothing visible, nothing in flight). The chaos seed
+is printed (SWITCHBOARD_TEST_SEED replays it)."""
 
 from __future__ import annotations
 
@@ -60,33 +57,6 @@ def bodies(n: int, start: int = 0, **extra: Any) -> list[bytes]:
 
 def settled(db_url: str, sqs: Any, url: str, total: int) -> bool:
     return acked(db_url) == total and counts(sqs, url) == (0, 0, 0)
-
-
-def test_random_kill9_of_ingesters_and_acker(
-    procs: Processes, make_config: Callable[..., Path], db_url: str, sqs_server: SqsServer
-) -> None:
-    seed, rng = seeded()
-    sqs = client(sqs_server.url)
-    url = create_queue(sqs, "orders", max_receive_count=50)
-    config = make_config(sqs_adapter(sqs_server.url, "orders"))
-    ids = send(sqs, url, bodies(PER_PHASE))
-
-    def halfway() -> None:
-        ids.extend(send(sqs, url, bodies(PER_PHASE, start=PER_PHASE)))
-
-    slots, kills = kill9_rounds(procs, config, rng, ROUNDS, halfway)
-    wait_for(
-        lambda: settled(db_url, sqs, url, len(ids)),
-        timeout_s=120,
-        interval_s=0.5,
-        what=f"convergence after {kills} kills (seed {seed})",
-    )
-    for proc in slots.values():
-        assert_clean_exit(proc, proc.terminate())
-    assert_stored_once(db_url, [f"sqs:orders:{i}" for i in ids], queue="orders")
-    # Nothing reached the dead-letter queue: every message was stored first.
-    assert counts(sqs, sqs.get_queue_url(QueueName="orders-dlq")["QueueUrl"]) == (0, 0, 0)
-    procs.assert_no_secret_logged()
 
 
 def test_fifo_groups_keep_their_order_across_kill9(

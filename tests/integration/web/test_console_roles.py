@@ -117,7 +117,7 @@ async def engines(granted: RoleDatabase) -> AsyncIterator[dict[str, AsyncEngine]
 
 def _trail(t: trace.Trail) -> tuple[Any, ...]:
     history = [(e.from_status, e.to_status) for e in t.todo_events]
-    return t.inbox.inbox_id, t.inbox.transport, t.event and t.event.id, t.todo and t.todo.id, history
+    return t.inbox.id, t.transport, t.event and t.event.id, t.todo and t.todo.id, history
 
 
 def _adapter(report: Mapping[str, Any]) -> tuple[Any, ...]:

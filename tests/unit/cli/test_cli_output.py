@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
 
+from backhalf.reads.inbox_views import InboxRow
 from backhalf.reads.todo_views import TodoDetail, TodoEvent, TodoRow
-from backhalf.writes.replay import InboxRow
 from ingest.cli import todos as todos_command
 from ingest.cli.inbox import inbox_table
 
@@ -16,11 +16,21 @@ def row(id_: int, key: str, error: str | None, **kw: object) -> InboxRow:
         "adapter": "orders",
         "idempotency_key": key,
         "source_message_id": None,
+        "consumer": None,
         "status": "rejected" if error else "stored",
         "ack_state": "acked",
         "deliveries": 1,
         "error": error,
+        "ack_kind": "xack",
+        "ack_key": None,
+        "ack_group": None,
+        "ack_entry_id": None,
+        "ack_copies": 1,
+        "ack_after": "store",
+        "acked_at": None,
         "stored_at": datetime(2026, 12, 1, 10, 11, 26, tzinfo=UTC),
+        "todo_id": None,
+        "event_id": None,
         **kw,
     }
     return InboxRow(**values)  # type: ignore[arg-type]

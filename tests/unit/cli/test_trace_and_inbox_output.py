@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from backhalf.reads.inbox_views import escape_like
+from backhalf.reads.inbox_views import InboxRow, escape_like
 from backhalf.reads.todo_views import TodoDetail, TodoEvent, TodoRow
-from backhalf.reads.trace import EventTrail, InboxTrail, Trail
+from backhalf.reads.trace import EventTrail, Trail
 from ingest.adapters.redis.settings import DEFINITION as REDIS
 from ingest.cli import main as cli
 from ingest.cli import todos as todos_command
@@ -86,8 +86,8 @@ def test_xadd_time_is_the_entry_ids_milliseconds() -> None:
 
 
 def _trail(*, created: datetime) -> Trail:
-    row = InboxTrail(
-        inbox_id=5, adapter="orders", transport="redis", mode="stream", source="orders",
+    row = InboxRow(
+        id=5, adapter="orders",
         idempotency_key="redis:orders:1796119200000-0", source_message_id="1796119200000-0",
         consumer="c1", status="stored", error=None, deliveries=2, ack_kind="xack", ack_key="orders",
         ack_group="g", ack_entry_id="1796119200000-0", ack_copies=1, ack_after="store",
@@ -100,7 +100,13 @@ def _trail(*, created: datetime) -> Trail:
         TodoEvent(T + 90 * MS, "running", "done", None),
     ]
     return Trail(
-        row, EventTrail(4, "queue", "queue", False, "redis acl: default", T + 12 * MS), todo, history
+        row,
+        "redis",
+        "stream",
+        "orders",
+        EventTrail(4, "queue", "queue", False, "redis acl: default", T + 12 * MS),
+        todo,
+        history,
     )
 
 

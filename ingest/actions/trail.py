@@ -1,0 +1,92 @@
+"""Find a message's trail: one search for every front end (``switchboard
+trace`` and the console's search box take the same words and say the same
+when nothing matches).
+
+A search is one of:
+
+* ``inbox:ID``: that inbox row;
+* ``todo:ID``: the inbox rows whose message made (or was deduplicated to)
+  that todo;
+* a bare number: the inbox row and the todo of that id, both;
+* a bare message id some transport lets an operator give alone (a stream
+  entry id): that message in each adapter that could hold it;
+* anything else: an idempotency key, in any adapter.
+
+Reads only, in one read-only transaction; the queries are
+:mod:`backhalf.reads.trace`'s.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from backhalf.housekeeping import heartbeats
+from backhalf.reads import todo_views, trace
+from ingest.observe.trail import is_bare_id
+
+MAX_ID = 2**63 - 1  # bigint: a larger id names no row (and is no database error)
+_DIGITS = re.compile(r"[0-9]{1,19}")
+
+# A pending todo's reason to wait is worth saying; a running or finished
+# one's is not.
+_WAITING_STATUSES = ("pending", "dispatched")
+
+
+def as_id(text: str) -> int | None:
+    """A row id, or None when the text is not one any row can have."""
+    if _DIGITS.fullmatch(text) is None:  # not str.isdigit: "²" is a digit int() refuses
+        return None
+    value = int(text)
+    return value if value <= MAX_ID else None
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """The trails a search found, in inbox id order, each with why its todo
+    still waits (None: it does not, or it has none); ``missing``: what to
+    say when there are none."""
+
+    trails: tuple[trace.Trail, ...]
+    waiting: tuple[str | None, ...]
+    missing: str
+
+
+async def find(engine: AsyncEngine, query: str) -> Found:
+    """The trails ``query`` names (see the module's docstring)."""
+    async with engine.connect() as conn:
+        ids, missing = await _inbox_ids(conn, query.strip())
+        found = await trace.trails(conn, ids) if ids else []
+        waiting = await _waiting(conn, found)
+    return Found(tuple(found), waiting, missing)
+
+
+async def _inbox_ids(conn: AsyncConnection, query: str) -> tuple[list[int], str]:
+    kind, _, rest = query.partition(":")
+    if kind == "todo" and (todo_id := as_id(rest)) is not None:
+        return await trace.inbox_ids_by_todo(conn, todo_id), f"no inbox row holds todo {rest}"
+    if kind == "inbox" and (inbox_id := as_id(rest)) is not None:
+        return [inbox_id], f"inbox row {rest} does not exist"
+    if (number := as_id(query)) is not None:
+        ids = sorted({number, *await trace.inbox_ids_by_todo(conn, number)})
+        return ids, f"no inbox row {query}, and no todo {query} with an inbox row"
+    if is_bare_id(query):
+        ids = await trace.inbox_ids_by_entry_id(conn, query)
+        return ids, f"no stream adapter's inbox holds entry id {query!r}"
+    return await trace.inbox_ids_by_key(conn, query), f"no inbox row has the idempotency key {query!r}"
+
+
+async def _waiting(conn: AsyncConnection, found: list[trace.Trail]) -> tuple[str | None, ...]:
+    if not any(t.todo is not None and t.todo.status in _WAITING_STATUSES for t in found):
+        return (None,) * len(found)
+    processes = await heartbeats.list_processes(conn)
+    now = datetime.now(UTC)
+    return tuple(
+        todo_views.waiting_reason(t.todo, processes, now)
+        if t.todo is not None and t.todo.status in _WAITING_STATUSES
+        else None
+        for t in found
+    )
