@@ -86,29 +86,34 @@ STORE_BATCH = Histogram(
     "switchboard_store_batch_size", "Messages per stored batch.", ["adapter"], buckets=_BATCH_BUCKETS
 )
 ADAPTER_ENABLED = Gauge("switchboard_adapter_enabled", "1 if the adapter's runtime flag is on.", ["adapter"])
-STREAM_LENGTH = Gauge("switchboard_broker_stream_length", "Entries in the stream (XLEN).", ["adapter"])
-STREAM_LAG = Gauge(
-    "switchboard_broker_stream_lag", "Entries not yet delivered to the consumer group.", ["adapter"]
+# The source's neutral figures (ingest.config.transport.Figure), each
+# transport's own mapped onto them by its definition; the names are the
+# operators' (dashboards, alerts) and stay as they were first published.
+SOURCE_HELD = Gauge(
+    "switchboard_broker_stream_length", "Messages the source holds, delivered or not.", ["adapter"]
 )
-STREAM_PENDING = Gauge(
-    "switchboard_broker_pending_entries", "Entries delivered and not acked (the group's PEL).", ["adapter"]
+SOURCE_BACKLOG = Gauge(
+    "switchboard_broker_stream_lag", "Messages at the source not yet delivered to a consumer.", ["adapter"]
 )
-# A JetStream consumer delivers nothing more once its unacked deliveries
+SOURCE_IN_FLIGHT = Gauge(
+    "switchboard_broker_pending_entries", "Messages delivered and not yet acknowledged.", ["adapter"]
+)
+# A consumer delivers nothing more once its unacked deliveries
 # (switchboard_broker_pending_entries) reach this: alert on the ratio.
-ACK_PENDING_LIMIT = Gauge(
+IN_FLIGHT_LIMIT = Gauge(
     "switchboard_broker_ack_pending_limit",
-    "The consumer's max_ack_pending: at this many unacked deliveries the broker stops delivering (NATS).",
+    "The consumer's limit of unacknowledged deliveries: at this many the broker stops delivering.",
     ["adapter"],
 )
-LIST_LENGTH = Gauge("switchboard_broker_list_length", "Items waiting on the source list.", ["adapter"])
-# Messages SQS moved to the queue's dead-letter queue (its redrive policy):
-# never stored by Switchboard. Alert on > 0.
-DEAD_LETTER = Gauge(
+LIST_BACKLOG = Gauge("switchboard_broker_list_length", "Items waiting on the source list.", ["adapter"])
+# Messages the broker moved to the source's dead-letter queue: never stored
+# by Switchboard. Alert on > 0.
+DEAD_LETTERED = Gauge(
     "switchboard_broker_dead_letter_messages",
-    "Messages in the source queue's dead-letter queue: never stored, or not deleted in time (SQS).",
+    "Messages in the source's dead-letter queue: never stored, or not acknowledged in time.",
     ["adapter"],
 )
-PROCESSING_LENGTH = Gauge(
+PROCESSING = Gauge(
     "switchboard_broker_processing_length",
     "Items on the adapter's processing lists (consumed, not yet removed).",
     ["adapter"],

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import SplitResult
 
 from ingest.config.keys import Key, Rule, Section, string
@@ -87,6 +87,37 @@ def no_horizon(values: Values) -> tuple[int, str]:
     return 0, "no redelivery"
 
 
+# A source's neutral figures, each one broker gauge (backhalf.metrics, set by
+# ingest.observe.heartbeat): what the source holds, what it has not yet
+# delivered, what is delivered and not yet acknowledged, the consumer's
+# limit of those, a list's waiting items, the items on processing lists,
+# and what went to a dead-letter queue unstored. A transport maps its own
+# ``describe`` figures onto them (its definition's ``figures``).
+Figure = Literal[
+    "held", "backlog", "in_flight", "in_flight_limit", "list_backlog", "processing", "dead_lettered"
+]
+Figures = Callable[[Values], Mapping[Figure, float]]
+
+
+def figures_named(names: Mapping[str, Figure]) -> Figures:
+    """A transport's figures, read from the numbers its ``describe`` gives
+    under these names (a missing or non-numeric one is left out)."""
+
+    def read(described: Values) -> dict[Figure, float]:
+        out: dict[Figure, float] = {}
+        for key, figure in names.items():
+            value = described.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[figure] = float(value)
+        return out
+
+    return read
+
+
+def no_figures(described: Values) -> dict[Figure, float]:
+    return {}
+
+
 def as_written(source: str) -> str:
     return source
 
@@ -129,7 +160,10 @@ class TransportDefinition:
     may); ``across(adapters)``, a check over all of this transport's
     adapters of a file; ``queue_name(source)``, the source's name in its
     keys; ``located(adapter)``, the source as the one-reader check tells
-    sources apart."""
+    sources apart.
+
+    Its status: ``figures(described)``, its adapters' ``describe`` figures
+    as the neutral :data:`Figure` s the broker gauges report."""
 
     name: str
     modes: tuple[str, ...]
@@ -157,6 +191,7 @@ class TransportDefinition:
     across: Callable[[Sequence[Adapter]], None] | None = None
     queue_name: Callable[[str], str] = as_written
     located: Callable[[Adapter], str] | None = None
+    figures: Figures = no_figures
 
     def rule(self, key: str, label: str, values: Values) -> None:
         """This transport's rule of ``key``, if it has one."""

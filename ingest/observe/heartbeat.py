@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import structlog
+from prometheus_client import Gauge
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -27,6 +28,8 @@ from backhalf.housekeeping import heartbeats
 from backhalf.reads import backlog
 from ingest.adapters.base import PullAdapter
 from ingest.config import AdapterConfig, Settings
+from ingest.config.transport import Figure
+from ingest.config.transports import definitions
 from ingest.errors import BrokerError, log_failure
 from ingest.lifecycle import wait_stop
 from ingest.observe.metrics_http import Liveness, MetricsServer
@@ -153,42 +156,29 @@ async def broker_gauges_loop(
                 else:
                     log.exception("broker_gauges_crashed", adapter=cfg.name, error=exc)
                 continue
-            _set_broker_gauges(cfg.name, described)
+            _set_broker_gauges(cfg.name, cfg.transport, described)
         await wait_stop(stop, interval_s)
 
 
-def _set_broker_gauges(adapter: str, described: Mapping[str, Any]) -> None:
-    def number(key: str) -> float | None:
-        value = described.get(key)
-        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+# Each neutral figure's gauge.
+_GAUGES: Mapping[Figure, Gauge] = {
+    "held": m.SOURCE_HELD,
+    "backlog": m.SOURCE_BACKLOG,
+    "in_flight": m.SOURCE_IN_FLIGHT,
+    "in_flight_limit": m.IN_FLIGHT_LIMIT,
+    "list_backlog": m.LIST_BACKLOG,
+    "processing": m.PROCESSING,
+    "dead_lettered": m.DEAD_LETTERED,
+}
 
-    for key, gauge in (
-        ("stream_length", m.STREAM_LENGTH),
-        ("lag", m.STREAM_LAG),
-        ("broker_pending", m.STREAM_PENDING),
-        ("list_length", m.LIST_LENGTH),
-        # A JetStream consumer's figures, in its own words.
-        ("stream_messages", m.STREAM_LENGTH),
-        ("num_pending", m.STREAM_LAG),
-        ("num_ack_pending", m.STREAM_PENDING),
-        ("max_ack_pending", m.ACK_PENDING_LIMIT),
-        # An SQS queue's: waiting, received and not deleted, moved away unstored.
-        ("visible", m.STREAM_LAG),
-        ("in_flight", m.STREAM_PENDING),
-        ("dead_letter_messages", m.DEAD_LETTER),
-        # An AMQP queue's ready messages, and the deliveries this ingester
-        # holds unacked (the broker's whole unacked count is not in AMQP).
-        ("ready", m.STREAM_LAG),
-        ("held_here", m.STREAM_PENDING),
-    ):
-        value = number(key)
-        if value is not None:
-            gauge.labels(adapter).set(value)
-    consumers = described.get("consumers")
-    if isinstance(consumers, Mapping):
-        lengths = [c.get("processing_length") for c in consumers.values() if isinstance(c, Mapping)]
-        total = sum(int(n) for n in lengths if isinstance(n, int))
-        m.PROCESSING_LENGTH.labels(adapter).set(total)
+
+def _set_broker_gauges(adapter: str, transport: str, described: Mapping[str, Any]) -> None:
+    """The adapter's figures, as its transport maps them onto the neutral ones."""
+    definition = definitions().get(transport)
+    if definition is None:
+        return
+    for figure, value in definition.figures(described).items():
+        _GAUGES[figure].labels(adapter).set(value)
 
 
 async def database_gauges_loop(

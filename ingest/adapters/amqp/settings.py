@@ -15,6 +15,7 @@ from ingest.config.transport import (
     Reader,
     TransportDefinition,
     ca_file_key,
+    figures_named,
     from_variable,
     options_of,
     own_keys,
@@ -91,6 +92,11 @@ def plaintext(url: str, own: AmqpOptions | None) -> Unencrypted | None:
     return unencrypted_at(url, {"amqp": AMQP_PORT}, "use amqps:// for RabbitMQ")
 
 
+# The queue's ready messages, and the deliveries this ingester holds
+# unacked (the broker's whole unacked count is not in AMQP).
+_FIGURES = figures_named({"ready": "backlog", "held_here": "in_flight"})
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
@@ -120,4 +126,5 @@ DEFINITION = TransportDefinition(
         "RabbitMQ's consumer_timeout (30 minutes by default)",
     ),
     reader=_reader,
+    figures=_FIGURES,
 )

@@ -17,6 +17,7 @@ from ingest.config.transport import (
     TransportDefinition,
     Values,
     ca_file_key,
+    figures_named,
     from_variable,
     options_of,
     own_keys,
@@ -147,6 +148,17 @@ def plaintext(url: str, own: NatsOptions | None) -> Unencrypted | None:
     return unencrypted_at(url, {"nats": DEFAULT_PORT}, "use tls:// (or tls_ca_file) for the NATS server")
 
 
+# The stream's messages, and the consumer's undelivered, unacked and limit of unacked.
+_FIGURES = figures_named(
+    {
+        "stream_messages": "held",
+        "num_pending": "backlog",
+        "num_ack_pending": "in_flight",
+        "max_ack_pending": "in_flight_limit",
+    }
+)
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("jetstream",),
@@ -171,4 +183,5 @@ DEFINITION = TransportDefinition(
     credentials=_credentials,
     redelivery_horizon=lambda values: (values["ack_wait_ms"], "ack_wait_ms"),
     reader=_reader,
+    figures=_FIGURES,
 )

@@ -17,10 +17,12 @@ from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
     DefaultBroker,
+    Figure,
     Reader,
     Sent,
     TransportDefinition,
     Values,
+    figures_named,
     options_of,
     own_keys,
 )
@@ -341,6 +343,22 @@ def _sent(mode: str | None, ack_kind: str | None, message_id: str | None) -> Sen
     return Sent(at, f"XADD {message_id} (the entry id's time, on Redis's clock)", "xadd")
 
 
+_NAMED_FIGURES = figures_named(
+    {"stream_length": "held", "lag": "backlog", "broker_pending": "in_flight", "list_length": "list_backlog"}
+)
+
+
+def _figures(described: Values) -> dict[Figure, float]:
+    """A stream's length, lag and PEL; a list's length, and the sum of its
+    consumers' processing lists."""
+    figures = dict(_NAMED_FIGURES(described))
+    consumers = described.get("consumers")
+    if isinstance(consumers, Mapping):
+        lengths = [c.get("processing_length") for c in consumers.values() if isinstance(c, Mapping)]
+        figures["processing"] = float(sum(n for n in lengths if isinstance(n, int)))
+    return figures
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("stream", "list", "pubsub"),
@@ -363,4 +381,5 @@ DEFINITION = TransportDefinition(
     redelivery_horizon=_redelivery_horizon,
     reader=_reader,
     across=_list_keys_apart,
+    figures=_figures,
 )

@@ -17,6 +17,7 @@ from ingest.config.transport import (
     TransportDefinition,
     Values,
     ca_file_key,
+    figures_named,
     from_variable,
     options_of,
     own_keys,
@@ -167,6 +168,12 @@ def plaintext(url: str, own: SqsOptions | None) -> Unencrypted | None:
     return unencrypted_at(url, {"http": 80}, "use https:// for the SQS endpoint")
 
 
+# Waiting, received and not deleted, and moved to the dead-letter queue unstored.
+_FIGURES = figures_named(
+    {"visible": "backlog", "in_flight": "in_flight", "dead_letter_messages": "dead_lettered"}
+)
+
+
 DEFINITION = TransportDefinition(
     name=NAME,
     modes=("queue",),
@@ -195,4 +202,5 @@ DEFINITION = TransportDefinition(
     reader=_reader,
     queue_name=queue_name,
     located=_located,
+    figures=_FIGURES,
 )

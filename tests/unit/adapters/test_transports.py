@@ -119,10 +119,12 @@ def test_every_registered_transport_has_its_parts() -> None:
     settings (a definition under its own name, modes, URL schemes its check
     takes) and its modes module (one implementation per mode it declares),
     ``switchboard --help`` names each of its variables, its package ships,
-    its client is pinned, and the contract suite runs on it. A transport
+    its client is pinned, its status figures feed the broker gauges, and the
+    contract suite runs on it. A transport
     added without one of them fails here; the docs' list of the files a new
     transport touches is this test's (docs/transports.md)."""
     from ingest.cli.help_pages import _ENVIRONMENT
+    from ingest.config.transport import no_figures
     from ingest.config.transports import definitions
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -146,6 +148,7 @@ def test_every_registered_transport_has_its_parts() -> None:
         assert definition.name == name
         assert definition.modes, name
         assert definition.url_schemes, name
+        assert definition.figures is not no_figures, f"{name}: its status figures feed no broker gauge"
         package = factory.transport(name)
         assert set(package.MODES) == set(definition.modes), name
         assert package.MESSAGING_SYSTEM, name
