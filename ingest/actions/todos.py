@@ -72,13 +72,9 @@ async def retry(engine: AsyncEngine, todo_id: int) -> Retried | Refused:
 
 async def _retry_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoState:
     """The retry inside its transaction; the todo's state before it."""
-    state = await todo_views.lock_todo(conn, todo_id)
-    if state is None:
-        raise _Refusal(f"todo {todo_id} does not exist")
-    if state.status not in RETRYABLE_STATUSES:
-        raise _Refusal(
-            f"todo {todo_id} is {state.status}, not failed or cancelled: only those can be retried"
-        )
+    state = await _locked(
+        conn, todo_id, RETRYABLE_STATUSES, "not failed or cancelled: only those can be retried"
+    )
     holder = await todo_views.active_holder(conn, state.queue, state.idempotency_key, other_than=todo_id)
     if holder is not None:
         raise _Refusal(_held_by(state, holder))
@@ -90,6 +86,19 @@ async def _retry_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoS
         raise _KeyTaken(state) from exc
     if retried != [todo_id]:  # not expected: its row is locked since the check
         raise _Refusal(f"todo {todo_id} was not retried (its status changed meanwhile)")
+    return state
+
+
+async def _locked(
+    conn: AsyncConnection, todo_id: int, allowed: tuple[str, ...], refused: str
+) -> todo_views.TodoState:
+    """The todo's row locked, its state read under the lock; refused (``todo
+    N is STATUS, <refused>``) when its status is not one ``allowed``."""
+    state = await todo_views.lock_todo(conn, todo_id)
+    if state is None:
+        raise _Refusal(f"todo {todo_id} does not exist")
+    if state.status not in allowed:
+        raise _Refusal(f"todo {todo_id} is {state.status}, {refused}")
     return state
 
 
@@ -132,14 +141,12 @@ async def cancel(engine: AsyncEngine, todo_id: int) -> Cancelled | Refused:
 
 async def _cancel_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoState:
     """The cancel inside its transaction; the todo's state before it."""
-    state = await todo_views.lock_todo(conn, todo_id)
-    if state is None:
-        raise _Refusal(f"todo {todo_id} does not exist")
-    if state.status not in ACTIVE_TODO_STATUSES:
-        raise _Refusal(
-            f"todo {todo_id} is {state.status}, already finished:"
-            " only pending, dispatched or running todos can be cancelled"
-        )
+    state = await _locked(
+        conn,
+        todo_id,
+        ACTIVE_TODO_STATUSES,
+        "already finished: only pending, dispatched or running todos can be cancelled",
+    )
     cancelled = await todos.cancel(conn, [todo_id], CANCELLED_BY_OPERATOR)
     if cancelled != [todo_id]:  # not expected: its row is locked since the check
         raise _Refusal(f"todo {todo_id} was not cancelled (its status changed meanwhile)")

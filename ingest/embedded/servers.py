@@ -74,6 +74,7 @@ from psycopg import sql
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ingest.pids import owner_tag
 from ingest.processes.children import die_with_parent
 
 # What ``pg_ctl stop -m <mode>`` sends to the postmaster.
@@ -815,27 +816,13 @@ class RedisServer(_SignalledServer):
 OWNER_FILE = "owner.pid"
 
 
-def _started_at(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot), None if it is gone or a zombie."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat_line.rpartition(")")[2].split()  # after "pid (comm)"
-    return None if fields[0] == "Z" else fields[19]
-
-
-def _owner_tag(pid: int) -> str:
-    return f"{pid} {_started_at(pid) or '-'}"
-
-
 def temp_base(prefix: str) -> Path:
     """A new temporary directory (0700; traversable by others, for
     PostgreSQL's own user, only under root), holding its owner's pid and
     start time (``OWNER_FILE``)."""
     base = Path(tempfile.mkdtemp(prefix=prefix))  # 0700
     with _private_file(base / OWNER_FILE, "w") as owner:
-        owner.write(_owner_tag(os.getpid()))
+        owner.write(owner_tag(os.getpid()))
     if os.geteuid() == 0:
         base.chmod(_TRAVERSE_ONLY)
     return base
@@ -854,7 +841,7 @@ def remove_abandoned(prefix: str) -> list[Path]:
             pid = int(pid_text)
         except (OSError, ValueError):
             continue
-        if pid == os.getpid() or _owner_tag(pid) == f"{pid} {started}":
+        if pid == os.getpid() or owner_tag(pid) == f"{pid} {started}":
             continue  # the owner (or a process with its pid and start time) still runs
         shutil.rmtree(base, ignore_errors=True)
         removed.append(base)

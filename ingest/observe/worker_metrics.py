@@ -48,6 +48,7 @@ from ingest.errors import ConfigError, error_kind, log_failure
 from ingest.observe import logs
 from ingest.observe.logs import redact
 from ingest.observe.metrics_http import SERVER_FAILING_AFTER_S, HealthReport, MetricsServer
+from ingest.pids import owner_tag
 
 log = structlog.get_logger(__name__)
 
@@ -95,22 +96,6 @@ MULTIPROC_PREFIX = "switchboard-metrics-"
 OWNER_FILE = "owner"
 
 
-def _started_at(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot, from /proc), None
-    if it is gone or a zombie: with the pid, it tells a process from a
-    later one given the same pid."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat_line.rpartition(")")[2].split()  # after "pid (comm)"
-    return None if fields[0] == "Z" else fields[19]
-
-
-def _owner_tag(pid: int) -> str:
-    return f"{pid} {_started_at(pid) or '-'}"
-
-
 def remove_ended_runs(base: Path | None = None) -> list[Path]:
     """Delete this user's run directories (``MULTIPROC_PREFIX*`` in the temp
     directory) whose main process has ended; return them. Another user's,
@@ -126,7 +111,7 @@ def remove_ended_runs(base: Path | None = None) -> list[Path]:
             pid = int(pid_text)
         except (OSError, ValueError):
             continue
-        if _owner_tag(pid) == f"{pid} {started}":
+        if owner_tag(pid) == f"{pid} {started}":
             continue  # still running
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -143,7 +128,7 @@ def prepare(settings: Settings) -> dict[str, str]:
     try:
         path = Path(tempfile.mkdtemp(prefix=f"{MULTIPROC_PREFIX}{settings.metrics.port}-"))  # 0700
         with (path / OWNER_FILE).open("x") as owner:
-            owner.write(_owner_tag(os.getpid()))
+            owner.write(owner_tag(os.getpid()))
     except OSError as exc:
         raise ConfigError(
             f"[metrics]: cannot make the workers' metrics directory in {tempfile.gettempdir()}"

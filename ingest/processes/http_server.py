@@ -9,12 +9,13 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
 from ingest.config.webhook import split_listen
 from ingest.errors import ConfigError
-from ingest.processes.http_guard import accept_errors_logged
+from ingest.processes.http_guard import BACKLOG, Limits, accept_errors_logged, guarded_h11
 
 
 def bind(listen: str, what: str) -> socket.socket:
@@ -38,6 +39,29 @@ def bind(listen: str, what: str) -> socket.socket:
         raise ConfigError(f"{what} {listen!r}: cannot listen there: {exc.strerror or exc}") from exc
     sock.setblocking(False)
     return sock
+
+
+def guarded_config(app: Any, limits: Limits, *, graceful_s: int, **more: Any) -> uvicorn.Config:
+    """uvicorn as both HTTP processes run it: h11, whatever else is installed
+    (what their behaviour was built and tested on), under the guard's
+    deadlines and caps; no lifespan, no websockets, no server header; and
+    no log line per malformed request (anyone can send one): only uvicorn's
+    errors reach the log, refusals are ours, rate-limited. ``graceful_s``:
+    how long requests in flight are given at a stop."""
+    return uvicorn.Config(
+        app,
+        lifespan="off",
+        http=guarded_h11(limits),
+        ws="none",
+        log_config=None,
+        log_level="error",
+        access_log=False,
+        server_header=False,
+        backlog=BACKLOG,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=graceful_s,
+        **more,
+    )
 
 
 class Server(uvicorn.Server):

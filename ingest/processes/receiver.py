@@ -31,7 +31,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import structlog
-import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.applications import Starlette
@@ -51,8 +50,8 @@ from ingest.config import Settings, WebhookConfig
 from ingest.config.webhook import resolve_secrets
 from ingest.errors import ConfigError
 from ingest.lifecycle import wait_stop
-from ingest.processes.http_guard import BACKLOG, REQUEST_GRACE_S, Limits, guarded_h11, within_file_limit
-from ingest.processes.http_server import Server, bind
+from ingest.processes.http_guard import REQUEST_GRACE_S, Limits, within_file_limit
+from ingest.processes.http_server import Server, bind, guarded_config
 from ingest.processes.intake import Registration, register_adapters, to_record, trace_context_of
 from ingest.processes.push_store import PushStore
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
@@ -337,23 +336,11 @@ class _ReceiverBody(ProcessBody):
     async def _serve(self, process: Process) -> None:
         receiver = Receiver(self._endpoints, self._settings, process)
         limits = receiver_limits(self._settings)
-        config = uvicorn.Config(
+        config = guarded_config(
             receiver.app(),
-            lifespan="off",
-            # h11, whatever else is installed (what the behaviour above was
-            # built and tested on), with the guard's deadlines and caps.
-            http=guarded_h11(limits),
-            ws="none",
-            # uvicorn logs a line per malformed request (anyone can send
-            # one): only its errors reach the log; refusals are ours, rate-limited.
-            log_config=None,
-            log_level="error",
-            access_log=False,
+            limits,
+            graceful_s=int(self._settings.receiver.respond_within_ms / 1000) + 1,
             limit_concurrency=MAX_CONCURRENT_REQUESTS,
-            backlog=BACKLOG,
-            server_header=False,
-            timeout_keep_alive=5,
-            timeout_graceful_shutdown=int(self._settings.receiver.respond_within_ms / 1000) + 1,
         )
         server = Server(config)
         async with asyncio.TaskGroup() as tg:

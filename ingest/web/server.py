@@ -25,7 +25,6 @@ from typing import Any
 
 import sqlalchemy as sa
 import structlog
-import uvicorn
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.db import create_engine, within_deadline
@@ -33,8 +32,8 @@ from ingest.config import Settings
 from ingest.config.webhook import split_listen
 from ingest.errors import ConfigError
 from ingest.lifecycle import wait_stop
-from ingest.processes.http_guard import BACKLOG, REQUEST_GRACE_S, Limits, guarded_h11, within_file_limit
-from ingest.processes.http_server import Server, bind
+from ingest.processes.http_guard import REQUEST_GRACE_S, Limits, within_file_limit
+from ingest.processes.http_server import Server, bind, guarded_config
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 from ingest.web import app as web_app
 from ingest.web.console import Console, templates
@@ -169,19 +168,7 @@ class _WebBody(ProcessBody):
             healthy=process.liveness.report,
         )
         limits = web_limits(self._settings)
-        config = uvicorn.Config(
-            web_app.build(console),
-            lifespan="off",
-            http=guarded_h11(limits),
-            ws="none",
-            log_config=None,
-            log_level="error",
-            access_log=False,
-            server_header=False,
-            backlog=BACKLOG,
-            timeout_keep_alive=5,
-            timeout_graceful_shutdown=int(SHUTDOWN_S),
-        )
+        config = guarded_config(web_app.build(console), limits, graceful_s=int(SHUTDOWN_S))
         server = Server(config)
         serving = asyncio.create_task(server.serve(sockets=[self._sock]), name="uvicorn")
         up = asyncio.create_task(server.up.wait(), name="uvicorn-up")

@@ -20,6 +20,7 @@ from ingest.config import Settings, from_mapping
 from ingest.errors import ConfigError
 from ingest.observe import worker_metrics
 from ingest.observe.worker_metrics import MULTIPROC_VARIABLE, OWNER_FILE, prepare, remove_ended_runs
+from ingest.pids import owner_tag
 
 PORT = 9464
 
@@ -103,7 +104,7 @@ def _run_dir(base: Path, name: str, owner: str | None) -> Path:
 
 
 def test_a_start_deletes_ended_runs_directories_and_no_other(tmp_dir: Path, tmp_path: Path) -> None:
-    me = worker_metrics._owner_tag(os.getpid())
+    me = owner_tag(os.getpid())
     running = _run_dir(tmp_dir, "1-running", me)
     ended = _run_dir(tmp_dir, "2-ended", f"{_ended_pid()} 12345")
     # Our pid, but another start time: a later process given an ended run's pid.
