@@ -3,7 +3,7 @@
 * native id (stream entry):     ``{prefix}:{source}:{entry-id}``
 * no native id (list, pub/sub): ``{prefix}:{source}:{sha256(body) hex}``
 * a reused entry id (another body on a stored id): ``{native key}:{sha256(body) hex}``
-* a producer's id (AMQP ``message_id``): ``{prefix}:{source}:{key_id(id)}``, the
+* a producer's id (where a transport lets producers choose them): ``{prefix}:{source}:{key_id(id)}``, the
   id with ``%``, ``:``, whitespace and control characters percent-encoded
   and a lone surrogate as ``%uXXXX`` (:func:`key_id`): a producer cannot end
   its id in what looks like a reused id's digest, nor send a NUL PostgreSQL

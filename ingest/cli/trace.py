@@ -4,12 +4,11 @@ whole trail of one message as PostgreSQL recorded it, with timings.
 For each inbox row that holds the message (an entry id can match one row
 per stream adapter): its broker coordinates, the row itself, its event, its
 todo with every ``todo_events`` row, and its ack; then a timeline, oldest
-first, each step's offset from the first. A stream entry id is
-``<ms>-<seq>``, the milliseconds being Redis's clock when the producer's
-XADD ran, so a stream message's timeline starts at its XADD; the other steps
-are PostgreSQL's ``now()`` of the transaction that wrote them (two clocks:
-an offset below zero, or a large first one, says they disagree). The
-queries are :mod:`backhalf.reads.trace`'s.
+first, each step's offset from the first. Where a message's id says when
+the broker took it (its transport's ``sent``), the timeline starts there,
+on the broker's clock; the other steps are PostgreSQL's ``now()`` of the
+transaction that wrote them (two clocks: an offset below zero, or a large
+first one, says they disagree). The search is :mod:`ingest.actions.trail`'s.
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
         nargs="?",
         metavar="KEY_OR_ENTRY_ID",
         help=(
-            "an idempotency key (redis:orders:1700000000000-0), a bare stream entry id"
-            " (1700000000000-0), inbox:ID, todo:ID, or a bare number (that inbox row and that todo)"
+            "an idempotency key (PREFIX:SOURCE:ID), a bare stream entry id (1700000000000-0),"
+            " inbox:ID, todo:ID, or a bare number (that inbox row and that todo)"
         ),
     )
     p.add_argument("--inbox-id", type=positive_int, metavar="ID", help="trace this inbox row instead")

@@ -17,7 +17,7 @@ from backhalf.writes.keys import native_key
 from backhalf.writes.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, Setting, check_keys, days, got, string
 from ingest.config.transport import DefaultBroker, TransportDefinition, Values
-from ingest.config.transports import default, definitions
+from ingest.config.transports import DEFAULT_TRANSPORT, default, definitions
 from ingest.config.urls import BrokerUrl, check_broker_url, env_name
 from ingest.errors import ConfigError
 
@@ -171,7 +171,7 @@ class AdapterConfig:
             rule=_mode_of_transport,
             doc="the broker's kind: a transport whose table follows (or `webhook`, a push adapter)",
         ),
-    ] = "redis"  # its own column
+    ] = DEFAULT_TRANSPORT  # its own column
     ack_after: Annotated[
         Literal["store", "complete"],
         Key(

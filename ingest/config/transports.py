@@ -18,6 +18,7 @@ from ingest.config.transport import TransportDefinition
 # The first is the default: an adapter that names no transport, and the
 # file's own broker (its table, ``[<name>]``).
 REGISTERED = ("redis", "nats", "sqs", "amqp")
+DEFAULT_TRANSPORT = REGISTERED[0]
 
 
 @functools.cache
@@ -37,7 +38,7 @@ def definitions() -> Mapping[str, TransportDefinition]:
 
 
 def default() -> TransportDefinition:
-    return definitions()[REGISTERED[0]]
+    return definitions()[DEFAULT_TRANSPORT]
 
 
 def of_scheme(scheme: str) -> TransportDefinition:
