@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol, cast
 from backhalf.records import AckParty
 from ingest.adapters.base import AckIntentView, Acknowledger, ConsumerLedger, ModeImplementation, PullAdapter
 from ingest.config import AdapterConfig
-from ingest.config.transports import definitions
+from ingest.config.transports import definitions, package_of
 from ingest.errors import ConfigError
 
 
@@ -32,11 +32,9 @@ class Transport(NamedTuple):
     extra: str | None = None
 
 
-# Each registered transport's modes, loaded when an adapter uses it.
-TRANSPORTS: Mapping[str, Transport] = {
-    name: Transport(f"ingest.adapters.{name}.modes", definition.extra)
-    for name, definition in definitions().items()
-}
+def transports() -> Mapping[str, Transport]:
+    """Each registered transport's modes, loaded when an adapter uses it."""
+    return {name: Transport(f"{package_of(name)}.modes", d.extra) for name, d in definitions().items()}
 
 
 class TransportPackage(Protocol):
@@ -53,9 +51,9 @@ def transport(name: str, *, adapter: str | None = None) -> TransportPackage:
     """The package of transport ``name``, imported now; a ConfigError naming
     the adapter and the extra when it is unknown or its client is missing."""
     where = f"adapter {adapter!r}: " if adapter else ""
-    known = TRANSPORTS.get(name)
+    known = transports().get(name)
     if known is None:
-        raise ConfigError(f"{where}key 'transport' = {name!r} is not one of {sorted(TRANSPORTS)}")
+        raise ConfigError(f"{where}key 'transport' = {name!r} is not one of {sorted(transports())}")
     try:
         module: ModuleType = importlib.import_module(known.module)
     except ImportError as exc:
@@ -120,9 +118,10 @@ def describe_ack(transport_name: str | None, intent: AckIntentView) -> str:
     plain = f"{intent.kind} {intent.key or '-'} {intent.group or '-'} {intent.ref or '-'}"
     # An adapter no longer registered has no transport on record: the one
     # that registered the intent's kind puts it in words.
-    names = [transport_name] if transport_name is not None else list(TRANSPORTS)
+    known = transports()
+    names = [transport_name] if transport_name is not None else list(known)
     for name in names:
-        if name not in TRANSPORTS:
+        if name not in known:
             continue
         try:
             package = transport(name)

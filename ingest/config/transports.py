@@ -21,18 +21,45 @@ REGISTERED = ("redis", "nats", "sqs", "amqp")
 DEFAULT_TRANSPORT = REGISTERED[0]
 
 
+# Transports added at run time, by name: their packages, each holding a
+# ``settings`` and a ``modes`` module as a folder of ingest/adapters/ does.
+_ADDED: dict[str, str] = {}
+
+
+def package_of(name: str) -> str:
+    """The package of transport ``name``: its folder, ``ingest.adapters.<name>``,
+    or where :func:`add` put it."""
+    return _ADDED.get(name, f"ingest.adapters.{name}")
+
+
+def add(name: str, package: str) -> None:
+    """Register a transport kept outside ingest/adapters/ for this process
+    (the contract suite's in-memory broker; an application's own transport):
+    ``package`` holds its ``settings`` and ``modes`` as a folder here does."""
+    if name in REGISTERED or name == "webhook":
+        raise ValueError(f"transport {name!r} is registered already")
+    _ADDED[name] = package
+    definitions.cache_clear()
+
+
+def remove(name: str) -> None:
+    """Forget a transport :func:`add` registered."""
+    _ADDED.pop(name, None)
+    definitions.cache_clear()
+
+
 @functools.cache
 def definitions() -> Mapping[str, TransportDefinition]:
-    """Every registered transport's definition, by name, in the table's order."""
+    """Every registered transport's definition, by name, in the table's
+    order (then those :func:`add` registered)."""
     # Imported when first asked, not with the config: each transport's
     # settings import the config's key machinery, and the config imports this.
     found: dict[str, TransportDefinition] = {}
-    for name in REGISTERED:
-        definition = importlib.import_module(f"ingest.adapters.{name}.settings").DEFINITION
+    for name in (*REGISTERED, *_ADDED):
+        module = f"{package_of(name)}.settings"
+        definition = importlib.import_module(module).DEFINITION
         if not isinstance(definition, TransportDefinition) or definition.name != name:
-            raise TypeError(
-                f"ingest.adapters.{name}.settings: DEFINITION is no TransportDefinition of {name!r}"
-            )
+            raise TypeError(f"{module}: DEFINITION is no TransportDefinition of {name!r}")
         found[name] = definition
     return MappingProxyType(found)
 

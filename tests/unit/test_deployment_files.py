@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ingest.adapters.factory import TRANSPORTS
+from ingest.adapters.factory import transports
 from ingest.adapters.redis.settings import URL_VARIABLE as REDIS_URL_VARIABLE
 from ingest.cli import main as cli
 from ingest.config import DATABASE_URL_VARIABLE, load
@@ -389,8 +389,8 @@ def test_the_dockerfile_installs_the_pinned_package_and_runs_it_as_a_non_root_us
     # transport's client, and no other: no dev, test or embedded extras.
     found = re.search(r'pip install -c constraints\.txt "\.\[([a-z,]+)\]"(\s|$)', installs[0])
     assert found, installs[0]
-    transports = {t.extra for t in TRANSPORTS.values() if t.extra is not None}
-    assert set(found.group(1).split(",")) == {"http", "web", "otel"} | transports, installs[0]
+    extras = {t.extra for t in transports().values() if t.extra is not None}
+    assert set(found.group(1).split(",")) == {"http", "web", "otel"} | extras, installs[0]
     assert installs[0].count("[") == 1, "one install of the package"
     users = [i for i, (kind, _) in enumerate(steps) if kind == "USER"]
     assert users, "no USER: the processes would run as root"
@@ -599,7 +599,7 @@ def test_every_registered_transports_client_is_an_install_extra_the_dev_kit_brin
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     kit = next(d for d in extras["embedded"] if d.startswith("switchboard-ingest["))
     brought = set(kit.split("[", 1)[1].rstrip("]").split(","))
-    for name, transport in TRANSPORTS.items():
+    for name, transport in transports().items():
         if transport.extra is not None:
             assert transport.extra in extras, f"transport {name}: no [{transport.extra}] extra"
             assert transport.extra in brought, f"transport {name}: the embedded kit lacks [{transport.extra}]"
