@@ -1,5 +1,7 @@
 """Replay rejected inbox rows once their cause is fixed (``switchboard inbox
-replay``): one by id, or the rows a filter selects, or a dry run of those.
+replay``): one by id, or the rows a filter selects, or a dry run of those;
+and the inbox rows as every front end reads them (``inbox list / show``,
+the console's inbox pages).
 
 Each row is its own transaction (:func:`backhalf.writes.replay.replay`), so one
 that is refused leaves the others replayed. A dry run asks each row the very
@@ -189,3 +191,27 @@ async def replay_matching(
     """Select the rejected rows ``where`` matches and replay (or check) them."""
     selection = await select_rejected(engine, where, limit=limit)
     return await replay_selection(engine, settings, selection, dry_run=dry_run)
+
+
+# -- reads ------------------------------------------------------------------------
+
+
+async def listed(
+    engine: AsyncEngine,
+    *,
+    rejected: bool = False,
+    unacked: bool = False,
+    adapter: str | None = None,
+    limit: int = 100,
+) -> list[inbox_views.InboxRow]:
+    """Inbox rows, newest first, at most ``limit``."""
+    async with engine.connect() as conn:
+        return await inbox_views.list_rows(
+            conn, rejected=rejected, unacked=unacked, adapter=adapter, limit=limit
+        )
+
+
+async def show(engine: AsyncEngine, inbox_id: int) -> inbox_views.InboxDetail | None:
+    """One row whole, with its body; None if it does not exist."""
+    async with engine.connect() as conn:
+        return await inbox_views.get_row(conn, inbox_id)

@@ -1,4 +1,6 @@
-"""Retry and cancel one todo (``switchboard todos retry / cancel``).
+"""Retry and cancel one todo (``switchboard todos retry / cancel``), and
+the todos as every front end reads them (``todos list / show``, the
+console's todo pages): the same rows, the same reason to wait.
 
 Each call is its own transaction: the todo's row is locked, its status
 checked (and for a retry, that no other active todo holds its (queue, key)),
@@ -8,12 +10,15 @@ then the change and its ``todo_events`` row are written
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import psycopg
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from backhalf.housekeeping import heartbeats
 from backhalf.lifecycle import todos
 from backhalf.reads import todo_views
 from ingest.actions.outcomes import Refused
@@ -23,6 +28,8 @@ from schema import ACTIVE_TODO_STATUSES
 RETRIED_BY_OPERATOR = "retried by an operator"
 CANCELLED_BY_OPERATOR = "cancelled by an operator"
 
+# A todo that may be waiting for a worker (one running or finished is not).
+WAITING_STATUSES = ("pending", "dispatched")
 # What ``retry_todos`` takes back to pending (its SQL says the same).
 RETRYABLE_STATUSES = ("failed", "cancelled")
 # The partial unique index that allows one active todo per (queue, key).
@@ -151,3 +158,56 @@ async def _cancel_locked(conn: AsyncConnection, todo_id: int) -> todo_views.Todo
     if cancelled != [todo_id]:  # not expected: its row is locked since the check
         raise _Refusal(f"todo {todo_id} was not cancelled (its status changed meanwhile)")
     return state
+
+
+# -- reads ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """One todo whole: its row, its history (oldest first), and why it has
+    not run yet (None: it is not waiting)."""
+
+    todo: todo_views.TodoDetail
+    history: tuple[todo_views.TodoEvent, ...]
+    waiting: str | None
+
+
+async def listed(
+    engine: AsyncEngine,
+    *,
+    queue: str | None = None,
+    status: str | None = None,
+    limit: int = 50,
+    before_id: int | None = None,
+) -> list[todo_views.TodoRow]:
+    """Todos, newest first, at most ``limit``; ``before_id``: the next page."""
+    async with engine.connect() as conn:
+        return await todo_views.list_todos(conn, queue=queue, status=status, limit=limit, before_id=before_id)
+
+
+async def show(engine: AsyncEngine, todo_id: int) -> Shown | None:
+    """The todo, None if it does not exist."""
+    async with engine.connect() as conn:
+        todo = await todo_views.get_todo(conn, todo_id)
+        if todo is None:
+            return None
+        history = await todo_views.history(conn, todo_id)
+        (waiting,) = await why_waiting(conn, [todo])
+    return Shown(todo, tuple(history), waiting)
+
+
+async def why_waiting(
+    conn: AsyncConnection, found: Sequence[todo_views.TodoDetail | None]
+) -> tuple[str | None, ...]:
+    """Why each pending todo of ``found`` has not run yet, from what the live
+    workers' heartbeats say they serve; None for the others."""
+    waits = [t is not None and t.status in WAITING_STATUSES for t in found]
+    if not any(waits):
+        return (None,) * len(found)
+    processes = await heartbeats.list_processes(conn)
+    now = datetime.now(UTC)
+    return tuple(
+        todo_views.waiting_reason(t, processes, now) if t is not None and w else None
+        for t, w in zip(found, waits, strict=True)
+    )

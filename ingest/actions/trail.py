@@ -20,20 +20,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from backhalf.housekeeping import heartbeats
-from backhalf.reads import todo_views, trace
+from backhalf.reads import trace
+from ingest.actions.todos import why_waiting
 from ingest.observe.trail import is_bare_id
 
 MAX_ID = 2**63 - 1  # bigint: a larger id names no row (and is no database error)
 _DIGITS = re.compile(r"[0-9]{1,19}")
-
-# A pending todo's reason to wait is worth saying; a running or finished
-# one's is not.
-_WAITING_STATUSES = ("pending", "dispatched")
 
 
 def as_id(text: str) -> int | None:
@@ -60,7 +55,7 @@ async def find(engine: AsyncEngine, query: str) -> Found:
     async with engine.connect() as conn:
         ids, missing = await _inbox_ids(conn, query.strip())
         found = await trace.trails(conn, ids) if ids else []
-        waiting = await _waiting(conn, found)
+        waiting = await why_waiting(conn, [t.todo for t in found])
     return Found(tuple(found), waiting, missing)
 
 
@@ -77,16 +72,3 @@ async def _inbox_ids(conn: AsyncConnection, query: str) -> tuple[list[int], str]
         ids = await trace.inbox_ids_by_entry_id(conn, query)
         return ids, f"no stream adapter's inbox holds entry id {query!r}"
     return await trace.inbox_ids_by_key(conn, query), f"no inbox row has the idempotency key {query!r}"
-
-
-async def _waiting(conn: AsyncConnection, found: list[trace.Trail]) -> tuple[str | None, ...]:
-    if not any(t.todo is not None and t.todo.status in _WAITING_STATUSES for t in found):
-        return (None,) * len(found)
-    processes = await heartbeats.list_processes(conn)
-    now = datetime.now(UTC)
-    return tuple(
-        todo_views.waiting_reason(t.todo, processes, now)
-        if t.todo is not None and t.todo.status in _WAITING_STATUSES
-        else None
-        for t in found
-    )

@@ -141,10 +141,9 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
-    async with engine.connect() as conn:
-        rows = await inbox_views.list_rows(
-            conn, rejected=args.rejected, unacked=args.unacked, adapter=args.adapter, limit=args.limit
-        )
+    rows = await inbox_actions.listed(
+        engine, rejected=args.rejected, unacked=args.unacked, adapter=args.adapter, limit=args.limit
+    )
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=str))
     elif not rows:
@@ -243,8 +242,7 @@ async def _replay_matching(engine: AsyncEngine, settings: Settings, args: argpar
 
 
 async def _show(engine: AsyncEngine, inbox_id: int, *, as_json: bool) -> int:
-    async with engine.connect() as conn:
-        row = await inbox_views.get_row(conn, inbox_id)
+    row = await inbox_actions.show(engine, inbox_id)
     if row is None:
         print(f"{_PROG} show: inbox row {inbox_id} does not exist", file=sys.stderr)
         return EXIT_FAILURE

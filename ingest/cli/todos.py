@@ -20,7 +20,6 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.db import create_engine
-from backhalf.housekeeping import heartbeats
 from backhalf.reads import todo_views
 from ingest.actions import todos as todo_actions
 from ingest.actions.outcomes import Refused
@@ -79,8 +78,7 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
-    async with engine.connect() as conn:
-        rows = await todo_views.list_todos(conn, queue=args.queue, status=args.status, limit=args.limit)
+    rows = await todo_actions.listed(engine, queue=args.queue, status=args.status, limit=args.limit)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=_json_value))
     elif not rows:
@@ -91,25 +89,19 @@ async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
 
 
 async def _show(engine: AsyncEngine, todo_id: int, *, as_json: bool) -> int:
-    async with engine.connect() as conn:
-        todo = await todo_views.get_todo(conn, todo_id)
-        events = await todo_views.history(conn, todo_id) if todo is not None else []
-        waiting = None
-        if todo is not None and todo.status in ("pending", "dispatched"):
-            procs = await heartbeats.list_processes(conn)
-            waiting = todo_views.waiting_reason(todo, procs, datetime.now(UTC))
-    if todo is None:
+    shown = await todo_actions.show(engine, todo_id)
+    if shown is None:
         print(f"{_PROG} show: todo {todo_id} does not exist", file=sys.stderr)
         return EXIT_FAILURE
     if as_json:
         document = {
-            **dataclasses.asdict(todo),
-            "waiting": waiting,
-            "history": [dataclasses.asdict(e) for e in events],
+            **dataclasses.asdict(shown.todo),
+            "waiting": shown.waiting,
+            "history": [dataclasses.asdict(e) for e in shown.history],
         }
         print(json.dumps(document, indent=2, default=_json_value, ensure_ascii=False))
     else:
-        print("\n".join(show_lines(todo, events, waiting)))
+        print("\n".join(show_lines(shown.todo, shown.history, shown.waiting)))
     return EXIT_OK
 
 

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from backhalf.reads import inbox_views, todo_views
+from backhalf.reads import inbox_views
 from ingest.actions import adapters as adapter_actions
 from ingest.actions import inbox as inbox_actions
 from ingest.actions import todos as todo_actions
@@ -129,9 +129,9 @@ async def todos_bulk(request: Request) -> Response:
         done = [await _act_on_todo(console, action, todo_id) for todo_id in _pinned(request)]
         log.info("web_todos_bulk", action=action, asked=len(done), done=sum(o.ok for o in done))
         return console.page(request, "bulk_done.html", what=f"{action} todos", outcomes=done)
-    async with console.read("selecting the todos") as conn:
-        rows = await todo_views.list_todos(
-            conn,
+    async with console.act("selecting the todos"):
+        rows = await todo_actions.listed(
+            console.engine,
             queue=queue,
             status=wanted,
             limit=BULK_LIMIT + 1,

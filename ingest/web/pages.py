@@ -21,6 +21,8 @@ from backhalf.housekeeping import heartbeats
 from backhalf.housekeeping.heartbeats import ProcessRow
 from backhalf.reads import console_views, inbox_views, todo_views, trace
 from backhalf.reads.console_views import MinuteFigures
+from ingest.actions import inbox as inbox_actions
+from ingest.actions import todos as todo_actions
 from ingest.actions import trail as trail_actions
 from ingest.actions.todos import RETRYABLE_STATUSES
 from ingest.actions.trail import as_id
@@ -154,7 +156,7 @@ async def trail(request: Request) -> Response:
     trails: list[dict[str, Any]] = []
     missing = None
     if query:
-        async with console.act():
+        async with console.act("finding the trail"):
             found = await trail_actions.find(console.engine, query)
         trails = [_trail_view(t, w) for t, w in zip(found.trails, found.waiting, strict=True)]
         missing = None if found.trails else found.missing
@@ -207,9 +209,9 @@ async def inbox(request: Request) -> Response:
     rows: list[Any] = []
     more = False
     if problem is None:
-        async with console.read("listing the rejected inbox") as conn:
-            got = await inbox_views.replay_candidates(conn, where, limit=PAGE_SIZE + 1)
-        rows, more = got[:PAGE_SIZE], len(got) > PAGE_SIZE
+        async with console.act("listing the rejected inbox"):
+            selection = await inbox_actions.select_rejected(console.engine, where, limit=PAGE_SIZE)
+        rows, more = list(selection.rows), selection.more
     next_query = None
     if more:
         next_query = {
@@ -233,8 +235,8 @@ async def inbox_row(request: Request) -> Response:
     inbox_id = path_id(request, "inbox_id")
     row = None
     if inbox_id is not None:
-        async with console.read("reading an inbox row") as conn:
-            row = await inbox_views.get_row(conn, inbox_id)
+        async with console.act("reading an inbox row"):
+            row = await inbox_actions.show(console.engine, inbox_id)
     if row is None:
         return console.page(
             request, "error.html", status_code=404, message=f"inbox row {inbox_id} does not exist"
@@ -264,9 +266,13 @@ async def todos(request: Request) -> Response:
     rows: list[todo_views.TodoRow] = []
     more = False
     if problem is None:
-        async with console.read("listing the todos") as conn:
-            got = await todo_views.list_todos(
-                conn, queue=queue, status=wanted, limit=PAGE_SIZE + 1, before_id=_int_param(request, "before")
+        async with console.act("listing the todos"):
+            got = await todo_actions.listed(
+                console.engine,
+                queue=queue,
+                status=wanted,
+                limit=PAGE_SIZE + 1,
+                before_id=_int_param(request, "before"),
             )
         rows, more = got[:PAGE_SIZE], len(got) > PAGE_SIZE
     typed = {"queue": queue or "", "status": wanted or ""}
@@ -320,11 +326,11 @@ async def todo_page(
     request: Request, todo_id: int, notice: str | None = None, refused: str | None = None
 ) -> Response:
     console = console_of(request)
-    async with console.read("reading a todo") as conn:
-        detail = await todo_views.get_todo(conn, todo_id)
-        history = await todo_views.history(conn, todo_id) if detail is not None else []
-    if detail is None:
+    async with console.act("reading a todo"):
+        shown = await todo_actions.show(console.engine, todo_id)
+    if shown is None:
         return console.page(request, "error.html", status_code=404, message=f"todo {todo_id} does not exist")
+    detail = shown.todo
     return console.page(
         request,
         "todo.html",
@@ -335,7 +341,8 @@ async def todo_page(
         over=_over_limit(console.settings, detail.status, detail.queue, detail.updated_at),
         can_retry=detail.status in RETRYABLE_STATUSES,
         can_cancel=detail.status in ACTIVE_TODO_STATUSES,
-        history=history,
+        history=shown.history,
+        waiting=shown.waiting,
         notice=notice,
         refused=refused,
         payload=inbox_text.pretty_json(detail.payload),

@@ -328,13 +328,20 @@ def test_cancel_retry_and_the_refusal_of_a_retry(
     [(todo_id,)] = query(db_url, "SELECT id FROM todos")
     page.goto(f"{url}/todos?status=pending")
     expect(page.get_by_test_id("todo-row")).to_have_count(1)
+    # No worker runs here: the todo page and its trail say why it waits,
+    # in `todos show`'s and `trace`'s own words (one action reads them all).
+    waits = "no live worker serves queue orders"
+    page.goto(f"{url}/trace?key=todo:{todo_id}")
+    expect(page.get_by_test_id("trail-waiting")).to_contain_text(waits)
     page.goto(f"{url}/todos/{todo_id}")
+    expect(page.get_by_test_id("todo-waiting")).to_contain_text(waits)
     # Each status shows the action it allows, and that one only.
     assert page.get_by_test_id("todo-retry").count() == 0
     page.get_by_test_id("todo-cancel").click()
     expect(page.get_by_test_id("action-notice")).to_contain_text("cancelled")
     assert scalar(db_url, "SELECT status FROM todos WHERE id = %(id)s", {"id": todo_id}) == "cancelled"
     expect(page.get_by_test_id("todo-cancel")).to_have_count(0)
+    expect(page.get_by_test_id("todo-waiting")).to_have_count(0)  # a cancelled todo waits for nothing
     page.get_by_test_id("todo-retry").click()
     expect(page.get_by_test_id("todo-status")).to_have_text("pending")
     assert scalar(db_url, "SELECT status FROM todos WHERE id = %(id)s", {"id": todo_id}) == "pending"
