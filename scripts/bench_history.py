@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench  # noqa: E402
+import bench_kit  # noqa: E402
 
 from backhalf.db import libpq_url  # noqa: E402
 from ingest.embedded import config, history  # noqa: E402
@@ -76,19 +76,22 @@ def newest_id(url: str) -> int:
 def ingest_and_ack(base: Path, url: str, r: redis.Redis, redis_url: str, n: int, run: str) -> float:
     """msg/s of ``switchboard ingest`` + ``ack`` over ``n`` preloaded entries."""
     floor = newest_id(url)
-    bench.preload(r, n)
-    ingester, acker = bench.start_pipeline(base, url, redis_url, 2000, run)
+    bench_kit.preload(r, n)
+    ingester, acker = bench_kit.start_pipeline(base, url, redis_url, 2000, run)
     try:
         started = time.perf_counter()
-        bench.set_enabled(url, True)
+        bench_kit.set_enabled(url, True)
         wait_for(
-            lambda: bench.stream_drained(r), timeout_s=900, what="every entry XACKed", interval_s=bench.POLL_S
+            lambda: bench_kit.stream_drained(r),
+            timeout_s=900,
+            what="every entry XACKed",
+            interval_s=bench_kit.POLL_S,
         )
         elapsed = time.perf_counter() - started
     finally:
         ingester.terminate()
         acker.terminate()
-    bench.set_enabled(url, False)
+    bench_kit.set_enabled(url, False)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM inbox WHERE id > %s AND ack_state = 'acked'", (floor,)
@@ -105,7 +108,7 @@ WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)::int8"
 def _acked_entries(r: redis.Redis) -> int:
     """Entries the group has read and acked (Redis's count: no PostgreSQL
     poll is billed to the measurement)."""
-    (group,) = r.xinfo_groups(bench.STREAM)
+    (group,) = r.xinfo_groups(bench_kit.STREAM)
     return int(group["entries-read"] or 0) - int(group["pending"])
 
 
@@ -127,7 +130,13 @@ def retention_under_ingest(
         base / "hist-prune.toml",
         database_url=url,
         adapters=[
-            {"name": "bench", "mode": "stream", "source": bench.STREAM, "queue": "bench", "url": redis_url}
+            {
+                "name": "bench",
+                "mode": "stream",
+                "source": bench_kit.STREAM,
+                "queue": "bench",
+                "url": redis_url,
+            }
         ],
         # The history's partitions past keep_days go whole, and so do the
         # finished todos' (every queue has a retain_done_days).
@@ -141,10 +150,10 @@ def retention_under_ingest(
         },
     )
     # More entries than the prune outlasts at full speed; what is left is dropped.
-    bench.preload(r, max(200_000, int(empty_rate * 60)))
-    ingester, acker = bench.start_pipeline(base, url, redis_url, 2000, "hist-prune-pipeline")
+    bench_kit.preload(r, max(200_000, int(empty_rate * 60)))
+    ingester, acker = bench_kit.start_pipeline(base, url, redis_url, 2000, "hist-prune-pipeline")
     try:
-        bench.set_enabled(url, True)
+        bench_kit.set_enabled(url, True)
         time.sleep(3)  # past the start: a steady drain when the prune begins
         with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             row = conn.execute(WAL_LSN).fetchone()
@@ -163,9 +172,9 @@ def retention_under_ingest(
     finally:
         ingester.terminate()
         acker.terminate()
-    bench.set_enabled(url, False)
+    bench_kit.set_enabled(url, False)
     ingested_in_all = _acked_entries(r)
-    r.delete(bench.STREAM)
+    r.delete(bench_kit.STREAM)
     after_bytes = table_bytes(url)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         conn.execute("VACUUM inbox, events, todos, todo_events, inbox_keys")  # partitioned: each partition
@@ -204,8 +213,8 @@ def compare(
 ) -> dict[str, Any]:
     """Interleaved rounds on an empty database and a retaining one; prints and returns the figures."""
     r = redis.Redis.from_url(redis_url)
-    empty = bench.fresh_db(pg, "hist_empty")
-    full = bench.fresh_db(pg, "hist_full")
+    empty = bench_kit.fresh_db(pg, "hist_empty")
+    full = bench_kit.fresh_db(pg, "hist_full")
     took = fill(full, retained, days)
     size = table_bytes(full)
     print(
@@ -249,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     with embedded_servers(
         "switchboard-history-", appendfsync="everysec", postgres_conf=conf, postgres_bin=postgres_bin
     ) as servers:
-        bench.print_postgres(servers.postgres)
+        bench_kit.print_postgres(servers.postgres)
         compare(servers.base, servers.postgres, servers.redis.url, args.retained, args.messages, args.days)
     return 0
 

@@ -5,7 +5,7 @@ Switchboard's own Redis stream figure, all in one run on the same servers.
 Per round, the order rotated each round, each run in a fresh database:
 
 1. raw: the database's limit for the same three rows per message
-   (``bench.bench_raw``, psycopg ``unnest``, 1000 messages a transaction).
+   (``bench_kit.bench_raw``, psycopg ``unnest``, 1000 messages a transaction).
 2. switchboard nats: the real ``switchboard ingest`` and ``switchboard ack``
    processes with a ``transport = "nats"`` adapter on an embedded
    nats-server (``ingest.embedded.nats_server``: file storage, every write
@@ -22,11 +22,11 @@ Per round, the order rotated each round, each run in a fresh database:
 3. direct nats-py: this file run as ``--consume``, a process of its own: a
    durable pull consumer of its own (the same settings) fetched ``batch_size`` at a
    time; each batch stored in one transaction, one statement: the rows
-   ``bench.bench_naive`` stores per message (a todo, its event, the inbox
+   ``bench_kit.bench_naive`` stores per message (a todo, its event, the inbox
    row marked acked, linked), with ``unnest`` and binary parameters; then
    ``msg.ack()`` for each message. The clock starts when it is told to go,
    after its imports and connections, and stops as Switchboard's does.
-4. switchboard redis: ``bench.bench_switchboard``, the Redis stream pipeline
+4. switchboard redis: ``bench_kit.bench_switchboard``, the Redis stream pipeline
    of the rest of the bench.
 
 Printed: each figure's median msg/s; Switchboard NATS / direct nats-py and
@@ -58,7 +58,7 @@ from nats.js.errors import NotFoundError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import bench  # noqa: E402
+import bench_kit  # noqa: E402
 
 from backhalf.db import libpq_url  # noqa: E402
 from ingest.embedded import config  # noqa: E402
@@ -77,9 +77,6 @@ ROUNDS = 3
 RUN_TIMEOUT_S = 600
 # The nats-py consumer's environment: no password in its argv.
 URL_ENV, DB_ENV = "BENCH_NATS_URL", "BENCH_DATABASE_URL"
-# [ingest] settings from bench.py's command line (its --commits-in-flight):
-# this module's ``bench`` is another copy of bench.py than the one running.
-INGEST_OVERRIDES: dict[str, int] = {}
 
 
 def consumer_config(durable: str) -> ConsumerConfig:
@@ -105,7 +102,7 @@ class Broker:
         self._js = self._client.jetstream(timeout=10)
 
     def load(self, n: int) -> None:
-        """A fresh stream of ``n`` messages (bench.body), each acknowledged
+        """A fresh stream of ``n`` messages (bench_kit.body), each acknowledged
         by the server. Loaded once: each run reads it through a consumer of
         its own (deliver all), as the stream keeps what is acked."""
 
@@ -116,7 +113,7 @@ class Broker:
             for start in range(0, n, PUBLISH_WINDOW):
                 stop = min(n, start + PUBLISH_WINDOW)
                 await asyncio.gather(
-                    *(self._js.publish(SUBJECT, bench.body(i), timeout=60) for i in range(start, stop))
+                    *(self._js.publish(SUBJECT, bench_kit.body(i), timeout=60) for i in range(start, stop))
                 )
             info = await self._js.stream_info(STREAM)
             if info.state.messages != n:
@@ -153,30 +150,31 @@ class Broker:
 def drained(broker: Broker, durable: str, url: str, n: int) -> bool:
     """Nothing unacked or undelivered at the server, then every inbox row
     acked: PostgreSQL is asked only once the server says so."""
-    return broker.settled(durable) and bench.acked_count(url) == n
+    return broker.settled(durable) and bench_kit.acked_count(url) == n
 
 
 def nats_config(path: Path, db_url: str, nats_url: str, durable: str, batch_size: int) -> Path:
-    """bench.write_config's settings, with a NATS adapter in place of the stream's."""
+    """bench_kit.write_config's settings, with a NATS adapter in place of the stream's."""
     adapter = {"name": "bench", "transport": "nats", "mode": "jetstream", "source": STREAM, "group": durable,
                "queue": "bench", "url": nats_url, "batch_size": batch_size, "block_ms": 100,
                "ack_wait_ms": ACK_WAIT_MS, "max_ack_pending": MAX_ACK_PENDING,
-               "max_message_bytes": bench.MAX_MESSAGE_BYTES}  # fmt: skip
+               "max_message_bytes": bench_kit.MAX_MESSAGE_BYTES}  # fmt: skip
     return config.write_config(
         path,
         database_url=db_url,
         adapters=[adapter],
-        ingest={"enabled_refresh_ms": 50, **INGEST_OVERRIDES},
+        # [ingest] settings from bench.py's command line (its --commits-in-flight).
+        ingest={"enabled_refresh_ms": 50, **bench_kit.INGEST_OVERRIDES},
         acker={"batch_size": batch_size * 2, "poll_interval_ms": 100},
     )
 
 
 def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
-    return {name: bench.tree_cpu_seconds(pid) for name, pid in pids.items()}
+    return {name: bench_kit.tree_cpu_seconds(pid) for name, pid in pids.items()}
 
 
 def cpu_per_message(pids: dict[str, int], before: dict[str, float], n: int) -> dict[str, float]:
-    return {name: (bench.tree_cpu_seconds(pid) - before[name]) / n * 1e6 for name, pid in pids.items()}
+    return {name: (bench_kit.tree_cpu_seconds(pid) - before[name]) / n * 1e6 for name, pid in pids.items()}
 
 
 def bench_switchboard_nats(
@@ -188,17 +186,17 @@ def bench_switchboard_nats(
     creates its group)."""
     broker.add_consumer(run)
     config_path = nats_config(workdir / f"{run}.toml", url, nats_url, run, batch_size)
-    acker = bench.start("ack", config_path, workdir / f"{run}-acker.log")
-    ingester = bench.start("ingest", config_path, workdir / f"{run}-ingester.log")
+    acker = bench_kit.start("ack", config_path, workdir / f"{run}-acker.log")
+    ingester = bench_kit.start("ingest", config_path, workdir / f"{run}-ingester.log")
     try:
         wait_ready(acker)
         wait_ready(ingester)
         pids = {"ingester": ingester.pid, "acker": acker.pid, **servers}
         before = cpu_snapshot(pids)
         started = time.perf_counter()
-        bench.set_enabled(url, True)
+        bench_kit.set_enabled(url, True)
         wait_for(lambda: drained(broker, run, url, n), timeout_s=RUN_TIMEOUT_S,
-                 what=f"{run}: every message acked", interval_s=bench.POLL_S)  # fmt: skip
+                 what=f"{run}: every message acked", interval_s=bench_kit.POLL_S)  # fmt: skip
         elapsed = time.perf_counter() - started
         cpu = cpu_per_message(pids, before, n)
     finally:
@@ -214,7 +212,7 @@ def bench_direct(
 ) -> tuple[float, dict[str, float]]:  # fmt: skip
     """The nats-py consumer (this file, ``--consume``) draining the same
     pre-loaded stream through a consumer of its own, named ``run``; its
-    clock as bench.bench_peer's."""
+    clock as bench_kit.bench_peer's."""
     broker.add_consumer(run)
     argv = [sys.executable, str(Path(__file__).resolve()), "--consume", "--durable", run,
             "--batch-size", str(batch_size), "--expect", str(n)]  # fmt: skip
@@ -244,7 +242,7 @@ def bench_direct(
                 return drained(broker, run, url, n)
 
             wait_for(
-                done, timeout_s=RUN_TIMEOUT_S, what=f"{run}: every message acked", interval_s=bench.POLL_S
+                done, timeout_s=RUN_TIMEOUT_S, what=f"{run}: every message acked", interval_s=bench_kit.POLL_S
             )
             elapsed = time.perf_counter() - started
             cpu = cpu_per_message(pids, before, n)
@@ -270,13 +268,11 @@ def compare(
     n: int,
     batch_size: int,
     rounds: int = ROUNDS,
-    ingest_overrides: dict[str, int] | None = None,
 ) -> None:
     """The four runs, ``rounds`` times interleaved, the order rotated each
     round; prints medians and the medians of the rounds' ratios.
-    ``redis_run(url, servers, run)``: bench.bench_switchboard's msg/s and
+    ``redis_run(url, servers, run)``: bench_kit.bench_switchboard's msg/s and
     CPU per message for a fresh database ``url``."""
-    INGEST_OVERRIDES.update(ingest_overrides or {})
     with nats_server(base / "nats") as server:
         nats_proc: NatsServer = server
         broker = Broker(nats_proc.url)
@@ -302,10 +298,10 @@ def _compare(
     for i in range(rounds):
         for name in NAMES[i % len(NAMES) :] + NAMES[: i % len(NAMES)]:
             db = f"nats{i}_{NAMES.index(name)}"
-            url = bench.fresh_db(pg, db)
+            url = bench_kit.fresh_db(pg, db)
             cpu: dict[str, float] = {}
             if name == "raw":
-                rate = bench.bench_raw(url, n)
+                rate = bench_kit.bench_raw(url, n)
             elif name == "switchboard nats":
                 rate, cpu = bench_switchboard_nats(
                     base, url, broker, server.url, n, batch_size, nats_servers, db

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench  # noqa: E402
+import bench_kit  # noqa: E402
 
 from backhalf import queries  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
@@ -180,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     with embedded_servers("switchboard-probe-", appendfsync="everysec", postgres_conf=pg_conf) as servers:
         base, pg, rs = servers.base, servers.postgres, servers.redis
         r = redis.Redis.from_url(rs.url)
-        url = bench.fresh_db(pg, "probe")
-        bench.preload(r, n)
-        config = bench.write_config(base / "probe.toml", url, rs.url, args.batch_size)
-        acker = None if args.no_acker else bench.start("ack", config, base / "acker.log")
-        ingester = bench.start("ingest", config, base / "ingester.log")
+        url = bench_kit.fresh_db(pg, "probe")
+        bench_kit.preload(r, n)
+        config = bench_kit.write_config(base / "probe.toml", url, rs.url, args.batch_size)
+        acker = None if args.no_acker else bench_kit.start("ack", config, base / "acker.log")
+        ingester = bench_kit.start("ingest", config, base / "ingester.log")
         if acker:
             wait_ready(acker)
         wait_ready(ingester)
@@ -196,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         samples: list[tuple[float, int]] = []
         started = time.perf_counter()
         started_epoch = time.time()
-        bench.set_enabled(url, True)
+        bench_kit.set_enabled(url, True)
         next_tenth = 1
         explain_at = {n // 10, n // 2, (9 * n) // 10}
 
         def done() -> bool:
-            (group,) = r.xinfo_groups(bench.STREAM)
+            (group,) = r.xinfo_groups(bench_kit.STREAM)
             if args.no_acker:
                 return bool(group["lag"] == 0 and "batch_stored" in ingester.raw_log() and _stored_all())
             return bool(group["lag"] == 0 and group["pending"] == 0)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             return stored >= n
 
         while not done():
-            (group,) = r.xinfo_groups(bench.STREAM)
+            (group,) = r.xinfo_groups(bench_kit.STREAM)
             drained = n - int(group["lag"] or 0)
             now = time.perf_counter()
             samples.append((now, drained))
@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         samples.append((time.perf_counter(), n))
         snaps.append(snapshot(mon))
         if not args.no_acker:
-            wait_for(lambda: bench.acked_count(url) == n, timeout_s=60, what="every inbox row marked acked")
+            wait_for(
+                lambda: bench_kit.acked_count(url) == n, timeout_s=60, what="every inbox row marked acked"
+            )
         explains.append((n, explain_claim(mon)))
         mon.execute("ANALYZE inbox")
         explains.append((-n, explain_claim(mon)))  # negative: after ANALYZE

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench  # noqa: E402
+import bench_kit  # noqa: E402
 
 from backhalf.db import libpq_url  # noqa: E402
 from ingest.embedded.otlp_collector import Collector  # noqa: E402
@@ -67,14 +67,14 @@ tracing.shutdown(100)
 
 def preload_traced(r: redis.Redis, n: int) -> None:
     """``n`` entries, each with its producer's ``traceparent`` (sampled)."""
-    r.delete(bench.STREAM)
+    r.delete(bench_kit.STREAM)
     for start in range(0, n, 5000):
         pipe = r.pipeline(transaction=False)
         for i in range(start, min(n, start + 5000)):
             traceparent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
-            pipe.xadd(bench.STREAM, {"body": bench.body(i), "traceparent": traceparent})
+            pipe.xadd(bench_kit.STREAM, {"body": bench_kit.body(i), "traceparent": traceparent})
         pipe.execute()
-    r.xgroup_create(bench.STREAM, bench.GROUP, id="0")
+    r.xgroup_create(bench_kit.STREAM, bench_kit.GROUP, id="0")
 
 
 def startup_s(mode: str, collector: Collector) -> float:
@@ -97,7 +97,7 @@ def startup_s(mode: str, collector: Collector) -> float:
 def _prepared(pg: PostgresServer, rs_url: str, n: int, run: str) -> tuple[redis.Redis, str]:
     """A fresh database for ``run`` and ``n`` traced entries in the stream."""
     r = redis.Redis.from_url(rs_url)
-    url = bench.fresh_db(pg, run)
+    url = bench_kit.fresh_db(pg, run)
     preload_traced(r, n)
     return r, url
 
@@ -107,17 +107,17 @@ def ingest_and_ack(
 ) -> Measured:
     """msg/s of ingest + ack over ``n`` traced entries (clock: adapter enabled -> every entry XACKed)."""
     r, url = _prepared(pg, rs_url, n, run)
-    config_path = bench.write_config(base / f"{run}.toml", url, rs_url, 2000)
-    acker = bench.start("ack", config_path, base / f"{run}-acker.log", env)
-    ingester = bench.start("ingest", config_path, base / f"{run}-ingester.log", env)
+    config_path = bench_kit.write_config(base / f"{run}.toml", url, rs_url, 2000)
+    acker = bench_kit.start("ack", config_path, base / f"{run}-acker.log", env)
+    ingester = bench_kit.start("ingest", config_path, base / f"{run}-ingester.log", env)
     try:
         wait_ready(acker)
         wait_ready(ingester)
         pids = {"ingester": ingester.pid, "acker": acker.pid, "postgres": pg.pid}
 
         def drained() -> None:
-            wait_for(lambda: bench.stream_drained(r), timeout_s=600, what="every entry XACKed",
-                     interval_s=bench.POLL_S)  # fmt: skip
+            wait_for(lambda: bench_kit.stream_drained(r), timeout_s=600, what="every entry XACKed",
+                     interval_s=bench_kit.POLL_S)  # fmt: skip
 
         measured = _timed(url, n, pids, drained)
     finally:
@@ -130,12 +130,14 @@ def ingest_and_ack(
 def _timed(url: str, n: int, pids: dict[str, int], finished: Callable[[], None]) -> Measured:
     """Enable the adapter, wait until ``finished`` returns: the rate, and the
     CPU per message of each process in ``pids`` over the same span."""
-    cpu_before = {name: bench.tree_cpu_seconds(pid) for name, pid in pids.items()}
+    cpu_before = {name: bench_kit.tree_cpu_seconds(pid) for name, pid in pids.items()}
     started = time.perf_counter()
-    bench.set_enabled(url, True)
+    bench_kit.set_enabled(url, True)
     finished()
     elapsed = time.perf_counter() - started
-    cpu_us = {name: (bench.tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
+    cpu_us = {
+        name: (bench_kit.tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()
+    }
     return n / elapsed, cpu_us
 
 
@@ -144,28 +146,30 @@ def end_to_end(
 ) -> Measured:
     """todos/s from entries to done (clock: every process ready, adapter enabled -> none active)."""
     r, url = _prepared(pg, rs_url, n, run)
-    config_path = bench.e2e_config(base, url, rs_url, 2000, run)
-    acker = bench.start("ack", config_path, base / f"{run}-acker.log", env)
-    ingester = bench.start("ingest", config_path, base / f"{run}-ingester.log", env)
+    config_path = bench_kit.e2e_config(base, url, rs_url, 2000, run)
+    acker = bench_kit.start("ack", config_path, base / f"{run}-acker.log", env)
+    ingester = bench_kit.start("ingest", config_path, base / f"{run}-ingester.log", env)
     worker = SwitchboardProcess("worker", config_path, base / f"{run}-worker.log", cwd=ROOT, env=env)
     try:
         wait_ready(acker)
         wait_ready(ingester)
-        wait_for(lambda: bench.workers_ready(worker), timeout_s=120, what=f"{run}: the workers ready")
+        wait_for(lambda: bench_kit.workers_ready(worker), timeout_s=120, what=f"{run}: the workers ready")
         pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, "postgres": pg.pid}
         with psycopg.connect(libpq_url(url), autocommit=True) as watcher:
 
             def done() -> None:
                 def none_left() -> bool:
-                    return bench.stream_drained(r) and not bench.any_on(watcher, bench.ANY_ACTIVE_TODOS)
+                    return bench_kit.stream_drained(r) and not bench_kit.any_on(
+                        watcher, bench_kit.ANY_ACTIVE_TODOS
+                    )
 
-                wait_for(none_left, timeout_s=900, what="every todo done", interval_s=bench.POLL_S)
+                wait_for(none_left, timeout_s=900, what="every todo done", interval_s=bench_kit.POLL_S)
 
             measured = _timed(url, n, pids, done)
     finally:
         for proc in (worker, ingester, acker):
             proc.terminate()
-    finished = bench.todos_done(url)
+    finished = bench_kit.todos_done(url)
     pg.drop_database(run)
     if finished != n:
         raise SystemExit(f"bench: {run} finished {finished} of {n} todos; logs in {base}")

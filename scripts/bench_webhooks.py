@@ -63,7 +63,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import bench  # noqa: E402
+import bench_kit  # noqa: E402
 
 from backhalf.db import libpq_url  # noqa: E402
 from backhalf.housekeeping import migrate  # noqa: E402
@@ -188,13 +188,13 @@ def generate(workdir: Path, name: str, port: int, pids: dict[str, int], load_arg
         if (said := gen.first_line()) != "ready":
             raise SystemExit(f"bench: the load generator said {said!r}")
         every = {**pids, "generator": gen.pid}
-        before = {k: bench.tree_cpu_seconds(p) for k, p in every.items()}
+        before = {k: bench_kit.tree_cpu_seconds(p) for k, p in every.items()}
         (busy_before, stolen_before), began = machine_cpu_s(), time.perf_counter()
         gen.say("go")
         # Its CPU read before it is reaped: a zombie's /proc/stat still holds it.
         wait_for(lambda: _exited(gen.pid), timeout_s=RUN_TIMEOUT_S, what=f"the load generator ({name})",
-                 interval_s=bench.POLL_S)  # fmt: skip
-        after = {k: bench.tree_cpu_seconds(p) for k, p in every.items()}
+                 interval_s=bench_kit.POLL_S)  # fmt: skip
+        after = {k: bench_kit.tree_cpu_seconds(p) for k, p in every.items()}
         (busy, stolen), elapsed = machine_cpu_s(), time.perf_counter() - began
         figures = gen.result()
     finally:
@@ -213,7 +213,9 @@ def machine_cpu_s() -> tuple[float, float]:
     """CPU seconds the whole machine has spent busy (user, nice, system, irq,
     softirq) and stolen by the hypervisor, from /proc/stat."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6)) / bench.CLK_TCK, int(fields[7]) / bench.CLK_TCK
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6)) / bench_kit.CLK_TCK, int(
+        fields[7]
+    ) / bench_kit.CLK_TCK
 
 
 def _exited(pid: int) -> bool:
@@ -240,7 +242,7 @@ def start_receiver(workdir: Path, url: str) -> tuple[SwitchboardProcess, int]:
         adapters=[adapter],
         receiver={"listen": f"127.0.0.1:{port}"},
     )
-    proc = bench.start("receive", path, workdir / "webhooks-receive.log", env={SECRET_ENV: SECRET})
+    proc = bench_kit.start("receive", path, workdir / "webhooks-receive.log", env={SECRET_ENV: SECRET})
     wait_for(lambda: proc.events("receiver_listening") or not proc.alive(), timeout_s=START_TIMEOUT_S,
              what="receiver_listening")  # fmt: skip
     if not proc.alive():
@@ -712,8 +714,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_canned()
     elif args.load:
         load(args)
-    else:  # alone: bench.py's --webhooks
-        return bench.main(["--webhooks", *(["--quick"] if args.quick else [])])
+    else:  # the part itself is bench.py's: it starts this file for each role
+        parser.error("run `scripts/bench.py --webhooks` (make bench BENCH_ARGS=--webhooks)")
     return 0
 
 
