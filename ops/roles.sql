@@ -268,7 +268,7 @@ BEGIN
 
     -- The two storing roles: the ingester (`switchboard ingest`: backhalf.writes.store,
     -- registry, attempts, stream_groups) and the receiver (`switchboard
-    -- receive`: backhalf.writes.store with no ack, as ingest.processes.push_store
+    -- receive`: backhalf.writes.store with no ack, as ingest.processes.push.push_store
     -- calls it, and registry). One store statement serves both and names the
     -- inbox's ack columns and ack_queue whatever it writes (privileges are
     -- checked per statement, not per row): the same grants, and the policies

@@ -57,7 +57,7 @@ import sys, time
 started = time.perf_counter()
 if {hide!r}:
     sys.modules["opentelemetry"] = None  # the extra not installed
-import ingest.processes.ingester, ingest.processes.receiver, ingest.processes.worker
+import ingest.processes.pull.ingester, ingest.processes.push.receiver, ingest.processes.workers.worker
 from backhalf import tracing
 tracing.switch_on("ingest")
 print(time.perf_counter() - started)

@@ -412,7 +412,7 @@ def _bound() -> socket.socket:
 
 def serve_peer() -> None:
     """The receiver's Starlette app on the receiver's uvicorn settings
-    (ingest.processes.receiver), storing nothing."""
+    (ingest.processes.push.receiver), storing nothing."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request

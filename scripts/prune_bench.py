@@ -1,6 +1,6 @@
 """The pruner on a large inbox (issue 14): fill ``inbox`` and ``events`` with
 N old rows (10M by default) server-side with ``generate_series``, then prune
-them with the real pruner (``ingest.processes.prune.Pruner``, the acker's settings)
+them with the real pruner (``ingest.processes.ack.prune.Pruner``, the acker's settings)
 while a writer inserts new rows the way the store does, one transaction per
 batch of 100 (inbox row, event). Reports rows/s deleted, the longest batch
 transaction, the writer's commit latency before and during the prune, the
@@ -32,7 +32,7 @@ from backhalf.db import DatabaseSettings, create_engine, libpq_url
 from backhalf.housekeeping import migrate, retention
 from ingest.config import AckerSettings
 from ingest.embedded.servers import embedded_servers
-from ingest.processes.prune import Pruner, Walk, WalkResult
+from ingest.processes.ack.prune import Pruner, Walk, WalkResult
 
 CHUNK = 1_000_000
 RETAIN = timedelta(days=7)

@@ -1,6 +1,6 @@
 """Retention: the pruner's statements (issue 14). Each function is one
 bounded batch, run by the caller in its own short transaction; the loop that
-walks a table batch by batch is ``ingest.processes.prune``.
+walks a table batch by batch is ``ingest.processes.ack.prune``.
 
 Why the statements are shaped as they are:
 
@@ -106,7 +106,7 @@ _QUEUE_FAMILY = "queue"
 InboxStatus = Literal["stored", "rejected"]
 
 # The adapters walking together: those with the same retention share one
-# read of the inbox (``ingest.processes.prune`` groups them), counted apart.
+# read of the inbox (``ingest.processes.ack.prune`` groups them), counted apart.
 _ADAPTERS = sa.any_(sa.bindparam("adapters", type_=postgresql.ARRAY(sa.Text)))
 
 

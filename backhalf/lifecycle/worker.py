@@ -2,7 +2,7 @@
 
 The todo's state in PostgreSQL is the truth, and the todos table is the
 workers' queue (DESIGN.md section 7b): a run comes with its claim, made by
-the worker process's consumer (``ingest.processes.worker_broker``), which
+the worker process's consumer (``ingest.processes.workers.worker_broker``), which
 marked the todo running, counted the attempt and leased it. A run:
 
 1. calls the handler with the :class:`backhalf.lifecycle.todos.Todo` (sync, or async

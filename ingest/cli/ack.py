@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from ingest.cli.running import run_until_stopped
 from ingest.cli.verb import Subparsers, Verb, add_metrics_port
 from ingest.config import Settings
-from ingest.processes.acker import run_acker
+from ingest.processes.ack.acker import run_acker
 
 
 def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from ingest.cli.running import run_until_stopped
 from ingest.cli.verb import Subparsers, Verb, add_metrics_port
 from ingest.config import Settings
 from ingest.errors import ConfigError
-from ingest.processes.ingester import run_ingester
+from ingest.processes.pull.ingester import run_ingester
 
 
 def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
 """``switchboard migrate``: upgrade the database to the newest migration,
-then one pass of the history's partitions (``ingest.processes.partitions``)."""
+then one pass of the history's partitions (``ingest.processes.ack.partitions``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from backhalf.housekeeping import migrate
 from ingest.cli.verb import Subparsers, Verb
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK
-from ingest.processes.partitions import upkeep_once
+from ingest.processes.ack.partitions import upkeep_once
 
 log = structlog.get_logger("switchboard")
 

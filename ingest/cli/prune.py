@@ -1,7 +1,7 @@
 """``switchboard prune [--dry-run] [--json]``: one pass of every retention
 walk the config asks for (``retain_*`` keys of ``[[adapters]]`` and
 ``[queues.NAME]``), the same walks the acker runs every ``[acker]
-prune_interval_ms`` (:mod:`ingest.processes.prune`).
+prune_interval_ms`` (:mod:`ingest.processes.ack.prune`).
 
 Prints one line per adapter and queue with what was deleted from each table
 (with ``--dry-run``: what would be, and nothing is), and on stderr a progress
@@ -21,8 +21,8 @@ from backhalf.housekeeping.partitions import partition_name
 from ingest.cli.verb import Verb, in_loop
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK
-from ingest.processes.partitions import partitioned, upkeep_once
-from ingest.processes.prune import TABLES, Pruner, WalkResult, walks
+from ingest.processes.ack.partitions import partitioned, upkeep_once
+from ingest.processes.ack.prune import TABLES, Pruner, WalkResult, walks
 
 # How often a long walk reports on stderr.
 PROGRESS_INTERVAL_S = 5.0

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) ->
     # Imported here: Starlette and uvicorn are the receiver's alone (the
     # `http` extra).
     try:
-        from ingest.processes.receiver import run_receiver
+        from ingest.processes.push.receiver import run_receiver
     except ImportError as exc:
         raise missing_extra(exc, HTTP_PACKAGES, "receive", "its HTTP server", "http") from exc
 

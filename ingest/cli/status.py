@@ -25,7 +25,7 @@ def handler_check(settings: Settings) -> status.HandlerCheck:
     (run here only for a queue no worker serves)."""
 
     def check(queue: str) -> str | None:
-        from ingest.processes.worker import resolve_handler  # dramatiq's import, only when asked
+        from ingest.processes.workers.worker import resolve_handler  # dramatiq's import, only when asked
 
         try:
             resolve_handler(settings.queues[queue])

@@ -25,7 +25,7 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
 
 
 def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:
-    from ingest.processes.worker import exec_workers  # dramatiq: only for this verb
+    from ingest.processes.workers.worker import exec_workers  # dramatiq: only for this verb
 
     path = Path(getattr(args, "config", None) or env.get("SWITCHBOARD_CONFIG") or DEFAULT_CONFIG_PATH)
     exec_workers(path, settings, processes=args.processes, threads=args.threads, queues=args.queues)

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ingest.config import Settings, from_mapping
-from ingest.processes.acker import run_acker
-from ingest.processes.ingester import run_ingester
+from ingest.processes.ack.acker import run_acker
+from ingest.processes.pull.ingester import run_ingester
 
 JOBS = "jobs"
 

@@ -213,7 +213,9 @@ def _roles(tree: dict[int, list[str]], demo_pid: int) -> dict[str, int]:
             roles["ingester"] = pid
         elif argv[-1] == "ack":
             roles["acker"] = pid
-        elif "ingest.processes.worker_app" in argv:  # `switchboard worker`, exec'd into dramatiq's CLI
+        elif (
+            "ingest.processes.workers.worker_app" in argv
+        ):  # `switchboard worker`, exec'd into dramatiq's CLI
             roles["worker"] = pid
     return roles
 

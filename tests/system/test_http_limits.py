@@ -281,7 +281,7 @@ def test_request_bodies_held_at_once_are_capped_and_so_is_the_memory(
     """250 unauthenticated bodies of 1 MiB, each a byte short: uvicorn alone
     holds them all (over 250 MB). The guard counts each declared length at
     its head and answers 503 once ``BODY_BYTES_IN_FLIGHT`` are held."""
-    from ingest.processes.receiver import BODY_BYTES_IN_FLIGHT
+    from ingest.processes.push.receiver import BODY_BYTES_IN_FLIGHT
 
     count = 250
     _open_files_for(count)

@@ -214,8 +214,8 @@ def test_a_message_sent_to_a_switchboard_actor_is_refused(tmp_path: Path) -> Non
     import dramatiq
 
     from ingest.config import from_mapping
-    from ingest.processes.worker import switchboard_broker
-    from ingest.processes.worker_broker import NotAQueue
+    from ingest.processes.workers.worker import switchboard_broker
+    from ingest.processes.workers.worker_broker import NotAQueue
 
     settings = from_mapping(
         {"database": {"url": "postgresql+psycopg://nobody@localhost/none"},

@@ -189,7 +189,8 @@ def test_the_http_units_leave_their_servers_every_connection_they_serve() -> Non
     """Under systemd's default soft limit (1024) the receiver would cap itself
     at fewer connections than it serves (issue 43): each HTTP unit raises it
     to cover its connections and the descriptors kept beside them."""
-    from ingest.processes import http_guard, receiver
+    from ingest.processes import http_guard
+    from ingest.processes.push import receiver
 
     for name, connections in (
         ("switchboard-receive.service", receiver.MAX_CONNECTIONS),
@@ -308,7 +309,7 @@ for package in (ingest, backhalf, schema):
         # The embedded kit is not in production; __main__ runs the CLI;
         # worker_app builds a broker from a config when imported.
         if not info.name.startswith(
-            ("ingest.embedded", "ingest.processes.worker_app", "ingest.worker_app", "ingest.__main__")
+            ("ingest.embedded", "ingest.processes.workers.worker_app", "ingest.worker_app", "ingest.__main__")
         ):
             importlib.import_module(info.name)
 import hiredis, psycopg, regex, jsonschema

@@ -11,7 +11,7 @@ import structlog
 from backhalf.db import MAX_OVERFLOW
 from ingest.adapters.factory import transport
 from ingest.config import load
-from ingest.processes.ingester import connections_needed, warn_if_pool_small
+from ingest.processes.pull.ingester import connections_needed, warn_if_pool_small
 from tests.support.acl import ACL_USERS
 
 EXAMPLE_CONFIG = Path(__file__).parents[2] / "ops" / "switchboard.example.toml"

@@ -2,7 +2,7 @@
 broker to read, so no :class:`~ingest.adapters.base.PullAdapter`; what it
 owns is the trust check of each delivery (:mod:`.verify`) and the
 provenance its events carry. ``switchboard receive``
-(ingest.processes.receiver) serves it over HTTP."""
+(ingest.processes.push.receiver) serves it over HTTP."""
 
 from __future__ import annotations
 

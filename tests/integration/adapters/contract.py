@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ingest.adapters.base import Delivery, PullAdapter
 from ingest.adapters.factory import make_adapter
 from ingest.config import AdapterConfig, Settings
-from ingest.processes.poll import ledger_for
+from ingest.processes.pull.poll import ledger_for
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
 

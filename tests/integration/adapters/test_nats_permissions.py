@@ -38,7 +38,7 @@ from ingest.adapters.nats.jetstream import ACK_KIND
 from ingest.config import AdapterConfig, Settings
 from ingest.embedded.nats_server import NatsServer, nats_binary
 from ingest.errors import AckError, BrokerError
-from ingest.processes.acker import run_acker
+from ingest.processes.ack.acker import run_acker
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
 from tests.support.nats import Streams, adapter_table, owned_nats, streams

@@ -20,7 +20,7 @@ from backhalf.db import DatabaseSettings, create_engine
 from ingest.adapters.redis.common import _Cluster
 from ingest.adapters.redis.lists import ListAdapter, key_base, processing_key
 from ingest.embedded.valkey_cluster import ValkeyCluster
-from ingest.processes.poll import ledger_for
+from ingest.processes.pull.poll import ledger_for
 from tests.support.cluster import cluster_client, owned_cluster
 from tests.support.db import query, scalar
 from tests.support.in_process import JOBS, list_adapter, pipeline, settings, wait_until

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 from backhalf.db import DatabaseSettings, create_engine
 from backhalf.records import AckClaim
 from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter, processing_key, removed_marker
-from ingest.processes.poll import ledger_for
+from ingest.processes.pull.poll import ledger_for
 from tests.support.cluster import cluster_client, owned_cluster
 from tests.support.db import query, scalar
 from tests.support.in_process import JOBS, list_adapter, pipeline, settings, wait_until

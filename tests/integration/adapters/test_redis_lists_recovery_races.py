@@ -18,7 +18,7 @@ from ingest.adapters.base import Delivery, OpenLedger
 from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter, processing_key
 from ingest.config import AdapterConfig, from_mapping
 from ingest.processes.intake import to_record
-from ingest.processes.poll import ledger_for
+from ingest.processes.pull.poll import ledger_for
 from tests.support.db import query, scalar
 
 JOBS = "jobs"

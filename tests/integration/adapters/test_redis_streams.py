@@ -19,7 +19,7 @@ from backhalf.writes.stream_groups import GroupStartLedger, StreamGroup
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import AdapterConfig, from_mapping
 from ingest.errors import AckError, BrokerError, GroupMissing
-from ingest.processes.acker import drain_adapter
+from ingest.processes.ack.acker import drain_adapter
 from ingest.processes.intake import to_record
 from tests.support.acl import acl_rules
 from tests.support.db import query

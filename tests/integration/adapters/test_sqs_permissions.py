@@ -25,8 +25,8 @@ from ingest.config import Settings
 from ingest.embedded.sqs_server import SqsServer
 from ingest.errors import AckError, BrokerError
 from ingest.observe.dependency import refused_login
-from ingest.processes.acker import run_acker
-from ingest.processes.ingester import run_ingester
+from ingest.processes.ack.acker import run_acker
+from ingest.processes.pull.ingester import run_ingester
 from tests.support.db import query, scalar
 from tests.support.in_process import settings, wait_until
 from tests.support.sqs import counts, create_queue, owned_sqs, send

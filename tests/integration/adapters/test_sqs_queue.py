@@ -20,8 +20,8 @@ from backhalf.records import AckClaim
 from ingest.adapters.factory import make_acknowledger, make_adapter
 from ingest.config import AdapterConfig, Settings
 from ingest.errors import AckError, BrokerError
-from ingest.processes.acker import drain_adapter, drain_loop
-from ingest.processes.ingester import run_ingester
+from ingest.processes.ack.acker import drain_adapter, drain_loop
+from ingest.processes.pull.ingester import run_ingester
 from tests.support.db import query, scalar
 from tests.support.in_process import pipeline, settings, wait_until
 from tests.support.sqs import REGION, client, counts, create_queue, receive, send, use_emulator_credentials

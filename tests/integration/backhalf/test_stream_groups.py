@@ -16,8 +16,8 @@ from backhalf.db_errors import DatabaseUnusable
 from backhalf.errors import StoreError
 from backhalf.housekeeping import migrate
 from backhalf.writes.stream_groups import GroupStartLedger, StreamGroup
-from ingest.processes.ingester import pull_registrations
 from ingest.processes.intake import register_adapters
+from ingest.processes.pull.ingester import pull_registrations
 from tests.support import db
 from tests.support.in_process import settings
 from tests.support.servers import ServerUrls

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf.reads import audit
 from ingest.adapters.redis.streams import StreamAcknowledger
-from ingest.processes.acker import drain_once
+from ingest.processes.ack.acker import drain_once
 from tests.integration.processes.test_acker import GROUP, STREAM, consume_and_commit, settings
 from tests.support.db import libpq, scalar
 

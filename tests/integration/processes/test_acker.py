@@ -22,7 +22,7 @@ from backhalf.writes.store import store
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
 from ingest.config import Settings, from_mapping
 from ingest.errors import AckError
-from ingest.processes.acker import drain_loop, drain_once
+from ingest.processes.ack.acker import drain_loop, drain_once
 from ingest.processes.intake import to_record
 from tests.support.db import libpq, query, scalar
 from tests.support.plans import scans_of, scans_of_partitions

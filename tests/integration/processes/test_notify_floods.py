@@ -29,8 +29,8 @@ from backhalf.db import DatabaseSettings, create_engine, create_sync_engine
 from backhalf.lifecycle.state_writer import StateWriter
 from ingest.adapters.redis.streams import StreamAcknowledger
 from ingest.lifecycle import NOTIFIED_GAP_MAX_S
-from ingest.processes.acker import Hints, _listen_loop, drain_loop
-from ingest.processes.worker_broker import Claimer, Leases
+from ingest.processes.ack.acker import Hints, _listen_loop, drain_loop
+from ingest.processes.workers.worker_broker import Claimer, Leases
 from tests.integration.processes.test_acker import GROUP, STREAM, consume_and_commit, settings
 from tests.support.db import libpq, scalar
 from tests.support.statement_counter import counting

@@ -1,6 +1,6 @@
 """The history in partitions (issue 45): periods begun, old partitions
 dropped whole, the dedup across partitions and past the horizon, and what
-is owed kept. Real store, real upkeep (``ingest.processes.partitions``),
+is owed kept. Real store, real upkeep (``ingest.processes.ack.partitions``),
 real PostgreSQL; ages are made by moving rows' timestamps back, the only
 thing faked."""
 
@@ -18,7 +18,7 @@ from backhalf.lifecycle.queues import QueueConfig
 from backhalf.records import AckTarget, InboxRecord, Provenance, StoreBatch
 from backhalf.writes.store import store
 from ingest.config import AckerSettings, Settings
-from ingest.processes.partitions import upkeep_once
+from ingest.processes.ack.partitions import upkeep_once
 from schema.tables import PARTITIONED_TABLES
 from tests.support.db import libpq, query, scalar
 

@@ -12,8 +12,8 @@ import redis
 from backhalf.db import DatabaseSettings, create_engine, create_sync_engine
 from ingest.config import from_mapping
 from ingest.lifecycle import leftover_tasks
-from ingest.processes.acker import run_acker
-from ingest.processes.ingester import run_ingester
+from ingest.processes.ack.acker import run_acker
+from ingest.processes.pull.ingester import run_ingester
 from tests.support.acl import acl_rules
 from tests.support.db import query, scalar
 from tests.support.servers import as_redis_user

@@ -17,7 +17,7 @@ from ingest.adapters.memory import MemoryAdapter
 from ingest.config import IngestSettings, from_mapping
 from ingest.errors import BrokerError
 from ingest.lifecycle import leftover_tasks
-from ingest.processes.poll import PollLoop
+from ingest.processes.pull.poll import PollLoop
 from tests.support.db import query, scalar
 
 FAST = IngestSettings(enabled_refresh_ms=50, backoff_initial_ms=10, backoff_max_ms=50, shutdown_timeout_s=5)

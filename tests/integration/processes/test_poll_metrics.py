@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backhalf import metrics
 from ingest.adapters.memory import MemoryAdapter
-from ingest.processes.poll import PollLoop
+from ingest.processes.pull.poll import PollLoop
 from tests.integration.processes.test_poll_loop import FAST, config, wait_until
 from tests.support.db import query, scalar
 

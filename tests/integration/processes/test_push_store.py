@@ -1,4 +1,4 @@
-"""The webhook receiver's group commit (ingest.processes.push_store) against
+"""The webhook receiver's group commit (ingest.processes.push.push_store) against
 real PostgreSQL: deliveries handed in together commit in one transaction;
 two bodies under one delivery id are one delivery where the sender signs
 the id, and two messages where it does not (GitHub's, issue 43), even when
@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backhalf.records import InboxRecord, Provenance
 from backhalf.writes import registry
 from backhalf.writes.keys import reused_key
-from ingest.processes.push_store import PushStore
+from ingest.processes.push.push_store import PushStore
 from tests.support.db import query, scalar
 
 PROVENANCE = Provenance("push", "hmac-sha256", True, "github secret: GH_SECRET")

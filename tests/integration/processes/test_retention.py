@@ -17,7 +17,7 @@ from backhalf.db import libpq_url
 from backhalf.housekeeping import retention
 from backhalf.writes import registry
 from ingest.config import Settings, from_mapping
-from ingest.processes.prune import Pruner, Walk, prune_loop, walks
+from ingest.processes.ack.prune import Pruner, Walk, prune_loop, walks
 from tests.support import db
 
 DAY = timedelta(days=1)

@@ -1,4 +1,4 @@
-"""dramatiq's broker over the todos table (ingest.processes.worker_broker)
+"""dramatiq's broker over the todos table (ingest.processes.workers.worker_broker)
 against real PostgreSQL: the claimer claims what its free threads can
 start, wakes on the store's NOTIFY before its poll, comes back after its
 connection is lost, and gives back what it claimed and never started (at
@@ -27,8 +27,8 @@ from backhalf.lifecycle import todos
 from backhalf.lifecycle.state_writer import StateWriter
 from ingest.config import load
 from ingest.embedded.processes import wait_for
-from ingest.processes.worker import switchboard_broker
-from ingest.processes.worker_broker import (
+from ingest.processes.workers.worker import switchboard_broker
+from ingest.processes.workers.worker_broker import (
     GIVEN_BACK,
     NOT_RUN,
     SWITCHBOARD_QUEUE,

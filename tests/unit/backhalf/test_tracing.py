@@ -121,7 +121,8 @@ def test_tracing_off_imports_nothing_of_opentelemetrys_traces() -> None:
     is installed, traced or not: docs/operating.md, "Traces".)"""
     ours = ("opentelemetry.sdk.trace", "opentelemetry.exporter", "opentelemetry.proto", "google.protobuf")
     code = (
-        "import sys, ingest.processes.ingester, ingest.processes.receiver, ingest.processes.worker;"
+        "import sys, ingest.processes.pull.ingester, ingest.processes.push.receiver,"
+        " ingest.processes.workers.worker;"
         "from backhalf import tracing;"
         "assert tracing.switch_on('ingest', {}) is False;"
         f"print(sorted(m for m in sys.modules if m.startswith({ours!r})))"

@@ -148,7 +148,7 @@ def test_a_workers_graceful_stop_waits_for_its_longest_time_limit() -> None:
     """dramatiq abandons running handlers after its shutdown timeout (ten
     minutes by default): a queue allowed longer runs must be waited for."""
     from ingest.config import from_mapping
-    from ingest.processes.worker import DRAMATIQ_SHUTDOWN_TIMEOUT_MS, shutdown_timeout_ms
+    from ingest.processes.workers.worker import DRAMATIQ_SHUTDOWN_TIMEOUT_MS, shutdown_timeout_ms
 
     queues = {"short": {"handler": "m:f"}, "long": {"handler": "m:g", "time_limit_ms": 3_600_000}}
     settings = from_mapping({"database": {"url": "postgresql://u@h/d"}, "queues": queues}, {})

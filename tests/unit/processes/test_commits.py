@@ -1,4 +1,4 @@
-"""The poll loop's commits under way (``ingest.processes.commits.Commits``): which waits
+"""The poll loop's commits under way (``ingest.processes.pull.commits.Commits``): which waits
 mean what, and how a failure travels from one commit to the next."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import structlog
 
 from backhalf.errors import StoreError
-from ingest.processes.commits import Commit, Commits
+from ingest.processes.pull.commits import Commit, Commits
 
 
 def chained(

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from backhalf.housekeeping.heartbeats import ProcessRow
-from ingest.processes.ingester import taken_consumers
+from ingest.processes.pull.ingester import taken_consumers
 
 NOW = datetime(2026, 12, 6, tzinfo=UTC)
 

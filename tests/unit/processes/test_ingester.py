@@ -6,7 +6,7 @@ import pytest
 import structlog
 
 from ingest.config import from_mapping
-from ingest.processes.ingester import connections_needed, warn_if_pool_small
+from ingest.processes.pull.ingester import connections_needed, warn_if_pool_small
 
 
 class _Mode:

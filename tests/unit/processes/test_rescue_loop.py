@@ -1,4 +1,4 @@
-"""The acker's rescue loop (ingest.processes.acker.rescue_loop): a full batch
+"""The acker's rescue loop (ingest.processes.ack.acker.rescue_loop): a full batch
 goes on at once, a short one waits ``rescue_interval_ms``, a failure is
 backed off (not the interval) and logged as ``rescue_failed``; the loop
 ends on stop."""
@@ -12,7 +12,7 @@ import structlog
 
 from backhalf.errors import StoreError
 from ingest.config import AckerSettings
-from ingest.processes.acker import rescue_loop
+from ingest.processes.ack.acker import rescue_loop
 
 SETTINGS = AckerSettings(batch_size=10, rescue_interval_ms=1000, backoff_initial_ms=1, backoff_max_ms=2)
 

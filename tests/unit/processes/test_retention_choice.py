@@ -10,8 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.config import Settings, from_mapping
-from ingest.processes.partitions import done_keep, partitioned
-from ingest.processes.prune import walks
+from ingest.processes.ack.partitions import done_keep, partitioned
+from ingest.processes.ack.prune import walks
 
 HISTORY = {"retain_history_days": 30}
 

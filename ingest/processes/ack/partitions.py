@@ -43,7 +43,7 @@ def done_keep(settings: Settings) -> timedelta | None:
     todos for ever, one an adapter names without a ``[queues.NAME]``
     included, keeps every partition; a queue no config names any more goes
     with the partitions). A queue with a shorter one is
-    pruned row by row down to it (``ingest.processes.prune``), and so is
+    pruned row by row down to it (``ingest.processes.ack.prune``), and so is
     every queue where the history is not partitioned."""
     if settings.acker.retain_history_days is None:
         return None

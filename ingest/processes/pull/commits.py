@@ -1,4 +1,4 @@
-"""The commits of one poll loop still under way (``ingest.processes.poll``).
+"""The commits of one poll loop still under way (``ingest.processes.pull.poll``).
 
 A stream adapter keeps up to ``commits_in_flight`` store transactions running
 at once; each waits for the one before it before it confirms its batch to the

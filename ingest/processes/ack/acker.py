@@ -56,8 +56,8 @@ from ingest.errors import AcksRefused, AcksRolledBack, ConfigError, error_kind, 
 from ingest.lifecycle import NOTIFIED_GAP_MAX_S, NotifiedLooks, Retry, wait_either, wait_stop
 from ingest.observe.dependency import Dependency
 from ingest.observe.heartbeat import database_gauges_loop
-from ingest.processes.partitions import partitioned, upkeep_loop
-from ingest.processes.prune import prune_loop, walks
+from ingest.processes.ack.partitions import partitioned, upkeep_loop
+from ingest.processes.ack.prune import prune_loop, walks
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
 log = structlog.get_logger(__name__)

@@ -45,8 +45,8 @@ from ingest.config import AdapterConfig, IngestSettings
 from ingest.errors import EXPECTED_FAILURES, BrokerError, error_kind
 from ingest.lifecycle import Retry, cancel_and_wait, wait_stop
 from ingest.observe.dependency import Dependency
-from ingest.processes.commits import Commits
 from ingest.processes.intake import LOST_REASON, to_record
+from ingest.processes.pull.commits import Commits
 
 log = structlog.get_logger(__name__)
 

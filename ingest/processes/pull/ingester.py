@@ -29,7 +29,7 @@ from ingest.config import AdapterConfig, Settings
 from ingest.errors import log_failure
 from ingest.observe.heartbeat import broker_gauges_loop
 from ingest.processes.intake import Registration, register_adapters
-from ingest.processes.poll import PollLoop
+from ingest.processes.pull.poll import PollLoop
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
 log = structlog.get_logger(__name__)

@@ -44,7 +44,7 @@ from backhalf.db import within_deadline
 from backhalf.housekeeping import retention
 from ingest.config import AckerSettings, AdapterConfig, Settings, WebhookConfig
 from ingest.lifecycle import Retry, wait_stop
-from ingest.processes.partitions import done_keep
+from ingest.processes.ack.partitions import done_keep
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +89,7 @@ def walks(settings: Settings) -> list[Walk]:
         if a.retain_rejected_days is not None:
             found.append(Walk("rejected", a.name, timedelta(seconds=a.retain_rejected_days * DAY_S)))
     # Finished todos kept as long as the longest retention go with their
-    # partitions (ingest.processes.partitions); a queue that keeps them
+    # partitions (ingest.processes.ack.partitions); a queue that keeps them
     # less long is walked down to its own.
     by_partition = done_keep(settings)
     for q in settings.queues.values():

@@ -53,7 +53,7 @@ from ingest.lifecycle import wait_stop
 from ingest.processes.http_guard import REQUEST_GRACE_S, Limits, within_file_limit
 from ingest.processes.http_server import Server, bind, guarded_config
 from ingest.processes.intake import Registration, register_adapters, to_record, trace_context_of
-from ingest.processes.push_store import PushStore
+from ingest.processes.push.push_store import PushStore
 from ingest.processes.skeleton import Job, Process, ProcessBody, run_process
 
 log = structlog.get_logger(__name__)

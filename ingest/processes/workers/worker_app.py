@@ -1,5 +1,5 @@
 """The module ``switchboard worker`` hands to dramatiq's CLI (``python -m
-dramatiq ingest.processes.worker_app``): each worker process imports it and gets the
+dramatiq ingest.processes.workers.worker_app``): each worker process imports it and gets the
 broker of ``SWITCHBOARD_CONFIG`` with Switchboard's middleware, which
 declares the queues' actors at process boot. Logs are Switchboard's
 (structured, credentials redacted)."""
@@ -14,7 +14,7 @@ import dramatiq
 from backhalf import failpoints
 from ingest.observe import logs
 from ingest.processes.children import end_with_parent
-from ingest.processes.worker import app_broker
+from ingest.processes.workers.worker import app_broker
 
 main_process = multiprocessing.parent_process()
 if main_process is not None and main_process.pid is not None:

@@ -2,13 +2,13 @@
 on PostgreSQL as their broker (DESIGN.md section 7b).
 
 :func:`switchboard_broker` is the whole of it: a
-:class:`~ingest.processes.worker_broker.TodoBroker` with the dramatiq
+:class:`~ingest.processes.workers.worker_broker.TodoBroker` with the dramatiq
 middleware that means something for a todo (its time limit, the shutdown
 notice) and Switchboard's, which declares one actor per
 configured queue (``switchboard:NAME``, with its time limit) that runs the
 claimed todo through :class:`backhalf.lifecycle.worker.Runner`, and starts the worker
 process's heartbeat. ``switchboard worker`` runs dramatiq's own CLI (its
-processes, threads and signals) on :mod:`ingest.processes.worker_app`; an
+processes, threads and signals) on :mod:`ingest.processes.workers.worker_app`; an
 application that runs dramatiq itself builds the same broker with
 :func:`switchboard_broker` and may add middleware of its own.
 """
@@ -41,7 +41,7 @@ from ingest.observe.metrics_http import MetricsServer
 from ingest.observe.worker_metrics import WorkerHeartbeat
 from ingest.processes.children import end_with_parent
 from ingest.processes.skeleton import switch_tracing_on
-from ingest.processes.worker_broker import (
+from ingest.processes.workers.worker_broker import (
     SWITCHBOARD_QUEUE,
     Claimer,
     LeaseKeeper,
@@ -259,7 +259,7 @@ def switchboard_broker(settings: Settings, *, threads: int = 8, queues: Sequence
 def exec_workers(
     config_path: Path, settings: Settings, *, processes: int, threads: int, queues: Sequence[str]
 ) -> None:
-    """Replace this process with dramatiq's CLI on :mod:`ingest.processes.worker_app`
+    """Replace this process with dramatiq's CLI on :mod:`ingest.processes.workers.worker_app`
     (its processes, threads and signal handling: SIGTERM stops them
     gracefully)."""
     unknown = sorted(set(queues) - set(settings.queues))
@@ -288,8 +288,8 @@ def exec_workers(
                               # --metrics-port, for the processes that read the config again
                               METRICS_PORT_VARIABLE: str(settings.metrics.port),
                               **worker_metrics.prepare(settings)}  # fmt: skip
-    argv = [sys.executable, "-m", "dramatiq", "ingest.processes.worker_app", "--processes", str(processes),
-            "--threads", str(threads), "--queues", SWITCHBOARD_QUEUE,
+    argv = [sys.executable, "-m", "dramatiq", "ingest.processes.workers.worker_app",
+            "--processes", str(processes), "--threads", str(threads), "--queues", SWITCHBOARD_QUEUE,
             "--worker-shutdown-timeout", str(shutdown_timeout_ms(settings, chosen))]  # fmt: skip
     if settings.metrics.port:
         # The endpoint: a process of dramatiq's own, summing the workers' files.
@@ -299,7 +299,7 @@ def exec_workers(
 
 
 # The workers' metrics endpoint: a process dramatiq's main process forks.
-METRICS_FORK_FUNCTION = "ingest.processes.worker:serve_metrics"
+METRICS_FORK_FUNCTION = "ingest.processes.workers.worker:serve_metrics"
 
 
 def serve_metrics() -> int:
@@ -327,7 +327,7 @@ def shutdown_timeout_ms(settings: Settings, queues: Sequence[str]) -> int:
 
 
 def app_broker() -> TodoBroker:
-    """The broker of :mod:`ingest.processes.worker_app`, from ``SWITCHBOARD_CONFIG``."""
+    """The broker of :mod:`ingest.processes.workers.worker_app`, from ``SWITCHBOARD_CONFIG``."""
     settings = worker_metrics.load_app_settings()
     queues = [q for q in os.environ.get(QUEUES_VARIABLE, "").split(",") if q]
     threads = int(os.environ.get("SWITCHBOARD_WORKER_THREADS", "8"))

@@ -1,0 +1,1 @@
+"""``switchboard ack``: the acker, its rescuer, retention and partitions."""

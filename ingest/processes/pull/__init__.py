@@ -1,0 +1,1 @@
+"""``switchboard ingest``: a poll loop per pull adapter, its commits under way."""

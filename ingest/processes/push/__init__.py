@@ -1,0 +1,1 @@
+"""``switchboard receive``: the webhook routes, and their group commit."""

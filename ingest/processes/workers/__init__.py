@@ -1,0 +1,1 @@
+"""``switchboard worker``: the workers over the ``todos`` table."""
