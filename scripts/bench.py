@@ -124,6 +124,7 @@ from bench_kit import (  # noqa: E402
 from backhalf import queries  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
 from backhalf.lifecycle import todos  # noqa: E402
+from ingest.children import die_with_parent  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
 from ingest.embedded.servers import (  # noqa: E402
     PostgresServer,
@@ -131,7 +132,6 @@ from ingest.embedded.servers import (  # noqa: E402
     embedded_servers,
     packaged_postgres_bindir,
 )
-from ingest.processes.children import die_with_parent  # noqa: E402
 
 # Metrics on against off: runs of each, interleaved; each run is scraped this often.
 METRICS_ROUNDS = 5

@@ -67,10 +67,10 @@ import bench_kit  # noqa: E402
 
 from backhalf.db import libpq_url  # noqa: E402
 from backhalf.housekeeping import migrate  # noqa: E402
+from ingest.children import die_with_parent  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, wait_for  # noqa: E402
 from ingest.embedded.servers import PostgresServer, free_port  # noqa: E402
-from ingest.processes.children import die_with_parent  # noqa: E402
 
 ADAPTER = "bench"
 PATH = f"/hooks/{ADAPTER}"

@@ -27,20 +27,8 @@ from schema.tables import TODO_ACTIVE_PREDICATE, TODO_STATUSES
 
 @dataclass(frozen=True, slots=True)
 class TodoRow:
-    """One line of ``todos list``."""
-
-    id: int
-    queue: str
-    status: str
-    attempts: int
-    idempotency_key: str
-    last_error: str | None
-    updated_at: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class TodoDetail:
-    """The whole todo, for ``todos show``."""
+    """Every column of one todo but its payload and trace context: a line of
+    ``todos list``, and what an action reads under the row's lock."""
 
     id: int
     queue: str
@@ -52,9 +40,20 @@ class TodoDetail:
     run_after: datetime
     lease_until: datetime | None
     last_error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TodoDetail(TodoRow):
+    """The whole todo, for ``todos show``: its row, its payload and its trace."""
+
     payload: Any  # the decoded JSON
     # The trace its runs join (todos.trace_context's trace id), None without one.
     trace_id: str | None = None
+
+
+def _columns() -> list[sa.ColumnElement[Any]]:
+    """The columns of a :class:`TodoRow`, in its order."""
+    return [todos.c[f.name] for f in dataclasses.fields(TodoRow)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +64,6 @@ class TodoEvent:
     from_status: str | None  # None: the todo's creation
     to_status: str
     detail: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class TodoState:
-    """What an operator's action needs to know of a todo, read under its row lock."""
-
-    id: int
-    queue: str
-    idempotency_key: str
-    status: str
 
 
 def _todo_row(values: Sequence[Any]) -> TodoRow:
@@ -113,15 +102,7 @@ async def list_todos(
     once per queue (found by a loose scan) or per status, merged. A filter
     on the primary key alone found rare rows (the failed ones among months
     of done) only after reading every newer todo."""
-    columns = [
-        todos.c.id,
-        todos.c.queue,
-        todos.c.status,
-        todos.c.attempts,
-        todos.c.idempotency_key,
-        todos.c.last_error,
-        todos.c.updated_at,
-    ]
+    columns = _columns()
     newer_than_page = [todos.c.id < before_id] if before_id is not None else []
     # With the queue and status fixed, ordering by them too is the same
     # order, and the index's own: no plan that sorts or filters is cheaper.
@@ -155,16 +136,7 @@ async def get_todo(conn: AsyncConnection, todo_id: int) -> TodoDetail | None:
     row = (
         await conn.execute(
             sa.select(
-                todos.c.id,
-                todos.c.queue,
-                todos.c.status,
-                todos.c.attempts,
-                todos.c.idempotency_key,
-                todos.c.created_at,
-                todos.c.updated_at,
-                todos.c.run_after,
-                todos.c.lease_until,
-                todos.c.last_error,
+                *_columns(),
                 todos.c.payload,
                 # traceparent is version-traceid-parentid-flags (backhalf.tracing)
                 sa.func.split_part(todos.c.trace_context["traceparent"].astext, "-", 2).label("trace_id"),
@@ -193,34 +165,30 @@ async def history(conn: AsyncConnection, todo_id: int) -> list[TodoEvent]:
     return [TodoEvent(*row) for row in rows]
 
 
-async def lock_todo(conn: AsyncConnection, todo_id: int) -> TodoState | None:
+async def lock_todo(conn: AsyncConnection, todo_id: int) -> TodoRow | None:
     """The todo's state, its row locked until the caller's transaction ends,
     so the action that follows sees the same status. Asked again (in a
     savepoint) when the todo finished meanwhile and so moved to another
     partition (``backhalf.lifecycle.todos.MOVED_TRIES``, decision 0007)."""
-    statement = (
-        sa.select(todos.c.id, todos.c.queue, todos.c.idempotency_key, todos.c.status)
-        .where(todos.c.id == todo_id)
-        .with_for_update()
-    )
+    statement = sa.select(*_columns()).where(todos.c.id == todo_id).with_for_update()
     for tried in range(1, MOVED_TRIES + 1):
         try:
             async with conn.begin_nested():
                 row = (await conn.execute(statement)).first()
-            return None if row is None else TodoState(*row)
+            return None if row is None else TodoRow(*row)
         except DBAPIError as exc:
             if not isinstance(exc.orig, psycopg.errors.SerializationFailure) or tried == MOVED_TRIES:
                 raise
     raise AssertionError("unreachable")
 
 
-async def active_holder(conn: AsyncConnection, queue: str, key: str, *, other_than: int) -> TodoState | None:
+async def active_holder(conn: AsyncConnection, queue: str, key: str, *, other_than: int) -> TodoRow | None:
     """The active todo (pending, dispatched, running) other than ``other_than``
     that holds (queue, key) in ``uq_todos_queue_key_active``, if any: while it
     exists, the other todo cannot be made active again."""
     row = (
         await conn.execute(
-            sa.select(todos.c.id, todos.c.queue, todos.c.idempotency_key, todos.c.status)
+            sa.select(*_columns())
             .where(
                 todos.c.queue == queue,
                 todos.c.idempotency_key == key,
@@ -230,7 +198,7 @@ async def active_holder(conn: AsyncConnection, queue: str, key: str, *, other_th
             .limit(1)
         )
     ).first()
-    return None if row is None else TodoState(*row)
+    return None if row is None else TodoRow(*row)
 
 
 # A worker process that claims: alive (a stuck or failing one does not, as the console judges it too).

@@ -60,7 +60,7 @@ class _Refusal(Exception):
 class _KeyTaken(Exception):
     """The retry's UPDATE broke the one-active-todo-per-key index."""
 
-    def __init__(self, state: todo_views.TodoState) -> None:
+    def __init__(self, state: todo_views.TodoRow) -> None:
         super().__init__(state.id)
         self.state = state
 
@@ -77,7 +77,7 @@ async def retry(engine: AsyncEngine, todo_id: int) -> Retried | Refused:
     return Retried(todo_id, was=state.status)
 
 
-async def _retry_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoState:
+async def _retry_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoRow:
     """The retry inside its transaction; the todo's state before it."""
     state = await _locked(
         conn, todo_id, RETRYABLE_STATUSES, "not failed or cancelled: only those can be retried"
@@ -98,7 +98,7 @@ async def _retry_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoS
 
 async def _locked(
     conn: AsyncConnection, todo_id: int, allowed: tuple[str, ...], refused: str
-) -> todo_views.TodoState:
+) -> todo_views.TodoRow:
     """The todo's row locked, its state read under the lock; refused (``todo
     N is STATUS, <refused>``) when its status is not one ``allowed``."""
     state = await todo_views.lock_todo(conn, todo_id)
@@ -109,7 +109,7 @@ async def _locked(
     return state
 
 
-async def _lost_the_key(engine: AsyncEngine, state: todo_views.TodoState) -> Refused:
+async def _lost_the_key(engine: AsyncEngine, state: todo_views.TodoRow) -> Refused:
     """An active todo with the same key was committed between the check and
     the UPDATE (the store creating one for a redelivery): the transaction was
     rolled back; say who holds the key now."""
@@ -123,7 +123,7 @@ async def _lost_the_key(engine: AsyncEngine, state: todo_views.TodoState) -> Ref
     return Refused(_held_by(state, holder))
 
 
-def _held_by(state: todo_views.TodoState, holder: todo_views.TodoState) -> str:
+def _held_by(state: todo_views.TodoRow, holder: todo_views.TodoRow) -> str:
     return (
         f"todo {state.id} was not retried: todo {holder.id} ({holder.status}) is the active todo of"
         f" queue {state.queue!r} and key {state.idempotency_key!r}, and a key has one active todo at"
@@ -146,7 +146,7 @@ async def cancel(engine: AsyncEngine, todo_id: int) -> Cancelled | Refused:
     return Cancelled(todo_id, was=state.status)
 
 
-async def _cancel_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoState:
+async def _cancel_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoRow:
     """The cancel inside its transaction; the todo's state before it."""
     state = await _locked(
         conn,

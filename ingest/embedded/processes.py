@@ -5,7 +5,7 @@ Each process is ``python -m ingest --config <file> <verb>``, its output (JSON
 log lines) kept in a file, and it is always waited for. Every wait is bounded:
 ``wait_for`` polls a condition until a deadline, never sleeping and hoping.
 A process started from the main thread is SIGKILLed if this one dies
-(``ingest.processes.children``).
+(``ingest.children``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ingest.processes.children import die_with_parent, held_stop_signals
+from ingest.children import die_with_parent, held_stop_signals
 
 PROCESS_TIMEOUT_S = 30.0
 

@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from ingest.children import die_with_parent
 from ingest.embedded.servers import (
     _PRIVATE_UMASK,
     PORT_ATTEMPTS,
@@ -100,7 +101,6 @@ from ingest.embedded.servers import (
     generate_password,
     spawn,
 )
-from ingest.processes.children import die_with_parent
 
 RABBITMQ_USER = "switchboard"
 VHOST = "/"

@@ -35,7 +35,7 @@ mode 0700, holds the virtual environment and so pgserver's), the
 installation is copied into the base directory first and run from there; it
 goes when the base directory does.
 
-Every server is started to die with us (``ingest.processes.children``): a
+Every server is started to die with us (``ingest.children``): a
 parent killed with SIGKILL leaves no server running. A server that cannot
 start raises ``RuntimeError`` whose first line says why (the server's own
 error lines), with the log tail below it.
@@ -74,8 +74,8 @@ from psycopg import sql
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ingest.children import die_with_parent
 from ingest.pids import owner_tag
-from ingest.processes.children import die_with_parent
 
 # What ``pg_ctl stop -m <mode>`` sends to the postmaster.
 _PG_STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}

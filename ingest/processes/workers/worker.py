@@ -34,12 +34,12 @@ from backhalf.housekeeping import heartbeats
 from backhalf.lifecycle.queues import QueueConfig
 from backhalf.lifecycle.state_writer import StateWriter
 from backhalf.lifecycle.worker import Handler, Runner
+from ingest.children import end_with_parent
 from ingest.config import METRICS_PORT_VARIABLE, Settings
 from ingest.errors import ConfigError
 from ingest.observe import worker_metrics
 from ingest.observe.metrics_http import MetricsServer
 from ingest.observe.worker_metrics import WorkerHeartbeat
-from ingest.processes.children import end_with_parent
 from ingest.processes.skeleton import switch_tracing_on
 from ingest.processes.workers.worker_broker import (
     SWITCHBOARD_QUEUE,

@@ -12,8 +12,8 @@ import os
 import dramatiq
 
 from backhalf import failpoints
+from ingest.children import end_with_parent
 from ingest.observe import logs
-from ingest.processes.children import end_with_parent
 from ingest.processes.workers.worker import app_broker
 
 main_process = multiprocessing.parent_process()

@@ -31,7 +31,7 @@ async def test_an_operators_lock_sees_a_todo_that_finished_while_it_waited(
     with psycopg.connect(libpq(db_url)) as ender:
         ender.execute("UPDATE todos SET status = 'done' WHERE id = %s", (todo_id,))  # held open
 
-        async def lock() -> todo_views.TodoState | None:
+        async def lock() -> todo_views.TodoRow | None:
             async with engine.begin() as conn:
                 return await todo_views.lock_todo(conn, todo_id)
 

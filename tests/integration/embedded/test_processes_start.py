@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from ingest.children import held_stop_signals
 from ingest.embedded.processes import Processes, SwitchboardProcess
-from ingest.processes.children import held_stop_signals
 
 
 class Stopped(Exception):

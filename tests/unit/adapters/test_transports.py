@@ -4,6 +4,7 @@ transport's words, and plainly where the transport is unknown."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -162,11 +163,13 @@ def test_every_registered_transport_has_its_parts() -> None:
                 client = re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0].lower()
                 assert client in pinned, f"{name}: constraints.txt does not pin {client}"
         assert (ROOT / "tests" / "integration" / "adapters" / f"test_contract_{name}.py").is_file(), name
+        demo = importlib.import_module(f"ingest.adapters.{name}.demo")
+        assert callable(demo.opened), f"{name}: its demo source opens no server"
 
 
 # What the docs list as the files a new transport touches, by the checks above
 # (the extras in the image: tests/unit/test_deployment_files.py).
-FOLDER_PARTS = ("__init__.py", "settings.py", "modes.py")
+FOLDER_PARTS = ("__init__.py", "settings.py", "modes.py", "demo.py")
 TOUCHED = {
     "ingest/adapters/<name>/__init__.py",
     "ingest/config/transports.py",

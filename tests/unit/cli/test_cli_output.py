@@ -55,8 +55,8 @@ def test_todos_list_has_a_header_utc_times_and_one_line_errors() -> None:
     at = datetime(2026, 12, 1, 12, 0, 5, 900_000, tzinfo=timezone(timedelta(hours=2)))
     lines = todos_command.list_table(
         [
-            TodoRow(104, "orders", "failed", 12, "redis:orders:1-0", "boom:\n  at line 3", at),
-            TodoRow(9, "b", "pending", 0, "k", None, at),
+            TodoRow(104, "orders", "failed", 12, "redis:orders:1-0", at, at, at, None, "boom:\n  at line 3"),
+            TodoRow(9, "b", "pending", 0, "k", at, at, at, None, None),
         ]
     )
     assert lines == [

@@ -169,15 +169,9 @@ def test_terminal_controls_in_todo_errors_and_details_are_printed_escaped() -> N
 
 
 def todo_row(todo: TodoDetail) -> TodoRow:
-    return TodoRow(
-        todo.id,
-        todo.queue,
-        todo.status,
-        todo.attempts,
-        todo.idempotency_key,
-        todo.last_error,
-        todo.updated_at,
-    )
+    """The todo's row as ``todos list`` reads it: all but payload and trace."""
+    fields = (f.name for f in dataclasses.fields(TodoRow))
+    return TodoRow(**{name: getattr(todo, name) for name in fields})
 
 
 def test_a_body_no_page_could_show_is_shown_escaped_not_raised() -> None:
