@@ -29,9 +29,10 @@ from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready  # noqa: E402
 from ingest.embedded.servers import PostgresServer, free_port  # noqa: E402
 
-# [ingest] settings from the command line (--commits-in-flight), for every run.
 SCRAPE_INTERVAL_S = 5.0  # Prometheus is usually set to 15 s or more
 
+# [ingest] settings from the command line (--commits-in-flight), for every
+# part's runs: one dict, changed in place by bench.py, never rebound.
 INGEST_OVERRIDES: dict[str, int] = {}
 
 

@@ -696,7 +696,6 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--peer", action="store_true", help="be the no-store server (run by the bench)")
     mode.add_argument("--canned", action="store_true", help="be the canned-answer server (run by the bench)")
     mode.add_argument("--load", action="store_true", help="be the load generator (run by the bench)")
-    parser.add_argument("--quick", action="store_true", help="alone: a shorter run")
     parser.add_argument("--port", type=int)
     parser.add_argument("--connections", type=int, default=CONNECTIONS)
     parser.add_argument("--seconds", type=float, default=5.0)

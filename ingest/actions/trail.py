@@ -12,8 +12,7 @@ A search is one of:
   entry id): that message in each adapter that could hold it;
 * anything else: an idempotency key, in any adapter.
 
-Reads only, in one read-only transaction; the queries are
-:mod:`backhalf.reads.trace`'s.
+Reads only, on one connection; the queries are :mod:`backhalf.reads.trace`'s.
 """
 
 from __future__ import annotations
@@ -61,10 +60,12 @@ async def find(engine: AsyncEngine, query: str) -> Found:
 
 async def _inbox_ids(conn: AsyncConnection, query: str) -> tuple[list[int], str]:
     kind, _, rest = query.partition(":")
-    if kind == "todo" and (todo_id := as_id(rest)) is not None:
-        return await trace.inbox_ids_by_todo(conn, todo_id), f"no inbox row holds todo {rest}"
-    if kind == "inbox" and (inbox_id := as_id(rest)) is not None:
-        return [inbox_id], f"inbox row {rest} does not exist"
+    if kind in ("todo", "inbox") and rest.isascii() and rest.isdigit():
+        number = as_id(rest)  # None past a bigint: no row has that id
+        if kind == "todo":
+            ids = [] if number is None else await trace.inbox_ids_by_todo(conn, number)
+            return ids, f"no inbox row holds todo {rest}"
+        return ([] if number is None else [number]), f"inbox row {rest} does not exist"
     if (number := as_id(query)) is not None:
         ids = sorted({number, *await trace.inbox_ids_by_todo(conn, number)})
         return ids, f"no inbox row {query}, and no todo {query} with an inbox row"

@@ -36,8 +36,11 @@ def add(name: str, package: str) -> None:
     """Register a transport kept outside ingest/adapters/ for this process
     (the contract suite's in-memory broker; an application's own transport):
     ``package`` holds its ``settings`` and ``modes`` as a folder here does."""
-    if name in REGISTERED or name == "webhook":
+    if name in REGISTERED or name in _ADDED or name == "webhook":
         raise ValueError(f"transport {name!r} is registered already")
+    # Checked before it is registered: a package that does not load would
+    # otherwise break every later reading of the definitions.
+    _load(name, package)
     _ADDED[name] = package
     definitions.cache_clear()
 
@@ -54,14 +57,15 @@ def definitions() -> Mapping[str, TransportDefinition]:
     order (then those :func:`add` registered)."""
     # Imported when first asked, not with the config: each transport's
     # settings import the config's key machinery, and the config imports this.
-    found: dict[str, TransportDefinition] = {}
-    for name in (*REGISTERED, *_ADDED):
-        module = f"{package_of(name)}.settings"
-        definition = importlib.import_module(module).DEFINITION
-        if not isinstance(definition, TransportDefinition) or definition.name != name:
-            raise TypeError(f"{module}: DEFINITION is no TransportDefinition of {name!r}")
-        found[name] = definition
-    return MappingProxyType(found)
+    return MappingProxyType({name: _load(name, package_of(name)) for name in (*REGISTERED, *_ADDED)})
+
+
+def _load(name: str, package: str) -> TransportDefinition:
+    module = f"{package}.settings"
+    definition = importlib.import_module(module).DEFINITION
+    if not isinstance(definition, TransportDefinition) or definition.name != name:
+        raise TypeError(f"{module}: DEFINITION is no TransportDefinition of {name!r}")
+    return definition
 
 
 def default() -> TransportDefinition:

@@ -68,7 +68,8 @@ async def test_every_form_of_a_search_finds_the_same_row(engine: AsyncEngine, db
         ("todo:999999", "no inbox row holds todo 999999"),
         ("999999", "no inbox row 999999, and no todo 999999 with an inbox row"),
         # Larger than any bigint: no row, and no database error.
-        ("inbox:99999999999999999999", "no inbox row has the idempotency key 'inbox:99999999999999999999'"),
+        ("inbox:99999999999999999999", "inbox row 99999999999999999999 does not exist"),
+        ("todo:99999999999999999999", "no inbox row holds todo 99999999999999999999"),
     ],
 )
 async def test_a_search_that_finds_nothing_says_what_it_looked_for(

@@ -191,3 +191,27 @@ def test_the_docs_list_the_files_a_new_transport_touches() -> None:
     named = [item for bullet in bullets for item in re.findall(r"`([^`]+)`", bullet)]
     listed = {item for item in named if "/" in item or re.fullmatch(r"[\w.-]+\.(toml|txt)", item)}
     assert listed == TOUCHED
+
+
+def test_a_transport_added_at_run_time_is_checked_before_it_counts() -> None:
+    """A package that does not load, or a name taken, is refused at once;
+    what is registered goes on being read as before."""
+    from ingest.config import transports
+
+    before = dict(transports.definitions())
+    with pytest.raises(ModuleNotFoundError):
+        transports.add("pigeon", "tests.support.no_such_transport")
+    with pytest.raises(TypeError, match="no TransportDefinition of 'pigeon'"):
+        transports.add("pigeon", "tests.support.memory_transport")  # its DEFINITION is "memory"'s
+    with pytest.raises(ValueError, match="registered already"):
+        transports.add("redis", "tests.support.memory_transport")
+    assert dict(transports.definitions()) == before
+    transports.add("memory", "tests.support.memory_transport")
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            transports.add("memory", "tests.support.memory_transport")
+        assert list(transports.definitions()) == [*before, "memory"]
+        assert factory.transport("memory").MODES.keys() == {"queue"}
+    finally:
+        transports.remove("memory")
+    assert dict(transports.definitions()) == before
