@@ -41,8 +41,9 @@ def _merge_duplicates(records: Sequence[InboxRecord], default_ack_key: str | Non
     """The batch in rounds, each storable by one statement.
 
     One statement may not touch a row twice (ON CONFLICT DO UPDATE), and a
-    batch can hold the same message twice: a PEL re-read overlapping a
-    claim, or several copies of one list body. Copies of one message (the
+    batch can hold the same message twice: the broker's record of
+    unacknowledged deliveries re-read while a sweep takes the same ones
+    over, or several copies of one body. Copies of one message (the
     same key and the same whole-message digest) are merged, counting both.
     The same key on another body is another message (a producer's id used
     twice, a reused entry id): never merged away, it goes in the next round,
@@ -162,8 +163,8 @@ async def _pending_copies(cur: Cursor, batch: StoreBatch, records: list[InboxRec
 
 
 def _asks_first(batch: StoreBatch, records: list[InboxRecord]) -> bool:
-    # Entries read for the first time (XREADGROUP ">") are almost never in
-    # the inbox yet, so only a batch holding a redelivery asks, to write no
+    # Messages delivered for the first time (a delivery count of 1) are
+    # almost never in the inbox yet, so only a batch holding a redelivery asks, to write no
     # todo and no event for what is already stored. The rare first delivery
     # that is (its group was recreated) is written and then undone (step 4),
     # like a store that lost a race; the batches after it ask

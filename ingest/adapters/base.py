@@ -188,7 +188,7 @@ class ConsumerLedger(Protocol):
 class PullAdapter(Protocol):
     name: str
     # May a batch commit while the one before it is still committing? Only
-    # where redelivery rests on the broker's own record (a stream's PEL), not
+    # where redelivery rests on the broker's own record of what it delivered, not
     # on counts reconciled against committed rows (a processing list) or on
     # memory (pub/sub).
     overlapping_commits: bool

@@ -165,8 +165,11 @@ def test_list_json_carries_every_column(todos_cli: Any, db_url: str) -> None:
         "status": "failed",
         "attempts": 5,
         "idempotency_key": "k-failed",
-        "last_error": "boom:\n  Traceback line\tmore",
+        "created_at": "2026-12-01T10:00:00+00:00",
         "updated_at": "2026-12-01T10:00:00+00:00",
+        "run_after": "2026-12-01T10:00:00+00:00",
+        "lease_until": None,
+        "last_error": "boom:\n  Traceback line\tmore",
     }
 
 

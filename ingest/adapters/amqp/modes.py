@@ -12,8 +12,6 @@ has no part. ``describe_ack`` puts an intent in the words of that ack.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ingest.adapters.amqp import frames, queue
 from ingest.adapters.amqp.queue import AmqpQueueAdapter, no_acker
 from ingest.adapters.base import AckIntentView, ModeImplementation
@@ -22,9 +20,6 @@ from ingest.adapters.base import AckIntentView, ModeImplementation
 # not end the connection (frames.py says why).
 frames.install()
 
-
-if TYPE_CHECKING:
-    pass
 
 # OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
 MESSAGING_SYSTEM = "rabbitmq"

@@ -8,14 +8,9 @@ adapter with ``transport = "nats"``: nats-py is the ``nats`` install extra.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ingest.adapters.base import AckIntentView, ModeImplementation
 from ingest.adapters.nats import jetstream
 from ingest.adapters.nats.jetstream import JetStreamAcknowledger, JetStreamAdapter
-
-if TYPE_CHECKING:
-    pass
 
 # OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
 MESSAGING_SYSTEM = "nats"

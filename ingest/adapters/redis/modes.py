@@ -8,17 +8,12 @@ acknowledger that discharges its committed ack intents, and the ack kind.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from backhalf.records import NO_ACK
 from ingest.adapters.base import AckIntentView, ModeImplementation
 from ingest.adapters.redis import lists, streams
 from ingest.adapters.redis.lists import ListAcknowledger, ListAdapter
 from ingest.adapters.redis.pubsub import NoAcknowledger, PubSubAdapter
 from ingest.adapters.redis.streams import StreamAcknowledger, StreamAdapter
-
-if TYPE_CHECKING:
-    pass
 
 # OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
 MESSAGING_SYSTEM = "redis"

@@ -8,14 +8,9 @@ adapter with ``transport = "sqs"``: aiobotocore is the ``sqs`` install extra.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ingest.adapters.base import AckIntentView, ModeImplementation
 from ingest.adapters.sqs import queue
 from ingest.adapters.sqs.queue import SqsDeleter, SqsQueueAdapter
-
-if TYPE_CHECKING:
-    pass
 
 # OpenTelemetry's messaging.system for this transport's spans (backhalf.tracing).
 MESSAGING_SYSTEM = "aws_sqs"
