@@ -18,9 +18,8 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
         "--transport",
         choices=REGISTERED,
         default=REGISTERED[0],
-        help="the transport the orders come through, on a server of the demo's own: each one's"
-        " embedded server, or for amqp the system's rabbitmq-server package (Debian: apt-get"
-        " install rabbitmq-server) (default: %(default)s)",
+        help="the transport the orders come through, on a server of the demo's own (one that comes"
+        " from a system package says how to get it when it is missing) (default: %(default)s)",
     )
     parser.add_argument(
         "--trace",
