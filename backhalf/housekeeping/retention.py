@@ -227,6 +227,18 @@ def _inbox_done(scan: Any, *, dry_run: bool) -> Any:
     return sa.and_(scan.c.ack_state.in_(ACK_DONE_STATES), ~queued, *younger)
 
 
+def _locked(table: sa.Table, mine: sa.CTE, still_prunable: tuple[sa.ColumnElement[bool], ...]) -> sa.CTE:
+    """The ids of the walk's done rows, each locked where it is still
+    prunable; a row another transaction holds is skipped (the next walk
+    takes it)."""
+    return (
+        sa.select(table.c.id)
+        .where(table.c.id == _array_of(sa.select(mine.c.id).where(mine.c.done)), *still_prunable)
+        .with_for_update(skip_locked=True)
+        .cte("locked")
+    )
+
+
 def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
     scan_query = sa.select(
         inbox.c.id, inbox.c.adapter, inbox.c.status, inbox.c.ack_state, inbox.c.stored_at, inbox.c.event_id
@@ -267,12 +279,7 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False
         inbox.c.stored_at < _inbox_cutoff(),
         ~sa.exists().where(ack_queue.c.inbox_id == inbox.c.id),
     )
-    locked = (
-        sa.select(inbox.c.id)
-        .where(inbox.c.id == _array_of(sa.select(mine.c.id).where(mine.c.done)), *still_prunable)
-        .with_for_update(skip_locked=True)
-        .cte("locked")
-    )
+    locked = _locked(inbox, mine, still_prunable)
     # Its event's age is read once the row is locked: an event never changes.
     gone = (
         sa.delete(inbox)
@@ -420,12 +427,7 @@ def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
         # transaction that ends the todo, so none should be left; kept if one is.
         ~sa.exists().where(ack_queue.c.waiting_for == todos.c.id),
     )
-    locked = (
-        sa.select(todos.c.id)
-        .where(todos.c.id == _array_of(sa.select(mine.c.id).where(mine.c.done)), *still_prunable)
-        .with_for_update(skip_locked=True)
-        .cte("locked")
-    )
+    locked = _locked(todos, mine, still_prunable)
     gone = (
         sa.delete(todos)
         .where(

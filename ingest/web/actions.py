@@ -15,10 +15,12 @@ origin, the CSRF token and that the console may write; the form is parsed.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
@@ -93,19 +95,17 @@ async def todo_action(request: Request) -> Response:
 
 
 async def _act_on_todo(console: Console, action: str, todo_id: int) -> Outcome:
-    if action == "retry":
-        async with console.act():
-            retried = await todo_actions.retry(console.engine, todo_id)
-        if isinstance(retried, Refused):
-            return Outcome(todo_id, False, retried.reason)
-        log.info("web_todo_retried", todo_id=todo_id, was=retried.was)
-        return Outcome(todo_id, True, f"todo {todo_id} retried (was {retried.was}): pending, attempts reset")
+    act: Callable[[AsyncEngine, int], Awaitable[todo_actions.Retried | todo_actions.Cancelled | Refused]]
+    act = todo_actions.retry if action == "retry" else todo_actions.cancel
     async with console.act():
-        cancelled = await todo_actions.cancel(console.engine, todo_id)
-    if isinstance(cancelled, Refused):
-        return Outcome(todo_id, False, cancelled.reason)
-    log.info("web_todo_cancelled", todo_id=todo_id, was=cancelled.was)
-    return Outcome(todo_id, True, f"todo {todo_id} cancelled (was {cancelled.was})")
+        done = await act(console.engine, todo_id)
+    if isinstance(done, Refused):
+        return Outcome(todo_id, False, done.reason)
+    if isinstance(done, todo_actions.Retried):
+        log.info("web_todo_retried", todo_id=todo_id, was=done.was)
+        return Outcome(todo_id, True, f"todo {todo_id} retried (was {done.was}): pending, attempts reset")
+    log.info("web_todo_cancelled", todo_id=todo_id, was=done.was)
+    return Outcome(todo_id, True, f"todo {todo_id} cancelled (was {done.was})")
 
 
 def _eligible(action: str, todo_status: str) -> bool:
