@@ -172,6 +172,21 @@ async def driver_connection(conn: AsyncConnection) -> psycopg.AsyncConnection[An
 
 
 @asynccontextmanager
+async def database_deadline(deadline_ms: int, what: str) -> AsyncIterator[None]:
+    """The block bounded by a client-side deadline for its database work
+    (one or several transactions); past it, ``DeadlineExceeded`` naming
+    ``what``. A timeout of something else inside the block is re-raised."""
+    deadline = asyncio.timeout(deadline_ms / 1000)
+    try:
+        async with deadline:
+            yield
+    except TimeoutError as exc:
+        if not deadline.expired():
+            raise
+        raise DeadlineExceeded(f"{what}: no reply from the database within {deadline_ms} ms") from exc
+
+
+@asynccontextmanager
 async def within_deadline(
     opening: AbstractAsyncContextManager[AsyncConnection], deadline_ms: int, what: str
 ) -> AsyncIterator[AsyncConnection]:
@@ -181,14 +196,8 @@ async def within_deadline(
     pool discards it; the caller gets ``DeadlineExceeded``. A COMMIT cut off
     this way may have committed: callers treat the outcome as unknown (the
     ingester does not confirm the batch; redelivery dedups it)."""
-    deadline = asyncio.timeout(deadline_ms / 1000)
-    try:
-        async with deadline, opening as conn:
-            yield conn
-    except TimeoutError as exc:
-        if not deadline.expired():
-            raise  # a timeout of something else inside the block
-        raise DeadlineExceeded(f"{what}: no reply from the database within {deadline_ms} ms") from exc
+    async with database_deadline(deadline_ms, what), opening as conn:
+        yield conn
 
 
 class HeldConnection:

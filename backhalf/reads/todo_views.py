@@ -201,6 +201,8 @@ async def active_holder(conn: AsyncConnection, queue: str, key: str, *, other_th
     return None if row is None else TodoRow(*row)
 
 
+# A todo that may be waiting for a worker (one running or finished is not).
+WAITING_STATUSES = ("pending", "dispatched")
 # A worker process that claims: alive (a stuck or failing one does not, as the console judges it too).
 _SERVING = ("alive",)
 
@@ -209,7 +211,7 @@ def waiting_reason(todo: TodoDetail, processes: Sequence[ProcessRow], now: datet
     """Why a pending todo has not run yet, in a few words (None: it is not
     waiting). Read from what the workers' heartbeats say they serve
     (``detail.queues``) and the todo's own ``run_after``."""
-    if todo.status not in ("pending", "dispatched"):
+    if todo.status not in WAITING_STATUSES:
         return None
     if todo.run_after > now:
         wait_s = (todo.run_after - now).total_seconds()

@@ -28,8 +28,6 @@ from schema import ACTIVE_TODO_STATUSES
 RETRIED_BY_OPERATOR = "retried by an operator"
 CANCELLED_BY_OPERATOR = "cancelled by an operator"
 
-# A todo that may be waiting for a worker (one running or finished is not).
-WAITING_STATUSES = ("pending", "dispatched")
 # What ``retry_todos`` takes back to pending (its SQL says the same).
 RETRYABLE_STATUSES = ("failed", "cancelled")
 # The partial unique index that allows one active todo per (queue, key).
@@ -202,7 +200,7 @@ async def why_waiting(
 ) -> tuple[str | None, ...]:
     """Why each pending todo of ``found`` has not run yet, from what the live
     workers' heartbeats say they serve; None for the others."""
-    waits = [t is not None and t.status in WAITING_STATUSES for t in found]
+    waits = [t is not None and t.status in todo_views.WAITING_STATUSES for t in found]
     if not any(waits):
         return (None,) * len(found)
     processes = await heartbeats.list_processes(conn)

@@ -3,9 +3,8 @@ engine, the guard, the templates), and the templates' filters."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
-from backhalf.db import within_deadline
-from backhalf.errors import DeadlineExceeded
+from backhalf.db import database_deadline, within_deadline
 from ingest.config import Settings
 from ingest.web.figures import OverviewCache
 from ingest.web.formats import age, utc
@@ -42,21 +40,12 @@ class Console:
         the guard's 503, not a request hanging on)."""
         return within_deadline(self.engine.connect(), self.settings.database.transaction_deadline_ms, what)
 
-    @contextlib.asynccontextmanager
-    async def act(self, what: str = "an action") -> AsyncIterator[None]:
+    def act(self, what: str = "an action") -> contextlib.AbstractAsyncContextManager[None]:
         """The deadline of one action (a read, a change, one bulk confirm's
         row): ``ingest.actions`` open their own transactions, bounded
         together by this; past it, ``DeadlineExceeded`` (the guard's 503),
         as :meth:`read`'s."""
-        deadline_ms = self.settings.database.transaction_deadline_ms
-        deadline = asyncio.timeout(deadline_ms / 1000)
-        try:
-            async with deadline:
-                yield
-        except TimeoutError as exc:
-            if not deadline.expired():
-                raise  # a timeout of something else inside the block
-            raise DeadlineExceeded(f"{what}: no reply from the database within {deadline_ms} ms") from exc
+        return database_deadline(self.settings.database.transaction_deadline_ms, what)
 
     def page(self, request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
         html = self.templates.get_template(template).render(
