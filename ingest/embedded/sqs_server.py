@@ -30,20 +30,19 @@ import json
 import os
 import subprocess
 import sys
-import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ingest.embedded.servers import (
-    PortTaken,
     _log_reason,
-    _log_tail,
     _private_dir,
     _private_file,
     _SignalledServer,
     free_port,
+    log_since,
     spawn,
 )
 
@@ -81,22 +80,17 @@ def client_env(region: str = REGION) -> dict[str, str]:
     }
 
 
-def _log_since(path: Path, offset: int) -> str:
-    try:
-        with path.open("rb") as log:
-            log.seek(offset)
-            return log.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _answers_sqs(url: str) -> bool:
     """True when ``url`` answers ``ListQueues`` as SQS does (a JSON object
     in the x-amz-json protocol), not merely some HTTP server."""
     request = urllib.request.Request(url + "/", data=b"{}", headers=_PROBE_HEADERS, method="POST")  # noqa: S310 - http on loopback
-    with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT_S) as reply:  # noqa: S310
-        kind = reply.headers.get("Content-Type", "")
-        body = reply.read()
+    try:
+        with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT_S) as reply:  # noqa: S310
+            kind = reply.headers.get("Content-Type", "")
+            body = reply.read()
+    except urllib.error.HTTPError as exc:  # some other HTTP server, or not ready
+        exc.close()
+        return False
     if reply.status != 200 or not kind.startswith("application/x-amz-json"):
         return False
     try:
@@ -110,6 +104,7 @@ class SqsServer(_SignalledServer):
     Everything it holds is in memory: ``restart`` keeps the port, not the queues."""
 
     region = REGION
+    _label, _serving_as = "the SQS emulator (moto)", "answering ListQueues"
 
     def __init__(self, base_dir: Path, port: int, module: str = MOTO_SQS_MODULE) -> None:
         self.base_dir, self.port, self.module = base_dir, port, module
@@ -148,38 +143,17 @@ class SqsServer(_SignalledServer):
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},  # a traceback reaches the log whole
             )
 
-    def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
-        self._wait_ready(proc, timeout_s, mark)
+    def _serving(self, proc: subprocess.Popen[bytes]) -> bool:
+        return _answers_sqs(self.url)  # refused (OSError) while the child imports moto
+
+    def _exit_reason(self, mark: Any) -> tuple[bool, str]:
+        # Werkzeug says so on a line of its own, then a longer line of advice.
+        if "address already in use" in log_since(self.log_path, mark).lower():
+            return True, "Address already in use"
+        return False, _log_reason(self.log_path, mark)
 
     def _take_other_ports(self) -> None:
         self.port = free_port()
-
-    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float, offset: int) -> None:
-        deadline = time.monotonic() + timeout_s
-        last_error: OSError | None = None  # refused while the child imports moto
-        while True:
-            if proc.poll() is not None:
-                self._proc = None
-                # Werkzeug says so on a line of its own, then a longer line of advice.
-                taken = "address already in use" in _log_since(self.log_path, offset).lower()
-                reason = "Address already in use" if taken else _log_reason(self.log_path, offset)
-                raise (PortTaken if taken else RuntimeError)(
-                    f"the SQS emulator (moto) could not start on 127.0.0.1:{self.port}"
-                    f" (exit {proc.returncode}): {reason}\n"
-                    f"{self.log_path}:\n{_log_tail(self.log_path)}"
-                )
-            try:
-                if _answers_sqs(self.url):
-                    return
-            except OSError as exc:  # urllib's URLError included
-                last_error = exc
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"the SQS emulator (moto) not answering ListQueues on port {self.port} after"
-                    f" {timeout_s}s; {self.log_path}:\n{_log_tail(self.log_path)}"
-                ) from last_error
-            time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -63,13 +63,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 from urllib.parse import quote
 
 import redis
@@ -79,6 +77,7 @@ from redis.retry import Retry
 from ingest.embedded.servers import (
     PortTaken,
     RedisServer,
+    Stoppable,
     _log_tail,
     _private_dir,
     _private_file,
@@ -185,7 +184,7 @@ class ClusterNode(RedisServer):
 
     def _wait_serving(self, proc: subprocess.Popen[bytes], timeout_s: float, mark: Any) -> None:
         try:
-            self._wait_ping(proc, timeout_s, mark)
+            super()._wait_serving(proc, timeout_s, mark)
         except PortTaken:
             raise
         except RuntimeError as exc:
@@ -255,7 +254,7 @@ def _free_ports(count: int, taken: set[int]) -> list[int]:
     return ports
 
 
-class ValkeyCluster:
+class ValkeyCluster(Stoppable):
     """``masters`` masters (default 3), each with ``replicas`` replicas (0 or
     1), in ``base_dir/node-<i>``; masters first in ``nodes``."""
 
@@ -548,24 +547,6 @@ class ValkeyCluster:
                 node._proc.terminate()
         for node in self.nodes:
             node.stop(timeout_s=timeout_s)
-
-    def cleanup(self) -> None:
-        """Stop every node and delete ``base_dir``."""
-        try:
-            self.stop()
-        finally:
-            shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 @contextlib.contextmanager
