@@ -12,6 +12,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry.sdk import resources
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -221,3 +223,24 @@ def test_span_limits_the_sdk_cannot_read_are_a_config_error(monkeypatch: pytest.
     with pytest.raises(tracing.TracingConfigError, match="span limits"):
         tracing.check({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
     tracing.check({})  # not asked for: nothing read
+
+
+def test_the_processs_resource_is_the_sdks_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoder hashes the resource for every span it exports; the SDK's
+    hash serializes the attributes each time, ours keeps the first."""
+    provider = tracing._provider("worker", {"OTEL_TRACES_EXPORTER": "none"})
+    resource = provider.resource
+    provider.shutdown()
+    created = Resource(dict(resource.attributes), resource.schema_url)
+    assert resource.attributes["service.name"] == "switchboard-worker"
+    assert resource == created
+    assert hash(resource) == hash(created)
+    assert {created: "grouped"}[resource] == "grouped"
+
+    def no_serializing(*args: object, **kwargs: object) -> str:
+        raise AssertionError("the resource serialized again to be hashed")
+
+    monkeypatch.setattr(resources, "dumps", no_serializing)
+    assert hash(resource) == hash(resource)
+    with pytest.raises(AssertionError, match="serialized again"):
+        hash(created)
