@@ -33,7 +33,7 @@ from ingest.actions import inbox as inbox_actions
 from ingest.actions.inbox import DEFAULT_REPLAY_LIMIT
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
-from ingest.cli.verb import Verb, in_loop, positive_int
+from ingest.cli.verb import Verb, add_list_and_show, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from ingest.observe import inbox_text
@@ -60,15 +60,17 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
         "inbox", parents=[common], help="list and show inbox rows; replay rejected ones"
     )
     actions = inbox_cmd.add_subparsers(dest="inbox_verb", required=True, metavar="ACTION")
-    listing = actions.add_parser("list", parents=[common], help="recent inbox rows, newest first")
+    listing = add_list_and_show(
+        actions,
+        common,
+        rows="rows",
+        row="inbox row",
+        listed="recent inbox rows, newest first",
+        shown="one inbox row whole: its body and error",
+    )
     listing.add_argument("--rejected", action="store_true", help="only rejected (poison, lost) messages")
     listing.add_argument("--unacked", action="store_true", help="only rows whose ack is still pending")
     listing.add_argument("--adapter", help="only this adapter")
-    listing.add_argument("--limit", type=positive_int, default=50, help="at most this many rows (50)")
-    listing.add_argument("--json", action="store_true", help="machine-readable output")
-    show = actions.add_parser("show", parents=[common], help="one inbox row whole: its body and error")
-    show.add_argument("id", type=positive_int, metavar="ID", help="inbox row id")
-    show.add_argument("--json", action="store_true", help="machine-readable output")
     rerun = actions.add_parser(
         "replay", parents=[common], help="re-run rejected messages: by id, or by filter (--dry-run first)"
     )

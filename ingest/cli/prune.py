@@ -18,7 +18,7 @@ from typing import Any
 
 from backhalf.db import create_engine
 from backhalf.housekeeping.partitions import partition_name
-from ingest.cli.verb import Verb, in_loop
+from ingest.cli.verb import Verb, add_json, in_loop
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_OK
 from ingest.processes.ack.partitions import partitioned, upkeep_once
@@ -33,7 +33,7 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
         "prune", parents=[common], help="delete inbox rows, events and todos past their retention"
     )
     prune.add_argument("--dry-run", action="store_true", help="count what would be deleted; delete nothing")
-    prune.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json(prune)
 
 
 def _progress(result: WalkResult) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ingest.cli.verb import Subparsers, Verb, in_loop
+from ingest.cli.verb import Subparsers, Verb, add_json, in_loop
 from ingest.config import Settings
 from ingest.errors import ConfigError
 from ingest.observe import status
@@ -16,7 +16,7 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
     parser: argparse.ArgumentParser = verbs.add_parser(
         "status", parents=[common], help="backlog, pending acks and todos per adapter"
     )
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json(parser)
     return parser
 
 

@@ -24,7 +24,7 @@ from backhalf.reads import todo_views
 from ingest.actions import todos as todo_actions
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
-from ingest.cli.verb import Verb, in_loop, positive_int
+from ingest.cli.verb import Verb, add_list_and_show, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 from schema import TODO_STATUSES
@@ -35,7 +35,14 @@ _PROG = "switchboard todos"
 def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
     todos_cmd = verbs.add_parser("todos", parents=[common], help="list and show todos; retry or cancel them")
     actions = todos_cmd.add_subparsers(dest="todos_verb", required=True, metavar="ACTION")
-    listing = actions.add_parser("list", parents=[common], help="todos, newest first")
+    listing = add_list_and_show(
+        actions,
+        common,
+        rows="todos",
+        row="todo",
+        listed="todos, newest first",
+        shown="one todo and its todo_events history",
+    )
     listing.add_argument("--queue", help="only this queue")
     listing.add_argument(
         "--status",
@@ -43,11 +50,6 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
         metavar="STATUS",
         help=f"only todos in this status ({', '.join(TODO_STATUSES)})",
     )
-    listing.add_argument("--limit", type=positive_int, default=50, help="at most this many todos (50)")
-    listing.add_argument("--json", action="store_true", help="machine-readable output")
-    show = actions.add_parser("show", parents=[common], help="one todo and its todo_events history")
-    show.add_argument("id", type=positive_int, metavar="ID", help="todo id")
-    show.add_argument("--json", action="store_true", help="machine-readable output")
     retry = actions.add_parser(
         "retry", parents=[common], help="make failed or cancelled todos pending again, attempts reset"
     )

@@ -25,7 +25,7 @@ from backhalf.db import create_engine
 from backhalf.reads import trace
 from ingest.actions import trail as trail_actions
 from ingest.cli.text_table import printable
-from ingest.cli.verb import Verb, in_loop, positive_int
+from ingest.cli.verb import Verb, add_json, in_loop, positive_int
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from ingest.observe.trail import ack_command, offset, sent_at, timeline
@@ -47,7 +47,7 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument("--inbox-id", type=positive_int, metavar="ID", help="trace this inbox row instead")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json(p)
 
 
 def usage_error(args: argparse.Namespace) -> str | None:

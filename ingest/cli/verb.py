@@ -60,6 +60,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_list_and_show(
+    actions: Subparsers, common: argparse.ArgumentParser, *, rows: str, row: str, listed: str, shown: str
+) -> argparse.ArgumentParser:
+    """A read verb's ``list [--limit N] [--json]`` (newest first, ``listed``
+    its help) and ``show ID [--json]`` (one ``row`` whole, ``shown``); the
+    list's parser, for its filters."""
+    listing: argparse.ArgumentParser = actions.add_parser("list", parents=[common], help=listed)
+    listing.add_argument("--limit", type=positive_int, default=50, help=f"at most this many {rows} (50)")
+    add_json(listing)
+    show = actions.add_parser("show", parents=[common], help=shown)
+    show.add_argument("id", type=positive_int, metavar="ID", help=f"{row} id")
+    add_json(show)
+    return listing
+
+
 def port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"must be a port, 0..65535 (got {text!r})")

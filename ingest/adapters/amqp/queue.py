@@ -135,7 +135,8 @@ class AmqpQueueAdapter(PullAdapterBase):
         self._cfg = config
         self._ledger = ledger  # None for ``status``, which never consumes
         self._url = config.broker.url()
-        self._identity = f"amqp user: {user_of(self._url)} vhost: {amqp_vhost(self._url)}"
+        self.identity = f"amqp user: {user_of(self._url)} vhost: {amqp_vhost(self._url)}"
+        self.broker = server_label(self._url)  # for log fields: never a credential
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._session = ""  # this channel's id in the intents' refs
@@ -153,14 +154,6 @@ class AmqpQueueAdapter(PullAdapterBase):
         # by_cursor: no ack_queue row per message; the intents are found by
         # ``ack_xid`` (cleared by the mark) and the ref alone.
         return AckTarget(ACK_KIND, self._cfg.source, None, by_cursor=True)
-
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def broker(self) -> str:
-        return server_label(self._url)
 
     # -- the channel --------------------------------------------------------
 

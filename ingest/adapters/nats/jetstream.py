@@ -153,7 +153,8 @@ class JetStreamAdapter(PullAdapterBase):
         self._client: Client | None = None
         self._js: JetStreamContext | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
-        self._identity = "nats user: (not connected)"
+        self.identity = "nats user: (not connected)"
+        self.broker = server_label(self._url)  # for log fields: never a credential
         # Batches returned and not yet confirmed, kept to give back at once on
         # rewind: the server's own redelivery waits for ack_wait.
         self._batches = Replayed()
@@ -164,14 +165,6 @@ class JetStreamAdapter(PullAdapterBase):
     @property
     def ack_target(self) -> AckTarget:
         return AckTarget(ACK_KIND, self._cfg.source, self._opts.group, by_cursor=True)
-
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def broker(self) -> str:
-        return server_label(self._url)
 
     async def start(self) -> None:
         if self._sub is not None:
@@ -189,7 +182,7 @@ class JetStreamAdapter(PullAdapterBase):
         async with self._connecting:
             if self._client is None or self._client.is_closed:
                 self._client = await connect(self._cfg, role="ingest", on_error=self._server_said)
-                self._identity = f"nats user: {await user_name(self._client, self._url)}"
+                self.identity = f"nats user: {await user_name(self._client, self._url)}"
                 self._refusal = None  # a refusal of the identity's question is no fetch's
             return self._client
 

@@ -239,15 +239,8 @@ class RedisEndpoint:
     def __init__(self, name: str, url: str, *, block_ms: int, cluster: bool = False) -> None:
         self.name = name
         self._client = connect(url, block_ms=block_ms, cluster=cluster)
-        self._identity = "redis acl: unknown"
-
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def broker(self) -> str:
-        return broker_label(self._client)
+        self.identity = "redis acl: unknown"
+        self.broker = broker_label(self._client)  # for log fields: never a credential
 
     async def _node_figure(self, key: str) -> dict[str, object]:
         """On a cluster, ``node``: the master serving ``key``'s slot as the
@@ -264,6 +257,6 @@ class RedisEndpoint:
         """ACL WHOAMI; an ACL that forbids it still lets us consume, and the
         events say the identity is unknown. Other errors propagate."""
         try:
-            self._identity = f"redis acl: {as_text(await self._client.acl_whoami())}"
+            self.identity = f"redis acl: {as_text(await self._client.acl_whoami())}"
         except ResponseError as exc:
             log.warning("acl_whoami_failed", adapter=self.name, error_kind=classify(exc).value)

@@ -140,7 +140,8 @@ class SqsQueueAdapter(PullAdapterBase):
         self._stack: AsyncExitStack | None = None
         self._client: Client | None = None
         self._url: str | None = None
-        self._identity = "aws arn: (not connected)"
+        self.identity = "aws arn: (not connected)"
+        self.broker = endpoint_label(self._cfg)  # for log fields: never a credential
         self._connecting = asyncio.Lock()
         # Batches returned and not yet confirmed (their handles are extended
         # and, at the stop, released), and those given back by a rewind, to
@@ -155,14 +156,6 @@ class SqsQueueAdapter(PullAdapterBase):
     @property
     def ack_target(self) -> AckTarget:
         return AckTarget(ACK_KIND, self._queue, None, by_cursor=True)
-
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def broker(self) -> str:
-        return endpoint_label(self._cfg)
 
     async def start(self) -> None:
         await self._connection()
@@ -179,7 +172,7 @@ class SqsQueueAdapter(PullAdapterBase):
                     )
                     url = await queue_url(client, self._cfg)
                     await self._check_redrive(client, url)
-                    self._identity = f"aws arn: {await caller_arn(self._cfg, stack)}"
+                    self.identity = f"aws arn: {await caller_arn(self._cfg, stack)}"
                 except BaseException:
                     await stack.aclose()
                     raise
