@@ -33,7 +33,7 @@ from ingest.actions import inbox as inbox_actions
 from ingest.actions.inbox import DEFAULT_REPLAY_LIMIT
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
-from ingest.cli.verb import Verb, add_list_and_show, in_loop, positive_int
+from ingest.cli.verb import Verb, add_list_and_show, in_loop, positive_int, print_listed
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from ingest.observe import inbox_text
@@ -146,12 +146,7 @@ async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
     rows = await inbox_actions.listed(
         engine, rejected=args.rejected, unacked=args.unacked, adapter=args.adapter, limit=args.limit
     )
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=str))
-    elif not rows:
-        print("no inbox rows match")
-    else:
-        print("\n".join(inbox_table(rows)))
+    print_listed(rows, as_json=args.json, none="no inbox rows match", table=inbox_table)
     return EXIT_OK
 
 

@@ -24,7 +24,7 @@ from backhalf.reads import todo_views
 from ingest.actions import todos as todo_actions
 from ingest.actions.outcomes import Refused
 from ingest.cli.text_table import one_line, printable, table
-from ingest.cli.verb import Verb, add_list_and_show, in_loop, positive_int
+from ingest.cli.verb import Verb, add_list_and_show, in_loop, positive_int, print_listed
 from ingest.config import Settings
 from ingest.exit_codes import EXIT_FAILURE, EXIT_OK
 from schema import TODO_STATUSES
@@ -81,12 +81,7 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
     rows = await todo_actions.listed(engine, queue=args.queue, status=args.status, limit=args.limit)
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=_json_value))
-    elif not rows:
-        print("no todos match")
-    else:
-        print("\n".join(list_table(rows)))
+    print_listed(rows, as_json=args.json, none="no todos match", table=list_table, json_value=_json_value)
     return EXIT_OK
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Callable, Coroutine, Mapping
+import dataclasses
+import json
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +79,24 @@ def add_list_and_show(
     show.add_argument("id", type=positive_int, metavar="ID", help=f"{row} id")
     add_json(show)
     return listing
+
+
+def print_listed(
+    rows: Sequence[Any],
+    *,
+    as_json: bool,
+    none: str,
+    table: Callable[[Sequence[Any]], list[str]],
+    json_value: Callable[[object], str] = str,
+) -> None:
+    """A ``list`` verb's rows (dataclasses): as JSON, as a table, or
+    ``none`` when there are none."""
+    if as_json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2, default=json_value))
+    elif not rows:
+        print(none)
+    else:
+        print("\n".join(table(rows)))
 
 
 def port(text: str) -> int:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypedDict, TypeVar
 from urllib.parse import SplitResult
 
 from ingest.config.keys import Key, Rule, Section, string
@@ -223,13 +223,29 @@ def options_of(adapter: Adapter, kind: type[_Options]) -> _Options:
     return found
 
 
-def from_variable(variable: str, fallback: str) -> Callable[[Mapping[str, str], DefaultBroker], str]:
-    """A transport's ``default_url``: ``variable`` when set, else ``fallback``."""
+class UrlFromVariable(TypedDict):
+    """A transport definition's ``default_url``, its doc and its variable."""
+
+    default_url: Callable[[Mapping[str, str], DefaultBroker], str]
+    default_url_doc: str
+    variables: Mapping[str, str]
+
+
+def url_from_variable(
+    label: str, variable: str, fallback: str, purpose: str, fallback_doc: str = ""
+) -> UrlFromVariable:
+    """Where a table names no URL: ``variable`` when set (``purpose`` says
+    what for in ``--help``), else ``fallback``; ``label`` names the
+    transport in the reference, ``fallback_doc`` adds to the fallback's."""
 
     def default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
         return env.get(variable) or fallback
 
-    return default_url
+    return UrlFromVariable(
+        default_url=default_url,
+        default_url_doc=f"{label} `{variable}`, else `{fallback}`{fallback_doc}",
+        variables={variable: purpose},
+    )
 
 
 def ca_file_key(verifies: str) -> Key:

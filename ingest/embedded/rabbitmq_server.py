@@ -753,26 +753,10 @@ class RabbitMqServer(_SignalledServer):
 
 
 @contextlib.contextmanager
-def rabbitmq_server(
-    base_dir: Path,
-    *,
-    password: str | None = None,
-    users: Sequence[AmqpUser] = (),
-    queues: Sequence[AmqpQueue] = (),
-    consumer_timeout_ms: int | None = None,
-    conf: str = "",
-    tls: AmqpTls | None = None,
-) -> Iterator[RabbitMqServer]:
-    """A started :class:`RabbitMqServer` in ``base_dir``, cleaned up on exit."""
-    server = RabbitMqServer.create(
-        base_dir,
-        password=password,
-        users=users,
-        queues=queues,
-        consumer_timeout_ms=consumer_timeout_ms,
-        conf=conf,
-        tls=tls,
-    )
+def rabbitmq_server(base_dir: Path, **options: Any) -> Iterator[RabbitMqServer]:
+    """A :meth:`RabbitMqServer.create` (``options`` as it takes them),
+    started in ``base_dir``; cleaned up on exit."""
+    server = RabbitMqServer.create(base_dir, **options)
     try:
         server.start()
         yield server

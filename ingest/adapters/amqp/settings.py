@@ -16,10 +16,10 @@ from ingest.config.transport import (
     TransportDefinition,
     ca_file_key,
     figures_named,
-    from_variable,
     options_of,
     own_keys,
     refuse_complete,
+    url_from_variable,
 )
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
@@ -110,9 +110,9 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    default_url=from_variable(URL_VARIABLE, DEFAULT_URL),
-    default_url_doc=f"AMQP `{URL_VARIABLE}`, else `{DEFAULT_URL}`",
-    variables={URL_VARIABLE: "AMQP (RabbitMQ) adapters' URL when theirs is not set"},
+    **url_from_variable(
+        "AMQP", URL_VARIABLE, DEFAULT_URL, "AMQP (RabbitMQ) adapters' URL when theirs is not set"
+    ),
     rules={
         "ack_after": refuse_complete(
             "transport = \"amqp\": the ack would be held on the ingester's channel for the todo's whole"

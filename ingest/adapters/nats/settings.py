@@ -18,10 +18,10 @@ from ingest.config.transport import (
     Values,
     ca_file_key,
     figures_named,
-    from_variable,
     options_of,
     own_keys,
     refuse_complete,
+    url_from_variable,
 )
 from ingest.config.url_shape import url_shape_problem
 from ingest.config.urls import env_name
@@ -170,9 +170,7 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    default_url=from_variable(URL_VARIABLE, DEFAULT_URL),
-    default_url_doc=f"NATS `{URL_VARIABLE}`, else `{DEFAULT_URL}`",
-    variables={URL_VARIABLE: "NATS adapters' URL when theirs is not set"},
+    **url_from_variable("NATS", URL_VARIABLE, DEFAULT_URL, "NATS adapters' URL when theirs is not set"),
     rules={
         "ack_after": refuse_complete(
             'mode = "jetstream": JetStream delivers a message again once it is unacked for ack_wait_ms,'

@@ -18,10 +18,10 @@ from ingest.config.transport import (
     Values,
     ca_file_key,
     figures_named,
-    from_variable,
     options_of,
     own_keys,
     refuse_complete,
+    url_from_variable,
 )
 from ingest.config.url_shape import url_shape_problem
 from ingest.errors import ConfigError
@@ -185,9 +185,13 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    default_url=from_variable(URL_VARIABLE, AWS_ENDPOINT),
-    default_url_doc=f"SQS `{URL_VARIABLE}`, else `{AWS_ENDPOINT}` (AWS's own endpoint of the region)",
-    variables={URL_VARIABLE: "an SQS-compatible endpoint (without it: AWS, by region and AWS_* credentials)"},
+    **url_from_variable(
+        "SQS",
+        URL_VARIABLE,
+        AWS_ENDPOINT,
+        "an SQS-compatible endpoint (without it: AWS, by region and AWS_* credentials)",
+        " (AWS's own endpoint of the region)",
+    ),
     rules={
         "ack_after": refuse_complete(
             'transport = "sqs": a message not deleted within its visibility timeout (ack_wait_ms) is'
