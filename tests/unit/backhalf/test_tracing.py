@@ -240,7 +240,11 @@ def test_the_processs_resource_is_the_sdks_hashed_once(monkeypatch: pytest.Monke
     def no_serializing(*args: object, **kwargs: object) -> str:
         raise AssertionError("the resource serialized again to be hashed")
 
+    # After a fork the provider merges its resource with the process's own.
+    forked = resource.merge(Resource({"process.pid": 2}))
+    assert forked.attributes["process.pid"] == 2
     monkeypatch.setattr(resources, "dumps", no_serializing)
     assert hash(resource) == hash(resource)
+    assert hash(forked) == hash(forked)
     with pytest.raises(AssertionError, match="serialized again"):
         hash(created)
