@@ -380,6 +380,17 @@ PEERS = (
 )
 
 
+def finish_peer(proc: subprocess.Popen[bytes]) -> None:
+    """A peer's stdin closed (its cue to end), then waited for; killed after 30 s."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def bench_peer(
     workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, subscribers: int, bookkeeping: bool,
     servers: dict[str, int], run: str,
@@ -417,12 +428,7 @@ def bench_peer(
         if bookkeeping:
             wait_for(lambda: acked_count(url) == n, timeout_s=30, what=f"{run}: every inbox row marked acked")
     finally:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        finish_peer(proc)
         log.close()
     return n / elapsed, cpu_us
 

@@ -247,12 +247,7 @@ def bench_direct(
             elapsed = time.perf_counter() - started
             cpu = cpu_per_message(pids, before, n)
         finally:
-            proc.stdin.close()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+            bench_kit.finish_peer(proc)
     broker.delete_consumer(run)
     return n / elapsed, cpu
 

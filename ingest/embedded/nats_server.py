@@ -133,7 +133,7 @@ class NatsServer(_SignalledServer):
                 return bool(reply.status == 200)
         except urllib.error.HTTPError as exc:  # 503 until JetStream is up
             exc.close()  # its socket: kept as the last error it would outlive the probe
-            raise OSError(f"/healthz answered {exc.code}") from None
+            raise OSError(f"/healthz answered {exc.code}") from exc
 
     def _exit_reason(self, mark: Any) -> tuple[bool, str]:
         reason = _log_reason(self.log_path, mark)

@@ -91,7 +91,7 @@ def _answers_sqs(url: str) -> bool:
             body = reply.read()
     except urllib.error.HTTPError as exc:  # some other HTTP server, or not ready
         exc.close()  # its socket: kept as the last error it would outlive the probe
-        raise OSError(f"ListQueues answered {exc.code}") from None
+        raise OSError(f"ListQueues answered {exc.code}") from exc
     if reply.status != 200 or not kind.startswith("application/x-amz-json"):
         return False
     try:
