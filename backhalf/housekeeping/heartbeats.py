@@ -137,18 +137,5 @@ async def list_processes(conn: AsyncConnection, ttl_s: float = HEARTBEAT_TTL_S) 
             silent.label("silent_s"),
         ).order_by(processes.c.role, processes.c.host, processes.c.started_at)
     )
-    return [
-        ProcessRow(
-            instance=r.instance,
-            role=r.role,
-            host=r.host,
-            pid=r.pid,
-            detail=r.detail,
-            started_at=r.started_at,
-            seen_at=r.seen_at,
-            stopped_at=r.stopped_at,
-            state=r.state,
-            silent_s=float(r.silent_s),
-        )
-        for r in rows
-    ]
+    # The columns are ProcessRow's, by name; the epoch is a numeric.
+    return [ProcessRow(**{**r._mapping, "silent_s": float(r.silent_s)}) for r in rows]
