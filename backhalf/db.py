@@ -246,3 +246,9 @@ class HeldConnection:
                 log.warning(
                     "connection_discarded", connection=self._name, error=f"{type(exc).__name__}: {exc}"
                 )
+
+    def close(self) -> None:
+        """Hand the connection back to the pool (the engine's dispose closes it)."""
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            raw.close()

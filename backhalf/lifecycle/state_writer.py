@@ -52,10 +52,11 @@ from typing import Any, TypeVar
 
 import psycopg
 import structlog
-from sqlalchemy import Engine, PoolProxiedConnection
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from backhalf import failpoints
+from backhalf.db import HeldConnection
 from backhalf.errors import ChangeRefused, StoreError
 from backhalf.lifecycle import todos
 
@@ -146,7 +147,10 @@ class StateWriter:
         self._max_batch = max_batch
         self._queue: queue.SimpleQueue[_End] = queue.SimpleQueue()
         self._closing = threading.Event()
-        self._conn: PoolProxiedConnection | None = None
+        # Its own connection, out of the engine's pool for good (its connect
+        # hook has pinned synchronous_commit): psycopg's own transactions,
+        # without a checkout, ping and reset per batch.
+        self._conn = HeldConnection(self._engine, "state writer", _writer_session)
         # The running transaction (a sequence number) and its deadline
         # (monotonic), for the watchdog.
         self._lock = threading.Lock()
@@ -308,8 +312,7 @@ class StateWriter:
                     break
                 if change.answer.set_running_or_notify_cancel():
                     change.answer.set_exception(late)
-            if self._conn is not None:
-                self._conn.close()
+            self._conn.close()
         self._engine.dispose()
 
     # -- the writer thread ------------------------------------------------------------------
@@ -375,7 +378,7 @@ class StateWriter:
                     return
                 if not isinstance(exc, psycopg.Error | SQLAlchemyError):
                     raise
-                self._discard_connection()
+                self._conn.discard()
                 error = StoreError(f"writing {len(ends)} ends of todos: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
                 continue
@@ -407,7 +410,7 @@ class StateWriter:
             self._write_one(part)
 
     def _transaction(self, ends: Sequence[_End]) -> tuple[set[int], set[int]]:
-        pg = self._connection()
+        pg = self._conn.get()
         with self._watched():
             return todos.end_runs(pg, [e.ending for e in ends], release=self._releases)
 
@@ -423,38 +426,6 @@ class StateWriter:
             with self._lock:
                 self._busy_until = None
 
-    def _connection(self) -> psycopg.Connection[Any]:
-        """The writer's own connection, out of the engine's pool for good (its
-        connect hook has pinned synchronous_commit): psycopg's own
-        transactions, without a checkout, ping and reset per batch."""
-        if self._conn is None:
-            self._conn = self._engine.raw_connection()
-            pg = self._conn.driver_connection
-            assert isinstance(pg, psycopg.Connection)
-            pg.autocommit = True  # a batch without a release is one statement: its own transaction
-            # end_runs is prepared once (todos.end_runs) and planned
-            # once: left to choose, PostgreSQL planned it afresh at every
-            # batch, 0.5-0.7 ms each, more than its execution (issue 25).
-            # A plan made once is kept until the table is analyzed again, so
-            # it must not depend on the table's size when it was made:
-            # planned on a new, small todos table, it read every todo (a seq
-            # scan, 5 ms a batch at 8,000 todos in the bench, growing with
-            # the table until autovacuum's next ANALYZE). Every statement of
-            # this connection reaches todos by id: index scans only.
-            pg.execute("SET plan_cache_mode = force_generic_plan")
-            pg.execute("SET enable_seqscan = off")
-        pg = self._conn.driver_connection
-        assert isinstance(pg, psycopg.Connection)
-        return pg
-
-    def _discard_connection(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.invalidate()
-            except (psycopg.Error, SQLAlchemyError) as exc:
-                log.warning("state_writer_connection_discarded", error=f"{type(exc).__name__}: {exc}")
-
     def _watch(self) -> None:
         """Cancel a transaction past its deadline: a server that still ACKs
         but never answers would otherwise hold every worker thread. The
@@ -463,13 +434,12 @@ class StateWriter:
             time.sleep(min(1.0, self._deadline_s / 4))
             with self._lock:
                 late = self._busy_until is not None and time.monotonic() > self._busy_until
-                batch_no, conn = self._batch_no, self._conn
-            if not late or conn is None:
+                batch_no, pg = self._batch_no, self._conn.current()
+            if not late or pg is None:
                 continue
-            pg = conn.driver_connection
             with self._lock:
                 still = self._batch_no == batch_no and self._busy_until is not None
-            if not (still and isinstance(pg, psycopg.Connection)):
+            if not still:
                 continue
             log.warning(
                 "todo_states_cancelled", reason="no answer within the deadline", deadline_s=self._deadline_s
@@ -479,6 +449,19 @@ class StateWriter:
             except (psycopg.Error, OSError) as exc:
                 # The server is out of reach too: TCP's timeouts end the batch.
                 log.warning("todo_states_cancel_failed", error=f"{type(exc).__name__}: {exc}")
+
+
+def _writer_session(pg: psycopg.Connection[Any]) -> None:
+    """The writer's connection, once made: end_runs is prepared once
+    (todos.end_runs) and planned once. Left to choose, PostgreSQL planned it
+    afresh at every batch, 0.5-0.7 ms each, more than its execution. A plan
+    made once is kept until the table is analyzed again, so it must not
+    depend on the table's size when it was made: planned on a new, small
+    todos table, it read every todo (a seq scan, 5 ms a batch at 8,000 todos
+    in the bench, growing with the table until autovacuum's next ANALYZE).
+    Every statement of this connection reaches todos by id: index scans only."""
+    pg.execute("SET plan_cache_mode = force_generic_plan")
+    pg.execute("SET enable_seqscan = off")
 
 
 # SQLSTATE classes of a change's own data: data exception (a text holding

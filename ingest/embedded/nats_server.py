@@ -26,7 +26,6 @@ import sys
 import sysconfig
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -147,14 +146,8 @@ class NatsServer(_SignalledServer):
         self._write_config()
 
 
-@contextlib.contextmanager
 def nats_server(
     base_dir: Path, *, password: str | None = None, access: str | None = None
-) -> Iterator[NatsServer]:
+) -> contextlib.AbstractContextManager[NatsServer]:
     """A started :class:`NatsServer` in ``base_dir``, cleaned up on exit."""
-    server = NatsServer.create(base_dir, password=password, access=access)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.cleanup()
+    return NatsServer.create(base_dir, password=password, access=access).started()

@@ -80,7 +80,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -313,29 +313,32 @@ def _listens(pid: int, port: int) -> bool:
 
 def _answers_amqp(port: int) -> bool:
     """True when 127.0.0.1:``port`` answers AMQP 0-9-1's header with Connection.Start."""
-    with socket.create_connection(("127.0.0.1", port), timeout=PROBE_TIMEOUT_S) as sock:
-        sock.sendall(AMQP_HEADER)
-        reply = b""
-        while len(reply) < 11:
-            chunk = sock.recv(11 - len(reply))
-            if not chunk:
-                return False
-            reply += chunk
+    reply = _exchange(port, AMQP_HEADER, 11)
+    if reply is None:
+        return False
     kind, channel, _size, class_id, method_id = struct.unpack(">BHIHH", reply)
     return kind == _FRAME_METHOD and channel == 0 and (class_id, method_id) == _CONNECTION_START
 
 
 def _answers_epmd(port: int) -> bool:
     """True when 127.0.0.1:``port`` answers epmd's NAMES_REQ with its own port."""
+    reply = _exchange(port, b"\x00\x01n", 4)
+    return reply is not None and bool(struct.unpack(">I", reply)[0] == port)
+
+
+def _exchange(port: int, request: bytes, size: int) -> bytes | None:
+    """The first ``size`` bytes 127.0.0.1:``port`` answers ``request`` with;
+    None when it closes before. OSError (a timeout among them) as the socket
+    raises it."""
     with socket.create_connection(("127.0.0.1", port), timeout=PROBE_TIMEOUT_S) as sock:
-        sock.sendall(b"\x00\x01n")
+        sock.sendall(request)
         reply = b""
-        while len(reply) < 4:
-            chunk = sock.recv(4 - len(reply))
+        while len(reply) < size:
+            chunk = sock.recv(size - len(reply))
             if not chunk:
-                return False
+                return None
             reply += chunk
-    return bool(struct.unpack(">I", reply)[0] == port)
+    return reply
 
 
 def _rabbit_reason(text: str) -> str:
@@ -752,13 +755,7 @@ class RabbitMqServer(_SignalledServer):
         return ready, unacked, consumers
 
 
-@contextlib.contextmanager
-def rabbitmq_server(base_dir: Path, **options: Any) -> Iterator[RabbitMqServer]:
+def rabbitmq_server(base_dir: Path, **options: Any) -> contextlib.AbstractContextManager[RabbitMqServer]:
     """A :meth:`RabbitMqServer.create` (``options`` as it takes them),
     started in ``base_dir``; cleaned up on exit."""
-    server = RabbitMqServer.create(base_dir, **options)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.cleanup()
+    return RabbitMqServer.create(base_dir, **options).started()

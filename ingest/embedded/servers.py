@@ -371,6 +371,9 @@ class Stoppable:
 
     base_dir: Path
 
+    def start(self) -> None:
+        raise NotImplementedError
+
     def stop(self) -> None:
         raise NotImplementedError
 
@@ -383,6 +386,16 @@ class Stoppable:
             self._stop_at_exit()
         finally:
             shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def started(self) -> Iterator[Self]:
+        """Started for a ``with`` block; cleaned up after it, a start that
+        failed too (what it made is deleted)."""
+        try:
+            self.start()
+            yield self
+        finally:
+            self.cleanup()
 
     def __enter__(self) -> Self:
         return self

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +156,8 @@ class SqsServer(_SignalledServer):
         self.port = free_port()
 
 
-@contextlib.contextmanager
-def sqs_server(base_dir: Path, *, module: str = MOTO_SQS_MODULE) -> Iterator[SqsServer]:
+def sqs_server(
+    base_dir: Path, *, module: str = MOTO_SQS_MODULE
+) -> contextlib.AbstractContextManager[SqsServer]:
     """A started :class:`SqsServer` in ``base_dir``, cleaned up on exit."""
-    server = SqsServer.create(base_dir, module=module)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.cleanup()
+    return SqsServer.create(base_dir, module=module).started()

@@ -65,7 +65,7 @@ import contextlib
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -549,13 +549,7 @@ class ValkeyCluster(Stoppable):
             node.stop(timeout_s=timeout_s)
 
 
-@contextlib.contextmanager
-def running_cluster(base_dir: Path, **options: Any) -> Iterator[ValkeyCluster]:
+def running_cluster(base_dir: Path, **options: Any) -> contextlib.AbstractContextManager[ValkeyCluster]:
     """A ``ValkeyCluster.create(base_dir, **options)``, started; stopped and
     its folder deleted after."""
-    cluster = ValkeyCluster.create(base_dir, **options)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.cleanup()
+    return ValkeyCluster.create(base_dir, **options).started()

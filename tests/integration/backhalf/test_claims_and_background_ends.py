@@ -284,8 +284,8 @@ def test_a_run_stopped_by_no_error_of_its_handler_leaves_the_todo_to_its_lease(
 def todos_seq_scans(db_url: str, writer: StateWriter) -> int:
     """Sequential scans of todos so far, the writer's own counted (its
     backend's statistics flushed first)."""
-    writer._connection().execute("SELECT pg_stat_force_next_flush()")
-    writer._connection().execute("SELECT 1")  # its end flushes them
+    writer._conn.get().execute("SELECT pg_stat_force_next_flush()")
+    writer._conn.get().execute("SELECT 1")  # its end flushes them
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
         row = conn.execute("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'todos'").fetchone()
