@@ -246,6 +246,26 @@ def tree_cpu_seconds(root: int) -> float:
     return total
 
 
+# PostgreSQL's own work that a run may or may not meet, counted so that a
+# slow run can be told apart from a slow pipeline: checkpoints (cluster-wide)
+# and autovacuum's vacuums and analyzes of the run's database.
+BACKGROUND_WORK = """
+SELECT (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter),
+       coalesce(sum(autovacuum_count), 0), coalesce(sum(autoanalyze_count), 0)
+FROM pg_stat_user_tables
+"""
+BACKGROUND_KINDS = ("checkpoints", "autovacuums", "autoanalyzes")
+
+
+def background_work(url: str) -> dict[str, int]:
+    """The counts of :data:`BACKGROUND_KINDS` so far (statistics as flushed)."""
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(BACKGROUND_WORK).fetchone()
+    assert row is not None
+    return dict(zip(BACKGROUND_KINDS, (int(v) for v in row), strict=True))
+
+
 def stream_drained(r: redis.Redis) -> bool:
     """Every entry delivered (lag 0) and XACKed (PEL empty). Asked of Redis,
     because polling PostgreSQL while measuring it would bill the polls (a

@@ -48,7 +48,9 @@ from ingest.embedded.servers import PostgresServer, embedded_servers  # noqa: E4
 ROUNDS = 5  # a shared machine: three rounds swung 0.57-0.80 around one median
 STARTUP_RUNS = 7
 TARGET = 0.8
-Measured = tuple[float, dict[str, float]]  # per second, and CPU us per message by process
+# Per second; CPU us per message by process; PostgreSQL's background work
+# during the run (bench_kit.background_work).
+Measured = tuple[float, dict[str, float], dict[str, int]]
 
 # A process's start: the modules the ingester, the receiver and the worker
 # import, then tracing switched on (or not) as each process does.
@@ -130,6 +132,7 @@ def ingest_and_ack(
 def _timed(url: str, n: int, pids: dict[str, int], finished: Callable[[], None]) -> Measured:
     """Enable the adapter, wait until ``finished`` returns: the rate, and the
     CPU per message of each process in ``pids`` over the same span."""
+    background_before = bench_kit.background_work(url)
     cpu_before = {name: bench_kit.tree_cpu_seconds(pid) for name, pid in pids.items()}
     started = time.perf_counter()
     bench_kit.set_enabled(url, True)
@@ -138,7 +141,8 @@ def _timed(url: str, n: int, pids: dict[str, int], finished: Callable[[], None])
     cpu_us = {
         name: (bench_kit.tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()
     }
-    return n / elapsed, cpu_us
+    background = bench_kit.background_work(url)
+    return n / elapsed, cpu_us, {k: v - background_before[k] for k, v in background.items()}
 
 
 def end_to_end(
@@ -191,7 +195,8 @@ def _rounds(
         print(f"    round {i + 1}: off {runs[False][0]:,.0f}/s, on {runs[True][0]:,.0f}/s, {ratios[-1]:.2f}x")
         for on in (False, True):
             cpu = ", ".join(f"{k} {v:.0f}" for k, v in runs[on][1].items())
-            print(f"      CPU us per message, {'on ' if on else 'off'}: {cpu}")
+            meanwhile = ", ".join(f"{v} {k}" for k, v in runs[on][2].items())
+            print(f"      CPU us per message, {'on ' if on else 'off'}: {cpu}; meanwhile {meanwhile}")
     return ratios
 
 
