@@ -747,10 +747,15 @@ FOR UPDATE
 -- outer LIMIT stops the walk, and only the rows it returns are locked.
 --
 -- The update reaches its rows by ``id = ANY(ARRAY(...))`` alone: an index
--- probe per row under any plan, of ``todos_live`` only (the status it
--- names: ``= ANY`` prunes no partition, a constant status does). Joined to the claimed rows, a generic plan
--- guessed LIMIT $n at a tenth of the table and hashed the whole primary key
--- (DESIGN.md section 7b), or probed the key once per pair of rows. The old
+-- probe per row, of ``todos_live`` only (the statuses it names are that
+-- partition's: ``= ANY`` prunes no partition, a constant status does).
+-- Those are every status of todos_live, not the claimable two the walk
+-- locked (no one else can change a row this statement locked): naming
+-- these two made ix_todos_claimable a way to the rows, and a plan that
+-- took it read every claimable entry, the whole backlog, for the ids of a
+-- claim. Joined to the claimed rows, a generic plan guessed LIMIT $n at a
+-- tenth of the table and hashed the whole primary key (DESIGN.md section
+-- 7b), or probed the key once per pair of rows. The old
 -- status, which todo_events records, comes from ``picked``, joined to
 -- ``claimed`` (two CTEs of a claim's size).
 WITH picked AS (
@@ -768,7 +773,7 @@ WITH picked AS (
     UPDATE todos t
     SET status = 'running', attempts = t.attempts + 1, run_token = gen_random_uuid(),
         lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
-    WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) AND t.status IN ('pending', 'dispatched')
+    WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) AND t.status IN ('pending', 'dispatched', 'running', 'failed')
     RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.run_token, t.trace_context
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
@@ -776,6 +781,23 @@ WITH picked AS (
 )
 SELECT id, queue, payload::text, idempotency_key, attempts, run_token, trace_context::text
 FROM claimed ORDER BY id
+
+
+-- name: plan_each_time
+-- Set on the workers' own connections (the claimer, the state writer and
+-- the lease keeper), whose statements reach todos_live's rows by key: each
+-- execution is planned against the table as it is at that moment.
+-- todos_live holds the work in flight, a handful of rows while the workers
+-- keep up and a backlog of any size once they fall behind, and its
+-- statistics lag (autovacuum analyzes it a minute later at best; a new
+-- table, never). A plan kept from a quiet moment (a generic plan, made once
+-- per connection) read the whole table or one of its indexes for every
+-- claim and every batch of ends once a backlog had grown: the claim's
+-- update walked ix_todos_claimable whole for its ids, the ends hashed every
+-- live todo, and PostgreSQL's CPU per todo doubled and tripled as the
+-- backlog grew, a drain slower the more it had to drain (decision 0039).
+-- Planning costs 0.3-1.5 ms a statement, for a batch of rows.
+SET plan_cache_mode = force_custom_plan
 
 
 -- name: claimer_session

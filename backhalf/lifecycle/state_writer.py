@@ -55,7 +55,7 @@ import structlog
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from backhalf import failpoints
+from backhalf import failpoints, queries
 from backhalf.db import HeldConnection
 from backhalf.errors import ChangeRefused, StoreError
 from backhalf.lifecycle import todos
@@ -452,15 +452,12 @@ class StateWriter:
 
 
 def _writer_session(pg: psycopg.Connection[Any]) -> None:
-    """The writer's connection, once made: end_runs is prepared once
-    (todos.end_runs) and planned once. Left to choose, PostgreSQL planned it
-    afresh at every batch, 0.5-0.7 ms each, more than its execution. A plan
-    made once is kept until the table is analyzed again, so it must not
-    depend on the table's size when it was made: planned on a new, small
-    todos table, it read every todo (a seq scan, 5 ms a batch at 8,000 todos
-    in the bench, growing with the table until autovacuum's next ANALYZE).
-    Every statement of this connection reaches todos by id: index scans only."""
-    pg.execute("SET plan_cache_mode = force_generic_plan")
+    """The writer's connection, once made: each batch planned against
+    todos_live as it is now (queries.sql, plan_each_time: a plan kept from
+    a quiet moment read every live todo per batch once a backlog had
+    grown). Every statement of this connection reaches todos by id: index
+    scans only, even on a table the statistics still call small."""
+    pg.execute(queries.PLAN_EACH_TIME)
     pg.execute("SET enable_seqscan = off")
 
 

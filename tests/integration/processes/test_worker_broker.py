@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dramatiq
 import psycopg
@@ -242,6 +243,77 @@ def test_the_lease_keeper_extends_every_held_claim_and_marks_the_lost_ones(
     assert leases.lost(lost)
     assert not leases.lost(kept)
     assert [e["todo_id"] for e in logs if e["event"] == "todo_claim_lost"] == [lost.todo.id]
+
+
+# -- plans that follow the backlog ------------------------------------------------
+
+BACKLOG = 20_000
+RUNNING = 5_000
+LIVE_ROWS_READ = """
+SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = 'todos_live')
+       + (SELECT seq_tup_read FROM pg_stat_user_tables WHERE relname = 'todos_live')
+"""
+GROW = """
+INSERT INTO todos (queue, idempotency_key, payload, status, attempts, run_token, lease_until)
+SELECT 'q', %(status)s || g, '{}', %(status)s, %(attempts)s,
+       CASE WHEN %(status)s = 'running' THEN gen_random_uuid() END,
+       CASE WHEN %(status)s = 'running' THEN now() + interval '1 hour' END
+FROM generate_series(1, %(n)s::int) g
+"""
+
+
+def live_rows_read(db_url: str, pg: psycopg.Connection[Any]) -> int:
+    """Index entries and rows of todos_live read so far, ``pg``'s own
+    statistics flushed first."""
+    pg.execute("SELECT pg_stat_force_next_flush()")
+    pg.execute("SELECT 1")  # its end flushes them
+    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(LIVE_ROWS_READ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_the_workers_statements_read_their_rows_not_a_backlog_grown_since_they_were_planned(
+    claimers: Claimers, writer: StateWriter, leases: Leases, sync_engine: Engine, db_url: str
+) -> None:
+    """todos_live holds the work in flight: a handful of rows, then a
+    backlog. The claimer's, the writer's and the lease keeper's statements,
+    run a dozen times on a small table (PostgreSQL then keeps a plan), must
+    still read a claim's, a batch's and a beat's rows once a backlog has
+    grown, not the table (a kept plan walked a whole index, or hashed every
+    live todo, per statement: queries.sql, plan_each_time)."""
+    insert_todos(db_url, 30)
+    claimer = claimers()
+    keeper = LeaseKeeper(leases, sync_engine, lease_s=60)
+    try:
+        next_message(claimer).ran = True
+        claiming = claimer._pg()
+        assert claiming is not None
+        beating = keeper._conn.get()
+        for _ in range(12):  # planned, and kept: psycopg prepares at the 6th
+            (run,) = todos.claim(claiming, ["q"], 1, 60)
+            todos.extend_leases(beating, [run], 60)
+            assert writer.end(todos.Ending(run, "done", None, "done"))
+        query(db_url, GROW, {"status": "pending", "attempts": 0, "n": BACKLOG})
+        query(db_url, GROW, {"status": "running", "attempts": 1, "n": RUNNING})
+        before = live_rows_read(db_url, claiming)
+        runs = todos.claim(claiming, ["q"], 8, 60)
+        claimed = live_rows_read(db_url, claiming) - before
+        before = live_rows_read(db_url, beating)
+        assert set(todos.extend_leases(beating, runs, 60).values()) == {True}
+        beat = live_rows_read(db_url, beating) - before
+        ending = writer._conn.get()
+        before = live_rows_read(db_url, ending)
+        assert writer.end_all([todos.Ending(r, "done", None, "done") for r in runs]) == [True] * len(runs)
+        ended = live_rows_read(db_url, ending) - before
+    finally:
+        keeper.close()
+    assert len(runs) == 8
+    # A claim's walk and update, a beat's and a batch's lock and update, and
+    # the statistics' own reads: a few dozen rows, of a table of 25,000.
+    read = {"claim": claimed, "beat": beat, "end": ended}
+    assert max(read.values()) < 200, read
 
 
 # -- the broker -------------------------------------------------------------------
