@@ -231,7 +231,8 @@ def end_runs(
     several = releasing or bool(given_back)
     block = pg.transaction() if several or not pg.autocommit else contextlib.nullcontext()
     with block, pg.cursor() as cur:
-        cur.execute(queries.END_RUNS, params, prepare=True)  # one plan, kept (state_writer)
+        # Prepared (parsed once); planned at each batch on the writer's connection (plan_each_time).
+        cur.execute(queries.END_RUNS, params, prepare=True)
         rows = cur.fetchall()
         if releasing:
             cur.execute(queries.RELEASE_ACKS, {"ids": terminal, "channel": queries.ACK_CHANNEL})
