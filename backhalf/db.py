@@ -214,18 +214,19 @@ class HeldConnection:
         self._raw: PoolProxiedConnection | None = None
 
     def current(self) -> psycopg.Connection[Any] | None:
-        """The connection held now, None if there is none."""
-        if self._raw is None:
-            return None
-        pg = self._raw.driver_connection
-        assert isinstance(pg, psycopg.Connection)
-        return pg
+        """The connection held now, None if there is none. Safe from another
+        thread (the state writer's watchdog): the holder is read once, and a
+        connection invalidated meanwhile has no driver connection left."""
+        raw = self._raw
+        pg = None if raw is None else raw.driver_connection
+        return pg if isinstance(pg, psycopg.Connection) else None
 
     def get(self) -> psycopg.Connection[Any]:
         """The connection, made (and set up) if none is held."""
         pg = self.current()
         if pg is not None:
             return pg
+        self.discard()  # a holder whose connection is gone, if any
         self._raw = self._engine.raw_connection()
         pg = self.current()
         assert pg is not None
