@@ -204,41 +204,40 @@ class HeldConnection:
     """One connection of ``engine`` taken out of its pool for good, in
     autocommit (each statement its own transaction, no checkout, ping and
     reset per use), made on first use by ``setup`` and discarded (invalidated)
-    after a failure, to be made anew at the next: what a worker's claimer
-    and lease keeper hold. ``name`` names it in the log."""
+    after a failure, to be made anew at the next: what a worker's claimer,
+    lease keeper and state writer hold. ``name`` names it in the log."""
 
     def __init__(
         self, engine: Engine, name: str, setup: Callable[[psycopg.Connection[Any]], None] = lambda pg: None
     ) -> None:
         self._engine, self._name, self._setup = engine, name, setup
         self._raw: PoolProxiedConnection | None = None
+        # The driver's connection, once set up: one attribute, so another
+        # thread (the state writer's watchdog) reads it whole or not at all.
+        self._pg: psycopg.Connection[Any] | None = None
 
     def current(self) -> psycopg.Connection[Any] | None:
-        """The connection held now, None if there is none. Safe from another
-        thread (the state writer's watchdog): the holder is read once, and a
-        connection invalidated meanwhile has no driver connection left."""
-        raw = self._raw
-        pg = None if raw is None else raw.driver_connection
-        return pg if isinstance(pg, psycopg.Connection) else None
+        """The connection held now, None if there is none."""
+        return self._pg
 
     def get(self) -> psycopg.Connection[Any]:
         """The connection, made (and set up) if none is held."""
-        pg = self.current()
-        if pg is not None:
-            return pg
-        self.discard()  # a holder whose connection is gone, if any
+        if self._pg is not None:
+            return self._pg
         self._raw = self._engine.raw_connection()
-        pg = self.current()
-        assert pg is not None
+        pg = self._raw.driver_connection
+        assert isinstance(pg, psycopg.Connection)
         try:
             pg.autocommit = True
             self._setup(pg)
         except BaseException:
             self.discard()
             raise
+        self._pg = pg
         return pg
 
     def discard(self) -> None:
+        self._pg = None
         raw, self._raw = self._raw, None
         if raw is not None:
             try:
@@ -247,9 +246,3 @@ class HeldConnection:
                 log.warning(
                     "connection_discarded", connection=self._name, error=f"{type(exc).__name__}: {exc}"
                 )
-
-    def close(self) -> None:
-        """Hand the connection back to the pool (the engine's dispose closes it)."""
-        raw, self._raw = self._raw, None
-        if raw is not None:
-            raw.close()

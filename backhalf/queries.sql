@@ -796,7 +796,7 @@ FROM claimed ORDER BY id
 -- update walked ix_todos_claimable whole for its ids, the ends hashed every
 -- live todo, and PostgreSQL's CPU per todo doubled and tripled as the
 -- backlog grew, a drain slower the more it had to drain (decision 0039).
--- Planning costs 0.3-1.5 ms a statement, for a batch of rows.
+-- Planning costs 0.3-1.6 ms a statement, for a batch of rows.
 SET plan_cache_mode = force_custom_plan
 
 

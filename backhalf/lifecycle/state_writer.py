@@ -312,7 +312,7 @@ class StateWriter:
                     break
                 if change.answer.set_running_or_notify_cancel():
                     change.answer.set_exception(late)
-            self._conn.close()
+            self._conn.discard()
         self._engine.dispose()
 
     # -- the writer thread ------------------------------------------------------------------
@@ -434,8 +434,9 @@ class StateWriter:
             time.sleep(min(1.0, self._deadline_s / 4))
             with self._lock:
                 late = self._busy_until is not None and time.monotonic() > self._busy_until
-                batch_no, pg = self._batch_no, self._conn.current()
-            if not late or pg is None:
+                batch_no = self._batch_no
+            pg = self._conn.current() if late else None
+            if pg is None:
                 continue
             with self._lock:
                 still = self._batch_no == batch_no and self._busy_until is not None
