@@ -135,7 +135,7 @@ MARK_CURSOR_ACKS = _block("mark_cursor_acks")
 # The todo lifecycle (backhalf.lifecycle.todos): the workers' claims, ends and leases,
 # the rescuer, the operator's cancel and retry.
 CLAIM_TODOS = _block("claim_todos")
-PLAN_EACH_TIME = _block("plan_each_time")
+BY_ID_SESSION = _block("by_id_session")
 CLAIMER_SESSION = _block("claimer_session")
 END_RUNS = _block("end_runs")
 EXTEND_LEASES = _block("extend_leases")

@@ -747,13 +747,17 @@ FOR UPDATE
 -- outer LIMIT stops the walk, and only the rows it returns are locked.
 --
 -- The update reaches its rows by ``id = ANY(ARRAY(...))`` alone: an index
--- probe per row, of ``todos_live`` only (the statuses it names are that
--- partition's: ``= ANY`` prunes no partition, a constant status does).
--- Those are every status of todos_live, not the claimable two the walk
+-- probe per row, of ``todos_live`` only (``status NOT IN ('done',
+-- 'cancelled')`` leaves that partition alone: ``= ANY`` prunes no
+-- partition, a constant status does). Not the claimable two the walk
 -- locked (no one else can change a row this statement locked): naming
 -- these two made ix_todos_claimable a way to the rows, and a plan that
 -- took it read every claimable entry, the whole backlog, for the ids of a
--- claim. Joined to the claimed rows, a generic plan guessed LIMIT $n at a
+-- claim. Nor todos_live's four statuses by name: ``status = ANY`` of four
+-- on the primary key's second column made PostgreSQL descend the key four
+-- times per id; ``NOT IN`` is never an index condition, and no partial
+-- index's predicate follows from it. The same holds wherever a statement
+-- below reaches todos_live by id. Joined to the claimed rows, a generic plan guessed LIMIT $n at a
 -- tenth of the table and hashed the whole primary key (DESIGN.md section
 -- 7b), or probed the key once per pair of rows. The old
 -- status, which todo_events records, comes from ``picked``, joined to
@@ -773,7 +777,7 @@ WITH picked AS (
     UPDATE todos t
     SET status = 'running', attempts = t.attempts + 1, run_token = gen_random_uuid(),
         lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
-    WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) AND t.status IN ('pending', 'dispatched', 'running', 'failed')
+    WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) AND t.status NOT IN ('done', 'cancelled')
     RETURNING t.id, t.queue, t.payload, t.idempotency_key, t.attempts, t.run_token, t.trace_context
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
@@ -783,10 +787,11 @@ SELECT id, queue, payload::text, idempotency_key, attempts, run_token, trace_con
 FROM claimed ORDER BY id
 
 
--- name: plan_each_time
--- Set on the workers' own connections (the claimer, the state writer and
--- the lease keeper), whose statements reach todos_live's rows by key: each
--- execution is planned against the table as it is at that moment.
+-- name: by_id_session
+-- Set on the state writer's and the lease keeper's connections, whose
+-- statements reach todos_live's rows by id: each execution is planned
+-- against the table as it is at that moment, and never by a sequential
+-- scan (a table the statistics still call small may hold a backlog).
 -- todos_live holds the work in flight, a handful of rows while the workers
 -- keep up and a backlog of any size once they fall behind, and its
 -- statistics lag (autovacuum analyzes it a minute later at best; a new
@@ -796,8 +801,9 @@ FROM claimed ORDER BY id
 -- update walked ix_todos_claimable whole for its ids, the ends hashed every
 -- live todo, and PostgreSQL's CPU per todo doubled and tripled as the
 -- backlog grew, a drain slower the more it had to drain (decision 0039).
--- Planning costs 0.3-1.6 ms a statement, for a batch of rows.
-SET plan_cache_mode = force_custom_plan
+-- Planning costs 0.4-1.6 ms a statement, for a batch of rows. The claimer
+-- keeps one plan instead, shaped to be right at any size (claimer_session).
+SELECT set_config('plan_cache_mode', 'force_custom_plan', false), set_config('enable_seqscan', 'off', false)
 
 
 -- name: claimer_session
@@ -814,13 +820,26 @@ SET plan_cache_mode = force_custom_plan
 -- order itself, is the one plan left; the statement's other sorts (of the
 -- claimed rows, for todo_events and the answer) are in every plan alike.
 --
+-- The claim keeps one plan (force_generic_plan), made at its first
+-- prepared execution whatever todos_live held then, as the claim is the
+-- workers' most frequent statement: planned at each claim, it cost
+-- PostgreSQL 0.4-0.6 ms more a claim of 20 (decision 0039). A kept plan
+-- must not depend on the table's size, and this one does not: its walk is
+-- the claimable index (sorts priced out) and its update's one way to its
+-- rows is the primary key by id (claim_todos says why) once sequential
+-- scans are priced out too: a plan made on a small table scanned it whole
+-- at every claim once a backlog had grown
+-- (tests/integration/processes/test_worker_broker.py).
+--
 -- A claim's commit is not waited for on disk (synchronous_commit off): it
 -- promises nothing outside the database. Lost in a server crash, the todo
 -- is pending again, and the run's end (a durable commit) finds no claim of
 -- its token and is discarded: the handler runs again, at least once, as
 -- after any crash. It takes a WAL flush off each todo's way from store to
 -- done, and off the server's load.
-SELECT set_config('enable_sort', 'off', false), set_config('synchronous_commit', 'off', false)
+SELECT set_config('enable_sort', 'off', false), set_config('enable_seqscan', 'off', false),
+       set_config('plan_cache_mode', 'force_generic_plan', false),
+       set_config('synchronous_commit', 'off', false)
 
 
 -- name: end_runs
@@ -844,7 +863,7 @@ SELECT set_config('enable_sort', 'off', false), set_config('synchronous_commit',
 -- rescuer, or a store deduping a message to the todo. Waiting would hold up
 -- every other end of the batch, and every batch behind it. The answer has
 -- one row per end that held its todo or found it busy. Only ``todos_live``
--- is read (its statuses named): a todo no longer there finished meanwhile
+-- is read (finished statuses excluded): a todo no longer there finished meanwhile
 -- (cancelled), and its end is discarded like any other lost claim's.
 WITH e AS (
     SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(to_status)b::text[],
@@ -852,7 +871,7 @@ WITH e AS (
         AS e(id, token, to_status, error, detail, unrun, delay_s)
 ), locked AS (
     SELECT t.id FROM todos t
-    WHERE t.id IN (SELECT id FROM e) AND t.status IN ('pending', 'dispatched', 'running', 'failed')
+    WHERE t.id IN (SELECT id FROM e) AND t.status NOT IN ('done', 'cancelled')
     ORDER BY t.id
     FOR UPDATE SKIP LOCKED
 ), changed AS (
@@ -876,7 +895,7 @@ SELECT e.id, CASE WHEN c.id IS NOT NULL THEN 'ended' ELSE 'busy' END
 FROM e LEFT JOIN locked l ON l.id = e.id LEFT JOIN changed c ON c.id = e.id
 WHERE c.id IS NOT NULL
    OR (l.id IS NULL AND EXISTS (SELECT 1 FROM todos
-                                WHERE id = e.id AND status IN ('pending', 'dispatched', 'running', 'failed')))
+                                WHERE id = e.id AND status NOT IN ('done', 'cancelled')))
 
 
 -- name: extend_leases
@@ -891,7 +910,7 @@ WITH x AS (
     SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[]) AS x(id, token)
 ), locked AS (
     SELECT t.id FROM todos t
-    WHERE t.id IN (SELECT id FROM x) AND t.status IN ('pending', 'dispatched', 'running', 'failed')
+    WHERE t.id IN (SELECT id FROM x) AND t.status NOT IN ('done', 'cancelled')
     ORDER BY t.id FOR UPDATE SKIP LOCKED
 ), extended AS (
     UPDATE todos t SET lease_until = now() + make_interval(secs => %(lease_s)s)
@@ -906,7 +925,7 @@ SELECT x.id, x.token,
        CASE WHEN e.id IS NOT NULL THEN 'extended'
             WHEN l.id IS NULL AND EXISTS (SELECT 1 FROM todos
                                           WHERE id = x.id
-                                            AND status IN ('pending', 'dispatched', 'running', 'failed'))
+                                            AND status NOT IN ('done', 'cancelled'))
                  THEN 'busy'
             ELSE 'lost' END
 FROM x LEFT JOIN locked l ON l.id = x.id LEFT JOIN extended e ON e.id = x.id AND e.run_token = x.token

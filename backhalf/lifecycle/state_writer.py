@@ -454,12 +454,11 @@ class StateWriter:
 
 def _writer_session(pg: psycopg.Connection[Any]) -> None:
     """The writer's connection, once made: each batch planned against
-    todos_live as it is now (queries.sql, plan_each_time: a plan kept from
+    todos_live as it is now (queries.sql, by_id_session: a plan kept from
     a quiet moment read every live todo per batch once a backlog had
     grown). Every statement of this connection reaches todos by id: index
     scans only, even on a table the statistics still call small."""
-    pg.execute(queries.PLAN_EACH_TIME)
-    pg.execute("SET enable_seqscan = off")
+    pg.execute(queries.BY_ID_SESSION)
 
 
 # SQLSTATE classes of a change's own data: data exception (a text holding

@@ -231,7 +231,7 @@ def end_runs(
     several = releasing or bool(given_back)
     block = pg.transaction() if several or not pg.autocommit else contextlib.nullcontext()
     with block, pg.cursor() as cur:
-        # Prepared (parsed once); planned at each batch on the writer's connection (plan_each_time).
+        # Prepared (parsed once); planned at each batch on the writer's connection (by_id_session).
         cur.execute(queries.END_RUNS, params, prepare=True)
         rows = cur.fetchall()
         if releasing:

@@ -283,7 +283,7 @@ def test_the_workers_statements_read_their_rows_not_a_backlog_grown_since_they_w
     run sixteen times on a small table (PostgreSQL then keeps a plan), must
     still read a claim's, a batch's and a beat's rows once a backlog has
     grown, not the table (a kept plan walked a whole index, or hashed every
-    live todo, per statement: queries.sql, plan_each_time)."""
+    live todo, per statement: queries.sql, claimer_session and by_id_session)."""
     insert_todos(db_url, 30)
     claimer = claimers()
     keeper = LeaseKeeper(leases, sync_engine, lease_s=60)
