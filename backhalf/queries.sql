@@ -865,12 +865,19 @@ SELECT set_config('enable_sort', 'off', false), set_config('enable_seqscan', 'of
 -- one row per end that held its todo or found it busy. Only ``todos_live``
 -- is read (finished statuses excluded): a todo no longer there finished meanwhile
 -- (cancelled), and its end is discarded like any other lost claim's.
+--
+-- The run's status is checked as ``locked`` read it (the statement holds
+-- the row's lock: it cannot change meanwhile), never as ``t.status =
+-- 'running'``: that is the running index's predicate, and a plan taking
+-- that index read every entry a claim had left in it since the last
+-- vacuum (dead, and a bitmap scan never marks them so) at every batch,
+-- millions a drain of 20,000 (tests/integration/processes/test_worker_broker.py).
 WITH e AS (
     SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(to_status)b::text[],
                          %(errors)b::text[], %(details)b::text[], %(unrun)b::bool[], %(delay_s)b::float8[])
         AS e(id, token, to_status, error, detail, unrun, delay_s)
 ), locked AS (
-    SELECT t.id FROM todos t
+    SELECT t.id, t.status FROM todos t
     WHERE t.id IN (SELECT id FROM e) AND t.status NOT IN ('done', 'cancelled')
     ORDER BY t.id
     FOR UPDATE SKIP LOCKED
@@ -885,7 +892,8 @@ WITH e AS (
                          ELSE t.run_after END,
         updated_at = now()
     FROM e JOIN locked l ON l.id = e.id
-    WHERE t.id = e.id AND t.status = 'running' AND t.run_token = e.token
+    WHERE t.id = e.id AND t.status NOT IN ('done', 'cancelled') AND l.status = 'running'
+      AND t.run_token = e.token
     RETURNING t.id, e.to_status, e.detail
 ), logged AS (
     INSERT INTO todo_events (todo_id, from_status, to_status, detail)
@@ -905,17 +913,18 @@ WHERE c.id IS NOT NULL
 -- end_runs it waits for no row another transaction holds (the rescuer's, a
 -- cancel's): such a row is answered 'busy'; the others 'extended', or
 -- 'lost' (rescued or cancelled meanwhile: a claim not started yet is not
--- run).
+-- run). The status is checked as ``locked`` read it, as end_runs does.
 WITH x AS (
     SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[]) AS x(id, token)
 ), locked AS (
-    SELECT t.id FROM todos t
+    SELECT t.id, t.status FROM todos t
     WHERE t.id IN (SELECT id FROM x) AND t.status NOT IN ('done', 'cancelled')
     ORDER BY t.id FOR UPDATE SKIP LOCKED
 ), extended AS (
     UPDATE todos t SET lease_until = now() + make_interval(secs => %(lease_s)s)
     FROM x JOIN locked l ON l.id = x.id
-    WHERE t.id = x.id AND t.status = 'running' AND t.run_token = x.token
+    WHERE t.id = x.id AND t.status NOT IN ('done', 'cancelled') AND l.status = 'running'
+      AND t.run_token = x.token
     RETURNING t.id, t.run_token
 )
 -- By run, not by todo: a process may hold an old claim of a todo (rescued
