@@ -788,10 +788,11 @@ FROM claimed ORDER BY id
 
 
 -- name: by_id_session
--- Set on the state writer's and the lease keeper's connections, whose
--- statements reach todos_live's rows by id: each execution is planned
--- against the table as it is at that moment, and never by a sequential
--- scan (a table the statistics still call small may hold a backlog).
+-- Set on the workers' own connections (the claimer, the state writer and
+-- the lease keeper), whose statements reach todos_live's rows by id: each
+-- execution is planned against the table as it is at that moment, and
+-- never by a sequential scan (a table the statistics still call small may
+-- hold a backlog).
 -- todos_live holds the work in flight, a handful of rows while the workers
 -- keep up and a backlog of any size once they fall behind, and its
 -- statistics lag (autovacuum analyzes it a minute later at best; a new
@@ -801,8 +802,7 @@ FROM claimed ORDER BY id
 -- update walked ix_todos_claimable whole for its ids, the ends hashed every
 -- live todo, and PostgreSQL's CPU per todo doubled and tripled as the
 -- backlog grew, a drain slower the more it had to drain (decision 0039).
--- Planning costs 0.4-1.6 ms a statement, for a batch of rows. The claimer
--- keeps one plan instead, shaped to be right at any size (claimer_session).
+-- Planning costs 0.3-1.6 ms a statement, for a batch of rows.
 SELECT set_config('plan_cache_mode', 'force_custom_plan', false), set_config('enable_seqscan', 'off', false)
 
 
@@ -820,16 +820,10 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', false), set_config('en
 -- order itself, is the one plan left; the statement's other sorts (of the
 -- claimed rows, for todo_events and the answer) are in every plan alike.
 --
--- The claim keeps one plan (force_generic_plan), made at its first
--- prepared execution whatever todos_live held then, as the claim is the
--- workers' most frequent statement: planned at each claim, it cost
--- PostgreSQL 0.4-0.6 ms more a claim of 20 (decision 0039). A kept plan
--- must not depend on the table's size, and this one does not: its walk is
--- the claimable index (sorts priced out) and its update's one way to its
--- rows is the primary key by id (claim_todos says why) once sequential
--- scans are priced out too: a plan made on a small table scanned it whole
--- at every claim once a backlog had grown
--- (tests/integration/processes/test_worker_broker.py).
+-- The claim is planned at each execution too (by_id_session, set first):
+-- a plan kept from an emptied, vacuumed todos_live reached the claimed ids
+-- through ix_todos_live_queue_status_id whole (id is its third column),
+-- 1,027 pages for a claim of 8 once a backlog had grown (decision 0039).
 --
 -- A claim's commit is not waited for on disk (synchronous_commit off): it
 -- promises nothing outside the database. Lost in a server crash, the todo
@@ -837,9 +831,7 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', false), set_config('en
 -- its token and is discarded: the handler runs again, at least once, as
 -- after any crash. It takes a WAL flush off each todo's way from store to
 -- done, and off the server's load.
-SELECT set_config('enable_sort', 'off', false), set_config('enable_seqscan', 'off', false),
-       set_config('plan_cache_mode', 'force_generic_plan', false),
-       set_config('synchronous_commit', 'off', false)
+SELECT set_config('enable_sort', 'off', false), set_config('synchronous_commit', 'off', false)
 
 
 -- name: end_runs

@@ -508,6 +508,7 @@ def _by_id_session(pg: psycopg.Connection[Any]) -> None:
 
 
 def _claimer_session(pg: psycopg.Connection[Any]) -> None:
+    _by_id_session(pg)
     pg.execute(queries.CLAIMER_SESSION)  # the claim walks ix_todos_claimable (queries.sql says why)
     pg.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(queries.TODO_CHANNEL)))
     log.info("listening", channel=queries.TODO_CHANNEL)
