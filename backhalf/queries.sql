@@ -748,16 +748,16 @@ FOR UPDATE
 --
 -- The update reaches its rows by ``id = ANY(ARRAY(...))`` alone: an index
 -- probe per row, of ``todos_live`` only (``status NOT IN ('done',
--- 'cancelled')`` leaves that partition alone: ``= ANY`` prunes no
--- partition, a constant status does). Not the claimable two the walk
+-- 'cancelled')`` reaches that partition only: a parameter's ``= ANY``
+-- prunes no partition at planning, a constant status does). Not the claimable two the walk
 -- locked (no one else can change a row this statement locked): naming
 -- these two made ix_todos_claimable a way to the rows, and a plan that
 -- took it read every claimable entry, the whole backlog, for the ids of a
 -- claim. Nor todos_live's four statuses by name: ``status = ANY`` of four
 -- on the primary key's second column made PostgreSQL descend the key four
 -- times per id; ``NOT IN`` is never an index condition, and no partial
--- index's predicate follows from it. The same holds wherever a statement
--- below reaches todos_live by id. Joined to the claimed rows, a generic plan guessed LIMIT $n at a
+-- index's predicate follows from it. end_runs and extend_leases below
+-- reach todos_live so too. Joined to the claimed rows, a generic plan guessed LIMIT $n at a
 -- tenth of the table and hashed the whole primary key (DESIGN.md section
 -- 7b), or probed the key once per pair of rows. The old
 -- status, which todo_events records, comes from ``picked``, joined to
@@ -863,7 +863,8 @@ SELECT set_config('enable_sort', 'off', false), set_config('synchronous_commit',
 -- 'running'``: that is the running index's predicate, and a plan taking
 -- that index read every entry a claim had left in it since the last
 -- vacuum (dead, and a bitmap scan never marks them so) at every batch,
--- millions a drain of 20,000 (tests/integration/processes/test_worker_broker.py).
+-- millions a drain of 20,000
+-- (tests/integration/processes/test_worker_broker.py).
 WITH e AS (
     SELECT * FROM unnest(%(ids)b::int8[], %(tokens)b::uuid[], %(to_status)b::text[],
                          %(errors)b::text[], %(details)b::text[], %(unrun)b::bool[], %(delay_s)b::float8[])
