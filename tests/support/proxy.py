@@ -29,6 +29,10 @@ class Proxy:
         # on a connection that has sent this before (or in that chunk): a
         # COMMIT cut only where it ends a given statement's transaction.
         self.cut_only_after: bytes | None = None
+        # True: never in the chunk that carries cut_only_after itself (a
+        # statement whose text holds cut_after too is cut at its execution,
+        # not as its text is sent).
+        self.cut_in_a_later_chunk = False
         self.cuts = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -78,13 +82,15 @@ class Proxy:
                     await asyncio.sleep(self.latency_s)
                 writer.write(data)
                 await writer.drain()
+                marked_before = sent_marker
                 if upstream and self.cut_only_after is not None and self.cut_only_after in data:
                     sent_marker = True
+                marked = marked_before if self.cut_in_a_later_chunk else sent_marker
                 if (
                     upstream
                     and self.cut_after is not None
                     and self.cut_after in data
-                    and (sent_marker or self.cut_only_after is None)
+                    and (marked or self.cut_only_after is None)
                 ):
                     self.cut_after = None
                     self.cuts += 1

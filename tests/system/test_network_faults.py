@@ -187,6 +187,7 @@ def test_a_workers_end_whose_commit_reply_is_lost_is_written_again_and_found_end
         # after the execution of a batch that ends runs done.
         proxy.cut_only_after = b"AS e(id, token, to_status"
         proxy.cut_after = b"done"
+        proxy.cut_in_a_later_chunk = True  # its text names 'done' too
         worker_config = write_config(
             tmp_path / "worker.toml",
             database_url=with_secret_db(proxy.url_for(db_url)),
