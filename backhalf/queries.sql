@@ -749,16 +749,16 @@ FOR UPDATE
 -- The update reaches its rows by ``id = ANY(ARRAY(...))`` alone: an index
 -- probe per row, of ``todos_live`` only (``status NOT IN ('done',
 -- 'cancelled')`` reaches that partition only: a parameter's ``= ANY``
--- prunes no partition at planning, a constant status does). Not the claimable two the walk
--- locked (no one else can change a row this statement locked): naming
--- these two made ix_todos_claimable a way to the rows, and a plan that
--- took it read every claimable entry, the whole backlog, for the ids of a
--- claim. Nor todos_live's four statuses by name: ``status = ANY`` of four
--- on the primary key's second column made PostgreSQL descend the key four
--- times per id; ``NOT IN`` is never an index condition, and no partial
--- index's predicate follows from it. end_runs and extend_leases below
--- reach todos_live so too. Joined to the claimed rows, a generic plan guessed LIMIT $n at a
--- tenth of the table and hashed the whole primary key (DESIGN.md section
+-- prunes no partition at planning, a constant status does). Not the
+-- claimable two the walk locked (no one else can change a row this
+-- statement locked): naming these two made ix_todos_claimable a way to
+-- the rows, and a plan that took it read every claimable entry, the whole
+-- backlog, for the ids of a claim. Nor todos_live's four statuses by name:
+-- ``status = ANY`` of four on the primary key's second column made
+-- PostgreSQL descend the key four times per id; ``NOT IN`` is never an
+-- index condition, and no partial index's predicate follows from it.
+-- end_runs and extend_leases below reach todos_live so too. Joined to the
+-- claimed rows, a generic plan guessed LIMIT $n at a tenth of the table and hashed the whole primary key (DESIGN.md section
 -- 7b), or probed the key once per pair of rows. The old
 -- status, which todo_events records, comes from ``picked``, joined to
 -- ``claimed`` (two CTEs of a claim's size).
@@ -855,8 +855,9 @@ SELECT set_config('enable_sort', 'off', false), set_config('synchronous_commit',
 -- rescuer, or a store deduping a message to the todo. Waiting would hold up
 -- every other end of the batch, and every batch behind it. The answer has
 -- one row per end that held its todo or found it busy. Only ``todos_live``
--- is read (finished statuses excluded): a todo no longer there finished meanwhile
--- (cancelled), and its end is discarded like any other lost claim's.
+-- is read (finished statuses excluded): a todo no longer there finished
+-- meanwhile (cancelled), and its end is discarded like any other lost
+-- claim's.
 --
 -- The run's status is checked as ``locked`` read it (the statement holds
 -- the row's lock: it cannot change meanwhile), never as ``t.status =

@@ -48,14 +48,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import psycopg
 import structlog
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from backhalf import failpoints, queries
+from backhalf import failpoints
 from backhalf.db import HeldConnection
 from backhalf.errors import ChangeRefused, StoreError
 from backhalf.lifecycle import todos
@@ -150,7 +150,7 @@ class StateWriter:
         # Its own connection, out of the engine's pool for good (its connect
         # hook has pinned synchronous_commit): psycopg's own transactions,
         # without a checkout, ping and reset per batch.
-        self._conn = HeldConnection(self._engine, "state writer", _writer_session)
+        self._conn = HeldConnection(self._engine, "state writer", todos.by_id_session)
         # The running transaction (a sequence number) and its deadline
         # (monotonic), for the watchdog.
         self._lock = threading.Lock()
@@ -450,15 +450,6 @@ class StateWriter:
             except (psycopg.Error, OSError) as exc:
                 # The server is out of reach too: TCP's timeouts end the batch.
                 log.warning("todo_states_cancel_failed", error=f"{type(exc).__name__}: {exc}")
-
-
-def _writer_session(pg: psycopg.Connection[Any]) -> None:
-    """The writer's connection, once made: each batch planned against
-    todos_live as it is now (queries.sql, by_id_session: a plan kept from
-    a quiet moment read every live todo per batch once a backlog had
-    grown). Every statement of this connection reaches todos by id: index
-    scans only, even on a table the statistics still call small."""
-    pg.execute(queries.BY_ID_SESSION)
 
 
 # SQLSTATE classes of a change's own data: data exception (a text holding

@@ -109,6 +109,15 @@ def _fetch_retrying_moved(pg: psycopg.Connection[Any], statement: str, params: d
     raise AssertionError("unreachable")
 
 
+def by_id_session(pg: psycopg.Connection[Any]) -> None:
+    """A worker connection's set-up (the claimer's, the state writer's, the
+    lease keeper's): its statements reach todos_live's rows by id, each
+    planned against the table as it is now, never by a sequential scan
+    (queries.sql, by_id_session: a plan kept from a quiet moment read every
+    live todo per statement once a backlog had grown)."""
+    pg.execute(queries.BY_ID_SESSION)
+
+
 def claim(
     pg: psycopg.Connection[Any],
     queues: Sequence[str],

@@ -147,7 +147,7 @@ class LeaseKeeper:
     def __init__(self, leases: Leases, engine: Engine, lease_s: float) -> None:
         self._leases, self._lease_s = leases, lease_s
         # Its own: each beat one statement, bounded by the engine's timeouts.
-        self._conn = HeldConnection(engine, "lease keeper", _by_id_session)
+        self._conn = HeldConnection(engine, "lease keeper", todos.by_id_session)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="switchboard-leases", daemon=True)
         self._thread.start()
@@ -503,12 +503,8 @@ class Claimer:
         self._conn.discard()
 
 
-def _by_id_session(pg: psycopg.Connection[Any]) -> None:
-    pg.execute(queries.BY_ID_SESSION)  # todos_live grows and shrinks by orders (queries.sql says why)
-
-
 def _claimer_session(pg: psycopg.Connection[Any]) -> None:
-    _by_id_session(pg)
+    todos.by_id_session(pg)
     pg.execute(queries.CLAIMER_SESSION)  # the claim walks ix_todos_claimable (queries.sql says why)
     pg.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(queries.TODO_CHANNEL)))
     log.info("listening", channel=queries.TODO_CHANNEL)
