@@ -44,6 +44,19 @@ class Processes(processes.Processes):
         assert SECRET not in self.logs_text()
 
 
+def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """What a command said on stderr, line by line, less asyncio's own
+    warning that one step of a task took over 0.1 s: -X dev (as the suite
+    runs every process) turns it on, and a loaded machine's imports inside
+    the loop's first step trip it (seen in full runs, never the command's
+    output)."""
+    return [line for line in result.stderr.splitlines() if not _slow_step_in_dev_mode(line)]
+
+
+def _slow_step_in_dev_mode(line: str) -> bool:
+    return line.startswith('{"event": "Executing <') and " took " in line and '"level": "warning"' in line
+
+
 def assert_clean_exit(proc: SwitchboardProcess, code: int) -> None:
     """Exit 0 means no task or thread outlived the run (the CLI checks both);
     -X dev and -W error make unclosed resources loud."""

@@ -16,7 +16,7 @@ from ingest.embedded.servers import PostgresServer, free_port, temp_base
 from ingest.exit_codes import EXIT_CONFIG, EXIT_DATABASE, EXIT_FAILURE
 from tests.support import db
 from tests.support.config import stream_adapter, write_config
-from tests.support.processes import SECRET, switchboard
+from tests.support.processes import SECRET, error_lines, switchboard
 from tests.support.servers import ServerUrls
 
 pytestmark = pytest.mark.system
@@ -33,17 +33,10 @@ SHORT_VERBS = [
 VERB_IDS = [" ".join(v) for v in SHORT_VERBS]
 
 
-def _slow_step_in_dev_mode(line: str) -> bool:
-    """asyncio's own warning under ``-X dev`` (as the suite runs every
-    process) when one step of a task took over 0.1 s: a loaded machine's
-    timing, never the command's output (seen once in a full run)."""
-    return line.startswith('{"event": "Executing <') and " took " in line and '"level": "warning"' in line
-
-
 def one_line(result: subprocess.CompletedProcess[str]) -> str:
     """The whole of stderr is one line (besides asyncio's dev-mode timing
     warnings); nothing anywhere shows the secret."""
-    lines = [line for line in result.stderr.splitlines() if not _slow_step_in_dev_mode(line)]
+    lines = error_lines(result)
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert SECRET not in result.stderr + result.stdout
@@ -166,7 +159,7 @@ def test_config_is_a_directory(tmp_path: Path) -> None:
     for verb in (("status",), ("ingest",)):
         result = switchboard("--config", str(tmp_path), *verb)
         assert result.returncode == EXIT_CONFIG
-        (line,) = [line for line in result.stderr.splitlines() if line.startswith("switchboard")]
+        (line,) = [line for line in error_lines(result) if line.startswith("switchboard")]
         expected = f"config file {str(tmp_path)!r} is a directory: give --config the TOML file itself"
         assert line == f"switchboard: config error: {expected}"
 
@@ -225,7 +218,7 @@ def test_bad_urls_are_config_errors_that_never_echo_them(
         assert f"'{piece}" not in out
     assert SECRET not in out
     assert "Traceback" not in out
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("switchboard")]
+    (line,) = [line for line in error_lines(result) if line.startswith("switchboard")]
     assert line.startswith(f"switchboard: config error: {message}")
 
 
@@ -266,7 +259,7 @@ def test_worker_config_errors_stop_it_at_once(
     assert result.returncode == EXIT_CONFIG, result.stderr
     # Its stderr is a log (JSON lines) around the one line for people.
     assert "Traceback" not in result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("switchboard")]
+    (line,) = [line for line in error_lines(result) if line.startswith("switchboard")]
     assert line.startswith(f"switchboard worker: config error: {message}")
     if "cannot import" in message:  # and how to make it importable (issue 24)
         assert "PYTHONPATH" in line

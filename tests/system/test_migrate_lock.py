@@ -12,7 +12,7 @@ import pytest
 
 from ingest.exit_codes import EXIT_CONFIG, EXIT_FAILURE
 from tests.support import db
-from tests.support.processes import SECRET, switchboard
+from tests.support.processes import SECRET, error_lines, switchboard
 from tests.support.servers import ServerUrls
 
 pytestmark = pytest.mark.system
@@ -30,7 +30,7 @@ def test_migrate_gives_up_on_a_held_lock_with_one_line_naming_its_holder(servers
             took = time.monotonic() - start
             pid = holder.info.backend_pid
         assert result.returncode == EXIT_FAILURE, result.stderr
-        lines = result.stderr.strip().splitlines()
+        lines = error_lines(result)
         assert len(lines) == 1, result.stderr
         assert lines[0].startswith("switchboard migrate: another migrate (PostgreSQL backend pid ")
         assert f"pid {pid}) holds the migration lock: gave up after 1 s" in lines[0]

@@ -27,6 +27,7 @@ from tests.support.processes import (
     SECRET,
     Processes,
     assert_clean_exit,
+    error_lines,
     switchboard,
     with_secret_db,
     with_secret_redis,
@@ -275,7 +276,7 @@ def test_an_unmigrated_database_stops_the_process_with_one_line(
     finally:
         db.drop_test_database(servers.database, url)
     assert result.returncode == EXIT_DATABASE, result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("switchboard")]
+    (line,) = [line for line in error_lines(result) if line.startswith("switchboard")]
     assert line.startswith(
         f"switchboard {verb}: the database has no Switchboard tables (undefined table):"
         " run `switchboard migrate` first [database "
@@ -305,7 +306,7 @@ def test_a_missing_database_or_role_stops_the_process(
     )
     result = switchboard("--config", str(config), verb, timeout_s=PROMPT_EXIT_S)
     assert result.returncode == EXIT_DATABASE, result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("switchboard")]
+    (line,) = [line for line in error_lines(result) if line.startswith("switchboard")]
     assert needle in line
     assert "Traceback" not in result.stderr
 

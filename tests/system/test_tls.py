@@ -36,7 +36,7 @@ from ingest.exit_codes import EXIT_DATABASE
 from tests.support.config import stream_adapter, write_config
 from tests.support.db import query, scalar
 from tests.support.oracle import assert_exactly_once, wait_all_acked
-from tests.support.processes import SECRET, Processes, assert_clean_exit, switchboard
+from tests.support.processes import SECRET, Processes, assert_clean_exit, error_lines, switchboard
 from tests.support.proxy import Proxy, proxy_to
 from tests.support.streams import produce
 from tests.support.tls import Authority, Pair, make_authority
@@ -129,7 +129,7 @@ def _strict_redis_query(authority: Authority) -> str:
 
 
 def _one_line(result: subprocess.CompletedProcess[str]) -> str:
-    lines = result.stderr.splitlines()
+    lines = error_lines(result)
     assert len(lines) == 1, result.stderr
     assert SECRET not in result.stdout + result.stderr
     return lines[0]

@@ -17,7 +17,7 @@ import pytest
 from backhalf.db import libpq_url
 from ingest.embedded.processes import wait_for
 from tests.support import db
-from tests.support.processes import SECRET, switchboard
+from tests.support.processes import SECRET, error_lines, switchboard
 
 pytestmark = pytest.mark.system
 
@@ -178,7 +178,7 @@ def test_an_unknown_status_is_a_one_line_usage_error(todos_cli: Any, db_url: str
     result = todos_cli("list", "--status", bad)
     assert result.returncode == 2
     assert result.stdout == ""
-    (line,) = result.stderr.splitlines()
+    (line,) = error_lines(result)
     assert "--status" in line
     assert repr(bad) in line
     assert "'failed'" in line  # names the statuses it takes
@@ -270,7 +270,7 @@ def test_show_of_a_missing_id_is_one_line_naming_it(todos_cli: Any, db_url: str)
         result = todos_cli(*args)
         assert result.returncode == 1
         assert result.stdout == ""
-        (line,) = result.stderr.splitlines()
+        (line,) = error_lines(result)
         assert "987654" in line
         assert "does not exist" in line
 
@@ -315,7 +315,7 @@ def test_retry_refuses_todos_not_failed_or_cancelled_and_does_the_rest(todos_cli
     assert result.stdout.splitlines() == [
         f"todo {ids['failed']}: pending again (was failed), attempts reset to 0"
     ]
-    refusals = result.stderr.splitlines()
+    refusals = error_lines(result)
     assert len(refusals) == 4
     for line, (todo, status) in zip(
         refusals,
@@ -338,7 +338,7 @@ def test_retry_is_refused_while_an_active_todo_holds_the_same_queue_and_key(
     elsewhere = insert_todo(db_url, "dup", "cancelled", queue="billing")  # another queue: no conflict
     result = todos_cli("retry", str(old), str(elsewhere))
     assert result.returncode == 1
-    (line,) = result.stderr.splitlines()
+    (line,) = error_lines(result)
     assert f"todo {old} " in line
     assert f"todo {holder} (running)" in line
     assert "'dup'" in line
@@ -391,7 +391,7 @@ def test_retry_racing_a_new_active_todo_reports_the_unique_violation_as_a_refusa
     (result,) = results
     assert result.returncode == 1, result.stderr
     assert result.stdout == ""
-    (line,) = result.stderr.splitlines()
+    (line,) = error_lines(result)
     assert f"todo {old} " in line
     assert f"todo {holder[0]} (pending)" in line
     assert todo_row(db_url, old) == ("failed", 3, True, None)
@@ -433,7 +433,7 @@ def test_cancel_refuses_finished_and_missing_todos(todos_cli: Any, db_url: str) 
     )
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"todo {ids['pending']}: cancelled (was pending)"]
-    refusals = result.stderr.splitlines()
+    refusals = error_lines(result)
     assert len(refusals) == 4
     for line, (todo, status) in zip(
         refusals,

@@ -20,7 +20,7 @@ from ingest.embedded.processes import wait_for
 from tests.support import db
 from tests.support.config import stream_adapter
 from tests.support.downstream import QUEUE, statuses, stop_all
-from tests.support.processes import SECRET, Processes, switchboard
+from tests.support.processes import SECRET, Processes, error_lines, switchboard
 
 pytestmark = pytest.mark.system
 
@@ -38,7 +38,7 @@ def cli(config: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
 
 
 def one_line(result: subprocess.CompletedProcess[str]) -> str:
-    (line,) = result.stderr.splitlines()
+    (line,) = error_lines(result)
     return line
 
 
