@@ -115,54 +115,32 @@
 -- LISTEN/NOTIFY and pg_advisory_lock (migrate's lock) need no grant.
 
 
--- The roles, each created once.
+-- The roles, each created once: the migrator, a role per kind of process
+-- (the grants below), and a login in each.
 DO $roles$
+DECLARE
+    r record;
 BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_migrator') THEN
-        CREATE ROLE switchboard_migrator LOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_ingester') THEN
-        CREATE ROLE switchboard_ingester NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_receiver') THEN
-        CREATE ROLE switchboard_receiver NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_acker') THEN
-        CREATE ROLE switchboard_acker NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_worker') THEN
-        CREATE ROLE switchboard_worker NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_operator') THEN
-        CREATE ROLE switchboard_operator NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_viewer') THEN
-        CREATE ROLE switchboard_viewer NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_auditor') THEN
-        CREATE ROLE switchboard_auditor NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_ingester_login') THEN
-        CREATE ROLE switchboard_ingester_login LOGIN IN ROLE switchboard_ingester;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_receiver_login') THEN
-        CREATE ROLE switchboard_receiver_login LOGIN IN ROLE switchboard_receiver;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_acker_login') THEN
-        CREATE ROLE switchboard_acker_login LOGIN IN ROLE switchboard_acker;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_worker_login') THEN
-        CREATE ROLE switchboard_worker_login LOGIN IN ROLE switchboard_worker;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_operator_login') THEN
-        CREATE ROLE switchboard_operator_login LOGIN IN ROLE switchboard_operator;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_viewer_login') THEN
-        CREATE ROLE switchboard_viewer_login LOGIN IN ROLE switchboard_viewer;
-    END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'switchboard_auditor_login') THEN
-        CREATE ROLE switchboard_auditor_login LOGIN IN ROLE switchboard_auditor;
-    END IF;
+    FOR r IN
+        SELECT kind, login, member_of FROM (VALUES
+            ('switchboard_migrator', true, NULL),
+            ('switchboard_ingester', false, NULL), ('switchboard_receiver', false, NULL),
+            ('switchboard_acker', false, NULL), ('switchboard_worker', false, NULL),
+            ('switchboard_operator', false, NULL), ('switchboard_viewer', false, NULL),
+            ('switchboard_auditor', false, NULL),
+            ('switchboard_ingester_login', true, 'switchboard_ingester'),
+            ('switchboard_receiver_login', true, 'switchboard_receiver'),
+            ('switchboard_acker_login', true, 'switchboard_acker'),
+            ('switchboard_worker_login', true, 'switchboard_worker'),
+            ('switchboard_operator_login', true, 'switchboard_operator'),
+            ('switchboard_viewer_login', true, 'switchboard_viewer'),
+            ('switchboard_auditor_login', true, 'switchboard_auditor')
+        ) AS roles(kind, login, member_of)
+    LOOP
+        CONTINUE WHEN EXISTS (SELECT FROM pg_roles WHERE rolname = r.kind);
+        EXECUTE format('CREATE ROLE %I %s', r.kind, CASE WHEN r.login THEN 'LOGIN' ELSE 'NOLOGIN' END)
+            || CASE WHEN r.member_of IS NULL THEN '' ELSE format(' IN ROLE %I', r.member_of) END;
+    END LOOP;
 END
 $roles$;
 

@@ -170,6 +170,12 @@ def _count(cte: Any, *where: Any) -> Any:
     return sa.select(sa.func.count()).select_from(cte).where(*where).scalar_subquery()
 
 
+def _mine(scan: Any, edge: Any, columns: list[Any], *where: Any) -> Any:
+    """The scanned rows this batch may take (``where``), up to the first
+    one newer than its cutoff (``edge``), each with whether it is done."""
+    return sa.select(*columns).where(*where, sa.or_(edge.is_(None), scan.c.id < edge)).cte("mine")
+
+
 def _summary(scan: Any, edge: Any) -> list[Any]:
     """What every batch reports of its scan: rows read, the last id, where
     the walk met rows newer than its cutoff."""
@@ -239,6 +245,15 @@ def _locked(table: sa.Table, mine: sa.CTE, still_prunable: tuple[sa.ColumnElemen
     )
 
 
+def _deleted(
+    table: sa.Table, mine: sa.CTE, still_prunable: tuple[sa.ColumnElement[bool], ...], *also: Any
+) -> sa.Delete:
+    """The delete of the walk's done rows this batch locked (:func:`_locked`),
+    each still prunable and ``also``; the caller names what it returns."""
+    locked = _locked(table, mine, still_prunable)
+    return sa.delete(table).where(table.c.id == _array_of(sa.select(locked.c.id)), *still_prunable, *also)
+
+
 def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
     scan_query = sa.select(
         inbox.c.id, inbox.c.adapter, inbox.c.status, inbox.c.ack_state, inbox.c.stored_at, inbox.c.event_id
@@ -252,16 +267,12 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False
         )
     scan = scan_query.order_by(inbox.c.id).limit(sa.bindparam("limit", type_=sa.Integer)).cte("scan")
     edge = sa.select(sa.func.min(scan.c.id)).where(scan.c.stored_at >= _inbox_cutoff()).scalar_subquery()
-    mine = (
-        sa.select(
-            scan.c.id, scan.c.adapter, scan.c.event_id, _inbox_done(scan, dry_run=dry_run).label("done")
-        )
-        .where(
-            scan.c.adapter == _ADAPTERS,
-            scan.c.status == sa.bindparam("status"),
-            sa.or_(edge.is_(None), scan.c.id < edge),
-        )
-        .cte("mine")
+    mine = _mine(
+        scan,
+        edge,
+        [scan.c.id, scan.c.adapter, scan.c.event_id, _inbox_done(scan, dry_run=dry_run).label("done")],
+        scan.c.adapter == _ADAPTERS,
+        scan.c.status == sa.bindparam("status"),
     )
     summary = _summary(scan, edge)
     if dry_run:
@@ -279,15 +290,9 @@ def _inbox_statement(status: InboxStatus, *, dry_run: bool, by_ids: bool = False
         inbox.c.stored_at < _inbox_cutoff(),
         ~sa.exists().where(ack_queue.c.inbox_id == inbox.c.id),
     )
-    locked = _locked(inbox, mine, still_prunable)
     # Its event's age is read once the row is locked: an event never changes.
     gone = (
-        sa.delete(inbox)
-        .where(
-            inbox.c.id == _array_of(sa.select(locked.c.id)),
-            *still_prunable,
-            ~_younger_event(inbox.c.event_id),
-        )
+        _deleted(inbox, mine, still_prunable, ~_younger_event(inbox.c.event_id))
         .returning(inbox.c.id, inbox.c.adapter, inbox.c.event_id)
         .cte("gone")
     )
@@ -397,16 +402,14 @@ def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
     # updated_at >= created_at: a todo created after the cutoff cannot have
     # finished before it, and created_at follows the id.
     edge = sa.select(sa.func.min(scan.c.id)).where(scan.c.created_at >= _todo_cutoff()).scalar_subquery()
-    mine = (
-        sa.select(scan.c.id, _todo_done(scan, statuses, dry_run=dry_run).label("done"))
-        .where(
-            scan.c.queue == sa.bindparam("queue"),
-            # An active todo may still end in this walk's statuses: it holds
-            # the walk's restart point. Other terminal ones are not its own.
-            sa.or_(scan.c.status.in_(statuses), scan.c.status.in_(ACTIVE_TODO_STATUSES)),
-            sa.or_(edge.is_(None), scan.c.id < edge),
-        )
-        .cte("mine")
+    mine = _mine(
+        scan,
+        edge,
+        [scan.c.id, _todo_done(scan, statuses, dry_run=dry_run).label("done")],
+        scan.c.queue == sa.bindparam("queue"),
+        # An active todo may still end in this walk's statuses: it holds
+        # the walk's restart point. Other terminal ones are not its own.
+        sa.or_(scan.c.status.in_(statuses), scan.c.status.in_(ACTIVE_TODO_STATUSES)),
     )
     summary = _summary(scan, edge)
     if dry_run:
@@ -427,14 +430,8 @@ def _todos_statement(*, dry_run: bool, by_ids: bool = False) -> sa.Select[Any]:
         # transaction that ends the todo, so none should be left; kept if one is.
         ~sa.exists().where(ack_queue.c.waiting_for == todos.c.id),
     )
-    locked = _locked(todos, mine, still_prunable)
     gone = (
-        sa.delete(todos)
-        .where(
-            todos.c.id == _array_of(sa.select(locked.c.id)), *still_prunable, ~_younger_history(todos.c.id)
-        )
-        .returning(todos.c.id)
-        .cte("gone")
+        _deleted(todos, mine, still_prunable, ~_younger_history(todos.c.id)).returning(todos.c.id).cte("gone")
     )
     gone_events = (
         sa.delete(todo_events)

@@ -8,13 +8,13 @@ import dataclasses
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from backhalf.writes.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
+from backhalf.writes.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema
 from backhalf.writes.keys import native_key
 from backhalf.writes.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
+from ingest.config.body import Format, SchemaTimeoutMs, body_schema
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, Setting, check_keys, days, got, string
 from ingest.config.transport import DefaultBroker, TransportDefinition, Values
 from ingest.config.transports import DEFAULT_TRANSPORT, default, definitions
@@ -88,15 +88,6 @@ def _ack_after(where: str, value: Any) -> str:
     if value not in ACK_AFTER:
         raise ConfigError(f'{where} must be "store" or "complete" {got(value, ACK_AFTER)}')
     return str(value)
-
-
-def _format(where: str, value: Any) -> BodyFormat:
-    try:
-        return BodyFormat(value)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{where} must be json, text or bytes {got(value, [f.value for f in BodyFormat])}"
-        ) from exc
 
 
 # Retention (issue 14). A stream entry id is deduplicated only while its inbox
@@ -181,12 +172,7 @@ class AdapterConfig:
             " hold an ack that long; see [Workers](workers.md#acking-on-completion-ack_after--complete)",
         ),
     ] = "store"
-    format: Annotated[
-        BodyFormat,
-        Key(
-            parse=_format, doc="`json`, `text` or `bytes`: how the body is read ([messages.md](messages.md))"
-        ),
-    ] = BodyFormat.JSON
+    format: Format = BodyFormat.JSON
     consumer: Annotated[
         str,
         Key(doc="unique per ingester process; `ingest --consumer` overrides it", default_doc="the host name"),
@@ -261,10 +247,7 @@ class AdapterConfig:
             ' its references resolved at start-up ([messages.md](messages.md)); not for `format = "bytes"`',
         ),
     ] = None
-    # So a producer cannot stall the ingester.
-    schema_timeout_ms: Annotated[
-        int, Key(doc="a body whose validation takes longer is rejected (`validation_timeout`)")
-    ] = DEFAULT_SCHEMA_TIMEOUT_MS
+    schema_timeout_ms: SchemaTimeoutMs = DEFAULT_SCHEMA_TIMEOUT_MS
     # Retention (the acker's pruner, `switchboard prune`), checked against
     # the redelivery horizon above.
     retain_acked_days: Annotated[
@@ -302,14 +285,8 @@ class AdapterConfig:
         """What goes into ``adapters.settings``: the settings that apply to
         this adapter's mode, never the broker URL; an unset ``schema`` is left
         out."""
-        public: dict[str, Any] = {}
         own = definitions()[self.transport].keys
-        for section, holder in ((ADAPTERS, self), (own, self.options)):
-            for s in section.settings:
-                value = getattr(holder, s.attr)
-                if s.key.public and s.key.applies_to(self.mode) and value is not None:
-                    public[s.name] = value.value if isinstance(value, Enum) else value
-        return public
+        return {**ADAPTERS.public_values(self, self.mode), **own.public_values(self.options, self.mode)}
 
 
 ADAPTERS = Section(
@@ -434,7 +411,7 @@ def _adapter(
     credentials = definition.credentials(label, {**values, **own})
     values["broker"] = BrokerUrl.resolve(label, values["broker"], env, **credentials)
     options = definition.keys.cls(**own)
-    return AdapterConfig(**{**values, **_body_schema(label, values, base_dir)}, options=options)
+    return AdapterConfig(**{**values, **body_schema(label, values, base_dir)}, options=options)
 
 
 def _transport_defaults(
@@ -452,22 +429,6 @@ def _transport_defaults(
     if definition.table_defaults is not None:
         defaults.update(definition.table_defaults(raw, default_broker))
     return defaults
-
-
-def _body_schema(label: str, values: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
-    """``schema``: a JSON Schema file, relative to the config file's directory,
-    its references resolved now (never while messages arrive)."""
-    if values["schema"] is None:
-        return {}
-    path = Path(values["schema"])
-    if values["format"] is BodyFormat.BYTES:
-        raise ConfigError(f"{label}: key 'schema' cannot apply to format = \"bytes\" (nothing is decoded)")
-    path = path if path.is_absolute() else base_dir / path
-    try:
-        body_schema = BodySchema.load(path, timeout_ms=values["schema_timeout_ms"])
-        return {"schema": str(path), "body_schema": body_schema}
-    except SchemaFileError as exc:
-        raise ConfigError(f"{label}: key 'schema': {exc}") from exc
 
 
 def source_identity(a: AdapterConfig) -> tuple[str, ...]:

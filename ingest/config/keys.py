@@ -16,6 +16,7 @@ import difflib
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 from ingest.errors import ConfigError
@@ -224,6 +225,16 @@ class Section:
 
     def names(self) -> frozenset[str]:
         return frozenset(s.name for s in self.settings)
+
+    def public_values(self, holder: object, mode: str) -> dict[str, Any]:
+        """``holder``'s public keys that apply to ``mode`` and are set, an
+        enum by its value: what ``adapters.settings`` shows of them."""
+        public: dict[str, Any] = {}
+        for s in self.settings:
+            value = getattr(holder, s.attr)
+            if s.key.public and s.key.applies_to(mode) and value is not None:
+                public[s.name] = value.value if isinstance(value, Enum) else value
+        return public
 
     def read(
         self,

@@ -77,6 +77,16 @@ class Reader:
     read: str
     hint: str
 
+    @classmethod
+    def per_group(cls, identity: tuple[str, ...], group: str, read: str) -> Reader:
+        """A source each consumer group reads once (fan-out is a group each)."""
+        return cls((*identity, group), "group", read, "fan-out needs a distinct group")
+
+    @classmethod
+    def per_source(cls, identity: tuple[str, ...], read: str, hint: str) -> Reader:
+        """A source read by one adapter only; ``hint`` says what fans out instead."""
+        return cls(identity, "source", read, hint)
+
 
 def no_credential_rule(label: str, values: Values) -> dict[str, str | None]:
     """User name and password variables as the table gives them."""

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from backhalf.writes.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema, SchemaFileError
+from backhalf.writes.body_schema import DEFAULT_SCHEMA_TIMEOUT_MS, BodySchema
 from backhalf.writes.keys import native_key
 from backhalf.writes.normalize import DEFAULT_MAX_MESSAGE_BYTES, BodyFormat
+from ingest.config.body import Format, SchemaTimeoutMs, body_schema
 from ingest.config.keys import DAYS_TYPE, Derived, Key, Rule, Section, days, got, string
 from ingest.config.urls import env_name
 from ingest.errors import ConfigError
@@ -73,15 +74,6 @@ def _secret_names(where: str, value: Any) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ConfigError(f"{where} names a variable twice")
     return names
-
-
-def _format(where: str, value: Any) -> BodyFormat:
-    try:
-        return BodyFormat(value)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{where} must be json, text or bytes {got(value, [f.value for f in BodyFormat])}"
-        ) from exc
 
 
 def _covers_sender_retries(key: str) -> Rule:
@@ -156,12 +148,7 @@ class WebhookConfig:
             doc="a delivery whose signed timestamp is further than this from now is refused (401)",
         ),
     ] = 300
-    format: Annotated[
-        BodyFormat,
-        Key(
-            parse=_format, doc="`json`, `text` or `bytes`: how the body is read ([messages.md](messages.md))"
-        ),
-    ] = BodyFormat.JSON
+    format: Format = BodyFormat.JSON
     max_message_bytes: Annotated[
         int, Key(maximum=MAX_BODY_BYTES, doc="a larger body is refused (413), nothing stored")
     ] = DEFAULT_MAX_MESSAGE_BYTES
@@ -173,9 +160,7 @@ class WebhookConfig:
             " relative to the config file",
         ),
     ] = None
-    schema_timeout_ms: Annotated[
-        int, Key(doc="a body whose validation takes longer is rejected (`validation_timeout`)")
-    ] = DEFAULT_SCHEMA_TIMEOUT_MS
+    schema_timeout_ms: SchemaTimeoutMs = DEFAULT_SCHEMA_TIMEOUT_MS
     retain_acked_days: Annotated[
         float | None,
         _retention(
@@ -198,12 +183,7 @@ class WebhookConfig:
 
     def public_settings(self) -> dict[str, Any]:
         """What goes into ``adapters.settings``: never the secrets' names."""
-        public: dict[str, Any] = {}
-        for s in WEBHOOKS.settings:
-            value = getattr(self, s.attr)
-            if s.key.public and s.key.applies_to(self.mode) and value is not None:
-                public[s.name] = value.value if isinstance(value, BodyFormat) else value
-        return public
+        return WEBHOOKS.public_values(self, self.mode)
 
 
 WEBHOOKS = Section(
@@ -217,22 +197,7 @@ WEBHOOKS = Section(
 def read_webhook(label: str, raw: Mapping[str, Any], base_dir: Path) -> WebhookConfig:
     name = raw.get("name")
     values = WEBHOOKS.read(label, raw, defaults={"queue": name, "source": name})
-    schema: dict[str, Any] = {}
-    if values["schema"] is not None:
-        if values["format"] is BodyFormat.BYTES:
-            raise ConfigError(
-                f"{label}: key 'schema' cannot apply to format = \"bytes\" (nothing is decoded)"
-            )
-        path = Path(values["schema"])
-        path = path if path.is_absolute() else base_dir / path
-        try:
-            schema = {
-                "schema": str(path),
-                "body_schema": BodySchema.load(path, timeout_ms=values["schema_timeout_ms"]),
-            }
-        except SchemaFileError as exc:
-            raise ConfigError(f"{label}: key 'schema': {exc}") from exc
-    return WebhookConfig(**{**values, **schema})
+    return WebhookConfig(**{**values, **body_schema(label, values, base_dir)})
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """What ``switchboard demo``'s sources share: the :class:`DemoSource`
-protocol, the adapter table's common part, and :class:`LoopThread` for an
+protocol, the adapter table (:func:`demo_adapter`), and :class:`LoopThread` for an
 asyncio client driven from the demo's main thread. Each transport's source
 is its own, ``ingest/adapters/<name>/demo.py``, loaded by name for a demo on
 it: its ``opened(base)`` starts its server in ``base`` and yields the source
@@ -40,8 +40,11 @@ class DemoSource(Protocol):
     def unacked(self) -> int: ...
 
 
-def common_adapter() -> dict[str, Any]:
-    return {"name": "orders", "queue": "orders", "ack_after": "store", "batch_size": 200, "block_ms": 200}
+def demo_adapter(transport: str, mode: str, source: str, url: str, **own: Any) -> dict[str, Any]:
+    """The demo's adapter table on ``transport``: what every source shares,
+    its own mode, source and URL, and ``own`` keys of its transport."""
+    return {"name": "orders", "queue": "orders", "ack_after": "store", "batch_size": 200, "block_ms": 200,
+            "transport": transport, "mode": mode, "source": source, "url": url, **own}  # fmt: skip
 
 
 def _module(transport: str) -> ModuleType:
@@ -118,3 +121,40 @@ class LoopThread:
             self._thread.join(timeout_s)
             if not self._thread.is_alive():
                 self._loop.close()
+
+
+class AsyncClientSource:
+    """A source whose broker client is asyncio only, driven from the demo's
+    main thread on a :class:`LoopThread` of its own: ``_open`` runs at
+    construction (the subclass sets what it needs first), ``_close`` at
+    :meth:`close`, which a failed open calls too."""
+
+    process_env: dict[str, str]
+    CALL_TIMEOUT_S = 10.0
+    # A chunk's publishes, each confirmed by the broker, with room to spare.
+    PRODUCE_TIMEOUT_S = 60.0
+
+    def __init__(self, thread_name: str) -> None:
+        self.process_env = {}
+        self._loop = LoopThread(thread_name)
+        try:
+            self._loop.call(self._open, self.CALL_TIMEOUT_S * 3)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _open(self) -> None:
+        raise NotImplementedError
+
+    async def _close(self) -> None:
+        """Close what ``_open`` opened, as far as it got."""
+        raise NotImplementedError
+
+    def _call(self, make: Callable[[], Awaitable[_T]], timeout_s: float | None = None) -> _T:
+        return self._loop.call(make, self.CALL_TIMEOUT_S if timeout_s is None else timeout_s)
+
+    def close(self) -> None:
+        try:
+            self._loop.call(self._close, self.CALL_TIMEOUT_S)
+        finally:
+            self._loop.close(self.CALL_TIMEOUT_S)

@@ -11,11 +11,14 @@ import contextlib
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ingest.embedded import rabbitmq_server as kit
-from ingest.embedded.demo_sources import LoopThread, common_adapter
+from ingest.embedded.demo_sources import AsyncClientSource, demo_adapter
 from ingest.embedded.rabbitmq_server import RabbitMqServer
+
+if TYPE_CHECKING:
+    from aio_pika.abc import AbstractChannel, AbstractConnection
 
 AMQP_QUEUE = "orders"
 
@@ -30,47 +33,38 @@ def missing() -> str | None:
     return f"--transport amqp runs a RabbitMQ of its own from the system's package: {why}{how}"
 
 
-class AmqpSource:
+class AmqpSource(AsyncClientSource):
     """A durable classic queue on the demo's own RabbitMQ, through aio-pika
-    (the amqp extra, which the embedded kit installs) on an event loop of its
-    own thread (``LoopThread``), kept for the demo's length. Each order is
-    published persistent and confirmed by the broker; its ``message_id`` is
-    its body's digest, the key the adapter would derive itself from a
-    message without one (aio-pika would otherwise stamp a random id on each)."""
+    (the amqp extra, which the embedded kit installs), kept for the demo's
+    length. Each order is published persistent and confirmed by the broker;
+    its ``message_id`` is its body's digest, the key the adapter would derive
+    itself from a message without one (aio-pika would otherwise stamp a
+    random id on each)."""
 
     transport = "amqp"
     source_word = "queue"
     ack_word = "basic.ack"
     unacked_label = "left in the RabbitMQ queue"
     restart_note = "the broker put back in the queue what its channel held unacked, as its connection ended"
-    CALL_TIMEOUT_S = 10.0
-    # A chunk's publishes and their confirms, with room to spare.
-    PRODUCE_TIMEOUT_S = 60.0
 
     def __init__(self, server: RabbitMqServer) -> None:
-        import aio_pika  # the amqp extra, which the embedded kit installs
-        from aio_pika.abc import AbstractChannel, AbstractConnection
-
         self._server = server
-        self.process_env: dict[str, str] = {}
         self._connection: AbstractConnection | None = None
-        self._loop = LoopThread("demo-amqp")
+        super().__init__("demo-amqp")
 
-        async def open_channel() -> AbstractChannel:
-            self._connection = await aio_pika.connect(server.url, timeout=self.CALL_TIMEOUT_S)
-            channel = await self._connection.channel(publisher_confirms=True)
-            await channel.declare_queue(AMQP_QUEUE, durable=True, timeout=self.CALL_TIMEOUT_S)
-            return channel
+    async def _open(self) -> None:
+        import aio_pika  # the amqp extra, which the embedded kit installs
 
-        try:
-            self._channel = self._loop.call(open_channel, self.CALL_TIMEOUT_S * 3)
-        except BaseException:
-            self.close()
-            raise
+        self._connection = await aio_pika.connect(self._server.url, timeout=self.CALL_TIMEOUT_S)
+        self._channel: AbstractChannel = await self._connection.channel(publisher_confirms=True)
+        await self._channel.declare_queue(AMQP_QUEUE, durable=True, timeout=self.CALL_TIMEOUT_S)
+
+    async def _close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
 
     def adapter(self) -> dict[str, Any]:
-        return {**common_adapter(), "transport": "amqp", "mode": "queue", "source": AMQP_QUEUE,
-                "url": self._server.url}  # fmt: skip
+        return demo_adapter("amqp", "queue", AMQP_QUEUE, self._server.url)
 
     def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
         """Publish the chunk's messages at once, then wait for every confirm
@@ -93,23 +87,13 @@ class AmqpSource:
             if refused:
                 raise RuntimeError(f"RabbitMQ refused {len(refused)} of the demo's messages: {refused[0]!r}")
 
-        self._loop.call(publish, self.PRODUCE_TIMEOUT_S)
+        self._call(publish, self.PRODUCE_TIMEOUT_S)
 
     def unacked(self) -> int:
         """Ready and delivered-but-unacked: every message not yet acked, the
         broker's own figures (AMQP tells no unacked count)."""
         ready, unacked, _consumers = self._server.queue_counts(AMQP_QUEUE)
         return ready + unacked
-
-    def close(self) -> None:
-        async def close_connection() -> None:
-            if self._connection is not None:
-                await self._connection.close()
-
-        try:
-            self._loop.call(close_connection, self.CALL_TIMEOUT_S)
-        finally:
-            self._loop.close(self.CALL_TIMEOUT_S)
 
 
 @contextlib.contextmanager

@@ -64,9 +64,8 @@ def url_identity(parts: SplitResult) -> tuple[str, ...]:
 
 
 def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
-    return Reader(
+    return Reader.per_source(
         identity,
-        "source",
         f"AMQP queue {a.source!r}",
         "one adapter per queue (fan-out is an exchange bound to several queues); run more ingesters",
     )

@@ -9,21 +9,24 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ingest.embedded.demo_sources import GROUP, LoopThread, common_adapter
+from ingest.embedded.demo_sources import GROUP, AsyncClientSource, demo_adapter
 from ingest.embedded.nats_server import nats_server
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
 
 NATS_STREAM = "ORDERS"
 NATS_SUBJECT = "ORDERS.new"
 
 
-class NatsSource:
+class NatsSource(AsyncClientSource):
     """A JetStream stream on the demo's own nats-server, through nats-py
-    (asyncio only) on an event loop of its own thread (``LoopThread``: a
-    stop signal must not land inside the loop's callbacks, where nats-py
-    would log it as a connection error and time out), kept for the demo's
-    length."""
+    (asyncio only; a stop signal must not land inside the loop's callbacks,
+    where nats-py would log it as a connection error and time out), kept for
+    the demo's length."""
 
     transport = "nats"
     source_word = "stream"
@@ -32,42 +35,27 @@ class NatsSource:
     # The demo's ack_wait: what the killed ingester held comes back this soon.
     ACK_WAIT_MS = 3000
     restart_note = f"what it held and never stored comes back after ack_wait ({ACK_WAIT_MS} ms)"
-    CALL_TIMEOUT_S = 10.0
-    # A chunk's publishes, each acked by the stream, with room to spare.
-    PRODUCE_TIMEOUT_S = 60.0
 
     def __init__(self, url: str) -> None:
-        import nats  # the nats extra, which the embedded kit installs
-        from nats.aio.client import Client
-        from nats.js import JetStreamContext
-
         self._url = url
-        self.process_env: dict[str, str] = {}
         self._client: Client | None = None
-        self._loop = LoopThread("demo-nats")
+        super().__init__("demo-nats")
 
-        async def open_stream() -> JetStreamContext:
-            self._client = await nats.connect(url, allow_reconnect=False, connect_timeout=5)
-            js = self._client.jetstream(timeout=self.CALL_TIMEOUT_S)
-            await js.add_stream(name=NATS_STREAM, subjects=[f"{NATS_STREAM}.>"])
-            return js
+    async def _open(self) -> None:
+        import nats  # the nats extra, which the embedded kit installs
 
-        try:
-            self._js = self._loop.call(open_stream, self.CALL_TIMEOUT_S * 3)
-        except BaseException:
-            self.close()
-            raise
+        self._client = await nats.connect(self._url, allow_reconnect=False, connect_timeout=5)
+        self._js: JetStreamContext = self._client.jetstream(timeout=self.CALL_TIMEOUT_S)
+        await self._js.add_stream(name=NATS_STREAM, subjects=[f"{NATS_STREAM}.>"])
+
+    async def _close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
 
     def adapter(self) -> dict[str, Any]:
-        return {
-            **common_adapter(),
-            "transport": "nats",
-            "mode": "jetstream",
-            "source": NATS_STREAM,
-            "group": GROUP,
-            "url": self._url,
-            "ack_wait_ms": self.ACK_WAIT_MS,
-        }
+        return demo_adapter(
+            "nats", "jetstream", NATS_STREAM, self._url, group=GROUP, ack_wait_ms=self.ACK_WAIT_MS
+        )
 
     def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
         headers = {"traceparent": traceparent} if traceparent else None
@@ -79,24 +67,14 @@ class NatsSource:
             ]
             assert len(acks) == len(bodies)
 
-        self._loop.call(publish, self.PRODUCE_TIMEOUT_S)
+        self._call(publish, self.PRODUCE_TIMEOUT_S)
 
     def unacked(self) -> int:
         async def figures() -> int:
             info = await self._js.consumer_info(NATS_STREAM, GROUP)
             return int(info.num_ack_pending or 0) + int(info.num_pending or 0)
 
-        return self._loop.call(figures, self.CALL_TIMEOUT_S)
-
-    def close(self) -> None:
-        async def close_client() -> None:
-            if self._client is not None:
-                await self._client.close()
-
-        try:
-            self._loop.call(close_client, self.CALL_TIMEOUT_S)
-        finally:
-            self._loop.close(self.CALL_TIMEOUT_S)
+        return self._call(figures)
 
 
 @contextlib.contextmanager

@@ -76,12 +76,7 @@ def _credentials(label: str, values: Values) -> dict[str, str | None]:
 
 def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
     group = options(a).group
-    return Reader(
-        (*identity, group),
-        "group",
-        f"JetStream stream {a.source!r} with durable consumer {group!r}",
-        "fan-out needs a distinct group",
-    )
+    return Reader.per_group(identity, group, f"JetStream stream {a.source!r} with durable consumer {group!r}")
 
 
 # A delivery unacked this long comes again; bounded as SQS's visibility is.

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from ingest.embedded.demo_sources import GROUP, common_adapter
+from ingest.embedded.demo_sources import GROUP, demo_adapter
 from ingest.embedded.servers import RedisServer
 
 STREAM = "orders"
@@ -31,14 +31,7 @@ class RedisStreamSource:
         self.process_env: dict[str, str] = {}
 
     def adapter(self) -> dict[str, Any]:
-        return {
-            **common_adapter(),
-            "transport": "redis",
-            "mode": "stream",
-            "source": STREAM,
-            "group": GROUP,
-            "url": self._url,
-        }
+        return demo_adapter("redis", "stream", STREAM, self._url, group=GROUP)
 
     def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
         pipe = self._r.pipeline(transaction=False)

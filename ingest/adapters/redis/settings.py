@@ -167,18 +167,10 @@ def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader | None:
     once; pub/sub delivers every message to every subscriber."""
     if a.mode == "stream":
         group = options(a).group
-        return Reader(
-            (*identity, group),
-            "group",
-            f"stream {a.source!r} with group {group!r}",
-            "fan-out needs a distinct group",
-        )
+        return Reader.per_group(identity, group, f"stream {a.source!r} with group {group!r}")
     if a.mode == "list":
-        return Reader(
-            identity,
-            "source",
-            f"list {a.source!r}",
-            "one adapter per list; run more ingesters for more consumers",
+        return Reader.per_source(
+            identity, f"list {a.source!r}", "one adapter per list; run more ingesters for more consumers"
         )
     return None
 

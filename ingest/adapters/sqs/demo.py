@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ingest.embedded.demo_sources import common_adapter
+from ingest.embedded.demo_sources import demo_adapter
 from ingest.embedded.sqs_server import SqsServer, sqs_server
 
 SQS_QUEUE = "orders"
@@ -55,15 +55,9 @@ class SqsSource:
         self._url: str = self._sqs.create_queue(QueueName=SQS_QUEUE, Attributes=attributes)["QueueUrl"]
 
     def adapter(self) -> dict[str, Any]:
-        return {
-            **common_adapter(),
-            "transport": "sqs",
-            "mode": "queue",
-            "source": SQS_QUEUE,
-            "url": self._endpoint,
-            "region": self._region,
-            "ack_wait_ms": self.ACK_WAIT_MS,
-        }
+        return demo_adapter(
+            "sqs", "queue", SQS_QUEUE, self._endpoint, region=self._region, ack_wait_ms=self.ACK_WAIT_MS
+        )
 
     def produce(self, bodies: list[bytes], traceparent: str | None = None) -> None:
         traced = {"traceparent": {"DataType": "String", "StringValue": traceparent}} if traceparent else {}

@@ -117,9 +117,8 @@ def _located(a: Adapter) -> str:
 
 
 def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
-    return Reader(
+    return Reader.per_source(
         identity,
-        "source",
         f"SQS queue {queue_name(a.source)!r}",
         "one adapter per queue (fan-out is SNS to several queues); run more ingesters for more",
     )
