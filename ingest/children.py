@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -139,3 +140,14 @@ def _exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def reap(proc: subprocess.Popen[Any] | None, timeout_s: float) -> None:
+    """Wait for a child (told to end already); SIGKILL it if it outlives ``timeout_s``."""
+    if proc is None:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)

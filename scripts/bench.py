@@ -124,7 +124,7 @@ from bench_kit import (  # noqa: E402
 from backhalf import queries  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
 from backhalf.lifecycle import todos  # noqa: E402
-from ingest.children import die_with_parent  # noqa: E402
+from ingest.children import die_with_parent, reap  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, WaitTimedOut, wait_for, wait_ready  # noqa: E402
 from ingest.embedded.servers import (  # noqa: E402
     PostgresServer,
@@ -408,11 +408,7 @@ class PeerProcess:
 
     def terminate(self) -> None:
         self._proc.terminate()
-        try:
-            self._proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=30)
+        reap(self._proc, 60)
         self._out.close()
 
 

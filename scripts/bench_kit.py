@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from backhalf import queries  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
 from backhalf.housekeeping import migrate  # noqa: E402
+from ingest.children import reap  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready  # noqa: E402
 from ingest.embedded.servers import PostgresServer, free_port  # noqa: E402
@@ -404,11 +405,7 @@ def finish_peer(proc: subprocess.Popen[bytes]) -> None:
     """A peer's stdin closed (its cue to end), then waited for; killed after 30 s."""
     if proc.stdin is not None:
         proc.stdin.close()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+    reap(proc, 30)
 
 
 def bench_peer(

@@ -67,7 +67,7 @@ import bench_kit  # noqa: E402
 
 from backhalf.db import libpq_url  # noqa: E402
 from backhalf.housekeeping import migrate  # noqa: E402
-from ingest.children import die_with_parent  # noqa: E402
+from ingest.children import die_with_parent, reap  # noqa: E402
 from ingest.embedded import config  # noqa: E402
 from ingest.embedded.processes import SwitchboardProcess, wait_for  # noqa: E402
 from ingest.embedded.servers import PostgresServer, free_port  # noqa: E402
@@ -155,11 +155,7 @@ class Child:
         """SIGTERM by pid, SIGKILL if it has not gone in 10 s."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            reap(self.proc, 10)
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
                 with contextlib.suppress(OSError):

@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from ingest.children import die_with_parent
+from ingest.children import die_with_parent, reap
 from ingest.embedded.servers import (
     _PRIVATE_UMASK,
     PORT_ATTEMPTS,
@@ -95,7 +95,6 @@ from ingest.embedded.servers import (
     _log_tail,
     _private_dir,
     _private_file,
-    _reap,
     _SignalledServer,
     free_port,
     generate_password,
@@ -652,7 +651,7 @@ class RabbitMqServer(_SignalledServer):
     def _stop_epmd(self) -> None:
         if self._epmd is not None and self._epmd.poll() is None:
             self._epmd.terminate()
-        _reap(self._epmd, 10)
+        reap(self._epmd, 10)
         self._epmd = None
 
     def _end_broker(self, sig: signal.Signals, timeout_s: float) -> None:
@@ -663,7 +662,7 @@ class RabbitMqServer(_SignalledServer):
         helpers = _descendants(self._proc.pid) if self._proc.poll() is None else []
         if self._proc.poll() is None:
             self._proc.send_signal(sig)
-        _reap(self._proc, timeout_s)
+        reap(self._proc, timeout_s)
         self._proc = None
         _kill_leftovers(helpers)
 

@@ -74,7 +74,7 @@ from psycopg import sql
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ingest.children import die_with_parent
+from ingest.children import die_with_parent, reap
 from ingest.pids import owner_tag
 
 # What ``pg_ctl stop -m <mode>`` sends to the postmaster.
@@ -212,17 +212,6 @@ def _log_size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _reap(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    """Wait for a child; SIGKILL it if it outlives timeout_s."""
-    if proc is None:
-        return
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def postgres_bindir() -> Path:
@@ -540,13 +529,13 @@ class _SignalledServer(_ServerProcess):
     def stop(self, timeout_s: float = 10) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
-        _reap(self._proc, timeout_s)
+        reap(self._proc, timeout_s)
         self._proc = None
 
     def kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
-        _reap(self._proc, 10)
+        reap(self._proc, 10)
         self._proc = None
 
     def restart(self) -> None:
@@ -706,7 +695,7 @@ class PostgresServer(_ServerProcess):
         """
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
-        _reap(self._proc, 10)
+        reap(self._proc, 10)
         self._proc = None
         # Backends exit soon after the postmaster dies, but while one is still
         # attached to the old shared memory a new postmaster refuses to start.
