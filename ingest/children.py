@@ -4,7 +4,8 @@ A server or ``switchboard`` process the kit starts is SIGKILLed by the kernel
 when its parent dies, however it dies (kill -9 included), so nothing is left
 running, re-parented to init. Linux only (``prctl(PR_SET_PDEATHSIG)``, set in
 the child between fork and exec, after any change of user, which would clear
-it); elsewhere the children are stopped by the usual clean-up alone.
+it); elsewhere the children are stopped by the usual clean-up alone. A
+child told to end is waited for, and killed if it will not, by :func:`reap`.
 
 The kernel sends the signal when the *thread* that forked the child ends, not
 the process: a child started from a worker thread would be killed when that

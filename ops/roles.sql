@@ -116,13 +116,13 @@
 
 
 -- The roles, each created once: the migrator, a role per kind of process
--- (the grants below), and a login in each.
+-- (the grants below), and a login in each, made after the role it joins.
 DO $roles$
 DECLARE
     r record;
 BEGIN
     FOR r IN
-        SELECT kind, login, member_of FROM (VALUES
+        SELECT name, login, member_of FROM (VALUES
             ('switchboard_migrator', true, NULL),
             ('switchboard_ingester', false, NULL), ('switchboard_receiver', false, NULL),
             ('switchboard_acker', false, NULL), ('switchboard_worker', false, NULL),
@@ -135,10 +135,11 @@ BEGIN
             ('switchboard_operator_login', true, 'switchboard_operator'),
             ('switchboard_viewer_login', true, 'switchboard_viewer'),
             ('switchboard_auditor_login', true, 'switchboard_auditor')
-        ) AS roles(kind, login, member_of)
+        ) AS roles(name, login, member_of)
+        ORDER BY member_of IS NOT NULL
     LOOP
-        CONTINUE WHEN EXISTS (SELECT FROM pg_roles WHERE rolname = r.kind);
-        EXECUTE format('CREATE ROLE %I %s', r.kind, CASE WHEN r.login THEN 'LOGIN' ELSE 'NOLOGIN' END)
+        CONTINUE WHEN EXISTS (SELECT FROM pg_roles WHERE rolname = r.name);
+        EXECUTE format('CREATE ROLE %I %s', r.name, CASE WHEN r.login THEN 'LOGIN' ELSE 'NOLOGIN' END)
             || CASE WHEN r.member_of IS NULL THEN '' ELSE format(' IN ROLE %I', r.member_of) END;
     END LOOP;
 END

@@ -345,7 +345,7 @@ def drain_dramatiq(
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        reap(proc, 60)
         log.close()
         loader.close()
     return n / elapsed, cpu_us

@@ -1,6 +1,7 @@
 """What ``switchboard demo``'s sources share: the :class:`DemoSource`
 protocol, the adapter table (:func:`demo_adapter`), and :class:`LoopThread` for an
-asyncio client driven from the demo's main thread. Each transport's source
+asyncio client driven from the demo's main thread (:class:`AsyncClientSource`
+a source's base on one). Each transport's source
 is its own, ``ingest/adapters/<name>/demo.py``, loaded by name for a demo on
 it: its ``opened(base)`` starts its server in ``base`` and yields the source
 and a line saying where the server runs; an optional ``missing()`` says why
@@ -8,6 +9,7 @@ the server cannot run here, before anything starts."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -123,7 +125,7 @@ class LoopThread:
                 self._loop.close()
 
 
-class AsyncClientSource:
+class AsyncClientSource(abc.ABC):
     """A source whose broker client is asyncio only, driven from the demo's
     main thread on a :class:`LoopThread` of its own: ``_open`` runs at
     construction (the subclass sets what it needs first), ``_close`` at
@@ -143,12 +145,12 @@ class AsyncClientSource:
             self.close()
             raise
 
-    async def _open(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _open(self) -> None: ...
 
+    @abc.abstractmethod
     async def _close(self) -> None:
         """Close what ``_open`` opened, as far as it got."""
-        raise NotImplementedError
 
     def _call(self, make: Callable[[], Awaitable[_T]], timeout_s: float | None = None) -> _T:
         return self._loop.call(make, self.CALL_TIMEOUT_S if timeout_s is None else timeout_s)

@@ -286,7 +286,7 @@ def test_retry_makes_failed_and_cancelled_todos_pending_with_attempts_reset(
     db.query(db_url, "UPDATE todos SET run_after = now() + interval '1 hour' WHERE status = 'failed'")
     result = todos_cli("retry", str(ids["failed"]), str(ids["cancelled"]))
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
+    assert error_lines(result) == []
     assert result.stdout.splitlines() == [
         f"todo {ids['failed']}: pending again (was failed), attempts reset to 0",
         f"todo {ids['cancelled']}: pending again (was cancelled), attempts reset to 0",
