@@ -1,9 +1,15 @@
 """Whether a URL splits into the parts it means: the check every URL of
-the config passes first, whatever its scheme."""
+the config passes first, whatever its scheme; and a transport's URL check
+built on it (:func:`checked_url`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
+
+from ingest.config.keys import string
+from ingest.errors import ConfigError
 
 # Messages about a URL never quote it, nor any piece of it: a password with an
 # unencoded reserved character is split at that character by every parser, so
@@ -29,3 +35,24 @@ def url_shape_problem(url: str) -> str | None:
     if parts.netloc.count("@") > 1 or any("@" in piece for piece in moved):
         return ENCODE_RULE
     return None
+
+
+def checked_url(
+    where: str,
+    value: Any,
+    schemes: tuple[str, ...],
+    must_be: str,
+    problem: Callable[[str], str | None] = lambda url: None,
+) -> str:
+    """``value``, a URL of one of ``schemes`` (else: ``where`` must be
+    ``must_be``) that splits as it means and that the transport's own
+    ``problem`` (asked only then) finds nothing wrong with; ``where`` names
+    where it came from (a config key, an environment variable). Never
+    echoed: it may hold a password."""
+    url = string(where, value)
+    if urlsplit(url).scheme not in schemes:
+        raise ConfigError(f"{where} must be {must_be}")
+    found = url_shape_problem(url) or problem(url)
+    if found is not None:
+        raise ConfigError(f"{where} is not a valid URL: {found}")
+    return url

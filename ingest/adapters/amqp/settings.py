@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
-from ingest.config.keys import string
 from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
@@ -21,8 +20,7 @@ from ingest.config.transport import (
     refuse_complete,
     url_from_variable,
 )
-from ingest.config.url_shape import url_shape_problem
-from ingest.errors import ConfigError
+from ingest.config.url_shape import checked_url
 
 NAME = "amqp"
 URL_VARIABLE = "SWITCHBOARD_AMQP_URL"
@@ -39,18 +37,16 @@ def check_url(where: str, value: Any) -> str:
     virtual host (percent-encoded: ``%2F`` is ``/``, the default when there
     is no path). No query: TLS comes from ``tls_ca_file``, and the client's
     other options are Switchboard's."""
-    url = string(where, value)
+    return checked_url(where, value, ("amqp", "amqps"), "an amqp:// or amqps:// URL", _url_problem)
+
+
+def _url_problem(url: str) -> str | None:
     parts = urlsplit(url)
-    if parts.scheme not in ("amqp", "amqps"):
-        raise ConfigError(f"{where} must be an amqp:// or amqps:// URL")
-    problem = url_shape_problem(url)
-    if problem is None and (parts.query or parts.fragment):
-        problem = "an AMQP URL here has no query: amqp[s]://[USER:PASSWORD@]HOST[:PORT][/VHOST]"
-    if problem is None and "/" in parts.path.strip("/"):
-        problem = "the path is the virtual host, one segment (a '/' in its name is written %2F)"
-    if problem is not None:
-        raise ConfigError(f"{where} is not a valid URL: {problem}")
-    return url
+    if parts.query or parts.fragment:
+        return "an AMQP URL here has no query: amqp[s]://[USER:PASSWORD@]HOST[:PORT][/VHOST]"
+    if "/" in parts.path.strip("/"):
+        return "the path is the virtual host, one segment (a '/' in its name is written %2F)"
+    return None
 
 
 def vhost(url: str) -> str:

@@ -23,7 +23,7 @@ from ingest.config.transport import (
     refuse_complete,
     url_from_variable,
 )
-from ingest.config.url_shape import url_shape_problem
+from ingest.config.url_shape import checked_url
 from ingest.config.urls import env_name
 from ingest.errors import ConfigError
 
@@ -39,16 +39,14 @@ _NAME = re.compile(r"[^.*>/\\\s]+")
 def check_url(where: str, value: Any) -> str:
     """A NATS server URL (``nats://`` plain, ``tls://`` TLS), checked
     without ever echoing it; nats-py reads no query."""
-    url = string(where, value)
+    return checked_url(where, value, ("nats", "tls"), "a nats:// or tls:// URL", _url_problem)
+
+
+def _url_problem(url: str) -> str | None:
     parts = urlsplit(url)
-    if parts.scheme not in ("nats", "tls"):
-        raise ConfigError(f"{where} must be a nats:// or tls:// URL")
-    problem = url_shape_problem(url)
-    if problem is None and (parts.query or parts.path.strip("/")):
-        problem = "a NATS URL has no path or query: nats://[USER:PASSWORD@]HOST:PORT"
-    if problem is not None:
-        raise ConfigError(f"{where} is not a valid URL: {problem}")
-    return url
+    if parts.query or parts.path.strip("/"):
+        return "a NATS URL has no path or query: nats://[USER:PASSWORD@]HOST:PORT"
+    return None
 
 
 def url_identity(parts: SplitResult) -> tuple[str, ...]:

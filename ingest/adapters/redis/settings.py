@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
-from ingest.config.keys import Key, Section, got, string
+from ingest.config.keys import Key, Section, got
 from ingest.config.network import Unencrypted, unencrypted_at
 from ingest.config.transport import (
     Adapter,
@@ -26,7 +26,7 @@ from ingest.config.transport import (
     options_of,
     own_keys,
 )
-from ingest.config.url_shape import url_shape_problem
+from ingest.config.url_shape import checked_url
 from ingest.errors import ConfigError
 
 NAME = "redis"
@@ -74,13 +74,9 @@ def _query_problem(url: str) -> str | None:
 def check_url(where: str, value: Any) -> str:
     """A Redis URL, checked without ever echoing it: ``where`` names where
     it came from (a config key, or the environment variable)."""
-    url = string(where, value)
-    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL")
-    problem = url_shape_problem(url) or _query_problem(url)
-    if problem is not None:
-        raise ConfigError(f"{where} is not a valid URL: {problem}")
-    return url
+    return checked_url(
+        where, value, ("redis", "rediss", "unix"), "a redis://, rediss:// or unix:// URL", _query_problem
+    )
 
 
 def url_identity(parts: SplitResult) -> tuple[str, ...]:

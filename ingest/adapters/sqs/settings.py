@@ -23,7 +23,7 @@ from ingest.config.transport import (
     refuse_complete,
     url_from_variable,
 )
-from ingest.config.url_shape import url_shape_problem
+from ingest.config.url_shape import checked_url
 from ingest.errors import ConfigError
 
 NAME = "sqs"
@@ -45,22 +45,19 @@ def check_url(where: str, value: Any) -> str:
     """An SQS-compatible endpoint (``https://``, or ``http://`` for an
     emulator), or ``aws://``: AWS's own endpoint of the region. No user
     information: AWS credentials come from AWS's chain, never a URL."""
-    url = string(where, value)
-    if url == AWS_ENDPOINT:
-        return url
+    if value == AWS_ENDPOINT:
+        return AWS_ENDPOINT
+    must_be = f"an https:// (or http://) SQS endpoint, or {AWS_ENDPOINT}"
+    return checked_url(where, value, ("https", "http"), must_be, _url_problem)
+
+
+def _url_problem(url: str) -> str | None:
     parts = urlsplit(url)
-    if parts.scheme not in ("https", "http"):
-        raise ConfigError(f"{where} must be an https:// (or http://) SQS endpoint, or {AWS_ENDPOINT}")
-    problem = url_shape_problem(url)
-    if problem is None and "@" in parts.netloc:
-        problem = (
-            "an SQS endpoint carries no credentials: AWS's chain gives them (environment, profile, role)"
-        )
-    if problem is None and (parts.query or parts.fragment or parts.path.strip("/")):
-        problem = "an SQS endpoint has no path or query: https://HOST[:PORT] (a queue URL goes in 'source')"
-    if problem is not None:
-        raise ConfigError(f"{where} is not a valid URL: {problem}")
-    return url
+    if "@" in parts.netloc:
+        return "an SQS endpoint carries no credentials: AWS's chain gives them (environment, profile, role)"
+    if parts.query or parts.fragment or parts.path.strip("/"):
+        return "an SQS endpoint has no path or query: https://HOST[:PORT] (a queue URL goes in 'source')"
+    return None
 
 
 def url_identity(parts: SplitResult) -> tuple[str, ...]:
