@@ -758,10 +758,10 @@ FOR UPDATE
 -- PostgreSQL descend the key four times per id; ``NOT IN`` is never an
 -- index condition, and no partial index's predicate follows from it.
 -- end_runs and extend_leases below reach todos_live so too. Joined to the
--- claimed rows, a generic plan guessed LIMIT $n at a tenth of the table and hashed the whole primary key (DESIGN.md section
--- 7b), or probed the key once per pair of rows. The old
--- status, which todo_events records, comes from ``picked``, joined to
--- ``claimed`` (two CTEs of a claim's size).
+-- claimed rows, a generic plan guessed LIMIT $n at a tenth of the table
+-- and hashed the whole primary key (DESIGN.md section 7b), or probed the
+-- key once per pair of rows. The old status, which todo_events records,
+-- comes from ``picked``, joined to ``claimed`` (two CTEs of a claim's size).
 WITH picked AS (
     SELECT c.id, c.status
     FROM unnest(%(queues)b::text[], %(limits)b::int4[]) AS q(name, lim)
