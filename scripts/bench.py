@@ -98,6 +98,7 @@ from bench_kit import (  # noqa: E402
     STREAM,
     WORKER_PROCESSES,
     WORKER_THREADS,
+    Rig,
     acked_count,
     any_on,
     bench_naive,
@@ -160,9 +161,8 @@ def bench_metrics_overhead(
     for i in range(METRICS_ROUNDS):
         for metrics in (False, True) if i % 2 == 0 else (True, False):
             name = f"metrics{i}{'on' if metrics else 'off'}"
-            rate, _rss, cpu_us = bench_switchboard(
-                workdir, fresh_db(pg, name), r, redis_url, n, batch_size, {}, metrics=metrics, run=name
-            )
+            rig = Rig(workdir, fresh_db(pg, name), r, redis_url, {})
+            rate, _rss, cpu_us = bench_switchboard(rig, n, batch_size, metrics=metrics, run=name)
             pg.drop_database(name)
             runs[metrics].append((rate, cpu_us["ingester"] + cpu_us["acker"]))
     return runs
@@ -622,20 +622,12 @@ FROM x
 """
 
 
-def bench_end_to_end(
-    workdir: Path,
-    url: str,
-    r: redis.Redis,
-    redis_url: str,
-    n: int,
-    batch_size: int,
-    servers: dict[str, int],
-    run: str,
-) -> tuple[float, dict[str, float]]:
+def bench_end_to_end(rig: Rig, n: int, batch_size: int, run: str) -> tuple[float, dict[str, float]]:
     """Switchboard end to end: entries to todos done by the no-op handler.
     The clock starts once every process is ready (start-up apart, as the
     bare drain's) with the adapter enabled, and stops when every todo is
     done and every entry acked; the CPU is counted over the same span."""
+    workdir, url, r, redis_url, servers = rig.workdir, rig.url, rig.r, rig.redis_url, rig.servers
     preload(r, n)
     config_path = e2e_config(workdir, url, redis_url, batch_size, run)
     acker = start("ack", config_path, workdir / f"{run}-acker.log")
@@ -695,7 +687,7 @@ def print_downstream(
     r = redis.Redis.from_url(rs.url)
 
     def switchboard(run: str) -> tuple[float, dict[str, float]]:
-        result = bench_end_to_end(base, fresh_db(pg, run), r, rs.url, n, batch_size, servers, run)
+        result = bench_end_to_end(Rig(base, fresh_db(pg, run), r, rs.url, servers), n, batch_size, run)
         pg.drop_database(run)
         return result
 
@@ -773,10 +765,12 @@ def bench_peers(workdir: Path, pg: Any, rs: Any, n: int, batch_size: int, rounds
             db = f"peer{i}_{names.index(name)}"
             url = fresh_db(pg, db)
             if name == "switchboard":
-                rate, _rss, cpu = bench_switchboard(workdir, url, r, rs.url, n, batch_size, servers, run=db)
+                rate, _rss, cpu = bench_switchboard(
+                    Rig(workdir, url, r, rs.url, servers), n, batch_size, run=db
+                )
             else:
                 _, subscribers, bookkeeping = next(p for p in PEERS if p[0] == name)
-                rate, cpu = bench_peer(workdir, url, r, rs.url, n, subscribers, bookkeeping, servers, db)
+                rate, cpu = bench_peer(Rig(workdir, url, r, rs.url, servers), n, subscribers, bookkeeping, db)
             pg.drop_database(db)
             rates[name].append(rate)
             cpus[name].append(cpu)
@@ -803,7 +797,7 @@ def bench_nats_part(base: Path, pg: PostgresServer, rs: Any, n: int, batch_size:
     r = redis.Redis.from_url(rs.url)
 
     def redis_run(url: str, servers: dict[str, int], run: str) -> tuple[float, dict[str, float]]:
-        rate, _rss, cpu = bench_switchboard(base, url, r, rs.url, n, batch_size, servers, run=run)
+        rate, _rss, cpu = bench_switchboard(Rig(base, url, r, rs.url, servers), n, batch_size, run=run)
         return rate, cpu
 
     bench_nats.compare(base, pg, rs.pid, redis_run, n, batch_size)
@@ -1013,9 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
             pg.drop_database("naive")
             print(f"  naive 1 msg/tx consumer         {naive:>10,.0f} msg/s")
             server_pids = {"postgres": pg.pid, "redis": rs.pid}
-            sb, rss, cpu_us = bench_switchboard(
-                base, fresh_db(pg, "sb"), r, rs.url, n, args.batch_size, server_pids
-            )
+            rig = Rig(base, fresh_db(pg, "sb"), r, rs.url, server_pids)
+            sb, rss, cpu_us = bench_switchboard(rig, n, args.batch_size)
             pg.drop_database("sb")
             print(f"  switchboard ingest + ack        {sb:>10,.0f} msg/s")
             print(f"  ratio to raw                    {sb / raw:>10.2f}x")

@@ -21,50 +21,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import sys
 from typing import Any
 
 import psycopg
+from bench_peer_sql import LOGGED, MARK_SQL, STORE_SQL
 from faststream import AckPolicy
 from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisBatchStreamMessage
-
-# The native key first (inbox_keys, as the store claims it), the inbox row
-# under the id it took; todos and events only for the rows it inserted.
-STORE_SQL = """
-WITH u AS (
-    SELECT * FROM unnest(%(keys)b::text[], %(ids)b::text[], %(bodies)b::bytea[], %(payloads)b::text[])
-        WITH ORDINALITY AS u(k, m, b, p, n)
-), keyed AS (
-    INSERT INTO inbox_keys (adapter, idempotency_key, inbox_id)
-    SELECT 'bench', u.k, nextval(pg_get_serial_sequence('inbox', 'id')) FROM u ORDER BY u.n
-    ON CONFLICT (adapter, idempotency_key) DO NOTHING
-    RETURNING idempotency_key, inbox_id
-), ins AS (
-    INSERT INTO inbox (id, adapter, idempotency_key, source_message_id, consumer, body, ack_kind, ack_key,
-                       ack_group, ack_entry_id, ack_state, status)
-    SELECT keyed.inbox_id, 'bench', u.k, u.m, %(consumer)s, u.b, 'xack', %(stream)s, %(group)s, u.m,
-           'pending', 'stored'
-    FROM u JOIN keyed ON keyed.idempotency_key = u.k ORDER BY u.n
-    RETURNING id, idempotency_key
-), t AS (
-    INSERT INTO todos (queue, idempotency_key, payload)
-    SELECT 'bench', u.k, u.p::jsonb FROM u JOIN ins ON ins.idempotency_key = u.k ORDER BY u.n
-    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'dispatched', 'running') DO NOTHING
-    RETURNING id, idempotency_key
-){logged}, ev AS (
-INSERT INTO events (family, adapter, trust_mode, verified, verify_detail, idempotency_key,
-                    source_message_id, payload, todo_id)
-SELECT 'queue', 'bench', 'queue', false, 'redis acl: default', u.k, u.m, u.p::jsonb, t.id
-FROM u JOIN t ON t.idempotency_key = u.k
-)
-SELECT array_agg(id) FROM ins
-"""
-LOGGED = """, logged AS (
-    INSERT INTO todo_events (todo_id, from_status, to_status, detail)
-    SELECT id, NULL, 'pending', 'created by the peer' FROM t
-)"""
-MARK_SQL = "UPDATE inbox SET ack_state = 'acked', acked_at = now() WHERE id = ANY(%(ids)b::int8[])"
 
 
 async def main(argv: list[str] | None = None) -> int:
@@ -79,7 +45,12 @@ async def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     store_sql = STORE_SQL.format(logged=LOGGED if args.bookkeeping else "")
 
-    broker = RedisBroker(args.redis, log_level=30)
+    # FastStream logs to stdout by default, where the bench reads only the
+    # first line: its warnings and errors go to stderr (the run's log).
+    log = logging.getLogger("bench_faststream")
+    log.addHandler(logging.StreamHandler(sys.stderr))
+    log.setLevel(logging.WARNING)
+    broker = RedisBroker(args.redis, logger=log)
     connections = [await psycopg.AsyncConnection.connect(args.database) for _ in range(args.subscribers)]
     for i, conn in enumerate(connections):
         consumer = f"peer-{i}"
@@ -101,9 +72,16 @@ async def main(argv: list[str] | None = None) -> int:
                     "stream": args.stream,
                     "group": args.group,
                 }
-                async with conn.transaction():
-                    cur = await conn.execute(store_sql, params)
-                    row = await cur.fetchone()
+                try:
+                    async with conn.transaction():
+                        cur = await conn.execute(store_sql, params)
+                        row = await cur.fetchone()
+                except psycopg.Error:
+                    # A peer that cannot store measures nothing: it ends at
+                    # once (the bench then fails naming its log), rather
+                    # than leave its batch pending for the bench's timeout.
+                    log.exception("the peer's store failed")
+                    os._exit(3)
                 await msg.ack()  # XACK, after the commit
                 if args.bookkeeping and row and row[0]:
                     async with conn.transaction():

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,6 +36,19 @@ SCRAPE_INTERVAL_S = 5.0  # Prometheus is usually set to 15 s or more
 # [ingest] settings from the command line (--commits-in-flight), for every
 # part's runs: one dict, changed in place by bench.py, never rebound.
 INGEST_OVERRIDES: dict[str, int] = {}
+
+
+@dataclass(frozen=True)
+class Rig:
+    """Where one measured run of a Redis stream works: its folder, its
+    database, the Redis holding the pre-loaded stream, and the servers'
+    pids (their CPU counted with the pipeline's)."""
+
+    workdir: Path
+    url: str
+    r: redis.Redis
+    redis_url: str
+    servers: dict[str, int]
 
 
 class Scraper:
@@ -300,17 +314,9 @@ def start_pipeline(
 
 
 def bench_switchboard(
-    workdir: Path,
-    url: str,
-    r: redis.Redis,
-    redis_url: str,
-    n: int,
-    batch_size: int,
-    servers: dict[str, int],
-    *,
-    metrics: bool = False,
-    run: str = "throughput",
+    rig: Rig, n: int, batch_size: int, *, metrics: bool = False, run: str = "throughput"
 ) -> tuple[float, dict[str, float], dict[str, float]]:
+    workdir, url, r, redis_url, servers = rig.workdir, rig.url, rig.r, rig.redis_url, rig.servers
     preload(r, n)
     ports = (free_port(), free_port()) if metrics else None
     ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, run, ports)
@@ -409,14 +415,14 @@ def finish_peer(proc: subprocess.Popen[bytes]) -> None:
 
 
 def bench_peer(
-    workdir: Path, url: str, r: redis.Redis, redis_url: str, n: int, subscribers: int, bookkeeping: bool,
-    servers: dict[str, int], run: str,
-) -> tuple[float, dict[str, float]]:  # fmt: skip
+    rig: Rig, n: int, subscribers: int, bookkeeping: bool, run: str
+) -> tuple[float, dict[str, float]]:
     """The FastStream peer (scripts/bench_faststream.py) draining the same
     pre-loaded stream. Its clock starts when it is told to go, after its
     imports and connections, as Switchboard's starts when its adapter is
     enabled; it stops when every entry is XACKed. The bookkeeping peer's
     marks are then waited for, outside the clock, as Switchboard's are."""
+    workdir, url, r, redis_url, servers = rig.workdir, rig.url, rig.r, rig.redis_url, rig.servers
     preload(r, n)
     argv = [
         sys.executable, str(ROOT / "scripts" / "bench_faststream.py"), "--database", libpq_url(url),
@@ -437,9 +443,14 @@ def bench_peer(
         started = time.perf_counter()
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
-        wait_for(
-            lambda: stream_drained(r), timeout_s=600, what=f"{run}: every entry XACKed", interval_s=POLL_S
-        )
+
+        def drained() -> bool:
+            if proc.poll() is not None:
+                raise SystemExit(f"bench: the peer {run} ended (exit {proc.returncode}) with entries"
+                                 f" unacked; its log: {workdir / f'{run}.log'}")  # fmt: skip
+            return stream_drained(r)
+
+        wait_for(drained, timeout_s=600, what=f"{run}: every entry XACKed", interval_s=POLL_S)
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
         if bookkeeping:

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_faststream  # noqa: E402
+import bench_peer_sql  # noqa: E402
 
 from backhalf import queries  # noqa: E402
 from backhalf.db import libpq_url  # noqa: E402
@@ -109,11 +109,11 @@ def run(conn: psycopg.Connection[Any], variant: str, n: int, batch: int) -> tupl
         params["by_cursor"] = variant != "queue"
         if variant == "peer":
             with conn.transaction():
-                ids = conn.execute(bench_faststream.STORE_SQL.format(logged=bench_faststream.LOGGED), params)
+                ids = conn.execute(bench_peer_sql.STORE_SQL.format(logged=bench_peer_sql.LOGGED), params)
                 inbox_ids = ids.fetchone()[0]  # type: ignore[index]
             c1 = backend_cpu_s(pid)
             with conn.transaction():
-                conn.execute(bench_faststream.MARK_SQL, {"ids": inbox_ids})
+                conn.execute(bench_peer_sql.MARK_SQL, {"ids": inbox_ids})
             claim_s += backend_cpu_s(pid) - c1
             continue
         with conn.transaction():

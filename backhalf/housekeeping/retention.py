@@ -110,6 +110,28 @@ InboxStatus = Literal["stored", "rejected"]
 _ADAPTERS = sa.any_(sa.bindparam("adapters", type_=postgresql.ARRAY(sa.Text)))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Window:
+    """Which rows one batch of a walk examines: the ``limit`` after
+    ``cursor``, or, given ``ids``, those rows (a re-check of held ones);
+    prunable when older than ``age``. A dry run counts them."""
+
+    age: timedelta
+    limit: int
+    cursor: int = 0
+    ids: Sequence[int] | None = None
+    dry_run: bool = False
+
+    def params(self) -> dict[str, Any]:
+        """The batch statement's parameters the window sets."""
+        where = {"cursor": self.cursor} if self.ids is None else {"ids": list(self.ids)}
+        return {"age": self.age, "limit": self.limit, **_FLOORS, **where}
+
+    def statement_key(self) -> tuple[bool, bool]:
+        """Which of a walk's compiled statements runs: (dry run, by ids)."""
+        return self.dry_run, self.ids is not None
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """What one batch of a walk saw and did.
@@ -337,36 +359,19 @@ _INBOX = {
 
 
 async def prune_inbox(
-    conn: AsyncConnection,
-    *,
-    adapters: Sequence[str],
-    status: InboxStatus,
-    age: timedelta,
-    cursor: int = 0,
-    ids: Sequence[int] | None = None,
-    limit: int,
-    dry_run: bool = False,
+    conn: AsyncConnection, *, adapters: Sequence[str], status: InboxStatus, window: Window
 ) -> Batch:
     """One batch of an inbox walk of ``adapters`` (one, for 'rejected': its
     index is per adapter): rows of ``status`` ('stored' or 'rejected') with
-    their ack done, stored more than ``age`` ago, and their events, among the
-    ``limit`` rows after ``cursor`` (or, given ``ids``, of those rows: a
-    re-check of held ones). A dry run counts them. ``by_owner``: the counts
-    by adapter."""
+    their ack done, stored more than ``window.age`` ago, and their events,
+    among the rows the ``window`` examines. ``by_owner``: the counts by
+    adapter."""
     if status == "rejected" and len(adapters) != 1:
         raise ValueError(f"a rejected walk is one adapter's, not {list(adapters)}")
-    params: dict[str, Any] = {
-        "adapter": adapters[0],
-        "adapters": list(adapters),
-        "status": status,
-        "age": age,
-        "limit": limit,
-        **_FLOORS,
-    }
-    params.update({"cursor": cursor} if ids is None else {"ids": list(ids)})
+    params = {"adapter": adapters[0], "adapters": list(adapters), "status": status, **window.params()}
     names = ", ".join(adapters)
     with wrap_driver_errors(PruneError, f"adapter {names}: pruning {status} inbox rows"):
-        row = (await conn.execute(_INBOX[(status, dry_run, ids is not None)], params)).one()
+        row = (await conn.execute(_INBOX[(status, *window.statement_key())], params)).one()
     inbox_by, events_by = row.inbox or {}, row.events or {}
     by_owner = {a: {"inbox": int(inbox_by.get(a, 0)), "events": int(events_by.get(a, 0))} for a in adapters}
     totals = {t: sum(counts[t] for counts in by_owner.values()) for t in ("inbox", "events")}
@@ -458,33 +463,17 @@ _TODOS = {
 
 
 async def prune_todos(
-    conn: AsyncConnection,
-    *,
-    queue: str,
-    statuses: tuple[str, ...],
-    age: timedelta,
-    cursor: int = 0,
-    ids: Sequence[int] | None = None,
-    limit: int,
-    dry_run: bool = False,
+    conn: AsyncConnection, *, queue: str, statuses: tuple[str, ...], window: Window
 ) -> Batch:
     """One batch of a queue's todo walk: todos in ``statuses`` (terminal
     ones: :data:`DONE_STATUSES` or :data:`FAILED_STATUSES`) last changed more
-    than ``age`` ago, with their ``todo_events``, among the ``limit`` todos
-    after ``cursor`` (or, given ``ids``, of those todos: a re-check of held
-    ones). A dry run counts them."""
+    than ``window.age`` ago, with their ``todo_events``, among the todos the
+    ``window`` examines."""
     if set(statuses) & set(ACTIVE_TODO_STATUSES):
         raise ValueError(f"only terminal todos are pruned, not {sorted(statuses)}")
-    params: dict[str, Any] = {
-        "queue": queue,
-        "statuses": list(statuses),
-        "age": age,
-        "limit": limit,
-        **_FLOORS,
-    }
-    params.update({"cursor": cursor} if ids is None else {"ids": list(ids)})
+    params = {"queue": queue, "statuses": list(statuses), **window.params()}
     with wrap_driver_errors(PruneError, f"queue {queue}: pruning {'/'.join(statuses)} todos"):
-        row = (await conn.execute(_TODOS[(dry_run, ids is not None)], params)).one()
+        row = (await conn.execute(_TODOS[window.statement_key()], params)).one()
     return _batch(row, {"todos": row.todos, "todo_events": row.todo_events})
 
 

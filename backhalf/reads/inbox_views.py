@@ -65,23 +65,27 @@ def columns(model: type[InboxRow] = InboxRow) -> list[sa.ColumnElement[Any]]:
     return [inbox.c[f.name] for f in dataclasses.fields(model)]
 
 
-async def list_rows(
-    conn: AsyncConnection,
-    *,
-    rejected: bool = False,
-    unacked: bool = False,
-    adapter: str | None = None,
-    limit: int = 100,
-) -> list[InboxRow]:
-    """The newest rows first, at most ``limit``."""
+@dataclass(frozen=True, slots=True)
+class InboxQuery:
+    """Which rows a list shows: only rejected ones, only those whose ack is
+    pending, only one adapter's; at most ``limit``."""
+
+    rejected: bool = False
+    unacked: bool = False
+    adapter: str | None = None
+    limit: int = 100
+
+
+async def list_rows(conn: AsyncConnection, wanted: InboxQuery = InboxQuery()) -> list[InboxRow]:
+    """The newest rows first, at most ``wanted.limit``."""
     query = sa.select(*columns())
-    if rejected:
+    if wanted.rejected:
         query = query.where(inbox.c.status == "rejected")
-    if unacked:
+    if wanted.unacked:
         query = query.where(inbox.c.ack_state == "pending")
-    if adapter is not None:
-        query = query.where(inbox.c.adapter == adapter)
-    rows = await conn.execute(query.order_by(inbox.c.id.desc()).limit(limit))
+    if wanted.adapter is not None:
+        query = query.where(inbox.c.adapter == wanted.adapter)
+    rows = await conn.execute(query.order_by(inbox.c.id.desc()).limit(wanted.limit))
     return [InboxRow(*row) for row in rows]
 
 

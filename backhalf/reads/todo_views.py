@@ -84,14 +84,18 @@ def distinct_queues() -> sa.CTE:
     return found.union_all(sa.select(following).where(found.c.queue.isnot(None)))
 
 
-async def list_todos(
-    conn: AsyncConnection,
-    *,
-    queue: str | None = None,
-    status: str | None = None,
-    limit: int = 50,
-    before_id: int | None = None,
-) -> list[TodoRow]:
+@dataclass(frozen=True, slots=True)
+class TodoQuery:
+    """Which todos a list shows (``None``: any), and the page: at most
+    ``limit``, with an id below ``before_id``."""
+
+    queue: str | None = None
+    status: str | None = None
+    limit: int = 50
+    before_id: int | None = None
+
+
+async def list_todos(conn: AsyncConnection, wanted: TodoQuery = TodoQuery()) -> list[TodoRow]:
     """Todos, newest (highest id) first; ``before_id``: only those with a
     lower id (the next page, keyset: no OFFSET walks the pages before it).
 
@@ -102,6 +106,7 @@ async def list_todos(
     once per queue (found by a loose scan) or per status, merged. A filter
     on the primary key alone found rare rows (the failed ones among months
     of done) only after reading every newer todo."""
+    queue, status, limit, before_id = wanted.queue, wanted.status, wanted.limit, wanted.before_id
     columns = _columns()
     newer_than_page = [todos.c.id < before_id] if before_id is not None else []
     # With the queue and status fixed, ordering by them too is the same

@@ -16,6 +16,7 @@ derived key of its own (``backhalf.writes.keys.reused_key``): trace it by that k
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -133,16 +134,6 @@ async def trails(conn: AsyncConnection, inbox_ids: list[int]) -> list[Trail]:
 
 
 async def _event(conn: AsyncConnection, event_id: int) -> EventTrail | None:
-    row = (
-        await conn.execute(
-            sa.select(
-                events.c.id,
-                events.c.family,
-                events.c.trust_mode,
-                events.c.verified,
-                events.c.verify_detail,
-                events.c.received_at,
-            ).where(events.c.id == event_id)
-        )
-    ).first()
+    columns = events.c[tuple(f.name for f in dataclasses.fields(EventTrail))]
+    row = (await conn.execute(sa.select(*columns).where(events.c.id == event_id))).first()
     return None if row is None else EventTrail(*row)

@@ -43,21 +43,10 @@ async def replay(
     pull adapter's, or a webhook's); it is not verified, and its
     ``verify_detail`` names the operator's replay.
     """
-    row = (
-        await conn.execute(
-            sa.select(
-                inbox.c.adapter,
-                inbox.c.idempotency_key,
-                inbox.c.source_message_id,
-                inbox.c.body,
-                inbox.c.body_size,
-                inbox.c.status,
-                inbox.c.error,
-            )
-            .where(inbox.c.id == inbox_id)
-            .with_for_update()
-        )
-    ).first()
+    columns = inbox.c[
+        "adapter", "idempotency_key", "source_message_id", "body", "body_size", "status", "error"
+    ]
+    row = (await conn.execute(sa.select(*columns).where(inbox.c.id == inbox_id).with_for_update())).first()
     if row is None:
         raise ReplayError(f"inbox row {inbox_id} does not exist")
     adapter, key, message_id, body, body_size, status, error = row

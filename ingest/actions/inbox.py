@@ -196,19 +196,10 @@ async def replay_matching(
 # -- reads ------------------------------------------------------------------------
 
 
-async def listed(
-    engine: AsyncEngine,
-    *,
-    rejected: bool = False,
-    unacked: bool = False,
-    adapter: str | None = None,
-    limit: int = 100,
-) -> list[inbox_views.InboxRow]:
-    """Inbox rows, newest first, at most ``limit``."""
+async def listed(engine: AsyncEngine, wanted: inbox_views.InboxQuery) -> list[inbox_views.InboxRow]:
+    """Inbox rows, newest first, at most ``wanted.limit``."""
     async with engine.connect() as conn:
-        return await inbox_views.list_rows(
-            conn, rejected=rejected, unacked=unacked, adapter=adapter, limit=limit
-        )
+        return await inbox_views.list_rows(conn, wanted)
 
 
 async def show(engine: AsyncEngine, inbox_id: int) -> inbox_views.InboxDetail | None:

@@ -10,7 +10,7 @@ then the change and its ``todo_events`` row are written
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -66,13 +66,24 @@ class _KeyTaken(Exception):
 async def retry(engine: AsyncEngine, todo_id: int) -> Retried | Refused:
     """Make a failed or cancelled todo pending again, attempts reset."""
     try:
-        async with engine.begin() as conn:
-            state = await _retry_locked(conn, todo_id)
-    except _Refusal as refusal:
-        return Refused(str(refusal))
+        state = await _changed(engine, todo_id, _retry_locked)
     except _KeyTaken as taken:
         return await _lost_the_key(engine, taken.state)
-    return Retried(todo_id, was=state.status)
+    return state if isinstance(state, Refused) else Retried(todo_id, was=state.status)
+
+
+async def _changed(
+    engine: AsyncEngine,
+    todo_id: int,
+    change: Callable[[AsyncConnection, int], Awaitable[todo_views.TodoRow]],
+) -> todo_views.TodoRow | Refused:
+    """``change`` in a transaction of its own: the todo's state before it, or
+    the refusal it raised (the transaction rolled back)."""
+    try:
+        async with engine.begin() as conn:
+            return await change(conn, todo_id)
+    except _Refusal as refusal:
+        return Refused(str(refusal))
 
 
 async def _retry_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoRow:
@@ -136,12 +147,8 @@ def _violates_active_key(exc: IntegrityError) -> bool:
 
 async def cancel(engine: AsyncEngine, todo_id: int) -> Cancelled | Refused:
     """Cancel a pending, dispatched or running todo."""
-    try:
-        async with engine.begin() as conn:
-            state = await _cancel_locked(conn, todo_id)
-    except _Refusal as refusal:
-        return Refused(str(refusal))
-    return Cancelled(todo_id, was=state.status)
+    state = await _changed(engine, todo_id, _cancel_locked)
+    return state if isinstance(state, Refused) else Cancelled(todo_id, was=state.status)
 
 
 async def _cancel_locked(conn: AsyncConnection, todo_id: int) -> todo_views.TodoRow:
@@ -171,17 +178,10 @@ class Shown:
     waiting: str | None
 
 
-async def listed(
-    engine: AsyncEngine,
-    *,
-    queue: str | None = None,
-    status: str | None = None,
-    limit: int = 50,
-    before_id: int | None = None,
-) -> list[todo_views.TodoRow]:
-    """Todos, newest first, at most ``limit``; ``before_id``: the next page."""
+async def listed(engine: AsyncEngine, wanted: todo_views.TodoQuery) -> list[todo_views.TodoRow]:
+    """Todos, newest first, at most ``wanted.limit``; ``before_id``: the next page."""
     async with engine.connect() as conn:
-        return await todo_views.list_todos(conn, queue=queue, status=status, limit=limit, before_id=before_id)
+        return await todo_views.list_todos(conn, wanted)
 
 
 async def show(engine: AsyncEngine, todo_id: int) -> Shown | None:

@@ -84,7 +84,8 @@ def _list_filters(listing: argparse.ArgumentParser) -> None:
 
 
 async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
-    rows = await todo_actions.listed(engine, queue=args.queue, status=args.status, limit=args.limit)
+    wanted = todo_views.TodoQuery(queue=args.queue, status=args.status, limit=args.limit)
+    rows = await todo_actions.listed(engine, wanted)
     print_listed(rows, as_json=args.json, none="no todos match", table=list_table, json_value=_json_value)
     return EXIT_OK
 

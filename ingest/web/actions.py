@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from backhalf.reads import inbox_views
+from backhalf.reads import inbox_views, todo_views
 from ingest.actions import adapters as adapter_actions
 from ingest.actions import inbox as inbox_actions
 from ingest.actions import todos as todo_actions
@@ -130,13 +130,8 @@ async def todos_bulk(request: Request) -> Response:
         log.info("web_todos_bulk", action=action, asked=len(done), done=sum(o.ok for o in done))
         return console.page(request, "bulk_done.html", what=f"{action} todos", outcomes=done)
     async with console.act("selecting the todos"):
-        rows = await todo_actions.listed(
-            console.engine,
-            queue=queue,
-            status=wanted,
-            limit=BULK_LIMIT + 1,
-            before_id=as_id(_field(request, "before")),
-        )
+        batch = todo_views.TodoQuery(queue, wanted, BULK_LIMIT + 1, as_id(_field(request, "before")))
+        rows = await todo_actions.listed(console.engine, batch)
     listed = [{"row": r, "eligible": _eligible(action, r.status)} for r in rows[:BULK_LIMIT]]
     more = len(rows) > BULK_LIMIT
     return console.page(
@@ -233,10 +228,11 @@ def _replay_filter(request: Request) -> tuple[inbox_views.ReplayFilter, dict[str
 
 
 def routes() -> list[Route]:
-    return [
-        Route("/adapters/{name}/{action}", set_enabled, methods=["POST"]),
-        Route("/todos/{todo_id}/{action}", todo_action, methods=["POST"]),
-        Route("/todos/bulk", todos_bulk, methods=["POST"]),
-        Route("/inbox/replay", replay_bulk, methods=["POST"]),
-        Route("/inbox/{inbox_id}/replay", replay_one, methods=["POST"]),
-    ]
+    forms = {
+        "/adapters/{name}/{action}": set_enabled,
+        "/todos/{todo_id}/{action}": todo_action,
+        "/todos/bulk": todos_bulk,
+        "/inbox/replay": replay_bulk,
+        "/inbox/{inbox_id}/replay": replay_one,
+    }
+    return [Route(path, endpoint, methods=["POST"]) for path, endpoint in forms.items()]

@@ -9,8 +9,9 @@ whole table: a million-row inbox costs a page what ten rows cost.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -81,15 +82,7 @@ def broker_figures(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(k, status.shown(v)) for k, v in report.items() if k not in REPORT_KEYS]
 
 
-async def overview(request: Request) -> Response:
-    return await _overview(request, "overview.html")
-
-
-async def overview_fragment(request: Request) -> Response:
-    return await _overview(request, "_overview_live.html")
-
-
-async def _overview(request: Request, template: str) -> Response:
+async def overview(request: Request, template: str) -> Response:
     console = console_of(request)
     view = await console.overview.get()
     rows = [
@@ -126,15 +119,7 @@ def shown_processes(procs: Sequence[ProcessRow], *, show_all: bool) -> tuple[lis
     return shown, len(procs) - len(shown)
 
 
-async def processes(request: Request) -> Response:
-    return await _processes(request, "processes.html")
-
-
-async def processes_fragment(request: Request) -> Response:
-    return await _processes(request, "_processes_live.html")
-
-
-async def _processes(request: Request, template: str) -> Response:
+async def processes(request: Request, template: str) -> Response:
     console = console_of(request)
     async with console.read("listing the processes") as conn:
         procs = await heartbeats.list_processes(conn)
@@ -267,13 +252,8 @@ async def todos(request: Request) -> Response:
     more = False
     if problem is None:
         async with console.act("listing the todos"):
-            got = await todo_actions.listed(
-                console.engine,
-                queue=queue,
-                status=wanted,
-                limit=PAGE_SIZE + 1,
-                before_id=_int_param(request, "before"),
-            )
+            page = todo_views.TodoQuery(queue, wanted, PAGE_SIZE + 1, _int_param(request, "before"))
+            got = await todo_actions.listed(console.engine, page)
         rows, more = got[:PAGE_SIZE], len(got) > PAGE_SIZE
     typed = {"queue": queue or "", "status": wanted or ""}
     next_query = {**{k: v for k, v in typed.items() if v}, "before": str(rows[-1].id)} if more else None
@@ -377,15 +357,18 @@ async def charts(request: Request) -> Response:
 
 
 def routes() -> list[Route]:
-    return [
-        Route("/", overview, methods=["GET"]),
-        Route("/fragments/overview", overview_fragment, methods=["GET"]),
-        Route("/processes", processes, methods=["GET"]),
-        Route("/fragments/processes", processes_fragment, methods=["GET"]),
-        Route("/trace", trail, methods=["GET"]),
-        Route("/inbox", inbox, methods=["GET"]),
-        Route("/inbox/{inbox_id}", inbox_row, methods=["GET"]),
-        Route("/todos", todos, methods=["GET"]),
-        Route("/todos/{todo_id}", todo, methods=["GET"]),
-        Route("/charts", charts, methods=["GET"]),
-    ]
+    # A live page's fragment is the same view in its own template, which the
+    # page's script fetches to refresh itself.
+    pages: dict[str, Callable[[Request], Awaitable[Response]]] = {
+        "/": partial(overview, template="overview.html"),
+        "/fragments/overview": partial(overview, template="_overview_live.html"),
+        "/processes": partial(processes, template="processes.html"),
+        "/fragments/processes": partial(processes, template="_processes_live.html"),
+        "/trace": trail,
+        "/inbox": inbox,
+        "/inbox/{inbox_id}": inbox_row,
+        "/todos": todos,
+        "/todos/{todo_id}": todo,
+        "/charts": charts,
+    }
+    return [Route(path, endpoint, methods=["GET"]) for path, endpoint in pages.items()]

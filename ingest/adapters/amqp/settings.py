@@ -8,18 +8,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
+from ingest.config import transport
 from ingest.config.network import Unencrypted, unencrypted_at
-from ingest.config.transport import (
-    Adapter,
-    Reader,
-    TransportDefinition,
-    ca_file_key,
-    figures_named,
-    options_of,
-    own_keys,
-    refuse_complete,
-    url_from_variable,
-)
 from ingest.config.url_shape import checked_url
 
 NAME = "amqp"
@@ -59,8 +49,8 @@ def url_identity(parts: SplitResult) -> tuple[str, ...]:
     return (parts.hostname or "localhost", str(port), vhost(parts.geturl()))
 
 
-def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
-    return Reader.per_source(
+def _reader(a: transport.Adapter, identity: tuple[str, ...]) -> transport.Reader:
+    return transport.Reader.per_source(
         identity,
         f"AMQP queue {a.source!r}",
         "one adapter per queue (fan-out is an exchange bound to several queues); run more ingesters",
@@ -71,15 +61,17 @@ def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
 class AmqpOptions:
     """An AMQP adapter's own keys (``AdapterConfig.options``)."""
 
-    tls_ca_file: Annotated[str | None, ca_file_key("the server's certificate (an `amqps://` URL)")] = None
+    tls_ca_file: Annotated[
+        str | None, transport.ca_file_key("the server's certificate (an `amqps://` URL)")
+    ] = None
 
 
-def options(adapter: Adapter) -> AmqpOptions:
+def options(adapter: transport.Adapter) -> AmqpOptions:
     """``adapter``'s own keys."""
-    return options_of(adapter, AmqpOptions)
+    return transport.options_of(adapter, AmqpOptions)
 
 
-KEYS = own_keys(NAME, AmqpOptions, "the AMQP (RabbitMQ) adapters (mode `queue`)", "#amqp-rabbitmq")
+KEYS = transport.own_keys(NAME, AmqpOptions, "the AMQP (RabbitMQ) adapters (mode `queue`)", "#amqp-rabbitmq")
 
 
 def plaintext(url: str, own: AmqpOptions | None) -> Unencrypted | None:
@@ -89,10 +81,10 @@ def plaintext(url: str, own: AmqpOptions | None) -> Unencrypted | None:
 
 # The queue's ready messages, and the deliveries this ingester holds
 # unacked (the broker's whole unacked count is not in AMQP).
-_FIGURES = figures_named({"ready": "backlog", "held_here": "in_flight"})
+_FIGURES = transport.figures_named({"ready": "backlog", "held_here": "in_flight"})
 
 
-DEFINITION = TransportDefinition(
+DEFINITION = transport.TransportDefinition(
     name=NAME,
     modes=("queue",),
     keys=KEYS,
@@ -105,11 +97,11 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    **url_from_variable(
+    **transport.url_from_variable(
         "AMQP", URL_VARIABLE, DEFAULT_URL, "AMQP (RabbitMQ) adapters' URL when theirs is not set"
     ),
     rules={
-        "ack_after": refuse_complete(
+        "ack_after": transport.refuse_complete(
             "transport = \"amqp\": the ack would be held on the ingester's channel for the todo's whole"
             " run, where RabbitMQ's consumer_timeout (30 minutes by default) closes the channel and"
             " requeues all it holds, and the held deliveries fill the prefetch and stop consumption;"

@@ -9,20 +9,9 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
+from ingest.config import transport
 from ingest.config.keys import Key, string
 from ingest.config.network import Unencrypted, unencrypted_at
-from ingest.config.transport import (
-    Adapter,
-    Reader,
-    TransportDefinition,
-    Values,
-    ca_file_key,
-    figures_named,
-    options_of,
-    own_keys,
-    refuse_complete,
-    url_from_variable,
-)
 from ingest.config.url_shape import checked_url
 from ingest.config.urls import env_name
 from ingest.errors import ConfigError
@@ -53,7 +42,7 @@ def url_identity(parts: SplitResult) -> tuple[str, ...]:
     return (parts.hostname or "localhost", str(parts.port or DEFAULT_PORT))
 
 
-def _names(label: str, values: Values) -> None:
+def _names(label: str, values: transport.Values) -> None:
     for key in ("source", "group"):
         if not _NAME.fullmatch(values[key]):
             raise ConfigError(
@@ -62,7 +51,7 @@ def _names(label: str, values: Values) -> None:
             )
 
 
-def _credentials(label: str, values: Values) -> dict[str, str | None]:
+def _credentials(label: str, values: transport.Values) -> dict[str, str | None]:
     """A NATS token is a URL's user name without a password (nats-py reads
     it so): ``token_env`` fills that place and excludes the other two."""
     if values.get("token_env") is None:
@@ -72,9 +61,11 @@ def _credentials(label: str, values: Values) -> dict[str, str | None]:
     return {"username_env": values["token_env"], "password_env": None}
 
 
-def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
+def _reader(a: transport.Adapter, identity: tuple[str, ...]) -> transport.Reader:
     group = options(a).group
-    return Reader.per_group(identity, group, f"JetStream stream {a.source!r} with durable consumer {group!r}")
+    return transport.Reader.per_group(
+        identity, group, f"JetStream stream {a.source!r} with durable consumer {group!r}"
+    )
 
 
 # A delivery unacked this long comes again; bounded as SQS's visibility is.
@@ -121,16 +112,19 @@ class NatsOptions:
         str | None, Key(public=False, parse=env_name, doc="the variable holding a NATS auth token")
     ] = None
     tls_ca_file: Annotated[
-        str | None, ca_file_key("the server's certificate (a `tls://` URL, or the server requires it)")
+        str | None,
+        transport.ca_file_key("the server's certificate (a `tls://` URL, or the server requires it)"),
     ] = None
 
 
-def options(adapter: Adapter) -> NatsOptions:
+def options(adapter: transport.Adapter) -> NatsOptions:
     """``adapter``'s own keys."""
-    return options_of(adapter, NatsOptions)
+    return transport.options_of(adapter, NatsOptions)
 
 
-KEYS = own_keys(NAME, NatsOptions, "the NATS JetStream adapters (mode `jetstream`)", "#nats-jetstream")
+KEYS = transport.own_keys(
+    NAME, NatsOptions, "the NATS JetStream adapters (mode `jetstream`)", "#nats-jetstream"
+)
 
 
 def plaintext(url: str, own: NatsOptions | None) -> Unencrypted | None:
@@ -142,7 +136,7 @@ def plaintext(url: str, own: NatsOptions | None) -> Unencrypted | None:
 
 
 # The stream's messages, and the consumer's undelivered, unacked and limit of unacked.
-_FIGURES = figures_named(
+_FIGURES = transport.figures_named(
     {
         "stream_messages": "held",
         "num_pending": "backlog",
@@ -152,7 +146,7 @@ _FIGURES = figures_named(
 )
 
 
-DEFINITION = TransportDefinition(
+DEFINITION = transport.TransportDefinition(
     name=NAME,
     modes=("jetstream",),
     keys=KEYS,
@@ -163,9 +157,11 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    **url_from_variable("NATS", URL_VARIABLE, DEFAULT_URL, "NATS adapters' URL when theirs is not set"),
+    **transport.url_from_variable(
+        "NATS", URL_VARIABLE, DEFAULT_URL, "NATS adapters' URL when theirs is not set"
+    ),
     rules={
-        "ack_after": refuse_complete(
+        "ack_after": transport.refuse_complete(
             'mode = "jetstream": JetStream delivers a message again once it is unacked for ack_wait_ms,'
             " so an ack held for its todo's whole run would bring it back every ack_wait_ms;"
             ' use ack_after = "store"'

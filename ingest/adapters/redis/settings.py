@@ -12,20 +12,9 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
+from ingest.config import transport
 from ingest.config.keys import Key, Section, got
 from ingest.config.network import Unencrypted, unencrypted_at
-from ingest.config.transport import (
-    Adapter,
-    DefaultBroker,
-    Figure,
-    Reader,
-    Sent,
-    TransportDefinition,
-    Values,
-    figures_named,
-    options_of,
-    own_keys,
-)
 from ingest.config.url_shape import checked_url
 from ingest.errors import ConfigError
 
@@ -114,7 +103,7 @@ def list_key_base(source: str, *, cluster: bool = False) -> str:
     return f"{{{source}}}" if cluster and hash_tag(source) is None else source
 
 
-def _pubsub_is_at_most_once(label: str, values: Values) -> None:
+def _pubsub_is_at_most_once(label: str, values: transport.Values) -> None:
     if values["mode"] == "pubsub" and values["delivery"] != "at-most-once":
         raise ConfigError(
             f'{label}: key \'delivery\' must be "at-most-once" for mode = "pubsub": pub/sub has no '
@@ -122,7 +111,7 @@ def _pubsub_is_at_most_once(label: str, values: Values) -> None:
         )
 
 
-def _complete_needs_an_ack(label: str, values: Values) -> None:
+def _complete_needs_an_ack(label: str, values: transport.Values) -> None:
     if values["mode"] == "pubsub" and values["ack_after"] == "complete":
         raise ConfigError(
             f'{label}: key \'ack_after\' = "complete" does not apply to mode = "pubsub": a pub/sub'
@@ -130,7 +119,7 @@ def _complete_needs_an_ack(label: str, values: Values) -> None:
         )
 
 
-def _cluster_source(label: str, values: Values) -> None:
+def _cluster_source(label: str, values: transport.Values) -> None:
     """On a cluster, every key a list adapter derives must hash to the
     list's slot (BLMOVE, the guarded LREM and recovery never span two). A
     name with no hash tag but a '}' (``jobs}``, ``{}jobs``, whose empty
@@ -148,7 +137,7 @@ def _cluster_source(label: str, values: Values) -> None:
         )
 
 
-def _redelivery_horizon(values: Values) -> tuple[int, str]:
+def _redelivery_horizon(values: transport.Values) -> tuple[int, str]:
     """The claim cycle of a stream, the reap cycle of a list; pub/sub never
     redelivers."""
     if values["mode"] == "stream":
@@ -158,20 +147,20 @@ def _redelivery_horizon(values: Values) -> tuple[int, str]:
     return 0, "no redelivery (pub/sub)"
 
 
-def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader | None:
+def _reader(a: transport.Adapter, identity: tuple[str, ...]) -> transport.Reader | None:
     """A stream is read once per group (fan-out is distinct groups); a list
     once; pub/sub delivers every message to every subscriber."""
     if a.mode == "stream":
         group = options(a).group
-        return Reader.per_group(identity, group, f"stream {a.source!r} with group {group!r}")
+        return transport.Reader.per_group(identity, group, f"stream {a.source!r} with group {group!r}")
     if a.mode == "list":
-        return Reader.per_source(
+        return transport.Reader.per_source(
             identity, f"list {a.source!r}", "one adapter per list; run more ingesters for more consumers"
         )
     return None
 
 
-def _list_keys_apart(adapters: Sequence[Adapter]) -> None:
+def _list_keys_apart(adapters: Sequence[transport.Adapter]) -> None:
     """Two lists of one broker whose derived keys would be the same (on a
     cluster, ``jobs`` wraps into ``{jobs}``, the very name of the list
     ``{jobs}``): their consumers would move onto one processing list, and
@@ -179,7 +168,7 @@ def _list_keys_apart(adapters: Sequence[Adapter]) -> None:
     the lists themselves stay apart by the one-reader check. A cluster is
     known by its ``url``: two adapters naming two of its nodes are not
     compared."""
-    bases: dict[tuple[str, ...], Adapter] = {}
+    bases: dict[tuple[str, ...], transport.Adapter] = {}
     for a in adapters:
         if a.mode != "list":
             continue
@@ -194,14 +183,14 @@ def _list_keys_apart(adapters: Sequence[Adapter]) -> None:
             )
 
 
-def _table_defaults(raw: Values, default: DefaultBroker) -> dict[str, Any]:
+def _table_defaults(raw: transport.Values, default: transport.DefaultBroker) -> dict[str, Any]:
     """``[redis] cluster`` describes ``[redis] url``: an adapter with a url
     of its own says itself whether that is a cluster (a default of its own
     key ``cluster``)."""
     return {"cluster": default.cluster and "url" not in raw}
 
 
-def _default_url(env: Mapping[str, str], default: DefaultBroker) -> str:
+def _default_url(env: Mapping[str, str], default: transport.DefaultBroker) -> str:
     return default.url
 
 
@@ -271,12 +260,12 @@ class RedisOptions:
     reap_interval_ms: Annotated[int, Key(LIST, doc="how often dead consumers' lists are checked")] = 5_000
 
 
-def options(adapter: Adapter) -> RedisOptions:
+def options(adapter: transport.Adapter) -> RedisOptions:
     """``adapter``'s own keys."""
-    return options_of(adapter, RedisOptions)
+    return transport.options_of(adapter, RedisOptions)
 
 
-KEYS = own_keys(NAME, RedisOptions, "the Redis adapters (`stream`, `list` and `pubsub` modes)")
+KEYS = transport.own_keys(NAME, RedisOptions, "the Redis adapters (`stream`, `list` and `pubsub` modes)")
 
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -315,7 +304,7 @@ def plaintext(url: str, own: RedisOptions | None) -> Unencrypted | None:
 ENTRY_ID = re.compile(r"^([0-9]+)-([0-9]+)$")
 
 
-def _sent(mode: str | None, ack_kind: str | None, message_id: str | None) -> Sent | None:
+def _sent(mode: str | None, ack_kind: str | None, message_id: str | None) -> transport.Sent | None:
     """A stream entry id is ``<ms>-<seq>``, the milliseconds being Redis's
     clock when the producer's XADD ran; a list or pub/sub message has no id
     that is a time."""
@@ -328,15 +317,15 @@ def _sent(mode: str | None, ack_kind: str | None, message_id: str | None) -> Sen
         at = datetime.fromtimestamp(int(match.group(1)) / 1000, UTC)
     except (OverflowError, ValueError, OSError):  # an explicit id far beyond any clock
         return None
-    return Sent(at, f"XADD {message_id} (the entry id's time, on Redis's clock)", "xadd")
+    return transport.Sent(at, f"XADD {message_id} (the entry id's time, on Redis's clock)", "xadd")
 
 
-_NAMED_FIGURES = figures_named(
+_NAMED_FIGURES = transport.figures_named(
     {"stream_length": "held", "lag": "backlog", "broker_pending": "in_flight", "list_length": "list_backlog"}
 )
 
 
-def _figures(described: Values) -> dict[Figure, float]:
+def _figures(described: transport.Values) -> dict[transport.Figure, float]:
     """A stream's length, lag and PEL; a list's length, and the sum of its
     consumers' processing lists."""
     figures = dict(_NAMED_FIGURES(described))
@@ -347,7 +336,7 @@ def _figures(described: Values) -> dict[Figure, float]:
     return figures
 
 
-DEFINITION = TransportDefinition(
+DEFINITION = transport.TransportDefinition(
     name=NAME,
     modes=("stream", "list", "pubsub"),
     keys=KEYS,

@@ -207,12 +207,7 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
         from before the first start.
         """
         cfg = self._cfg
-        fields = {
-            "adapter": self.name,
-            "stream": cfg.source,
-            "group": self._opts.group,
-            "broker": self.broker,
-        }
+        said = log.bind(adapter=self.name, stream=cfg.source, group=self._opts.group, broker=self.broker)
         start_id = await self._ledger.recorded(self._group, adapter=self.name)
         if start_id is None:
             # A group that exists with nothing on record (someone else's, or
@@ -225,9 +220,8 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
             exists = await self._group_exists()
             unknown = exists or self._group_lost or await self._ledger.stored_before(self.name)
             if unknown:
-                log.warning(
+                said.warning(
                     "group_start_not_recorded",
-                    **fields,
                     start_id=EMPTY_STREAM_START,
                     detail="the group was not created by this Switchboard, or before its start was"
                     " recorded: it is recorded at 0, so a recreation loses nothing (stored entries"
@@ -235,7 +229,7 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
                 )
             start = EMPTY_STREAM_START if unknown else await self._resolved_start()
             start_id = await self._ledger.record(self._group, start, adapter=self.name)
-            log.info("group_start_recorded", **fields, start_id=start_id)
+            said.info("group_start_recorded", start_id=start_id)
             if exists:
                 self._group_lost = False
                 return
@@ -244,7 +238,7 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
             RedisErrorKind.BUSYGROUP, self.name, f"XGROUP CREATE {cfg.source} {self._opts.group}"
         ):
             await self._client.xgroup_create(cfg.source, self._opts.group, id=start_id, mkstream=True)
-            log.info("group_created", **fields, start_id=start_id, recreated=self._group_lost)
+            said.info("group_created", start_id=start_id, recreated=self._group_lost)
         self._group_lost = False
 
     async def _resolved_start(self) -> str:

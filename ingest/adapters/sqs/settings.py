@@ -9,20 +9,9 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
 
+from ingest.config import transport
 from ingest.config.keys import Key, string
 from ingest.config.network import Unencrypted, unencrypted_at
-from ingest.config.transport import (
-    Adapter,
-    Reader,
-    TransportDefinition,
-    Values,
-    ca_file_key,
-    figures_named,
-    options_of,
-    own_keys,
-    refuse_complete,
-    url_from_variable,
-)
 from ingest.config.url_shape import checked_url
 from ingest.errors import ConfigError
 
@@ -64,7 +53,7 @@ def url_identity(parts: SplitResult) -> tuple[str, ...]:
     return (parts.scheme, parts.hostname or "", str(parts.port or ""))
 
 
-def _source(label: str, values: Values) -> None:
+def _source(label: str, values: transport.Values) -> None:
     source = values["source"]
     if "://" in source and not source.startswith(("https://", "http://")):
         raise ConfigError(f"{label}: key 'source' must be a queue name or an http(s):// queue URL")
@@ -80,7 +69,7 @@ def _source(label: str, values: Values) -> None:
         )
 
 
-def _one_endpoint(label: str, values: Values) -> None:
+def _one_endpoint(label: str, values: transport.Values) -> None:
     """A queue URL names its endpoint: a second one in 'url' is either the
     same (said twice) or another (which would the calls go to?)."""
     if (
@@ -94,7 +83,7 @@ def _one_endpoint(label: str, values: Values) -> None:
         )
 
 
-def _credentials(label: str, values: Values) -> dict[str, str | None]:
+def _credentials(label: str, values: transport.Values) -> dict[str, str | None]:
     """None: AWS credentials come from AWS's own chain (environment,
     profile, role)."""
     for key in ("username_env", "password_env"):
@@ -107,14 +96,14 @@ def _credentials(label: str, values: Values) -> dict[str, str | None]:
     return {"username_env": None, "password_env": None}
 
 
-def _located(a: Adapter) -> str:
+def _located(a: transport.Adapter) -> str:
     """A queue URL names its account and region; a queue name, with the
     endpoint and the region."""
     return a.source if "://" in a.source else f"{options(a).region or ''}:{a.source}"
 
 
-def _reader(a: Adapter, identity: tuple[str, ...]) -> Reader:
-    return Reader.per_source(
+def _reader(a: transport.Adapter, identity: tuple[str, ...]) -> transport.Reader:
+    return transport.Reader.per_source(
         identity,
         f"SQS queue {queue_name(a.source)!r}",
         "one adapter per queue (fan-out is SNS to several queues); run more ingesters for more",
@@ -147,15 +136,15 @@ class SqsOptions:
             " the profile)",
         ),
     ] = None
-    tls_ca_file: Annotated[str | None, ca_file_key("an `https://` endpoint's certificate")] = None
+    tls_ca_file: Annotated[str | None, transport.ca_file_key("an `https://` endpoint's certificate")] = None
 
 
-def options(adapter: Adapter) -> SqsOptions:
+def options(adapter: transport.Adapter) -> SqsOptions:
     """``adapter``'s own keys."""
-    return options_of(adapter, SqsOptions)
+    return transport.options_of(adapter, SqsOptions)
 
 
-KEYS = own_keys(NAME, SqsOptions, "the SQS adapters (mode `queue`)", "#sqs")
+KEYS = transport.own_keys(NAME, SqsOptions, "the SQS adapters (mode `queue`)", "#sqs")
 
 
 def plaintext(url: str, own: SqsOptions | None) -> Unencrypted | None:
@@ -165,12 +154,12 @@ def plaintext(url: str, own: SqsOptions | None) -> Unencrypted | None:
 
 
 # Waiting, received and not deleted, and moved to the dead-letter queue unstored.
-_FIGURES = figures_named(
+_FIGURES = transport.figures_named(
     {"visible": "backlog", "in_flight": "in_flight", "dead_letter_messages": "dead_lettered"}
 )
 
 
-DEFINITION = TransportDefinition(
+DEFINITION = transport.TransportDefinition(
     name=NAME,
     modes=("queue",),
     keys=KEYS,
@@ -181,7 +170,7 @@ DEFINITION = TransportDefinition(
     check_url=check_url,
     plaintext=plaintext,
     url_identity=url_identity,
-    **url_from_variable(
+    **transport.url_from_variable(
         "SQS",
         URL_VARIABLE,
         AWS_ENDPOINT,
@@ -189,7 +178,7 @@ DEFINITION = TransportDefinition(
         " (AWS's own endpoint of the region)",
     ),
     rules={
-        "ack_after": refuse_complete(
+        "ack_after": transport.refuse_complete(
             'transport = "sqs": a message not deleted within its visibility timeout (ack_wait_ms) is'
             " received again, so a delete held for its todo's whole run would bring it back every"
             ' ack_wait_ms; use ack_after = "store"'

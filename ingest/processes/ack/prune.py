@@ -242,27 +242,22 @@ class Pruner:
     ) -> retention.Batch:
         walk = unit[0]
         what = f"{walk.owner}: pruning ({walk.kind})"
+        window = retention.Window(
+            age=walk.age, limit=self.batch_size, cursor=cursor, ids=ids, dry_run=dry_run
+        )
         async with within_deadline(self.engine.begin(), self.deadline_ms, what) as conn:
             if walk.kind in ("acked", "rejected"):
                 return await retention.prune_inbox(
                     conn,
                     adapters=[w.name for w in unit],
                     status="stored" if walk.kind == "acked" else "rejected",
-                    age=walk.age,
-                    cursor=cursor,
-                    ids=ids,
-                    limit=self.batch_size,
-                    dry_run=dry_run,
+                    window=window,
                 )
             batch = await retention.prune_todos(
                 conn,
                 queue=walk.name,
                 statuses=retention.DONE_STATUSES if walk.kind == "done" else retention.FAILED_STATUSES,
-                age=walk.age,
-                cursor=cursor,
-                ids=ids,
-                limit=self.batch_size,
-                dry_run=dry_run,
+                window=window,
             )
             return dataclasses.replace(batch, by_owner={walk.name: batch.deleted})
 

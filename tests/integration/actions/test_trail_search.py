@@ -99,7 +99,7 @@ async def test_a_stored_error_is_shown_redacted_by_every_read_model(engine: Asyn
         shown = [
             (await trail.find(engine, f"inbox:{inbox_id}")).trails[0].todo,
             await todo_views.get_todo(conn, todo_id),
-            *(await todo_views.list_todos(conn, limit=10)),
+            *(await todo_views.list_todos(conn, todo_views.TodoQuery(limit=10))),
             (await attention_views.failed_todos(conn)).newest,
         ]
     errors = [getattr(row, "last_error", None) for row in shown]

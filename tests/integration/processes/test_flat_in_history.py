@@ -148,7 +148,7 @@ def _read(db_url: str, read: Callable[[AsyncConnection], Awaitable[Any]]) -> Cal
 
 
 async def _newest(conn: AsyncConnection) -> todo_views.TodoRow:
-    return (await todo_views.list_todos(conn, limit=1))[0]
+    return (await todo_views.list_todos(conn, todo_views.TodoQuery(limit=1)))[0]
 
 
 async def _trace_newest(conn: AsyncConnection) -> None:
@@ -164,12 +164,12 @@ async def _show_newest(conn: AsyncConnection) -> None:
 
 
 async def _next_page(conn: AsyncConnection) -> None:
-    page = await todo_views.list_todos(conn, limit=50)
-    await todo_views.list_todos(conn, limit=50, before_id=page[-1].id)
+    page = await todo_views.list_todos(conn, todo_views.TodoQuery(limit=50))
+    await todo_views.list_todos(conn, todo_views.TodoQuery(limit=50, before_id=page[-1].id))
 
 
 def _page(queue: str | None, status: str) -> Callable[[AsyncConnection], Awaitable[Any]]:
-    return lambda conn: todo_views.list_todos(conn, queue=queue, status=status, limit=50)
+    return lambda conn: todo_views.list_todos(conn, todo_views.TodoQuery(queue, status, limit=50))
 
 
 READS: dict[str, Callable[[AsyncConnection], Awaitable[Any]]] = {

@@ -196,7 +196,10 @@ async def test_batches_are_bounded_by_rows_examined(db_url: str, engine: AsyncEn
     while True:
         async with engine.begin() as conn:
             batch = await retention.prune_inbox(
-                conn, adapters=["orders"], status="stored", age=7 * DAY, cursor=cursor, limit=10
+                conn,
+                adapters=["orders"],
+                status="stored",
+                window=retention.Window(age=7 * DAY, cursor=cursor, limit=10),
             )
         counts.append((batch.scanned, batch.deleted["inbox"]))
         if batch.scanned < 10:

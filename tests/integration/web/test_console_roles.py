@@ -149,7 +149,7 @@ async def _page_reads(engine: AsyncEngine, settings: Settings, ids: dict[str, in
                 r.id for r in await inbox_views.replay_candidates(conn, inbox_views.ReplayFilter(), limit=51)
             ],
             "inbox row": row and (row.body, row.error),
-            "todos": [t.id for t in await todo_views.list_todos(conn, limit=51)],
+            "todos": [t.id for t in await todo_views.list_todos(conn, todo_views.TodoQuery(limit=51))],
             "todo": todo and (todo.status, todo.payload),
             "history": [(e.from_status, e.to_status) for e in await todo_views.history(conn, ids["todo"])],
             "charts": [(m.adapter, m.consumed, m.rejected) for m in await console_views.recent_minutes(conn)],
