@@ -627,26 +627,25 @@ def bench_end_to_end(rig: Rig, n: int, batch_size: int, run: str) -> tuple[float
     The clock starts once every process is ready (start-up apart, as the
     bare drain's) with the adapter enabled, and stops when every todo is
     done and every entry acked; the CPU is counted over the same span."""
-    workdir, url, r, redis_url, servers = rig.workdir, rig.url, rig.r, rig.redis_url, rig.servers
-    preload(r, n)
-    config_path = e2e_config(workdir, url, redis_url, batch_size, run)
-    acker = start("ack", config_path, workdir / f"{run}-acker.log")
-    ingester = start("ingest", config_path, workdir / f"{run}-ingester.log")
-    worker = SwitchboardProcess("worker", config_path, workdir / f"{run}-worker.log", cwd=ROOT)
-    pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, **servers}
+    preload(rig.r, n)
+    config_path = e2e_config(rig.workdir, rig.url, rig.redis_url, batch_size, run)
+    acker = start("ack", config_path, rig.workdir / f"{run}-acker.log")
+    ingester = start("ingest", config_path, rig.workdir / f"{run}-ingester.log")
+    worker = SwitchboardProcess("worker", config_path, rig.workdir / f"{run}-worker.log", cwd=ROOT)
+    pids = {"workers": worker.pid, "ingester": ingester.pid, "acker": acker.pid, **rig.servers}
     watcher: psycopg.Connection[Any] | None = None
     try:
-        watcher = psycopg.connect(libpq_url(url), autocommit=True)
+        watcher = psycopg.connect(libpq_url(rig.url), autocommit=True)
         watcher.execute("SET enable_seqscan = off")  # it reads the partial indexes, as the table grows
         wait_ready(acker)
         wait_ready(ingester)
         wait_for(lambda: workers_ready(worker), timeout_s=120, what=f"{run}: the workers ready")
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
-        set_enabled(url, True)
+        set_enabled(rig.url, True)
         # Drained: all n stored (and acked); none active: all finished.
         conn = watcher
-        wait_for(lambda: stream_drained(r) and not any_on(conn, ANY_ACTIVE_TODOS), timeout_s=900,
+        wait_for(lambda: stream_drained(rig.r) and not any_on(conn, ANY_ACTIVE_TODOS), timeout_s=900,
                  what="every todo done", interval_s=POLL_S)  # fmt: skip
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
@@ -655,7 +654,7 @@ def bench_end_to_end(rig: Rig, n: int, batch_size: int, run: str) -> tuple[float
             watcher.close()
         for proc in (worker, ingester, acker):
             proc.terminate()
-    done = todos_done(url)
+    done = todos_done(rig.url)
     if done != n:
         raise SystemExit(f"bench: end to end finished with {done} of {n} todos done")
     return n / elapsed, cpu_us

@@ -13,7 +13,8 @@ their ``acked_at``) in a second transaction after the XACK.
 
 The bench starts it, waits for ``ready`` on its stdout (imports done,
 connections open), starts its clock and writes ``go``; the subscribers start
-then. It runs until its stdin closes. Not part of the product: the ``bench``
+then. It runs until its stdin closes, or ends at once with status 3 when a
+batch fails (its error on stderr, the run's log). Not part of the product: the ``bench``
 extra brings faststream.
 """
 
@@ -31,6 +32,9 @@ from bench_peer_sql import LOGGED, MARK_SQL, STORE_SQL
 from faststream import AckPolicy
 from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisBatchStreamMessage
+
+# The exit status of a peer whose batch failed (its log says why).
+EXIT_BATCH_FAILED = 3
 
 
 async def main(argv: list[str] | None = None) -> int:
@@ -59,7 +63,7 @@ async def main(argv: list[str] | None = None) -> int:
         )
 
         def handler(conn: psycopg.AsyncConnection[Any], consumer: str) -> Any:
-            async def handle(msg: RedisBatchStreamMessage) -> None:
+            async def stored(msg: RedisBatchStreamMessage) -> None:
                 ids = [m.decode() for m in msg.raw_message["message_ids"]]
                 bodies = [fields[b"body"] for fields in msg.raw_message["data"]]
                 keys = [f"redis:{args.stream}:{m}" for m in ids]
@@ -72,20 +76,23 @@ async def main(argv: list[str] | None = None) -> int:
                     "stream": args.stream,
                     "group": args.group,
                 }
-                try:
-                    async with conn.transaction():
-                        cur = await conn.execute(store_sql, params)
-                        row = await cur.fetchone()
-                except psycopg.Error:
-                    # A peer that cannot store measures nothing: it ends at
-                    # once (the bench then fails naming its log), rather
-                    # than leave its batch pending for the bench's timeout.
-                    log.exception("the peer's store failed")
-                    os._exit(3)
+                async with conn.transaction():
+                    cur = await conn.execute(store_sql, params)
+                    row = await cur.fetchone()
                 await msg.ack()  # XACK, after the commit
                 if args.bookkeeping and row and row[0]:
                     async with conn.transaction():
                         await conn.execute(MARK_SQL, {"ids": row[0]})
+
+            async def handle(msg: RedisBatchStreamMessage) -> None:
+                try:
+                    await stored(msg)
+                except Exception:
+                    # A peer that cannot store measures nothing: it ends at
+                    # once (the bench then fails naming its log), rather
+                    # than leave its batch pending for the bench's timeout.
+                    log.exception("the peer's batch failed")
+                    os._exit(EXIT_BATCH_FAILED)
 
             return handle
 

@@ -316,21 +316,20 @@ def start_pipeline(
 def bench_switchboard(
     rig: Rig, n: int, batch_size: int, *, metrics: bool = False, run: str = "throughput"
 ) -> tuple[float, dict[str, float], dict[str, float]]:
-    workdir, url, r, redis_url, servers = rig.workdir, rig.url, rig.r, rig.redis_url, rig.servers
-    preload(r, n)
+    preload(rig.r, n)
     ports = (free_port(), free_port()) if metrics else None
-    ingester, acker = start_pipeline(workdir, url, redis_url, batch_size, run, ports)
+    ingester, acker = start_pipeline(rig.workdir, rig.url, rig.redis_url, batch_size, run, ports)
     scraper = Scraper(list(ports or ()))
     try:
-        pids = {"ingester": ingester.pid, "acker": acker.pid, **servers}
+        pids = {"ingester": ingester.pid, "acker": acker.pid, **rig.servers}
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
-        set_enabled(url, True)
-        wait_for(lambda: stream_drained(r), timeout_s=600, what="every entry XACKed", interval_s=POLL_S)
+        set_enabled(rig.url, True)
+        wait_for(lambda: stream_drained(rig.r), timeout_s=600, what="every entry XACKed", interval_s=POLL_S)
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
         # The marks commit just after their XACK; then everything must be there.
-        wait_for(lambda: acked_count(url) == n, timeout_s=30, what="every inbox row marked acked")
+        wait_for(lambda: acked_count(rig.url) == n, timeout_s=30, what="every inbox row marked acked")
         rss = {"ingester": peak_rss_mb(ingester), "acker": peak_rss_mb(acker)}
     finally:
         scraper.close()
@@ -422,39 +421,41 @@ def bench_peer(
     imports and connections, as Switchboard's starts when its adapter is
     enabled; it stops when every entry is XACKed. The bookkeeping peer's
     marks are then waited for, outside the clock, as Switchboard's are."""
-    workdir, url, r, redis_url, servers = rig.workdir, rig.url, rig.r, rig.redis_url, rig.servers
-    preload(r, n)
+    preload(rig.r, n)
     argv = [
-        sys.executable, str(ROOT / "scripts" / "bench_faststream.py"), "--database", libpq_url(url),
-        "--redis", redis_url, "--stream", STREAM, "--group", GROUP, "--subscribers", str(subscribers),
+        sys.executable, str(ROOT / "scripts" / "bench_faststream.py"), "--database", libpq_url(rig.url),
+        "--redis", rig.redis_url, "--stream", STREAM, "--group", GROUP, "--subscribers", str(subscribers),
     ]  # fmt: skip
     if bookkeeping:
         argv.append("--bookkeeping")
-    log = (workdir / f"{run}.log").open("wb")
+    log = (rig.workdir / f"{run}.log").open("wb")
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)  # noqa: S603
     assert proc.stdin is not None
     assert proc.stdout is not None
     try:
         line = proc.stdout.readline()  # bounded: the process dies with an error, closing its stdout
         if line.strip() != b"ready":
-            raise SystemExit(f"bench: the peer {run} did not start (said {line!r}); log in {workdir}")
-        pids = {"peer": proc.pid, **servers}
+            raise SystemExit(f"bench: the peer {run} did not start (said {line!r}); log in {rig.workdir}")
+        pids = {"peer": proc.pid, **rig.servers}
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
 
-        def drained() -> bool:
+        def alive() -> bool:
+            """Raises once the peer has ended: a peer that failed measures nothing."""
             if proc.poll() is not None:
-                raise SystemExit(f"bench: the peer {run} ended (exit {proc.returncode}) with entries"
-                                 f" unacked; its log: {workdir / f'{run}.log'}")  # fmt: skip
-            return stream_drained(r)
+                raise SystemExit(f"bench: the peer {run} ended (exit {proc.returncode}) before its work"
+                                 f" was done; its log: {rig.workdir / f'{run}.log'}")  # fmt: skip
+            return True
 
-        wait_for(drained, timeout_s=600, what=f"{run}: every entry XACKed", interval_s=POLL_S)
+        wait_for(lambda: alive() and stream_drained(rig.r), timeout_s=600, what=f"{run}: every entry XACKed",
+                 interval_s=POLL_S)  # fmt: skip
         elapsed = time.perf_counter() - started
         cpu_us = {name: (tree_cpu_seconds(pid) - cpu_before[name]) / n * 1e6 for name, pid in pids.items()}
         if bookkeeping:
-            wait_for(lambda: acked_count(url) == n, timeout_s=30, what=f"{run}: every inbox row marked acked")
+            wait_for(lambda: alive() and acked_count(rig.url) == n, timeout_s=30,
+                     what=f"{run}: every inbox row marked acked")  # fmt: skip
     finally:
         finish_peer(proc)
         log.close()

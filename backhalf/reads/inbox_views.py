@@ -65,7 +65,7 @@ def columns(model: type[InboxRow] = InboxRow) -> list[sa.ColumnElement[Any]]:
     return [inbox.c[f.name] for f in dataclasses.fields(model)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class InboxQuery:
     """Which rows a list shows: only rejected ones, only those whose ack is
     pending, only one adapter's; at most ``limit``."""

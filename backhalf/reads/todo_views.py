@@ -84,7 +84,7 @@ def distinct_queues() -> sa.CTE:
     return found.union_all(sa.select(following).where(found.c.queue.isnot(None)))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TodoQuery:
     """Which todos a list shows (``None``: any), and the page: at most
     ``limit``, with an id below ``before_id``."""

@@ -77,8 +77,9 @@ async def _changed(
     todo_id: int,
     change: Callable[[AsyncConnection, int], Awaitable[todo_views.TodoRow]],
 ) -> todo_views.TodoRow | Refused:
-    """``change`` in a transaction of its own: the todo's state before it, or
-    the refusal it raised (the transaction rolled back)."""
+    """``change`` in a transaction of its own: the todo's state before the
+    change, or the refusal it raised. Any other exception (a retry's
+    ``_KeyTaken``) rolls the transaction back and propagates."""
     try:
         async with engine.begin() as conn:
             return await change(conn, todo_id)
@@ -179,7 +180,7 @@ class Shown:
 
 
 async def listed(engine: AsyncEngine, wanted: todo_views.TodoQuery) -> list[todo_views.TodoRow]:
-    """Todos, newest first, at most ``wanted.limit``; ``before_id``: the next page."""
+    """Todos, newest first, at most ``wanted.limit``; ``wanted.before_id``: the next page."""
     async with engine.connect() as conn:
         return await todo_views.list_todos(conn, wanted)
 

@@ -147,7 +147,9 @@ def _list_filters(listing: argparse.ArgumentParser) -> None:
 
 
 async def _list(engine: AsyncEngine, args: argparse.Namespace) -> int:
-    wanted = inbox_views.InboxQuery(args.rejected, args.unacked, args.adapter, args.limit)
+    wanted = inbox_views.InboxQuery(
+        rejected=args.rejected, unacked=args.unacked, adapter=args.adapter, limit=args.limit
+    )
     rows = await inbox_actions.listed(engine, wanted)
     print_listed(rows, as_json=args.json, none="no inbox rows match", table=inbox_table)
     return EXIT_OK

@@ -130,7 +130,9 @@ async def todos_bulk(request: Request) -> Response:
         log.info("web_todos_bulk", action=action, asked=len(done), done=sum(o.ok for o in done))
         return console.page(request, "bulk_done.html", what=f"{action} todos", outcomes=done)
     async with console.act("selecting the todos"):
-        batch = todo_views.TodoQuery(queue, wanted, BULK_LIMIT + 1, as_id(_field(request, "before")))
+        batch = todo_views.TodoQuery(
+            queue=queue, status=wanted, limit=BULK_LIMIT + 1, before_id=as_id(_field(request, "before"))
+        )
         rows = await todo_actions.listed(console.engine, batch)
     listed = [{"row": r, "eligible": _eligible(action, r.status)} for r in rows[:BULK_LIMIT]]
     more = len(rows) > BULK_LIMIT

@@ -252,7 +252,9 @@ async def todos(request: Request) -> Response:
     more = False
     if problem is None:
         async with console.act("listing the todos"):
-            page = todo_views.TodoQuery(queue, wanted, PAGE_SIZE + 1, _int_param(request, "before"))
+            page = todo_views.TodoQuery(
+                queue=queue, status=wanted, limit=PAGE_SIZE + 1, before_id=_int_param(request, "before")
+            )
             got = await todo_actions.listed(console.engine, page)
         rows, more = got[:PAGE_SIZE], len(got) > PAGE_SIZE
     typed = {"queue": queue or "", "status": wanted or ""}
@@ -359,16 +361,17 @@ async def charts(request: Request) -> Response:
 def routes() -> list[Route]:
     # A live page's fragment is the same view in its own template, which the
     # page's script fetches to refresh itself.
-    pages: dict[str, Callable[[Request], Awaitable[Response]]] = {
-        "/": partial(overview, template="overview.html"),
-        "/fragments/overview": partial(overview, template="_overview_live.html"),
-        "/processes": partial(processes, template="processes.html"),
-        "/fragments/processes": partial(processes, template="_processes_live.html"),
-        "/trace": trail,
-        "/inbox": inbox,
-        "/inbox/{inbox_id}": inbox_row,
-        "/todos": todos,
-        "/todos/{todo_id}": todo,
-        "/charts": charts,
+    # (named: a partial has no name of its own for the route to take).
+    pages: dict[str, tuple[str, Callable[[Request], Awaitable[Response]]]] = {
+        "/": ("overview", partial(overview, template="overview.html")),
+        "/fragments/overview": ("overview_fragment", partial(overview, template="_overview_live.html")),
+        "/processes": ("processes", partial(processes, template="processes.html")),
+        "/fragments/processes": ("processes_fragment", partial(processes, template="_processes_live.html")),
+        "/trace": ("trail", trail),
+        "/inbox": ("inbox", inbox),
+        "/inbox/{inbox_id}": ("inbox_row", inbox_row),
+        "/todos": ("todos", todos),
+        "/todos/{todo_id}": ("todo", todo),
+        "/charts": ("charts", charts),
     }
-    return [Route(path, endpoint, methods=["GET"]) for path, endpoint in pages.items()]
+    return [Route(path, endpoint, methods=["GET"], name=name) for path, (name, endpoint) in pages.items()]

@@ -196,7 +196,7 @@ class JetStreamAdapter(PullAdapterBase):
 
     async def _ensure_consumer(self, js: JetStreamContext) -> None:
         cfg = self._cfg
-        said = log.bind(adapter=self.name, stream=cfg.source, consumer=self._opts.group, broker=self.broker)
+        bound = log.bind(adapter=self.name, stream=cfg.source, consumer=self._opts.group, broker=self.broker)
         want = _wanted(cfg)
         with nats_errors(self.name, f"consumer {self._opts.group} of stream {cfg.source}"):
             try:
@@ -210,7 +210,7 @@ class JetStreamAdapter(PullAdapterBase):
                 info = await js.consumer_info(cfg.source, self._opts.group)
             except NotFoundError:
                 await js.add_consumer(cfg.source, config=want)
-                said.info(
+                bound.info(
                     "consumer_created",
                     ack_wait_ms=self._opts.ack_wait_ms,
                     max_ack_pending=self._opts.max_ack_pending,
@@ -231,7 +231,7 @@ class JetStreamAdapter(PullAdapterBase):
                 # those change: the rest of its settings stay as they are.
                 update = have.evolve(**{f: getattr(want, f) for f in _CORRECTED})
                 await js.add_consumer(cfg.source, config=update)
-                said.warning("consumer_updated", settings=drift)
+                bound.warning("consumer_updated", settings=drift)
 
     async def read(self, max_count: int) -> list[Delivery]:
         if again := self._batches.take(max_count):

@@ -207,7 +207,7 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
         from before the first start.
         """
         cfg = self._cfg
-        said = log.bind(adapter=self.name, stream=cfg.source, group=self._opts.group, broker=self.broker)
+        bound = log.bind(adapter=self.name, stream=cfg.source, group=self._opts.group, broker=self.broker)
         start_id = await self._ledger.recorded(self._group, adapter=self.name)
         if start_id is None:
             # A group that exists with nothing on record (someone else's, or
@@ -220,7 +220,7 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
             exists = await self._group_exists()
             unknown = exists or self._group_lost or await self._ledger.stored_before(self.name)
             if unknown:
-                said.warning(
+                bound.warning(
                     "group_start_not_recorded",
                     start_id=EMPTY_STREAM_START,
                     detail="the group was not created by this Switchboard, or before its start was"
@@ -229,7 +229,7 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
                 )
             start = EMPTY_STREAM_START if unknown else await self._resolved_start()
             start_id = await self._ledger.record(self._group, start, adapter=self.name)
-            said.info("group_start_recorded", start_id=start_id)
+            bound.info("group_start_recorded", start_id=start_id)
             if exists:
                 self._group_lost = False
                 return
@@ -238,7 +238,7 @@ class StreamAdapter(RedisEndpoint, PullAdapterBase):
             RedisErrorKind.BUSYGROUP, self.name, f"XGROUP CREATE {cfg.source} {self._opts.group}"
         ):
             await self._client.xgroup_create(cfg.source, self._opts.group, id=start_id, mkstream=True)
-            said.info("group_created", start_id=start_id, recreated=self._group_lost)
+            bound.info("group_created", start_id=start_id, recreated=self._group_lost)
         self._group_lost = False
 
     async def _resolved_start(self) -> str:

@@ -169,7 +169,9 @@ async def _next_page(conn: AsyncConnection) -> None:
 
 
 def _page(queue: str | None, status: str) -> Callable[[AsyncConnection], Awaitable[Any]]:
-    return lambda conn: todo_views.list_todos(conn, todo_views.TodoQuery(queue, status, limit=50))
+    return lambda conn: todo_views.list_todos(
+        conn, todo_views.TodoQuery(queue=queue, status=status, limit=50)
+    )
 
 
 READS: dict[str, Callable[[AsyncConnection], Awaitable[Any]]] = {
