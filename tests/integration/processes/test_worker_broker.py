@@ -10,6 +10,7 @@ todos through it end to end. Assertions are on the todos' rows."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from backhalf.lifecycle import todos
 from backhalf.lifecycle.state_writer import StateWriter
 from ingest.config import load
 from ingest.embedded.processes import wait_for
-from ingest.processes.workers.worker import switchboard_broker
+from ingest.processes.workers.worker import SwitchboardMiddleware, switchboard_broker
 from ingest.processes.workers.worker_broker import (
     GIVEN_BACK,
     NOT_RUN,
@@ -371,6 +372,22 @@ def test_the_broker_carries_todos_only(config_path: Path) -> None:
         # A queue of an application's own actor gets a consumer that yields nothing.
         assert next(broker.consume("emails", timeout=10)) is None
     finally:
+        broker.close()
+
+
+def test_a_worker_process_freezes_its_start_up_before_its_threads_run(config_path: Path) -> None:
+    """Out of the collector's reach once the worker boots: left in it, the
+    first full collection walked all of start-up within the first second of
+    work and stopped every thread of the process for 170-200 ms."""
+    gc.unfreeze()  # whatever an in-process test froze before
+    broker = switchboard_broker(load(config_path, os.environ), threads=2)
+    try:
+        (switchboard,) = [m for m in broker.middleware if isinstance(m, SwitchboardMiddleware)]
+        assert gc.get_freeze_count() == 0
+        switchboard.before_worker_boot(broker, None)
+        assert gc.get_freeze_count() > 10_000  # the modules, the config, the broker
+    finally:
+        gc.unfreeze()
         broker.close()
 
 
