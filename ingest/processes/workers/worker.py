@@ -211,7 +211,8 @@ class SwitchboardMiddleware(dramatiq.Middleware):
         # processes (ingest.processes.skeleton). Left in it, the first full
         # collection walked it all within the first second of work and
         # stopped every thread of the process for 170-200 ms: the p99 of
-        # XADD -> done at 500/s (docs/performance.md, "Latency").
+        # XADD -> done at 500/s (docs/performance.md, "Found: the workers'
+        # first full garbage collection").
         gc.freeze()
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
+from dramatiq.worker import ConsumerThread, WorkerThread
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
@@ -29,7 +31,7 @@ from backhalf.lifecycle import todos
 from backhalf.lifecycle.state_writer import StateWriter
 from ingest.config import load
 from ingest.embedded.processes import wait_for
-from ingest.processes.workers.worker import SwitchboardMiddleware, switchboard_broker
+from ingest.processes.workers.worker import switchboard_broker
 from ingest.processes.workers.worker_broker import (
     GIVEN_BACK,
     NOT_RUN,
@@ -375,20 +377,29 @@ def test_the_broker_carries_todos_only(config_path: Path) -> None:
         broker.close()
 
 
-def test_a_worker_process_freezes_its_start_up_before_its_threads_run(config_path: Path) -> None:
-    """Out of the collector's reach once the worker boots: left in it, the
-    first full collection walked all of start-up within the first second of
-    work and stopped every thread of the process for 170-200 ms."""
-    gc.unfreeze()  # whatever an in-process test froze before
+def test_a_worker_process_freezes_its_start_up_before_its_threads_run(
+    config_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up out of the collector's reach once the worker boots, before
+    any of its threads runs: left in it, the first full collection walked it
+    all within the first second of work and stopped every thread of the
+    process for 170-200 ms. (The call is recorded, not made: this test
+    process's own heap stays as it is.)"""
+    threads_at_freeze: list[list[str]] = []
+    monkeypatch.setattr(gc, "freeze", lambda: threads_at_freeze.append(dramatiq_threads()))
     broker = switchboard_broker(load(config_path, os.environ), threads=2)
+    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
+    worker.start()
     try:
-        (switchboard,) = [m for m in broker.middleware if isinstance(m, SwitchboardMiddleware)]
-        assert gc.get_freeze_count() == 0
-        switchboard.before_worker_boot(broker, None)
-        assert gc.get_freeze_count() > 10_000  # the modules, the config, the broker
+        assert len(dramatiq_threads()) >= 3  # its consumer and its two worker threads
     finally:
-        gc.unfreeze()
-        broker.close()
+        worker.stop(timeout=30_000)
+    assert threads_at_freeze == [[]]  # frozen once, before any of them ran
+
+
+def dramatiq_threads() -> list[str]:
+    """The dramatiq worker's and consumer's threads alive in this process."""
+    return sorted(t.name for t in threading.enumerate() if isinstance(t, WorkerThread | ConsumerThread))
 
 
 def test_a_dramatiq_worker_in_this_process_runs_the_todos_through_the_broker(
@@ -406,6 +417,7 @@ def test_a_dramatiq_worker_in_this_process_runs_the_todos_through_the_broker(
             " SELECT 'orders', 'k' || g, CASE g WHEN 1 THEN '{\"fail_times\": 1}'"
             " WHEN 2 THEN '{\"always_fail\": true}' ELSE '{}' END::jsonb FROM generate_series(1, 6) g"
         )
+    monkeypatch.setattr(gc, "freeze", lambda: None)  # this test process's heap stays as it is
     broker = switchboard_broker(load(config_path, os.environ), threads=2)
     assert isinstance(broker, TodoBroker)
     worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
