@@ -133,7 +133,10 @@ async def trails(conn: AsyncConnection, inbox_ids: list[int]) -> list[Trail]:
     return out
 
 
+# The event's columns an EventTrail holds, in its fields' order.
+_EVENT_COLUMNS = tuple(f.name for f in dataclasses.fields(EventTrail))
+
+
 async def _event(conn: AsyncConnection, event_id: int) -> EventTrail | None:
-    columns = events.c[tuple(f.name for f in dataclasses.fields(EventTrail))]
-    row = (await conn.execute(sa.select(*columns).where(events.c.id == event_id))).first()
+    row = (await conn.execute(sa.select(*events.c[_EVENT_COLUMNS]).where(events.c.id == event_id))).first()
     return None if row is None else EventTrail(*row)

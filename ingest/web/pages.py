@@ -360,8 +360,8 @@ async def charts(request: Request) -> Response:
 
 def routes() -> list[Route]:
     # A live page's fragment is the same view in its own template, which the
-    # page's script fetches to refresh itself.
-    # (named: a partial has no name of its own for the route to take).
+    # page's script fetches to refresh itself; each route is named, as a
+    # partial has no name of its own for the route to take.
     pages: dict[str, tuple[str, Callable[[Request], Awaitable[Response]]]] = {
         "/": ("overview", partial(overview, template="overview.html")),
         "/fragments/overview": ("overview_fragment", partial(overview, template="_overview_live.html")),
