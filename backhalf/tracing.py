@@ -280,9 +280,9 @@ def _provider(process: str, env: Mapping[str, str]) -> Any:
     exporters = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()]
     made: list[Any] = []
     if "otlp" in exporters:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from backhalf.otlp_wire import SpanExporter
 
-        made.append(OTLPSpanExporter)
+        made.append(SpanExporter)
     if "console" in exporters:
         made.append(ConsoleSpanExporter)
     named = env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "")
