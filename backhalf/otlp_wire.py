@@ -22,11 +22,15 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import structlog
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode
+
+log = structlog.get_logger(__name__)
 
 # Field tags: (field number << 3) | wire type (0 varint, 1 fixed64, 2 length
 # delimited, 5 fixed32), of opentelemetry/proto/trace/v1/trace.proto and
@@ -57,7 +61,6 @@ _EVENT_ATTRIBUTE = b"\x1a"
 _EVENT_DROPPED_ATTRIBUTES = b"\x20"
 _LINK_TRACE_ID = b"\x0a\x10"
 _LINK_SPAN_ID = b"\x12\x08"
-_LINK_TRACE_STATE = b"\x1a"
 _LINK_ATTRIBUTE = b"\x22"
 _LINK_DROPPED_ATTRIBUTES = b"\x28"
 _LINK_FLAGS = b"\x35"
@@ -106,10 +109,10 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 
 
 def _kept(cache: dict[str, bytes], tag: bytes, text: str) -> bytes:
-    """``text``'s field, written once."""
+    """``text``'s field (none for "", as proto3 writes it), written once."""
     encoded = cache.get(text)
     if encoded is None:
-        encoded = _field(tag, text.encode())
+        encoded = _field(tag, text.encode()) if text else b""
         if len(cache) >= _KEPT_MAX:
             cache.clear()
         cache[text] = encoded
@@ -190,7 +193,7 @@ def _link(link: Any) -> bytes:
         b"".join((
             _LINK_TRACE_ID + context.trace_id.to_bytes(16, "big"),
             _LINK_SPAN_ID + context.span_id.to_bytes(8, "big"),
-            _trace_state(_LINK_TRACE_STATE, context.trace_state),
+            # No trace_state: the SDK's encoder writes none for a link.
             *_attributes(_LINK_ATTRIBUTE, link.attributes),
             _count(_LINK_DROPPED_ATTRIBUTES, link.dropped_attributes),
             _LINK_FLAGS + _FLAGS[bool(context.is_remote)],
@@ -224,7 +227,7 @@ def _span(span: Any) -> bytes:
             _SPAN_SPAN_ID + context.span_id.to_bytes(8, "big"),
             _trace_state(_SPAN_TRACE_STATE, context.trace_state),
             _SPAN_PARENT_SPAN_ID + parent.span_id.to_bytes(8, "big") if parent else b"",
-            _kept(_names, _SPAN_NAME, span.name) if span.name else b"",
+            _kept(_names, _SPAN_NAME, span.name),
             _KINDS[span.kind],
             _times(span.start_time, span.end_time),
             *_attributes(_SPAN_ATTRIBUTE, span.attributes),
@@ -255,10 +258,12 @@ def _sdk_span(span: Any) -> bytes:
     )
 
 
-def _group_ends(span: Any) -> tuple[bytes, bytes, bytes, bytes]:
-    """What the SDK's encoder writes before and after the spans of ``span``'s
-    resource and scope: the resource, the scope, their schema URLs."""
-    resource_spans = encode_spans([span]).resource_spans[0]
+def _ends(resource: Any, scope: Any) -> tuple[bytes, bytes, bytes, bytes]:
+    """What the SDK's encoder writes before and after a group's spans: the
+    resource and its schema URL, the scope and its (taken from its encoding
+    of a bare span of theirs: nothing of a real span's is encoded twice)."""
+    bare = ReadableSpan(name="", context=_BARE, resource=resource, instrumentation_scope=scope)
+    resource_spans = encode_spans([bare]).resource_spans[0]
     scope_spans = resource_spans.scope_spans[0]
     return (
         ResourceSpans(resource=resource_spans.resource).SerializePartialToString(),
@@ -268,12 +273,15 @@ def _group_ends(span: Any) -> tuple[bytes, bytes, bytes, bytes]:
     )
 
 
+_BARE = SpanContext(1, 1, is_remote=False)
+
+
 def encoded(spans: Sequence[Any]) -> bytes:
     """The serialized ``ExportTraceServiceRequest`` of ``spans`` (the SDK's
     ReadableSpans): grouped by resource, then by instrumentation scope, in
-    the order first seen, as the SDK's encoder groups them."""
+    the order first seen, each group's resource and scope the first seen
+    of those equal to it, as the SDK's encoder groups them (dict keys)."""
     groups: dict[Any, dict[Any, list[bytes]]] = {}
-    ends: dict[tuple[Any, Any], tuple[bytes, bytes, bytes, bytes]] = {}
     last_resource = last_scope = bucket = None
     for span in spans:
         resource, scope = span.resource, span.instrumentation_scope or None
@@ -281,8 +289,6 @@ def encoded(spans: Sequence[Any]) -> bytes:
             # A batch's spans share one or a few groups: hashed when it changes.
             bucket = groups.setdefault(resource, {}).setdefault(scope, [])
             last_resource, last_scope = resource, scope
-            if (resource, scope) not in ends:
-                ends[resource, scope] = _group_ends(span)
         try:
             bucket.append(_span(span))
         except Exception:  # noqa: BLE001 - anything it does not write, the SDK writes (or refuses, as it would)
@@ -292,7 +298,7 @@ def encoded(spans: Sequence[Any]) -> bytes:
         resource_head = resource_tail = b""
         scope_fields = []
         for scope, written_spans in scopes.items():
-            resource_head, resource_tail, scope_head, scope_tail = ends[resource, scope]
+            resource_head, resource_tail, scope_head, scope_tail = _ends(resource, scope)
             scope_fields.append(
                 _field(_RESOURCE_SPANS_SCOPE_SPANS, b"".join((scope_head, *written_spans, scope_tail)))
             )
@@ -302,15 +308,14 @@ def encoded(spans: Sequence[Any]) -> bytes:
 
 class SpanExporter(OTLPSpanExporter):
     """The SDK's OTLP/HTTP span exporter (its settings, its HTTP client, its
-    retries and its own metrics), sending :func:`encoded`'s bytes. What this
-    module cannot do (an SDK without the client this relies on, a request
-    over the size limit, a batch that cannot be encoded) goes to the SDK's
-    own ``export``, which then does, logs and counts what it always does."""
+    retries and its own metrics), sending :func:`encoded`'s bytes; its
+    ``export`` step for step, the encoding aside. Without the SDK's parts
+    this relies on, the SDK's own ``export``."""
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
-        # The SDK's client and metrics, private: checked once, so that a
-        # release that moves them is exported the SDK's way, not broken.
+        # The SDK exporter's private parts: checked once, so that a release
+        # that moves them exports the SDK's way, not broken.
         self._wired = (
             callable(getattr(getattr(self, "_client", None), "export", None))
             and callable(getattr(getattr(self, "_metrics", None), "export_operation", None))
@@ -320,18 +325,40 @@ class SpanExporter(OTLPSpanExporter):
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         if self._shutdown or not self._wired:
-            return super().export(spans)
-        try:
-            data = encoded(spans)
-        except Exception:  # noqa: BLE001 - the SDK's encoder says why, and counts it
-            return super().export(spans)
-        if 0 < self._max_request_size < len(data):
-            return super().export(spans)  # dropped, logged and counted by the SDK
+            return super().export(spans)  # a shut-down exporter: the SDK's warning
+        # The encoding inside the SDK's export metrics, as the SDK counts it.
         with self._metrics.export_operation(len(spans)) as result:
-            sent = self._client.export(data)
+            try:
+                data = encoded(spans)
+            except Exception as exc:  # noqa: BLE001 - what the SDK's encoder refused: a failed export, as the SDK's
+                log.warning(
+                    "tracing_failed", step="span encoding", error=f"{type(exc).__name__}: {str(exc)[:200]}"
+                )
+                result.error = exc
+                return SpanExportResult.FAILURE
+            if 0 < self._max_request_size < len(data):
+                log.warning("tracing_failed", step="span export", spans=len(spans),
+                            error=f"the request is {len(data)} bytes, over max_request_size"
+                            f" ({self._max_request_size}): dropped")  # fmt: skip
+                result.error = _TooLarge(f"{len(data)} bytes over max_request_size {self._max_request_size}")
+                return SpanExportResult.FAILURE
+            sent = self._client.export(data)  # retries, backoff and their logs: the SDK's
             if not sent.success:
                 result.error = sent.error
                 if sent.status_code is not None:
                     result.error_attrs = {"http.response.status_code": sent.status_code}
                 return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
+
+
+def _too_large() -> type[Exception]:
+    """The SDK's error for a request over its size limit, as its metrics name
+    it (ValueError if a release moves it)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http._common import RequestPayloadTooLargeError
+    except ImportError:
+        return ValueError
+    return RequestPayloadTooLargeError
+
+
+_TooLarge = _too_large()

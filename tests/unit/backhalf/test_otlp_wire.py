@@ -6,6 +6,7 @@ them with OpenTelemetry's own protobuf classes)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -14,10 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
@@ -112,35 +117,85 @@ scalars = st.one_of(
     st.integers(min_value=-(2**63), max_value=2**63 - 1),
     st.floats(allow_nan=False),
 )
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    name=st.text(max_size=200),
-    kind=st.sampled_from(list(SpanKind)),
-    attributes=st.dictionaries(st.text(min_size=1, max_size=150), scalars, max_size=6),
-    event_attributes=st.dictionaries(st.text(min_size=1, max_size=20), scalars, max_size=3),
-    status=st.sampled_from(
-        [None, Status(StatusCode.OK), Status(StatusCode.ERROR, "boom ✗"), Status(StatusCode.ERROR)]
+keys = st.text(min_size=1, max_size=150)
+trace_states = st.lists(
+    st.tuples(
+        st.from_regex(r"[a-z][a-z0-9_-]{0,8}", fullmatch=True),
+        st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
     ),
-    remote=st.booleans(),
+    max_size=3,
+    unique_by=lambda member: member[0],
 )
-def test_any_spans_scalars_are_written_as_the_sdk_writes_them(
-    name: str,
-    kind: SpanKind,
-    attributes: dict[str, Any],
-    event_attributes: dict[str, Any],
-    status: Status | None,
-    remote: bool,
-) -> None:
-    provider, kept = _provider("orders")
-    parent = _remote_parent() if remote else None
-    span = provider.get_tracer("t").start_span(name, context=parent, kind=kind, attributes=attributes)
-    span.add_event("e", event_attributes)
-    if status is not None:
-        span.set_status(status)
-    span.end()
-    _assert_the_sdks(kept.get_finished_spans())
+ids = st.integers(min_value=1, max_value=2**64 - 1)
+
+
+class _Counting(IdGenerator):
+    """Ids in sequence: a strategy may not draw from ``random``, as the SDK's generator does."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def generate_span_id(self) -> int:
+        return next(self._next)
+
+    def generate_trace_id(self) -> int:
+        return next(self._next)
+
+
+@st.composite
+def spans_made(draw: st.DrawFn) -> list[ReadableSpan]:
+    """A batch as providers make them: one or two resources (two equal ones
+    whose attributes differ in order among them), a few scopes, spans with
+    any scalars, events, links (with trace states), statuses and parents,
+    some over their span limits (dropped counts)."""
+    limits = SpanLimits(max_attributes=draw(st.sampled_from([None, 2])), max_events=2, max_links=2)
+    resources = [Resource({"service.name": "a", "k": "1"}), Resource({"k": "1", "service.name": "a"}),
+                 Resource({"service.name": "b"}, schema_url="https://example.com/s")]  # fmt: skip
+    kept = InMemorySpanExporter()
+    providers = []
+    for resource in draw(st.lists(st.sampled_from(resources), min_size=1, max_size=3)):
+        provider = TracerProvider(resource=resource, span_limits=limits, id_generator=_Counting())
+        provider.add_span_processor(SimpleSpanProcessor(kept))
+        providers.append(provider)
+    for _ in range(draw(st.integers(min_value=1, max_value=5))):
+        provider = draw(st.sampled_from(providers))
+        tracer = provider.get_tracer(
+            draw(st.sampled_from(["s1", "s2"])), draw(st.sampled_from([None, "1.0"]))
+        )
+        parent = None
+        if draw(st.booleans()):
+            state = TraceState(draw(trace_states))
+            remote = draw(st.booleans())
+            context = SpanContext(
+                draw(ids), draw(ids), is_remote=remote, trace_flags=TraceFlags(1), trace_state=state
+            )
+            parent = set_span_in_context(NonRecordingSpan(context))
+        links = []
+        for _ in range(draw(st.integers(min_value=0, max_value=3))):
+            state = TraceState(draw(trace_states))
+            context = SpanContext(draw(ids), draw(ids), is_remote=draw(st.booleans()), trace_state=state)
+            links.append(Link(context, draw(st.dictionaries(keys, scalars, max_size=2))))
+        span = tracer.start_span(
+            draw(st.text(max_size=200)),
+            context=parent,
+            kind=draw(st.sampled_from(list(SpanKind))),
+            attributes=draw(st.dictionaries(keys, scalars, max_size=4)),
+            links=links,
+        )
+        for _ in range(draw(st.integers(min_value=0, max_value=3))):
+            span.add_event(draw(st.text(max_size=20)), draw(st.dictionaries(keys, scalars, max_size=3)))
+        status = draw(st.sampled_from([None, Status(StatusCode.OK), Status(StatusCode.ERROR, "boom ✗"),
+                                       Status(StatusCode.ERROR)]))  # fmt: skip
+        if status is not None:
+            span.set_status(status)
+        span.end()
+    return list(kept.get_finished_spans())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spans=spans_made())
+def test_any_batch_of_scalars_is_written_as_the_sdk_writes_it(spans: list[ReadableSpan]) -> None:
+    _assert_the_sdks(spans)
 
 
 def test_a_nan_attribute_is_written_as_the_sdk_writes_it() -> None:
@@ -190,18 +245,56 @@ def test_without_the_sdks_client_the_sdk_exports(
     assert collector.wait_for(lambda got: len(got) == len(spans), timeout_s=10)
 
 
-def test_a_request_over_the_size_limit_is_dropped_as_the_sdk_drops_it(
-    collector: Collector, exporters: Callable[..., otlp_wire.SpanExporter]
-) -> None:
-    exporter = exporters(collector.endpoint, max_request_size=64)
-    assert exporter.export(_varied_spans()) is SpanExportResult.FAILURE
-    assert collector.exports == 0
+def _sent_and_counted(
+    exporter_class: type[OTLPSpanExporter], endpoint: str, **settings: Any
+) -> tuple[SpanExportResult, dict[tuple[str, frozenset[tuple[str, Any]]], float]]:
+    """What an exporter answers for a batch, and what its own metrics (the
+    SDK's, switched on) then hold: each point's value (a duration's count)."""
+    reader = InMemoryMetricReader()
+    exporter = exporter_class(
+        endpoint=f"{endpoint}/v1/traces", meter_provider=MeterProvider(metric_readers=[reader]), **settings
+    )
+    try:
+        result = exporter.export(_varied_spans())
+    finally:
+        exporter.shutdown()  # type: ignore[no-untyped-call]  # the SDK's, unannotated
+    counted: dict[tuple[str, frozenset[tuple[str, Any]]], float] = {}
+    data = reader.get_metrics_data()
+    for resource_metrics in data.resource_metrics if data is not None else ():
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                for point in metric.data.data_points:
+                    value = point.value if isinstance(point, NumberDataPoint) else point.count
+                    # Each exporter is numbered in its name: the rest must match.
+                    named = {k: v for k, v in (point.attributes or {}).items() if k != "otel.component.name"}
+                    counted[metric.name, frozenset(named.items())] = value
+    return result, counted
 
 
-def test_a_collector_that_refuses_is_a_failed_export(
+@pytest.mark.parametrize(
+    ("path", "settings"),
+    [
+        ("", {}),  # sent
+        ("", {"max_request_size": 64}),  # over the size limit: dropped
+        ("/elsewhere", {"timeout": 2}),  # the collector answers 404
+    ],
+)
+def test_the_exporter_answers_and_counts_as_the_sdks(
+    monkeypatch: pytest.MonkeyPatch, collector: Collector, path: str, settings: dict[str, Any]
+) -> None:
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    ours = _sent_and_counted(otlp_wire.SpanExporter, collector.endpoint + path, **settings)
+    sdks = _sent_and_counted(OTLPSpanExporter, collector.endpoint + path, **settings)
+    assert ours == sdks
+    assert ours[1]  # the metrics were on: the comparison compared something
+    assert collector.exports == (2 if ours[0] is SpanExportResult.SUCCESS else 0)
+
+
+def test_a_shut_down_exporter_sends_nothing(
     collector: Collector, exporters: Callable[..., otlp_wire.SpanExporter]
 ) -> None:
-    exporter = exporters(f"{collector.endpoint}/elsewhere", timeout=2)  # a 404
+    exporter = exporters(collector.endpoint)
+    exporter.shutdown()  # type: ignore[no-untyped-call]  # the SDK's, unannotated
     assert exporter.export(_varied_spans()) is SpanExportResult.FAILURE
     assert collector.exports == 0
 
