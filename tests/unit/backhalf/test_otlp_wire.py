@@ -192,7 +192,7 @@ def spans_made(draw: st.DrawFn) -> list[ReadableSpan]:
     return list(kept.get_finished_spans())
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spans=spans_made())
 def test_any_batch_of_scalars_is_written_as_the_sdk_writes_it(spans: list[ReadableSpan]) -> None:
     _assert_the_sdks(spans)
