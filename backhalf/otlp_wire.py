@@ -2,15 +2,17 @@
 to the wire format (docs/decisions/0040-otlp-span-bytes.md).
 
 The SDK's encoder builds a protobuf message object for each span, each of
-its attributes and each attribute's value, then serializes them: about three
-quarters of a traced no-op run's whole cost in a worker. The spans
-Switchboard makes, and most a handler makes, hold scalar attributes, events
-and links only; those are written here as bytes, in the order and form the
-SDK's encoder writes them, so the request is byte for byte the one it sends
+its attributes and each attribute's value, then serializes them: in a
+traced no-op run, its exporter's thread (nearly all of it encoding) was
+about half of what tracing added to a worker. The spans Switchboard makes,
+and most a handler makes, hold scalar attributes, events and links only;
+those are written here as bytes, in the order and form the SDK's encoder
+writes them, so the request is byte for byte the one it sends
 (``tests/unit/backhalf/test_otlp_wire.py`` holds the two to it). A span
-with anything else (an array or bytes value, an int beyond 64 bits) is
-encoded by the SDK's encoder, alone, and its bytes put in their place; the
-resource and the scope of each group likewise, once per batch.
+with anything else (an array or bytes value, an int beyond 64 bits) is left
+to the SDK's encoder, with its resource's and scopes' ends: one call per
+resource and batch, so each is encoded (and any attribute the SDK refuses
+logged) as often as the SDK's own export does.
 
 Imported only once tracing is on (``backhalf.tracing``): it needs the
 ``[otel]`` extra.
@@ -250,27 +252,43 @@ def _times(start: int | None, end: int | None) -> bytes:
     )
 
 
-def _sdk_span(span: Any) -> bytes:
-    """One span as the SDK's encoder writes it, with its tag and length."""
-    request = encode_spans([span])
-    return _field(
-        _SCOPE_SPANS_SPANS, request.resource_spans[0].scope_spans[0].spans[0].SerializePartialToString()
-    )
+def _unwritten(span: Any) -> Any:
+    """A span :func:`_span` does not write: kept in its place, for the SDK's
+    encoder to write with its group's ends (tests refuse it where every span
+    must be written here)."""
+    return span
 
 
-def _ends(resource: Any, scope: Any) -> tuple[bytes, bytes, bytes, bytes]:
-    """What the SDK's encoder writes before and after a group's spans: the
-    resource and its schema URL, the scope and its (taken from its encoding
-    of a bare span of theirs: nothing of a real span's is encoded twice)."""
-    bare = ReadableSpan(name="", context=_BARE, resource=resource, instrumentation_scope=scope)
-    resource_spans = encode_spans([bare]).resource_spans[0]
-    scope_spans = resource_spans.scope_spans[0]
-    return (
+def _resource_spans(resource: Any, scopes: dict[Any, list[Any]]) -> bytes:
+    """One resource's ``ResourceSpans`` field. Its resource and scopes, and
+    the spans not written here, are the SDK encoder's, from one call per
+    resource and batch: a bare span per scope first (whose ends are taken),
+    then that scope's unwritten spans, in their order (as many encodings of
+    the resource, and as many of its log lines, as the SDK's own)."""
+    bare: list[Any] = []
+    for scope, entries in scopes.items():
+        bare.append(ReadableSpan(name="", context=_BARE, resource=resource, instrumentation_scope=scope))
+        bare.extend(entry for entry in entries if not isinstance(entry, bytes))
+    resource_spans = encode_spans(bare).resource_spans[0]
+    scope_fields = []
+    for (_scope, entries), scope_spans in zip(scopes.items(), resource_spans.scope_spans, strict=True):
+        by_sdk = iter(scope_spans.spans[1:])  # after the bare span, the unwritten, in order
+        written = [
+            entry
+            if isinstance(entry, bytes)
+            else _field(_SCOPE_SPANS_SPANS, next(by_sdk).SerializePartialToString())
+            for entry in entries
+        ]
+        scope_fields.append(_field(_RESOURCE_SPANS_SCOPE_SPANS, b"".join((
+            ScopeSpans(scope=scope_spans.scope).SerializePartialToString(),
+            *written,
+            ScopeSpans(schema_url=scope_spans.schema_url).SerializePartialToString(),
+        ))))  # fmt: skip
+    return _field(_REQUEST_RESOURCE_SPANS, b"".join((
         ResourceSpans(resource=resource_spans.resource).SerializePartialToString(),
+        *scope_fields,
         ResourceSpans(schema_url=resource_spans.schema_url).SerializePartialToString(),
-        ScopeSpans(scope=scope_spans.scope).SerializePartialToString(),
-        ScopeSpans(schema_url=scope_spans.schema_url).SerializePartialToString(),
-    )
+    )))  # fmt: skip
 
 
 _BARE = SpanContext(1, 1, is_remote=False)
@@ -281,7 +299,7 @@ def encoded(spans: Sequence[Any]) -> bytes:
     ReadableSpans): grouped by resource, then by instrumentation scope, in
     the order first seen, each group's resource and scope the first seen
     of those equal to it, as the SDK's encoder groups them (dict keys)."""
-    groups: dict[Any, dict[Any, list[bytes]]] = {}
+    groups: dict[Any, dict[Any, list[Any]]] = {}
     last_resource = last_scope = bucket = None
     for span in spans:
         resource, scope = span.resource, span.instrumentation_scope or None
@@ -292,18 +310,8 @@ def encoded(spans: Sequence[Any]) -> bytes:
         try:
             bucket.append(_span(span))
         except Exception:  # noqa: BLE001 - anything it does not write, the SDK writes (or refuses, as it would)
-            bucket.append(_sdk_span(span))
-    out = []
-    for resource, scopes in groups.items():
-        resource_head = resource_tail = b""
-        scope_fields = []
-        for scope, written_spans in scopes.items():
-            resource_head, resource_tail, scope_head, scope_tail = _ends(resource, scope)
-            scope_fields.append(
-                _field(_RESOURCE_SPANS_SCOPE_SPANS, b"".join((scope_head, *written_spans, scope_tail)))
-            )
-        out.append(_field(_REQUEST_RESOURCE_SPANS, b"".join((resource_head, *scope_fields, resource_tail))))
-    return b"".join(out)
+            bucket.append(_unwritten(span))
+    return b"".join(_resource_spans(resource, scopes) for resource, scopes in groups.items())
 
 
 class SpanExporter(OTLPSpanExporter):

@@ -19,7 +19,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
@@ -195,7 +195,32 @@ def spans_made(draw: st.DrawFn) -> list[ReadableSpan]:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spans=spans_made())
 def test_any_batch_of_scalars_is_written_as_the_sdk_writes_it(spans: list[ReadableSpan]) -> None:
-    _assert_the_sdks(spans)
+    with pytest.MonkeyPatch.context() as patch:  # scalars only: every span written here, none by the SDK
+        patch.setattr(otlp_wire, "_unwritten", _refused)
+        _assert_the_sdks(spans)
+
+
+def _refused(span: ReadableSpan) -> ReadableSpan:
+    raise AssertionError(f"{span.name!r}: left to the SDK's encoder, not written here")
+
+
+def test_what_the_sdk_leaves_out_is_left_out() -> None:
+    """An empty attribute key, span name or event name (a span made by hand:
+    the API refuses an empty key), a link's trace state."""
+    state = TraceState([("rojo", "00f067aa0ba902b7")])
+    span = ReadableSpan(
+        name="",
+        context=SpanContext(TRACE, SPAN, is_remote=False),
+        attributes={"": "v", "k": ""},
+        events=[Event("", {"": 1}, timestamp=5)],
+        links=[Link(SpanContext(TRACE, SPAN + 1, is_remote=True, trace_state=state))],
+        resource=Resource({}),
+        start_time=1,
+        end_time=2,
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(otlp_wire, "_unwritten", _refused)
+        _assert_the_sdks([span])
 
 
 def test_a_nan_attribute_is_written_as_the_sdk_writes_it() -> None:
@@ -311,8 +336,40 @@ def test_tracing_exports_with_this_exporter(monkeypatch: pytest.MonkeyPatch, col
 
 
 def test_switchboards_spans_and_a_handlers_scalars_are_written_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refused(span: ReadableSpan) -> bytes:
-        raise AssertionError(f"{span.name}: encoded by the SDK, not written here")
-
-    monkeypatch.setattr(otlp_wire, "_sdk_span", refused)
+    monkeypatch.setattr(otlp_wire, "_unwritten", _refused)
     _assert_the_sdks(_varied_spans())
+
+
+def test_the_encoding_is_inside_the_sdks_export_metrics(
+    monkeypatch: pytest.MonkeyPatch, collector: Collector
+) -> None:
+    """As the SDK's export counts it: the batch in flight while it is encoded."""
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    reader = InMemoryMetricReader()
+    exporter = otlp_wire.SpanExporter(
+        endpoint=f"{collector.endpoint}/v1/traces", meter_provider=MeterProvider(metric_readers=[reader])
+    )
+    in_flight: list[float] = []
+    encode = otlp_wire.encoded
+
+    def counted_then_encoded(spans: Sequence[ReadableSpan]) -> bytes:
+        data = reader.get_metrics_data()
+        assert data is not None
+        in_flight.extend(
+            point.value
+            for resource_metrics in data.resource_metrics
+            for scope_metrics in resource_metrics.scope_metrics
+            for metric in scope_metrics.metrics
+            if metric.name == "otel.sdk.exporter.span.inflight"
+            for point in metric.data.data_points
+            if isinstance(point, NumberDataPoint)
+        )
+        return encode(spans)
+
+    monkeypatch.setattr(otlp_wire, "encoded", counted_then_encoded)
+    try:
+        spans = _varied_spans()
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+    finally:
+        exporter.shutdown()  # type: ignore[no-untyped-call]  # the SDK's, unannotated
+    assert in_flight == [len(spans)]
