@@ -77,15 +77,16 @@ _DOUBLE_VALUE = struct.Struct("<Bd")  # field 4, fixed64
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200
 _FLAGS = {False: struct.pack("<I", _HAS_IS_REMOTE), True: struct.pack("<I", _HAS_IS_REMOTE | _IS_REMOTE)}
 # The proto's kinds are the API's + 1 (0 is its "unspecified").
-_KINDS = {kind: b"\x30" + bytes((kind.value + 1,)) for kind in SpanKind}
+_KINDS = {kind: _SPAN_KIND + bytes((kind.value + 1,)) for kind in SpanKind}
 # A status without a description: its code alone (none for unset).
 _STATUSES = {
-    code: b"\x7a\x00" if not code.value else b"\x7a\x02\x18" + bytes((code.value,)) for code in StatusCode
+    code: _SPAN_STATUS + (b"\x00" if not code.value else b"\x02" + _STATUS_CODE + bytes((code.value,)))
+    for code in StatusCode
 }
 _INT64 = (-(2**63), 2**63 - 1)
 # Attribute keys and span names recur in every span: their encoded field
-# kept (bounded: a handler could name spans after its data).
-_KEPT_MAX = 4096
+# kept, if short (bounded: a handler could name spans after its data).
+_KEPT_MAX, _KEPT_LONGEST = 4096, 256
 
 
 class _Unusual(Exception):
@@ -115,9 +116,10 @@ def _kept(cache: dict[str, bytes], tag: bytes, text: str) -> bytes:
     encoded = cache.get(text)
     if encoded is None:
         encoded = _field(tag, text.encode()) if text else b""
-        if len(cache) >= _KEPT_MAX:
-            cache.clear()
-        cache[text] = encoded
+        if len(text) <= _KEPT_LONGEST:
+            if len(cache) >= _KEPT_MAX:
+                cache.clear()
+            cache[text] = encoded
     return encoded
 
 
@@ -157,9 +159,11 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]
             text = value.encode()
             size = len(head) + len(text) + 4
             if size < 0x80:  # every varint one byte
+                # KeyValue.value (0x12), its length; AnyValue.string_value (0x0A), its length
                 out.append(tag + _SMALL[size] + head + bytes((0x12, len(text) + 2, 0x0A, len(text))) + text)
                 continue
         elif kind is int and 0 <= value < 0x80 and len(head) + 4 < 0x80:
+            # KeyValue.value (0x12), its length; AnyValue.int_value (0x18), one byte
             out.append(tag + _SMALL[len(head) + 4] + head + bytes((0x12, 2, 0x18, value)))
             continue
         out.append(_field(tag, head + _KEY_VALUE_VALUE + _value(value)))
@@ -210,11 +214,8 @@ def _status(status: Any) -> bytes:
     if not message:
         return _STATUSES[status.status_code]
     code = status.status_code.value
-    return _field(
-        _SPAN_STATUS,
-        (_field(_STATUS_MESSAGE, message.encode()) if message else b"")
-        + (_STATUS_CODE + _varint(code) if code else b""),
-    )
+    code_field = _STATUS_CODE + _varint(code) if code else b""
+    return _field(_SPAN_STATUS, _field(_STATUS_MESSAGE, message.encode()) + code_field)
 
 
 def _span(span: Any) -> bytes:
@@ -339,9 +340,8 @@ class SpanExporter(OTLPSpanExporter):
             try:
                 data = encoded(spans)
             except Exception as exc:  # noqa: BLE001 - what the SDK's encoder refused: a failed export, as the SDK's
-                log.warning(
-                    "tracing_failed", step="span encoding", error=f"{type(exc).__name__}: {str(exc)[:200]}"
-                )
+                # Its type only: the text can hold a handler's attribute values.
+                log.warning("tracing_failed", step="span encoding", error=type(exc).__name__)
                 result.error = exc
                 return SpanExportResult.FAILURE
             if 0 < self._max_request_size < len(data):
