@@ -40,8 +40,8 @@ log = structlog.get_logger(__name__)
 _REQUEST_RESOURCE_SPANS = b"\x0a"
 _RESOURCE_SPANS_SCOPE_SPANS = b"\x12"
 _SCOPE_SPANS_SPANS = b"\x12"
-_SPAN_TRACE_ID = b"\x0a\x10"  # with its length, 16
-_SPAN_SPAN_ID = b"\x12\x08"  # with its length, 8
+_TRACE_ID = b"\x0a\x10"  # a span's and a link's, with its length, 16
+_SPAN_ID = b"\x12\x08"  # a span's and a link's, with its length, 8
 _SPAN_TRACE_STATE = b"\x1a"
 _SPAN_PARENT_SPAN_ID = b"\x22\x08"
 _SPAN_NAME = b"\x2a"
@@ -61,8 +61,6 @@ _EVENT_TIME = b"\x09"
 _EVENT_NAME = b"\x12"
 _EVENT_ATTRIBUTE = b"\x1a"
 _EVENT_DROPPED_ATTRIBUTES = b"\x20"
-_LINK_TRACE_ID = b"\x0a\x10"
-_LINK_SPAN_ID = b"\x12\x08"
 _LINK_ATTRIBUTE = b"\x22"
 _LINK_DROPPED_ATTRIBUTES = b"\x28"
 _LINK_FLAGS = b"\x35"
@@ -192,13 +190,17 @@ def _event(event: Any) -> bytes:
     )  # fmt: skip
 
 
+def _ids(context: SpanContext) -> bytes:
+    """A span's (or a link's: fields 1 and 2 of both) trace id and span id."""
+    return _TRACE_ID + context.trace_id.to_bytes(16, "big") + _SPAN_ID + context.span_id.to_bytes(8, "big")
+
+
 def _link(link: Any) -> bytes:
     context = link.context
     return _field(
         _SPAN_LINK,
         b"".join((
-            _LINK_TRACE_ID + context.trace_id.to_bytes(16, "big"),
-            _LINK_SPAN_ID + context.span_id.to_bytes(8, "big"),
+            _ids(context),
             # No trace_state: the SDK's encoder writes none for a link.
             *_attributes(_LINK_ATTRIBUTE, link.attributes),
             _count(_LINK_DROPPED_ATTRIBUTES, link.dropped_attributes),
@@ -226,8 +228,7 @@ def _span(span: Any) -> bytes:
     return _field(
         _SCOPE_SPANS_SPANS,
         b"".join((
-            _SPAN_TRACE_ID + context.trace_id.to_bytes(16, "big"),
-            _SPAN_SPAN_ID + context.span_id.to_bytes(8, "big"),
+            _ids(context),
             _trace_state(_SPAN_TRACE_STATE, context.trace_state),
             _SPAN_PARENT_SPAN_ID + parent.span_id.to_bytes(8, "big") if parent else b"",
             _kept(_names, _SPAN_NAME, span.name),
