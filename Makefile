@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck wheel-check rabbitmq chromium format bench clean
+.PHONY: install bytecode demo test lint typecheck wheel-check rabbitmq chromium format bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is required (PYTHON=$(PYTHON))"; exit 1; }
@@ -21,7 +21,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-demo: install
+# The sources compiled once, here: every switchboard process (the suite
+# starts about a thousand) otherwise compiles each module it imports from
+# source wherever PYTHONDONTWRITEBYTECODE is set, as on our CI machines:
+# 0.25 s of CPU a start (1.87 -> 1.62 s for the CLI's imports). Incremental:
+# only what changed is compiled again; a module edited since still runs
+# from its source (Python checks the bytecode against it).
+bytecode: install
+	$(BIN)/python -m compileall -q ingest backhalf schema alembic
+
+demo: bytecode
 	$(BIN)/switchboard demo
 
 lint: install
@@ -57,7 +66,7 @@ wheel-check: install
 # beside the unit and integration tests' 5 when the two ran as fixed halves,
 # one core idle for most of it; balanced, the suite takes about half.
 PYTEST := PYTHONDEVMODE=1 $(BIN)/python -m pytest -W error --durations=25
-test: lint typecheck wheel-check rabbitmq chromium
+test: lint typecheck wheel-check rabbitmq chromium bytecode
 	$(PYTEST) -n 2 --dist loadfile tests
 
 # The AMQP tests run on the system's RabbitMQ, started by the suite itself
@@ -104,7 +113,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	@touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) bytecode
 	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
 
 format: install
