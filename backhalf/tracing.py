@@ -176,6 +176,9 @@ class _Tracing:
         self.max_links: int = provider._span_limits.max_links
         self.tracer = provider.get_tracer("switchboard")
         self.propagator = TraceContextTextMapPropagator()
+        from backhalf.run_span import run_spans
+
+        self.run_spans = run_spans(provider, self.tracer)
 
     def root(self) -> Any:
         """An empty context: a span started in it is a root, whatever the
@@ -480,7 +483,9 @@ class Run:
     """The span of one handler run, current while it lasts (its own context
     manager, not the SDK's ``start_as_current_span``: a generator and its
     exception handling cost each run a third more); told its outcome.
-    Nothing escapes it into the run: a tracing step that fails is logged."""
+    Nothing escapes it into the run: a tracing step that fails is logged.
+    The span is ``backhalf.run_span``'s where it can be, else the SDK
+    tracer's."""
 
     def __init__(self, tracing: _Tracing | None, parent: Any, attributes: dict[str, Any]) -> None:
         self._tracing, self._span = tracing, None
@@ -488,10 +493,13 @@ class Run:
         if tracing is None:
             return
         try:
-            kind = tracing.consumer
-            self._span = tracing.tracer.start_span(
-                "switchboard run", context=parent, kind=kind, attributes=attributes
-            )
+            if tracing.run_spans is not None:
+                self._span = tracing.run_spans.start(parent, attributes)
+            if self._span is None:
+                kind = tracing.consumer
+                self._span = tracing.tracer.start_span(
+                    "switchboard run", context=parent, kind=kind, attributes=attributes
+                )
         except Exception as exc:  # noqa: BLE001 - the handler runs traced or not
             _failed("run span", exc)
 
@@ -516,7 +524,9 @@ class Run:
         if self._tracing is None or self._span is None:
             return
         try:
-            self._span.set_attribute("switchboard.run.outcome", outcome)
+            # A lean run span keeps its own attribute unchecked (run_span.RunSpan.keep).
+            keep = getattr(self._span, "keep", self._span.set_attribute)
+            keep("switchboard.run.outcome", outcome)
             if error_type is not None:
                 event = {"exception.type": error_type, "exception.message": error or ""}
                 self._span.add_event("exception", event)
