@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from ingest.cli.running import run_until_stopped
 from ingest.cli.verb import Subparsers, Verb, add_metrics_port
 from ingest.config import Settings
-from ingest.processes.ack.acker import run_acker
 
 
 def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -23,6 +22,8 @@ def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.A
 
 
 def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:
+    from ingest.processes.ack.acker import run_acker  # the acker's modules: this verb's alone
+
     return run_until_stopped("ack", settings, lambda stop: run_acker(settings, stop))
 
 

@@ -10,7 +10,6 @@ from ingest.cli.running import run_until_stopped
 from ingest.cli.verb import Subparsers, Verb, add_metrics_port
 from ingest.config import Settings
 from ingest.errors import ConfigError
-from ingest.processes.pull.ingester import run_ingester
 
 
 def add_parser(verbs: Subparsers, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,6 +34,8 @@ def adjust(settings: Settings, args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace, settings: Settings, env: Mapping[str, str]) -> int:
+    from ingest.processes.pull.ingester import run_ingester  # the ingester's modules: this verb's alone
+
     return run_until_stopped("ingest", settings, lambda stop: run_ingester(settings, stop))
 
 
