@@ -1,7 +1,7 @@
 """Randomized kill -9 chaos, as every transport's chaos test runs it: two
-ingesters and an acker, one of them killed at a random moment each round
-and most often started again, new messages produced halfway; at the end
-every slot running again. The seed is printed (SWITCHBOARD_TEST_SEED
+ingesters and an acker, one of them killed at a random moment of its work
+each round (once it is ready) and most often started again, new messages
+produced halfway; at the end every slot running again. The seed is printed (SWITCHBOARD_TEST_SEED
 replays it)."""
 
 from __future__ import annotations
@@ -37,8 +37,12 @@ def kill9_rounds(
     slots: dict[str, SwitchboardProcess] = {s: procs.start(_verb(s), config, name=s) for s in SLOTS}
     kills = 0
     for round_no in range(rounds):
-        time.sleep(rng.uniform(0.2, 1.2))  # a random moment to strike, not a wait for an outcome
         victim = rng.choice(sorted(slots))
+        # At work, not still importing: a process restarted a round ago takes
+        # seconds to start, and a full run once found most strikes landing
+        # before the victim's first log line, killing nothing that worked.
+        wait_ready(slots[victim])
+        time.sleep(rng.uniform(0.2, 1.2))  # a random moment to strike, not a wait for an outcome
         slots[victim].kill()
         kills += 1
         if round_no == rounds // 2:

@@ -33,7 +33,7 @@ from tests.support.processes import Processes, assert_clean_exit
 
 pytestmark = pytest.mark.system
 PER_STREAM = 500  # twice: 3,000 entries over three streams
-ROUNDS = 6
+ROUNDS = 4
 
 
 @pytest.fixture
