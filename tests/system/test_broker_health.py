@@ -85,8 +85,11 @@ def test_a_refused_broker_login_makes_the_ingester_and_the_acker_failing(
     )
     started: list[SwitchboardProcess] = [ingester]
     wait_for(lambda: _failing_broker(port), timeout_s=30, what="the ingester's /healthz naming the refusal")
-    wait_for(lambda: "FAILING" in _status(config)[1], timeout_s=30, what="status saying FAILING")
-    code, text = _status(config)
+    code, text = wait_for(
+        lambda: result if "FAILING" in (result := _status(config))[1] else None,
+        timeout_s=30,
+        what="status saying FAILING",
+    )
     assert code != EXIT_OK, text
     assert "redis broker at" in text, text
     assert_clean_exit(ingester, ingester.terminate())

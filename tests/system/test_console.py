@@ -19,6 +19,7 @@ import pytest
 import redis
 from playwright.sync_api import Page, expect
 
+from backhalf.housekeeping.heartbeats import HEARTBEAT_TTL_S
 from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
 from ingest.embedded.servers import free_port
 from tests.support.browser import PageProblems
@@ -153,6 +154,15 @@ def test_the_overview_updates_live_and_a_killed_ingester_shows_dead(
     page.goto(url + "/processes")
     page.evaluate("window.__notReloaded = true")
     ingester.kill()  # kill -9: no stop is recorded, the heartbeat just ends
+    ingester.wait(30)
+    # The TTL's 15 s, passed at once: the dead row's clock moved back (as
+    # test_metrics_and_health does); the page still has to see it live.
+    query(
+        db_url,
+        "UPDATE processes SET seen_at = seen_at - make_interval(secs => %(s)s),"
+        " started_at = started_at - make_interval(secs => %(s)s) WHERE pid = %(pid)s AND role = 'ingest'",
+        {"s": HEARTBEAT_TTL_S + 1, "pid": ingester.pid},
+    )
     dead = page.locator(f'[data-testid=process-row][data-role="ingest"][data-pid="{ingester.pid}"]')
     expect(dead).to_have_attribute("data-state", "dead", timeout=20_000)
     assert page.evaluate("window.__notReloaded") is True

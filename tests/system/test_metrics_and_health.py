@@ -231,8 +231,11 @@ def test_status_names_a_dead_ingester_until_a_new_one_replaces_it(
         {"s": HEARTBEAT_TTL_S + 1},
     )
 
-    wait_for(lambda: status_now()[0] == EXIT_UNHEALTHY, timeout_s=40, what="status to see the dead ingester")
-    code, text = status_now()
+    code, text = wait_for(
+        lambda: result if (result := status_now())[0] == EXIT_UNHEALTHY else None,
+        timeout_s=40,
+        what="status to see the dead ingester",
+    )
     assert code == EXIT_UNHEALTHY
     assert "DEAD" in text
     assert f"{STREAM} (stream {STREAM}): UNHEALTHY" in text
