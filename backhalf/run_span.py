@@ -28,6 +28,7 @@ Imported only once tracing is on (``backhalf.tracing``): it needs the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from time import time_ns
 from typing import Any
@@ -89,7 +90,12 @@ class RunSpans:
             return NonRecordingSpan(context)
         span = RunSpan(self, context, parent, parent_context, time_ns(), dict(result.attributes))
         limit = self._limits.max_span_attributes
-        if result.attributes.keys() != attributes.keys() or (limit is not None and len(attributes) >= limit):
+        said = result.attributes
+        if (
+            len(said) != len(attributes)
+            or any(said.get(key) is not value for key, value in attributes.items())
+            or (limit is not None and len(attributes) >= limit)
+        ):
             span.recorded()  # the sampler's own attributes, or no room left: the SDK's span checks them
         return span
 
@@ -107,8 +113,10 @@ class RunSpans:
             "instrumentation_scope": self._scope,
         }
 
-    def _ended(self, span: RunSpan, end_time: int) -> None:
-        self._processor.on_end(ReadableSpan(**self._fields(span), start_time=span._start, end_time=end_time))
+    def _ended(self, span: RunSpan, end_time: int) -> ReadableSpan:
+        readable = ReadableSpan(**self._fields(span), start_time=span._start, end_time=end_time)
+        self._processor.on_end(readable)
+        return readable
 
     def _recorded(self, span: RunSpan) -> Span:
         made = {"sampler": self._sampler, "span_processor": self._processor, "limits": self._limits}
@@ -134,29 +142,57 @@ class RunSpan(trace.Span):
         self._parent_context, self._start, self._attributes = parent_context, start, attributes
         self._sdk: Span | None = None
         self._done = False
+        self._exported: ReadableSpan | None = None
+        # Its state changes (made the SDK's, kept, ended) one thread at a
+        # time: a handler's threads may hold the current span.
+        self._lock = threading.Lock()
 
     def recorded(self) -> trace.Span:
         """The SDK's span this run span is from now on (made at the first
         call); once ended, a span no call changes, as the SDK's."""
-        if self._sdk is None:
-            if self._done:
-                return NonRecordingSpan(self._context)
-            self._sdk = self._spans._recorded(self)
-        return self._sdk
+        sdk = self._sdk
+        if sdk is not None:
+            return sdk
+        with self._lock:
+            if self._sdk is None:
+                if self._done:
+                    return NonRecordingSpan(self._context)
+                self._sdk = self._spans._recorded(self)
+            return self._sdk
 
     def keep(self, key: str, value: str) -> None:
         """Switchboard's own attribute (a valid key and value, room kept for it at the start)."""
-        if self._sdk is not None:
-            self._sdk.set_attribute(key, value)
-        elif not self._done:
-            self._attributes[key] = value
+        with self._lock:
+            if self._sdk is None:
+                if not self._done:
+                    self._attributes[key] = value
+                return
+        self._sdk.set_attribute(key, value)
 
     def end(self, end_time: int | None = None) -> None:
-        if self._sdk is not None:
-            self._sdk.end(end_time)
-        elif not self._done:
+        with self._lock:
+            lean = self._sdk is None and not self._done
             self._done = True
-            self._spans._ended(self, time_ns() if end_time is None else end_time)
+        if lean:
+            self._exported = self._spans._ended(self, time_ns() if end_time is None else end_time)
+        elif self._sdk is not None:
+            self._sdk.end(end_time)
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        # The SDK span's: an escaping error recorded and its status set.
+        if exc_val is not None and self.is_recording():
+            self.recorded().__exit__(exc_type, exc_val, exc_tb)
+        else:
+            self.end()
+
+    def __getattr__(self, name: str) -> Any:
+        # What else the SDK's span has (its ReadableSpan side: name,
+        # attributes, kind, parent, start_time, ...): the SDK span's own, or
+        # the exported copy's once ended.
+        if name.startswith("__") or name in ("_sdk", "_done", "_exported", "_lock"):
+            raise AttributeError(name)
+        source = self._sdk or self._exported or self.recorded()
+        return getattr(source, name)
 
     def get_span_context(self) -> SpanContext:
         return self._context
@@ -206,7 +242,7 @@ def run_spans(provider: Any, tracer: Any) -> RunSpans | None:
         tracer._is_enabled()
         spans._ids.is_trace_id_random()
         counted = not isinstance(tracer._tracer_metrics, NoOpTracerMetrics)
-    except (AttributeError, ImportError) as exc:
+    except Exception as exc:  # noqa: BLE001 - an SDK release without a part used here: the SDK's spans
         log.info("run_spans_by_sdk", reason=f"{type(exc).__name__}: this SDK lacks a part used here")
         return None
     if counted or spans._limits.max_span_attribute_length is not None:

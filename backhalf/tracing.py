@@ -494,7 +494,10 @@ class Run:
             return
         try:
             if tracing.run_spans is not None:
-                self._span = tracing.run_spans.start(parent, attributes)
+                try:
+                    self._span = tracing.run_spans.start(parent, attributes)
+                except Exception as exc:  # noqa: BLE001 - the SDK's tracer makes this one
+                    _failed("run span", exc)
             if self._span is None:
                 kind = tracing.consumer
                 self._span = tracing.tracer.start_span(

@@ -7,7 +7,9 @@ limits that cut values), the SDK's tracer makes the span."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -298,3 +300,177 @@ def test_an_sdk_without_a_part_used_here_makes_every_span(monkeypatch: pytest.Mo
     monkeypatch.undo()
     monkeypatch.delattr(trace.TraceFlags, "RANDOM_TRACE_ID")
     assert run_span.run_spans(provider, tracer) is None
+
+
+# What a handler may do with the current span beyond Switchboard's own calls
+# (a review's findings; each fails on the first version).
+
+
+def _made(provider: TracerProvider, lean: bool = True) -> tracing._Tracing:
+    made = tracing._Tracing(provider)
+    if not lean:
+        made.run_spans = None
+    return made
+
+
+@pytest.fixture
+def traced(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``run(handler, lean, outcome, sampler)``: the exporter and the span
+    the handler saw as current, its provider the global one for the run."""
+    providers: list[TracerProvider] = []
+
+    def run(
+        handler: Any, lean: bool = True, outcome: tuple[Any, ...] = ("done",), sampler: Any = None
+    ) -> Any:
+        exporter = InMemorySpanExporter()
+        kwargs = {"sampler": sampler} if sampler is not None else {}
+        provider = TracerProvider(resource=Resource.create({"service.name": "t"}), **kwargs)
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        providers.append(provider)
+        monkeypatch.setattr(tracing, "_tracing", _made(provider, lean))
+        monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
+        with tracing.run_span(todo_id=41, queue="orders", attempt=2, context=SAMPLED) as r:
+            current = trace.get_current_span()
+            with contextlib.suppress(Exception):  # the handler's failure is the run's, not the test's
+                handler(current)
+            r.ended(*outcome)
+        return exporter, current
+
+    yield run
+    for provider in providers:
+        provider.shutdown()
+
+
+def test_a_run_span_ended_again_is_exported_once(traced: Any) -> None:
+    exporter, current = traced(lambda span: None)
+    current.end()
+    current.end(123)
+    assert len(exporter.get_finished_spans()) == 1  # read after the extra ends, not before
+
+
+def test_a_span_the_handler_ended_is_exported_as_ended(traced: Any) -> None:
+    """Nothing after the end reaches the exported span (its attributes are the exported dict)."""
+    (sdk,) = traced(lambda span: span.end(), lean=False)[0].get_finished_spans()
+    (lean,) = traced(lambda span: span.end())[0].get_finished_spans()
+    assert "switchboard.run.outcome" not in lean.attributes
+    assert dict(lean.attributes) == dict(sdk.attributes)
+
+
+def test_an_explicit_end_time_is_kept(traced: Any) -> None:
+    exporter, _ = traced(lambda span: span.end(end_time=span._start + 5))
+    (span,) = exporter.get_finished_spans()
+    assert span.end_time == span.start_time + 5
+
+
+def test_a_touched_span_ended_is_not_recording(traced: Any) -> None:
+    _, current = traced(lambda span: span.set_attribute("a", 1))
+    assert isinstance(current, run_span.RunSpan)
+    assert current._sdk is not None
+    assert not current.is_recording()
+
+
+def test_a_disabled_tracer_gets_the_sdks_non_recording_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    provider = TracerProvider()
+    made = _made(provider)
+    provider._set_tracer_configurator(tracer_configurator=sdk_trace._disable_tracer_configurator)
+    monkeypatch.setattr(tracing, "_tracing", made)
+    with tracing.run_span(todo_id=1, queue="q", attempt=1, context=SAMPLED):
+        current = trace.get_current_span()
+        assert not isinstance(current, run_span.RunSpan)
+        assert not current.is_recording()
+    provider.shutdown()
+
+
+def test_sdk_metrics_on_leave_every_run_span_to_the_sdk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    provider = TracerProvider()
+    assert run_span.run_spans(provider, provider.get_tracer("switchboard")) is None
+    provider.shutdown()
+
+
+def test_the_current_span_reads_as_the_sdks(traced: Any) -> None:
+    """What a handler may read of the SDK's span: its ReadableSpan properties."""
+    seen: dict[str, Any] = {}
+
+    def handler(span: Any) -> None:
+        seen.update(name=span.name, attributes=dict(span.attributes), kind=span.kind, parent=span.parent)
+
+    traced(handler)
+    assert seen["name"] == "switchboard run"
+    assert seen["attributes"]["messaging.message.id"] == "41"
+
+
+def test_the_current_span_as_a_context_manager_records_the_error(traced: Any) -> None:
+    def handler(span: Any) -> None:
+        with span:
+            raise ValueError("boom")
+
+    (sdk,) = traced(handler, lean=False)[0].get_finished_spans()
+    (lean,) = traced(handler)[0].get_finished_spans()
+    assert [e.name for e in lean.events] == [e.name for e in sdk.events] == ["exception"]
+    assert lean.status.status_code == sdk.status.status_code
+
+
+def test_a_handler_thread_touching_the_span_while_the_run_fails(
+    traced: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler's thread makes the SDK span; a preemption before it is kept
+    (forced here) lets the run's own error event and status go elsewhere."""
+    go, threads = threading.Event(), []
+    made = run_span.RunSpans._recorded
+
+    def recorded(self: Any, span: Any) -> Any:
+        sdk = made(self, span)
+        if threading.current_thread() is not threading.main_thread():
+            go.wait(5)
+        return sdk
+
+    monkeypatch.setattr(run_span.RunSpans, "_recorded", recorded)
+
+    def handler(span: Any) -> None:
+        thread = threading.Thread(target=span.set_attribute, args=("order.id", "o-17"))
+        thread.start()
+        threads.append(thread)
+        raise ValueError("boom")
+
+    original_set_status = run_span.RunSpan.set_status
+
+    def set_status_then_release(self: Any, *args: Any) -> None:  # after Run.ended's event and status
+        original_set_status(self, *args)
+        go.set()
+        threads[0].join()
+
+    outcome = ("retry", "ValueError", "ValueError: boom")
+    monkeypatch.setattr(run_span.RunSpan, "set_status", set_status_then_release)
+    exporter, current = traced(handler, outcome=outcome)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["switchboard.run.outcome"] == "retry"
+    assert span.status.status_code.name == "ERROR"
+    assert span.attributes["order.id"] == "o-17"
+    assert not current.is_recording()
+
+
+class _Rewriting(Sampler):
+    """The same keys, one value the SDK's attribute check converts."""
+
+    def should_sample(
+        self,
+        parent_context: Any,
+        trace_id: int,
+        name: str,
+        kind: Any = None,
+        attributes: Any = None,
+        links: Any = None,
+        trace_state: Any = None,
+    ) -> SamplingResult:
+        refused: Any = {2}  # no attribute value: the SDK's check converts it
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, {**attributes, "switchboard.todo.attempt": refused})
+
+    def get_description(self) -> str:
+        return "rewriting"
+
+
+def test_a_sampler_rewriting_a_value_gets_the_sdks_check(traced: Any) -> None:
+    (sdk,) = traced(lambda span: None, lean=False, sampler=_Rewriting())[0].get_finished_spans()
+    (lean,) = traced(lambda span: None, sampler=_Rewriting())[0].get_finished_spans()
+    assert dict(lean.attributes) == dict(sdk.attributes)
