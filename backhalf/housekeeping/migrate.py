@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,10 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 # alembic is imported where a migration runs, not with this module: every
-# process imports it (its errors and defaults), few migrate.
+# process imports it (its errors and defaults), few migrate. Imported after
+# the logs are set up, its plugins' registration would log a line each at
+# import ("setup plugin ..."): not the operator's business.
+logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
 
 # Where the migrations are found. The design card keeps them in the top-level
 # ``alembic/`` folder; a wheel ships that folder as this package
