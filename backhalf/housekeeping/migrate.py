@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 # alembic is imported where a migration runs, not with this module: every
-# process imports it (its errors and defaults), few migrate. Imported after
+# process imports this module (its errors and defaults), few migrate. Imported after
 # the logs are set up, its plugins' registration would log a line each at
 # import ("setup plugin ..."): not the operator's business.
 logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
