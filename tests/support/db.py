@@ -68,6 +68,11 @@ def acked(db_url: str) -> int:
     return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state = 'acked'"))
 
 
+def unacked(db_url: str) -> int:
+    """Inbox rows whose ack intent is not discharged."""
+    return int(scalar(db_url, "SELECT count(*) FROM inbox WHERE ack_state <> 'acked'"))
+
+
 def insert_todos(url: str, n: int, *, queue: str = "q", status: str = "pending") -> list[int]:
     """``n`` todos of ``queue`` in ``status``, their ids in order."""
     with psycopg.connect(libpq(url), autocommit=True) as conn:

@@ -24,10 +24,10 @@ from ingest.adapters.redis.common import as_text
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.processes import WaitTimedOut, wait_for, wait_ready
 from ingest.embedded.valkey_cluster import ValkeyCluster
-from tests.support.chaos import kill9_rounds, seeded
+from tests.support.chaos import kill9_rounds, seeded, stop_settled
 from tests.support.cluster import cluster_client, owned_cluster
 from tests.support.config import stream_adapter
-from tests.support.db import acked, query, scalar
+from tests.support.db import acked, query, scalar, unacked
 from tests.support.oracle import assert_stored_once
 from tests.support.processes import Processes, assert_clean_exit
 
@@ -86,14 +86,13 @@ def test_stream_chaos_over_three_masters(
     config = make_config(*(on_cluster(cluster, stream_adapter(s, queue="orders")) for s in streams))
     try:
         slots, kills = kill9_rounds(procs, config, rng, ROUNDS, lambda: produce(PER_STREAM))
-        wait_for(
-            lambda: acked(db_url) == len(ids) and pel_total(client, streams) == 0,
-            timeout_s=120,
-            interval_s=0.5,
-            what=f"convergence after {kills} kills (seed {seed})",
-        )
-        for proc in slots.values():
-            assert_clean_exit(proc, proc.terminate())
+
+        def settled() -> bool:
+            return acked(db_url) == len(ids) and pel_total(client, streams) == 0
+
+        what = f"convergence after {kills} kills (seed {seed})"
+        wait_for(settled, timeout_s=120, interval_s=0.5, what=what)
+        stop_settled(slots, settled, what=what)
     finally:
         client.close()
     assert_stored_once(db_url, ids, queue="orders")
@@ -120,25 +119,24 @@ def test_list_chaos_with_its_processing_lists_in_its_slot(
     assert {cluster.node_of(k) for k in processing} == {cluster.node_of("jobs")}
     try:
         slots, kills = kill9_rounds(procs, config, rng, ROUNDS, lambda: produce(600))
-        wait_for(
-            lambda: (
+
+        def settled() -> bool:
+            return (
                 acked(db_url) > 0
                 and client.llen("jobs") == 0
                 and all(client.llen(k) == 0 for k in processing)
                 and {k for (k,) in query(db_url, "SELECT idempotency_key FROM todos")}
                 == {f"redis:jobs:{hashlib.sha256(b).hexdigest()}" for b in sent}
-            ),
-            timeout_s=120,
-            interval_s=0.5,
-            what=f"convergence after {kills} kills (seed {seed})",
-        )
-        for proc in slots.values():
-            assert_clean_exit(proc, proc.terminate())
+            )
+
+        what = f"convergence after {kills} kills (seed {seed})"
+        wait_for(settled, timeout_s=120, interval_s=0.5, what=what)
+        stop_settled(slots, lambda: settled() and unacked(db_url) == 0, what=what)
     finally:
         client.close()
     keys = [k for (k,) in query(db_url, "SELECT idempotency_key FROM todos")]
     assert len(keys) == len(set(keys)) == len(sent)
-    assert query(db_url, "SELECT count(*) FROM inbox WHERE ack_state <> 'acked'")[0][0] == 0
+    assert unacked(db_url) == 0
     procs.assert_no_secret_logged()
 
 
