@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ingest.embedded.processes import SwitchboardProcess, wait_for, wait_ready
-from tests.support.processes import Processes, assert_clean_exit
+from ingest.embedded.processes import SwitchboardProcess, wait_ready
+from tests.support.processes import Processes
 
 SLOTS = ("ingester-1", "ingester-2", "acker-1")
 
@@ -55,24 +55,3 @@ def kill9_rounds(
     for proc in slots.values():
         wait_ready(proc)
     return slots, kills
-
-
-def stop_settled(slots: dict[str, SwitchboardProcess], settled: Callable[[], bool], *, what: str) -> None:
-    """Stop a converged run as an operator would: the ingesters first (each
-    must exit cleanly, its last batch stored), then, once ``settled`` holds
-    again, the acker.
-
-    With the ingesters running, ``settled`` can hold for a moment while one
-    of them still holds a batch it took over from a killed one, entries the
-    acker acked meanwhile. Storing that batch asks their acks again (a
-    redelivered message's intent is re-armed: the broker may hold it again,
-    and a second ack is harmless), so only a check after the last store
-    proves every intent discharged. A CI run once stopped the acker inside
-    that window and found 100 intents pending."""
-    for name, proc in slots.items():
-        if name.startswith("ingester"):
-            assert_clean_exit(proc, proc.terminate())
-    wait_for(settled, timeout_s=60, interval_s=0.2, what=f"{what}, the ingesters stopped")
-    for name, proc in slots.items():
-        if not name.startswith("ingester"):
-            assert_clean_exit(proc, proc.terminate())

@@ -52,10 +52,14 @@ def assert_one_path(steps: list[tuple[str | None, str]]) -> None:
     assert all(prev[1] == step[0] for prev, step in pairwise(steps)), steps
 
 
+def stop_one(proc: SwitchboardProcess) -> None:
+    code = proc.terminate()
+    if proc.verb != "worker":  # dramatiq's own exit and log lines
+        assert_clean_exit(proc, code)
+    else:
+        assert code == 0, proc.raw_log()[-3000:]
+
+
 def stop_all(running: list[SwitchboardProcess]) -> None:
     for proc in running:
-        code = proc.terminate()
-        if proc.verb != "worker":  # dramatiq's own exit and log lines
-            assert_clean_exit(proc, code)
-        else:
-            assert code == 0, proc.raw_log()[-3000:]
+        stop_one(proc)

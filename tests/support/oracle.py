@@ -8,8 +8,8 @@ import hashlib
 import redis
 
 from ingest.embedded.processes import SwitchboardProcess, wait_for
-from tests.support.db import acked, query
-from tests.support.processes import assert_clean_exit
+from tests.support.db import acked, query, unacked
+from tests.support.processes import stop_settled
 from tests.support.streams import xpending
 
 
@@ -79,8 +79,12 @@ def wait_all_acked(
 
 
 def assert_clean_end(db_url: str, redis_url: str, ids: list[str], *running: SwitchboardProcess) -> None:
-    """SIGTERM each process (it must exit 0, clean), then the exactly-once
-    oracle over the ``orders`` stream for the produced entry ids."""
-    for proc in running:
-        assert_clean_exit(proc, proc.terminate())
+    """SIGTERM each process (it must exit 0, clean; the ingesters first, the
+    others once every ack intent is discharged: ``stop_settled``), then the
+    exactly-once oracle over the ``orders`` stream for the produced entry ids."""
+    stop_settled(
+        running,
+        lambda: unacked(db_url) == 0 and xpending(redis_url, "orders") == 0,
+        what="every ack discharged",
+    )
     assert_exactly_once(db_url, redis_url, stream="orders", group="switchboard", produced_ids=ids)

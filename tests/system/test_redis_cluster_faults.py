@@ -24,12 +24,12 @@ from ingest.adapters.redis.common import as_text
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.processes import WaitTimedOut, wait_for, wait_ready
 from ingest.embedded.valkey_cluster import ValkeyCluster
-from tests.support.chaos import kill9_rounds, seeded, stop_settled
+from tests.support.chaos import kill9_rounds, seeded
 from tests.support.cluster import cluster_client, owned_cluster
 from tests.support.config import stream_adapter
 from tests.support.db import acked, query, scalar, unacked
 from tests.support.oracle import assert_stored_once
-from tests.support.processes import Processes, assert_clean_exit
+from tests.support.processes import Processes, assert_clean_exit, stop_settled
 
 pytestmark = pytest.mark.system
 PER_STREAM = 500  # twice: 3,000 entries over three streams
@@ -92,7 +92,7 @@ def test_stream_chaos_over_three_masters(
 
         what = f"convergence after {kills} kills (seed {seed})"
         wait_for(settled, timeout_s=120, interval_s=0.5, what=what)
-        stop_settled(slots, settled, what=what)
+        stop_settled(slots.values(), settled, what=what)
     finally:
         client.close()
     assert_stored_once(db_url, ids, queue="orders")
@@ -131,7 +131,7 @@ def test_list_chaos_with_its_processing_lists_in_its_slot(
 
         what = f"convergence after {kills} kills (seed {seed})"
         wait_for(settled, timeout_s=120, interval_s=0.5, what=what)
-        stop_settled(slots, lambda: settled() and unacked(db_url) == 0, what=what)
+        stop_settled(slots.values(), lambda: settled() and unacked(db_url) == 0, what=what)
     finally:
         client.close()
     keys = [k for (k,) in query(db_url, "SELECT idempotency_key FROM todos")]

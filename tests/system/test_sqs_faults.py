@@ -16,10 +16,10 @@ import pytest
 
 from ingest.embedded.processes import wait_for
 from ingest.embedded.sqs_server import SqsServer
-from tests.support.chaos import kill9_rounds, seeded, stop_settled
+from tests.support.chaos import kill9_rounds, seeded
 from tests.support.db import acked, query
 from tests.support.oracle import assert_stored_once
-from tests.support.processes import Processes
+from tests.support.processes import Processes, stop_settled
 from tests.support.sqs import client, counts, create_queue, owned_sqs, send, use_emulator_credentials
 
 pytestmark = pytest.mark.system
@@ -82,7 +82,7 @@ def test_fifo_groups_keep_their_order_across_kill9(
     slots, kills = kill9_rounds(procs, config, rng, ROUNDS // 2, halfway)
     what = f"convergence after {kills} kills (seed {seed})"
     wait_for(lambda: settled(db_url, sqs, url, len(ids)), timeout_s=120, interval_s=0.5, what=what)
-    stop_settled(slots, lambda: settled(db_url, sqs, url, len(ids)), what=what)
+    stop_settled(slots.values(), lambda: settled(db_url, sqs, url, len(ids)), what=what)
     assert_stored_once(db_url, [f"sqs:orders.fifo:{i}" for i in ids], queue="orders")
     rows = [(json.loads(bytes(b)), at) for b, at in query(db_url, "SELECT body, stored_at FROM inbox")]
     for group in groups:

@@ -30,13 +30,13 @@ from ingest.embedded.processes import wait_for
 from tests.support.amqp import declare_queue, owned_rabbitmq, queue_counts
 from tests.support.amqp import publish as amqp_publish
 from tests.support.amqp_plain import publish_without_ids
-from tests.support.chaos import kill9_rounds, seeded, stop_settled
+from tests.support.chaos import kill9_rounds, seeded
 from tests.support.config import stream_adapter
 from tests.support.db import acked
 from tests.support.nats import consumer_figures, create_stream, owned_nats
 from tests.support.nats import publish as nats_publish
 from tests.support.oracle import assert_stored_once
-from tests.support.processes import Processes, assert_clean_exit
+from tests.support.processes import Processes, assert_clean_exit, stop_settled
 from tests.support.sqs import client, counts, create_queue, owned_sqs, send, use_emulator_credentials
 from tests.support.streams import produce, xpending
 
@@ -281,7 +281,7 @@ def test_random_kill9_of_ingesters_and_acker(
     slots, kills = kill9_rounds(procs, config, rng, broker.rounds, halfway)
     what = f"convergence after {kills} kills (seed {seed})"
     wait_for(lambda: broker.settled(db_url), timeout_s=120, interval_s=0.5, what=what)
-    stop_settled(slots, lambda: broker.settled(db_url), what=what)
+    stop_settled(slots.values(), lambda: broker.settled(db_url), what=what)
     assert_stored_once(db_url, sorted(broker.keys), queue=QUEUE)
     procs.assert_no_secret_logged()
 

@@ -18,7 +18,7 @@ import redis
 
 from ingest.embedded.processes import SwitchboardProcess, wait_for
 from tests.support.config import stream_adapter
-from tests.support.db import query, scalar
+from tests.support.db import acked, query, scalar
 from tests.support.downstream import (
     FAST_RESCUE,
     QUEUE,
@@ -53,7 +53,11 @@ def test_an_entry_becomes_a_todo_that_a_worker_does(
     config = make_config(stream_adapter(STREAM, batch_size=50), queues={STREAM: QUEUE})
     ids = produce_payloads(redis_url, [{"n": i} for i in range(30)])
     running = start_all(procs, config)
-    wait_for(lambda: statuses(db_url) == {"done": 30}, timeout_s=90, what="30 todos done")
+    wait_for(
+        lambda: statuses(db_url) == {"done": 30} and acked(db_url) == len(ids),
+        timeout_s=90,
+        what="30 todos done and their entries acked",
+    )
     stop_all(running)
     assert scalar(db_url, "SELECT count(*) FROM handler_runs WHERE outcome = 'done'") == 30
     assert scalar(db_url, "SELECT count(DISTINCT todo_id) FROM handler_runs") == 30

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 
 import psycopg
@@ -23,6 +22,7 @@ from backhalf.lifecycle import todos
 from backhalf.lifecycle.queues import QueueConfig
 from backhalf.lifecycle.state_writer import StateWriter
 from backhalf.lifecycle.worker import Handler, Runner
+from ingest.embedded.processes import wait_for
 from tests.support.db import claim, insert_todos, libpq, listening, query, scalar
 
 QUEUE = QueueConfig(name="q", handler="x:y", time_limit_ms=60_000, max_attempts=3, min_backoff_ms=10_000,
@@ -79,9 +79,9 @@ def test_a_background_end_is_settled_after_its_commit_even_past_a_held_row(
     with psycopg.connect(libpq(db_url)) as holder:
         holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
         writer.finish(todos.Ending(run, "done", None, "done"), on_settled)
-        time.sleep(0.3)  # the writer answered busy meanwhile and asks again later
+        # The writer is answered busy and asks again later.
+        wait_for(lambda: writer.busy_answers >= 1, timeout_s=10, what="a busy answer")
         assert not done.is_set()
-        assert writer.busy_answers >= 1
         holder.rollback()
     assert done.wait(10)
     assert settled == [True, True]
@@ -335,7 +335,8 @@ def test_close_waits_for_a_background_end_asked_for_again(
     holder = psycopg.connect(libpq(db_url))
     holder.execute("SELECT 1 FROM todos WHERE id = %s FOR UPDATE", (todo_ids[0],))
     writer.finish(todos.Ending(run, "done", None, "done"), outcome.append)
-    time.sleep(0.1)  # answered busy at least once by now: a timer will ask again
+    # Answered busy: a timer will ask again.
+    wait_for(lambda: writer.busy_answers >= 1, timeout_s=10, what="a busy answer")
     threading.Timer(0.5, holder.close).start()  # the lock goes while close() waits
     writer.close()
     assert outcome == [True]
