@@ -83,8 +83,9 @@ def stop_settled(
     again, the others (the acker among them).
 
     With the ingesters running, ``settled`` can hold for a moment while one
-    of them still holds entries the acker acked meanwhile: taken over from
-    a killed ingester, or its own pending entries re-read after a restart.
+    of them still holds entries the acker acked meanwhile: its own pending
+    entries re-read after a restart or a broker or store error (a rewind),
+    or entries taken over from a killed ingester.
     Storing them asks their acks again (a redelivered message's intent is
     re-armed: the broker may hold it again, and a second ack is harmless),
     so only a check after the last store proves every intent discharged. A

@@ -13,7 +13,7 @@ from ingest.embedded.processes import wait_for
 from tests.support.config import stream_adapter
 from tests.support.db import query, scalar, unacked
 from tests.support.oracle import assert_exactly_once, wait_all_acked
-from tests.support.processes import Processes, assert_clean_exit
+from tests.support.processes import Processes, assert_clean_exit, stop_settled
 from tests.support.streams import produce, xpending
 
 pytestmark = pytest.mark.system
@@ -39,9 +39,10 @@ def test_frozen_consumer_entries_claimed_then_its_stale_batch_changes_nothing(
     )
     acker = procs.start("ack", config, name="acker-1")
     other = procs.start("ingest", config, name="ingester-2")
-    wait_all_acked(
-        db_url, redis_url, 300, timeout_s=60, what="the other consumer to claim and store everything"
-    )
+    settled = "the other consumer to claim and store everything"
+    wait_all_acked(db_url, redis_url, 300, timeout_s=60, what=settled)
+    # Stopped, and settled again, so that nothing but the stale batch asks an ack again.
+    stop_settled([other], lambda: unacked(db_url) == 0 and xpending(redis_url, STREAM) == 0, what=settled)
     todos_before = query(db_url, "SELECT id, idempotency_key, status FROM todos ORDER BY id")
     events_before = scalar(db_url, "SELECT count(*) FROM events")
     last_ack = scalar(db_url, "SELECT max(acked_at) FROM inbox")
@@ -64,6 +65,6 @@ def test_frozen_consumer_entries_claimed_then_its_stale_batch_changes_nothing(
     assert again == stale["messages"]
     assert query(db_url, "SELECT id, idempotency_key, status FROM todos ORDER BY id") == todos_before
     assert scalar(db_url, "SELECT count(*) FROM events") == events_before
-    for proc in (frozen, other, acker):
+    for proc in (frozen, acker):
         assert_clean_exit(proc, proc.terminate())
     assert_exactly_once(db_url, redis_url, stream=STREAM, group="switchboard", produced_ids=ids)

@@ -13,9 +13,9 @@ import redis
 
 from ingest.adapters.redis.lists import processing_key
 from ingest.embedded.processes import wait_for
-from tests.support.db import scalar
+from tests.support.db import scalar, unacked
 from tests.support.oracle import assert_list_exactly_once
-from tests.support.processes import Processes, assert_clean_exit
+from tests.support.processes import Processes, stop_settled
 
 pytestmark = pytest.mark.system
 JOBS = "jobs"
@@ -62,8 +62,11 @@ def test_killed_with_items_on_processing_list_then_restarted(
     wait_for(
         lambda: processing_len(redis_url, "ingester-1") == 0, timeout_s=30, what="an empty processing list"
     )
-    assert_clean_exit(restarted, restarted.terminate())
-    assert_clean_exit(acker, acker.terminate())
+    stop_settled(
+        (restarted, acker),
+        lambda: unacked(db_url) == 0 and processing_len(redis_url, "ingester-1") == 0,
+        what="every item stored and removed",
+    )
     assert_list_exactly_once(db_url, redis_url, source=JOBS, bodies=bodies)
 
 
@@ -81,7 +84,10 @@ def test_dead_consumer_not_restarted_is_reaped_by_another(
     wait_for(lambda: acked(db_url) == N, timeout_s=60, what="every item stored and removed")
     wait_for(lambda: processing_len(redis_url, "ingester-1") == 0, timeout_s=30, what="the dead list drained")
     assert survivor.events("processing_list_recovered")
-    assert_clean_exit(survivor, survivor.terminate())
-    assert_clean_exit(acker, acker.terminate())
+    stop_settled(
+        (survivor, acker),
+        lambda: unacked(db_url) == 0 and processing_len(redis_url, "ingester-2") == 0,
+        what="every item stored and removed",
+    )
     assert_list_exactly_once(db_url, redis_url, source=JOBS, bodies=bodies)
     procs.assert_no_secret_logged()

@@ -17,8 +17,8 @@ from ingest.embedded.servers import RedisServer
 from tests.support.config import stream_adapter, write_config
 from tests.support.db import acked, query, scalar
 from tests.support.downstream import QUEUE, statuses, stop_all, trail
-from tests.support.oracle import assert_clean_end, assert_exactly_once, wait_all_acked
-from tests.support.processes import Processes, assert_clean_exit, with_secret_db
+from tests.support.oracle import assert_clean_end, wait_all_acked
+from tests.support.processes import Processes, with_secret_db
 from tests.support.proxy import Proxy, proxy_to
 from tests.support.streams import produce
 
@@ -140,9 +140,7 @@ def test_redis_blackhole_detected_by_timeouts_then_recovered(
             "Timeout" in (e.get("cause") or "") or "Timeout" in e["error"]
             for e in ingester.events("broker_error")
         )
-        assert_clean_exit(ingester, ingester.terminate())
-        assert_clean_exit(acker, acker.terminate())
-    assert_exactly_once(db_url, own_redis.url, stream=STREAM, group="switchboard", produced_ids=ids)
+        assert_clean_end(db_url, own_redis.url, ids, ingester, acker)
 
 
 def test_added_latency_changes_nothing_but_speed(

@@ -29,7 +29,7 @@ from tests.support.cluster import cluster_client, owned_cluster
 from tests.support.config import stream_adapter
 from tests.support.db import acked, query, scalar, unacked
 from tests.support.oracle import assert_stored_once
-from tests.support.processes import Processes, assert_clean_exit, stop_settled
+from tests.support.processes import Processes, stop_settled
 
 pytestmark = pytest.mark.system
 PER_STREAM = 500  # twice: 3,000 entries over three streams
@@ -169,16 +169,14 @@ def test_a_master_failover_mid_run_keeps_what_was_replicated(
             client.close()
             client = cluster_client(cluster)
             produce(400, 400)
-            wait_for(
-                lambda: acked(db_url) == len(ids) and pel_total(client, ["orders"]) == 0,
-                timeout_s=120,
-                interval_s=0.5,
-                what="convergence after the failover",
-            )
+
+            def settled() -> bool:
+                return acked(db_url) == len(ids) and pel_total(client, ["orders"]) == 0
+
+            wait_for(settled, timeout_s=120, interval_s=0.5, what="convergence after the failover")
             assert ingester.alive()
             assert acker.alive()
-            for proc in (ingester, acker):
-                assert_clean_exit(proc, proc.terminate())
+            stop_settled((ingester, acker), settled, what="convergence after the failover")
         finally:
             client.close()
         assert_stored_once(db_url, ids, queue="orders")
@@ -234,8 +232,7 @@ def test_an_xack_lost_in_a_failover_comes_back_as_a_deduplicated_redelivery(
             with contextlib.suppress(WaitTimedOut):
                 wait_for(lambda: state() == (0, 50, 50), timeout_s=60, interval_s=0.5, what="redeliveries")
             assert state() == (0, 50, 50), "(PEL, rows redelivered, rows acked) after the failover"
-            for proc in (ingester, acker):
-                assert_clean_exit(proc, proc.terminate())
+            stop_settled((ingester, acker), lambda: state() == (0, 50, 50), what="redeliveries acked")
         finally:
             client.close()
         assert_stored_once(db_url, ids, queue="orders")

@@ -36,7 +36,7 @@ from tests.support.db import acked
 from tests.support.nats import consumer_figures, create_stream, owned_nats
 from tests.support.nats import publish as nats_publish
 from tests.support.oracle import assert_stored_once
-from tests.support.processes import Processes, assert_clean_exit, stop_settled
+from tests.support.processes import Processes, stop_settled
 from tests.support.sqs import client, counts, create_queue, owned_sqs, send, use_emulator_credentials
 from tests.support.streams import produce, xpending
 
@@ -311,7 +311,6 @@ def test_the_broker_killed_and_started_again_mid_run(
     assert all(e["adapter"] == "orders" and e["retry_in_s"] > 0 for e in errors), errors[:3]
     # Backed off, not a tight loop: the backoff is capped at 1 s here, so few attempts.
     assert len(errors) < 200
-    for proc in (ingester, acker):
-        assert_clean_exit(proc, proc.terminate())
+    stop_settled((ingester, acker), lambda: broker.settled(db_url), what="convergence after the restart")
     assert_stored_once(db_url, sorted(broker.keys), queue=QUEUE)
     procs.assert_no_secret_logged()
