@@ -81,8 +81,12 @@ def test_fifo_groups_keep_their_order_across_kill9(
 
     slots, kills = kill9_rounds(procs, config, rng, ROUNDS // 2, halfway)
     what = f"convergence after {kills} kills (seed {seed})"
-    wait_for(lambda: settled(db_url, sqs, url, len(ids)), timeout_s=120, interval_s=0.5, what=what)
-    stop_settled(slots.values(), lambda: settled(db_url, sqs, url, len(ids)), what=what)
+
+    def converged() -> bool:
+        return settled(db_url, sqs, url, len(ids))
+
+    wait_for(converged, timeout_s=120, interval_s=0.5, what=what)
+    stop_settled(slots.values(), converged, what=what)
     assert_stored_once(db_url, [f"sqs:orders.fifo:{i}" for i in ids], queue="orders")
     rows = [(json.loads(bytes(b)), at) for b, at in query(db_url, "SELECT body, stored_at FROM inbox")]
     for group in groups:

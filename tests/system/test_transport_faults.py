@@ -17,6 +17,7 @@ stays in its own module."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterator
@@ -280,8 +281,9 @@ def test_random_kill9_of_ingesters_and_acker(
 
     slots, kills = kill9_rounds(procs, config, rng, broker.rounds, halfway)
     what = f"convergence after {kills} kills (seed {seed})"
-    wait_for(lambda: broker.settled(db_url), timeout_s=120, interval_s=0.5, what=what)
-    stop_settled(slots.values(), lambda: broker.settled(db_url), what=what)
+    converged = functools.partial(broker.settled, db_url)
+    wait_for(converged, timeout_s=120, interval_s=0.5, what=what)
+    stop_settled(slots.values(), converged, what=what)
     assert_stored_once(db_url, sorted(broker.keys), queue=QUEUE)
     procs.assert_no_secret_logged()
 
